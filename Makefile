@@ -1,0 +1,42 @@
+# The two commands a new user runs: `make run` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU torch by default: on dev/CI machines this exact version is a local CPU wheel, so no
+# multi-GB CUDA build is pulled. Override for a GPU host: make install TORCH_SPEC='torch==2.13.0+cu128'
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install run test test-queue proto bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[test]' "$(TORCH_SPEC)"
+	touch $@
+
+run: install
+	$(BIN)/tokq up
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Queue semantics again against another Redis server binary (CI: Debian's redis-server).
+test-queue: install
+	TOKQ_TEST_REDIS_SERVER=$(REDIS_SERVER) $(BIN)/python -m pytest -q tests/test_queue*.py
+
+proto: install
+	$(BIN)/python -m tokq.v1.generate
+
+bench: install
+	$(BIN)/python -m tokq.profiling.bench_queue
+	$(BIN)/python -m tokq.profiling.bench_runtime
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The tokq gRPC gateway."""

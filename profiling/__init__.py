@@ -1,0 +1,1 @@
+"""Profiling and benchmarks: tokq profile, tokq bench, and the measurement scripts."""

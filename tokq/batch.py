@@ -1,0 +1,62 @@
+"""The packed batch: the only contract between the queue side and the model side.
+
+Token ids of N sequences are concatenated into one flat ``[T]`` array with no padding;
+``cu_seqlens`` (``[0, l1, l1+l2, ..., T]``) marks where each sequence starts, as flash-attn's
+varlen kernels expect. ``handles`` carries whatever the caller needs to answer each sequence
+(queue entries for the worker); the model never looks at it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T], 0-based within each sequence
+    cu_seqlens: np.ndarray  # int32 [N+1]
+    max_seqlen: int
+    normalize: np.ndarray  # bool [N]: L2-normalize this sequence's embedding
+    dimensions: np.ndarray  # int32 [N]: Matryoshka truncation, 0 = full dimension
+    handles: tuple[Any, ...] = field(default=())
+
+    @classmethod
+    def pack(cls, sequences: Sequence[Sequence[int]], *, normalize: bool | Sequence[bool] = True,
+             dimensions: int | Sequence[int] = 0, handles: Sequence[Any] = ()) -> PackedBatch:
+        if not sequences:
+            raise ValueError("a batch needs at least one sequence")
+        seqs = [np.asarray(s, dtype=np.int64) for s in sequences]
+        lens = np.fromiter((s.size for s in seqs), dtype=np.int32, count=len(seqs))
+        if (lens == 0).any():
+            raise ValueError("empty sequence in batch")
+        cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(lens, out=cu[1:])
+        # positions: 0..len-1 within each sequence, built without a Python loop
+        positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
+        n = len(seqs)
+        return cls(
+            input_ids=np.concatenate(seqs),
+            positions=positions,
+            cu_seqlens=cu,
+            max_seqlen=int(lens.max()),
+            normalize=np.broadcast_to(np.asarray(normalize, dtype=bool), (n,)).copy(),
+            dimensions=np.broadcast_to(np.asarray(dimensions, dtype=np.int32), (n,)).copy(),
+            handles=tuple(handles),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def seqlens(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens)

@@ -1,0 +1,112 @@
+"""Wire formats of what travels through Redis: queue entries and per-item results.
+
+A queue entry is ``<tokens>::<ts_ms>::<item>``, the form the Lua scripts sort and sum by, with
+
+    item = <request_id>:<index>:<deadline_ms>:<attempt>:<body>
+
+``ts_ms`` and ``deadline_ms`` are Redis-clock milliseconds set by ``enqueue.lua`` (one clock for
+every host). ``attempt`` counts claims that ended in an expired lease. ``body`` is opaque to Lua:
+
+    body = struct '<BBH' (id_width, flags, dimensions) + token ids as little-endian uint16/uint32
+
+so workers never tokenize. A result, written by a worker (or by Lua for errors), is
+
+    b"+" + struct '<ff' (queue_ms, inference_ms) + float32 little-endian vector   # success
+    b"-" + <gRPC status name> + b":" + utf-8 message                              # failure
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+FLAG_NORMALIZE = 1
+_BODY_HEAD = struct.Struct("<BBH")
+_RESULT_HEAD = struct.Struct("<ff")
+
+
+def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0) -> bytes:
+    """Pack one item's token ids and options into an entry body."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError("an item needs at least one token id")
+    if not 0 <= dimensions <= 0xFFFF:
+        raise ValueError(f"dimensions {dimensions} out of range")
+    width = 2 if int(ids.max()) < 0x10000 else 4
+    dtype = "<u2" if width == 2 else "<u4"
+    flags = FLAG_NORMALIZE if normalize else 0
+    return _BODY_HEAD.pack(width, flags, dimensions) + ids.astype(dtype).tobytes()
+
+
+@dataclass(frozen=True)
+class Body:
+    token_ids: np.ndarray  # int64 [n]
+    normalize: bool
+    dimensions: int  # 0 = the model's full dimension
+
+
+def decode_body(body: bytes) -> Body:
+    width, flags, dims = _BODY_HEAD.unpack_from(body)
+    if width not in (2, 4):
+        raise ValueError(f"bad id width {width} in entry body")
+    ids = np.frombuffer(body, dtype="<u2" if width == 2 else "<u4", offset=_BODY_HEAD.size)
+    return Body(ids.astype(np.int64), bool(flags & FLAG_NORMALIZE), dims)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parsed queue entry; ``raw`` is the exact bytes stored in Redis."""
+
+    raw: bytes
+    tokens: int
+    ts_ms: int
+    request_id: str
+    index: int
+    deadline_ms: int
+    attempt: int
+    body: bytes
+
+
+def format_entry(tokens: int, ts_ms: int, request_id: str, index: int, deadline_ms: int,
+                 attempt: int, body: bytes) -> bytes:
+    """The bytes enqueue.lua builds; used to find a request's entries again (cancel)."""
+    head = f"{tokens}::{ts_ms}::{request_id}:{index}:{deadline_ms}:{attempt}:"
+    return head.encode() + body
+
+
+def parse_entry(raw: bytes) -> Entry:
+    tokens, ts, rest = raw.split(b"::", 2)
+    request_id, index, deadline, attempt, body = rest.split(b":", 4)
+    return Entry(raw, int(tokens), int(ts), request_id.decode(), int(index), int(deadline),
+                 int(attempt), body)
+
+
+def encode_ok(vector: np.ndarray, queue_ms: float, inference_ms: float) -> bytes:
+    return b"+" + _RESULT_HEAD.pack(queue_ms, inference_ms) + np.asarray(vector, "<f4").tobytes()
+
+
+def encode_error(code: str, message: str) -> bytes:
+    return b"-" + code.encode() + b":" + message.encode()
+
+
+@dataclass(frozen=True)
+class Result:
+    ok: bool
+    vector: np.ndarray | None = None  # float32 [d]
+    queue_ms: float = 0.0
+    inference_ms: float = 0.0
+    code: str = ""  # gRPC status name when not ok
+    message: str = ""
+
+
+def decode_result(raw: bytes) -> Result:
+    if raw[:1] == b"+":
+        q, inf = _RESULT_HEAD.unpack_from(raw, 1)
+        vec = np.frombuffer(raw, dtype="<f4", offset=1 + _RESULT_HEAD.size).astype(np.float32)
+        return Result(True, vec, q, inf)
+    if raw[:1] == b"-":
+        code, _, msg = raw[1:].partition(b":")
+        return Result(False, code=code.decode(), message=msg.decode(errors="replace"))
+    raise ValueError(f"malformed result {raw[:16]!r}")

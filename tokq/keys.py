@@ -1,0 +1,100 @@
+"""Every Redis key name tokq uses, in one place.
+
+All keys of one queue share the hash tag ``{<queue>}`` so every Lua script touches a single
+slot and runs unchanged on Redis Cluster. The per-request reply keys are built inside the Lua
+scripts from ``reply_prefix`` (same tag), because a claim or requeue cannot know in advance
+which requests it will answer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_QUEUE_NAME = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
+
+
+def queue_name_for(model_name: str) -> str:
+    """The queue name of a model: its name with anything outside [A-Za-z0-9._-] made '_'."""
+    name = re.sub(r"[^A-Za-z0-9._\-]", "_", model_name)[:128]
+    return name or "default"
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """Key names of one model's queue."""
+
+    queue: str
+    prefix: str = "tokq"
+
+    def __post_init__(self) -> None:
+        if not _QUEUE_NAME.match(self.queue):
+            raise ValueError(f"queue name {self.queue!r} must match {_QUEUE_NAME.pattern}")
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{{self.queue}}}"
+
+    @property
+    def pending(self) -> str:
+        """LIST of entries ``tokens::ts_ms::item``, head = oldest."""
+        return f"{self.base}:pending"
+
+    @property
+    def tokens(self) -> str:
+        """STRING: sum of token counts in ``pending`` (kept by the scripts, for the cap)."""
+        return f"{self.base}:tokens"
+
+    @property
+    def leases(self) -> str:
+        """ZSET batch_id -> lease deadline (ms, Redis clock)."""
+        return f"{self.base}:leases"
+
+    @property
+    def lease_prefix(self) -> str:
+        """LIST ``<lease_prefix><batch_id>``: the entries of one claimed batch."""
+        return f"{self.base}:lease:"
+
+    def lease(self, batch_id: str) -> str:
+        return self.lease_prefix + batch_id
+
+    @property
+    def inflight(self) -> str:
+        """STRING: number of claimed, unacknowledged items."""
+        return f"{self.base}:inflight"
+
+    @property
+    def batch_seq(self) -> str:
+        """STRING: counter that names claimed batches."""
+        return f"{self.base}:batchseq"
+
+    @property
+    def counters(self) -> str:
+        """HASH of monotonically increasing event counts (requeued, expired, rejected, ...)."""
+        return f"{self.base}:counters"
+
+    @property
+    def reply_prefix(self) -> str:
+        """HASH ``<reply_prefix><request_id>``: fields n, ch and one per answered item."""
+        return f"{self.base}:reply:"
+
+    def reply(self, request_id: str) -> str:
+        return self.reply_prefix + request_id
+
+    def done_channel(self, gateway_id: str) -> str:
+        """Pub/sub channel a gateway listens on for 'request complete' notices."""
+        return f"{self.base}:done:{gateway_id}"
+
+    @property
+    def budget(self) -> str:
+        """STRING: the token budget published by ``tokq profile --apply``."""
+        return f"{self.base}:budget"
+
+    @property
+    def workers(self) -> str:
+        """ZSET worker_id -> last heartbeat (ms); members older than the TTL are dead."""
+        return f"{self.base}:workers"
+
+    def heartbeat(self, worker_id: str) -> str:
+        """STRING with a TTL: present while the worker is alive (JSON status)."""
+        return f"{self.base}:heartbeat:{worker_id}"

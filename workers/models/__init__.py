@@ -1,0 +1,1 @@
+"""Lean model implementations over the packed (varlen) batch."""
