@@ -1,0 +1,87 @@
+"""The gateway process: an asyncio gRPC server with the Embedder service, standard health and
+reflection (so grpcurl works), bounded Redis connections, and SO_REUSEPORT so several gateway
+processes can share one port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.replies import ReplyRouter
+from gateway.service import EmbedderService
+from gateway.tokenize import Tokenizer
+from tokq import config as cfg
+from tokq.connection import connect, connect_pubsub
+from tokq.model_info import ModelInfo
+from tokq.queue import Queue
+from tokq.v1 import embedder_pb2, embedder_pb2_grpc
+
+log = logging.getLogger("tokq.gateway")
+SERVICE_NAME = embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def gateway_id() -> str:
+    return f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
+
+
+async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None = None,
+                stop: asyncio.Event | None = None, on_ready=None) -> None:
+    """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
+    info = ModelInfo.load(config.model or None, name=config.model_name or None)
+    tokenizer = Tokenizer(info)
+    client = connect(config.redis_url, max_connections=config.redis_max_connections)
+    pubsub_client = connect_pubsub(config.redis_url)
+    queue = Queue(client, info.queue_name, queue_config or cfg.load(cfg.QueueConfig))
+    gid = gateway_id()
+    router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
+
+    service = EmbedderService(info, tokenizer, queue, router, config, gid)
+
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 1),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+    embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+
+    await router.start()
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("gateway %s serving %s on %s:%d (queue %s)", gid, info.name, config.host, port, info.queue_name)
+    if on_ready:
+        on_ready(port)
+
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=5)
+        await router.stop()
+        tokenizer.close()
+        await client.aclose()
+        await pubsub_client.aclose()

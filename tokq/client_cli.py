@@ -1,0 +1,36 @@
+"""`tokq embed`: call a running gateway and print the result as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+@click.command("embed")
+@click.argument("texts", nargs=-1, required=True)
+@click.option("--target", default="localhost:50051", show_default=True, envvar="TOKQ_TARGET",
+              help="gateway address host:port")
+@click.option("--dimensions", type=int, help="Matryoshka truncation")
+@click.option("--prompt-name", help="a prompt the model defines, e.g. query")
+@click.option("--truncate/--no-truncate", default=False, help="cut over-long inputs to the model's limit")
+@click.option("--normalize/--no-normalize", default=True, help="unit-length embeddings (default)")
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="seconds")
+def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, timeout) -> None:
+    """Embed TEXTS with the gateway at --target and print JSON."""
+    from tokq.client import Client, TokqError
+
+    with Client(target) as client:
+        try:
+            out = client.embed_full(list(texts), truncate=truncate, normalize=normalize,
+                                    dimensions=dimensions, prompt_name=prompt_name, timeout=timeout)
+        except TokqError as exc:
+            click.echo(json.dumps({"error": {"code": exc.code.name, "message": exc.message}}), err=True)
+            sys.exit(1)
+    click.echo(json.dumps({
+        "model": out.model,
+        "embeddings": [[round(float(x), 7) for x in row] for row in out.vectors],
+        "usage": {"prompt_tokens": out.prompt_tokens},
+        "timing": out.timing,
+    }))
