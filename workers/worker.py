@@ -1,0 +1,199 @@
+"""The worker loop: claim a batch up to the token budget -> pack -> forward -> ack.
+
+The forward runs in a thread (torch releases the GIL), so while it runs the event loop claims
+the next batch, renews the leases in hand, requeues crashed workers' leases and beats the
+heartbeat: the device never waits on Redis, and Redis never waits on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokq.batch import PackedBatch
+from tokq.config import QueueConfig, WorkerConfig
+from tokq.entry import decode_body, encode_error, encode_ok
+from tokq.queue import Claim, Queue
+
+log = logging.getLogger("tokq.worker")
+
+DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # used until `tokq profile --apply` publishes one
+IDLE_POLL_S = 0.002
+BUDGET_REFRESH_S = 1.0
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class BatchOutcome:
+    results: list  # (Entry, result bytes)
+    num_tokens: int
+    forward_s: float
+    num_failed: int
+
+
+class Worker:
+    def __init__(self, engine, queue: Queue, config: WorkerConfig, queue_config: QueueConfig,
+                 worker_id: str | None = None, observer=None) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.config = config
+        self.queue_config = queue_config
+        self.worker_id = worker_id or default_worker_id()
+        self.observer = observer
+        self.budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)
+        self._held: set[str] = set()  # batch ids whose leases we renew
+        self._stop = asyncio.Event()
+        self.num_batches = 0
+
+    def stop(self) -> None:
+        """Stop claiming; the batches in hand are finished and acknowledged."""
+        self._stop.set()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def run(self, *, burst: bool = False) -> None:
+        await self._refresh_budget()
+        await asyncio.to_thread(self.engine.warmup, self.budget)
+        chores = [asyncio.create_task(c) for c in (self._renew_leases(), self._requeue_expired(),
+                                                   self._heartbeat(), self._watch_budget())]
+        try:
+            await self._loop(burst)
+        finally:
+            for task in chores:
+                task.cancel()
+            await asyncio.gather(*chores, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.queue.redis.delete(self.queue.keys.heartbeat(self.worker_id))
+                await self.queue.redis.zrem(self.queue.keys.workers, self.worker_id)
+
+    async def _loop(self, burst: bool) -> None:
+        next_claim: asyncio.Task | None = asyncio.create_task(self._claim())
+        while next_claim is not None:
+            claim = await next_claim
+            next_claim = None
+            if claim is None:
+                if self._stop.is_set() or (burst and await self._drained()):
+                    break
+                await asyncio.sleep(IDLE_POLL_S)
+                next_claim = asyncio.create_task(self._claim())
+                continue
+            forward = asyncio.create_task(asyncio.to_thread(self.run_batch, claim))
+            if not self._stop.is_set():
+                next_claim = asyncio.create_task(self._claim())  # overlaps the forward
+            outcome = await forward
+            await self.queue.ack(claim.batch_id, outcome.results)
+            self._held.discard(claim.batch_id)
+            self.num_batches += 1
+            if self.observer:
+                self.observer.batch_done(outcome, self.budget, claim)
+
+    async def _claim(self) -> Claim | None:
+        start = time.perf_counter()
+        claim = await self.queue.claim(self.budget)
+        if claim is not None:
+            self._held.add(claim.batch_id)
+        if self.observer:
+            self.observer.claim_done(time.perf_counter() - start, claim)
+        return claim
+
+    async def _drained(self) -> bool:
+        stats = await self.queue.stats()
+        return stats.queued_entries == 0 and stats.inflight_items == 0
+
+    # -- compute (runs in a thread) -----------------------------------------------------------
+
+    def run_batch(self, claim: Claim) -> BatchOutcome:
+        entries = claim.entries
+        bodies = [decode_body(e.body) for e in entries]
+        start = time.perf_counter()
+        try:
+            vectors = self._embed(bodies)
+            failures: dict[int, str] = {}
+        except Exception as exc:  # isolate the failing input(s): the rest of the batch is fine
+            log.warning("batch %s failed (%s); retrying its %d items one by one",
+                        claim.batch_id, exc, len(entries))
+            vectors, failures = self._embed_one_by_one(bodies)
+        forward_s = time.perf_counter() - start
+        forward_ms = forward_s * 1000
+        results = []
+        for i, (entry, body) in enumerate(zip(entries, bodies)):
+            if i in failures:
+                results.append((entry, encode_error("INTERNAL", failures[i])))
+                continue
+            dims = body.dimensions or vectors.shape[1]
+            queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
+            results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
+        return BatchOutcome(results, sum(e.tokens for e in entries), forward_s, len(failures))
+
+    def _embed(self, bodies) -> np.ndarray:
+        batch = PackedBatch.pack([b.token_ids for b in bodies],
+                                 normalize=[b.normalize for b in bodies],
+                                 dimensions=[b.dimensions for b in bodies])
+        return self.engine.embed(batch)
+
+    def _embed_one_by_one(self, bodies) -> tuple[np.ndarray, dict[int, str]]:
+        vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
+        failures = {}
+        for i, body in enumerate(bodies):
+            try:
+                vectors[i] = self._embed([body])[0]
+            except Exception as exc:
+                failures[i] = f"the worker failed on this input: {type(exc).__name__}: {exc}"
+        return vectors, failures
+
+    # -- chores -------------------------------------------------------------------------------
+
+    async def _every(self, period_s: float, chore) -> None:
+        while True:
+            try:
+                await chore()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis blips must not kill the worker
+                log.warning("%s failed: %s", chore.__name__, exc)
+            await asyncio.sleep(period_s)
+
+    async def _renew_leases(self) -> None:
+        async def renew():
+            for batch_id in list(self._held):
+                await self.queue.renew(batch_id)
+        await self._every(self.queue_config.lease_ms / 3000, renew)
+
+    async def _requeue_expired(self) -> None:
+        await self._every(self.queue_config.lease_ms / 2000, self.queue.requeue_expired)
+
+    async def _heartbeat(self) -> None:
+        keys = self.queue.keys
+        period_ms = self.config.heartbeat_ms
+
+        async def beat():
+            status = {"worker": self.worker_id, "model": self.engine.info.name,
+                      "device": str(self.engine.device), "budget": self.budget,
+                      "batches": self.num_batches, "ts": time.time()}
+            async with self.queue.redis.pipeline(transaction=False) as pipe:
+                pipe.set(keys.heartbeat(self.worker_id), json.dumps(status), px=3 * period_ms)
+                pipe.zadd(keys.workers, {self.worker_id: int(time.time() * 1000)})
+                await pipe.execute()
+        await self._every(period_ms / 1000, beat)
+
+    async def _refresh_budget(self) -> None:
+        if self.config.token_budget:
+            return
+        published = await self.queue.get_budget()
+        if published and published != self.budget:
+            log.info("token budget %d -> %d (published)", self.budget, published)
+            self.budget = published
+
+    async def _watch_budget(self) -> None:
+        await self._every(BUDGET_REFRESH_S, self._refresh_budget)
