@@ -33,3 +33,7 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="tokq")
 def main() -> None:
     """tokq: token-count batching for embedding inference over Redis."""
+
+
+if __name__ == "__main__":
+    main()
