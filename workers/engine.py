@@ -1,0 +1,82 @@
+"""The model runtime a worker drives: load a local model once, then turn each PackedBatch into
+``[N, hidden]`` float32 embeddings with no padding anywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokq.batch import PackedBatch
+from tokq.model_info import ModelInfo
+from tokq.workers import attention, pooling
+from tokq.workers.device import resolve_device, resolve_dtype, synchronize
+from tokq.workers.loader import load_weights
+from tokq.workers.models.bert import Bert
+from tokq.workers.models.qwen import Qwen
+
+
+class Engine:
+    def __init__(self, info: ModelInfo, model: Bert | Qwen, device: torch.device, dtype: torch.dtype,
+                 attn_backend: str):
+        self.info = info
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.attn_backend = attn_backend  # the backend actually used, never "auto"
+        self._attend = attention.attend_fn(attn_backend)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, *, device: str | torch.device = "auto",
+             dtype: str | torch.dtype = "auto", attn_backend: str = "auto",
+             name: str | None = None) -> Engine:
+        """Load a model directory (None: the bundled all-MiniLM-L6-v2). Raises
+        ``tokq.model_info.UnsupportedModel`` naming the supported architectures."""
+        info = ModelInfo.load(path, name)
+        resolved_device = resolve_device(device)
+        resolved_dtype = resolve_dtype(dtype, resolved_device)
+        backend = attention.choose_backend(attn_backend, resolved_device, resolved_dtype)
+        model_cls = Bert if info.family == "bert" else Qwen
+        weights = load_weights(info.path, model_cls.ANCHOR, device=resolved_device, dtype=resolved_dtype)
+        if model_cls is Bert:
+            model = Bert(info.config, weights)
+        else:
+            model = Qwen(info.config, weights, info.family, info.max_length)
+        return cls(info, model, resolved_device, resolved_dtype, backend)
+
+    @torch.inference_mode()
+    def embed(self, batch: PackedBatch) -> np.ndarray:
+        """float32 ``[N, hidden]``: rows with ``dimensions`` d > 0 hold d values then zeros;
+        rows with ``normalize`` have unit norm over their first d values."""
+        if batch.max_seqlen > self.info.max_length:
+            raise ValueError(f"sequence of {batch.max_seqlen} tokens exceeds the model's "
+                             f"max length {self.info.max_length}")
+        layout = attention.build_layout(batch, self.device, self.attn_backend)
+        hidden = self.model.forward(layout, self._attend)
+        pooled = pooling.pool(hidden, layout, self.info.pooling)
+        return pooling.finish(pooled, batch.normalize, batch.dimensions)
+
+    def flops_per_token(self, context_len: int = 0) -> float:
+        """Model FLOPs per token: 2 per linear-layer weight, plus 4 * q_dim per layer for every
+        key the token attends to (QK^T and AV). ``context_len`` is that number of keys: the
+        sequence length for encoders, about half of it on average for causal decoders."""
+        attn = 4 * len(self.model.layers) * self.model.q_dim * context_len
+        return float(2 * self.model.num_linear_params + attn)
+
+    def batch_flops(self, batch: PackedBatch) -> float:
+        """FLOPs of one forward over ``batch``, the attention term counted per sequence."""
+        lens = batch.seqlens.astype(np.float64)
+        keys = (lens * (lens + 1) / 2) if self.model.causal else lens * lens
+        attn = 4 * len(self.model.layers) * self.model.q_dim * float(keys.sum())
+        return 2.0 * self.model.num_linear_params * float(lens.sum()) + attn
+
+    def warmup(self, num_tokens: int) -> None:
+        """Run one full-budget batch (max-length sequences, then the remainder) so allocator
+        pools and kernels are ready before the first real batch."""
+        max_len = self.info.max_length
+        lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        vocab = int(self.info.config.get("vocab_size", 1000))
+        seqs = [np.arange(1, n + 1, dtype=np.int64) % vocab for n in lens]
+        self.embed(PackedBatch.pack(seqs))
+        synchronize(self.device)

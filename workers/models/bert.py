@@ -1,0 +1,107 @@
+"""BERT-family encoders (all-MiniLM, bge, e5, gte): absolute positions, token type 0,
+post-LayerNorm layers, bidirectional attention, over the flat ``[T, hidden]`` packed batch.
+
+Query, key and value are fused into one ``[3*hidden, hidden]`` matmul; the position and
+token-type-0 tables are summed once at load, so embedding is two lookups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokq.model_info import UnsupportedModel
+from tokq.workers.attention import AttendFn, Layout
+from tokq.workers.loader import take
+from tokq.workers.models.layers import activation
+
+
+@dataclass(frozen=True)
+class BertLayer:
+    qkv_weight: torch.Tensor  # [3*hidden, hidden]
+    qkv_bias: torch.Tensor
+    out_weight: torch.Tensor
+    out_bias: torch.Tensor
+    attn_norm_weight: torch.Tensor
+    attn_norm_bias: torch.Tensor
+    up_weight: torch.Tensor  # [intermediate, hidden]
+    up_bias: torch.Tensor
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor
+    mlp_norm_weight: torch.Tensor
+    mlp_norm_bias: torch.Tensor
+
+    @classmethod
+    def from_weights(cls, w: dict[str, torch.Tensor], prefix: str) -> BertLayer:
+        def t(name: str) -> torch.Tensor:
+            return take(w, prefix + name)
+
+        qkv = ("attention.self.query", "attention.self.key", "attention.self.value")
+        return cls(
+            qkv_weight=torch.cat([t(f"{p}.weight") for p in qkv]),
+            qkv_bias=torch.cat([t(f"{p}.bias") for p in qkv]),
+            out_weight=t("attention.output.dense.weight"),
+            out_bias=t("attention.output.dense.bias"),
+            attn_norm_weight=t("attention.output.LayerNorm.weight"),
+            attn_norm_bias=t("attention.output.LayerNorm.bias"),
+            up_weight=t("intermediate.dense.weight"),
+            up_bias=t("intermediate.dense.bias"),
+            down_weight=t("output.dense.weight"),
+            down_bias=t("output.dense.bias"),
+            mlp_norm_weight=t("output.LayerNorm.weight"),
+            mlp_norm_bias=t("output.LayerNorm.bias"),
+        )
+
+
+class Bert:
+    ANCHOR = "embeddings.word_embeddings.weight"  # locates the base model inside a checkpoint
+    causal = False
+
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor]):
+        kind = config.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise UnsupportedModel(f"unsupported BERT position_embedding_type {kind!r}; supported: absolute")
+        self.hidden_size = int(config["hidden_size"])
+        self.num_heads = int(config["num_attention_heads"])
+        self.head_dim = self.hidden_size // self.num_heads
+        self.eps = float(config.get("layer_norm_eps", 1e-12))
+        self.act = activation(config.get("hidden_act", "gelu"))
+        self.word_embeddings = take(weights, "embeddings.word_embeddings.weight")
+        token_type = take(weights, "embeddings.token_type_embeddings.weight")[0]
+        self.position_embeddings = take(weights, "embeddings.position_embeddings.weight") + token_type
+        self.embed_norm_weight = take(weights, "embeddings.LayerNorm.weight")
+        self.embed_norm_bias = take(weights, "embeddings.LayerNorm.bias")
+        self.layers = [BertLayer.from_weights(weights, f"encoder.layer.{i}.")
+                       for i in range(int(config["num_hidden_layers"]))]
+
+    @property
+    def num_linear_params(self) -> int:
+        return sum(layer.qkv_weight.numel() + layer.out_weight.numel() + layer.up_weight.numel()
+                   + layer.down_weight.numel() for layer in self.layers)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def forward(self, layout: Layout, attend: AttendFn) -> torch.Tensor:
+        """Last hidden state ``[T, hidden]`` of the packed batch."""
+        shape = (self.hidden_size,)
+        x = F.embedding(layout.input_ids, self.word_embeddings)
+        x += F.embedding(layout.positions, self.position_embeddings)
+        x = F.layer_norm(x, shape, self.embed_norm_weight, self.embed_norm_bias, self.eps)
+        num_tokens = x.shape[0]
+        scale = self.head_dim ** -0.5
+        for layer in self.layers:
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(num_tokens, 3, self.num_heads,
+                                                                     self.head_dim)
+            attn = attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], layout, False, scale)
+            h = F.linear(attn.reshape(num_tokens, self.hidden_size), layer.out_weight, layer.out_bias)
+            h += x
+            x = F.layer_norm(h, shape, layer.attn_norm_weight, layer.attn_norm_bias, self.eps)
+            h = F.linear(self.act(F.linear(x, layer.up_weight, layer.up_bias)),
+                         layer.down_weight, layer.down_bias)
+            h += x
+            x = F.layer_norm(h, shape, layer.mlp_norm_weight, layer.mlp_norm_bias, self.eps)
+        return x
