@@ -1,0 +1,40 @@
+-- ack.lua: write a batch's results into their reply keys and release its lease, atomically.
+-- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
+-- KEYS[2] inflight  STRING claimed, unacknowledged items
+-- KEYS[3] counters  HASH   acked, failed
+-- KEYS[4] lease     LIST   lease:<batch_id>, the batch's entries
+-- ARGV[1] reply key prefix
+-- ARGV[2] batch_id
+-- ARGV[3..] (request_id, index, result) triples; result is tokq.entry's ok or error bytes
+-- Idempotent: results are first-write-wins; a late ack (the lease was already requeued)
+-- still delivers its results but leaves inflight alone.
+-- Returns {results stored, items released from the lease}
+--#include lib/common.lua
+--#include lib/entry.lua
+--#include lib/reply.lua
+
+local reply_prefix = ARGV[1]
+local num_stored = 0
+for i = 3, #ARGV, 3 do
+  num_stored = num_stored + write_result(reply_prefix, ARGV[i], ARGV[i + 1], ARGV[i + 2])
+end
+
+local entries = redis.call('LRANGE', KEYS[4], 0, -1)
+local num_missing = 0
+if #entries > (#ARGV - 2) / 3 then
+  -- The worker answered fewer items than it claimed: answer the rest, or their requests
+  -- would wait until their deadline.
+  for _, raw in ipairs(entries) do
+    local _, _, request_id, index = parse_entry(raw)
+    num_missing = num_missing + write_result(reply_prefix, request_id, index,
+      '-INTERNAL:the worker acknowledged the batch without a result for this item')
+  end
+end
+if #entries > 0 then
+  redis.call('DEL', KEYS[4])
+  redis.call('ZREM', KEYS[1], ARGV[2])
+  add_to_count(KEYS[2], -#entries)
+end
+add_to_counter(KEYS[3], 'acked', num_stored)
+add_to_counter(KEYS[3], 'failed', num_missing)
+return {num_stored, #entries}

@@ -1,0 +1,97 @@
+-- claim.lua: take the next batch, up to a token budget, in one round trip.
+-- KEYS[1] pending   LIST   entries, head = oldest
+-- KEYS[2] tokens    STRING sum of the tokens in pending
+-- KEYS[3] leases    ZSET   batch_id -> lease deadline (ms)
+-- KEYS[4] inflight  STRING claimed, unacknowledged items
+-- KEYS[5] batchseq  STRING names the batches
+-- KEYS[6] counters  HASH   claimed, expired, orphaned
+-- ARGV[1] now_ms override ("" or 0 = Redis TIME)
+-- ARGV[2] budget: max summed tokens (one longer item still goes, alone)
+-- ARGV[3] lease_ms: how long the worker has before the batch is requeued
+-- ARGV[4] lookahead: entries that may be passed over to fill the budget (0 = strict FIFO)
+-- ARGV[5] max_skip_age_ms: an entry this old is never passed over
+-- ARGV[6] max_drop: stop after dropping this many expired/orphaned entries
+-- ARGV[7] reply key prefix, ARGV[8] lease key prefix (same hash tag)
+-- The rule is tokq/claim_rule.py, entry for entry. Returns
+--   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}}
+--#include lib/common.lua
+--#include lib/entry.lua
+--#include lib/reply.lua
+
+local pending, leases, counters = KEYS[1], KEYS[3], KEYS[6]
+local now = now_ms(ARGV[1])
+local budget = tonumber(ARGV[2])
+local lookahead = tonumber(ARGV[4])
+local max_skip_age_ms = tonumber(ARGV[5])
+local max_drop = tonumber(ARGV[6])
+local reply_prefix = ARGV[7]
+local EXPIRED = '-DEADLINE_EXCEEDED:deadline passed while queued'
+
+-- One EXISTS per request, not per item: a request's items sit together.
+local live = {}
+local function is_live(request_id)
+  local known = live[request_id]
+  if known == nil then
+    known = redis.call('EXISTS', reply_prefix .. request_id) == 1
+    live[request_id] = known
+  end
+  return known
+end
+
+-- Scan phase: read the head in windows, decide each entry; nothing is written yet.
+local window_size = math.min(math.max(math.floor(budget / 8), 16), 512)
+local taken, taken_tokens, skipped = {}, 0, {}
+local expired, num_orphaned, dropped_tokens = {}, 0, 0
+local num_scanned, stopped = 0, false
+while not stopped do
+  local window = redis.call('LRANGE', pending, num_scanned, num_scanned + window_size - 1)
+  for i = 1, #window do
+    local raw = window[i]
+    local tokens, ts_ms, request_id, index, deadline_ms = parse_entry(raw)
+    if deadline_ms <= now then
+      expired[#expired + 1] = {request_id, index}
+      dropped_tokens = dropped_tokens + tokens
+    elseif not is_live(request_id) then
+      num_orphaned = num_orphaned + 1
+      dropped_tokens = dropped_tokens + tokens
+    elseif #taken == 0 or taken_tokens + tokens <= budget then
+      taken[#taken + 1] = raw
+      taken_tokens = taken_tokens + tokens
+    elseif lookahead == 0 or #skipped >= lookahead or now - ts_ms >= max_skip_age_ms then
+      stopped = true
+      break
+    else
+      skipped[#skipped + 1] = raw
+    end
+    num_scanned = num_scanned + 1
+    if taken_tokens >= budget or #expired + num_orphaned >= max_drop then
+      stopped = true
+      break
+    end
+  end
+  if #window < window_size then
+    stopped = true
+  end
+end
+
+-- Write phase.
+for _, item in ipairs(expired) do
+  write_result(reply_prefix, item[1], item[2], EXPIRED)
+end
+if num_scanned > 0 then
+  -- Drop the scanned head, then put the passed-over entries back in front, in order.
+  redis.call('LTRIM', pending, num_scanned, -1)
+  push_front(pending, skipped)
+end
+add_to_count(KEYS[2], -(taken_tokens + dropped_tokens))
+add_to_counter(counters, 'expired', #expired)
+add_to_counter(counters, 'orphaned', num_orphaned)
+if #taken == 0 then
+  return {'', now, #expired, num_orphaned, {}}
+end
+local batch_id = tostring(redis.call('INCR', KEYS[5]))
+push_values('RPUSH', ARGV[8] .. batch_id, taken)
+redis.call('ZADD', leases, now + tonumber(ARGV[3]), batch_id)
+add_to_count(KEYS[4], #taken)
+add_to_counter(counters, 'claimed', #taken)
+return {batch_id, now, #expired, num_orphaned, taken}

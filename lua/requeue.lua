@@ -1,0 +1,50 @@
+-- requeue.lua: put the items of expired leases (crashed or stuck workers) back at the FRONT
+-- of the queue with attempt + 1; items that reach max_attempts get an error reply instead.
+-- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
+-- KEYS[2] pending   LIST   entries, head = oldest
+-- KEYS[3] tokens    STRING sum of the tokens in pending
+-- KEYS[4] inflight  STRING claimed, unacknowledged items
+-- KEYS[5] counters  HASH   requeued, failed, orphaned
+-- ARGV[1] now_ms override ("" or 0 = Redis TIME)
+-- ARGV[2] max_attempts
+-- ARGV[3] max_batches handled per call
+-- ARGV[4] reply key prefix, ARGV[5] lease key prefix (same hash tag)
+-- Returns {items requeued, items failed}
+--#include lib/common.lua
+--#include lib/entry.lua
+--#include lib/reply.lua
+
+local now = now_ms(ARGV[1])
+local max_attempts = tonumber(ARGV[2])
+local reply_prefix, lease_prefix = ARGV[4], ARGV[5]
+
+-- Oldest deadline first, so the longest-waiting batch ends up at the very front.
+local batch_ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
+local back, back_tokens, num_failed, num_orphaned, num_released = {}, 0, 0, 0, 0
+for _, batch_id in ipairs(batch_ids) do
+  local lease = lease_prefix .. batch_id
+  local entries = redis.call('LRANGE', lease, 0, -1)
+  num_released = num_released + #entries
+  for _, raw in ipairs(entries) do
+    local tokens, _, request_id, index, _, attempt = parse_entry(raw)
+    if redis.call('EXISTS', reply_prefix .. request_id) == 0 then
+      num_orphaned = num_orphaned + 1
+    elseif attempt + 1 >= max_attempts then
+      write_result(reply_prefix, request_id, index, string.format(
+        '-INTERNAL:item failed %d times (worker crashed or timed out)', attempt + 1))
+      num_failed = num_failed + 1
+    else
+      back[#back + 1] = with_attempt(raw, attempt + 1)
+      back_tokens = back_tokens + tokens
+    end
+  end
+  redis.call('DEL', lease)
+  redis.call('ZREM', KEYS[1], batch_id)
+end
+push_front(KEYS[2], back)
+add_to_count(KEYS[3], back_tokens)
+add_to_count(KEYS[4], -num_released)
+add_to_counter(KEYS[5], 'requeued', #back)
+add_to_counter(KEYS[5], 'failed', num_failed)
+add_to_counter(KEYS[5], 'orphaned', num_orphaned)
+return {#back, num_failed}

@@ -1,0 +1,181 @@
+"""The async queue client: enqueue, claim, renew, ack, requeue, cancel, collect and stats,
+each one Lua script run (one round trip) on a ``redis.asyncio`` client.
+
+Use a client made with ``decode_responses=False``: entry bodies and results are binary.
+Times come from the Redis clock inside the scripts; ``clock`` overrides it for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from tokq.config import QueueConfig
+from tokq.entry import Entry, format_entry, parse_entry
+from tokq.keys import QueueKeys
+from tokq.scripts import Scripts
+
+# Expired or orphaned entries one claim may drop before it answers; the client calls again,
+# so a long run of dead entries is cleared in bounded steps, never in one long script.
+MAX_DROPS_PER_CLAIM = 1000
+# Expired leases handled per requeue call.
+MAX_BATCHES_PER_REQUEUE = 100
+
+
+class QueueFull(Exception):
+    """Enqueue rejected: the queue holds too many tokens (maps to RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, queued_tokens: int, request_tokens: int, max_queued_tokens: int) -> None:
+        super().__init__(f"queue full: {queued_tokens} tokens queued, request of {request_tokens} "
+                         f"would pass the cap of {max_queued_tokens}")
+        self.queued_tokens = queued_tokens
+        self.request_tokens = request_tokens
+        self.max_queued_tokens = max_queued_tokens
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    request_id: str
+    ts_ms: int
+    deadline_ms: int
+    entries: tuple[bytes, ...]  # exactly as stored, so cancel can find them
+
+
+@dataclass(frozen=True)
+class Claim:
+    batch_id: str
+    now_ms: int
+    entries: tuple[Entry, ...]
+    num_expired: int = 0  # entries dropped for their deadline while claiming
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.tokens for e in self.entries)
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queued_entries: int
+    queued_tokens: int
+    oldest_age_ms: int
+    inflight_items: int
+    inflight_batches: int
+    counters: dict[str, int]
+
+
+def _pairs(flat: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
+    return list(zip(flat[::2], flat[1::2]))
+
+
+class Queue:
+    def __init__(self, redis: aioredis.Redis, queue: str, config: QueueConfig = QueueConfig(),
+                 *, clock: Callable[[], int] | None = None) -> None:
+        self.redis = redis
+        self.keys = QueueKeys(queue)
+        self.config = config
+        self.scripts = Scripts(redis)
+        self._clock = clock
+
+    def _now_arg(self) -> int:
+        return self._clock() if self._clock else 0  # 0 = the script reads Redis TIME
+
+    async def enqueue(self, request_id: str, items: Sequence[tuple[int, bytes]], *,
+                      timeout_ms: int, channel: str) -> Enqueued:
+        """Queue all items of one request (token_count, body), atomically; raises QueueFull."""
+        if not request_id or ":" in request_id:
+            raise ValueError(f"request id {request_id!r} must be non-empty and hold no ':'")
+        if not items:
+            raise ValueError("a request needs at least one item")
+        if timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
+        args: list = [self._now_arg(), request_id, timeout_ms, self.config.max_queued_tokens,
+                      self.config.reply_ttl_ms, channel]
+        for tokens, body in items:
+            if tokens < 1:
+                raise ValueError(f"an item needs at least one token, got {tokens}")
+            args += [int(tokens), body]
+        k = self.keys
+        reply = await self.scripts.run(
+            "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id)], args)
+        status = reply[0]
+        if status == b"QUEUE_FULL":
+            raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)
+        if status == b"DUPLICATE":
+            raise ValueError(f"request id {request_id!r} is already queued")
+        ts_ms, deadline_ms = int(reply[1]), int(reply[2])
+        entries = tuple(format_entry(tokens, ts_ms, request_id, index, deadline_ms, 0, body)
+                        for index, (tokens, body) in enumerate(items))
+        return Enqueued(request_id, ts_ms, deadline_ms, entries)
+
+    async def cancel(self, enqueued: Enqueued) -> None:
+        """Withdraw a request: its reply key and its still-queued entries go."""
+        k = self.keys
+        await self.scripts.run("cancel", [k.pending, k.tokens, k.reply(enqueued.request_id)],
+                               list(enqueued.entries))
+
+    async def collect(self, request_id: str) -> dict[int, bytes]:
+        """Take a request's results (index -> raw result) and delete its reply key."""
+        flat = await self.scripts.run("collect", [self.keys.reply(request_id)], [])
+        return {int(field): value for field, value in _pairs(flat) if field not in (b"n", b"ch")}
+
+    async def claim(self, budget: int, *, lookahead: int | None = None) -> Claim | None:
+        """The next batch of at most ``budget`` tokens (one longer item goes alone), leased
+        for ``config.lease_ms``; None when nothing is queued."""
+        if budget < 1:
+            raise ValueError(f"budget must be positive, got {budget}")
+        k, cfg = self.keys, self.config
+        keys = [k.pending, k.tokens, k.leases, k.inflight, k.batch_seq, k.counters]
+        num_expired = 0
+        while True:
+            args = [self._now_arg(), budget, cfg.lease_ms,
+                    cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
+                    MAX_DROPS_PER_CLAIM, k.reply_prefix, k.lease_prefix]
+            batch_id, now_ms, expired, orphaned, raw = await self.scripts.run("claim", keys, args)
+            num_expired += expired
+            if batch_id:
+                entries = tuple(parse_entry(r) for r in raw)
+                return Claim(batch_id.decode(), now_ms, entries, num_expired)
+            if expired + orphaned < MAX_DROPS_PER_CLAIM:
+                return None
+
+    async def renew(self, batch_id: str) -> bool:
+        """Extend a running batch's lease; False if it was already requeued or acknowledged."""
+        args = [self._now_arg(), self.config.lease_ms, batch_id]
+        return bool(await self.scripts.run("renew", [self.keys.leases], args))
+
+    async def ack(self, batch_id: str, results: Sequence[tuple[Entry, bytes]]) -> None:
+        """Deliver each item's result (tokq.entry encode_ok/encode_error bytes) and release
+        the lease. Safe to repeat, and safe after the lease was requeued: each item's first
+        result is the one its client sees."""
+        k = self.keys
+        args: list = [k.reply_prefix, batch_id]
+        for entry, result in results:
+            args += [entry.request_id, entry.index, result]
+        await self.scripts.run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id)], args)
+
+    async def requeue_expired(self) -> tuple[int, int]:
+        """Put the items of expired leases back at the front: (requeued, failed)."""
+        k = self.keys
+        args = [self._now_arg(), self.config.max_attempts, MAX_BATCHES_PER_REQUEUE,
+                k.reply_prefix, k.lease_prefix]
+        requeued, failed = await self.scripts.run(
+            "requeue", [k.leases, k.pending, k.tokens, k.inflight, k.counters], args)
+        return int(requeued), int(failed)
+
+    async def stats(self) -> QueueStats:
+        k = self.keys
+        entries, tokens, age_ms, inflight, batches, counters = await self.scripts.run(
+            "stats", [k.pending, k.tokens, k.leases, k.inflight, k.counters], [self._now_arg()])
+        return QueueStats(int(entries), int(tokens), int(age_ms), int(inflight), int(batches),
+                          {f.decode(): int(v) for f, v in _pairs(counters)})
+
+    async def get_budget(self) -> int | None:
+        value = await self.redis.get(self.keys.budget)
+        return int(value) if value is not None else None
+
+    async def set_budget(self, tokens: int) -> None:
+        if tokens < 1:
+            raise ValueError(f"budget must be positive, got {tokens}")
+        await self.redis.set(self.keys.budget, int(tokens))
