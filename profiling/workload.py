@@ -1,0 +1,129 @@
+"""The workload tokq measures itself with: skewed short queries arriving in bursts.
+
+Search traffic is mostly short queries with a few long ones, and it arrives in spikes. The
+generator here is seeded and shaped like that: token lengths (special tokens included) follow
+a lognormal with median 10 and sigma 0.857 (p90 about 30), 0.5% of queries are a log-uniform
+tail in [100, 512], everything is clipped to [3, 512]; arrivals are a Poisson process at
+``rate_per_s`` that runs ``burst_factor`` times faster for ``burst_s`` every ``period_s``.
+
+A workload can also come from a JSONL file, one query per line:
+``{"id": int, "text": str, "tokens": int, "t": seconds_since_start}`` ("text" may be null when
+only lengths matter). ``tokq profile --workload`` and the benchmarks read both the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MEDIAN_TOKENS = 10.0
+SIGMA = 0.857  # lognormal sigma: p90 = median * exp(1.2816 * sigma) ~= 30 tokens
+TAIL_FRACTION = 0.005
+TAIL_RANGE_TOKENS = (100, 512)
+MIN_TOKENS = 3  # [CLS] word [SEP]: the shortest real query
+MAX_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Query:
+    id: int
+    num_tokens: int  # with the model's special tokens
+    t_s: float  # arrival, seconds since the workload started
+    text: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"id": self.id, "text": self.text, "tokens": self.num_tokens, "t": self.t_s})
+
+
+def query_lengths(num_queries: int, seed: int = 1, *, rng: np.random.Generator | None = None
+                  ) -> np.ndarray:
+    """Token lengths of ``num_queries`` queries (int64). Draw order: body, tail mask, tail
+    lengths — the order ../shared/workloads/make_queries.py uses, so seed 1 gives its lengths."""
+    rng = rng if rng is not None else np.random.default_rng(seed)
+    lens = np.exp(rng.normal(np.log(MEDIAN_TOKENS), SIGMA, size=num_queries))
+    tail = rng.random(num_queries) < TAIL_FRACTION
+    lo, hi = TAIL_RANGE_TOKENS
+    lens[tail] = np.exp(rng.uniform(np.log(lo), np.log(hi), size=int(tail.sum())))
+    return np.clip(np.rint(lens).astype(np.int64), MIN_TOKENS, MAX_TOKENS)
+
+
+def arrival_times_s(num_queries: int, rate_per_s: float, seed: int = 1, *, burst_factor: float = 4.0,
+                    burst_s: float = 1.0, period_s: float = 5.0,
+                    rng: np.random.Generator | None = None) -> np.ndarray:
+    """Arrival times (s, increasing) of a Poisson process at ``rate_per_s``, ``burst_factor``
+    times faster during the first ``burst_s`` of every ``period_s``."""
+    if rate_per_s <= 0:
+        raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+    rng = rng if rng is not None else np.random.default_rng(seed)
+    # Unit-rate exponential gaps, each scaled by the rate in force where the gap starts.
+    unit_gaps = rng.exponential(1.0, size=num_queries)
+    times = np.empty(num_queries)
+    t = 0.0
+    for i, gap in enumerate(unit_gaps):
+        in_burst = (t % period_s) < burst_s
+        t += gap / (rate_per_s * (burst_factor if in_burst else 1.0))
+        times[i] = t
+    return times
+
+
+def generate(num_queries: int, *, seed: int = 1, rate_per_s: float = 200.0,
+             burst_factor: float = 4.0, burst_s: float = 1.0, period_s: float = 5.0) -> list[Query]:
+    """A seeded synthetic workload (lengths and arrival times; no texts)."""
+    lens = query_lengths(num_queries, seed)
+    # Arrivals use their own stream so changing the rate never changes the lengths.
+    times = arrival_times_s(num_queries, rate_per_s, rng=np.random.default_rng([seed, 1]),
+                            burst_factor=burst_factor, burst_s=burst_s, period_s=period_s)
+    return [Query(id=i, num_tokens=int(n), t_s=round(float(t), 6)) for i, (n, t) in
+            enumerate(zip(lens, times))]
+
+
+def load_jsonl(path: str | Path) -> list[Query]:
+    """Read a JSONL workload; a malformed line raises ValueError naming the file and line."""
+    path = Path(path)
+    queries: list[Query] = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                num_tokens = int(row["tokens"])
+                if num_tokens < 1:
+                    raise ValueError(f"tokens must be >= 1, got {num_tokens}")
+                text = row.get("text")
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"text must be a string or null, got {type(text).__name__}")
+                queries.append(Query(id=int(row.get("id", len(queries))), num_tokens=num_tokens,
+                                     t_s=float(row.get("t", 0.0)), text=text))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{line_no}: not a workload line "
+                                 f'({{"id", "text", "tokens", "t"}}): {exc!r}') from None
+    if not queries:
+        raise ValueError(f"{path}: no queries")
+    return queries
+
+
+def write_jsonl(queries: Iterable[Query], path: str | Path) -> None:
+    with Path(path).open("w", encoding="utf-8") as f:
+        for q in queries:
+            f.write(q.to_json() + "\n")
+
+
+def describe(queries: list[Query]) -> dict:
+    """Summary figures of a workload (for reports and the profile JSON)."""
+    lens = np.array([q.num_tokens for q in queries])
+    span_s = max(q.t_s for q in queries) - min(q.t_s for q in queries)
+    return {
+        "num_queries": len(queries),
+        "num_tokens": int(lens.sum()),
+        "p50_tokens": float(np.percentile(lens, 50)),
+        "p90_tokens": float(np.percentile(lens, 90)),
+        "p99_tokens": float(np.percentile(lens, 99)),
+        "max_tokens": int(lens.max()),
+        "span_s": round(float(span_s), 3),
+        "has_texts": all(q.text is not None for q in queries),
+    }
