@@ -1,0 +1,373 @@
+"""Every Prometheus metric tokq exports: names, help texts and bucket layouts, in one place.
+
+Names are ``tokq_<stage>_<what>_<unit>``; times are seconds (Prometheus' base unit), sizes
+are tokens or items. Labels: ``model`` on everything, ``worker`` on worker metrics, ``rpc``
+and ``code`` (gRPC status name) on requests. Importable without torch.
+
+Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/service.py)
+  tokq_gateway_requests_total{rpc,code}           counter   finished RPCs
+  tokq_gateway_request_duration_seconds{rpc}      histogram whole RPC, as the gateway saw it
+  tokq_gateway_tokenize_duration_seconds          histogram tokenizing one Embed request
+  tokq_gateway_queue_duration_seconds             histogram queue wait of a request (its slowest item)
+  tokq_gateway_inference_duration_seconds         histogram forward time of a request (its slowest item)
+  tokq_gateway_request_input_tokens               histogram tokens in one Embed request
+  tokq_gateway_inflight_requests                  gauge     RPCs being served now
+
+Queue (``observe_queue_stats``; exported by whichever process calls it, so dashboards take max)
+  tokq_queue_queued_entries / tokq_queue_queued_tokens       gauge   waiting to be claimed
+  tokq_queue_oldest_age_seconds                              gauge   age of the head entry
+  tokq_queue_inflight_items / tokq_queue_inflight_batches    gauge   claimed, not yet acked
+  tokq_queue_{enqueued,rejected,claimed,expired,requeued,failed,acked}_total   counter
+      The totals live in a Redis hash shared by every process, so a Counter's inc() cannot
+      express them; a custom collector reports the last value read as a true counter (TYPE
+      counter), which keeps rate() and increase() correct and treats a Redis restart as a reset.
+
+Worker (``WorkerMetrics``)
+  tokq_worker_batches_total                       counter   forward passes
+  tokq_worker_batch_tokens                        histogram tokens per batch (16..65536, x2)
+  tokq_worker_batch_items                         histogram sequences per batch
+  tokq_worker_batch_fill_ratio                    histogram batch tokens / token budget
+  tokq_worker_forward_duration_seconds{tokens_bucket}  histogram forward pass; tokens_bucket is
+      the batch's power-of-two size class, so latency can be drawn against batch size
+  tokq_worker_claim_duration_seconds              histogram one claim-script call
+  tokq_worker_forward_tokens_total                counter   tokens forwarded
+  tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (forward_flops)
+  tokq_worker_budget_tokens                       gauge     token budget in force
+  tokq_worker_throughput_tokens_per_second        gauge     tokens/s over the last window_s
+  tokq_worker_device_peak_flops_per_second        gauge     dense 16-bit peak of the device
+  tokq_worker_mfu_ratio                           gauge     FLOP/s over the last window_s / peak
+  tokq_worker_heartbeat_timestamp_seconds         gauge     unix time of the last heartbeat
+  tokq_worker_errors_total{kind}                  counter   failed batches, Redis errors, ...
+  tokq_worker_device_info{device,dtype}           gauge     always 1; carries the labels
+The gauges over a window show a worker's state on its own /metrics page; dashboards and rules
+use rate() of the counters instead, which does not depend on when a scrape lands.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import (REGISTRY, Counter, Gauge, Histogram, disable_created_metrics,
+                               start_http_server)
+from prometheus_client.core import CounterMetricFamily
+
+# No *_created series: they would double every counter and histogram for no use in tokq's
+# dashboards (rate() does not need them).
+disable_created_metrics()
+
+# 0.5 ms .. 30 s in 1-2.5-5 steps: a claim takes ~1 ms, a request at most its deadline.
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0, 30.0)
+BATCH_TOKENS_BUCKETS = tuple(16 * 2**k for k in range(13))  # 16 .. 65536
+BATCH_ITEMS_BUCKETS = tuple(2**k for k in range(11))  # 1 .. 1024
+REQUEST_TOKENS_BUCKETS = tuple(8 * 2**k for k in range(16))  # 8 .. 262144 (512 inputs x 512)
+FILL_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+# gRPC codes that count as the service failing (not the caller's mistake): alerts use this set.
+ERROR_CODES = ("UNKNOWN", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE",
+               "DATA_LOSS")
+QUEUE_COUNTERS = ("enqueued", "rejected", "claimed", "expired", "requeued", "failed", "acked")
+_QUEUE_COUNTER_HELP = {
+    "enqueued": "Items accepted into the queue",
+    "rejected": "Items refused because the queue was at its token cap",
+    "claimed": "Items handed to a worker in a batch",
+    "expired": "Items dropped because their deadline passed before they ran",
+    "requeued": "Items put back after a worker's lease ran out",
+    "failed": "Items answered with an error",
+    "acked": "Items answered with an embedding",
+}
+
+_M, _W = ("model",), ("model", "worker")
+
+GATEWAY_REQUESTS = Counter("tokq_gateway_requests", "Finished RPCs by status code",
+                           _M + ("rpc", "code"))
+GATEWAY_REQUEST_DURATION = Histogram("tokq_gateway_request_duration_seconds",
+                                     "Whole RPC as the gateway saw it", _M + ("rpc",),
+                                     buckets=LATENCY_BUCKETS_S)
+GATEWAY_TOKENIZE_DURATION = Histogram("tokq_gateway_tokenize_duration_seconds",
+                                      "Tokenizing one Embed request", _M, buckets=LATENCY_BUCKETS_S)
+GATEWAY_QUEUE_DURATION = Histogram("tokq_gateway_queue_duration_seconds",
+                                   "Queue wait of an Embed request (its slowest item)", _M,
+                                   buckets=LATENCY_BUCKETS_S)
+GATEWAY_INFERENCE_DURATION = Histogram("tokq_gateway_inference_duration_seconds",
+                                       "Forward time of an Embed request (its slowest item)", _M,
+                                       buckets=LATENCY_BUCKETS_S)
+GATEWAY_INPUT_TOKENS = Histogram("tokq_gateway_request_input_tokens",
+                                 "Tokens in one Embed request, all inputs together", _M,
+                                 buckets=REQUEST_TOKENS_BUCKETS)
+GATEWAY_INFLIGHT = Gauge("tokq_gateway_inflight_requests", "RPCs being served now", _M)
+
+QUEUE_ENTRIES = Gauge("tokq_queue_queued_entries", "Entries waiting to be claimed", _M)
+QUEUE_TOKENS = Gauge("tokq_queue_queued_tokens", "Tokens waiting to be claimed", _M)
+QUEUE_OLDEST_AGE = Gauge("tokq_queue_oldest_age_seconds", "Age of the oldest waiting entry", _M)
+QUEUE_INFLIGHT_ITEMS = Gauge("tokq_queue_inflight_items", "Claimed items not yet answered", _M)
+QUEUE_INFLIGHT_BATCHES = Gauge("tokq_queue_inflight_batches", "Batches under a live lease", _M)
+
+WORKER_BATCHES = Counter("tokq_worker_batches", "Forward passes run", _W)
+WORKER_BATCH_TOKENS = Histogram("tokq_worker_batch_tokens", "Tokens per batch", _W,
+                                buckets=BATCH_TOKENS_BUCKETS)
+WORKER_BATCH_ITEMS = Histogram("tokq_worker_batch_items", "Sequences per batch", _W,
+                               buckets=BATCH_ITEMS_BUCKETS)
+WORKER_FILL_RATIO = Histogram("tokq_worker_batch_fill_ratio", "Batch tokens / token budget", _W,
+                              buckets=FILL_RATIO_BUCKETS)
+WORKER_FORWARD_DURATION = Histogram("tokq_worker_forward_duration_seconds",
+                                    "One forward pass, by the batch's power-of-two size class",
+                                    _W + ("tokens_bucket",), buckets=LATENCY_BUCKETS_S)
+WORKER_CLAIM_DURATION = Histogram("tokq_worker_claim_duration_seconds",
+                                  "One call of the claim script", _W, buckets=LATENCY_BUCKETS_S)
+WORKER_TOKENS = Counter("tokq_worker_forward_tokens", "Tokens forwarded", _W)
+WORKER_FLOPS = Counter("tokq_worker_forward_flops", "Model FLOPs forwarded", _W)
+WORKER_BUDGET = Gauge("tokq_worker_budget_tokens", "Token budget in force", _W)
+WORKER_THROUGHPUT = Gauge("tokq_worker_throughput_tokens_per_second",
+                          "Tokens forwarded per second over the last window", _W)
+WORKER_PEAK_FLOPS = Gauge("tokq_worker_device_peak_flops_per_second",
+                          "Dense 16-bit peak FLOP/s of the worker's device", _W)
+WORKER_MFU = Gauge("tokq_worker_mfu_ratio",
+                   "Model FLOP/s over the last window / device peak FLOP/s", _W)
+WORKER_HEARTBEAT = Gauge("tokq_worker_heartbeat_timestamp_seconds",
+                         "Unix time of the worker's last heartbeat", _W)
+WORKER_ERRORS = Counter("tokq_worker_errors", "Worker errors by kind", _W + ("kind",))
+WORKER_INFO = Gauge("tokq_worker_device_info", "Always 1; labels describe the worker's device",
+                    _W + ("device", "dtype"))
+
+
+class _QueueCounterCollector:
+    """Reports the Redis-kept queue totals last read by observe_queue_stats as counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[str, dict[str, float]] = {}  # model -> counter name -> total
+
+    def update(self, model: str, counters: Mapping[str, float]) -> None:
+        with self._lock:
+            self._totals[model] = {k: float(counters.get(k, 0)) for k in QUEUE_COUNTERS}
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return self._families({})
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        with self._lock:
+            totals = {m: dict(c) for m, c in self._totals.items()}
+        return self._families(totals)
+
+    @staticmethod
+    def _families(totals: dict[str, dict[str, float]]) -> list[CounterMetricFamily]:
+        families = []
+        for name in QUEUE_COUNTERS:
+            family = CounterMetricFamily(f"tokq_queue_{name}", _QUEUE_COUNTER_HELP[name],
+                                         labels=_M)
+            for model, counters in sorted(totals.items()):
+                family.add_metric([model], counters[name])
+            families.append(family)
+        return families
+
+
+QUEUE_COUNTER_COLLECTOR = _QueueCounterCollector()
+REGISTRY.register(QUEUE_COUNTER_COLLECTOR)
+
+
+def series_names() -> dict[str, str]:
+    """Every tokq series name a scrape can show -> its metric type (histograms give their
+    _bucket, _sum and _count series): what dashboards and rules may name."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "gauge": ("",)}
+    names = {}
+    for family in REGISTRY.collect():
+        if family.name.startswith("tokq_"):
+            for suffix in suffixes[family.type]:
+                names[family.name + suffix] = family.type
+    return names
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0"):
+    """Serve /metrics on ``addr:port`` from a daemon thread; returns the server
+    (``.server_port`` is the bound port, useful with port 0; ``.shutdown()`` stops it)."""
+    server, _thread = start_http_server(port, addr=addr)
+    return server
+
+
+def observe_queue_stats(stats, *, model: str) -> None:
+    """Export one queue-stats reading (a tokq.queue.QueueStats or anything with its fields)."""
+    QUEUE_ENTRIES.labels(model).set(stats.queued_entries)
+    QUEUE_TOKENS.labels(model).set(stats.queued_tokens)
+    QUEUE_OLDEST_AGE.labels(model).set(stats.oldest_age_ms / 1000.0)
+    QUEUE_INFLIGHT_ITEMS.labels(model).set(stats.inflight_items)
+    QUEUE_INFLIGHT_BATCHES.labels(model).set(stats.inflight_batches)
+    QUEUE_COUNTER_COLLECTOR.update(model, stats.counters)
+
+
+class GatewayMetrics:
+    """The gateway's observer: gateway/service.py calls these four hooks."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._inflight = GATEWAY_INFLIGHT.labels(model)
+        self._inflight.set(0)
+
+    def request_started(self, rpc: str) -> None:
+        self._inflight.inc()
+
+    def request_finished(self, rpc: str, code: str, duration_s: float) -> None:
+        """``code`` is the gRPC status name ("OK", "INVALID_ARGUMENT", ...)."""
+        self._inflight.dec()
+        GATEWAY_REQUESTS.labels(self.model, rpc, code).inc()
+        GATEWAY_REQUEST_DURATION.labels(self.model, rpc).observe(duration_s)
+
+    def embed_tokenized(self, tokenize_ms: float, num_tokens: int) -> None:
+        GATEWAY_TOKENIZE_DURATION.labels(self.model).observe(tokenize_ms / 1000.0)
+        GATEWAY_INPUT_TOKENS.labels(self.model).observe(num_tokens)
+
+    def embed_done(self, queue_ms: float, inference_ms: float) -> None:
+        GATEWAY_QUEUE_DURATION.labels(self.model).observe(queue_ms / 1000.0)
+        GATEWAY_INFERENCE_DURATION.labels(self.model).observe(inference_ms / 1000.0)
+
+
+def tokens_bucket(num_tokens: int) -> str:
+    """The power-of-two size class of a batch: the smallest BATCH_TOKENS_BUCKETS bound >= it."""
+    i = bisect.bisect_left(BATCH_TOKENS_BUCKETS, num_tokens)
+    return str(BATCH_TOKENS_BUCKETS[i]) if i < len(BATCH_TOKENS_BUCKETS) else "+Inf"
+
+
+class WorkerMetrics:
+    """One worker's metrics. ``model_config`` is the model's config.json dict (for FLOPs);
+    ``peak_flops`` the device peak (device_peak_flops), None when unknown: no MFU then."""
+
+    def __init__(self, model: str, worker: str, *, model_config: Mapping | None = None,
+                 peak_flops: float | None = None, device: str = "", dtype: str = "",
+                 window_s: float = 10.0, clock=time.monotonic) -> None:
+        self.labels = (model, worker)
+        self.model_config = model_config
+        self.peak_flops = peak_flops
+        self.window_s = window_s
+        self._clock = clock
+        self._started = clock()
+        self._recent: deque[tuple[float, int, float]] = deque()  # (t, tokens, flops)
+        self._lock = threading.Lock()
+        WORKER_INFO.labels(*self.labels, device, dtype).set(1)
+        WORKER_THROUGHPUT.labels(*self.labels).set_function(lambda: self._window_rates()[0])
+        if peak_flops:
+            WORKER_PEAK_FLOPS.labels(*self.labels).set(peak_flops)
+            WORKER_MFU.labels(*self.labels).set_function(lambda: self._window_rates()[1] / peak_flops)
+        self._info_labels = (device, dtype)
+        self._tokens_buckets: set[str] = set()  # label values used, for close()
+        self._error_kinds: set[str] = set()
+
+    def observe_claim(self, duration_s: float) -> None:
+        WORKER_CLAIM_DURATION.labels(*self.labels).observe(duration_s)
+
+    def set_budget(self, budget_tokens: int) -> None:
+        WORKER_BUDGET.labels(*self.labels).set(budget_tokens)
+
+    def observe_batch(self, seqlens, *, budget_tokens: int, forward_s: float) -> None:
+        """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens))."""
+        lens = [int(n) for n in seqlens]
+        num_tokens = sum(lens)
+        flops = forward_flops(self.model_config, lens) if self.model_config else 0
+        WORKER_BATCHES.labels(*self.labels).inc()
+        WORKER_BATCH_TOKENS.labels(*self.labels).observe(num_tokens)
+        WORKER_BATCH_ITEMS.labels(*self.labels).observe(len(lens))
+        if budget_tokens > 0:
+            self.set_budget(budget_tokens)
+            WORKER_FILL_RATIO.labels(*self.labels).observe(min(1.0, num_tokens / budget_tokens))
+        bucket = tokens_bucket(num_tokens)
+        self._tokens_buckets.add(bucket)
+        WORKER_FORWARD_DURATION.labels(*self.labels, bucket).observe(forward_s)
+        WORKER_TOKENS.labels(*self.labels).inc(num_tokens)
+        WORKER_FLOPS.labels(*self.labels).inc(flops)
+        with self._lock:
+            self._recent.append((self._clock(), num_tokens, flops))
+
+    def observe_error(self, kind: str) -> None:
+        self._error_kinds.add(kind)
+        WORKER_ERRORS.labels(*self.labels, kind).inc()
+
+    def heartbeat(self) -> None:
+        WORKER_HEARTBEAT.labels(*self.labels).set_to_current_time()
+
+    def _window_rates(self) -> tuple[float, float]:
+        """(tokens/s, FLOP/s) over the last window_s, or since start when younger than that."""
+        now = self._clock()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - self.window_s:
+                self._recent.popleft()
+            tokens = sum(t for _, t, _ in self._recent)
+            flops = sum(f for _, _, f in self._recent)
+        span_s = max(1e-3, min(self.window_s, now - self._started))
+        return tokens / span_s, flops / span_s
+
+    def close(self) -> None:
+        """Drop this worker's series (a worker stopped inside a process that goes on)."""
+        for metric in (WORKER_BATCHES, WORKER_BATCH_TOKENS, WORKER_BATCH_ITEMS, WORKER_FILL_RATIO,
+                       WORKER_CLAIM_DURATION, WORKER_TOKENS, WORKER_FLOPS, WORKER_BUDGET,
+                       WORKER_THROUGHPUT, WORKER_PEAK_FLOPS, WORKER_MFU, WORKER_HEARTBEAT):
+            metric.remove(*self.labels)  # a no-op for a series never created
+        WORKER_INFO.remove(*self.labels, *self._info_labels)
+        for bucket in self._tokens_buckets:
+            WORKER_FORWARD_DURATION.remove(*self.labels, bucket)
+        for kind in self._error_kinds:
+            WORKER_ERRORS.remove(*self.labels, kind)
+
+
+def forward_flops(config: Mapping, seqlens: Iterable[int]) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one unpadded forward pass over these sequences.
+
+    Per layer and token: the Q, K, V, O projections and the MLP (gated, three matrices, for
+    Qwen; two for BERT); per layer and sequence of length L: 2 * L^2 * heads * head_dim for
+    QK^T and as much for the weighted sum of V. Causal models are counted on the full square,
+    as torch's FlopCounterMode counts them. Embedding lookups and norms are not matmuls.
+    """
+    hidden = int(config["hidden_size"])
+    num_layers = int(config["num_hidden_layers"])
+    num_heads = int(config["num_attention_heads"])
+    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+    head_dim = int(config.get("head_dim") or hidden // num_heads)
+    ffn = int(config["intermediate_size"])
+    gated = config.get("model_type") in ("qwen2", "qwen3", "llama", "mistral")
+    proj = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads)
+    mlp = hidden * ffn * (3 if gated else 2)
+    lens = [int(n) for n in seqlens]
+    per_token = 2 * (proj + mlp)
+    attention = 4 * num_heads * head_dim * sum(n * n for n in lens)
+    return num_layers * (per_token * sum(lens) + attention)
+
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' datasheets, FLOP/s.
+# Matched against torch.cuda.get_device_name(); the first matching key wins, so the more
+# specific names come first.
+DEVICE_PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+)
+
+
+def device_peak_flops(device="cpu", *, env: Mapping[str, str] | None = None) -> float | None:
+    """Peak FLOP/s for MFU: TOKQ_DEVICE_PEAK_FLOPS when set (any device), else the table
+    entry for a known GPU, else None (unknown: a CPU, or a GPU not in the table)."""
+    env = os.environ if env is None else env
+    if env.get("TOKQ_DEVICE_PEAK_FLOPS"):
+        return float(env["TOKQ_DEVICE_PEAK_FLOPS"])
+    name = str(device)
+    if name.startswith("cuda"):
+        import torch  # only a CUDA device has a name worth asking for
+
+        name = torch.cuda.get_device_name(torch.device(name))
+    return peak_flops_for_name(name)
+
+
+def peak_flops_for_name(device_name: str) -> float | None:
+    for key, peak in DEVICE_PEAK_FLOPS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
