@@ -1,0 +1,277 @@
+"""The sweep behind `tokq profile`: time forward passes at growing token counts, fit the knee.
+
+Batches are packed from a realistic length mix (the project's query workload or a user's file)
+to exact token totals on a geometric grid. Each grid point is warmed up, then timed until it
+has ``min_repeats`` runs and ``target_s_per_point`` seconds (or ``max_repeats``), and its median
+kept. The sweep stops early once a batch takes longer than ``stop_ms`` or memory runs out; an
+out-of-memory error ends the sweep and is reported, never raised.
+
+The model is any ``forward(PackedBatch)`` that returns once the work is done (the Engine's
+``embed`` copies the result to the host, so it does), timed by wall clock on CPU and by CUDA
+events on a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+
+from tokq.batch import PackedBatch
+from tokq.profiling.knee import KneeFit, Recommendation, fit_knee, recommend_budget
+from tokq.profiling.profile_batches import BatchMaker, token_ids_for
+from tokq.profiling.workload import Query, describe
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    min_tokens: int = 16
+    max_tokens: int = 16384
+    points_per_doubling: int = 2  # 2 = a sqrt(2) grid step
+    warmup_runs: int = 1  # untimed runs per point (allocations, kernel selection)
+    min_repeats: int = 3
+    max_repeats: int = 50
+    target_s_per_point: float = 1.0  # keep timing a point until this much time is spent
+    stop_ms: float = 2000.0  # no larger batches once one takes longer than this
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {self.min_tokens}, {self.max_tokens}")
+        if self.points_per_doubling < 1 or self.min_repeats < 1 or self.max_repeats < self.min_repeats:
+            raise ValueError("need points_per_doubling >= 1 and 1 <= min_repeats <= max_repeats")
+
+
+def token_grid(min_tokens: int, max_tokens: int, points_per_doubling: int = 2) -> list[int]:
+    """Geometric grid from min_tokens to max_tokens (both included), rounded to whole tokens."""
+    num_steps = int(np.floor(np.log2(max_tokens / min_tokens) * points_per_doubling + 1e-9))
+    grid = np.rint(min_tokens * 2.0 ** (np.arange(num_steps + 1) / points_per_doubling)).astype(int)
+    return sorted(set(grid.tolist()) | {max_tokens})
+
+
+@dataclass(frozen=True)
+class Point:
+    num_tokens: int
+    num_seqs: int
+    max_seqlen: int
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    num_repeats: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / (self.median_ms / 1000.0)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass
+class SweepResult:
+    points: list[Point] = field(default_factory=list)
+    stopped_reason: str | None = None  # why the grid was cut short; None when it ran to the end
+    out_of_memory_tokens: int | None = None
+
+
+class WallTimer:
+    """Times a call by a host clock (seconds -> ms); the clock is injectable for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        start = self.clock()
+        fn()
+        return (self.clock() - start) * 1000.0
+
+
+class CudaEventTimer:
+    """Times a call by CUDA events on the current stream: GPU time, not host scheduling noise."""
+
+    def __init__(self, device: object) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        cuda = self.torch.cuda
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        with cuda.device(self.device):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+        return float(start.elapsed_time(end))
+
+
+def timer_for(device: object) -> WallTimer | CudaEventTimer:
+    return CudaEventTimer(device) if str(device).startswith("cuda") else WallTimer()
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return True
+    except ImportError:
+        pass
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def time_point(forward: Callable[[PackedBatch], object], batch: PackedBatch, timer, config: SweepConfig,
+               clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Warm up, then time ``forward(batch)`` per the config's repeat rule; latencies in ms."""
+    for _ in range(config.warmup_runs):
+        forward(batch)
+    times_ms: list[float] = []
+    spent_s = 0.0
+    while len(times_ms) < config.max_repeats:
+        times_ms.append(timer.time_ms(lambda: forward(batch)))
+        spent_s += times_ms[-1] / 1000.0
+        if len(times_ms) >= config.min_repeats and spent_s >= config.target_s_per_point:
+            break
+    return times_ms
+
+
+def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], PackedBatch],
+          config: SweepConfig, timer=None,
+          on_point: Callable[[Point], None] | None = None) -> SweepResult:
+    """Time ``forward`` on a batch of each grid size, smallest first."""
+    timer = timer or WallTimer()
+    result = SweepResult()
+    for num_tokens in token_grid(config.min_tokens, config.max_tokens, config.points_per_doubling):
+        batch = make_batch(num_tokens)
+        try:
+            times_ms = time_point(forward, batch, timer, config)
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory is swallowed, see below
+            if not is_out_of_memory(exc):
+                raise
+            _release_memory()
+            result.out_of_memory_tokens = num_tokens
+            result.stopped_reason = f"out of memory at {num_tokens} tokens ({type(exc).__name__})"
+            break
+        p10, median, p90 = np.percentile(times_ms, [10, 50, 90])
+        point = Point(num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, max_seqlen=batch.max_seqlen,
+                      median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90),
+                      num_repeats=len(times_ms))
+        result.points.append(point)
+        if on_point:
+            on_point(point)
+        if point.median_ms > config.stop_ms:
+            result.stopped_reason = (f"a {num_tokens}-token batch took {point.median_ms:.0f} ms, "
+                                     f"over the {config.stop_ms:.0f} ms bound")
+            break
+    return result
+
+
+def device_name(device: object) -> str:
+    """A human name for the device: the GPU's model, or the CPU's model and thread count."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def analyze(points: Sequence[Point], max_batch_ms: float | None) -> tuple[KneeFit | None, Recommendation | None]:
+    """Knee fit and recommended budget; (None, None) with fewer than 3 points."""
+    if len(points) < 3:
+        return None, None
+    tokens = np.array([p.num_tokens for p in points], dtype=float)
+    latency_ms = np.array([p.median_ms for p in points])
+    fit = fit_knee(tokens, latency_ms)
+    return fit, recommend_budget(tokens, latency_ms, fit, max_batch_ms)
+
+
+def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_batch_ms: float | None = None,
+                workload_source: str = "generated", seed: int = 0, timer=None,
+                on_point: Callable[[Point], None] | None = None) -> dict:
+    """Profile a loaded Engine (``info``, ``device``, ``dtype``, ``attn_backend``, ``embed``)
+    and return the report that ``tokq profile --out`` writes."""
+    import torch
+
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    token_ids = token_ids_for(engine.info, seed=seed)
+    make_batch = BatchMaker(queries, token_ids, engine.info.max_length)
+    result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_point)
+    fit, rec = analyze(result.points, max_batch_ms)
+    summary = describe(list(queries))
+    report = {
+        "model": engine.info.name,
+        "model_path": str(engine.info.path),
+        "queue_name": engine.info.queue_name,
+        "device": str(engine.device),
+        "device_name": device_name(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "attn_backend": engine.attn_backend,
+        "torch_version": torch.__version__,
+        "workload": {"source": workload_source, **summary,
+                     "token_ids": "text" if summary["has_texts"] and token_ids.has_tokenizer else "random"},
+        "sweep": asdict(config),
+        "points": [p.to_dict() for p in result.points],
+        "stopped_reason": result.stopped_reason,
+        "out_of_memory_tokens": result.out_of_memory_tokens,
+        "fit": fit.to_dict() if fit else None,
+        "knee_tokens": fit.knee_tokens if fit else None,
+        "flat_ms": fit.flat_ms if fit else None,
+        "slope_ms_per_token": fit.slope_ms_per_token if fit else None,
+        "max_batch_ms": rec.max_batch_ms if rec else max_batch_ms,
+        "recommended_budget": rec.budget_tokens if rec else None,
+        "recommendation": rec.to_dict() if rec else None,
+        "started_at": started_at,
+        "duration_s": round(time.perf_counter() - t0, 3),
+    }
+    report["summary"] = summarize(report)
+    return report
+
+
+def summarize(report: dict) -> str:
+    """One paragraph a reader can act on without the JSON."""
+    points = report["points"]
+    head = (f"{report['model']} on {report['device']} ({report['device_name']}; {report['dtype']}, "
+            f"attention {report['attn_backend']}): {len(points)} batch sizes")
+    if points:
+        head += f" from {points[0]['num_tokens']} to {points[-1]['num_tokens']} tokens"
+    parts = [head + f" in {report['duration_s']:.0f} s."]
+    if report["stopped_reason"]:
+        parts.append(f"Stopped early: {report['stopped_reason']}.")
+    fit, rec = report["fit"], report["recommendation"]
+    if fit is None:
+        parts.append("Too few points to fit a knee (3 needed): no budget recommended.")
+        return " ".join(parts)
+    parts.append(fit["reason"][0].upper() + fit["reason"][1:] + ".")
+    if rec["budget_tokens"] is None:
+        parts.append(rec["reason"][0].upper() + rec["reason"][1:] + ".")
+    else:
+        parts.append(f"Recommended token budget: {rec['budget_tokens']} ({rec['tokens_per_s']:,.0f} tokens/s "
+                     f"at {rec['latency_ms']:.3g} ms per batch, ceiling {rec['max_batch_ms']:.3g} ms).")
+    return " ".join(parts)

@@ -1,0 +1,126 @@
+"""Packed batches for the profile: exact token totals, realistic lengths, real token ids.
+
+Lengths come from a workload in its order. Token ids are the query's own text, tokenized, when
+the workload has texts and the model a tokenizer; otherwise random ordinary vocabulary ids
+wrapped in the model's special tokens ([CLS] ... [SEP] for BERT), or, for a model saved
+without a tokenizer, random ids in [0, vocab_size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokq.batch import PackedBatch
+from tokq.model_info import ModelInfo
+from tokq.profiling.workload import Query
+
+
+@dataclass
+class TokenIds:
+    """Builds one query's token ids (specials included), capped at a length."""
+
+    vocab_ids: np.ndarray  # ordinary (non-special) ids to draw bodies from
+    prefix: tuple[int, ...] = ()  # special ids before the body, e.g. [CLS]
+    suffix: tuple[int, ...] = ()  # special ids after it, e.g. [SEP]
+    tokenize: Callable[[str], list[int]] | None = None  # text -> ids with specials
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+        self._cache: dict[int, np.ndarray] = {}
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.tokenize is not None
+
+    def __call__(self, query: Query, max_tokens: int) -> np.ndarray:
+        """The query's ids, at most ``max_tokens`` of them: its text's own length when it has
+        a text (the "tokens" field counts another tokenizer's tokens), else its "tokens"."""
+        if self.tokenize is None or query.text is None:
+            return self.random_ids(min(query.num_tokens, max_tokens))
+        ids = self._cache.get(query.id)
+        if ids is None:
+            ids = self._cache.setdefault(query.id, np.asarray(self.tokenize(query.text), np.int64))
+        if ids.size <= max_tokens:
+            return ids
+        # Cut the body, keep the closing special token(s) in place.
+        keep_tail = min(len(self.suffix), max_tokens - 1)
+        return np.concatenate([ids[:max_tokens - keep_tail], ids[ids.size - keep_tail:]])
+
+    def random_ids(self, length: int) -> np.ndarray:
+        specials = list(self.prefix) + list(self.suffix)
+        if length <= len(specials):  # too short for a body: the specials, cut (e.g. just [CLS])
+            return np.asarray(specials[:length], np.int64)
+        body = self._rng.choice(self.vocab_ids, size=length - len(specials))
+        return np.concatenate([np.asarray(self.prefix, np.int64), body, np.asarray(self.suffix, np.int64)])
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+
+
+def _random_ids(info: ModelInfo, seed: int) -> TokenIds:
+    vocab_size = int(info.config.get("vocab_size", 0))
+    if vocab_size <= 0:
+        raise ValueError(f"{info.path} has neither a tokenizer nor a vocab_size in config.json")
+    return TokenIds(vocab_ids=np.arange(vocab_size, dtype=np.int64), seed=seed)
+
+
+def token_ids_for(info: ModelInfo, *, seed: int = 0) -> TokenIds:
+    """The model's tokenizer when it has one, else random ids over its config's vocab_size."""
+    # transformers 5 builds an empty tokenizer for a directory without one: look for files first.
+    if not any((info.path / name).is_file() for name in TOKENIZER_FILES):
+        return _random_ids(info, seed)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(info.path))
+    if not tok("hello", add_special_tokens=False)["input_ids"]:
+        return _random_ids(info, seed)
+    special = set(tok.all_special_ids)
+    vocab_ids = np.array([i for i in range(len(tok)) if i not in special], dtype=np.int64)
+    # Find the specials the tokenizer wraps text with by where a probe word's body sits.
+    with_specials = tok("hello", add_special_tokens=True)["input_ids"]
+    body = tok("hello", add_special_tokens=False)["input_ids"]
+    start = next(i for i in range(len(with_specials) - len(body) + 1)
+                 if with_specials[i:i + len(body)] == body)
+    return TokenIds(
+        vocab_ids=vocab_ids,
+        prefix=tuple(with_specials[:start]),
+        suffix=tuple(with_specials[start + len(body):]),
+        tokenize=lambda text: tok(text, add_special_tokens=True, truncation=True,
+                                  max_length=info.max_length)["input_ids"],
+        seed=seed,
+    )
+
+
+class BatchMaker:
+    """Packs batches of an exact token count from a workload's lengths, in workload order.
+
+    ``make_ids(query, max_tokens)`` gives a query's ids, at most ``max_tokens`` (>= 1) of them.
+    Lengths are capped at ``max_length``; the last sequence is cut to hit the total. Each call
+    continues where the last stopped, so successive grid points see different queries.
+    """
+
+    def __init__(self, queries: Sequence[Query], make_ids: Callable[[Query, int], np.ndarray],
+                 max_length: int) -> None:
+        if not queries:
+            raise ValueError("empty workload")
+        self.queries = queries
+        self.make_ids = make_ids
+        self.max_length = max_length
+        self._next: Iterator[Query] = self._cycle()
+
+    def _cycle(self) -> Iterator[Query]:
+        while True:
+            yield from self.queries
+
+    def __call__(self, num_tokens: int) -> PackedBatch:
+        seqs: list[np.ndarray] = []
+        remaining = num_tokens
+        while remaining > 0:
+            query = next(self._next)
+            seqs.append(self.make_ids(query, min(self.max_length, remaining)))
+            remaining -= seqs[-1].size
+        return PackedBatch.pack(seqs)
