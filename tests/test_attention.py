@@ -1,0 +1,120 @@
+"""Every attention backend against a per-sequence reference computed in float64: no sequence
+sees a neighbour's tokens, causal masks stay inside a sequence, GQA shares kv heads right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokq.batch import PackedBatch
+from tokq.workers import attention
+
+SEQ_LENS = [3, 1, 7, 3, 12, 1, 7, 7, 2]
+HEAD_DIM = 16
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _batch(lens=SEQ_LENS) -> PackedBatch:
+    return PackedBatch.pack([np.arange(n) for n in lens])
+
+
+def _qkv(num_tokens: int, num_heads: int, num_kv_heads: int, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    return (x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
+def _reference(q, k, v, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
+    q, k, v = (x.double().cpu() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+        scores = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            n = end - start
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out[start:end] = (scores.softmax(-1) @ vs).transpose(0, 1)
+    return out
+
+
+def _run(backend: str, q, k, v, batch: PackedBatch, causal: bool, scale: float) -> torch.Tensor:
+    """Attention in the backend's own token order, put back in the batch's order."""
+    layout = attention.build_layout(batch, q.device, backend)
+    if layout.restore is None:
+        return attention.attend_fn(backend)(q, k, v, layout, causal, scale)
+    # the layout sorted the sequences: feed it the rows in its order, then undo it
+    order = layout.restore.argsort().cpu().numpy()
+    rows = np.concatenate([np.arange(batch.cu_seqlens[i], batch.cu_seqlens[i + 1]) for i in order])
+    rows_t = torch.from_numpy(rows).to(q.device)
+    out_sorted = attention.attend_fn(backend)(q[rows_t], k[rows_t], v[rows_t], layout, causal, scale)
+    out = torch.empty_like(out_sorted)
+    out[rows_t] = out_sorted
+    return out
+
+
+@pytest.mark.parametrize("backend", ["sdpa_grouped", "sdpa_loop"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa2", "mqa"])
+def test_cpu_backends_match_reference(backend, causal, heads):
+    batch = _batch()
+    q, k, v = _qkv(batch.num_tokens, *heads)
+    scale = HEAD_DIM ** -0.5
+    out = _run(backend, q, k, v, batch, causal, scale)
+    ref = _reference(q, k, v, batch.cu_seqlens, causal, scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_layout_sorts_by_length_and_restores_batch_order():
+    batch = _batch([5, 2, 5, 1])
+    layout = attention.build_layout(batch, torch.device("cpu"), "sdpa_grouped")
+    assert [(r.start, r.num_seqs, r.seqlen) for r in layout.runs] == [(0, 1, 1), (1, 1, 2), (3, 2, 5)]
+    assert layout.cu_seqlens.tolist() == [0, 1, 3, 8, 13]
+    assert layout.restore.tolist() == [2, 1, 3, 0]  # sorted rows of sequences 0, 1, 2, 3
+    assert layout.seq_index.tolist() == [0, 1, 1] + [2] * 5 + [3] * 5
+    # tokens and positions travel with their sequence
+    assert layout.input_ids.tolist()[:3] == [0, 0, 1]
+    assert layout.positions.tolist() == [0, 0, 1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+
+
+def test_already_sorted_batch_is_not_copied():
+    layout = attention.build_layout(_batch([1, 2, 2, 9]), torch.device("cpu"), "sdpa_grouped")
+    assert layout.restore is None
+    assert [(r.num_seqs, r.seqlen) for r in layout.runs] == [(1, 1), (2, 2), (1, 9)]
+
+
+def test_auto_backend_on_cpu_is_grouped_sdpa():
+    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_grouped"
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
+def test_gpu_backend_requested_on_cpu_says_why_not(backend):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        attention.choose_backend(backend, torch.device("cpu"), torch.float32)
+
+
+def test_unknown_backend_lists_the_known_ones():
+    with pytest.raises(ValueError, match="sdpa_grouped"):
+        attention.choose_backend("xformers", torch.device("cpu"), torch.float32)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa_grouped"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_cuda_backends_match_reference_in_bf16(backend, causal):
+    device = torch.device("cuda")
+    reason = attention.unavailable_reason(backend, device, torch.bfloat16)
+    if reason:
+        pytest.skip(reason)
+    batch = _batch(SEQ_LENS + [300, 129])
+    q, k, v = _qkv(batch.num_tokens, 8, 2, dtype=torch.bfloat16, device=device)
+    scale = HEAD_DIM ** -0.5
+    out = _run(backend, q, k, v, batch, causal, scale)
+    ref = _reference(q, k, v, batch.cu_seqlens, causal, scale)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
