@@ -14,7 +14,7 @@ from tokq import config as cfg
 
 
 def _run_one(values: dict) -> None:
-    from gateway.server import serve
+    from tokq.gateway.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(cfg.load(cfg.GatewayConfig, values)))

@@ -17,7 +17,7 @@ import time
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from gateway.errors import Unavailable
+from tokq.gateway.errors import Unavailable
 from tokq.keys import QueueKeys
 
 log = logging.getLogger(__name__)

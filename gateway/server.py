@@ -15,9 +15,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.replies import ReplyRouter
-from gateway.service import EmbedderService
-from gateway.tokenize import Tokenizer
+from tokq.gateway.replies import ReplyRouter
+from tokq.gateway.service import EmbedderService
+from tokq.gateway.tokenize import Tokenizer
 from tokq import config as cfg
 from tokq.connection import connect, connect_pubsub
 from tokq.model_info import ModelInfo

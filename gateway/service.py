@@ -8,9 +8,9 @@ import time
 
 import grpc
 
-from gateway.errors import DeadlineExceeded, InvalidArgument, ServiceError, from_result_code, to_status
-from gateway.replies import ReplyRouter
-from gateway.tokenize import Tokenizer
+from tokq.gateway.errors import DeadlineExceeded, InvalidArgument, ServiceError, from_result_code, to_status
+from tokq.gateway.replies import ReplyRouter
+from tokq.gateway.tokenize import Tokenizer
 from tokq import __version__
 from tokq.config import GatewayConfig
 from tokq.entry import decode_result, encode_body

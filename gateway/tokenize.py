@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoTokenizer
 
-from gateway.errors import InvalidArgument
+from tokq.gateway.errors import InvalidArgument
 from tokq.model_info import ModelInfo
 
 

@@ -15,8 +15,8 @@ from tokq import config as cfg
 async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -> None:
     from tokq.connection import connect
     from tokq.queue import Queue
-    from workers.engine import Engine
-    from workers.worker import Worker
+    from tokq.workers.engine import Engine
+    from tokq.workers.worker import Worker
 
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.model_name or None)

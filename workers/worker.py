@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import redis.exceptions
 
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
@@ -27,6 +28,9 @@ log = logging.getLogger("tokq.worker")
 
 DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # used until `tokq profile --apply` publishes one
 IDLE_POLL_S = 0.002
+REDIS_RETRY_S = 0.2
+ACK_ATTEMPTS = 10
+_REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 BUDGET_REFRESH_S = 1.0
 
 
@@ -92,15 +96,31 @@ class Worker:
             if not self._stop.is_set():
                 next_claim = asyncio.create_task(self._claim())  # overlaps the forward
             outcome = await forward
-            await self.queue.ack(claim.batch_id, outcome.results)
+            await self._ack(claim, outcome)
             self._held.discard(claim.batch_id)
             self.num_batches += 1
             if self.observer:
                 self.observer.batch_done(outcome, self.budget, claim)
 
+    async def _ack(self, claim: Claim, outcome: BatchOutcome) -> None:
+        for attempt in range(ACK_ATTEMPTS):
+            try:
+                await self.queue.ack(claim.batch_id, outcome.results)
+                return
+            except _REDIS_ERRORS as exc:
+                log.warning("ack of batch %s failed (%s), attempt %d", claim.batch_id, exc, attempt + 1)
+                await asyncio.sleep(REDIS_RETRY_S)
+        # Give up: the lease expires and another worker redoes the batch (acks are idempotent).
+        log.error("batch %s not acknowledged; it will be redone after its lease", claim.batch_id)
+
     async def _claim(self) -> Claim | None:
         start = time.perf_counter()
-        claim = await self.queue.claim(self.budget)
+        try:
+            claim = await self.queue.claim(self.budget)
+        except _REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
+            log.warning("claim failed: %s; retrying", exc)
+            await asyncio.sleep(REDIS_RETRY_S)
+            return None
         if claim is not None:
             self._held.add(claim.batch_id)
         if self.observer:

@@ -1,0 +1,283 @@
+"""The service end to end: real Redis, real gRPC on loopback, real worker processes, the bundled
+all-MiniLM-L6-v2. Tests run in file order against one deployment (starting it is the slow part)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from tokq import Client, TokqError
+from tokq.keys import QueueKeys
+
+pytestmark = pytest.mark.slow
+KEYS = QueueKeys("all-MiniLM-L6-v2")
+
+
+def make_texts(n: int, seed: int, bundled_model_dir) -> list[str]:
+    words = [w.strip() for w in open(bundled_model_dir / "vocab.txt", encoding="utf-8")
+             if w.strip().isalpha() and w.strip().islower() and len(w.strip()) > 2][:20000]
+    rng = random.Random(seed)
+    lengths = [min(200, max(1, int(rng.lognormvariate(2.0, 0.8)))) for _ in range(n)]
+    return [" ".join(rng.choice(words) for _ in range(k)) for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(bundled_model_dir):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(bundled_model_dir), device="cpu")
+    return lambda texts: model.encode(texts, batch_size=64, normalize_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from service_stack import ServiceStack
+
+    # Short leases so a killed worker's batch is redone quickly; a small token cap to test overload.
+    s = ServiceStack(env={"TOKQ_LEASE_MS": "1500", "TOKQ_MAX_QUEUED_TOKENS": "40000"})
+    try:
+        s.start_gateway()
+        s.start_worker("w1")
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with Client(stack.target) as c:
+        yield c
+
+
+def assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape and got.dtype == np.float32
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    assert cos.min() >= 0.9999, f"min cosine {cos.min()}"
+
+
+def no_request_keys_left(stack, settle_s: float = 15) -> list[bytes]:
+    """Request keys still in Redis once the workers have finished what they hold."""
+    r = stack.client()
+    deadline = time.monotonic() + settle_s
+    while int(r.get(KEYS.inflight) or 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [k for k in r.scan_iter(match=f"{KEYS.base}:*")
+            if b":reply:" in k or b":lease:" in k]
+    if r.llen(KEYS.pending):
+        left.append(KEYS.pending.encode())
+    return left
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_embeddings_match_sentence_transformers_one_worker(client, reference, bundled_model_dir, n):
+    texts = make_texts(n, seed=n, bundled_model_dir=bundled_model_dir)
+    assert_close(client.embed(texts, timeout=60), reference(texts))
+
+
+def test_info_and_tokenize(client, bundled_model_dir):
+    info = client.info(timeout=5)
+    assert (info.model, info.dimensions, info.max_input_length) == ("all-MiniLM-L6-v2", 384, 256)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(bundled_model_dir))
+    assert client.tokenize(["hello world"]) == [tok("hello world")["input_ids"]]
+
+
+def test_grpc_health_and_reflection(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(stack.target) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="tokq.v1.Embedder"), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert {"tokq.v1.Embedder", "grpc.health.v1.Health"} <= names
+
+
+def test_dimensions_prompt_and_normalize_options(client, reference, bundled_model_dir):
+    texts = make_texts(5, seed=11, bundled_model_dir=bundled_model_dir)
+    full = reference(texts)
+    cut = client.embed(texts, dimensions=64)
+    want = full[:, :64] / np.linalg.norm(full[:, :64], axis=1, keepdims=True)
+    assert_close(cut, want)
+    raw = client.embed(texts, normalize=False)
+    assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0, atol=1e-3)
+    assert_close(raw / np.linalg.norm(raw, axis=1, keepdims=True), full)
+
+
+def test_two_workers_share_a_request(stack, client, reference, bundled_model_dir):
+    stack.start_worker("w2", "--token-budget", "128")
+    texts = make_texts(300, seed=3, bundled_model_dir=bundled_model_dir)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: client.embed(texts, timeout=120), range(4)))
+    want = reference(texts)
+    for out in outs:
+        assert_close(out, want)
+    import json
+
+    r = stack.client()
+    batches = {w: json.loads(r.get(KEYS.heartbeat(w)))["batches"] for w in ("w1", "w2")}
+    assert all(n > 0 for n in batches.values()), batches
+
+
+def test_200_concurrent_calls_all_answered_correctly(stack, client, reference, bundled_model_dir):
+    texts = make_texts(200, seed=5, bundled_model_dir=bundled_model_dir)
+    want = reference(texts)
+    with ThreadPoolExecutor(200) as pool:
+        got = list(pool.map(lambda t: client.embed([t], timeout=120)[0], texts))
+    assert_close(np.stack(got), want)
+    assert no_request_keys_left(stack) == []
+
+
+@pytest.mark.parametrize("call, code, needle", [
+    (dict(texts=[]), "INVALID_ARGUMENT", "empty"),
+    (dict(texts=["ok", ""]), "INVALID_ARGUMENT", "input 1"),
+    (dict(texts=["x"] * 513), "INVALID_ARGUMENT", "limit is 512"),
+    (dict(texts=["word " * 400]), "INVALID_ARGUMENT", "at most 256 tokens"),
+    (dict(texts=["hi"], dimensions=0), "INVALID_ARGUMENT", "dimensions"),
+    (dict(texts=["hi"], dimensions=385), "INVALID_ARGUMENT", "1..384"),
+    (dict(texts=["hi"], prompt_name="query"), "INVALID_ARGUMENT", "prompt_name"),
+])
+def test_bad_requests_get_invalid_argument_and_service_still_serves(client, call, code, needle):
+    texts = call.pop("texts")
+    with pytest.raises(TokqError) as err:
+        client.embed(texts, timeout=10, **call)
+    assert err.value.code.name == code and needle in err.value.message, err.value
+    assert client.embed(["still serving"], timeout=30).shape == (1, 384)
+
+
+def test_unknown_model_is_invalid_argument(stack):
+    with Client(stack.target, model="no-such-model") as c, pytest.raises(TokqError) as err:
+        c.embed(["hi"], timeout=10)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no-such-model" in err.value.message
+
+
+def test_truncate_cuts_over_long_input(client, reference):
+    long_text = "embedding " * 400
+    got = client.embed([long_text], truncate=True, timeout=30)
+    assert_close(got, reference([long_text]))  # sentence-transformers truncates at 256 too
+
+
+def test_deadline_exceeded_and_overload_leave_nothing_behind(stack, client):
+    for w in list(stack.workers):
+        stack.signal_worker(w, signal.SIGSTOP)  # nobody claims: calls can only time out
+    try:
+        with pytest.raises(TokqError) as err:
+            client.embed(["nobody will answer this"], timeout=0.5)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Fill the queue past its 40,000-token cap with calls that wait; the next is rejected whole.
+        big = ["token " * 120] * 100  # ~12,200 tokens a request
+        waiting = ThreadPoolExecutor(4)
+        futures = [waiting.submit(client.embed, big, timeout=4) for _ in range(4)]
+        time.sleep(1.5)
+        with pytest.raises(TokqError) as err:
+            client.embed(big, timeout=5)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        codes = []
+        for f in futures:
+            with pytest.raises(TokqError) as e:
+                f.result()
+            codes.append(e.value.code)
+        assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    finally:
+        for w in list(stack.workers):
+            stack.signal_worker(w, signal.SIGCONT)
+    assert no_request_keys_left(stack) == []
+    assert int(stack.client().get(KEYS.tokens) or 0) == 0
+    assert client.embed(["served again"], timeout=30).shape == (1, 384)
+
+
+def _load(client, texts, reference_vectors, stop: threading.Event, errors: list, done: list) -> None:
+    i = 0
+    while not stop.is_set():
+        k = 1 + i % 9
+        idx = [(i * 7 + j) % len(texts) for j in range(k)]
+        try:
+            got = client.embed([texts[j] for j in idx], timeout=60)
+            assert_close(got, reference_vectors[idx])
+            done.append(k)
+        except Exception as exc:  # noqa: BLE001 - every failure is a test failure
+            errors.append(exc)
+        i += 1
+
+
+def test_kill_9_of_a_worker_under_load_loses_nothing(stack, client, reference, bundled_model_dir):
+    texts = make_texts(120, seed=9, bundled_model_dir=bundled_model_dir)
+    want = reference(texts)
+    stop, errors, done = threading.Event(), [], []
+    threads = [threading.Thread(target=_load, args=(client, texts, want, stop, errors, done)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    stack.signal_worker("w2", signal.SIGKILL)
+    stack.workers.pop("w2").wait()
+    time.sleep(4)  # past the 1.5 s lease: w2's batches are redone by w1
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(done) > 20
+    counters = {k.decode(): int(v) for k, v in stack.client().hgetall(KEYS.counters).items()}
+    assert no_request_keys_left(stack) == []
+    assert int(stack.client().get(KEYS.inflight) or 0) == 0, counters
+
+
+def test_sigterm_to_a_worker_under_load_loses_nothing(stack, client, reference, bundled_model_dir):
+    stack.start_worker("w3")
+    texts = make_texts(120, seed=13, bundled_model_dir=bundled_model_dir)
+    want = reference(texts)
+    stop, errors, done = threading.Event(), [], []
+    threads = [threading.Thread(target=_load, args=(client, texts, want, stop, errors, done)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    assert stack.stop_worker("w3") == 0
+    time.sleep(1)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(done) > 20
+    assert not stack.client().exists(KEYS.heartbeat("w3"))
+    assert no_request_keys_left(stack) == []
+
+
+def test_worker_check_reports_liveness(stack):
+    import subprocess
+    import sys
+
+    def check(worker_id):
+        return subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--check", "--worker-id", worker_id,
+                               "--redis-url", stack.redis.url], capture_output=True).returncode
+
+    assert check("w1") == 0
+    assert check("w3") == 1  # stopped above
+
+
+def test_redis_down_is_unavailable_promptly_and_service_recovers(stack, client):
+    stack.redis.stop()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TokqError) as err:
+            client.embed(["redis is down"], timeout=20)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        elapsed = time.monotonic() - start
+    finally:
+        stack.redis.start()
+    assert elapsed < 10  # it failed on its own, long before the 20 s deadline
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert client.embed(["back again"], timeout=10).shape == (1, 384)
+            break
+        except TokqError:
+            assert time.monotonic() < deadline, "service did not recover after Redis came back"
+            time.sleep(0.5)
