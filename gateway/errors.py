@@ -56,8 +56,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, exc.message
     if isinstance(exc, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue over its token cap, retry later: {exc}"
+    if isinstance(exc, TimeoutError):  # before OSError: the builtin TimeoutError is one
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before all inputs were embedded"
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)):
         return grpc.StatusCode.UNAVAILABLE, f"queue backend (Redis) unreachable: {exc}"
-    if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before all inputs were embedded"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,72 @@
+"""The API surface: generated code in sync with the proto, error mapping, config, client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import redis.exceptions
+
+from tokq import config as cfg
+from tokq.v1 import generate
+
+
+def test_generated_code_matches_the_proto(tmp_path):
+    fresh = generate.generate(tmp_path)
+    committed = Path(generate.__file__).parent
+    for path in fresh:
+        assert path.read_bytes() == (committed / path.name).read_bytes(), (
+            f"{path.name} drifted from embedder.proto: run `make proto`")
+
+
+def test_errors_map_to_grpc_codes_in_one_place():
+    from tokq.gateway.errors import InvalidArgument, from_result_code, to_status
+    from tokq.queue import QueueFull
+
+    assert to_status(InvalidArgument("bad"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert to_status(QueueFull(10, 5, 12))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert to_status(redis.exceptions.ConnectionError("refused"))[0] == grpc.StatusCode.UNAVAILABLE
+    assert to_status(redis.exceptions.TimeoutError("slow"))[0] == grpc.StatusCode.UNAVAILABLE
+    assert to_status(TimeoutError())[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert to_status(RuntimeError("boom")) == (grpc.StatusCode.INTERNAL, "internal error: RuntimeError: boom")
+    # errors written into replies by workers and Lua keep their status
+    assert from_result_code("DEADLINE_EXCEEDED", "late").code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert from_result_code("INTERNAL", "x").code == grpc.StatusCode.INTERNAL
+    assert from_result_code("NOT_A_CODE", "x").code == grpc.StatusCode.INTERNAL
+
+
+def test_config_rejects_unknown_keys_and_takes_env_overrides():
+    with pytest.raises(ValueError, match="unknown QueueConfig key.*lease_msec"):
+        cfg.load(cfg.QueueConfig, {"lease_msec": 5})
+    conf = cfg.load(cfg.QueueConfig, {"lookahead": 0}, env={"TOKQ_LEASE_MS": "1500", "TOKQ_LOOKAHEAD": "9"})
+    assert (conf.lease_ms, conf.lookahead) == (1500, 0)  # explicit values beat the environment
+    with pytest.raises(ValueError, match="TOKQ_LEASE_MS: expected int"):
+        cfg.load(cfg.QueueConfig, env={"TOKQ_LEASE_MS": "soon"})
+    assert cfg.load(cfg.GatewayConfig, {"port": None}, env={}).port == 50051  # unset flag = default
+
+
+def test_client_refuses_a_bare_string():
+    from tokq import Client
+
+    with Client("127.0.0.1:9") as client, pytest.raises(TypeError, match="list of strings"):
+        client.embed("not a list")
+
+
+def test_client_raises_unavailable_with_code_when_nothing_listens():
+    from tokq import Client, TokqError
+    from tokq.redis_server import free_port
+
+    with Client(f"127.0.0.1:{free_port()}") as client, pytest.raises(TokqError) as err:
+        client.embed(["hi"], timeout=2)
+    assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_cli_lists_every_subcommand():
+    from click.testing import CliRunner
+
+    from tokq.cli import COMMANDS, main
+
+    out = CliRunner().invoke(main, ["--help"]).output
+    for name in COMMANDS:
+        assert name in out

@@ -1,0 +1,65 @@
+"""`tokq up` (what `make run` starts): serves the bundled model, Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tokq.redis_server import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes; read its state
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_tokq_up_serves_and_ctrl_c_stops_everything():
+    from tokq import Client
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--workers", "2",
+                             "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "tokq up exited:\n" + "".join(lines)
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        text = "".join(lines)
+        assert f"127.0.0.1:{port}" in text and "tokq embed" in text and "redis://" in text
+        children = _children(proc.pid)
+        assert len(children) == 4  # Redis, gateway, two workers
+        with Client(f"127.0.0.1:{port}") as client:
+            vectors = client.embed(["make run works", "and answers"], timeout=60)
+        assert vectors.shape == (2, 384)
+        np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+        cli = subprocess.run([sys.executable, "-m", "tokq.cli", "embed", "--target", f"127.0.0.1:{port}",
+                              "hello"], capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0 and '"model": "all-MiniLM-L6-v2"' in cli.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    time.sleep(0.5)
+    assert [pid for pid in children if _alive(pid)] == []
