@@ -1,0 +1,242 @@
+"""tokq's Grafana dashboards as code (grafana-foundation-sdk): writes dashboards/*.json.
+
+    .venv/bin/python deploy/grafana/build.py           # regenerate the committed JSON
+    .venv/bin/python deploy/grafana/build.py --check   # exit 1 if the committed JSON is stale
+
+Every query reads only metrics that tokq.metrics defines (tests/test_deploy_grafana.py checks
+it). Panels pick their Prometheus through the ``datasource`` variable and filter by ``model``,
+so the same JSON works provisioned (deploy/grafana/provisioning) or imported by hand.
+Queue gauges are exported by every process that reads the queue stats: they are combined
+with max, never summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.builders import heatmap, prometheus, timeseries
+from grafana_foundation_sdk.builders.common import VizLegendOptions
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+OUT_DIR = Path(__file__).resolve().parent / "dashboards"
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+RATE = "$__rate_interval"
+M = 'model=~"$model"'
+W = 'model=~"$model", worker=~"$worker"'
+# tokq.metrics.ERROR_CODES: the service failed, not the caller
+SERVER_ERRORS = 'code=~"UNKNOWN|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|INTERNAL|UNAVAILABLE|DATA_LOSS"'
+
+
+def query(expr: str, legend: str, ref_id: str = "A") -> prometheus.Dataquery:
+    return (prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref_id)
+            .datasource(DATASOURCE).range())
+
+
+def quantiles(metric: str, by: str, where: str, legend: str,
+              qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list[prometheus.Dataquery]:
+    """One histogram_quantile query per quantile, over the rate of ``metric``'s buckets."""
+    out = []
+    for i, q in enumerate(qs):
+        expr = (f"histogram_quantile({q}, sum by ({by}le) "
+                f"(rate({metric}_bucket{{{where}}}[{RATE}])))")
+        out.append(query(expr, legend.format(q=f"p{round(q * 100)}"), chr(ord("A") + i)))
+    return out
+
+
+def panel(title: str, description: str, unit: str, targets: list[prometheus.Dataquery], *,
+          span: int = 12, min_val: float | None = 0, max_val: float | None = None,
+          table_legend: bool = False) -> timeseries.Panel:
+    p = (timeseries.Panel().title(title).description(description).unit(unit)
+         .datasource(DATASOURCE).span(span).height(8).targets(targets).fill_opacity(10))
+    if min_val is not None:
+        p = p.min(min_val)
+    if max_val is not None:
+        p = p.max(max_val)
+    legend = VizLegendOptions().show_legend(True)
+    if table_legend:
+        legend = legend.display_mode(LegendDisplayMode.TABLE).placement(LegendPlacement.RIGHT)
+    else:
+        legend = legend.display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
+    return p.legend(legend)
+
+
+def variables(with_worker: bool) -> list:
+    out = [
+        gd.DatasourceVariable("datasource").label("Prometheus").type("prometheus"),
+        gd.QueryVariable("model").label("Model").datasource(DATASOURCE)
+        .query("label_values(tokq_queue_queued_tokens, model)")
+        .multi(True).include_all(True).all_value(".*").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED),
+    ]
+    if with_worker:
+        out.append(gd.QueryVariable("worker").label("Worker").datasource(DATASOURCE)
+                   .query(f"label_values(tokq_worker_batches_total{{{M}}}, worker)")
+                   .multi(True).include_all(True).all_value(".*")
+                   .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
+    return out
+
+
+def base(uid: str, title: str, description: str, with_worker: bool) -> gd.Dashboard:
+    return (gd.Dashboard(title).uid(uid).description(description).tags(["tokq"])
+            .time("now-1h", "now").refresh("30s").timezone("browser").editable()
+            .variables(variables(with_worker)))
+
+
+def overview() -> gd.Dashboard:
+    req = f"tokq_gateway_requests_total{{{M}}}"
+    return (
+        base("tokq-overview", "tokq / Overview",
+             "Requests, latency and the queue: is tokq keeping up?", with_worker=False)
+        .with_row(gd.Row("Requests"))
+        .with_panel(panel("Request rate", "Finished RPCs per second, by RPC and gRPC status.",
+                          "reqps", [query(f"sum by (rpc, code) (rate({req}[{RATE}]))",
+                                          "{{rpc}} {{code}}")]))
+        .with_panel(panel(
+            "Error rate", "Share of requests that failed: server errors (tokq's fault) and "
+            "client errors (bad input, unknown model).", "percentunit",
+            [query(f"sum(rate(tokq_gateway_requests_total{{{M}, {SERVER_ERRORS}}}[{RATE}])) "
+                   f"/ sum(rate({req}[{RATE}]))", "server errors"),
+             query(f'sum(rate(tokq_gateway_requests_total{{{M}, code!="OK", code!~'
+                   f'"{SERVER_ERRORS[7:-1]}"}}[{RATE}])) / sum(rate({req}[{RATE}]))',
+                   "client errors", "B")]))
+        .with_panel(panel("Embed latency", "Whole Embed RPC as the gateway saw it.", "s",
+                          quantiles("tokq_gateway_request_duration_seconds", "",
+                                    f'{M}, rpc="Embed"', "{q}")))
+        .with_panel(panel(
+            "Where a request's time goes (p90)",
+            "Tokenizing in the gateway, waiting in the Redis queue, and the forward pass, "
+            "each as the request saw it (its slowest item).", "s",
+            [query(f"histogram_quantile(0.9, sum by (le) (rate(tokq_gateway_{stage}"
+                   f"_duration_seconds_bucket{{{M}}}[{RATE}])))", stage, ref)
+             for stage, ref in (("tokenize", "A"), ("queue", "B"), ("inference", "C"))]))
+        .with_panel(panel("Input tokens per request", "Tokens in one Embed request.", "none",
+                          quantiles("tokq_gateway_request_input_tokens", "", M, "{q}"), span=8))
+        .with_panel(panel("In-flight requests", "RPCs being served now, all gateways.", "none",
+                          [query(f"sum(tokq_gateway_inflight_requests{{{M}}})", "in flight")],
+                          span=8))
+        .with_panel(panel("Queue flow", "Items entering the queue and answered per second.",
+                          "cps", [query(f"max by (model) (rate(tokq_queue_{c}_total{{{M}}}"
+                                        f"[{RATE}]))", f"{{{{model}}}} {c}", ref)
+                                  for c, ref in (("enqueued", "A"), ("acked", "B"))], span=8))
+        .with_row(gd.Row("Queue"))
+        .with_panel(panel("Queue depth (tokens)", "Tokens waiting to be claimed, and claimed "
+                          "items not yet answered.", "none",
+                          [query(f"max by (model) (tokq_queue_queued_tokens{{{M}}})",
+                                 "{{model}} queued tokens"),
+                           query(f"max by (model) (tokq_queue_inflight_items{{{M}}})",
+                                 "{{model}} in-flight items", "B")]))
+        .with_panel(panel("Oldest queued entry age", "Age of the head of the queue. Rising "
+                          "towards the clients' deadline means too few workers.", "s",
+                          [query(f"max by (model) (tokq_queue_oldest_age_seconds{{{M}}})",
+                                 "{{model}}")]))
+        .with_panel(panel(
+            "Requeues and expirations", "Requeued: a worker's lease ran out (crash or a "
+            "forward longer than the lease). Expired: dropped at the deadline before running. "
+            "Rejected: refused at the queue's token cap. Failed: answered with an error.", "cps",
+            [query(f"max by (model) (rate(tokq_queue_{c}_total{{{M}}}[{RATE}]))",
+                   f"{{{{model}}}} {c}", ref)
+             for c, ref in (("requeued", "A"), ("expired", "B"), ("rejected", "C"),
+                            ("failed", "D"))], span=24))
+    )
+
+
+def workers() -> gd.Dashboard:
+    fwd = "tokq_worker_forward_duration_seconds"
+    return (
+        base("tokq-workers", "tokq / Workers",
+             "Batches, throughput and MFU per worker: are batches full, should GPUs be added?",
+             with_worker=True)
+        .with_row(gd.Row("Batches"))
+        .with_panel(panel("Batch fill ratio", "Mean batch tokens / token budget. Low with a "
+                          "deep queue: the claim rule is starved; low with an empty queue: "
+                          "more workers than traffic.", "percentunit",
+                          [query(f"sum by (worker) (rate(tokq_worker_batch_fill_ratio_sum{{{W}}}"
+                                 f"[{RATE}])) / sum by (worker) (rate(tokq_worker_batch_fill_"
+                                 f"ratio_count{{{W}}}[{RATE}]))", "{{worker}}")], max_val=1))
+        .with_panel(heatmap.Panel().title("Batch fill ratio distribution")
+                    .description("Batches per fill-ratio bucket.").datasource(DATASOURCE)
+                    .span(12).height(8).calculate(False).show_tooltip().show_legend()
+                    .y_axis(heatmap.YAxisConfig().unit("percentunit"))
+                    .with_target(query(f"sum by (le) (increase(tokq_worker_batch_fill_ratio_"
+                                       f"bucket{{{W}}}[{RATE}]))", "{{le}}")
+                                 .format(PromQueryFormat.HEATMAP)))
+        .with_panel(panel("Batch tokens vs budget", "Median tokens per batch against the "
+                          "token budget in force.", "none",
+                          quantiles("tokq_worker_batch_tokens", "worker, ", W,
+                                    "{{{{worker}}}} {q}", qs=(0.5,))
+                          + [query(f"max by (worker) (tokq_worker_budget_tokens{{{W}}})",
+                                   "{{worker}} budget", "B")]))
+        .with_panel(panel("Items per batch", "Sequences in one batch.", "none",
+                          quantiles("tokq_worker_batch_items", "worker, ", W,
+                                    "{{{{worker}}}} {q}", qs=(0.5, 0.99))))
+        .with_row(gd.Row("Throughput"))
+        .with_panel(panel("Tokens/s per worker", "Tokens forwarded per second.", "none",
+                          [query(f"sum by (worker) (rate(tokq_worker_forward_tokens_total{{{W}}}"
+                                 f"[{RATE}]))", "{{worker}}")]))
+        .with_panel(panel("MFU", "Model FLOPs per second / the device's dense 16-bit peak. "
+                          "Empty for devices with no known peak (set TOKQ_DEVICE_PEAK_FLOPS).",
+                          "percentunit",
+                          [query(f"sum by (worker) (rate(tokq_worker_forward_flops_total{{{W}}}"
+                                 f"[{RATE}])) / on (worker) max by (worker) "
+                                 f"(tokq_worker_device_peak_flops_per_second{{{W}}} > 0)",
+                                 "{{worker}}")], max_val=1))
+        .with_panel(panel("Forward latency vs batch tokens", "Median forward pass for each "
+                          "batch size class (batches of at most N tokens). A flat curve means "
+                          "a larger budget is nearly free.", "s",
+                          [query(f"histogram_quantile(0.5, sum by (le, tokens_bucket) "
+                                 f"(rate({fwd}_bucket{{{W}}}[{RATE}])))",
+                                 "<= {{tokens_bucket}} tokens")], table_legend=True))
+        .with_panel(panel("Forward latency", "Forward pass per worker.", "s",
+                          quantiles(fwd, "worker, ", W, "{{{{worker}}}} {q}", qs=(0.5, 0.99))))
+        .with_row(gd.Row("Health"))
+        .with_panel(panel("Claim latency", "One call of the claim script.", "s",
+                          quantiles("tokq_worker_claim_duration_seconds", "worker, ", W,
+                                    "{{{{worker}}}} {q}", qs=(0.5, 0.99)), span=8))
+        .with_panel(panel("Worker errors", "Errors per second by kind.", "cps",
+                          [query(f"sum by (worker, kind) (rate(tokq_worker_errors_total{{{W}}}"
+                                 f"[{RATE}]))", "{{worker}} {{kind}}")], span=8))
+        .with_panel(panel("Heartbeat age", "Seconds since each worker's last heartbeat.", "s",
+                          [query(f"time() - max by (worker) "
+                                 f"(tokq_worker_heartbeat_timestamp_seconds{{{W}}})",
+                                 "{{worker}}")], span=8))
+    )
+
+
+DASHBOARDS = {"tokq-overview.json": overview, "tokq-workers.json": workers}
+
+
+def render(builder: gd.Dashboard) -> str:
+    model = builder.build()
+    for i, p in enumerate(model.panels or []):
+        p.id_val = i + 1  # Grafana keys panel state and links by id: keep them stable
+    return json.dumps(model, cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the JSON on disk is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, build in DASHBOARDS.items():
+        path, text = OUT_DIR / name, render(build())
+        if args.check:
+            if not path.is_file() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            OUT_DIR.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print("stale (run deploy/grafana/build.py): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
