@@ -62,6 +62,7 @@ class Point:
     p10_ms: float
     p90_ms: float
     num_repeats: int
+    gflop_per_s: float | None = None  # achieved model FLOP rate, when the model can count its FLOPs
 
     @property
     def tokens_per_s(self) -> float:
@@ -155,8 +156,8 @@ def time_point(forward: Callable[[PackedBatch], object], batch: PackedBatch, tim
 
 
 def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], PackedBatch],
-          config: SweepConfig, timer=None,
-          on_point: Callable[[Point], None] | None = None) -> SweepResult:
+          config: SweepConfig, timer=None, on_point: Callable[[Point], None] | None = None,
+          batch_flops: Callable[[PackedBatch], float] | None = None) -> SweepResult:
     """Time ``forward`` on a batch of each grid size, smallest first."""
     timer = timer or WallTimer()
     result = SweepResult()
@@ -174,7 +175,8 @@ def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], 
         p10, median, p90 = np.percentile(times_ms, [10, 50, 90])
         point = Point(num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, max_seqlen=batch.max_seqlen,
                       median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90),
-                      num_repeats=len(times_ms))
+                      num_repeats=len(times_ms),
+                      gflop_per_s=batch_flops(batch) / median / 1e6 if batch_flops else None)
         result.points.append(point)
         if on_point:
             on_point(point)
@@ -198,7 +200,8 @@ def device_name(device: object) -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
+    num_threads = torch.get_num_threads()
+    return f"{cpu}, {num_threads} thread{'' if num_threads == 1 else 's'}"
 
 
 def analyze(points: Sequence[Point], max_batch_ms: float | None) -> tuple[KneeFit | None, Recommendation | None]:
@@ -222,7 +225,8 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_ba
     t0 = time.perf_counter()
     token_ids = token_ids_for(engine.info, seed=seed)
     make_batch = BatchMaker(queries, token_ids, engine.info.max_length)
-    result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_point)
+    result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_point,
+                   batch_flops=getattr(engine, "batch_flops", None))
     fit, rec = analyze(result.points, max_batch_ms)
     summary = describe(list(queries))
     report = {
@@ -234,6 +238,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_ba
         "dtype": str(engine.dtype).removeprefix("torch."),
         "attn_backend": engine.attn_backend,
         "torch_version": torch.__version__,
+        "num_threads": torch.get_num_threads(),
         "workload": {"source": workload_source, **summary,
                      "token_ids": "text" if summary["has_texts"] and token_ids.has_tokenizer else "random"},
         "sweep": asdict(config),

@@ -127,6 +127,15 @@ def test_sweep_and_fit_recover_the_knee_of_the_forward_pass():
     assert rec.budget_tokens == 1024  # 1024 tokens ~13.5 ms <= 2 x 8 ms < 2048 tokens ~27 ms
 
 
+def test_points_carry_the_achieved_flop_rate_when_the_model_counts_flops():
+    fwd = SimulatedForward(lambda n: 2.0)
+    result = sweep(fwd, random_batches(), SweepConfig(**{**FAST.__dict__, "max_tokens": 64}), WallTimer(fwd.clock),
+                   batch_flops=lambda batch: 1e6 * batch.num_tokens)
+    # 16 tokens * 1 MFLOP in 2 ms = 8 GFLOP/s
+    assert [p.gflop_per_s for p in result.points] == pytest.approx([8.0, 16.0, 32.0])
+    assert sweep(fwd, random_batches(), FAST, WallTimer(fwd.clock)).points[0].gflop_per_s is None
+
+
 def test_sweep_stops_once_a_batch_is_slower_than_the_bound():
     fwd = SimulatedForward(hinge())
     cfg = SweepConfig(**{**FAST.__dict__, "stop_ms": 50.0})

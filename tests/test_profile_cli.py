@@ -1,0 +1,104 @@
+"""`tokq profile` end to end on this machine's CPU with the bundled all-MiniLM-L6-v2: a short
+grid, a JSON report and a figure that opens, and --apply publishing where workers read it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from click.testing import CliRunner
+from matplotlib.image import imread
+
+from tokq.keys import QueueKeys
+from tokq.profiling import workload
+from tokq.profiling.profile_cli import profile_command
+
+# 5 batch sizes (16..256 tokens), 3+ repeats each: a few seconds on 2 shared cores. One thread:
+# on a busy machine, two-thread ops stall on each other (measured 70x slower at 16 tokens).
+SHORT_GRID = ["--device", "cpu", "--threads", "1", "--min-tokens", "16", "--max-tokens", "256", "--points-per-doubling", "1",
+              "--time-per-point-s", "0.1", "--min-repeats", "3", "--stop-ms", "60000", "--quiet"]
+
+
+def invoke(args):
+    result = CliRunner().invoke(profile_command, args, catch_exceptions=False)
+    return result
+
+
+def published_budget(redis_url: str, queue_name: str) -> int | None:
+    """The budget as a running worker reads it (tokq.queue.Queue.get_budget)."""
+    from tokq.queue import Queue
+
+    async def read() -> int | None:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return await Queue(client, queue_name).get_budget()
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+def test_cpu_profile_writes_json_and_plot_and_applies_the_budget(tmp_path, redis_url):
+    out, png = tmp_path / "profile.json", tmp_path / "profile.png"
+    # A ceiling nothing reaches: the budget is then the point with the most tokens/s.
+    result = invoke(SHORT_GRID + ["--max-batch-ms", "1e9", "--out", str(out), "--plot", str(png),
+                                  "--apply", "--redis-url", redis_url])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["model"] == "all-MiniLM-L6-v2" and report["queue_name"] == "all-MiniLM-L6-v2"
+    assert report["device"] == "cpu" and report["dtype"] == "float32" and report["torch_version"]
+    assert report["num_threads"] == 1 and "1 thread" in report["device_name"]
+    assert [p["num_tokens"] for p in report["points"]] == [16, 32, 64, 128, 256]
+    assert all(p["median_ms"] > 0 and p["num_repeats"] >= 3 and p["gflop_per_s"] > 0 for p in report["points"])
+    assert report["stopped_reason"] is None and report["duration_s"] > 0
+    assert report["fit"]["kind"] in ("knee", "flat", "linear") and report["flat_ms"] > 0
+    best = max(report["points"], key=lambda p: p["tokens_per_s"])
+    assert report["recommended_budget"] == best["num_tokens"]
+    assert report["summary"] in result.output
+
+    height, width = imread(png).shape[:2]
+    assert (height, width) == (700, 800)
+
+    key = QueueKeys("all-MiniLM-L6-v2").budget
+    assert redis.Redis.from_url(redis_url).get(key) == str(best["num_tokens"]).encode()
+    assert published_budget(redis_url, "all-MiniLM-L6-v2") == best["num_tokens"]
+    assert f"published token budget {best['num_tokens']}" in result.output
+
+
+def test_profile_uses_a_workload_files_texts(tmp_path, bundled_model_dir):
+    queries = [workload.Query(id=i, num_tokens=3, t_s=i * 0.01, text=f"query number {i} about redis queues")
+               for i in range(40)]
+    path = tmp_path / "mine.jsonl"
+    workload.write_jsonl(queries, path)
+    out = tmp_path / "p.json"
+    args = SHORT_GRID[:] + ["--workload", str(path), "--out", str(out)]
+    args[args.index("--max-tokens") + 1] = "64"
+    result = invoke(args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["workload"]["token_ids"] == "text" and report["workload"]["num_queries"] == 40
+    assert report["workload"]["source"] == str(path)
+    assert [p["num_tokens"] for p in report["points"]] == [16, 32, 64]
+    # The texts are 9-10 tokens with [CLS]/[SEP], not the file's "tokens": 3.
+    assert report["points"][-1]["num_seqs"] < 64 // 3
+
+
+def test_apply_refuses_when_no_batch_fits_the_ceiling(tmp_path, redis_url):
+    args = SHORT_GRID[:] + ["--max-batch-ms", "0.000001", "--out", str(tmp_path / "p.json"),
+                            "--apply", "--redis-url", redis_url]
+    args[args.index("--max-tokens") + 1] = "64"
+    result = CliRunner().invoke(profile_command, args)
+    assert result.exit_code == 1
+    assert "no budget to apply" in result.output
+    assert redis.Redis.from_url(redis_url).get(QueueKeys("all-MiniLM-L6-v2").budget) is None
+    assert json.loads((tmp_path / "p.json").read_text())["recommended_budget"] is None
+
+
+@pytest.mark.parametrize("args, message", [(["--min-tokens", "64", "--max-tokens", "16"], "min_tokens"),
+                                           (["--min-repeats", "0"], "min_repeats")])
+def test_bad_sweep_flags_are_usage_errors(args, message):
+    result = CliRunner().invoke(profile_command, ["--device", "cpu", *args])
+    assert result.exit_code == 2 and message in result.output
