@@ -19,6 +19,7 @@ from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
 from tokq import config as cfg
+from tokq import metrics
 from tokq.connection import connect, connect_pubsub
 from tokq.model_info import ModelInfo
 from tokq.queue import Queue
@@ -27,6 +28,19 @@ from tokq.v1 import embedder_pb2, embedder_pb2_grpc
 log = logging.getLogger("tokq.gateway")
 SERVICE_NAME = embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+QUEUE_STATS_PERIOD_S = 2.0
+
+
+async def _export_queue_stats(queue: Queue, model: str) -> None:
+    """The queue's depth and event totals, read with one stats call, for Prometheus."""
+    while True:
+        try:
+            metrics.observe_queue_stats(await queue.stats(), model=model)
+        except Exception as exc:  # Redis down: the gauges keep their last value
+            log.debug("queue stats failed: %s", exc)
+        await asyncio.sleep(QUEUE_STATS_PERIOD_S)
 
 
 def gateway_id() -> str:
@@ -44,7 +58,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     gid = gateway_id()
     router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
 
-    service = EmbedderService(info, tokenizer, queue, router, config, gid)
+    observer = metrics.GatewayMetrics(info.name)
+    service = EmbedderService(info, tokenizer, queue, router, config, gid, observer=observer)
 
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),
@@ -64,6 +79,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
 
     await router.start()
     await server.start()
+    stats_task = None
+    if config.metrics_port:
+        metrics.start_metrics_server(config.metrics_port)
+        stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("gateway %s serving %s on %s:%d (queue %s)", gid, info.name, config.host, port, info.queue_name)
@@ -81,6 +100,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=5)
+        if stats_task:
+            stats_task.cancel()
         await router.stop()
         tokenizer.close()
         await client.aclose()

@@ -16,14 +16,24 @@ async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -
     from tokq.connection import connect
     from tokq.queue import Queue
     from tokq.workers.engine import Engine
-    from tokq.workers.worker import Worker
+    from tokq.workers.worker import Worker, default_worker_id
 
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.model_name or None)
     client = connect(config.redis_url, max_connections=8)
     queue_config = cfg.load(cfg.QueueConfig)
+    worker_id = worker_id or default_worker_id()
+    observer = None
+    if config.metrics_port:
+        from tokq import metrics
+
+        observer = metrics.WorkerMetrics(
+            engine.info.name, worker_id, model_config=engine.info.config,
+            peak_flops=metrics.device_peak_flops(engine.device), device=str(engine.device),
+            dtype=str(engine.dtype).removeprefix("torch."))
+        metrics.start_metrics_server(config.metrics_port)
     worker = Worker(engine, Queue(client, engine.info.queue_name, queue_config), config, queue_config,
-                    worker_id=worker_id)
+                    worker_id=worker_id, observer=observer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

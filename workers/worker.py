@@ -41,7 +41,7 @@ def default_worker_id() -> str:
 @dataclass
 class BatchOutcome:
     results: list  # (Entry, result bytes)
-    num_tokens: int
+    seqlens: list[int]
     forward_s: float
     num_failed: int
 
@@ -100,7 +100,10 @@ class Worker:
             self._held.discard(claim.batch_id)
             self.num_batches += 1
             if self.observer:
-                self.observer.batch_done(outcome, self.budget, claim)
+                self.observer.observe_batch(outcome.seqlens, budget_tokens=self.budget,
+                                            forward_s=outcome.forward_s)
+                for _ in range(outcome.num_failed):
+                    self.observer.observe_error("item")
 
     async def _ack(self, claim: Claim, outcome: BatchOutcome) -> None:
         for attempt in range(ACK_ATTEMPTS):
@@ -109,6 +112,8 @@ class Worker:
                 return
             except _REDIS_ERRORS as exc:
                 log.warning("ack of batch %s failed (%s), attempt %d", claim.batch_id, exc, attempt + 1)
+                if self.observer:
+                    self.observer.observe_error("redis")
                 await asyncio.sleep(REDIS_RETRY_S)
         # Give up: the lease expires and another worker redoes the batch (acks are idempotent).
         log.error("batch %s not acknowledged; it will be redone after its lease", claim.batch_id)
@@ -119,12 +124,14 @@ class Worker:
             claim = await self.queue.claim(self.budget)
         except _REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
             log.warning("claim failed: %s; retrying", exc)
+            if self.observer:
+                self.observer.observe_error("redis")
             await asyncio.sleep(REDIS_RETRY_S)
             return None
         if claim is not None:
             self._held.add(claim.batch_id)
         if self.observer:
-            self.observer.claim_done(time.perf_counter() - start, claim)
+            self.observer.observe_claim(time.perf_counter() - start)
         return claim
 
     async def _drained(self) -> bool:
@@ -154,7 +161,7 @@ class Worker:
             dims = body.dimensions or vectors.shape[1]
             queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
             results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, sum(e.tokens for e in entries), forward_s, len(failures))
+        return BatchOutcome(results, [e.tokens for e in entries], forward_s, len(failures))
 
     def _embed(self, bodies) -> np.ndarray:
         batch = PackedBatch.pack([b.token_ids for b in bodies],
@@ -205,6 +212,9 @@ class Worker:
                 pipe.set(keys.heartbeat(self.worker_id), json.dumps(status), px=3 * period_ms)
                 pipe.zadd(keys.workers, {self.worker_id: int(time.time() * 1000)})
                 await pipe.execute()
+            if self.observer:
+                self.observer.heartbeat()
+                self.observer.set_budget(self.budget)
         await self._every(period_ms / 1000, beat)
 
     async def _refresh_budget(self) -> None:
