@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-queue proto bench clean
+.PHONY: install run test test-queue proto dashboards bench clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,9 @@ test-queue: install
 
 proto: install
 	$(BIN)/python -m tokq.v1.generate
+
+dashboards: install
+	$(BIN)/python deploy/grafana/build.py
 
 bench: install
 	$(BIN)/python -m tokq.profiling.bench_queue
