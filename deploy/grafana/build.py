@@ -100,10 +100,11 @@ def overview() -> gd.Dashboard:
         .with_panel(panel(
             "Error rate", "Share of requests that failed: server errors (tokq's fault) and "
             "client errors (bad input, unknown model).", "percentunit",
-            [query(f"sum(rate(tokq_gateway_requests_total{{{M}, {SERVER_ERRORS}}}[{RATE}])) "
-                   f"/ sum(rate({req}[{RATE}]))", "server errors"),
-             query(f'sum(rate(tokq_gateway_requests_total{{{M}, code!="OK", code!~'
-                   f'"{SERVER_ERRORS[7:-1]}"}}[{RATE}])) / sum(rate({req}[{RATE}]))',
+            # "or vector(0)": no failed request is 0 %, not an empty graph
+            [query(f"(sum(rate(tokq_gateway_requests_total{{{M}, {SERVER_ERRORS}}}[{RATE}])) "
+                   f"or vector(0)) / sum(rate({req}[{RATE}]))", "server errors"),
+             query(f'(sum(rate(tokq_gateway_requests_total{{{M}, code!="OK", code!~'
+                   f'"{SERVER_ERRORS[7:-1]}"}}[{RATE}])) or vector(0)) / sum(rate({req}[{RATE}]))',
                    "client errors", "B")]))
         .with_panel(panel("Embed latency", "Whole Embed RPC as the gateway saw it.", "s",
                           quantiles("tokq_gateway_request_duration_seconds", "",
