@@ -134,3 +134,13 @@ def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFi
     return Recommendation(int(x[best]), ceiling_ms, float(y[best]), float(tokens_per_s[best]),
                           f"{int(x[best])} tokens gives the most throughput ({tokens_per_s[best]:,.0f} "
                           f"tokens/s) within {ceiling_ms:.3g} ms per batch{note}")
+
+
+def throughput_saturation(num_tokens: np.ndarray, latency_ms: np.ndarray,
+                          fraction: float = 0.9) -> tuple[int, float]:
+    """The smallest measured batch reaching ``fraction`` of the peak tokens/s, and that peak.
+    Where latency has no flat part (CPUs), this is where batching stops paying."""
+    x = np.asarray(num_tokens, dtype=float)
+    tokens_per_s = x / (np.asarray(latency_ms, dtype=float) / 1000.0)
+    peak = float(tokens_per_s.max())
+    return int(x[np.flatnonzero(tokens_per_s >= fraction * peak)[0]]), peak

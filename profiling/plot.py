@@ -58,6 +58,10 @@ def plot_profile(report: dict, path: str | Path) -> Path:
         if rec.get("budget_tokens"):
             ax.axvline(rec["budget_tokens"], color="C4", ls="-", lw=2, alpha=0.7,
                        label=f"recommended budget {rec['budget_tokens']} tokens" if ax is ax_ms else None)
+    sat = report.get("saturation")
+    if sat:
+        ax_tps.axvline(sat["tokens"], color="C2", ls=":",
+                       label=f"{sat['fraction']:.0%} of peak throughput at {sat['tokens']} tokens")
     if rec.get("budget_tokens"):
         ax_tps.annotate(f"{rec['tokens_per_s']:,.0f} tokens/s", (rec["budget_tokens"], rec["tokens_per_s"] / 1000.0),
                         textcoords="offset points", xytext=(6, -14), color="C4")

@@ -23,9 +23,12 @@ from datetime import datetime, timezone
 import numpy as np
 
 from tokq.batch import PackedBatch
-from tokq.profiling.knee import KneeFit, Recommendation, fit_knee, recommend_budget
+from tokq.profiling.knee import KneeFit, Recommendation, fit_knee, recommend_budget, throughput_saturation
 from tokq.profiling.profile_batches import BatchMaker, token_ids_for
 from tokq.profiling.workload import Query, describe
+
+
+SATURATION_FRACTION = 0.9  # "throughput saturates" = reaches this share of the peak measured
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,14 @@ def analyze(points: Sequence[Point], max_batch_ms: float | None) -> tuple[KneeFi
     return fit, recommend_budget(tokens, latency_ms, fit, max_batch_ms)
 
 
+def _saturation(points: Sequence[Point]) -> dict | None:
+    if not points:
+        return None
+    tokens, peak = throughput_saturation([p.num_tokens for p in points], [p.median_ms for p in points],
+                                         SATURATION_FRACTION)
+    return {"fraction": SATURATION_FRACTION, "tokens": tokens, "peak_tokens_per_s": peak}
+
+
 def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_batch_ms: float | None = None,
                 workload_source: str = "generated", seed: int = 0, timer=None,
                 on_point: Callable[[Point], None] | None = None) -> dict:
@@ -252,6 +263,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_ba
         "max_batch_ms": rec.max_batch_ms if rec else max_batch_ms,
         "recommended_budget": rec.budget_tokens if rec else None,
         "recommendation": rec.to_dict() if rec else None,
+        "saturation": _saturation(result.points),
         "started_at": started_at,
         "duration_s": round(time.perf_counter() - t0, 3),
     }
@@ -274,6 +286,9 @@ def summarize(report: dict) -> str:
         parts.append("Too few points to fit a knee (3 needed): no budget recommended.")
         return " ".join(parts)
     parts.append(fit["reason"][0].upper() + fit["reason"][1:] + ".")
+    sat = report["saturation"]
+    parts.append(f"Throughput reaches {sat['fraction']:.0%} of its peak ({sat['peak_tokens_per_s']:,.0f} "
+                 f"tokens/s) at {sat['tokens']} tokens.")
     if rec["budget_tokens"] is None:
         parts.append(rec["reason"][0].upper() + rec["reason"][1:] + ".")
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokq.profiling.knee import fit_knee, recommend_budget
+from tokq.profiling.knee import fit_knee, recommend_budget, throughput_saturation
 
 GRID = 16 * 2.0 ** np.arange(11)  # 16 ... 16384, one point per doubling
 
@@ -112,3 +112,12 @@ def test_flat_curve_recommends_the_largest_batch_and_says_the_grid_may_be_too_sm
 def test_bad_input_is_refused(tokens, latency):
     with pytest.raises(ValueError):
         fit_knee(np.array(tokens, float), np.array(latency, float))
+
+
+def test_throughput_saturation_is_the_first_batch_near_the_peak():
+    latency = hinge_ms(GRID, 10.0, 600, 10.0 / 600)  # 512 tokens: 85% of the peak, 1024: all of it
+    tokens, peak = throughput_saturation(GRID, latency, fraction=0.9)
+    tokens_per_s = GRID / latency * 1000
+    assert peak == pytest.approx(tokens_per_s.max())
+    assert tokens_per_s[GRID == tokens][0] >= 0.9 * peak
+    assert tokens_per_s[GRID < tokens].max() < 0.9 * peak and tokens == 1024

@@ -195,6 +195,7 @@ def test_report_and_figure_of_a_profile(bundled_model_dir, tmp_path):
     assert report["flat_ms"] == pytest.approx(8.0, rel=0.01)
     assert report["workload"]["token_ids"] == "random" and len(report["points"]) == 11
     assert "Recommended token budget: 1024" in report["summary"]
+    assert report["saturation"] == {"fraction": 0.9, "tokens": 1024, "peak_tokens_per_s": pytest.approx(75_000)}
     png = plot_profile(report, tmp_path / "p.png")
     assert imread(png).shape[:2] == (700, 800)
 
