@@ -57,8 +57,8 @@ while not stopped do
     elseif #taken == 0 or taken_tokens + tokens <= budget then
       taken[#taken + 1] = raw
       taken_tokens = taken_tokens + tokens
-    elseif lookahead == 0 or #skipped >= lookahead or now - ts_ms >= max_skip_age_ms then
-      stopped = true
+    elseif #skipped >= lookahead or now - ts_ms >= max_skip_age_ms then
+      stopped = true -- lookahead 0: nothing is ever passed over (strict FIFO)
       break
     else
       skipped[#skipped + 1] = raw

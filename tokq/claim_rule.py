@@ -55,9 +55,8 @@ def plan_claim(pending: Sequence[Entry], *, now_ms: int, budget: int, lookahead:
         elif not taken or taken_tokens + entry.tokens <= budget:
             taken.append(entry)
             taken_tokens += entry.tokens
-        elif (lookahead == 0 or len(skipped) >= lookahead
-              or now_ms - entry.ts_ms >= max_skip_age_ms):
-            break
+        elif len(skipped) >= lookahead or now_ms - entry.ts_ms >= max_skip_age_ms:
+            break  # lookahead 0: nothing is ever passed over (strict FIFO)
         else:
             skipped.append(entry)
         num_scanned += 1

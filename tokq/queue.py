@@ -8,7 +8,7 @@ Times come from the Redis clock inside the scripts; ``clock`` overrides it for t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 
@@ -123,22 +123,31 @@ class Queue:
     async def claim(self, budget: int, *, lookahead: int | None = None) -> Claim | None:
         """The next batch of at most ``budget`` tokens (one longer item goes alone), leased
         for ``config.lease_ms``; None when nothing is queued."""
+        num_expired = 0
+        while True:
+            claim, expired, orphaned = await self.claim_step(budget, lookahead=lookahead)
+            num_expired += expired
+            if claim is not None:
+                return replace(claim, num_expired=num_expired)
+            if expired + orphaned < MAX_DROPS_PER_CLAIM:
+                return None  # the queue is empty, not just a long run of dead entries
+
+    async def claim_step(self, budget: int, *, lookahead: int | None = None,
+                         max_drop: int = MAX_DROPS_PER_CLAIM) -> tuple[Claim | None, int, int]:
+        """One run of claim.lua: (the batch or None, entries dropped as expired, entries
+        dropped because their request is gone). It stops after ``max_drop`` drops."""
         if budget < 1:
             raise ValueError(f"budget must be positive, got {budget}")
         k, cfg = self.keys, self.config
-        keys = [k.pending, k.tokens, k.leases, k.inflight, k.batch_seq, k.counters]
-        num_expired = 0
-        while True:
-            args = [self._now_arg(), budget, cfg.lease_ms,
-                    cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
-                    MAX_DROPS_PER_CLAIM, k.reply_prefix, k.lease_prefix]
-            batch_id, now_ms, expired, orphaned, raw = await self.scripts.run("claim", keys, args)
-            num_expired += expired
-            if batch_id:
-                entries = tuple(parse_entry(r) for r in raw)
-                return Claim(batch_id.decode(), now_ms, entries, num_expired)
-            if expired + orphaned < MAX_DROPS_PER_CLAIM:
-                return None
+        args = [self._now_arg(), budget, cfg.lease_ms,
+                cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
+                max_drop, k.reply_prefix, k.lease_prefix]
+        batch_id, now_ms, expired, orphaned, raw = await self.scripts.run(
+            "claim", [k.pending, k.tokens, k.leases, k.inflight, k.batch_seq, k.counters], args)
+        claim = None
+        if batch_id:
+            claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired)
+        return claim, int(expired), int(orphaned)
 
     async def renew(self, batch_id: str) -> bool:
         """Extend a running batch's lease; False if it was already requeued or acknowledged."""

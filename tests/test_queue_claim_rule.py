@@ -1,0 +1,145 @@
+"""claim.lua and the Python reference (tokq/claim_rule.py) agree on random queues."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from test_queue_support import CHANNEL, ManualClock, open_queue
+
+from tokq.claim_rule import DEADLINE_EXCEEDED, plan_claim
+from tokq.entry import format_entry, parse_entry
+
+NOW_MS = 1_700_000_000_000
+REQUEST_IDS = ("a", "b", "c", "d")
+
+
+def _pending(spec) -> list:
+    """Entries from (request_id, tokens, age_ms, deadline_in_ms, body) tuples, indexed per request."""
+    next_index = dict.fromkeys(REQUEST_IDS, 0)
+    pending = []
+    for request_id, tokens, age_ms, deadline_in_ms, body in spec:
+        raw = format_entry(tokens, NOW_MS - age_ms, request_id, next_index[request_id],
+                           NOW_MS + deadline_in_ms, 0, body)
+        next_index[request_id] += 1
+        pending.append(parse_entry(raw))
+    return pending
+
+
+def _case(spec, *, budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc"):
+    return dict(pending=_pending(spec), live=set(live), budget=budget, lookahead=lookahead,
+                max_skip_age_ms=max_skip_age_ms, max_drop=max_drop)
+
+
+@st.composite
+def claim_cases(draw):
+    """A random queue and claim arguments, drawn so that the rule's boundaries come up often:
+    items that exactly fill the budget, items exactly max_skip_age_ms old, deadlines exactly now."""
+    budget = draw(st.integers(1, 300))
+    max_skip_age_ms = draw(st.sampled_from((0, 10, 50, 50)))
+    half = budget // 2 + 1  # two of these never fit together
+    sizes = st.one_of(st.sampled_from((budget, half, max(budget // 3, 1), max(budget // 4, 1))),
+                      st.integers(1, half), st.integers(1, 2 * budget))
+    ages_ms = st.sampled_from((0, max(max_skip_age_ms - 1, 0), max_skip_age_ms,
+                               max_skip_age_ms + 1))
+    deadlines_in_ms = st.sampled_from((-1, 0, 1, 500, 500, 500, 500, 500, 500, 500))
+    spec = draw(st.lists(st.tuples(st.sampled_from(REQUEST_IDS), sizes, ages_ms,
+                                   deadlines_in_ms, st.binary(max_size=6)),  # may hold ':'
+                         min_size=3, max_size=40))
+    return _case(spec, budget=budget, lookahead=draw(st.integers(0, 3)),
+                 max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.integers(1, 8)),
+                 live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)))
+
+
+async def _compare(redis_url, pending, live, budget, lookahead, max_skip_age_ms, max_drop):
+    """Run claim.lua once on `pending` and check everything it did against plan_claim."""
+    async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
+                          max_skip_age_ms=max_skip_age_ms) as q:
+        k = q.keys
+        await q.redis.flushdb()
+        for request_id in live:
+            await q.redis.hset(k.reply(request_id), mapping={"n": 99, "ch": CHANNEL})
+        if pending:
+            await q.redis.rpush(k.pending, *[e.raw for e in pending])
+            await q.redis.set(k.tokens, sum(e.tokens for e in pending))
+
+        claim, num_expired, num_orphaned = await q.claim_step(
+            budget, lookahead=lookahead, max_drop=max_drop)
+        plan = plan_claim(pending, now_ms=NOW_MS, budget=budget, lookahead=lookahead,
+                          max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
+                          is_live=live.__contains__)
+
+        taken = [e.raw for e in claim.entries] if claim else []
+        assert taken == [e.raw for e in plan.taken]
+        remaining = plan.remaining(pending)
+        assert await q.redis.lrange(k.pending, 0, -1) == [e.raw for e in remaining]
+        assert int(await q.redis.get(k.tokens) or 0) == sum(e.tokens for e in remaining)
+        assert (num_expired, num_orphaned) == (len(plan.expired), len(plan.orphaned))
+        for request_id in REQUEST_IDS:
+            answered = await q.redis.hgetall(k.reply(request_id))
+            if request_id not in live:
+                assert answered == {}  # never resurrected
+                continue
+            expected = {str(e.index).encode(): DEADLINE_EXCEEDED
+                        for e in plan.expired if e.request_id == request_id}
+            assert {f: v for f, v in answered.items() if f not in (b"n", b"ch")} == expected
+        if claim:
+            assert await q.redis.lrange(k.lease(claim.batch_id), 0, -1) == taken
+            assert await q.redis.zscore(k.leases, claim.batch_id) == NOW_MS + 1_000
+            assert int(await q.redis.get(k.inflight)) == len(taken)
+        else:
+            assert not await q.redis.exists(k.leases, k.inflight)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=claim_cases())
+# Each boundary of the rule, always checked (random cases reach them only now and then).
+@example(case=_case([("a", 60, 0, 500, b""), ("a", 60, 50, 500, b""), ("a", 40, 0, 500, b"")]))
+@example(case=_case([("a", 60, 0, 500, b""), ("a", 60, 0, 500, b""), ("a", 60, 0, 500, b""),
+                     ("a", 40, 0, 500, b"")], lookahead=1))
+@example(case=_case([("a", 60, 0, 500, b""), ("a", 60, 0, 500, b""), ("a", 40, 0, 500, b"")],
+                    lookahead=0))
+@example(case=_case([("a", 50, 0, 500, b""), ("a", 50, 0, 500, b":"), ("a", 10, 0, 0, b"")]))
+@example(case=_case([("a", 10, 0, 0, b""), ("d", 10, 0, 500, b""), ("b", 10, 0, 1, b"")],
+                    max_drop=2))
+@example(case=_case([("d", 10, 0, 500, b""), ("d", 10, 0, 500, b"")], max_drop=1))
+def test_lua_claim_agrees_with_the_python_rule(redis_server, case):
+    asyncio.run(_compare(redis_server.url, **case))
+
+
+def _entries(*spec):
+    """(tokens, age_ms) pairs as live entries of request 'a'."""
+    return [parse_entry(format_entry(t, NOW_MS - age, "a", i, NOW_MS + 10_000, 0, b"x"))
+            for i, (t, age) in enumerate(spec)]
+
+
+def _plan(pending, **overrides):
+    rule = dict(now_ms=NOW_MS, budget=600, lookahead=2, max_skip_age_ms=50, max_drop=100,
+                is_live=lambda request_id: True)
+    return plan_claim(pending, **(rule | overrides))
+
+
+def test_strict_fifo_stops_at_the_first_item_that_does_not_fit():
+    plan = _plan(_entries((400, 0), (300, 0), (100, 0)), lookahead=0)
+    assert [e.tokens for e in plan.taken] == [400]
+    assert plan.num_scanned == 1
+
+
+def test_lookahead_passes_over_a_bounded_number_of_items():
+    pending = _entries((400, 0), (300, 0), (250, 0), (210, 0), (100, 0))
+    plan = _plan(pending, lookahead=2)
+    assert [e.tokens for e in plan.taken] == [400]
+    assert [e.tokens for e in plan.remaining(pending)] == [300, 250, 210, 100]
+    assert [e.tokens for e in _plan(pending, lookahead=3).taken] == [400, 100]
+
+
+def test_an_item_older_than_the_skip_age_is_never_passed_over():
+    pending = _entries((400, 60), (300, 60), (100, 0))
+    assert [e.tokens for e in _plan(pending).taken] == [400]
+    assert [e.tokens for e in _plan(pending, max_skip_age_ms=61).taken] == [400, 100]
+
+
+def test_the_first_item_goes_even_when_longer_than_the_budget():
+    plan = _plan(_entries((900, 0), (10, 0)))
+    assert [e.tokens for e in plan.taken] == [900]

@@ -1,0 +1,127 @@
+"""Leases: renewal, a crashed worker's batch redone, poison items stopped, acks idempotent."""
+
+from __future__ import annotations
+
+from test_queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
+
+from tokq.entry import decode_result, encode_error
+
+
+async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        pubsub = q.redis.pubsub()
+        await pubsub.subscribe(CHANNEL)
+        await pubsub.get_message(timeout=1.0)
+        await q.enqueue("r", items(5, 5, 5), timeout_ms=60_000, channel=CHANNEL)
+        crashed = await q.claim(10)  # items 0 and 1; this worker never acks
+        await q.enqueue("later", items(5), timeout_ms=60_000, channel=CHANNEL)
+        clock.advance(999)
+        assert await q.requeue_expired() == (0, 0)
+        clock.advance(1)
+        assert await q.requeue_expired() == (2, 0)
+
+        # Back at the front, in order, ahead of everything queued since.
+        redo = await q.claim(15)
+        assert [(e.request_id, e.index, e.attempt) for e in redo.entries] == [
+            ("r", 0, 1), ("r", 1, 1), ("r", 2, 0)]
+        await q.ack(redo.batch_id, [(e, ok_result(e)) for e in redo.entries])
+        # The crashed worker wakes up and acks late: nothing it sends is seen.
+        await q.ack(crashed.batch_id, [(e, encode_error("INTERNAL", "stale")) for e in crashed.entries])
+
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+        assert message["data"] == b"r"
+        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1) is None
+        results = await q.collect("r")
+        assert [decode_result(results[i]).vector.tolist() for i in range(3)] == [
+            [0.0, 1.0], [1.0, 1.0], [2.0, 0.0]]
+        stats = await q.stats()
+        assert (stats.inflight_items, stats.inflight_batches, stats.queued_entries) == (0, 0, 1)
+        assert stats.counters["requeued"] == 2 and stats.counters["acked"] == 3
+        await pubsub.aclose()
+
+
+async def test_late_ack_before_the_redo_answers_once(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        await q.enqueue("r", items(5, 5), timeout_ms=60_000, channel=CHANNEL)
+        slow = await q.claim(600)
+        clock.advance(1_000)
+        await q.requeue_expired()
+        # The slow worker finishes after its items were requeued: its results are valid.
+        await q.ack(slow.batch_id, [(e, ok_result(e)) for e in slow.entries])
+        redo = await q.claim(600)
+        await q.ack(redo.batch_id, [(e, ok_result(e)) for e in redo.entries])
+        results = await q.collect("r")
+        assert [decode_result(results[i]).vector.tolist() for i in range(2)] == [[0.0, 0.0], [1.0, 0.0]]
+        stats = await q.stats()
+        assert (stats.inflight_items, stats.counters["acked"]) == (0, 2)
+        assert await all_keys(q) == {q.keys.counters, q.keys.batch_seq}
+
+
+async def test_poison_items_stop_after_max_attempts(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000, max_attempts=3) as q:
+        await q.enqueue("poison", items(5, 5), timeout_ms=600_000, channel=CHANNEL)
+        outcomes = []
+        for _ in range(5):
+            claim = await q.claim(600)
+            if claim is None:
+                break
+            clock.advance(1_000)
+            outcomes.append(await q.requeue_expired())
+        assert outcomes == [(2, 0), (2, 0), (0, 2)]
+        results = {i: decode_result(r) for i, r in (await q.collect("poison")).items()}
+        assert {r.code for r in results.values()} == {"INTERNAL"}
+        assert "failed 3 times" in results[0].message
+        assert await all_keys(q) == {q.keys.counters, q.keys.batch_seq}
+        assert (await q.stats()).counters["failed"] == 2
+
+
+async def test_renewed_lease_is_not_requeued(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        await q.enqueue("r", items(5), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        for _ in range(3):
+            clock.advance(800)
+            assert await q.renew(claim.batch_id)
+            assert await q.requeue_expired() == (0, 0)
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        assert not await q.renew(claim.batch_id)
+
+
+async def test_ack_is_idempotent(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        for _ in range(2):
+            await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        stats = await q.stats()
+        assert (stats.inflight_items, stats.counters["acked"]) == (0, 2)
+        assert len(await q.collect("r")) == 2
+
+
+async def test_worker_can_ack_an_item_with_an_error(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        first, second = claim.entries
+        await q.ack(claim.batch_id, [(first, ok_result(first)),
+                                     (second, encode_error("INVALID_ARGUMENT", "too long"))])
+        results = await q.collect("r")
+        assert decode_result(results[0]).ok
+        assert (decode_result(results[1]).code, decode_result(results[1]).message) == (
+            "INVALID_ARGUMENT", "too long")
+
+
+async def test_items_left_out_of_an_ack_are_answered_with_an_error(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        await q.ack(claim.batch_id, [(claim.entries[1], ok_result(claim.entries[1]))])
+        results = {i: decode_result(r) for i, r in (await q.collect("r")).items()}
+        assert results[1].ok
+        assert (results[0].code, results[2].code) == ("INTERNAL", "INTERNAL")
+        stats = await q.stats()
+        assert (stats.inflight_items, stats.counters["failed"]) == (0, 2)

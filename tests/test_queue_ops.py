@@ -1,0 +1,193 @@
+"""enqueue -> claim -> ack -> collect on a real Redis, and what each step leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from test_queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
+
+from tokq.entry import decode_body, decode_result, parse_entry
+from tokq.queue import MAX_DROPS_PER_CLAIM, QueueFull
+
+
+async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
+    async with open_queue(redis_url) as q:
+        pubsub = q.redis.pubsub()
+        await pubsub.subscribe(CHANNEL)
+        await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+        enq = await q.enqueue("req1", items(3, 5, 2), timeout_ms=5_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        assert [e.index for e in claim.entries] == [0, 1, 2]
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+        assert message["data"] == b"req1"
+        results = await q.collect("req1")
+        assert sorted(results) == [0, 1, 2]
+        assert decode_result(results[1]).vector.tolist() == [1.0, 0.0]
+        assert enq.entries == tuple(e.raw for e in claim.entries)
+        # Drained: only the monotonically increasing totals and the batch sequence remain.
+        assert await all_keys(q) == {q.keys.counters, q.keys.batch_seq}
+        assert (await q.stats()).counters == {"enqueued": 3, "claimed": 3, "acked": 3}
+        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1) is None
+        await pubsub.aclose()
+
+
+async def test_completion_is_published_once_when_the_last_item_is_answered(redis_url):
+    async with open_queue(redis_url) as q:
+        pubsub = q.redis.pubsub()
+        await pubsub.subscribe(CHANNEL)
+        await pubsub.get_message(timeout=1.0)
+        await q.enqueue("req1", items(4, 4), timeout_ms=5_000, channel=CHANNEL)
+        claim = await q.claim(4)  # only item 0 fits
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1) is None
+        claim = await q.claim(4)
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+        assert message["data"] == b"req1"
+        await pubsub.aclose()
+
+
+async def test_items_are_queued_in_order_with_their_token_ids(redis_url):
+    async with open_queue(redis_url, ManualClock()) as q:
+        a = await q.enqueue("a", items(2, 7), timeout_ms=1_000, channel=CHANNEL)
+        b = await q.enqueue("b", items(1), timeout_ms=1_000, channel=CHANNEL)
+        stored = await q.redis.lrange(q.keys.pending, 0, -1)
+        assert stored == list(a.entries + b.entries)
+        first = parse_entry(stored[1])
+        assert (first.request_id, first.index, first.tokens, first.attempt) == ("a", 1, 7, 0)
+        assert first.deadline_ms == a.ts_ms + 1_000 == a.deadline_ms
+        assert decode_body(first.body).token_ids.tolist() == list(range(100, 107))
+        assert int(await q.redis.get(q.keys.tokens)) == 10
+
+
+async def test_over_cap_request_is_rejected_whole(redis_url):
+    async with open_queue(redis_url, max_queued_tokens=100) as q:
+        await q.enqueue("small", items(30, 30), timeout_ms=5_000, channel=CHANNEL)
+        with pytest.raises(QueueFull) as excinfo:
+            await q.enqueue("big", items(10, 20, 20), timeout_ms=5_000, channel=CHANNEL)
+        assert excinfo.value.queued_tokens == 60 and excinfo.value.request_tokens == 50
+        assert await q.redis.llen(q.keys.pending) == 2
+        assert not await q.redis.exists(q.keys.reply("big"))
+        stats = await q.stats()
+        assert (stats.queued_tokens, stats.counters["rejected"]) == (60, 1)
+        # An empty queue takes any one request, so no request is too big to ever be served.
+        await q.claim(600)
+        await q.enqueue("huge", items(400), timeout_ms=5_000, channel=CHANNEL)
+        assert (await q.stats()).queued_tokens == 400
+
+
+async def test_reused_request_id_is_refused(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
+        with pytest.raises(ValueError, match="already queued"):
+            await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
+        with pytest.raises(ValueError, match="no ':'"):
+            await q.enqueue("a:b", items(1), timeout_ms=5_000, channel=CHANNEL)
+        assert await q.redis.llen(q.keys.pending) == 1
+
+
+async def test_claim_never_exceeds_budget_and_a_long_item_goes_alone(redis_url):
+    async with open_queue(redis_url, lookahead=0) as q:
+        await q.enqueue("r", items(300, 200, 200, 900, 5), timeout_ms=5_000, channel=CHANNEL)
+        sizes = []
+        while (claim := await q.claim(600)) is not None:
+            sizes.append([e.tokens for e in claim.entries])
+        assert sizes == [[300, 200], [200], [900], [5]]
+
+
+async def test_lookahead_fills_the_budget_past_an_item_that_does_not_fit(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lookahead=2, max_skip_age_ms=50) as q:
+        await q.enqueue("r", items(400, 300, 100, 100, 50), timeout_ms=5_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        assert [e.tokens for e in claim.entries] == [400, 100, 100]
+        # The passed-over item is still first, and goes next.
+        claim = await q.claim(600)
+        assert [e.tokens for e in claim.entries] == [300, 50]
+
+
+async def test_an_old_item_is_never_passed_over(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lookahead=2, max_skip_age_ms=50) as q:
+        await q.enqueue("r", items(400, 300, 100), timeout_ms=5_000, channel=CHANNEL)
+        clock.advance(50)
+        claim = await q.claim(600)
+        assert [e.tokens for e in claim.entries] == [400]
+
+
+async def test_expired_deadlines_never_reach_a_model(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock) as q:
+        await q.enqueue("late", items(3, 4), timeout_ms=100, channel=CHANNEL)
+        await q.enqueue("fine", items(5), timeout_ms=10_000, channel=CHANNEL)
+        clock.advance(100)
+        claim = await q.claim(600)
+        assert [(e.request_id, e.index) for e in claim.entries] == [("fine", 0)]
+        assert claim.num_expired == 2
+        results = {i: decode_result(r) for i, r in (await q.collect("late")).items()}
+        assert sorted(results) == [0, 1]
+        assert {r.code for r in results.values()} == {"DEADLINE_EXCEEDED"}
+        stats = await q.stats()
+        assert (stats.queued_tokens, stats.counters["expired"]) == (0, 2)
+
+
+async def test_claim_clears_a_run_of_dead_entries_longer_than_one_step(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock) as q:
+        num_dead = MAX_DROPS_PER_CLAIM + 200
+        await q.enqueue("late", items(*[1] * num_dead), timeout_ms=10, channel=CHANNEL)
+        await q.enqueue("fine", items(2), timeout_ms=10_000, channel=CHANNEL)
+        clock.advance(10)
+        claim = await q.claim(600)
+        assert [e.request_id for e in claim.entries] == ["fine"]
+        assert claim.num_expired == num_dead
+
+
+async def test_cancel_withdraws_queued_and_inflight_items(redis_url):
+    async with open_queue(redis_url) as q:
+        a = await q.enqueue("a", items(10, 10), timeout_ms=5_000, channel=CHANNEL)
+        b = await q.enqueue("b", items(7), timeout_ms=5_000, channel=CHANNEL)
+        claim = await q.claim(10)  # a's first item is now in flight
+        await q.cancel(a)
+        assert await q.redis.lrange(q.keys.pending, 0, -1) == list(b.entries)
+        assert (await q.stats()).queued_tokens == 7
+        # The late ack of a cancelled item must not resurrect its reply.
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        assert not await q.redis.exists(q.keys.reply("a"))
+        assert await q.collect("a") == {}
+
+
+async def test_stats_in_one_call(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock) as q:
+        empty = await q.stats()
+        assert (empty.queued_entries, empty.oldest_age_ms, empty.counters) == (0, 0, {})
+        await q.enqueue("a", items(10, 20, 30), timeout_ms=5_000, channel=CHANNEL)
+        clock.advance(250)
+        await q.claim(30)
+        stats = await q.stats()
+        assert (stats.queued_entries, stats.queued_tokens, stats.oldest_age_ms) == (1, 30, 250)
+        assert (stats.inflight_items, stats.inflight_batches) == (2, 1)
+
+
+async def test_budget_round_trip(redis_url):
+    async with open_queue(redis_url) as q:
+        assert await q.get_budget() is None
+        await q.set_budget(4096)
+        assert await q.get_budget() == 4096
+
+
+async def test_concurrent_enqueues_keep_each_request_contiguous(redis_url):
+    async with open_queue(redis_url) as q:
+        await asyncio.gather(*(q.enqueue(f"r{i}", items(*[1] * 50), timeout_ms=5_000,
+                                         channel=CHANNEL) for i in range(8)))
+        stored = [parse_entry(raw) for raw in await q.redis.lrange(q.keys.pending, 0, -1)]
+        runs = [stored[i:i + 50] for i in range(0, 400, 50)]
+        for run in runs:
+            assert len({e.request_id for e in run}) == 1
+            assert [e.index for e in run] == list(range(50))
+        assert np.sum([e.tokens for e in stored]) == 400

@@ -1,0 +1,53 @@
+"""Helpers shared by the queue tests (no tests here): a hand-driven clock, a Queue on a fresh
+client, and item/result builders."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from tokq.config import QueueConfig
+from tokq.entry import Entry, encode_body, encode_ok
+from tokq.queue import Queue
+
+QUEUE = "test-model"
+CHANNEL = "tokq:{test-model}:done:gw-test"
+T0_MS = 1_700_000_000_000
+
+
+class ManualClock:
+    """Milliseconds on a clock the test moves; passed to the scripts as their `now`."""
+
+    def __init__(self, now_ms: int = T0_MS) -> None:
+        self.now_ms = now_ms
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+    def advance(self, ms: int) -> None:
+        self.now_ms += ms
+
+
+@contextlib.asynccontextmanager
+async def open_queue(redis_url: str, clock: ManualClock | None = None, **config):
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        yield Queue(client, QUEUE, QueueConfig(**config), clock=clock)
+    finally:
+        await client.aclose()
+
+
+def items(*token_counts: int) -> list[tuple[int, bytes]]:
+    """One item per count: a body of that many token ids (id = 100 + position)."""
+    return [(n, encode_body(np.arange(100, 100 + n))) for n in token_counts]
+
+
+def ok_result(entry: Entry) -> bytes:
+    """A recognizable result: a 2-d vector naming the entry's request item and attempt."""
+    return encode_ok(np.array([entry.index, entry.attempt], np.float32), 1.0, 2.0)
+
+
+async def all_keys(queue: Queue) -> set[str]:
+    return {k.decode() for k in await queue.redis.keys("*")}
