@@ -6,11 +6,10 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-import redis.asyncio as aioredis
 
 from tokq.config import QueueConfig
 from tokq.entry import Entry, encode_body, encode_ok
-from tokq.queue import Queue
+from tokq.queue import Queue, connect
 
 QUEUE = "test-model"
 CHANNEL = "tokq:{test-model}:done:gw-test"
@@ -32,7 +31,7 @@ class ManualClock:
 
 @contextlib.asynccontextmanager
 async def open_queue(redis_url: str, clock: ManualClock | None = None, **config):
-    client = aioredis.Redis.from_url(redis_url)
+    client = connect(redis_url)
     try:
         yield Queue(client, QUEUE, QueueConfig(**config), clock=clock)
     finally:

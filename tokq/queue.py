@@ -11,6 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, TimeoutError
 
 from tokq.config import QueueConfig
 from tokq.entry import Entry, format_entry, parse_entry
@@ -63,6 +66,15 @@ class QueueStats:
     inflight_items: int
     inflight_batches: int
     counters: dict[str, int]
+
+
+def connect(redis_url: str, *, max_connections: int | None = None) -> aioredis.Redis:
+    """A binary-safe client that reconnects by itself: a Redis restart costs the calls in
+    flight a short retry, not an error (``from_url`` alone does not retry)."""
+    return aioredis.Redis.from_url(
+        redis_url, decode_responses=False, max_connections=max_connections,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=6),
+        retry_on_error=[ConnectionError, TimeoutError])
 
 
 def _pairs(flat: Sequence[bytes]) -> list[tuple[bytes, bytes]]:

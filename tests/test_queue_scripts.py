@@ -1,0 +1,68 @@
+"""The Lua files themselves: all registered and run, includes expanded, and the client
+recovering from a SCRIPT FLUSH or a Redis restart mid-run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tokq.lua
+from test_queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
+
+from tokq.entry import decode_result
+from tokq.scripts import script_names, script_source
+
+LUA_DIR = Path(tokq.lua.__file__).parent
+
+
+def test_every_lua_file_is_a_registered_script_with_its_includes_expanded():
+    assert set(script_names()) == {p.stem for p in LUA_DIR.glob("*.lua")}
+    for name in script_names():
+        source = script_source(name)
+        assert "--#include" not in source
+        assert source.startswith(f"-- {name}.lua:")  # the KEYS/ARGV header comes first
+    # The shared result writer exists once, in lib/, and reaches every script that answers.
+    for name in ("ack", "claim", "requeue"):
+        assert "local function write_result" in script_source(name)
+
+
+async def test_every_script_is_exercised(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        await q.enqueue("kept", items(3, 4), timeout_ms=10_000, channel=CHANNEL)
+        dropped = await q.enqueue("dropped", items(5), timeout_ms=10_000, channel=CHANNEL)
+        await q.cancel(dropped)
+        claim = await q.claim(600)
+        assert await q.renew(claim.batch_id)
+        clock.advance(1_000)
+        assert await q.requeue_expired() == (2, 0)
+        claim = await q.claim(600)
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        assert sorted(await q.collect("kept")) == [0, 1]
+        assert (await q.stats()).counters["requeued"] == 2
+        assert set(q.scripts.calls) == set(script_names())
+
+
+async def test_script_flush_mid_run_recovers(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("r", items(3, 4), timeout_ms=10_000, channel=CHANNEL)
+        claim = await q.claim(3)
+        await q.redis.script_flush()
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        await q.redis.script_flush()
+        claim = await q.claim(600)
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        assert sorted(await q.collect("r")) == [0, 1]
+        assert await all_keys(q) == {q.keys.counters, q.keys.batch_seq}
+
+
+async def test_redis_restart_mid_run_recovers(redis_server, redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("lost", items(3), timeout_ms=10_000, channel=CHANNEL)
+        await q.claim(600)
+        redis_server.restart()  # no persistence: everything queued is gone, as after a crash
+        assert (await q.stats()).queued_entries == 0
+        await q.enqueue("after", items(2, 2), timeout_ms=10_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        results = await q.collect("after")
+        assert all(decode_result(r).ok for r in results.values()) and len(results) == 2
