@@ -3,8 +3,9 @@
 Batches are packed from a realistic length mix (the project's query workload or a user's file)
 to exact token totals on a geometric grid. Each grid point is warmed up, then timed until it
 has ``min_repeats`` runs and ``target_s_per_point`` seconds (or ``max_repeats``), and its median
-kept. The sweep stops early once a batch takes longer than ``stop_ms`` or memory runs out; an
-out-of-memory error ends the sweep and is reported, never raised.
+kept; repeats are interleaved across points (see ``sweep``). The grid stops early once a batch
+takes longer than ``stop_ms`` or memory runs out; an out-of-memory error ends the sweep and is
+reported, never raised.
 
 The model is any ``forward(PackedBatch)`` that returns once the work is done (the Engine's
 ``embed`` copies the result to the host, so it does), timed by wall clock on CPU and by CUDA
@@ -143,50 +144,77 @@ def _release_memory() -> None:
         pass
 
 
-def time_point(forward: Callable[[PackedBatch], object], batch: PackedBatch, timer, config: SweepConfig,
-               clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Warm up, then time ``forward(batch)`` per the config's repeat rule; latencies in ms."""
-    for _ in range(config.warmup_runs):
-        forward(batch)
-    times_ms: list[float] = []
-    spent_s = 0.0
-    while len(times_ms) < config.max_repeats:
-        times_ms.append(timer.time_ms(lambda: forward(batch)))
-        spent_s += times_ms[-1] / 1000.0
-        if len(times_ms) >= config.min_repeats and spent_s >= config.target_s_per_point:
-            break
-    return times_ms
+def _needs_more(times_ms: list[float], config: SweepConfig) -> bool:
+    """The repeat rule: at least min_repeats and target_s_per_point of timed runs, at most max_repeats."""
+    if len(times_ms) >= config.max_repeats:
+        return False
+    return len(times_ms) < config.min_repeats or sum(times_ms) / 1000.0 < config.target_s_per_point
+
+
+def _point(batch: PackedBatch, times_ms: list[float], batch_flops) -> Point:
+    p10, median, p90 = np.percentile(times_ms, [10, 50, 90])
+    return Point(num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, max_seqlen=batch.max_seqlen,
+                 median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90), num_repeats=len(times_ms),
+                 gflop_per_s=batch_flops(batch) / median / 1e6 if batch_flops else None)
 
 
 def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], PackedBatch],
-          config: SweepConfig, timer=None, on_point: Callable[[Point], None] | None = None,
+          config: SweepConfig, timer=None, on_progress: Callable[[str, int, int], None] | None = None,
           batch_flops: Callable[[PackedBatch], float] | None = None) -> SweepResult:
-    """Time ``forward`` on a batch of each grid size, smallest first."""
+    """Time ``forward`` on a batch of each grid size.
+
+    Pass 1 climbs the grid once (warm-up runs, then one timed run per size) and finds where to
+    stop. Pass 2 times the sizes kept in round-robin until each meets the repeat rule, so load
+    from other processes, clock boosts or heat land on every size alike instead of on a few.
+    ``on_progress(text, completed, total)`` is told of each step.
+    """
     timer = timer or WallTimer()
     result = SweepResult()
-    for num_tokens in token_grid(config.min_tokens, config.max_tokens, config.points_per_doubling):
+    grid = token_grid(config.min_tokens, config.max_tokens, config.points_per_doubling)
+    batches: list[PackedBatch] = []
+    samples: list[list[float]] = []
+
+    def out_of_memory(exc: Exception, num_tokens: int) -> None:
+        if not is_out_of_memory(exc):
+            raise exc
+        _release_memory()
+        result.out_of_memory_tokens = num_tokens
+        result.stopped_reason = f"out of memory at {num_tokens} tokens ({type(exc).__name__})"
+
+    for num_tokens in grid:
         batch = make_batch(num_tokens)
+        if on_progress:
+            on_progress(f"scanning {num_tokens} tokens", len(batches), 2 * len(grid))
         try:
-            times_ms = time_point(forward, batch, timer, config)
-        except Exception as exc:  # noqa: BLE001 - only out-of-memory is swallowed, see below
-            if not is_out_of_memory(exc):
-                raise
-            _release_memory()
-            result.out_of_memory_tokens = num_tokens
-            result.stopped_reason = f"out of memory at {num_tokens} tokens ({type(exc).__name__})"
+            for _ in range(config.warmup_runs):
+                forward(batch)
+            first_ms = timer.time_ms(lambda: forward(batch))
+        except Exception as exc:  # noqa: BLE001 - out_of_memory() re-raises anything else
+            out_of_memory(exc, num_tokens)
             break
-        p10, median, p90 = np.percentile(times_ms, [10, 50, 90])
-        point = Point(num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, max_seqlen=batch.max_seqlen,
-                      median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90),
-                      num_repeats=len(times_ms),
-                      gflop_per_s=batch_flops(batch) / median / 1e6 if batch_flops else None)
-        result.points.append(point)
-        if on_point:
-            on_point(point)
-        if point.median_ms > config.stop_ms:
-            result.stopped_reason = (f"a {num_tokens}-token batch took {point.median_ms:.0f} ms, "
+        batches.append(batch)
+        samples.append([first_ms])
+        if first_ms > config.stop_ms:
+            result.stopped_reason = (f"a {num_tokens}-token batch took {first_ms:.0f} ms, "
                                      f"over the {config.stop_ms:.0f} ms bound")
             break
+
+    total = 2 * len(batches)
+    while pending := [i for i, times_ms in enumerate(samples) if _needs_more(times_ms, config)]:
+        if on_progress:
+            done = total - len(pending)
+            on_progress(f"timing {len(pending)} batch sizes, round {len(samples[pending[0]]) + 1}", done, total)
+        for i in pending:
+            try:
+                samples[i].append(timer.time_ms(lambda: forward(batches[i])))
+            except Exception as exc:  # noqa: BLE001 - as above; sizes from here up are dropped
+                out_of_memory(exc, batches[i].num_tokens)
+                del batches[i:], samples[i:]
+                total = 2 * len(batches)
+                break
+    result.points = [_point(b, t, batch_flops) for b, t in zip(batches, samples)]
+    if on_progress:
+        on_progress("done", total, total)
     return result
 
 
@@ -227,7 +255,7 @@ def _saturation(points: Sequence[Point]) -> dict | None:
 
 def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_batch_ms: float | None = None,
                 workload_source: str = "generated", seed: int = 0, timer=None,
-                on_point: Callable[[Point], None] | None = None) -> dict:
+                on_progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Profile a loaded Engine (``info``, ``device``, ``dtype``, ``attn_backend``, ``embed``)
     and return the report that ``tokq profile --out`` writes."""
     import torch
@@ -236,7 +264,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_ba
     t0 = time.perf_counter()
     token_ids = token_ids_for(engine.info, seed=seed)
     make_batch = BatchMaker(queries, token_ids, engine.info.max_length)
-    result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_point,
+    result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_progress,
                    batch_flops=getattr(engine, "batch_flops", None))
     fit, rec = analyze(result.points, max_batch_ms)
     summary = describe(list(queries))

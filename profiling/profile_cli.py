@@ -71,7 +71,7 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
     from rich.console import Console
 
     from tokq.profiling import workload
-    from tokq.profiling.profile import SweepConfig, run_profile, token_grid
+    from tokq.profiling.profile import SweepConfig, run_profile
 
     try:
         config = SweepConfig(min_tokens=min_tokens, max_tokens=max_tokens,
@@ -94,9 +94,8 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
         with console.status("loading model"):
             engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
                                  name=model_name)
-        grid = token_grid(config.min_tokens, config.max_tokens, config.points_per_doubling)
-        report = _run_with_progress(console, grid, lambda on_point: run_profile(
-            engine, queries, config, max_batch_ms=max_batch_ms, seed=seed, on_point=on_point,
+        report = _run_with_progress(console, lambda on_progress: run_profile(
+            engine, queries, config, max_batch_ms=max_batch_ms, seed=seed, on_progress=on_progress,
             workload_source=str(workload_path) if workload_path else f"generated (n={num_queries}, seed={seed})"))
     finally:
         torch.set_num_threads(threads_before)  # the setting is process-wide
@@ -117,18 +116,15 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
         click.echo(f"published token budget {budget} to {key} at {redis_url}")
 
 
-def _run_with_progress(console, grid: list[int], run):
-    """Run ``run(on_point)`` under a rich progress bar over the grid's batch sizes."""
+def _run_with_progress(console, run):
+    """Run ``run(on_progress)`` under a rich progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(f"profiling {grid[0]}..{grid[-1]} tokens", total=len(grid))
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("profiling", total=None)
 
-        def on_point(point) -> None:
-            progress.update(task, advance=1, description=(
-                f"{point.num_tokens} tokens: {point.median_ms:.3g} ms, {point.tokens_per_s:,.0f} tokens/s"))
+        def on_progress(text: str, completed: int, total: int) -> None:
+            progress.update(task, description=text, completed=completed, total=total)
 
-        report = run(on_point)
-        progress.update(task, completed=len(grid) if not report["stopped_reason"] else len(report["points"]))
-    return report
+        return run(on_progress)

@@ -18,7 +18,7 @@ from tokq.batch import PackedBatch
 from tokq.model_info import ModelInfo
 from tokq.profiling import workload
 from tokq.profiling.profile import (CudaEventTimer, SweepConfig, WallTimer, analyze, run_profile, sweep,
-                                    time_point, token_grid)
+                                    token_grid)
 from tokq.profiling.profile_batches import BatchMaker, TokenIds, token_ids_for
 
 
@@ -108,13 +108,40 @@ def test_model_without_tokenizer_gets_random_ids_below_vocab_size(tmp_path):
 
 
 def test_repeats_until_min_repeats_and_the_time_target():
-    cfg = SweepConfig(min_repeats=3, max_repeats=50, target_s_per_point=1.0, warmup_runs=2)
-    batch = random_batches()(64)
+    cfg = SweepConfig(min_tokens=64, max_tokens=64, min_repeats=3, max_repeats=50, target_s_per_point=1.0,
+                      warmup_runs=2)
     for cost_ms, expected in [(125.0, 8), (1.0, 50), (600.0, 3)]:
         fwd = SimulatedForward(lambda n, c=cost_ms: c)
-        times = time_point(fwd, batch, WallTimer(fwd.clock), cfg)
-        assert len(times) == expected and len(fwd.calls) == expected + 2  # + warmup runs
-        assert times == pytest.approx([cost_ms] * expected)
+        [point] = sweep(fwd, random_batches(), cfg, WallTimer(fwd.clock)).points
+        assert point.num_repeats == expected and len(fwd.calls) == expected + 2  # + warm-up runs
+        assert point.median_ms == pytest.approx(cost_ms)
+
+
+def test_repeats_are_interleaved_across_batch_sizes():
+    fwd = SimulatedForward(hinge())
+    cfg = SweepConfig(min_tokens=16, max_tokens=64, points_per_doubling=1, warmup_runs=1, min_repeats=3,
+                      max_repeats=3, target_s_per_point=0.0)
+    progress = []
+    sweep(fwd, random_batches(), cfg, WallTimer(fwd.clock), on_progress=lambda *step: progress.append(step))
+    # pass 1: warm-up + one timed run per size, climbing; pass 2: round-robin rounds
+    assert fwd.calls == [16, 16, 32, 32, 64, 64] + [16, 32, 64] * 2
+    assert progress[-1] == ("done", 6, 6) and [c for _, c, _ in progress] == sorted(c for _, c, _ in progress)
+
+
+def test_out_of_memory_while_repeating_drops_that_size_and_larger():
+    base = SimulatedForward(hinge())
+    seen = []
+
+    def forward(batch):
+        seen.append(batch.num_tokens)
+        if batch.num_tokens == 2048 and seen.count(2048) == 3:  # warm-up, pass 1, then fails in pass 2
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        base(batch)
+
+    result = sweep(forward, random_batches(), FAST, WallTimer(base.clock))
+    assert [p.num_tokens for p in result.points] == token_grid(16, 1024, 1)
+    assert result.out_of_memory_tokens == 2048 and "out of memory at 2048" in result.stopped_reason
+    assert all(p.num_repeats == 3 for p in result.points)
 
 
 def test_sweep_and_fit_recover_the_knee_of_the_forward_pass():
