@@ -57,7 +57,7 @@ while not stopped do
     elseif #taken == 0 or taken_tokens + tokens <= budget then
       taken[#taken + 1] = raw
       taken_tokens = taken_tokens + tokens
-    elseif #skipped >= lookahead or now - ts_ms >= max_skip_age_ms then
+    elseif #skipped >= lookahead or now - tonumber(ts_ms) >= max_skip_age_ms then
       stopped = true -- lookahead 0: nothing is ever passed over (strict FIFO)
       break
     else

@@ -26,7 +26,8 @@ for _, batch_id in ipairs(batch_ids) do
   local entries = redis.call('LRANGE', lease, 0, -1)
   num_released = num_released + #entries
   for _, raw in ipairs(entries) do
-    local tokens, _, request_id, index, _, attempt = parse_entry(raw)
+    local tokens, _, request_id, index, _, attempt_text = parse_entry(raw)
+    local attempt = tonumber(attempt_text)
     if redis.call('EXISTS', reply_prefix .. request_id) == 0 then
       num_orphaned = num_orphaned + 1
     elseif attempt + 1 >= max_attempts then
