@@ -71,7 +71,8 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
     from rich.console import Console
 
     from tokq.profiling import workload
-    from tokq.profiling.profile import SweepConfig, run_profile
+    from tokq.profiling.profile import SweepConfig
+    from tokq.profiling.profile_report import run_profile
 
     try:
         config = SweepConfig(min_tokens=min_tokens, max_tokens=max_tokens,

@@ -17,8 +17,8 @@ import torch
 from tokq.batch import PackedBatch
 from tokq.model_info import ModelInfo
 from tokq.profiling import workload
-from tokq.profiling.profile import (CudaEventTimer, SweepConfig, WallTimer, analyze, run_profile, sweep,
-                                    token_grid)
+from tokq.profiling.profile import CudaEventTimer, SweepConfig, WallTimer, sweep, token_grid
+from tokq.profiling.profile_report import analyze, run_profile
 from tokq.profiling.profile_batches import BatchMaker, TokenIds, token_ids_for
 
 

@@ -1,0 +1,137 @@
+"""The `tokq profile` report: run the sweep on a loaded Engine, fit the knee, pick the budget,
+and say it all in one JSON document and one paragraph."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from datetime import datetime, timezone
+
+import numpy as np
+
+from tokq.profiling.knee import KneeFit, Recommendation, fit_knee, recommend_budget, throughput_saturation
+from tokq.profiling.profile import Point, SweepConfig, sweep, timer_for
+from tokq.profiling.profile_batches import BatchMaker, token_ids_for
+from tokq.profiling.workload import Query, describe
+
+SATURATION_FRACTION = 0.9  # "throughput saturates" = reaches this share of the peak measured
+
+
+def device_name(device: object) -> str:
+    """A human name for the device: the GPU's model, or the CPU's model and thread count."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    num_threads = torch.get_num_threads()
+    return f"{cpu}, {num_threads} thread{'' if num_threads == 1 else 's'}"
+
+
+def analyze(points: Sequence[Point], max_batch_ms: float | None) -> tuple[KneeFit | None, Recommendation | None]:
+    """Knee fit and recommended budget; (None, None) with fewer than 3 points."""
+    if len(points) < 3:
+        return None, None
+    tokens = np.array([p.num_tokens for p in points], dtype=float)
+    latency_ms = np.array([p.median_ms for p in points])
+    fit = fit_knee(tokens, latency_ms)
+    return fit, recommend_budget(tokens, latency_ms, fit, max_batch_ms)
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # not on this platform
+        return None
+
+
+def _saturation(points: Sequence[Point]) -> dict | None:
+    if not points:
+        return None
+    tokens, peak = throughput_saturation([p.num_tokens for p in points], [p.median_ms for p in points],
+                                         SATURATION_FRACTION)
+    return {"fraction": SATURATION_FRACTION, "tokens": tokens, "peak_tokens_per_s": peak}
+
+
+def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_batch_ms: float | None = None,
+                workload_source: str = "generated", seed: int = 0, timer=None,
+                on_progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Profile a loaded Engine (``info``, ``device``, ``dtype``, ``attn_backend``, ``embed``)
+    and return the report that ``tokq profile --out`` writes."""
+    import torch
+
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    load_before = _load_average()
+    t0 = time.perf_counter()
+    token_ids = token_ids_for(engine.info, seed=seed)
+    make_batch = BatchMaker(queries, token_ids, engine.info.max_length)
+    result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_progress,
+                   batch_flops=getattr(engine, "batch_flops", None))
+    fit, rec = analyze(result.points, max_batch_ms)
+    summary = describe(list(queries))
+    report = {
+        "model": engine.info.name,
+        "model_path": str(engine.info.path),
+        "queue_name": engine.info.queue_name,
+        "device": str(engine.device),
+        "device_name": device_name(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "attn_backend": engine.attn_backend,
+        "torch_version": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        # CPU timings depend on what else runs: the 1-minute load average before and after.
+        "load_average": [load_before, _load_average()],
+        "workload": {"source": workload_source, **summary,
+                     "token_ids": "text" if summary["has_texts"] and token_ids.has_tokenizer else "random"},
+        "sweep": asdict(config),
+        "points": [p.to_dict() for p in result.points],
+        "stopped_reason": result.stopped_reason,
+        "out_of_memory_tokens": result.out_of_memory_tokens,
+        "fit": fit.to_dict() if fit else None,
+        "knee_tokens": fit.knee_tokens if fit else None,
+        "flat_ms": fit.flat_ms if fit else None,
+        "slope_ms_per_token": fit.slope_ms_per_token if fit else None,
+        "max_batch_ms": rec.max_batch_ms if rec else max_batch_ms,
+        "recommended_budget": rec.budget_tokens if rec else None,
+        "recommendation": rec.to_dict() if rec else None,
+        "saturation": _saturation(result.points),
+        "started_at": started_at,
+        "duration_s": round(time.perf_counter() - t0, 3),
+    }
+    report["summary"] = summarize(report)
+    return report
+
+
+def summarize(report: dict) -> str:
+    """One paragraph a reader can act on without the JSON."""
+    points = report["points"]
+    head = (f"{report['model']} on {report['device']} ({report['device_name']}; {report['dtype']}, "
+            f"attention {report['attn_backend']}): {len(points)} batch sizes")
+    if points:
+        head += f" from {points[0]['num_tokens']} to {points[-1]['num_tokens']} tokens"
+    parts = [head + f" in {report['duration_s']:.0f} s."]
+    if report["stopped_reason"]:
+        parts.append(f"Stopped early: {report['stopped_reason']}.")
+    fit, rec = report["fit"], report["recommendation"]
+    if fit is None:
+        parts.append("Too few points to fit a knee (3 needed): no budget recommended.")
+        return " ".join(parts)
+    parts.append(fit["reason"][0].upper() + fit["reason"][1:] + ".")
+    sat = report["saturation"]
+    parts.append(f"Throughput reaches {sat['fraction']:.0%} of its peak ({sat['peak_tokens_per_s']:,.0f} "
+                 f"tokens/s) at {sat['tokens']} tokens.")
+    if rec["budget_tokens"] is None:
+        parts.append(rec["reason"][0].upper() + rec["reason"][1:] + ".")
+    else:
+        parts.append(f"Recommended token budget: {rec['budget_tokens']} ({rec['tokens_per_s']:,.0f} tokens/s "
+                     f"at {rec['latency_ms']:.3g} ms per batch, ceiling {rec['max_batch_ms']:.3g} ms).")
+    return " ".join(parts)
