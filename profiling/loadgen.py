@@ -1,0 +1,251 @@
+"""Open-loop load: requests leave at their *intended* times whether or not earlier ones have
+been answered, and each latency counts from the intended time (no coordinated omission: a
+server that stalls makes every request scheduled during the stall late, as real users would be).
+
+A schedule is a list of ``Arrival`` (intended offset in seconds + the texts of one request).
+It comes from a workload's own timestamps rescaled to a target mean rate (bursts keep their
+shape), or from a Poisson process. ``run_open_loop`` plays it against any ``send`` coroutine and
+returns one ``Sample`` per request; ``summarize`` turns samples into the figures a report shows,
+including whether the generator itself kept up (it says so rather than report a lower rate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokq.profiling.workload import Query
+
+# The generator counts as keeping up when p99 of (actual - intended) send time stays under this
+# and it sent at >= MIN_SEND_RATIO of the offered rate; otherwise the run is flagged.
+MAX_SEND_LAG_P99_MS = 25.0
+MIN_SEND_RATIO = 0.95
+
+
+@dataclass(frozen=True)
+class Arrival:
+    t_s: float  # intended send time, seconds after the run starts
+    texts: tuple[str, ...]
+    num_tokens: int  # with special tokens, as the workload states it
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a sender reports for one request: a gRPC status name and the server's timings."""
+
+    status: str  # "OK" or a grpc.StatusCode name
+    queue_ms: float = 0.0
+    inference_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    intended_s: float  # all three relative to the run's start
+    sent_s: float
+    done_s: float
+    status: str
+    num_tokens: int
+    queue_ms: float
+    inference_ms: float
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.done_s - self.intended_s) * 1000
+
+    @property
+    def send_lag_ms(self) -> float:
+        return (self.sent_s - self.intended_s) * 1000
+
+
+Send = Callable[[Sequence[str]], Awaitable[Reply]]
+
+
+# -- schedules ---------------------------------------------------------------------------------
+
+def replay_schedule(queries: Sequence[Query], rate_per_s: float, duration_s: float) -> list[Arrival]:
+    """The workload's own arrival times, compressed or stretched to ``rate_per_s`` on average,
+    for ``duration_s`` seconds (the workload repeats from its start when it runs out)."""
+    if rate_per_s <= 0 or duration_s <= 0:
+        raise ValueError("rate_per_s and duration_s must be positive")
+    times = np.array([q.t_s for q in queries], dtype=np.float64)
+    times -= times[0]
+    native_span_s = float(times[-1]) * len(queries) / max(len(queries) - 1, 1)  # one mean gap past the last
+    native_rate = len(queries) / native_span_s if native_span_s > 0 else rate_per_s
+    scale = native_rate / rate_per_s
+    arrivals: list[Arrival] = []
+    lap = 0
+    while True:
+        for q, t in zip(queries, times):
+            t_s = (lap * native_span_s + float(t)) * scale
+            if t_s >= duration_s:
+                return arrivals
+            arrivals.append(Arrival(t_s, (_text(q),), q.num_tokens))
+        lap += 1
+
+
+def poisson_schedule(queries: Sequence[Query], rate_per_s: float, duration_s: float,
+                     seed: int = 1) -> list[Arrival]:
+    """Exponential gaps at ``rate_per_s``; requests take the workload's queries in order."""
+    if rate_per_s <= 0 or duration_s <= 0:
+        raise ValueError("rate_per_s and duration_s must be positive")
+    rng = np.random.default_rng(seed)
+    arrivals: list[Arrival] = []
+    t_s = float(rng.exponential(1 / rate_per_s))
+    while t_s < duration_s:
+        q = queries[len(arrivals) % len(queries)]
+        arrivals.append(Arrival(t_s, (_text(q),), q.num_tokens))
+        t_s += float(rng.exponential(1 / rate_per_s))
+    return arrivals
+
+
+def _text(q: Query) -> str:
+    if q.text is None:
+        raise ValueError(f"query {q.id} has no text; give the workload texts (texts_for_lengths)")
+    return q.text
+
+
+def texts_for_lengths(queries: Sequence[Query], vocab_words: Sequence[str], seed: int = 1) -> list[Query]:
+    """Queries with texts of exactly their token count for a WordPiece model: ``num_tokens - 2``
+    whole words from the vocabulary (each one token), plus [CLS] and [SEP]."""
+    rng = np.random.default_rng(seed)
+    words = np.asarray(vocab_words)
+    return [Query(q.id, q.num_tokens, q.t_s,
+                  q.text if q.text is not None else
+                  " ".join(rng.choice(words, size=max(1, q.num_tokens - 2)).tolist()))
+            for q in queries]
+
+
+# -- the open loop -----------------------------------------------------------------------------
+
+async def run_open_loop(send: Send, arrivals: Sequence[Arrival], *,
+                        on_done: Callable[[Sample], None] | None = None,
+                        lead_s: float = 0.02) -> list[Sample]:
+    """Send every arrival at its intended time without waiting for replies; wait for all
+    replies (the sender enforces any deadline) and return the samples in schedule order."""
+    loop = asyncio.get_running_loop()
+    start = loop.time() + lead_s
+    samples: list[Sample | None] = [None] * len(arrivals)
+
+    async def one(i: int, arrival: Arrival) -> None:
+        sent = loop.time() - start
+        try:
+            reply = await send(arrival.texts)
+        except Exception as exc:  # a sender bug must show as an error, not kill the run
+            reply = Reply(f"CLIENT_{type(exc).__name__}")
+        sample = Sample(arrival.t_s, sent, loop.time() - start, reply.status, arrival.num_tokens,
+                        reply.queue_ms, reply.inference_ms)
+        samples[i] = sample
+        if on_done:
+            on_done(sample)
+
+    tasks = []
+    for i, arrival in enumerate(arrivals):
+        delay = start + arrival.t_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, arrival)))
+    await asyncio.gather(*tasks)
+    return [s for s in samples if s is not None]
+
+
+# -- figures -----------------------------------------------------------------------------------
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return round(float(np.percentile(values, q)), 3) if values.size else float("nan")
+
+
+def summarize(samples: Sequence[Sample], offered_rate_per_s: float) -> dict:
+    """The figures of one run. Latency percentiles cover every request, failed ones included
+    (at the time their error came back), so timeouts cannot make a run look faster."""
+    if not samples:
+        raise ValueError("no samples to summarize")
+    lat = np.array([s.latency_ms for s in samples])
+    lag = np.array([s.send_lag_ms for s in samples])
+    ok = [s for s in samples if s.status == "OK"]
+    intended = np.array([s.intended_s for s in samples])
+    sent = np.array([s.sent_s for s in samples])
+    span_s = max(max(s.done_s for s in samples) - float(intended.min()), 1e-9)
+    intended_span_s = float(intended.max() - intended.min())
+    sent_span_s = float(sent.max() - sent.min())
+    send_ratio = (intended_span_s / sent_span_s) if sent_span_s > 0 else 1.0
+    lag_p99 = _pct(lag, 99)
+    kept_up = bool(lag_p99 <= MAX_SEND_LAG_P99_MS and send_ratio >= MIN_SEND_RATIO)
+    queue_ms = np.array([s.queue_ms for s in ok])
+    inference_ms = np.array([s.inference_ms for s in ok])
+    return {
+        "offered_rps": round(offered_rate_per_s, 3),
+        "num_requests": len(samples),
+        "num_ok": len(ok),
+        "errors": dict(sorted(Counter(s.status for s in samples if s.status != "OK").items())),
+        "throughput_rps": round(len(ok) / span_s, 3),
+        "tokens_per_s": round(sum(s.num_tokens for s in ok) / span_s, 1),
+        "latency_ms": {"p50": _pct(lat, 50), "p90": _pct(lat, 90), "p99": _pct(lat, 99),
+                       "max": round(float(lat.max()), 3)},
+        "server_queue_ms": {"p50": _pct(queue_ms, 50), "p99": _pct(queue_ms, 99)},
+        "server_inference_ms": {"p50": _pct(inference_ms, 50), "p99": _pct(inference_ms, 99)},
+        "send_lag_ms": {"p50": _pct(lag, 50), "p99": lag_p99, "max": round(float(lag.max()), 3)},
+        "generator_kept_up": kept_up,
+    }
+
+
+def within_slo(summary: dict, slo_ms: float, max_error_ratio: float = 0.01) -> bool:
+    """A run is sustainable when p99 meets the SLO, at most ``max_error_ratio`` of requests
+    failed, and the load generator really offered the load."""
+    error_ratio = 1 - summary["num_ok"] / summary["num_requests"]
+    return (summary["latency_ms"]["p99"] <= slo_ms and error_ratio <= max_error_ratio
+            and summary["generator_kept_up"])
+
+
+def failure_reason(summary: dict, slo_ms: float, max_error_ratio: float = 0.01) -> str:
+    if not summary["generator_kept_up"]:
+        return (f"load generator fell behind (send lag p99 {summary['send_lag_ms']['p99']:.0f} ms): "
+                "this rate was not really offered")
+    error_ratio = 1 - summary["num_ok"] / summary["num_requests"]
+    if error_ratio > max_error_ratio:
+        return f"{error_ratio:.1%} errors {summary['errors']}"
+    if summary["latency_ms"]["p99"] > slo_ms:
+        return f"p99 {summary['latency_ms']['p99']:.0f} ms > SLO {slo_ms:.0f} ms"
+    return ""
+
+
+# -- step mode ---------------------------------------------------------------------------------
+
+async def step_search(run_at: Callable[[float], Awaitable[dict]], *, start_rate_per_s: float,
+                      slo_ms: float, factor: float = 1.5, max_steps: int = 12,
+                      num_refinements: int = 1) -> dict:
+    """Raise the offered rate by ``factor`` from ``start_rate_per_s`` until a run breaks the SLO
+    (``within_slo``), then bisect (geometrically) between the last good and the first bad rate
+    ``num_refinements`` times. Returns the highest sustainable rate (0 if even the first step
+    failed), why the next one failed, and every step's summary in the order run."""
+    if start_rate_per_s <= 0 or factor <= 1:
+        raise ValueError("need start_rate_per_s > 0 and factor > 1")
+    steps: list[dict] = []
+    good: dict | None = None
+    bad: dict | None = None
+    rate = start_rate_per_s
+    while len(steps) < max_steps:
+        summary = await run_at(rate)
+        steps.append(summary)
+        if not within_slo(summary, slo_ms):
+            bad = summary
+            break
+        good = summary
+        rate *= factor
+    for _ in range(num_refinements if good and bad else 0):
+        summary = await run_at((good["offered_rps"] * bad["offered_rps"]) ** 0.5)
+        steps.append(summary)
+        if within_slo(summary, slo_ms):
+            good = summary
+        else:
+            bad = summary
+    return {
+        "slo_ms": slo_ms,
+        "sustainable_rps": good["offered_rps"] if good else 0.0,
+        "sustainable": good,
+        "limit": failure_reason(bad, slo_ms) if bad else f"no step failed up to {steps[-1]['offered_rps']:.0f} req/s",
+        "steps": steps,
+    }

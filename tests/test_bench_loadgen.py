@@ -1,0 +1,160 @@
+"""The open-loop load generator against a tiny real gRPC Embedder whose handler serves one
+request at a time and sleeps a fixed time: a server of known capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from tokq.profiling import loadgen, workload
+from tokq.profiling.bench_systems import GrpcSender
+from tokq.v1 import embedder_pb2 as pb
+from tokq.v1 import embedder_pb2_grpc as pb_grpc
+
+
+class SerialSleeper(pb_grpc.EmbedderServicer):
+    """Answers each Embed after ``service_s``, one request at a time, in arrival order."""
+
+    def __init__(self, service_s: float) -> None:
+        self.service_s = service_s
+        self._lock = asyncio.Lock()  # FIFO: waiters are woken in order
+
+    async def Embed(self, request, context):
+        async with self._lock:
+            await asyncio.sleep(self.service_s)
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=[1.0])], model="sleeper")
+
+
+async def start_sleeper(service_s: float) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    pb_grpc.add_EmbedderServicer_to_server(SerialSleeper(service_s), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def arrivals_at(offsets_s: list[float]) -> list[loadgen.Arrival]:
+    return [loadgen.Arrival(t, ("hello",), 3) for t in offsets_s]
+
+
+async def test_latency_counts_from_intended_time_including_queueing():
+    service_s = 0.2
+    server, target = await start_sleeper(service_s)
+    sender = GrpcSender(target, timeout_s=10)
+    try:
+        offsets = [0.0, 0.02, 0.04, 0.06, 0.08]
+        samples = await loadgen.run_open_loop(sender, arrivals_at(offsets))
+    finally:
+        await sender.close()
+        await server.stop(None)
+    assert [s.status for s in samples] == ["OK"] * 5
+    # Open loop: every request left before the first reply came back.
+    assert max(s.sent_s for s in samples) < min(s.done_s for s in samples)
+    # The server answers one per service_s, so the k-th reply cannot come before (k+1)*service_s;
+    # each latency is counted from the intended time, so it carries that queueing delay.
+    for k, done_s in enumerate(sorted(s.done_s for s in samples)):
+        assert done_s >= (k + 1) * service_s - 1e-3
+    last = max(samples, key=lambda s: s.done_s)
+    assert last.latency_ms >= (5 * service_s - last.intended_s) * 1000 - 1
+    summary = loadgen.summarize(samples, offered_rate_per_s=50)
+    assert summary["latency_ms"]["max"] == pytest.approx(max(s.latency_ms for s in samples), abs=1e-3)
+    assert summary["num_ok"] == 5 and summary["errors"] == {}
+
+
+async def test_a_stalled_server_shows_as_deadline_errors_not_a_lower_rate():
+    server, target = await start_sleeper(0.5)
+    sender = GrpcSender(target, timeout_s=0.3)
+    try:
+        samples = await loadgen.run_open_loop(sender, arrivals_at([0.0, 0.01, 0.02]))
+    finally:
+        await sender.close()
+        await server.stop(None)
+    summary = loadgen.summarize(samples, offered_rate_per_s=100)
+    assert summary["errors"] == {"DEADLINE_EXCEEDED": 3}
+    assert summary["num_ok"] == 0 and summary["throughput_rps"] == 0
+    assert summary["latency_ms"]["p50"] >= 300  # failed requests count, at their error time
+    assert not loadgen.within_slo(summary, slo_ms=1000)
+
+
+async def test_step_search_stops_at_the_capacity_of_a_known_server():
+    capacity_rps = 100.0  # 10 ms per request, one at a time
+    server, target = await start_sleeper(1 / capacity_rps)
+    sender = GrpcSender(target, timeout_s=5)
+    queries = workload.generate(200, seed=3)
+    queries = [workload.Query(q.id, q.num_tokens, q.t_s, "q") for q in queries]
+
+    async def run_at(rate: float) -> dict:
+        samples = await loadgen.run_open_loop(sender, loadgen.poisson_schedule(queries, rate, 1.5, seed=2))
+        return loadgen.summarize(samples, rate)
+
+    try:
+        result = await loadgen.step_search(run_at, start_rate_per_s=20, slo_ms=250, factor=2,
+                                           max_steps=6, num_refinements=1)
+    finally:
+        await sender.close()
+        await server.stop(None)
+    rates = [s["offered_rps"] for s in result["steps"]]
+    assert rates[:3] == [20, 40, 80]
+    # Above capacity the backlog grows for the whole step, so p99 breaks the SLO there ...
+    assert all(not loadgen.within_slo(s, 250) for s in result["steps"] if s["offered_rps"] > 1.2 * capacity_rps)
+    assert "SLO" in result["limit"]
+    # ... and the sustainable rate found is a rate that met it, at or below the capacity.
+    assert 20 <= result["sustainable_rps"] <= capacity_rps
+    assert loadgen.within_slo(result["sustainable"], 250)
+
+
+async def test_a_generator_that_cannot_keep_up_says_so():
+    async def blocking_send(texts):
+        time.sleep(0.03)  # holds the event loop: later arrivals cannot leave on time
+        return loadgen.Reply("OK")
+
+    arrivals = arrivals_at([i * 0.005 for i in range(60)])  # 200 req/s offered
+    samples = await loadgen.run_open_loop(blocking_send, arrivals)
+    summary = loadgen.summarize(samples, offered_rate_per_s=200)
+    assert summary["generator_kept_up"] is False
+    assert summary["send_lag_ms"]["max"] >= 500  # 60 x 30 ms of blocking against 300 ms of schedule
+    # Each reply is instant, yet the late requests' latencies carry the generator's own delay.
+    assert all(s.latency_ms >= s.send_lag_ms for s in samples)
+    assert max(s.latency_ms for s in samples) >= 500
+    assert not loadgen.within_slo(summary, slo_ms=1e9)
+    assert "load generator fell behind" in loadgen.failure_reason(summary, slo_ms=1e9)
+
+
+def test_poisson_schedule_offers_the_rate_in_order():
+    queries = [workload.Query(i, 5, 0.0, f"q{i}") for i in range(50)]
+    arrivals = loadgen.poisson_schedule(queries, rate_per_s=200, duration_s=20, seed=7)
+    times = [a.t_s for a in arrivals]
+    assert times == sorted(times) and times[-1] < 20
+    assert 0.9 * 4000 <= len(arrivals) <= 1.1 * 4000
+    assert arrivals[51].texts == ("q1",)  # queries are reused in order
+
+
+def test_replay_schedule_rescales_the_workload_to_the_mean_rate():
+    queries = workload.generate(1000, seed=5, rate_per_s=400.0)
+    queries = [workload.Query(q.id, q.num_tokens, q.t_s, "q") for q in queries]
+    native_span_s = queries[-1].t_s - queries[0].t_s
+    rate = 100.0
+    # Two laps of the workload at a quarter of its native rate.
+    duration_s = 2 * len(queries) / rate
+    arrivals = loadgen.replay_schedule(queries, rate, duration_s)
+    assert 0.97 * 2000 <= len(arrivals) <= 2000
+    times = [a.t_s for a in arrivals]
+    assert times == sorted(times)
+    # Gaps keep their shape: the first lap is the workload's own times, stretched.
+    scale = times[999] / (queries[999].t_s - queries[0].t_s)
+    assert scale == pytest.approx(len(queries) / native_span_s / rate, rel=0.01)
+    assert [a.num_tokens for a in arrivals[:10]] == [q.num_tokens for q in queries[:10]]
+
+
+def test_texts_for_lengths_gives_wordpiece_texts_of_each_length(bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    vocab = [w.strip() for w in open(bundled_model_dir / "vocab.txt", encoding="utf-8")
+             if w.strip().isalpha() and w.strip().islower() and len(w.strip()) > 2]
+    queries = [workload.Query(i, n, 0.0) for i, n in enumerate([3, 4, 10, 40])]
+    tok = AutoTokenizer.from_pretrained(str(bundled_model_dir))
+    for q in loadgen.texts_for_lengths(queries, vocab):
+        assert len(tok(q.text)["input_ids"]) == q.num_tokens
