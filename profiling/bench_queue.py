@@ -28,9 +28,10 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from tokq.config import QueueConfig
+from tokq.connection import connect
 from tokq.entry import encode_body, format_entry
 from tokq.profiling.workload import load_jsonl, query_lengths
-from tokq.queue import Queue, connect
+from tokq.queue import Queue
 from tokq.redis_server import EmbeddedRedis
 
 WORKLOAD = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads" / "short_queries.jsonl"

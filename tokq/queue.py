@@ -1,7 +1,8 @@
 """The async queue client: enqueue, claim, renew, ack, requeue, cancel, collect and stats,
 each one Lua script run (one round trip) on a ``redis.asyncio`` client.
 
-Use a client made with ``decode_responses=False``: entry bodies and results are binary.
+Use a client made with ``decode_responses=False`` (``tokq.connection.connect``): entry bodies
+and results are binary.
 Times come from the Redis clock inside the scripts; ``clock`` overrides it for tests.
 """
 
@@ -11,9 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, TimeoutError
 
 from tokq.config import QueueConfig
 from tokq.entry import Entry, format_entry, parse_entry
@@ -66,15 +64,6 @@ class QueueStats:
     inflight_items: int
     inflight_batches: int
     counters: dict[str, int]
-
-
-def connect(redis_url: str, *, max_connections: int | None = None) -> aioredis.Redis:
-    """A binary-safe client that reconnects by itself: a Redis restart costs the calls in
-    flight a short retry, not an error (``from_url`` alone does not retry)."""
-    return aioredis.Redis.from_url(
-        redis_url, decode_responses=False, max_connections=max_connections,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.02), retries=6),
-        retry_on_error=[ConnectionError, TimeoutError])
 
 
 def _pairs(flat: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
