@@ -1,0 +1,40 @@
+"""``python -m tokq.profiling.baselines``: serve one baseline until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import click
+
+
+@click.command()
+@click.option("--kind", type=click.Choice(["one-at-a-time", "padded-batching"]), required=True)
+@click.option("--port", type=int, required=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--model", "model_path", default=None, help="model directory [default: bundled all-MiniLM-L6-v2]")
+@click.option("--max-batch-size", type=int, default=64, show_default=True, help="padded-batching: inputs per batch")
+@click.option("--max-wait-ms", type=float, default=10.0, show_default=True,
+              help="padded-batching: longest a request waits for its batch to fill")
+def main(kind, port, host, model_path, max_batch_size, max_wait_ms) -> None:
+    from tokq.profiling.baselines.runners import make_runner
+    from tokq.profiling.baselines.server import load_model, serve
+
+    model = load_model(model_path)
+    # Warm up at the largest batch this server will run, as tokq's workers do.
+    model.encode(["warm up the kernels"] * max_batch_size, batch_size=max_batch_size)
+    runner = make_runner(kind, model, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(runner, model, port=port, host=host, stop=stop,
+                    on_ready=lambda p: click.echo(f"baseline {kind} serving on {host}:{p}", err=True))
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The baseline servers return the model's embeddings through the tokq.v1 gRPC API: each
+input's vector matches sentence-transformers encoding it alone, whichever batch it rode in."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import numpy as np
+import pytest
+
+from tokq import AsyncClient, TokqError
+from tokq.profiling.baselines.runners import make_runner
+from tokq.profiling.baselines.server import load_model, serve
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model()
+
+
+def texts_of_mixed_lengths(bundled_model_dir, n: int, seed: int) -> list[str]:
+    words = [w.strip() for w in open(bundled_model_dir / "vocab.txt", encoding="utf-8")
+             if w.strip().isalpha() and w.strip().islower() and len(w.strip()) > 2][:20000]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.choice([1, 3, 8, 20, 60, 300]))) for _ in range(n)]
+
+
+def min_cosine(got: np.ndarray, want: np.ndarray) -> float:
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    return float(cos.min())
+
+
+async def serve_in_background(runner, model):
+    stop = asyncio.Event()
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(runner, model, port=0, stop=stop, on_ready=ready.set_result))
+    port = await asyncio.wait_for(ready, 30)
+    return f"127.0.0.1:{port}", stop, task
+
+
+@pytest.mark.parametrize("kind", ["one-at-a-time", "padded-batching"])
+async def test_baseline_embeddings_match_sentence_transformers(model, bundled_model_dir, kind):
+    texts = texts_of_mixed_lengths(bundled_model_dir, 24, seed=11)  # some over 256 tokens: truncated
+    want = np.stack([model.encode([t], normalize_embeddings=True)[0] for t in texts])
+    runner = make_runner(kind, model, max_batch_size=8, max_wait_ms=50)
+    target, stop, task = await serve_in_background(runner, model)
+    try:
+        async with AsyncClient(target) as client:
+            # One request per input, all at once: the padded baseline batches them together.
+            singles = await asyncio.gather(*(client.embed([t], truncate=True) for t in texts))
+            together = await client.embed(texts[:5], truncate=True)
+            info = await client.info()
+    finally:
+        stop.set()
+        await task
+    got = np.concatenate(singles)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert min_cosine(got, want) >= 0.9999
+    assert min_cosine(together, want[:5]) >= 0.9999
+    assert info.dimensions == want.shape[1] and info.max_input_length == model.max_seq_length
+    if kind == "padded-batching":
+        assert 3 <= runner.num_batches < len(texts)  # batches of up to 8 inputs, not one per request
+
+
+async def test_baseline_refuses_what_tokq_refuses(model, bundled_model_dir):
+    runner = make_runner("one-at-a-time", model)
+    target, stop, task = await serve_in_background(runner, model)
+    long_text = texts_of_mixed_lengths(bundled_model_dir, 40, seed=2)
+    long_text = max(long_text, key=len)
+    try:
+        async with AsyncClient(target) as client:
+            with pytest.raises(TokqError) as too_long:
+                await client.embed([long_text])  # over 256 tokens without truncate
+            with pytest.raises(TokqError) as empty:
+                await client.embed([""])
+            short = await client.embed(["red shoes"], dimensions=64)
+    finally:
+        stop.set()
+        await task
+    assert too_long.value.code == grpc.StatusCode.INVALID_ARGUMENT and "256" in too_long.value.message
+    assert empty.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    full = model.encode(["red shoes"])[0][:64]
+    assert short.shape == (1, 64)
+    assert min_cosine(short, full[None, :]) >= 0.9999
+    assert np.linalg.norm(short[0]) == pytest.approx(1.0, abs=1e-5)
+
+
+async def test_padded_batching_skips_requests_whose_caller_left(model):
+    runner = make_runner("padded-batching", model, max_batch_size=4, max_wait_ms=200)
+    await runner.start()
+    try:
+        gone = asyncio.create_task(runner.embed(["left before its batch ran"]))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        kept = await runner.embed(["still here"])
+    finally:
+        await runner.stop()
+    assert kept.vectors.shape == (1, model.get_embedding_dimension())
+    assert runner.num_batches == 1 and runner.num_inputs == 1  # the cancelled input was never encoded
+    assert kept.num_tokens == 4  # [CLS] still here [SEP]
