@@ -97,7 +97,7 @@ async def bench_enqueue(client, queue: Queue, items, num_calls: int) -> dict:
     num_windows = len(items) - ITEMS_PER_ENQUEUE
     requests = [items[(i * ITEMS_PER_ENQUEUE) % num_windows:][:ITEMS_PER_ENQUEUE]
                 for i in range(num_calls)]
-    raw = raw_entries(requests[0])
+    raw = [raw_entries(r) for r in requests]
     raw_key = "bench:{raw}:rpush"
     num_items = num_calls * ITEMS_PER_ENQUEUE
 
@@ -105,9 +105,9 @@ async def bench_enqueue(client, queue: Queue, items, num_calls: int) -> dict:
     seconds = await run_callers(NUM_CALLERS, num_calls, lambda i: queue.enqueue(
         f"e{i}", requests[i], timeout_ms=600_000, channel=CHANNEL))
     usec = await redis_usec_per_call(client, "evalsha")
-    same_callers = await run_callers(NUM_CALLERS, num_calls, lambda i: client.rpush(raw_key, *raw))
+    same_callers = await run_callers(NUM_CALLERS, num_calls, lambda i: client.rpush(raw_key, *raw[i]))
     await client.delete(raw_key)
-    pipe_s = await pipelined(client, num_calls, lambda p, i: p.rpush(raw_key, *raw))
+    pipe_s = await pipelined(client, num_calls, lambda p, i: p.rpush(raw_key, *raw[i]))
     await client.delete(raw_key)
     return {"items_per_s": num_items / seconds, "redis_usec_per_call": usec,
             "rpush_same_callers_items_per_s": num_items / same_callers,
