@@ -88,7 +88,8 @@ class WallTimer:
 
 
 class CudaEventTimer:
-    """Times a call by CUDA events on the current stream: GPU time, not host scheduling noise."""
+    """Times a call by CUDA events on the current stream, on the GPU's clock. The Engine's
+    embed() syncs before returning, so host-side packing inside the call is counted too."""
 
     def __init__(self, device: object) -> None:
         import torch

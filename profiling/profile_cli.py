@@ -93,8 +93,11 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
         torch.set_num_threads(num_threads)
     try:
         with console.status("loading model"):
-            engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
-                                 name=model_name)
+            try:
+                engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
+                                     name=model_name)
+            except ValueError as exc:  # unsupported model, device, dtype or backend: say which
+                raise click.ClickException(str(exc)) from None
         report = _run_with_progress(console, lambda on_progress: run_profile(
             engine, queries, config, max_batch_ms=max_batch_ms, seed=seed, on_progress=on_progress,
             workload_source=str(workload_path) if workload_path else f"generated (n={num_queries}, seed={seed})"))

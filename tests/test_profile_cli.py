@@ -9,6 +9,7 @@ import json
 import pytest
 import redis
 import redis.asyncio as aioredis
+import torch
 from click.testing import CliRunner
 from matplotlib.image import imread
 
@@ -103,3 +104,10 @@ def test_apply_refuses_when_no_batch_fits_the_ceiling(tmp_path, redis_url):
 def test_bad_sweep_flags_are_usage_errors(args, message):
     result = CliRunner().invoke(profile_command, ["--device", "cpu", *args])
     assert result.exit_code == 2 and message in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_on_a_machine_without_one_is_a_clear_error(tmp_path):
+    result = CliRunner().invoke(profile_command, ["--device", "cuda", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 1 and "CUDA is not available" in result.output
+    assert not (tmp_path / "p.json").exists()
