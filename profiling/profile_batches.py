@@ -30,7 +30,7 @@ class TokenIds:
 
     def __post_init__(self) -> None:
         self._rng = np.random.default_rng(self.seed)
-        self._cache: dict[int, np.ndarray] = {}
+        self._cache: dict[str, np.ndarray] = {}
 
     @property
     def has_tokenizer(self) -> bool:
@@ -41,9 +41,9 @@ class TokenIds:
         a text (the "tokens" field counts another tokenizer's tokens), else its "tokens"."""
         if self.tokenize is None or query.text is None:
             return self.random_ids(min(query.num_tokens, max_tokens))
-        ids = self._cache.get(query.id)
-        if ids is None:
-            ids = self._cache.setdefault(query.id, np.asarray(self.tokenize(query.text), np.int64))
+        ids = self._cache.get(query.text)
+        if ids is None:  # keyed by text: a user's file may reuse ids
+            ids = self._cache[query.text] = np.asarray(self.tokenize(query.text), np.int64)
         if ids.size <= max_tokens:
             return ids
         # Cut the body, keep the closing special token(s) in place.
