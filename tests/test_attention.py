@@ -10,7 +10,7 @@ import torch
 from tokq.batch import PackedBatch
 from tokq.workers import attention
 
-SEQ_LENS = [3, 1, 7, 3, 12, 1, 7, 7, 2]
+SEQ_LENS = [3, 1, 7, 3, 12, 1, 7, 20, 7, 2, 40, 70, 33, 70, 16]  # every bucket, and past them
 HEAD_DIM = 16
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -58,7 +58,7 @@ def _run(backend: str, q, k, v, batch: PackedBatch, causal: bool, scale: float) 
     return out
 
 
-@pytest.mark.parametrize("backend", ["sdpa_grouped", "sdpa_loop"])
+@pytest.mark.parametrize("backend", ["sdpa_bucketed", "sdpa_grouped", "sdpa_loop"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa2", "mqa"])
 def test_cpu_backends_match_reference(backend, causal, heads):
@@ -82,14 +82,28 @@ def test_grouped_layout_sorts_by_length_and_restores_batch_order():
     assert layout.positions.tolist() == [0, 0, 1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
 
 
+def test_bucketed_layout_pads_short_sequences_inside_attention_only():
+    batch = _batch([5, 70, 2, 16, 40])
+    layout = attention.build_layout(batch, torch.device("cpu"), "sdpa_bucketed")
+    assert layout.input_ids.shape[0] == batch.num_tokens  # no pad outside attention
+    runs = [(r.start, r.num_seqs, r.seqlen, r.num_tokens, r.gather is not None) for r in layout.runs]
+    assert runs == [(0, 3, 16, 23, True), (23, 1, 64, 40, True), (63, 1, 70, 70, False)]
+    bucket = layout.runs[0]
+    assert bucket.key_mask[:, 0, 0].sum(1).tolist() == [2, 5, 16]
+    # pad slots repeat the sequence's last real row; the scatter picks the real ones back out
+    assert bucket.gather.view(3, 16)[0].tolist() == [0, 1] + [1] * 14
+    seq, pos = bucket.scatter
+    assert (bucket.gather.view(3, 16)[seq, pos] == torch.arange(23)).all()
+
+
 def test_already_sorted_batch_is_not_copied():
     layout = attention.build_layout(_batch([1, 2, 2, 9]), torch.device("cpu"), "sdpa_grouped")
     assert layout.restore is None
     assert [(r.num_seqs, r.seqlen) for r in layout.runs] == [(1, 1), (2, 2), (1, 9)]
 
 
-def test_auto_backend_on_cpu_is_grouped_sdpa():
-    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_grouped"
+def test_auto_backend_on_cpu_is_bucketed_sdpa():
+    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_bucketed"
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
@@ -105,7 +119,7 @@ def test_unknown_backend_lists_the_known_ones():
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa_grouped"])
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa_bucketed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_cuda_backends_match_reference_in_bf16(backend, causal):
     device = torch.device("cuda")

@@ -6,7 +6,7 @@ import asyncio
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_queue_support import CHANNEL, ManualClock, open_queue
+from queue_support import CHANNEL, ManualClock, open_queue
 
 from tokq.claim_rule import DEADLINE_EXCEEDED, plan_claim
 from tokq.entry import format_entry, parse_entry

@@ -6,7 +6,7 @@ import asyncio
 import random
 from collections import Counter
 
-from test_queue_support import CHANNEL, all_keys, items, ok_result, open_queue
+from queue_support import CHANNEL, all_keys, items, ok_result, open_queue
 
 from tokq.queue import Claim
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
+from queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
 
 from tokq.entry import decode_result, encode_error
 

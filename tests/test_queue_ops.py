@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
+from queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
 
 from tokq.entry import decode_body, decode_result, parse_entry
 from tokq.queue import MAX_DROPS_PER_CLAIM, QueueFull

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import tokq.lua
-from test_queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
+from queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
 
 from tokq.entry import decode_result
 from tokq.scripts import script_names, script_source

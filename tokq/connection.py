@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 CONNECT_TIMEOUT_S = 0.5
 SOCKET_TIMEOUT_S = 5.0

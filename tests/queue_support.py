@@ -6,11 +6,9 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
 from tokq.config import QueueConfig
+from tokq.connection import connect
 from tokq.entry import Entry, encode_body, encode_ok
 from tokq.queue import Queue
 
@@ -34,9 +32,8 @@ class ManualClock:
 
 @contextlib.asynccontextmanager
 async def open_queue(redis_url: str, clock: ManualClock | None = None, **config):
-    # An asyncio Retry: the client reconnects through a Redis restart instead of failing the
-    # first call after it (with the sync redis.retry.Retry, the error is raised outside its loop).
-    client = aioredis.Redis.from_url(redis_url, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 6))
+    # The same connection settings as the gateway and workers (reconnects through a restart).
+    client = connect(redis_url)
     try:
         yield Queue(client, QUEUE, QueueConfig(**config), clock=clock)
     finally:
