@@ -87,7 +87,7 @@ async def test_step_search_stops_at_the_capacity_of_a_known_server():
     queries = [workload.Query(q.id, q.num_tokens, q.t_s, "q") for q in queries]
 
     async def run_at(rate: float) -> dict:
-        samples = await loadgen.run_open_loop(sender, loadgen.poisson_schedule(queries, rate, 1.5, seed=2))
+        samples = await loadgen.run_open_loop(sender, loadgen.poisson_schedule(queries, rate, 1.0, seed=2))
         return loadgen.summarize(samples, rate)
 
     try:

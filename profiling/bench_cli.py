@@ -1,0 +1,177 @@
+"""`tokq bench`: open-loop load through the whole service, against real baselines, in one run.
+
+Each system (tokq at several budgets, FIFO and look-ahead; sentence-transformers one request
+at a time; padded dynamic batching) is started as its own processes, warmed up, then driven by
+the open-loop generator (``loadgen``): in step mode the offered rate rises until p99 breaks
+``--slo-ms``, giving each system's highest sustainable rate at the same p99. Results go to a
+JSON file; ``bench_report`` turns it into the "Service benchmark" section of RESULTS.md and plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import click
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_WORKLOAD = REPO_ROOT.parent / "shared" / "workloads" / "short_queries.jsonl"
+MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer queries are truncated
+INFINITY_NOTE = ("not measured: `pip download infinity-emb` resolves (0.0.78) without changing torch, "
+                 "but its `[server,torch]` extras pin numpy<2, sentence-transformers<4 (pulling "
+                 "transformers 4.57), rich<14 and click<8.2, which would downgrade the project's "
+                 "environment (numpy 2.4, transformers 5, sentence-transformers 6); it was not installed")
+
+
+def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int | None,
+                 padded_max_batch: int, padded_max_wait_ms: float):
+    from tokq.profiling.bench_systems import SystemSpec
+
+    main_budget = budgets[-1]
+    catalog = {
+        "tokq": SystemSpec(f"tokq look-ahead b{main_budget}", "tokq", main_budget, None),
+        "tokq-fifo": SystemSpec(f"tokq FIFO b{main_budget}", "tokq", main_budget, 0),
+        "one-at-a-time": SystemSpec("one-at-a-time (sentence-transformers)", "one-at-a-time"),
+        "padded": SystemSpec(f"padded batching (<= {padded_max_batch} req, {padded_max_wait_ms:g} ms)",
+                             "padded-batching", max_batch_size=padded_max_batch,
+                             max_wait_ms=padded_max_wait_ms),
+    }
+    for b in budgets[:-1]:
+        catalog[f"tokq-b{b}"] = SystemSpec(f"tokq look-ahead b{b}", "tokq", b, None)
+    if profiled_budget and profiled_budget not in budgets:
+        catalog["tokq-profiled"] = SystemSpec(f"tokq look-ahead b{profiled_budget} (profiled)", "tokq",
+                                              profiled_budget, None)
+    if names == ["all"]:
+        names = list(catalog)
+    unknown = [n for n in names if n not in catalog]
+    if unknown:
+        raise click.UsageError(f"unknown system(s) {unknown}; known: {', '.join(catalog)}")
+    return [catalog[n] for n in names]
+
+
+def profiled_budget_from(path: Path | None) -> int | None:
+    if path is None or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("recommended_budget")
+
+
+def load_queries(workload_path: str | None, num_queries: int, seed: int):
+    """The workload with texts, lengths capped at the model's limit; and where it came from."""
+    from tokq.model_info import bundled_model_path
+    from tokq.profiling import workload
+    from tokq.profiling.loadgen import texts_for_lengths
+
+    path = Path(workload_path) if workload_path else (SHARED_WORKLOAD if SHARED_WORKLOAD.is_file() else None)
+    queries = workload.load_jsonl(path) if path else workload.generate(num_queries, seed=seed)
+    source = str(path) if path else f"generated (n={num_queries}, seed={seed})"
+    if any(q.text is None for q in queries):
+        vocab = [w.strip() for w in open(bundled_model_path() / "vocab.txt", encoding="utf-8")
+                 if w.strip().isalpha() and w.strip().islower() and len(w.strip()) > 2]
+        queries = texts_for_lengths(queries, vocab, seed=seed)
+    capped = [workload.Query(q.id, min(q.num_tokens, MODEL_MAX_TOKENS), q.t_s, q.text) for q in queries]
+    return capped, source
+
+
+def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats: int = 5) -> dict[str, float]:
+    """Median forward time of one full-budget batch packed from the workload mix (the worker's
+    engine, this process, the same thread count as the systems)."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from tokq.profiling.profile_batches import BatchMaker, token_ids_for
+    from tokq.workers.engine import Engine
+
+    threads_before = torch.get_num_threads()
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    try:
+        engine = Engine.load(None, device="cpu")
+        make = BatchMaker(queries, token_ids_for(engine.info), engine.info.max_length)
+        out = {}
+        for budget in budgets:
+            batch = make(budget)
+            engine.embed(batch)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                engine.embed(batch)
+                times.append((time.perf_counter() - start) * 1000)
+            out[str(budget)] = round(float(np.median(times)), 2)
+        return out
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@click.command("bench")
+@click.option("--all", "run_all", is_flag=True, help="Every system: tokq budgets, FIFO, and all baselines.")
+@click.option("--system", "systems", multiple=True,
+              help="tokq | tokq-fifo | tokq-b<N> | tokq-profiled | one-at-a-time | padded (repeatable) "
+                   "[default: tokq and one-at-a-time].")
+@click.option("--workload", "workload_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="JSONL workload [default: ../shared/workloads/short_queries.jsonl, else generated].")
+@click.option("--num-queries", default=4000, show_default=True, help="Size of a generated workload.")
+@click.option("--seed", default=1, show_default=True)
+@click.option("--arrivals", type=click.Choice(["poisson", "replay"]), default="poisson", show_default=True,
+              help="poisson: steady rate; replay: the workload's own (bursty) timestamps rescaled to the rate.")
+@click.option("--rate", type=float, default=None,
+              help="One run at this offered rate (req/s) instead of the step search.")
+@click.option("--slo-ms", default=500.0, show_default=True, help="p99 latency a sustainable rate must meet.")
+@click.option("--start-rate", default=20.0, show_default=True, help="First step's offered rate (req/s).")
+@click.option("--step-factor", default=1.25, show_default=True, help="Rate multiplier between steps.")
+@click.option("--max-steps", default=20, show_default=True)
+@click.option("--step-duration-s", default=5.0, show_default=True, help="Seconds of arrivals per step.")
+@click.option("--timeout-ms", default=3000, show_default=True, help="Client deadline of each request.")
+@click.option("--budgets", default="256,1024", show_default=True,
+              help="tokq token budgets, comma-separated; the last is the main one.")
+@click.option("--profile-json", type=click.Path(dir_okay=False), default="profiling/profile.json",
+              show_default=True, help="`tokq profile --out` report whose budget is also measured, if present.")
+@click.option("--padded-max-batch", default=32, show_default=True)
+@click.option("--padded-max-wait-ms", default=10.0, show_default=True)
+@click.option("--torch-threads", default=1, show_default=True,
+              help="Intra-op threads of every model process (0 = torch's default).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default="bench.json", show_default=True)
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
+              help="Write bench_latency.png and bench_throughput.png here.")
+@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
+              help="Rewrite the 'Service benchmark' section of this markdown file (e.g. profiling/RESULTS.md).")
+@click.option("--note", default="", help="Free text for the report (e.g. whether the machine was idle).")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
+                  step_factor, max_steps, step_duration_s, timeout_ms, budgets, profile_json, padded_max_batch,
+                  padded_max_wait_ms, torch_threads, out_path, plots_dir, results_md, note, quiet) -> None:
+    """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
+    from rich.console import Console
+
+    from tokq.profiling.bench_run import BenchOptions, run_bench
+    from tokq.profiling.bench_report import render_outputs
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        budget_list = [int(b) for b in budgets.split(",") if b.strip()]
+        if not budget_list or min(budget_list) < 1:
+            raise ValueError("--budgets needs positive integers")
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    names = ["all"] if run_all else (list(systems) or ["tokq", "one-at-a-time"])
+    profiled = profiled_budget_from(Path(profile_json) if profile_json else None)
+    specs = system_specs(names, budgets=budget_list, profiled_budget=profiled,
+                         padded_max_batch=padded_max_batch, padded_max_wait_ms=padded_max_wait_ms)
+    queries, source = load_queries(workload_path, num_queries, seed)
+    console = Console(stderr=True, quiet=quiet)
+    tokq_budgets = sorted({s.token_budget for s in specs if s.kind == "tokq"})
+    with console.status("timing single-batch forward passes"):
+        forward_ms = measure_forward_ms(queries, tokq_budgets, torch_threads) if tokq_budgets else {}
+    options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
+                           step_factor=step_factor, max_steps=max_steps, step_duration_s=step_duration_s,
+                           timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed)
+    report = asyncio.run(run_bench(specs, queries, options, console=console))
+    report["meta"].update(workload_source=source, forward_ms_by_budget=forward_ms, note=note,
+                          infinity=INFINITY_NOTE, profiled_budget=profiled)
+    Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
+    written = render_outputs(report, plots_dir=plots_dir, results_md=results_md, json_path=out_path)
+    console.print(f"wrote {', '.join([out_path, *written])}")

@@ -1,0 +1,139 @@
+"""One `tokq bench` run: for each system, start it, warm it up, drive it open-loop (a step
+search to the SLO, or one fixed rate), read its batch figures, stop it; a rich progress display
+shows which system and rate are running and how many requests came back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tokq.profiling import loadgen
+from tokq.profiling.bench_systems import GrpcSender, SystemSpec, batch_stats, start_system
+
+WARMUP_S = 2.0
+SETTLE_S = 0.5  # pause between runs so one run's stragglers never land in the next
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    arrivals: str = "poisson"  # poisson | replay
+    rate: float | None = None  # one run at this rate instead of the step search
+    slo_ms: float = 500.0
+    start_rate: float = 20.0
+    step_factor: float = 1.25
+    max_steps: int = 20
+    step_duration_s: float = 5.0
+    timeout_s: float = 3.0
+    torch_threads: int = 1
+    seed: int = 1
+    num_refinements: int = 1
+
+
+def schedule(queries, options: BenchOptions, rate: float, duration_s: float) -> list[loadgen.Arrival]:
+    if options.arrivals == "replay":
+        return loadgen.replay_schedule(queries, rate, duration_s)
+    return loadgen.poisson_schedule(queries, rate, duration_s, seed=options.seed)
+
+
+async def measure(system, queries, options: BenchOptions, progress=None, *, label: str = "") -> dict:
+    """Drive one system through the step search (or one fixed rate) and, for tokq, a run at
+    half its sustainable rate."""
+    sender = GrpcSender(system.target, options.timeout_s)
+
+    async def run_at(rate: float, duration_s: float = options.step_duration_s) -> dict:
+        arrivals = schedule(queries, options, rate, duration_s)
+        task = progress.add_task(f"{label} @ {rate:.0f} req/s", total=len(arrivals)) if progress else None
+        on_done = (lambda _s: progress.advance(task)) if progress else None
+        before = system.batch_snapshot()
+        samples = await loadgen.run_open_loop(sender, arrivals, on_done=on_done)
+        summary = loadgen.summarize(samples, rate)
+        summary["batches"] = batch_stats(before, system.batch_snapshot())
+        if progress:
+            kept_up = "" if summary["generator_kept_up"] else ", LOAD GENERATOR FELL BEHIND"
+            progress.console.print(
+                f"{label} @ {rate:.0f} req/s: p50 {summary['latency_ms']['p50']:.0f} ms, "
+                f"p99 {summary['latency_ms']['p99']:.0f} ms, {summary['throughput_rps']:.0f} req/s done, "
+                f"errors {summary['errors'] or 0}{kept_up}")
+            progress.remove_task(task)
+        await asyncio.sleep(SETTLE_S)
+        return summary
+
+    try:
+        await run_at(options.start_rate, WARMUP_S)  # not recorded: caches, connections, JIT paths
+        if options.rate is not None:
+            only = await run_at(options.rate)
+            ok = loadgen.within_slo(only, options.slo_ms)
+            result = {"slo_ms": options.slo_ms, "sustainable_rps": only["offered_rps"] if ok else 0.0,
+                      "sustainable": only if ok else None,
+                      "limit": loadgen.failure_reason(only, options.slo_ms), "steps": [only]}
+        else:
+            result = await loadgen.step_search(run_at, start_rate_per_s=options.start_rate,
+                                               slo_ms=options.slo_ms, factor=options.step_factor,
+                                               max_steps=options.max_steps,
+                                               num_refinements=options.num_refinements)
+        result["half_load"] = None
+        if system.spec.kind == "tokq" and result["sustainable_rps"] > 0:
+            result["half_load"] = await run_at(result["sustainable_rps"] / 2)
+        return result
+    finally:
+        await sender.close()
+
+
+def machine() -> dict:
+    import grpc
+    import sentence_transformers
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+        load = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        load = []
+    return {"cpu": cpu, "num_cpus": os.cpu_count(), "platform": platform.platform(),
+            "loadavg_at_start": load,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__,
+                         "sentence_transformers": sentence_transformers.__version__,
+                         "grpcio": grpc.__version__}}
+
+
+async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, console=None) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tokq.profiling.workload import describe
+
+    started = datetime.now(timezone.utc)
+    report = {"meta": {"command": shlex.join(["tokq", *sys.argv[1:]]),
+                       "started_at": started.isoformat(timespec="seconds"),
+                       "machine": machine(), "options": asdict(options), "workload": describe(list(queries))},
+              "systems": []}
+    log_dir = Path(tempfile.mkdtemp(prefix="tokq-bench-logs-"))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    progress = Progress(*columns, console=console, refresh_per_second=4, disable=console is None or console.quiet)
+    with progress:
+        overall = progress.add_task("systems", total=len(specs))
+        for spec in specs:
+            progress.update(overall, description=f"starting {spec.name}")
+            log_path = log_dir / f"{spec.name.split()[0]}-{len(report['systems'])}.log"
+            system = await asyncio.to_thread(start_system, spec, torch_threads=options.torch_threads,
+                                             log_path=str(log_path))
+            try:
+                progress.update(overall, description=f"measuring {spec.name}")
+                result = await measure(system, queries, options, progress, label=spec.name)
+            finally:
+                await asyncio.to_thread(system.close)
+            report["systems"].append({**spec.describe(), **result, "log": str(log_path)})
+            progress.advance(overall)
+    report["meta"]["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    report["meta"]["duration_s"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
+    return report

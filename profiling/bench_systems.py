@@ -1,0 +1,199 @@
+"""The systems `tokq bench` measures, each started as its own processes exactly as an operator
+would (`tokq up` for tokq, `python -m tokq.profiling.baselines` for a baseline), the gRPC
+sender the load generator drives them with, and the per-batch figures read from tokq's worker
+(its Prometheus page) and queue (Redis counters) around each run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokq.keys import QueueKeys
+from tokq.profiling.loadgen import Reply
+from tokq.redis_server import EmbeddedRedis, free_port
+from tokq.v1 import embedder_pb2 as pb
+from tokq.v1 import embedder_pb2_grpc as pb_grpc
+
+START_TIMEOUT_S = 180
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    kind: str  # "tokq" | "one-at-a-time" | "padded-batching"
+    token_budget: int = 0  # tokq: tokens per batch
+    lookahead: int | None = None  # tokq: entries a claim may pass over (0 = strict FIFO)
+    max_batch_size: int = 64  # padded-batching: inputs per batch
+    max_wait_ms: float = 10.0  # padded-batching
+
+    def describe(self) -> dict:
+        keep = {"tokq": ("token_budget", "lookahead"), "padded-batching": ("max_batch_size", "max_wait_ms")}
+        d = asdict(self)
+        return {"name": self.name, "kind": self.kind, **{k: d[k] for k in keep.get(self.kind, ())}}
+
+
+class GrpcSender:
+    """One Embed call per request over a shared channel; errors come back as status names."""
+
+    def __init__(self, target: str, timeout_s: float) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = pb_grpc.EmbedderStub(self._channel)
+        self.timeout_s = timeout_s
+
+    async def __call__(self, texts) -> Reply:
+        request = pb.EmbedRequest(inputs=list(texts), truncate=True)
+        try:
+            resp = await self._stub.Embed(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return Reply(exc.code().name)
+        return Reply("OK", resp.timing.queue_ms, resp.timing.inference_ms)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class RunningSystem:
+    def __init__(self, spec: SystemSpec, target: str, proc: subprocess.Popen,
+                 redis_server: EmbeddedRedis | None = None, metrics_port: int = 0) -> None:
+        self.spec = spec
+        self.target = target
+        self.proc = proc
+        self.redis_server = redis_server
+        self.metrics_port = metrics_port
+
+    def batch_snapshot(self) -> dict | None:
+        """Cumulative batch counters of a tokq deployment (None for a baseline)."""
+        if self.redis_server is None:
+            return None
+        keys = QueueKeys("all-MiniLM-L6-v2")
+        client = redis.Redis.from_url(self.redis_server.url)
+        try:
+            counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
+            snap = {"batches_claimed": int(client.get(keys.batch_seq) or 0),
+                    "items_claimed": counters.get("claimed", 0)}
+        finally:
+            client.close()
+        snap.update(_worker_metrics(self.metrics_port + 1) if self.metrics_port else {})
+        return snap
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.redis_server:
+            self.redis_server.close()
+
+
+def batch_stats(before: dict | None, after: dict | None) -> dict | None:
+    """Per-batch figures over one run, from two ``batch_snapshot``s."""
+    if before is None or after is None:
+        return None
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    batches = d.get("batches_claimed", 0)
+    if batches <= 0:
+        return {"num_batches": 0}
+    stats = {"num_batches": batches, "items_per_batch": round(d["items_claimed"] / batches, 2)}
+    if d.get("forward_count", 0) > 0:
+        n = d["forward_count"]
+        stats.update(tokens_per_batch=round(d["forward_tokens"] / n, 1),
+                     fill_ratio=round(d["fill_sum"] / max(d["fill_count"], 1), 3),
+                     forward_ms=round(1000 * d["forward_s"] / n, 2))
+    return stats
+
+
+def _worker_metrics(port: int) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return {}
+    wanted = {"tokq_worker_forward_tokens_total": "forward_tokens",
+              "tokq_worker_batch_fill_ratio_sum": "fill_sum",
+              "tokq_worker_batch_fill_ratio_count": "fill_count",
+              "tokq_worker_forward_duration_seconds_sum": "forward_s",
+              "tokq_worker_forward_duration_seconds_count": "forward_count"}
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:  # summed over labels (tokens_bucket, worker)
+                out[wanted[sample.name]] += sample.value
+    return out
+
+
+def _wait_healthy(target: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{target}: server exited during start-up ({proc.returncode})")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
+
+
+def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """A worker's heartbeat appears after its warm-up at the full budget."""
+    key = QueueKeys("all-MiniLM-L6-v2").heartbeat("up-0")
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not client.exists(key):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("tokq worker sent no heartbeat")
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
+def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | None = None) -> RunningSystem:
+    """Start ``spec`` and return once it serves (for tokq: once its worker has warmed up).
+    ``torch_threads`` > 0 caps the model process's intra-op threads (OMP_NUM_THREADS)."""
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if torch_threads > 0:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(torch_threads)
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    redis_server = None
+    metrics_port = 0
+    if spec.kind == "tokq":
+        redis_server = EmbeddedRedis().start()
+        metrics_port = free_port()
+        if spec.lookahead is not None:
+            env["TOKQ_LOOKAHEAD"] = str(spec.lookahead)
+        args = ["-m", "tokq.cli", "up", "--port", str(port), "--redis-url", redis_server.url,
+                "--workers", "1", "--device", "cpu", "--metrics-port", str(metrics_port)]
+        if spec.token_budget:
+            args += ["--token-budget", str(spec.token_budget)]
+    else:
+        args = ["-m", "tokq.profiling.baselines", "--kind", spec.kind, "--port", str(port),
+                "--max-batch-size", str(spec.max_batch_size), "--max-wait-ms", str(spec.max_wait_ms)]
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=log)
+    system = RunningSystem(spec, target, proc, redis_server, metrics_port)
+    try:
+        _wait_healthy(target, proc, START_TIMEOUT_S)
+        if redis_server:
+            _wait_worker(redis_server.url, proc, START_TIMEOUT_S)
+    except BaseException:
+        system.close()
+        raise
+    return system

@@ -1,0 +1,127 @@
+"""`tokq bench` output: the RESULTS.md section and figures render from a report, the targets
+are judged from the numbers, and the whole command runs end to end on real processes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from matplotlib.image import imread
+
+from tokq.profiling import bench_report, loadgen, workload
+from tokq.profiling.bench_run import BenchOptions, machine
+
+
+def step(rate: float, latency_ms: float, *, errors: int = 0, n: int = 100) -> dict:
+    """A run's summary from samples that all took ``latency_ms`` (the last ``errors`` failed)."""
+    samples = []
+    for i in range(n):
+        t = i / rate
+        status = "DEADLINE_EXCEEDED" if i >= n - errors else "OK"
+        samples.append(loadgen.Sample(t, t, t + latency_ms / 1000, status, 12, 1.0, 5.0))
+    return loadgen.summarize(samples, rate)
+
+
+def system(name: str, kind: str, steps: list[dict], slo_ms: float, **extra) -> dict:
+    good = [s for s in steps if loadgen.within_slo(s, slo_ms)]
+    best = max(good, key=lambda s: s["offered_rps"]) if good else None
+    return {"name": name, "kind": kind, "slo_ms": slo_ms, "steps": steps, "sustainable": best,
+            "sustainable_rps": best["offered_rps"] if best else 0.0, "limit": "p99 over SLO",
+            "half_load": None, **extra}
+
+
+@pytest.fixture
+def report():
+    slo_ms = 500.0
+    tokq_steps = [step(50, 40), step(100, 60), step(200, 300), step(400, 2000, errors=30)]
+    tokq_steps[2]["batches"] = {"num_batches": 40, "items_per_batch": 12.5, "tokens_per_batch": 150.0,
+                                "fill_ratio": 0.15, "forward_ms": 30.0}
+    half = step(100, 60)
+    return {
+        "meta": {"command": "tokq bench --all", "started_at": "2026-01-01T00:00:00+00:00",
+                 "finished_at": "2026-01-01T00:08:00+00:00", "duration_s": 480.0, "machine": machine(),
+                 "options": {**BenchOptions(slo_ms=slo_ms).__dict__},
+                 "workload": workload.describe(workload.generate(100)), "workload_source": "generated",
+                 "forward_ms_by_budget": {"1024": 100.0}, "note": "machine otherwise idle",
+                 "infinity": "not installed (test)"},
+        "systems": [
+            system("tokq look-ahead b1024", "tokq", tokq_steps, slo_ms, token_budget=1024, half_load=half),
+            system("one-at-a-time (sentence-transformers)", "one-at-a-time",
+                   [step(50, 30), step(80, 900)], slo_ms),
+            system("padded batching", "padded-batching", [step(50, 200), step(100, 3000)], slo_ms),
+        ],
+    }
+
+
+def test_sustainable_rate_ignores_a_lucky_step_above_a_failed_one():
+    steps = [step(10, 50), step(20, 700), step(30, 100)]
+    assert bench_report.sustainable_at(steps, 500) == 10
+    assert bench_report.sustainable_at(steps, 1000) == 30
+    assert bench_report.sustainable_at([step(10, 50, errors=5)], 500) == 0  # 5% errors
+
+
+def test_section_states_ratios_and_targets(report):
+    md = bench_report.markdown_section(report)
+    assert md.startswith(bench_report.SECTION_START) and md.rstrip().endswith(bench_report.SECTION_END)
+    assert "tokq bench --all" in md and "machine otherwise idle" in md
+    # tokq sustains 200 req/s, one-at-a-time 50: 4.00x, which meets the 4x target
+    assert "| tokq look-ahead b1024 | 200 |" in md and "4.00x" in md
+    assert "sustains 4.00x (200 vs 50 req/s): **met**" in md
+    assert "Ahead of every other baseline**: yes" in md
+    # half load p99 60 ms against 4 x 100 ms forward
+    assert "p99 60 ms at 100 req/s vs 4 x 100 ms = 400 ms: **met**" in md
+    assert "| tokq look-ahead b1024 (sustainable) | 200 | 40 | 12.5 | 150 | 0.15 | 30.0 |" in md
+    assert "DEADLINE_EXCEEDED 30" in md  # errors by status in the step table
+    assert "Infinity (`infinity-emb`): not installed (test)" in md
+
+
+def test_targets_not_met_are_said_so(report):
+    report["systems"][1]["steps"] = [step(50, 30), step(80, 100), step(120, 900)]
+    report["systems"][1] = system("one-at-a-time (sentence-transformers)", "one-at-a-time",
+                                  report["systems"][1]["steps"], 500.0)
+    md = bench_report.markdown_section(report)
+    assert "sustains 2.50x (200 vs 80 req/s): **not met**" in md
+
+
+def test_outputs_replace_only_their_own_section(report, tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\n## Queue\n\nqueue figures\n")
+    for _ in range(2):  # a second run replaces the section, never appends another
+        written = bench_report.render_outputs(report, plots_dir=str(tmp_path / "plots"),
+                                              results_md=str(results), json_path="bench.json")
+    text = results.read_text()
+    assert text.startswith("# Results\n\n## Queue\n\nqueue figures\n")
+    assert text.count("## Service benchmark") == 1
+    assert "![bench latency](plots/bench_latency.png)" in text
+    for png in written[:2]:
+        image = imread(png)
+        assert image.shape[0] > 300 and image.shape[1] > 600 and np.std(image) > 0.01
+
+
+@pytest.mark.slow
+def test_bench_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
+    from tokq.profiling.bench_cli import bench_command
+
+    out, md = tmp_path / "bench.json", tmp_path / "RESULTS.md"
+    args = ["--system", "tokq", "--system", "one-at-a-time", "--budgets", "64", "--rate", "8",
+            "--start-rate", "8", "--step-duration-s", "1.5", "--slo-ms", "20000", "--timeout-ms", "20000",
+            "--profile-json", str(tmp_path / "none.json"), "--out", str(out), "--plots", str(tmp_path),
+            "--results-md", str(md), "--quiet"]
+    result = CliRunner().invoke(bench_command, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    names = [s["name"] for s in report["systems"]]
+    assert names == ["tokq look-ahead b64", "one-at-a-time (sentence-transformers)"]
+    for s in report["systems"]:
+        only = s["steps"][0]
+        assert only["num_ok"] == only["num_requests"] > 0, only["errors"]
+        assert s["sustainable_rps"] == 8
+    tokq = report["systems"][0]
+    batches = tokq["steps"][0]["batches"]  # read from the worker's metrics and Redis
+    assert batches["num_batches"] >= 1 and 0 < batches["fill_ratio"] <= 4
+    assert tokq["steps"][0]["server_inference_ms"]["p50"] > 0
+    assert tokq["half_load"]["offered_rps"] == 4
+    assert report["meta"]["forward_ms_by_budget"]["64"] > 0
+    assert "## Service benchmark" in md.read_text()
