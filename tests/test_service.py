@@ -3,6 +3,7 @@ all-MiniLM-L6-v2. Tests run in file order against one deployment (starting it is
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import threading
@@ -211,40 +212,40 @@ def _load(client, texts, reference_vectors, stop: threading.Event, errors: list,
         i += 1
 
 
-def test_kill_9_of_a_worker_under_load_loses_nothing(stack, client, reference, bundled_model_dir):
-    texts = make_texts(120, seed=9, bundled_model_dir=bundled_model_dir)
-    want = reference(texts)
+@contextlib.contextmanager
+def under_load(client, texts, reference_vectors, num_threads: int = 8):
+    """Eight callers checking every answer while the body runs; yields (errors, done) lists."""
     stop, errors, done = threading.Event(), [], []
-    threads = [threading.Thread(target=_load, args=(client, texts, want, stop, errors, done)) for _ in range(8)]
+    threads = [threading.Thread(target=_load, args=(client, texts, reference_vectors, stop, errors, done))
+               for _ in range(num_threads)]
     for t in threads:
         t.start()
-    time.sleep(2)
-    stack.signal_worker("w2", signal.SIGKILL)
-    stack.workers.pop("w2").wait()
-    time.sleep(4)  # past the 1.5 s lease: w2's batches are redone by w1
-    stop.set()
-    for t in threads:
-        t.join()
+    try:
+        time.sleep(2)
+        yield errors, done
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def test_kill_9_of_a_worker_under_load_loses_nothing(stack, client, reference, bundled_model_dir):
+    texts = make_texts(120, seed=9, bundled_model_dir=bundled_model_dir)
+    with under_load(client, texts, reference(texts)) as (errors, done):
+        stack.signal_worker("w2", signal.SIGKILL)
+        stack.workers.pop("w2").wait()
+        time.sleep(4)  # past the 1.5 s lease: w2's batches are redone by w1
     assert errors == [] and len(done) > 20
-    counters = {k.decode(): int(v) for k, v in stack.client().hgetall(KEYS.counters).items()}
     assert no_request_keys_left(stack) == []
-    assert int(stack.client().get(KEYS.inflight) or 0) == 0, counters
+    assert int(stack.client().get(KEYS.inflight) or 0) == 0
 
 
 def test_sigterm_to_a_worker_under_load_loses_nothing(stack, client, reference, bundled_model_dir):
     stack.start_worker("w3")
     texts = make_texts(120, seed=13, bundled_model_dir=bundled_model_dir)
-    want = reference(texts)
-    stop, errors, done = threading.Event(), [], []
-    threads = [threading.Thread(target=_load, args=(client, texts, want, stop, errors, done)) for _ in range(8)]
-    for t in threads:
-        t.start()
-    time.sleep(2)
-    assert stack.stop_worker("w3") == 0
-    time.sleep(1)
-    stop.set()
-    for t in threads:
-        t.join()
+    with under_load(client, texts, reference(texts)) as (errors, done):
+        assert stack.stop_worker("w3") == 0
+        time.sleep(1)
     assert errors == [] and len(done) > 20
     assert not stack.client().exists(KEYS.heartbeat("w3"))
     assert no_request_keys_left(stack) == []
