@@ -41,6 +41,9 @@ class WorkerConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     attn_backend: str = "auto"
     token_budget: int = 0  # 0 = published budget in Redis, else the device default
+    # torch CPU threads; 0 = torch's default (all cores). Workers sharing a host with each other
+    # or with a gateway want fewer: oversubscribed OpenMP threads spin and stall each other.
+    threads: int = 0
     heartbeat_ms: int = 2_000
     metrics_port: int = 0  # 0 = no metrics endpoint
 

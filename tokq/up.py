@@ -5,6 +5,7 @@ children also die with this process (PR_SET_PDEATHSIG), so nothing is left behin
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -78,11 +79,14 @@ def up_command(port, host, num_workers, model, redis_url, redis_server, token_bu
         embedded = EmbeddedRedis(binary=redis_server).start()
         redis_url = embedded.url
     port = port or free_port(host)
+    # Leave a core to the gateway and Redis, and split the rest between the workers.
+    threads = max(1, ((os.cpu_count() or 2) - 1) // num_workers)
     common = ["--redis-url", redis_url] + (["--model", model] if model else [])
     procs: list[subprocess.Popen] = []
 
     def worker_args(i: int) -> list[str]:
-        args = ["worker", *common, "--device", device, "--worker-id", f"up-{i}"]
+        args = ["worker", *common, "--device", device, "--worker-id", f"up-{i}",
+                "--threads", str(threads)]
         if token_budget:
             args += ["--token-budget", str(token_budget)]
         if metrics_port:

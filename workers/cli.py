@@ -18,6 +18,10 @@ async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -
     from tokq.workers.engine import Engine
     from tokq.workers.worker import Worker, default_worker_id
 
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.model_name or None)
     client = connect(config.redis_url, max_connections=8)
@@ -80,6 +84,7 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
 @click.option("--attn-backend", help="auto | flash_attn | torch_varlen | sdpa ...")
 @click.option("--token-budget", type=int, help="tokens per batch; default: the published budget "
               "(tokq profile --apply), else a per-device default")
+@click.option("--threads", type=int, help="torch CPU threads (default: all cores)")
 @click.option("--heartbeat-ms", type=int)
 @click.option("--metrics-port", type=int)
 @click.option("--worker-id", help="default: hostname-pid")
