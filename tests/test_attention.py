@@ -102,8 +102,8 @@ def test_already_sorted_batch_is_not_copied():
     assert [(r.num_seqs, r.seqlen) for r in layout.runs] == [(1, 1), (2, 2), (1, 9)]
 
 
-def test_auto_backend_on_cpu_is_bucketed_sdpa():
-    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_bucketed"
+def test_auto_backend_on_cpu_is_grouped_sdpa():
+    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_grouped"
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])

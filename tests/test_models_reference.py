@@ -140,3 +140,11 @@ def test_every_cpu_backend_gives_the_same_embeddings(tiny):
         outputs[backend] = other.embed(PackedBatch.pack(seqs))
     for backend in ("sdpa_bucketed", "sdpa_grouped"):
         np.testing.assert_allclose(outputs[backend], outputs["sdpa_loop"], atol=1e-5)
+
+
+def test_torch_linear_kernels_give_the_same_embeddings(tiny):
+    engine, _, _ = tiny
+    plain = Engine.load(engine.info.path, device="cpu", linear="torch")
+    assert plain.linear_backend == "torch"
+    batch = PackedBatch.pack(_sequences(seed=7))
+    np.testing.assert_allclose(plain.embed(batch), engine.embed(batch), atol=1e-5)

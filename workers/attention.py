@@ -1,15 +1,20 @@
 """Attention over a packed batch: every backend takes q ``[T, Hq, D]`` and k, v ``[T, Hkv, D]``
 (Hq a multiple of Hkv: grouped-query attention) and returns ``[T, Hq, D]``; no sequence ever
-attends to a neighbour's tokens, and nothing is padded.
+attends to a neighbour's tokens, and nothing outside attention is ever padded.
 
 Backends (``auto`` picks the first that can run, in this order):
-  CUDA: ``flash_attn``   flash-attn's ``flash_attn_varlen_func`` (fp16/bf16, sm80+)
-        ``torch_varlen`` ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16)
-        ``sdpa_grouped`` below
-  CPU:  ``sdpa_grouped`` sequences sorted by length once per batch, so each run of equal-length
-        sequences is a contiguous ``[B*L]`` slice that views as ``[B, L, H, D]`` without a copy:
-        one SDPA call per distinct length, no padding at all. Measured fastest on CPU (see
-        profiling/RESULTS.md) ahead of one call per sequence (``sdpa_loop``).
+  CUDA: ``flash_attn``    flash-attn's ``flash_attn_varlen_func`` (fp16/bf16, sm80+)
+        ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16)
+  CPU (and CUDA fallback):
+        ``sdpa_grouped``  sequences sorted by length once per batch, so each run of equal-length
+                          sequences is a contiguous ``[B*L]`` slice that views as ``[B, L, H, D]``
+                          without a copy: one SDPA call per distinct length, no pad at all.
+        ``sdpa_bucketed`` short sequences (<= 64 tokens) gathered into power-of-two length
+                          buckets, padded inside attention only (a key mask, or the causal mask,
+                          hides the pad): ~4 SDPA calls per layer instead of ~25, but the pad
+                          and the gathers cost more than the calls saved on this CPU (measured
+                          in profiling/RESULTS.md), so it is opt-in.
+        ``sdpa_loop``     one SDPA call per sequence: the simplest, the slowest.
 """
 
 from __future__ import annotations
@@ -25,16 +30,24 @@ import torch.nn.functional as F
 
 from tokq.batch import PackedBatch
 
-BACKENDS = ("flash_attn", "torch_varlen", "sdpa_grouped", "sdpa_loop")
+BACKENDS = ("flash_attn", "torch_varlen", "sdpa_grouped", "sdpa_bucketed", "sdpa_loop")
+_SORTED = ("sdpa_bucketed", "sdpa_grouped")  # backends that want sequences sorted by length
+_BUCKET_LENS = (16, 32, 64)  # padded lengths of sdpa_bucketed; longer sequences are not padded
 
 
 @dataclass(frozen=True)
 class SeqRun:
-    """``num_seqs`` consecutive sequences of ``seqlen`` tokens each, from token row ``start``."""
+    """``num_seqs`` consecutive sequences holding token rows ``start .. start+num_tokens``, seen
+    by attention as ``[num_seqs, seqlen]``: either all exactly ``seqlen`` long (``gather`` None:
+    a view, no copy) or padded up to ``seqlen`` (a bucket)."""
 
     start: int
     num_seqs: int
     seqlen: int
+    num_tokens: int
+    gather: torch.Tensor | None = None  # [num_seqs*seqlen] token rows; pad repeats a real row
+    key_mask: torch.Tensor | None = None  # bool [num_seqs, 1, 1, seqlen]: False on pad keys
+    scatter: tuple[torch.Tensor, torch.Tensor] | None = None  # (seq, pos) of each real token
 
 
 @dataclass(frozen=True)
@@ -51,11 +64,12 @@ class Layout:
 
 
 def build_layout(batch: PackedBatch, device: torch.device, backend: str) -> Layout:
-    """Move one batch to the device; for ``sdpa_grouped`` sort its sequences by length."""
+    """Move one batch to the device; for the bucketed/grouped SDPA backends sort its sequences
+    by length (stable), so equal or similar lengths sit next to each other."""
     lens = batch.seqlens.astype(np.int64)
     cu = batch.cu_seqlens.astype(np.int64)
     ids, positions, restore = batch.input_ids, batch.positions, None
-    if backend == "sdpa_grouped" and (np.diff(lens) < 0).any():
+    if backend in _SORTED and (np.diff(lens) < 0).any():
         order = np.argsort(lens, kind="stable")
         sorted_lens = lens[order]
         sorted_cu = np.zeros_like(cu)
@@ -66,11 +80,12 @@ def build_layout(batch: PackedBatch, device: torch.device, backend: str) -> Layo
         restore = _to_device(np.argsort(order), device)
         lens, cu = sorted_lens, sorted_cu
     num_seqs = len(lens)
-    if backend == "sdpa_grouped":
-        edges = np.concatenate(([0], np.flatnonzero(np.diff(lens)) + 1, [num_seqs]))
-        runs = tuple(SeqRun(int(cu[a]), int(b - a), int(lens[a])) for a, b in zip(edges[:-1], edges[1:]))
+    if backend in _SORTED:
+        padded = _padded_lens(lens) if backend == "sdpa_bucketed" else lens
+        edges = np.concatenate(([0], np.flatnonzero(np.diff(padded)) + 1, [num_seqs]))
+        runs = tuple(_run(cu, lens, int(padded[a]), a, b, device) for a, b in zip(edges[:-1], edges[1:]))
     elif backend == "sdpa_loop":
-        runs = tuple(SeqRun(int(cu[i]), 1, int(lens[i])) for i in range(num_seqs))
+        runs = tuple(SeqRun(int(cu[i]), 1, int(lens[i]), int(lens[i])) for i in range(num_seqs))
     else:
         runs = ()
     return Layout(
@@ -82,6 +97,32 @@ def build_layout(batch: PackedBatch, device: torch.device, backend: str) -> Layo
         runs=runs,
         restore=restore,
     )
+
+
+def _padded_lens(lens: np.ndarray) -> np.ndarray:
+    """Each length rounded up to its bucket; lengths past the last bucket stay exact."""
+    bucket = np.searchsorted(np.asarray(_BUCKET_LENS), lens)
+    in_bucket = bucket < len(_BUCKET_LENS)
+    return np.where(in_bucket, np.asarray(_BUCKET_LENS)[np.minimum(bucket, len(_BUCKET_LENS) - 1)], lens)
+
+
+def _run(cu: np.ndarray, lens: np.ndarray, seqlen: int, first: int, last: int,
+         device: torch.device) -> SeqRun:
+    """Sequences ``first..last`` (sorted, contiguous) as one attention call of ``seqlen``."""
+    start, num_tokens = int(cu[first]), int(cu[last] - cu[first])
+    run_lens = lens[first:last]
+    if (run_lens == seqlen).all():
+        return SeqRun(start, last - first, seqlen, num_tokens)
+    pos = np.arange(seqlen)
+    # pad slots point at their sequence's last real row: finite values, masked out anyway
+    gather = cu[first:last, None] + np.minimum(pos[None, :], run_lens[:, None] - 1)
+    key_mask = (pos[None, :] < run_lens[:, None])[:, None, None, :]
+    seq_of_token = np.repeat(np.arange(last - first), run_lens)
+    pos_of_token = np.arange(num_tokens) - np.repeat(cu[first:last] - start, run_lens)
+    return SeqRun(start, last - first, seqlen, num_tokens,
+                  gather=_to_device(gather.reshape(-1), device),
+                  key_mask=_to_device(key_mask, device),
+                  scatter=(_to_device(seq_of_token, device), _to_device(pos_of_token, device)))
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -96,14 +137,24 @@ def _sdpa_runs(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Ten
     gqa = num_q_heads != num_kv_heads
     out = q.new_empty(q.shape)
     for run in layout.runs:
-        rows = slice(run.start, run.start + run.num_seqs * run.seqlen)
-        if run.seqlen == 1:  # softmax over a single key is 1: the output is that key's value
+        rows = slice(run.start, run.start + run.num_tokens)
+        shape = (run.num_seqs, run.seqlen)
+        if run.gather is None and run.seqlen == 1:  # softmax over one key is 1: out = its value
             out[rows] = v[rows].repeat_interleave(num_q_heads // num_kv_heads, dim=1) if gqa else v[rows]
             continue
-        shape = (run.num_seqs, run.seqlen)
-        qr, kr, vr = (x[rows].unflatten(0, shape).transpose(1, 2) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, scale=scale, enable_gqa=gqa)
-        out[rows].unflatten(0, shape).copy_(o.transpose(1, 2))
+        if run.gather is None:  # equal lengths: [B*L] rows view as [B, L, H, D]
+            qr, kr, vr = (x[rows].unflatten(0, shape).transpose(1, 2) for x in (q, k, v))
+        else:
+            qr, kr, vr = (x[run.gather].unflatten(0, shape).transpose(1, 2) for x in (q, k, v))
+        # pad sits after each sequence's tokens, so the causal mask alone keeps it from every
+        # real query; bidirectional attention needs the key mask
+        mask = run.key_mask if run.gather is not None and not causal else None
+        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=gqa).transpose(1, 2)
+        if run.gather is None:
+            out[rows].unflatten(0, shape).copy_(o)
+        else:
+            out[rows] = o[run.scatter]
     return out
 
 
@@ -138,7 +189,7 @@ def _varlen_params() -> set[str]:
 AttendFn = Callable[..., torch.Tensor]
 _ATTEND: dict[str, AttendFn] = {
     "flash_attn": _flash_attn, "torch_varlen": _torch_varlen,
-    "sdpa_grouped": _sdpa_runs, "sdpa_loop": _sdpa_runs,
+    "sdpa_bucketed": _sdpa_runs, "sdpa_grouped": _sdpa_runs, "sdpa_loop": _sdpa_runs,
 }
 
 
@@ -151,7 +202,7 @@ def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype) -
     """Why ``backend`` cannot run here, or None when it can."""
     if backend not in BACKENDS:
         return f"unknown attention backend {backend!r}; known: auto, {', '.join(BACKENDS)}"
-    if backend in ("sdpa_grouped", "sdpa_loop"):
+    if backend.startswith("sdpa_"):
         return None
     if device.type != "cuda":
         return f"{backend} needs a CUDA device (have {device})"
@@ -177,4 +228,4 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
     for backend in BACKENDS:
         if unavailable_reason(backend, device, dtype) is None:
             return backend
-    raise AssertionError("sdpa_grouped always runs")
+    raise AssertionError("the sdpa backends always run")

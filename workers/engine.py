@@ -27,12 +27,19 @@ class Engine:
         self.attn_backend = attn_backend  # the backend actually used, never "auto"
         self._attend = attention.attend_fn(attn_backend)
 
+    @property
+    def linear_backend(self) -> str:
+        """Kernel of the linear layers: onednn | torch."""
+        return self.model.linear.name
+
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str | torch.device = "auto",
              dtype: str | torch.dtype = "auto", attn_backend: str = "auto",
-             name: str | None = None) -> Engine:
+             name: str | None = None, linear: str = "auto") -> Engine:
         """Load a model directory (None: the bundled all-MiniLM-L6-v2). Raises
-        ``tokq.model_info.UnsupportedModel`` naming the supported architectures."""
+        ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
+        ``linear``: auto | onednn | torch, the kernel of the linear layers (auto: oneDNN for
+        fp32 on CPU, see workers/models/layers.py)."""
         info = ModelInfo.load(path, name)
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
@@ -40,9 +47,9 @@ class Engine:
         model_cls = Bert if info.family == "bert" else Qwen
         weights = load_weights(info.path, model_cls.ANCHOR, device=resolved_device, dtype=resolved_dtype)
         if model_cls is Bert:
-            model = Bert(info.config, weights)
+            model = Bert(info.config, weights, linear)
         else:
-            model = Qwen(info.config, weights, info.family, info.max_length)
+            model = Qwen(info.config, weights, info.family, info.max_length, linear)
         return cls(info, model, resolved_device, resolved_dtype, backend)
 
     @torch.inference_mode()

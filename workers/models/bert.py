@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn, Layout
 from tokq.workers.loader import take
-from tokq.workers.models.layers import activation
+from tokq.workers.models.layers import activation, linear_kernels
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Bert:
     ANCHOR = "embeddings.word_embeddings.weight"  # locates the base model inside a checkpoint
     causal = False
 
-    def __init__(self, config: dict, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor], linear_kind: str = "auto"):
         kind = config.get("position_embedding_type", "absolute")
         if kind != "absolute":
             raise UnsupportedModel(f"unsupported BERT position_embedding_type {kind!r}; supported: absolute")
@@ -67,7 +67,8 @@ class Bert:
         self.num_heads = int(config["num_attention_heads"])
         self.head_dim = self.hidden_size // self.num_heads
         self.eps = float(config.get("layer_norm_eps", 1e-12))
-        self.act = activation(config.get("hidden_act", "gelu"))
+        self.act_name = config.get("hidden_act", "gelu")
+        activation(self.act_name)  # refuse an unknown activation at load
         self.word_embeddings = take(weights, "embeddings.word_embeddings.weight")
         token_type = take(weights, "embeddings.token_type_embeddings.weight")[0]
         self.position_embeddings = take(weights, "embeddings.position_embeddings.weight") + token_type
@@ -75,6 +76,7 @@ class Bert:
         self.embed_norm_bias = take(weights, "embeddings.LayerNorm.bias")
         self.layers = [BertLayer.from_weights(weights, f"encoder.layer.{i}.")
                        for i in range(int(config["num_hidden_layers"]))]
+        self.linear = linear_kernels(self.word_embeddings.device, self.word_embeddings.dtype, linear_kind)
 
     @property
     def num_linear_params(self) -> int:
@@ -93,15 +95,14 @@ class Bert:
         x = F.layer_norm(x, shape, self.embed_norm_weight, self.embed_norm_bias, self.eps)
         num_tokens = x.shape[0]
         scale = self.head_dim ** -0.5
+        linear = self.linear
         for layer in self.layers:
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias).view(num_tokens, 3, self.num_heads,
-                                                                     self.head_dim)
+            qkv = linear(x, layer.qkv_weight, layer.qkv_bias).view(num_tokens, 3, self.num_heads,
+                                                                   self.head_dim)
             attn = attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], layout, False, scale)
-            h = F.linear(attn.reshape(num_tokens, self.hidden_size), layer.out_weight, layer.out_bias)
-            h += x
+            h = linear.add(attn.reshape(num_tokens, self.hidden_size), layer.out_weight, layer.out_bias, x)
             x = F.layer_norm(h, shape, layer.attn_norm_weight, layer.attn_norm_bias, self.eps)
-            h = F.linear(self.act(F.linear(x, layer.up_weight, layer.up_bias)),
-                         layer.down_weight, layer.down_bias)
-            h += x
+            h = linear.act(x, layer.up_weight, layer.up_bias, self.act_name)
+            h = linear.add(h, layer.down_weight, layer.down_bias, x)
             x = F.layer_norm(h, shape, layer.mlp_norm_weight, layer.mlp_norm_bias, self.eps)
         return x

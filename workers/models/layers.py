@@ -1,4 +1,4 @@
-"""Pieces the model files share: activations, RMSNorm, rotary position embedding."""
+"""Pieces the model files share: linear layers, activations, RMSNorm, rotary position embedding."""
 
 from __future__ import annotations
 
@@ -19,10 +19,78 @@ ACTIVATIONS = {
 }
 
 
+# hidden_act -> (oneDNN post-op, its algorithm)
+_ONEDNN_ACTIVATIONS = {
+    "gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "relu": ("relu", ""), "silu": ("swish", ""), "swish": ("swish", ""),
+}
+
+
 def activation(name: str):
     if name not in ACTIVATIONS:
         raise UnsupportedModel(f"unsupported hidden_act {name!r}; supported: {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+class TorchLinear:
+    """``F.linear``, then the activation or the residual add as separate ops."""
+
+    name = "torch"
+
+    def __call__(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def act(self, x, weight, bias, act_name: str):
+        return ACTIVATIONS[act_name](F.linear(x, weight, bias))
+
+    def add(self, x, weight, bias, residual):
+        return F.linear(x, weight, bias).add_(residual)
+
+
+class OneDnnLinear:
+    """oneDNN's linear with the activation or residual add fused in (the kernel torch.compile's
+    CPU backend emits). Why: torch's fp32 ``F.linear`` goes to MKL, which takes its AVX2 path on
+    AMD CPUs; oneDNN uses AVX-512 there and measured ~2.4x faster per core on this machine
+    (profiling/RESULTS.md)."""
+
+    name = "onednn"
+
+    def __init__(self):
+        self._op = torch.ops.mkldnn._linear_pointwise
+
+    def __call__(self, x, weight, bias=None):
+        return self._op(x, weight, bias, "none", [], "")
+
+    def act(self, x, weight, bias, act_name: str):
+        attr, algorithm = _ONEDNN_ACTIVATIONS[act_name]
+        return self._op(x, weight, bias, attr, [], algorithm)
+
+    def add(self, x, weight, bias, residual):
+        return self._op.binary(x, residual, weight, bias, "add")
+
+
+def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto"):
+    """oneDNN for fp32 on CPU when this torch build has it (checked against F.linear once),
+    else F.linear. ``kind`` forces one: auto | onednn | torch."""
+    if kind == "torch":
+        return TorchLinear()
+    usable = device.type == "cpu" and dtype == torch.float32 and _onednn_works()
+    if kind == "onednn" and not usable:
+        raise ValueError("oneDNN linear needs fp32 on CPU and a torch built with mkldnn")
+    return OneDnnLinear() if usable else TorchLinear()
+
+
+@functools.cache
+def _onednn_works() -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(shape, generator=gen) for shape in ((7, 24), (16, 24), (16,)))
+    try:
+        out = OneDnnLinear().act(x, w, b, "gelu")
+    except RuntimeError:
+        return False
+    return bool(torch.allclose(out, F.gelu(F.linear(x, w, b)), atol=1e-5))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn, Layout
 from tokq.workers.loader import take
-from tokq.workers.models.layers import Rotary, activation, apply_rope, rms_norm, rope_theta
+from tokq.workers.models.layers import (Rotary, activation, apply_rope, linear_kernels, rms_norm,
+                                        rope_theta)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class Qwen:
     ANCHOR = "embed_tokens.weight"
     causal = True
 
-    def __init__(self, config: dict, weights: dict[str, torch.Tensor], family: str, max_length: int):
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor], family: str, max_length: int,
+                 linear_kind: str = "auto"):
         if config.get("use_sliding_window"):
             raise UnsupportedModel("sliding-window attention (use_sliding_window=true) is not supported")
         self.hidden_size = int(config["hidden_size"])
@@ -67,6 +69,7 @@ class Qwen:
         self.final_norm = take(weights, "norm.weight")
         self.layers = [QwenLayer.from_weights(weights, f"layers.{i}.", qk_norm=family == "qwen3")
                        for i in range(int(config["num_hidden_layers"]))]
+        self.linear = linear_kernels(self.embed_tokens.device, self.embed_tokens.dtype, linear_kind)
         self.rotary = Rotary(self.head_dim, rope_theta(config), self.embed_tokens.device,
                              self.embed_tokens.dtype, num_positions=max_length)
 
@@ -85,9 +88,10 @@ class Qwen:
         q_size, kv_size = self.q_dim, self.num_kv_heads * self.head_dim
         cos, sin = self.rotary.tables(layout.positions, layout.max_seqlen - 1)
         scale = self.head_dim ** -0.5
+        linear = self.linear
         x = F.embedding(layout.input_ids, self.embed_tokens)
         for layer in self.layers:
-            qkv = F.linear(rms_norm(x, layer.input_norm, self.eps), layer.qkv_weight, layer.qkv_bias)
+            qkv = linear(rms_norm(x, layer.input_norm, self.eps), layer.qkv_weight, layer.qkv_bias)
             q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -95,7 +99,7 @@ class Qwen:
                 q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(q, k, v, layout, True, scale)
-            x = x + F.linear(attn.reshape(num_tokens, q_size), layer.out_weight)
-            gate, up = F.linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up_weight).chunk(2, -1)
-            x = x + F.linear(self.act(gate) * up, layer.down_weight)
+            x = linear.add(attn.reshape(num_tokens, q_size), layer.out_weight, None, x)
+            gate, up = linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up_weight).chunk(2, -1)
+            x = linear.add(self.act(gate) * up, layer.down_weight, None, x)
         return rms_norm(x, self.final_norm, self.eps)

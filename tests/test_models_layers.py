@@ -1,0 +1,74 @@
+"""The linear kernels (oneDNN fused vs F.linear) and the small shared layers agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokq.workers.models import layers
+
+onednn = pytest.mark.skipif(not layers._onednn_works(), reason="torch built without oneDNN linear")
+
+
+def _inputs(rows: int = 37):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 64, generator=gen)
+    return x, torch.randn(96, 64, generator=gen) * 0.2, torch.randn(96, generator=gen), torch.randn(rows, 96, generator=gen)
+
+
+@onednn
+@pytest.mark.parametrize("act_name", sorted(layers.ACTIVATIONS))
+def test_onednn_fused_activation_matches_torch(act_name):
+    x, w, b, _ = _inputs()
+    fused = layers.OneDnnLinear().act(x, w, b, act_name)
+    torch.testing.assert_close(fused, layers.TorchLinear().act(x, w, b, act_name), atol=1e-5, rtol=1e-5)
+
+
+@onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_and_residual_add_match_torch(bias):
+    x, w, b, residual = _inputs(rows=300)
+    b = b if bias else None
+    ours, ref = layers.OneDnnLinear(), layers.TorchLinear()
+    torch.testing.assert_close(ours(x, w, b), ref(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.add(x, w, b, residual), ref.add(x, w, b, residual), atol=1e-5, rtol=1e-5)
+    # a strided input (a column slice of a fused projection) is read correctly
+    wide = torch.cat([x, x.flip(0)], dim=1)[:, 64:]
+    torch.testing.assert_close(ours(wide, w, b), F.linear(wide, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_kernel_choice():
+    cpu = torch.device("cpu")
+    assert layers.linear_kernels(cpu, torch.bfloat16).name == "torch"
+    assert layers.linear_kernels(cpu, torch.float32, "torch").name == "torch"
+    expected = "onednn" if layers._onednn_works() else "torch"
+    assert layers.linear_kernels(cpu, torch.float32).name == expected
+    with pytest.raises(ValueError, match="fp32 on CPU"):
+        layers.linear_kernels(cpu, torch.bfloat16, "onednn")
+
+
+def test_rms_norm_bf16_matches_fp32_statistics():
+    x = torch.randn(5, 3, 16) * 4
+    w = torch.rand(16) + 0.5
+    ref = F.rms_norm(x, (16,), w, 1e-6)
+    torch.testing.assert_close(layers.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6).float(), ref,
+                               atol=5e-2, rtol=2e-2)
+
+
+def test_rotary_tables_grow_past_their_first_size():
+    rotary = layers.Rotary(head_dim=8, theta=10000.0, device=torch.device("cpu"), dtype=torch.float32,
+                           num_positions=4)
+    positions = torch.tensor([0, 3, 9])
+    cos, sin = rotary.tables(positions, max_position=9)
+    angles = positions[:, None].float() * rotary.inv_freq[None, :]
+    torch.testing.assert_close(cos[:, 0], angles.cos())
+    torch.testing.assert_close(sin[:, 0], angles.sin())
+
+
+def test_unsupported_activation_and_rope_are_refused():
+    with pytest.raises(layers.UnsupportedModel, match="hidden_act"):
+        layers.activation("quick_gelu")
+    with pytest.raises(layers.UnsupportedModel, match="RoPE type 'yarn'"):
+        layers.rope_theta({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}})
+    assert layers.rope_theta({"rope_theta": 1e6, "rope_scaling": None}) == 1e6
