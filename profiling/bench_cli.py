@@ -120,15 +120,17 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.option("--rate", type=float, default=None,
               help="One run at this offered rate (req/s) instead of the step search.")
 @click.option("--slo-ms", default=500.0, show_default=True, help="p99 latency a sustainable rate must meet.")
-@click.option("--start-rate", default=20.0, show_default=True, help="First step's offered rate (req/s).")
-@click.option("--step-factor", default=1.25, show_default=True, help="Rate multiplier between steps.")
+@click.option("--start-rate", default=25.0, show_default=True, help="First step's offered rate (req/s).")
+@click.option("--step-factor", default=1.3, show_default=True, help="Rate multiplier between steps.")
 @click.option("--max-steps", default=20, show_default=True)
-@click.option("--step-duration-s", default=5.0, show_default=True, help="Seconds of arrivals per step.")
+@click.option("--step-duration-s", default=4.0, show_default=True, help="Seconds of arrivals per step.")
 @click.option("--timeout-ms", default=3000, show_default=True, help="Client deadline of each request.")
 @click.option("--budgets", default="256,1024", show_default=True,
               help="tokq token budgets, comma-separated; the last is the main one.")
 @click.option("--profile-json", type=click.Path(dir_okay=False), default="profiling/profile.json",
               show_default=True, help="`tokq profile --out` report whose budget is also measured, if present.")
+@click.option("--profiled-budget", type=int, default=None,
+              help="The budget `tokq profile` recommended, when its JSON is not at hand (overrides --profile-json).")
 @click.option("--padded-max-batch", default=32, show_default=True)
 @click.option("--padded-max-wait-ms", default=10.0, show_default=True)
 @click.option("--torch-threads", default=1, show_default=True,
@@ -141,8 +143,9 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.option("--note", default="", help="Free text for the report (e.g. whether the machine was idle).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
-                  step_factor, max_steps, step_duration_s, timeout_ms, budgets, profile_json, padded_max_batch,
-                  padded_max_wait_ms, torch_threads, out_path, plots_dir, results_md, note, quiet) -> None:
+                  step_factor, max_steps, step_duration_s, timeout_ms, budgets, profile_json, profiled_budget,
+                  padded_max_batch, padded_max_wait_ms, torch_threads, out_path, plots_dir, results_md, note,
+                  quiet) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     from rich.console import Console
 
@@ -158,7 +161,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     names = ["all"] if run_all else (list(systems) or ["tokq", "one-at-a-time"])
-    profiled = profiled_budget_from(Path(profile_json) if profile_json else None)
+    profiled = profiled_budget or profiled_budget_from(Path(profile_json) if profile_json else None)
     specs = system_specs(names, budgets=budget_list, profiled_budget=profiled,
                          padded_max_batch=padded_max_batch, padded_max_wait_ms=padded_max_wait_ms)
     queries, source = load_queries(workload_path, num_queries, seed)

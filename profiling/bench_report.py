@@ -146,7 +146,8 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['started_at']} to {meta.get('finished_at', '?')} ({meta.get('duration_s', '?')} s)  ",
         f"Machine: {m['cpu']}, {m['num_cpus']} CPUs, {m['platform']}; load average at start "
-        f"{' '.join(m.get('loadavg_at_start', []))}. Everything (load generator, gateway, worker, Redis, "
+        f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} "
+        "(1/5/15-minute load averages, this run's own processes included). Everything (load generator, gateway, worker, Redis, "
         "baselines) ran on this one machine.  ",
         f"Machine state: {meta.get('note') or 'not stated'}  ",
         f"Versions: {versions}  ",

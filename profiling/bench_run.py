@@ -26,10 +26,10 @@ class BenchOptions:
     arrivals: str = "poisson"  # poisson | replay
     rate: float | None = None  # one run at this rate instead of the step search
     slo_ms: float = 500.0
-    start_rate: float = 20.0
-    step_factor: float = 1.25
+    start_rate: float = 25.0
+    step_factor: float = 1.3
     max_steps: int = 20
-    step_duration_s: float = 5.0
+    step_duration_s: float = 4.0
     timeout_s: float = 3.0
     torch_threads: int = 1
     seed: int = 1
@@ -134,6 +134,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
                 await asyncio.to_thread(system.close)
             report["systems"].append({**spec.describe(), **result, "log": str(log_path)})
             progress.advance(overall)
+    report["meta"]["loadavg_at_end"] = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     report["meta"]["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     report["meta"]["duration_s"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
     return report
