@@ -45,7 +45,7 @@ def _reference(q, k, v, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
 
 def _run(backend: str, q, k, v, batch: PackedBatch, causal: bool, scale: float) -> torch.Tensor:
     """Attention in the backend's own token order, put back in the batch's order."""
-    layout = attention.build_layout(batch, q.device, backend)
+    layout = attention.build_layout(batch, q.device, backend, causal=causal, dtype=q.dtype)
     if layout.restore is None:
         return attention.attend_fn(backend)(q, k, v, layout, causal, scale)
     # the layout sorted the sequences: feed it the rows in its order, then undo it
@@ -58,7 +58,7 @@ def _run(backend: str, q, k, v, batch: PackedBatch, causal: bool, scale: float) 
     return out
 
 
-@pytest.mark.parametrize("backend", ["sdpa_bucketed", "sdpa_grouped", "sdpa_loop"])
+@pytest.mark.parametrize("backend", ["sdpa_packed", "sdpa_grouped", "sdpa_loop"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa2", "mqa"])
 def test_cpu_backends_match_reference(backend, causal, heads):
@@ -82,18 +82,28 @@ def test_grouped_layout_sorts_by_length_and_restores_batch_order():
     assert layout.positions.tolist() == [0, 0, 1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
 
 
-def test_bucketed_layout_pads_short_sequences_inside_attention_only():
-    batch = _batch([5, 70, 2, 16, 40])
-    layout = attention.build_layout(batch, torch.device("cpu"), "sdpa_bucketed")
+def test_packed_layout_puts_short_sequences_side_by_side_in_rows():
+    batch = _batch([5, 70, 2, 30, 40, 3])
+    layout = attention.build_layout(batch, torch.device("cpu"), "sdpa_packed")
     assert layout.input_ids.shape[0] == batch.num_tokens  # no pad outside attention
     runs = [(r.start, r.num_seqs, r.seqlen, r.num_tokens, r.gather is not None) for r in layout.runs]
-    assert runs == [(0, 3, 16, 23, True), (23, 1, 64, 40, True), (63, 1, 70, 70, False)]
-    bucket = layout.runs[0]
-    assert bucket.key_mask[:, 0, 0].sum(1).tolist() == [2, 5, 16]
-    # pad slots repeat the sequence's last real row; the scatter picks the real ones back out
-    assert bucket.gather.view(3, 16)[0].tolist() == [0, 1] + [1] * 14
-    seq, pos = bucket.scatter
-    assert (bucket.gather.view(3, 16)[seq, pos] == torch.arange(23)).all()
+    # sorted lengths 2, 3, 5 | 30 | 40 | 70: rows of 32 slots hold [2, 3, 5] and [30]; a row of 64
+    # holds [40]; 70 is past the rows and attends on its own
+    assert runs == [(0, 2, 32, 40, True), (40, 1, 64, 40, True), (80, 1, 70, 70, False)]
+    rows = layout.runs[0]
+    gather, allowed = rows.gather.view(2, 32), rows.mask[:, 0] == 0
+    assert gather[0, :10].tolist() == list(range(10)) and gather[1, :30].tolist() == list(range(10, 40))
+    # block diagonal: the 3-token sequence at slots 2..4 sees exactly slots 2..4
+    assert allowed[0, 3].nonzero().flatten().tolist() == [2, 3, 4]
+    assert allowed[0, 20].nonzero().flatten().tolist() == [20]  # an empty slot sees only itself
+    assert (rows.gather[rows.scatter] == torch.arange(40)).all()
+
+
+def test_packed_causal_mask_stays_inside_each_sequence():
+    layout = attention.build_layout(_batch([3, 2]), torch.device("cpu"), "sdpa_packed", causal=True)
+    allowed = layout.runs[0].mask[0, 0] == 0  # slots: [2-token seq][3-token seq]
+    assert allowed[:5, :5].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
+                                               [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 
 
 def test_already_sorted_batch_is_not_copied():
@@ -102,8 +112,8 @@ def test_already_sorted_batch_is_not_copied():
     assert [(r.num_seqs, r.seqlen) for r in layout.runs] == [(1, 1), (2, 2), (1, 9)]
 
 
-def test_auto_backend_on_cpu_is_grouped_sdpa():
-    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_grouped"
+def test_auto_backend_on_cpu_is_packed_sdpa():
+    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_packed"
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
@@ -119,7 +129,7 @@ def test_unknown_backend_lists_the_known_ones():
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa_bucketed"])
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa_packed"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_cuda_backends_match_reference_in_bf16(backend, causal):
     device = torch.device("cuda")

@@ -51,7 +51,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def test_defaults_are_bundled_model_on_cpu_in_fp32(engine):
     assert engine.info.name == "all-MiniLM-L6-v2"
     assert engine.device == torch.device("cpu") and engine.dtype == torch.float32
-    assert engine.attn_backend == "sdpa_grouped"
+    assert engine.attn_backend == "sdpa_packed"
     assert engine.linear_backend == "onednn"
     assert engine.info.pooling == "mean" and engine.info.max_length == 256
 

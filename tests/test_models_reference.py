@@ -135,10 +135,10 @@ def test_every_cpu_backend_gives_the_same_embeddings(tiny):
     engine, _, _ = tiny
     seqs = _sequences(seed=5)
     outputs = {}
-    for backend in ("sdpa_bucketed", "sdpa_grouped", "sdpa_loop"):
+    for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop"):
         other = Engine(engine.info, engine.model, engine.device, engine.dtype, backend)
         outputs[backend] = other.embed(PackedBatch.pack(seqs))
-    for backend in ("sdpa_bucketed", "sdpa_grouped"):
+    for backend in ("sdpa_packed", "sdpa_grouped"):
         np.testing.assert_allclose(outputs[backend], outputs["sdpa_loop"], atol=1e-5)
 
 

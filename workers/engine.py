@@ -59,7 +59,8 @@ class Engine:
         if batch.max_seqlen > self.info.max_length:
             raise ValueError(f"sequence of {batch.max_seqlen} tokens exceeds the model's "
                              f"max length {self.info.max_length}")
-        layout = attention.build_layout(batch, self.device, self.attn_backend)
+        layout = attention.build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
+                                        dtype=self.dtype)
         hidden = self.model.forward(layout, self._attend)
         pooled = pooling.pool(hidden, layout, self.info.pooling)
         return pooling.finish(pooled, batch.normalize, batch.dimensions)

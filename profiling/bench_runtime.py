@@ -1,0 +1,179 @@
+"""Packed (varlen) runtime vs sentence-transformers on a short-query workload, same process,
+same machine, systems interleaved round by round so load from other work hits all of them.
+
+    .venv/bin/python -m tokq.profiling.bench_runtime [--num-queries 800] [--rounds 3]
+
+Prints tokens/s (real tokens, no padding counted; median over rounds) of:
+  * the packed runtime at token budgets 256..4096, queries packed in arrival order;
+  * (a) sentence-transformers encoding one query at a time;
+  * (b) sentence-transformers batches of 32 in arrival order (padded);
+  * each CPU attention backend at a 1,024-token budget;
+  * the runtime with F.linear (MKL) instead of oneDNN, at a 1,024-token budget;
+as ratios to (a) and (b), and as fractions of the fp32 matmul peak measured in the same run,
+timed again just before every measurement, two ways: a large ``torch.mm`` (MKL, which takes
+its AVX2 path on AMD CPUs) and the same product through oneDNN (AVX-512, what the runtime
+uses). "Linear limit" = peak / (2 FLOPs per linear weight); "MFU" = all model FLOPs, attention
+included, / peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokq.batch import PackedBatch
+from tokq.workers.engine import Engine
+from tokq.workers.models.layers import OneDnnLinear, _onednn_works
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = REPO_ROOT / ".." / "shared" / "workloads" / "short_queries.jsonl"
+BUDGETS = (256, 512, 1024, 2048, 4096)
+ST_BATCH = 32
+
+
+def load_texts(path: Path, num_queries: int, tokenizer, seed: int = 1) -> tuple[list[str], str]:
+    """The workload's first ``num_queries`` texts, or generated ones shaped like it: lognormal
+    lengths (median 10 tokens, p90 ~30) plus a 0.5% tail of 100-512 tokens."""
+    if path.is_file():
+        with path.open() as f:
+            rows = [json.loads(line) for _, line in zip(range(num_queries), f)]
+        return [row["text"] for row in rows], str(path.resolve())
+    rng = np.random.default_rng(seed)
+    lens = np.exp(rng.normal(np.log(10.0), 0.857, size=num_queries))
+    tail = rng.random(num_queries) < 0.005
+    lens[tail] = np.exp(rng.uniform(np.log(100), np.log(512), size=tail.sum()))
+    words = [w for w in tokenizer.get_vocab() if w.isalpha() and w.isascii() and len(w) > 2]
+    texts = [" ".join(rng.choice(words, size=max(1, int(n) - 2))) for n in lens]
+    return texts, f"generated lognormal queries (no {path})"
+
+
+def pack_in_order(ids: list[list[int]], budget: int) -> list[PackedBatch]:
+    """Arrival order, a new batch whenever the next query would pass the budget."""
+    batches, current, num_tokens = [], [], 0
+    for seq in ids:
+        if current and num_tokens + len(seq) > budget:
+            batches.append(PackedBatch.pack(current))
+            current, num_tokens = [], 0
+        current.append(seq)
+        num_tokens += len(seq)
+    if current:
+        batches.append(PackedBatch.pack(current))
+    return batches
+
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 3) -> tuple[float, float]:
+    """Median fp32 FLOP/s of a large square matmul through torch.mm (MKL) and through the
+    oneDNN linear the runtime uses (0 when absent): the CPU's practical peaks."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    kernels = [lambda: torch.mm(a, b)]
+    if _onednn_works():
+        kernels.append(lambda: OneDnnLinear()(a, b))
+    peaks = []
+    for kernel in kernels:
+        kernel()
+        peaks.append(2 * size**3 / statistics.median(timed(kernel) for _ in range(repeats)))
+    return peaks[0], (peaks[1] if len(peaks) > 1 else 0.0)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-queries", type=int, default=800, help="queries each system encodes per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--workload", type=Path, default=WORKLOAD)
+    ap.add_argument("--model", default=None, help="model directory (default: bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from sentence_transformers import SentenceTransformer
+
+    engine = Engine.load(args.model, device="cpu")  # what auto picks
+    # the alternatives auto did not pick, each changing one thing
+    engines = {backend: Engine.load(args.model, device="cpu", attn_backend=backend)
+               for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop") if backend != engine.attn_backend}
+    engines["F.linear (MKL)"] = Engine.load(args.model, device="cpu", linear="torch")
+    st = SentenceTransformer(str(engine.info.path), device="cpu")
+    texts, source = load_texts(args.workload, args.num_queries, st.tokenizer)
+    ids = st.tokenizer(texts, truncation=True, max_length=engine.info.max_length)["input_ids"]
+    num_tokens = sum(len(s) for s in ids)
+
+    systems: dict[str, Callable[[], None]] = {
+        "st one at a time": lambda: [st.encode([t], batch_size=1) for t in texts],
+        f"st batch {ST_BATCH}": lambda: st.encode(texts, batch_size=ST_BATCH),
+    }
+    flops: dict[str, float] = {}
+    for budget in args.budgets:
+        batches = pack_in_order(ids, budget)
+        systems[f"packed {budget}"] = lambda b=batches: [engine.embed(x) for x in b]
+        flops[f"packed {budget}"] = sum(engine.batch_flops(x) for x in batches)
+    backend_batches = pack_in_order(ids, 1024)
+    for label, eng in engines.items():
+        systems[f"packed 1024 {label}"] = lambda e=eng: [e.embed(x) for x in backend_batches]
+        flops[f"packed 1024 {label}"] = sum(engine.batch_flops(x) for x in backend_batches)
+
+    print(f"model {engine.info.name}, auto: attention {engine.attn_backend}, linear {engine.linear_backend}; "
+          f"torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
+          f"(p50 {np.median([len(s) for s in ids]):.0f}, max {max(len(s) for s in ids)})")
+    for name, eng in engines.items():
+        eng.warmup(max(args.budgets))
+    engine.warmup(max(args.budgets))
+    st.encode(texts[:ST_BATCH], batch_size=ST_BATCH)
+
+    # per round: each system timed right after its own peak measurement, so a change in load
+    # from other work moves both; every figure is a median over rounds of per-round values
+    rates: dict[str, list[float]] = {name: [] for name in systems}
+    peaks: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
+    for round_index in range(args.rounds):
+        for name, fn in systems.items():
+            peaks[name].append(matmul_peak_flops())
+            rates[name].append(num_tokens / timed(fn))
+        print(f"round {round_index + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}")
+    report(rates, peaks, flops, num_tokens, engine.flops_per_token())
+
+
+def report(rates: dict[str, list[float]], peaks: dict[str, list[tuple[float, float]]],
+           flops: dict[str, float], num_tokens: int, per_token: float) -> None:
+    """Every figure is a median over rounds of per-round values."""
+    def median_of(values) -> float:
+        return statistics.median(list(values))
+
+    def share(name: str, which: int, flops_per_token: float) -> str:
+        values = [r * flops_per_token / p[which] for r, p in zip(rates[name], peaks[name]) if p[which]]
+        return f"{100 * median_of(values):.0f}%" if values else "n/a"
+
+    one, batched = rates["st one at a time"], rates[f"st batch {ST_BATCH}"]
+    for which, label in ((0, "torch.mm (MKL)"), (1, "oneDNN linear")):
+        values = [p[which] for per_system in peaks.values() for p in per_system if p[which]]
+        if values:
+            print(f"fp32 peak, {label}: {median_of(values) / 1e9:.0f} GFLOP/s median "
+                  f"(min {min(values) / 1e9:.0f}, max {max(values) / 1e9:.0f}); linear-layer limit "
+                  f"{median_of(values) / per_token:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token")
+    print("\n| system | tokens/s | x one-at-a-time | x batch-32 | % linear limit, mm peak "
+          "| % linear limit, oneDNN peak | MFU, oneDNN peak |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, rate in rates.items():
+        mfu = share(name, 1, flops[name] / num_tokens) if name in flops else ""
+        print(f"| {name} | {median_of(rate):,.0f} | {median_of(r / o for r, o in zip(rate, one)):.2f} | "
+              f"{median_of(r / b for r, b in zip(rate, batched)):.2f} | {share(name, 0, per_token)} | "
+              f"{share(name, 1, per_token)} | {mfu} |")
+
+if __name__ == "__main__":
+    main()
