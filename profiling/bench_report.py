@@ -122,14 +122,15 @@ def _batch_table(report: dict) -> list[str]:
 
 
 def _steps_table(report: dict) -> list[str]:
-    rows = ["| system | offered req/s | done req/s | tokens/s | p50 ms | p90 ms | p99 ms | max ms | errors "
-            "| send lag p99 ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    rows = ["| system | offered req/s | sent req/s | done req/s | tokens/s | p50 ms | p90 ms | p99 ms | max ms "
+            "| errors | send lag p99 ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for s in report["systems"]:
         for st in sorted(s["steps"], key=lambda x: x["offered_rps"]):
             lat = st["latency_ms"]
             errors = ", ".join(f"{k} {v}" for k, v in st["errors"].items()) or "0"
             lag = _fmt(st["send_lag_ms"]["p99"], 1) + ("" if st["generator_kept_up"] else " (fell behind)")
-            rows.append(f"| {s['name']} | {st['offered_rps']:.1f} | {st['throughput_rps']:.1f} "
+            rows.append(f"| {s['name']} | {st['offered_rps']:.1f} | {_fmt(st.get('scheduled_rps'), 1)} "
+                        f"| {st['throughput_rps']:.1f} "
                         f"| {_fmt(st['tokens_per_s'])} | {_fmt(lat['p50'])} | {_fmt(lat['p90'])} "
                         f"| {_fmt(lat['p99'])} | {_fmt(lat['max'])} | {errors} | {lag} |")
     return rows

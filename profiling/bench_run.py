@@ -53,7 +53,7 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
         on_done = (lambda _s: progress.advance(task)) if progress else None
         before = system.batch_snapshot()
         samples = await loadgen.run_open_loop(sender, arrivals, on_done=on_done)
-        summary = loadgen.summarize(samples, rate)
+        summary = loadgen.summarize(samples, rate, duration_s)
         summary["batches"] = batch_stats(before, system.batch_snapshot())
         if progress:
             kept_up = "" if summary["generator_kept_up"] else ", LOAD GENERATOR FELL BEHIND"

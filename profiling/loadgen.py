@@ -158,9 +158,11 @@ def _pct(values: np.ndarray, q: float) -> float:
     return round(float(np.percentile(values, q)), 3) if values.size else float("nan")
 
 
-def summarize(samples: Sequence[Sample], offered_rate_per_s: float) -> dict:
+def summarize(samples: Sequence[Sample], offered_rate_per_s: float, duration_s: float | None = None) -> dict:
     """The figures of one run. Latency percentiles cover every request, failed ones included
-    (at the time their error came back), so timeouts cannot make a run look faster."""
+    (at the time their error came back), so timeouts cannot make a run look faster. With the
+    schedule's ``duration_s``, rates are over [0, max(duration, last reply)] and the rate the
+    random schedule really held (``scheduled_rps``) is reported beside the nominal one."""
     if not samples:
         raise ValueError("no samples to summarize")
     lat = np.array([s.latency_ms for s in samples])
@@ -168,7 +170,11 @@ def summarize(samples: Sequence[Sample], offered_rate_per_s: float) -> dict:
     ok = [s for s in samples if s.status == "OK"]
     intended = np.array([s.intended_s for s in samples])
     sent = np.array([s.sent_s for s in samples])
-    span_s = max(max(s.done_s for s in samples) - float(intended.min()), 1e-9)
+    last_done_s = max(s.done_s for s in samples)
+    if duration_s:
+        span_s = max(duration_s, last_done_s)
+    else:
+        span_s = max(last_done_s - float(intended.min()), 1e-9)
     intended_span_s = float(intended.max() - intended.min())
     sent_span_s = float(sent.max() - sent.min())
     send_ratio = (intended_span_s / sent_span_s) if sent_span_s > 0 else 1.0
@@ -178,6 +184,7 @@ def summarize(samples: Sequence[Sample], offered_rate_per_s: float) -> dict:
     inference_ms = np.array([s.inference_ms for s in ok])
     return {
         "offered_rps": round(offered_rate_per_s, 3),
+        "scheduled_rps": round(len(samples) / duration_s, 3) if duration_s else None,
         "num_requests": len(samples),
         "num_ok": len(ok),
         "errors": dict(sorted(Counter(s.status for s in samples if s.status != "OK").items())),

@@ -158,3 +158,16 @@ def test_texts_for_lengths_gives_wordpiece_texts_of_each_length(bundled_model_di
     tok = AutoTokenizer.from_pretrained(str(bundled_model_dir))
     for q in loadgen.texts_for_lengths(queries, vocab):
         assert len(tok(q.text)["input_ids"]) == q.num_tokens
+
+
+def test_summary_rates_cover_the_schedule_and_count_failures_in_latency():
+    # 8 requests scheduled over 2 s; the last reply comes at 2.5 s; one failed after 1 s.
+    samples = [loadgen.Sample(i * 0.25, i * 0.25, i * 0.25 + 0.1, "OK", 10, 1.0, 2.0) for i in range(7)]
+    samples.append(loadgen.Sample(1.5, 1.5, 2.5, "UNAVAILABLE", 10, 0.0, 0.0))
+    summary = loadgen.summarize(samples, offered_rate_per_s=5, duration_s=2.0)
+    assert summary["scheduled_rps"] == 4.0
+    assert summary["throughput_rps"] == pytest.approx(7 / 2.5)
+    assert summary["tokens_per_s"] == pytest.approx(70 / 2.5, abs=0.1)
+    assert summary["errors"] == {"UNAVAILABLE": 1}
+    assert summary["latency_ms"]["max"] == pytest.approx(1000)
+    assert summary["server_inference_ms"]["p50"] == 2.0  # from successful replies only
