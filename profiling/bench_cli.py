@@ -133,8 +133,9 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
               help="The budget `tokq profile` recommended, when its JSON is not at hand (overrides --profile-json).")
 @click.option("--padded-max-batch", default=32, show_default=True)
 @click.option("--padded-max-wait-ms", default=10.0, show_default=True)
-@click.option("--torch-threads", default=1, show_default=True,
-              help="Intra-op threads of every model process (0 = torch's default).")
+@click.option("--torch-threads", default=0, show_default=True,
+              help="Intra-op threads of each baseline's model process; 0 = what `tokq up` gives its one "
+                   "worker (cores - 1, at least 1), so both sides compute on the same threads.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="bench.json", show_default=True)
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="Write bench_latency.png and bench_throughput.png here.")
@@ -165,6 +166,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
     specs = system_specs(names, budgets=budget_list, profiled_budget=profiled,
                          padded_max_batch=padded_max_batch, padded_max_wait_ms=padded_max_wait_ms)
     queries, source = load_queries(workload_path, num_queries, seed)
+    torch_threads = torch_threads or max(1, (os.cpu_count() or 2) - 1)
     console = Console(stderr=True, quiet=quiet)
     tokq_budgets = sorted({s.token_budget for s in specs if s.kind == "tokq"})
     with console.status("timing single-batch forward passes"):

@@ -17,7 +17,16 @@ from tokq.profiling.baselines.server import load_model, serve
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model()
+    import torch
+
+    # One thread, as `tokq bench` runs the baselines: two spin-waiting OpenMP threads on a
+    # busy 2-core machine stall each other (10x slower here). The setting is process-wide.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield load_model()
+    finally:
+        torch.set_num_threads(threads_before)
 
 
 def texts_of_mixed_lengths(bundled_model_dir, n: int, seed: int) -> list[str]:
