@@ -19,14 +19,29 @@ import click
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_WORKLOAD = REPO_ROOT.parent / "shared" / "workloads" / "short_queries.jsonl"
 MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer queries are truncated
-INFINITY_NOTE = ("not measured: `pip download infinity-emb` resolves (0.0.78) without changing torch, "
-                 "but its `[server,torch]` extras pin numpy<2, sentence-transformers<4 (pulling "
-                 "transformers 4.57), rich<14 and click<8.2, which would downgrade the project's "
-                 "environment (numpy 2.4, transformers 5, sentence-transformers 6); it was not installed")
+DEFAULT_INFINITY_BIN = REPO_ROOT / ".venv-infinity" / "bin" / "infinity_emb"
+# Why Infinity runs from its own virtualenv (and how to make it), for the report.
+INFINITY_WHY = ("`infinity-emb` 0.0.78 resolves offline without changing torch, but its `[server,torch]` "
+                "extras pin numpy<2, sentence-transformers<4 (so transformers 4.57), rich<14 and click<8.2, "
+                "which would downgrade the project's environment (numpy 2.4, transformers 5, "
+                "sentence-transformers 6). So it is not installed in `.venv`; it runs from its own virtualenv "
+                "with the same torch 2.13 CPU wheel: `python3.11 -m venv .venv-infinity && "
+                ".venv-infinity/bin/pip install torch==2.13.0 'infinity-emb[server,torch]==0.0.78'`")
+
+
+def find_infinity(path: str | None) -> str | None:
+    """The `infinity_emb` to run: ``path``, else .venv-infinity's, else one on PATH."""
+    import shutil
+
+    if path:
+        return path
+    if DEFAULT_INFINITY_BIN.is_file():
+        return str(DEFAULT_INFINITY_BIN)
+    return shutil.which("infinity_emb")
 
 
 def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int | None,
-                 padded_max_batch: int, padded_max_wait_ms: float):
+                 padded_max_batch: int, padded_max_wait_ms: float, infinity_bin: str | None = None):
     from tokq.profiling.bench_systems import SystemSpec
 
     main_budget = budgets[-1]
@@ -38,6 +53,9 @@ def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int |
                              "padded-batching", max_batch_size=padded_max_batch,
                              max_wait_ms=padded_max_wait_ms),
     }
+    if infinity_bin:
+        catalog["infinity"] = SystemSpec(f"Infinity (HTTP, batch <= {padded_max_batch})", "infinity",
+                                         max_batch_size=padded_max_batch, infinity_bin=infinity_bin)
     for b in budgets[:-1]:
         catalog[f"tokq-b{b}"] = SystemSpec(f"tokq look-ahead b{b}", "tokq", b, None)
     if profiled_budget and profiled_budget not in budgets:
@@ -47,7 +65,8 @@ def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int |
         names = list(catalog)
     unknown = [n for n in names if n not in catalog]
     if unknown:
-        raise click.UsageError(f"unknown system(s) {unknown}; known: {', '.join(catalog)}")
+        hint = " (infinity: no infinity_emb found; see --infinity-bin)" if "infinity" in unknown else ""
+        raise click.UsageError(f"unknown system(s) {unknown}; known: {', '.join(catalog)}{hint}")
     return [catalog[n] for n in names]
 
 
@@ -131,8 +150,12 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
               show_default=True, help="`tokq profile --out` report whose budget is also measured, if present.")
 @click.option("--profiled-budget", type=int, default=None,
               help="The budget `tokq profile` recommended, when its JSON is not at hand (overrides --profile-json).")
-@click.option("--padded-max-batch", default=32, show_default=True)
+@click.option("--padded-max-batch", default=32, show_default=True,
+              help="Inputs per batch of the padded baseline, and Infinity's --batch-size.")
 @click.option("--padded-max-wait-ms", default=10.0, show_default=True)
+@click.option("--infinity-bin", default=None, envvar="TOKQ_BENCH_INFINITY_BIN",
+              help="infinity_emb executable [default: .venv-infinity/bin/infinity_emb, else on PATH; "
+                   "none found: Infinity is left out and the report says why].")
 @click.option("--torch-threads", default=0, show_default=True,
               help="Intra-op threads of each baseline's model process; 0 = what `tokq up` gives its one "
                    "worker (cores - 1, at least 1), so both sides compute on the same threads.")
@@ -145,8 +168,8 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
                   step_factor, max_steps, step_duration_s, timeout_ms, budgets, profile_json, profiled_budget,
-                  padded_max_batch, padded_max_wait_ms, torch_threads, out_path, plots_dir, results_md, note,
-                  quiet) -> None:
+                  padded_max_batch, padded_max_wait_ms, infinity_bin, torch_threads, out_path, plots_dir,
+                  results_md, note, quiet) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     from rich.console import Console
 
@@ -163,8 +186,12 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
         raise click.UsageError(str(exc)) from None
     names = ["all"] if run_all else (list(systems) or ["tokq", "one-at-a-time"])
     profiled = profiled_budget or profiled_budget_from(Path(profile_json) if profile_json else None)
-    specs = system_specs(names, budgets=budget_list, profiled_budget=profiled,
-                         padded_max_batch=padded_max_batch, padded_max_wait_ms=padded_max_wait_ms)
+    infinity_bin = find_infinity(infinity_bin)
+    specs = system_specs(names, budgets=budget_list, profiled_budget=profiled, padded_max_batch=padded_max_batch,
+                         padded_max_wait_ms=padded_max_wait_ms, infinity_bin=infinity_bin)
+    infinity_note = (f"measured ({infinity_bin}). {INFINITY_WHY}" if any(s.kind == "infinity" for s in specs)
+                     else f"not measured ({'not asked for' if infinity_bin else 'no infinity_emb found'}). "
+                          f"{INFINITY_WHY}")
     queries, source = load_queries(workload_path, num_queries, seed)
     torch_threads = torch_threads or max(1, (os.cpu_count() or 2) - 1)
     console = Console(stderr=True, quiet=quiet)
@@ -176,7 +203,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
                            timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed)
     report = asyncio.run(run_bench(specs, queries, options, console=console))
     report["meta"].update(workload_source=source, forward_ms_by_budget=forward_ms, note=note,
-                          infinity=INFINITY_NOTE, profiled_budget=profiled)
+                          infinity=infinity_note, profiled_budget=profiled)
     Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
     written = render_outputs(report, plots_dir=plots_dir, results_md=results_md, json_path=out_path)
     console.print(f"wrote {', '.join([out_path, *written])}")

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tokq.profiling import loadgen
-from tokq.profiling.bench_systems import GrpcSender, SystemSpec, batch_stats, start_system
+from tokq.profiling.bench_systems import SystemSpec, batch_stats, make_sender, start_system
 
 WARMUP_S = 2.0
 SETTLE_S = 0.5  # pause between runs so one run's stragglers never land in the next
@@ -45,7 +45,7 @@ def schedule(queries, options: BenchOptions, rate: float, duration_s: float) -> 
 async def measure(system, queries, options: BenchOptions, progress=None, *, label: str = "") -> dict:
     """Drive one system through the step search (or one fixed rate) and, for tokq, a run at
     half its sustainable rate."""
-    sender = GrpcSender(system.target, options.timeout_s)
+    sender = make_sender(system, options.timeout_s)
 
     async def run_at(rate: float, duration_s: float = options.step_duration_s) -> dict:
         arrivals = schedule(queries, options, rate, duration_s)

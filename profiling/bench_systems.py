@@ -5,6 +5,7 @@ sender the load generator drives them with, and the per-batch figures read from 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -29,14 +30,16 @@ START_TIMEOUT_S = 180
 @dataclass(frozen=True)
 class SystemSpec:
     name: str
-    kind: str  # "tokq" | "one-at-a-time" | "padded-batching"
+    kind: str  # "tokq" | "one-at-a-time" | "padded-batching" | "infinity"
     token_budget: int = 0  # tokq: tokens per batch
     lookahead: int | None = None  # tokq: entries a claim may pass over (0 = strict FIFO)
     max_batch_size: int = 64  # padded-batching: inputs per batch
     max_wait_ms: float = 10.0  # padded-batching
+    infinity_bin: str = ""  # infinity: the `infinity_emb` executable (its own virtualenv)
 
     def describe(self) -> dict:
-        keep = {"tokq": ("token_budget", "lookahead"), "padded-batching": ("max_batch_size", "max_wait_ms")}
+        keep = {"tokq": ("token_budget", "lookahead"), "padded-batching": ("max_batch_size", "max_wait_ms"),
+                "infinity": ("max_batch_size", "infinity_bin")}
         d = asdict(self)
         return {"name": self.name, "kind": self.kind, **{k: d[k] for k in keep.get(self.kind, ())}}
 
@@ -59,6 +62,44 @@ class GrpcSender:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+class HttpSender:
+    """One OpenAI-style POST /embeddings per request (Infinity's API) over pooled keep-alive
+    connections; a timeout reads as DEADLINE_EXCEEDED, an HTTP error as HTTP_<code>."""
+
+    def __init__(self, base_url: str, model: str, timeout_s: float) -> None:
+        import httpx2
+
+        self._httpx = httpx2
+        # httpx's timeouts are per phase (pool, connect, read); the deadline is enforced whole below.
+        self._client = httpx2.AsyncClient(base_url=base_url, timeout=timeout_s + 1,
+                                          limits=httpx2.Limits(max_connections=256, max_keepalive_connections=256))
+        self.model = model
+        self.timeout_s = timeout_s
+
+    async def __call__(self, texts) -> Reply:
+        body = {"model": self.model, "input": list(texts)}
+        try:
+            resp = await asyncio.wait_for(self._client.post("/embeddings", json=body), self.timeout_s)
+        except (TimeoutError, self._httpx.TimeoutException):
+            return Reply("DEADLINE_EXCEEDED")
+        except self._httpx.TransportError:
+            return Reply("UNAVAILABLE")
+        if resp.status_code != 200:
+            return Reply(f"HTTP_{resp.status_code}")
+        if len(resp.json()["data"]) != len(texts):
+            return Reply("INCOMPLETE")
+        return Reply("OK")
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def make_sender(system: "RunningSystem", timeout_s: float):
+    if system.spec.kind == "infinity":
+        return HttpSender(f"http://{system.target}", "all-MiniLM-L6-v2", timeout_s)
+    return GrpcSender(system.target, timeout_s)
 
 
 class RunningSystem:
@@ -149,6 +190,19 @@ def _wait_healthy(target: str, proc: subprocess.Popen, timeout_s: float) -> None
     raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
 
 
+def _wait_http_health(target: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{target}: server exited during start-up ({proc.returncode})")
+        try:
+            if urllib.request.urlopen(f"http://{target}/health", timeout=1).status == 200:
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
+
+
 def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     """A worker's heartbeat appears after its warm-up at the full budget."""
     key = QueueKeys("all-MiniLM-L6-v2").heartbeat("up-0")
@@ -184,13 +238,24 @@ def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | No
                 "--workers", "1", "--device", "cpu", "--metrics-port", str(metrics_port)]
         if spec.token_budget:
             args += ["--token-budget", str(spec.token_budget)]
+    elif spec.kind == "infinity":
+        from tokq.model_info import bundled_model_path
+
+        env.update(INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1")
+        args = ["v2", "--model-id", str(bundled_model_path()), "--served-model-name", "all-MiniLM-L6-v2",
+                "--engine", "torch", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+                "--batch-size", str(spec.max_batch_size), "--no-bettertransformer"]
     else:
         args = ["-m", "tokq.profiling.baselines", "--kind", spec.kind, "--port", str(port),
                 "--max-batch-size", str(spec.max_batch_size), "--max-wait-ms", str(spec.max_wait_ms)]
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=log, stderr=log)
+    program = spec.infinity_bin if spec.kind == "infinity" else sys.executable
+    proc = subprocess.Popen([program, *args], env=env, stdout=log, stderr=log)
     system = RunningSystem(spec, target, proc, redis_server, metrics_port)
     try:
-        _wait_healthy(target, proc, START_TIMEOUT_S)
+        if spec.kind == "infinity":
+            _wait_http_health(target, proc, START_TIMEOUT_S)
+        else:
+            _wait_healthy(target, proc, START_TIMEOUT_S)
         if redis_server:
             _wait_worker(redis_server.url, proc, START_TIMEOUT_S)
     except BaseException:

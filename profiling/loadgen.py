@@ -38,8 +38,8 @@ class Reply:
     """What a sender reports for one request: a gRPC status name and the server's timings."""
 
     status: str  # "OK" or a grpc.StatusCode name
-    queue_ms: float = 0.0
-    inference_ms: float = 0.0
+    queue_ms: float | None = None  # None: the server does not report it
+    inference_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ class Sample:
     done_s: float
     status: str
     num_tokens: int
-    queue_ms: float
-    inference_ms: float
+    queue_ms: float | None
+    inference_ms: float | None
 
     @property
     def latency_ms(self) -> float:
@@ -154,8 +154,8 @@ async def run_open_loop(send: Send, arrivals: Sequence[Arrival], *,
 
 # -- figures -----------------------------------------------------------------------------------
 
-def _pct(values: np.ndarray, q: float) -> float:
-    return round(float(np.percentile(values, q)), 3) if values.size else float("nan")
+def _pct(values: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 3) if values.size else None
 
 
 def summarize(samples: Sequence[Sample], offered_rate_per_s: float, duration_s: float | None = None) -> dict:
@@ -180,8 +180,8 @@ def summarize(samples: Sequence[Sample], offered_rate_per_s: float, duration_s: 
     send_ratio = (intended_span_s / sent_span_s) if sent_span_s > 0 else 1.0
     lag_p99 = _pct(lag, 99)
     kept_up = bool(lag_p99 <= MAX_SEND_LAG_P99_MS and send_ratio >= MIN_SEND_RATIO)
-    queue_ms = np.array([s.queue_ms for s in ok])
-    inference_ms = np.array([s.inference_ms for s in ok])
+    queue_ms = np.array([s.queue_ms for s in ok if s.queue_ms is not None])
+    inference_ms = np.array([s.inference_ms for s in ok if s.inference_ms is not None])
     return {
         "offered_rps": round(offered_rate_per_s, 3),
         "scheduled_rps": round(len(samples) / duration_s, 3) if duration_s else None,

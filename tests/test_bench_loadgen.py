@@ -4,7 +4,10 @@ request at a time and sleeps a fixed time: a server of known capacity."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
@@ -171,3 +174,42 @@ def test_summary_rates_cover_the_schedule_and_count_failures_in_latency():
     assert summary["errors"] == {"UNAVAILABLE": 1}
     assert summary["latency_ms"]["max"] == pytest.approx(1000)
     assert summary["server_inference_ms"]["p50"] == 2.0  # from successful replies only
+
+
+class EmbeddingsHandler(BaseHTTPRequestHandler):
+    """An OpenAI-style /embeddings endpoint (Infinity's API) that answers after ``delay_s``."""
+
+    delay_s = 0.0
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        time.sleep(self.delay_s)
+        payload = json.dumps({"data": [{"embedding": [1.0, 0.0]} for _ in body["input"]]}).encode()
+        self.send_response(200 if self.path == "/embeddings" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+async def test_http_sender_reports_ok_and_enforces_the_whole_deadline():
+    from tokq.profiling.bench_systems import HttpSender
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), EmbeddingsHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base_url = f"http://127.0.0.1:{server.server_address[1]}"
+    sender = HttpSender(base_url, "m", timeout_s=0.3)
+    try:
+        ok = await sender(["a", "b"])
+        EmbeddingsHandler.delay_s = 1.0
+        late = await sender(["a"])
+    finally:
+        EmbeddingsHandler.delay_s = 0.0
+        await sender.close()
+        server.shutdown()
+        server.server_close()
+    assert ok.status == "OK" and ok.queue_ms is None  # Infinity reports no server timings
+    assert late.status == "DEADLINE_EXCEEDED"

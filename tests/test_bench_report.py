@@ -116,12 +116,14 @@ def test_bench_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
     assert names == ["tokq look-ahead b64", "one-at-a-time (sentence-transformers)"]
     for s in report["systems"]:
         only = s["steps"][0]
-        assert only["num_ok"] == only["num_requests"] > 0, only["errors"]
-        assert s["sustainable_rps"] == 8
+        assert only["offered_rps"] == 8 and only["num_ok"] == only["num_requests"] > 0, only["errors"]
+        # Sustainable unless this busy machine held the generator back (then it must say so).
+        assert s["sustainable_rps"] == (8 if only["generator_kept_up"] else 0)
     tokq = report["systems"][0]
     batches = tokq["steps"][0]["batches"]  # read from the worker's metrics and Redis
     assert batches["num_batches"] >= 1 and 0 < batches["fill_ratio"] <= 4
     assert tokq["steps"][0]["server_inference_ms"]["p50"] > 0
-    assert tokq["half_load"]["offered_rps"] == 4
+    if tokq["sustainable_rps"]:
+        assert tokq["half_load"]["offered_rps"] == 4
     assert report["meta"]["forward_ms_by_budget"]["64"] > 0
     assert "## Service benchmark" in md.read_text()
