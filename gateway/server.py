@@ -63,6 +63,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
 
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),
+        # gRPC core starts cancelling calls at random once 1,000 wait to be picked up by the
+        # application (3,000 hard): a burst of short queries must queue in Redis, not die here.
+        ("grpc.server.max_pending_requests", config.max_pending_rpcs),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * config.max_pending_rpcs),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])

@@ -140,6 +140,30 @@ def test_200_concurrent_calls_all_answered_correctly(stack, client, reference, b
     assert no_request_keys_left(stack) == []
 
 
+def test_thousands_of_concurrent_calls_use_a_bounded_number_of_redis_connections(stack, bundled_model_dir):
+    import asyncio
+
+    from tokq import AsyncClient
+
+    texts = make_texts(50, seed=17, bundled_model_dir=bundled_model_dir)
+    r = stack.client()
+    peak = 0
+
+    async def run():
+        nonlocal peak
+        async with AsyncClient(stack.target) as client:
+            calls = [asyncio.create_task(client.embed([texts[i % 50]], timeout=120)) for i in range(2000)]
+            while not all(c.done() for c in calls):
+                peak = max(peak, r.info("clients")["connected_clients"])
+                await asyncio.sleep(0.05)
+            return [c.result() for c in calls]
+
+    out = asyncio.run(run())
+    assert len(out) == 2000 and all(v.shape == (1, 384) for v in out)
+    # gateway pool (32) + its subscription + 8 per worker (2 running) + this test's client
+    assert peak <= 32 + 1 + 8 * len(stack.workers) + 1, peak
+
+
 @pytest.mark.parametrize("call, code, needle", [
     (dict(texts=[]), "INVALID_ARGUMENT", "empty"),
     (dict(texts=["ok", ""]), "INVALID_ARGUMENT", "input 1"),

@@ -58,6 +58,7 @@ class GatewayConfig:
     max_inputs: int = 512  # inputs per request
     default_timeout_ms: int = 30_000  # when the client sets no deadline
     redis_max_connections: int = 32
+    max_pending_rpcs: int = 20_000  # calls accepted but not yet picked up, before gRPC rejects
     metrics_port: int = 0
 
 
