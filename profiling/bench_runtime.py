@@ -9,6 +9,7 @@ Prints tokens/s (real tokens, no padding counted; median over rounds) of:
   * (b) sentence-transformers batches of 32 in arrival order (padded);
   * each CPU attention backend at a 1,024-token budget;
   * the runtime with F.linear (MKL) instead of oneDNN, at a 1,024-token budget;
+  * one layer's attention alone per CPU backend;
 as ratios to (a) and (b), and as fractions of the fp32 matmul peak measured in the same run,
 timed again just before every measurement, two ways: a large ``torch.mm`` (MKL, which takes
 its AVX2 path on AMD CPUs) and the same product through oneDNN (AVX-512, what the runtime
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
+from tokq.workers import attention
 from tokq.workers.engine import Engine
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
 
@@ -87,6 +89,24 @@ def timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: str,
+                           repeats: int = 5) -> float:
+    """Median ms one layer's attention takes per batch with ``backend`` (random q, k, v of the
+    model's shape; layouts built once, as the engine does per batch)."""
+    model = engine.model
+    gen = torch.Generator().manual_seed(0)
+    layouts = [attention.build_layout(b, engine.device, backend, causal=model.causal) for b in batches]
+    qkvs = [torch.randn(b.num_tokens, 3, model.num_heads, model.head_dim, generator=gen) for b in batches]
+    attend, scale = attention.attend_fn(backend), model.head_dim ** -0.5
+
+    def run() -> None:
+        for layout, qkv in zip(layouts, qkvs):
+            attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], layout, model.causal, scale)
+
+    run()
+    return 1e3 * statistics.median(timed(run) for _ in range(repeats)) / len(batches)
 
 
 def main() -> None:
@@ -147,6 +167,10 @@ def main() -> None:
             rates[name].append(num_tokens / timed(fn))
         print(f"round {round_index + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}")
     report(rates, peaks, flops, num_tokens, engine.flops_per_token())
+    attn_ms = {backend: attention_ms_per_layer(engine, backend_batches, backend)
+               for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop")}
+    print("\nattention alone, ms per layer per 1,024-token batch: "
+          + ", ".join(f"{backend} {ms:.2f}" for backend, ms in attn_ms.items()))
 
 
 def report(rates: dict[str, list[float]], peaks: dict[str, list[tuple[float, float]]],
