@@ -162,7 +162,8 @@ def test_directory_without_safetensors_says_so(tmp_path, bundled_model_dir):
 def test_cuda_bf16_defaults_match_cpu_fp32(engine, st_model):
     gpu = Engine.load()
     assert gpu.device.type == "cuda" and gpu.dtype == torch.bfloat16
-    assert gpu.attn_backend in ("flash_attn", "torch_varlen")
+    if torch.cuda.get_device_capability() >= (8, 0):  # flash kernels need sm80+
+        assert gpu.attn_backend in ("flash_attn", "torch_varlen")
     ids = _ids(st_model, TEXTS + [LONG_TEXT])
     gpu.warmup(2048)
     assert _cosine(gpu.embed(PackedBatch.pack(ids)), engine.embed(PackedBatch.pack(ids))).min() > 0.99
