@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
+from tokq.metrics import forward_flops
 from tokq.model_info import ModelInfo
 from tokq.workers import attention, pooling
 from tokq.workers.device import resolve_device, resolve_dtype, synchronize
@@ -73,11 +74,9 @@ class Engine:
         return float(2 * self.model.num_linear_params + attn)
 
     def batch_flops(self, batch: PackedBatch) -> float:
-        """FLOPs of one forward over ``batch``, the attention term counted per sequence."""
-        lens = batch.seqlens.astype(np.float64)
-        keys = (lens * (lens + 1) / 2) if self.model.causal else lens * lens
-        attn = 4 * len(self.model.layers) * self.model.q_dim * float(keys.sum())
-        return 2.0 * self.model.num_linear_params * float(lens.sum()) + attn
+        """FLOPs of one forward over ``batch``, the attention term counted per sequence (the
+        same count the worker's MFU metric uses)."""
+        return float(forward_flops(self.info.config, batch.seqlens))
 
     def warmup(self, num_tokens: int) -> None:
         """Run one full-budget batch (max-length sequences, then the remainder) so allocator
