@@ -136,6 +136,14 @@ def _steps_table(report: dict) -> list[str]:
     return rows
 
 
+def _other_cpu(meta: dict) -> str:
+    other = meta.get("other_processes_cpu")
+    if not other:
+        return "CPU used by other processes during the run: not measured"
+    return (f"processes outside this benchmark used {other['cpu_s']:.0f} CPU-seconds during the run "
+            f"({other['share_of_machine']:.0%} of the machine's CPU time)")
+
+
 def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> str:
     meta = report["meta"]
     slo_ms = meta["options"]["slo_ms"]
@@ -150,7 +158,7 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
         f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} "
         "(1/5/15-minute load averages, this run's own processes included). Everything (load generator, gateway, worker, Redis, "
         "baselines) ran on this one machine.  ",
-        f"Machine state: {meta.get('note') or 'not stated'}  ",
+        f"Machine state: {meta.get('note') or 'not stated'}; {_other_cpu(meta)}  ",
         f"Versions: {versions}  ",
         f"Workload: {meta.get('workload_source', '?')}: {w['num_queries']} queries, tokens p50 "
         f"{w['p50_tokens']:.0f} / p90 {w['p90_tokens']:.0f} / p99 {w['p99_tokens']:.0f} / max {w['max_tokens']} "

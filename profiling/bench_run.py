@@ -86,6 +86,23 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
         await sender.close()
 
 
+def cpu_busy_s() -> float | None:
+    """CPU-seconds every process on the machine has used since boot (/proc/stat), or None."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU-seconds of this process and of every child it has waited for (each system's
+    processes are waited for when it stops, and theirs by them), so of the whole run."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def machine() -> dict:
     import grpc
     import sentence_transformers
@@ -118,6 +135,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
                        "machine": machine(), "options": asdict(options), "workload": describe(list(queries))},
               "systems": []}
     log_dir = Path(tempfile.mkdtemp(prefix="tokq-bench-logs-"))
+    busy_start_s, own_start_s = cpu_busy_s(), own_cpu_s()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     progress = Progress(*columns, console=console, refresh_per_second=4, disable=console is None or console.quiet)
     with progress:
@@ -134,6 +152,12 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
                 await asyncio.to_thread(system.close)
             report["systems"].append({**spec.describe(), **result, "log": str(log_path)})
             progress.advance(overall)
+    duration_s = (datetime.now(timezone.utc) - started).total_seconds()
+    if busy_start_s is not None:
+        # What other processes (other people's tests, builds) took from the machine meanwhile.
+        other_s = max(0.0, cpu_busy_s() - busy_start_s - (own_cpu_s() - own_start_s))
+        report["meta"]["other_processes_cpu"] = {
+            "cpu_s": round(other_s, 1), "share_of_machine": round(other_s / (duration_s * (os.cpu_count() or 1)), 3)}
     report["meta"]["loadavg_at_end"] = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     report["meta"]["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     report["meta"]["duration_s"] = round((datetime.now(timezone.utc) - started).total_seconds(), 1)

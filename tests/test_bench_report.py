@@ -45,7 +45,8 @@ def report():
                  "options": {**BenchOptions(slo_ms=slo_ms).__dict__},
                  "workload": workload.describe(workload.generate(100)), "workload_source": "generated",
                  "forward_ms_by_budget": {"1024": 100.0}, "note": "machine otherwise idle",
-                 "infinity": "not installed (test)"},
+                 "infinity": "not installed (test)",
+                 "other_processes_cpu": {"cpu_s": 12.0, "share_of_machine": 0.05}},
         "systems": [
             system("tokq look-ahead b1024", "tokq", tokq_steps, slo_ms, token_budget=1024, half_load=half),
             system("one-at-a-time (sentence-transformers)", "one-at-a-time",
@@ -75,6 +76,7 @@ def test_section_states_ratios_and_targets(report):
     assert "| tokq look-ahead b1024 (sustainable) | 200 | 40 | 12.5 | 150 | 0.15 | 30.0 |" in md
     assert "DEADLINE_EXCEEDED 30" in md  # errors by status in the step table
     assert "Infinity (`infinity-emb`): not installed (test)" in md
+    assert "outside this benchmark used 12 CPU-seconds during the run (5% of the machine's CPU time)" in md
 
 
 def test_targets_not_met_are_said_so(report):
@@ -127,3 +129,17 @@ def test_bench_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
         assert tokq["half_load"]["offered_rps"] == 4
     assert report["meta"]["forward_ms_by_budget"]["64"] > 0
     assert "## Service benchmark" in md.read_text()
+
+
+def test_cpu_accounting_sees_a_waited_child_as_the_runs_own():
+    import subprocess
+    import sys
+
+    from tokq.profiling.bench_run import cpu_busy_s, own_cpu_s
+
+    busy_before, own_before = cpu_busy_s(), own_cpu_s()
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    own = own_cpu_s() - own_before
+    assert own >= 0.5  # the child's CPU time counts as this run's
+    assert cpu_busy_s() - busy_before >= 0.45  # and the machine saw it (clock ticks: 10 ms)
