@@ -2,9 +2,11 @@
 
 Workers (through ack.lua) PUBLISH a request's id on its gateway's channel once every input of it
 is answered. One subscription per gateway process serves all waiting calls, so thousands of
-concurrent requests hold no Redis connection each. A notice can be missed (a reconnect), so calls
-waiting longer than ``poll_after_s`` are also checked directly; if the subscription breaks,
-waiting calls fail UNAVAILABLE at once rather than hang until their deadlines.
+concurrent requests hold no Redis connection each. A notice can be missed (a reconnect), so
+every ``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
+complete replies wake their call, and a reply hash that has vanished (Redis restarted and lost
+it) fails the call UNAVAILABLE at once instead of leaving it to its deadline. If the
+subscription itself breaks, every waiting call fails UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -22,17 +24,28 @@ from tokq.keys import QueueKeys
 
 log = logging.getLogger(__name__)
 _NET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+MAX_POLLED = 1000  # calls checked per poll round (oldest first)
+
+
+class _Waiter:
+    __slots__ = ("future", "num_items", "enqueued_at")
+
+    def __init__(self, future: asyncio.Future, num_items: int) -> None:
+        self.future = future
+        self.num_items = num_items
+        self.enqueued_at: float | None = None  # polled only once its enqueue has returned
 
 
 class ReplyRouter:
     def __init__(self, pubsub_client: aioredis.Redis, client: aioredis.Redis, keys: QueueKeys,
-                 channel: str, poll_after_s: float = 1.0) -> None:
+                 channel: str, poll_after_s: float = 1.0, poll_every_s: float = 0.25) -> None:
         self._pubsub_client = pubsub_client
         self._client = client
         self._keys = keys
         self.channel = channel
         self._poll_after_s = poll_after_s
-        self._waiting: dict[str, tuple[asyncio.Future, int, float]] = {}
+        self._poll_every_s = poll_every_s
+        self._waiting: dict[str, _Waiter] = {}
         self._task: asyncio.Task | None = None
         self.subscribed = asyncio.Event()
 
@@ -48,8 +61,13 @@ class ReplyRouter:
     def expect(self, request_id: str, num_items: int) -> asyncio.Future:
         """Register before enqueueing, so a fast reply cannot be missed."""
         fut = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = (fut, num_items, time.monotonic())
+        self._waiting[request_id] = _Waiter(fut, num_items)
         return fut
+
+    def enqueued(self, request_id: str) -> None:
+        waiter = self._waiting.get(request_id)
+        if waiter is not None:
+            waiter.enqueued_at = time.monotonic()
 
     def forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
@@ -58,51 +76,70 @@ class ReplyRouter:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def _wake(self, request_id: str) -> None:
-        entry = self._waiting.get(request_id)
-        if entry and not entry[0].done():
-            entry[0].set_result(None)
+    def _settle(self, request_id: str, exc: Exception | None = None) -> None:
+        waiter = self._waiting.get(request_id)
+        if waiter and not waiter.future.done():
+            if exc is None:
+                waiter.future.set_result(None)
+            else:
+                waiter.future.set_exception(exc)
 
     def _fail_all(self, exc: Exception) -> None:
-        for fut, _, _ in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(exc)
+        for request_id in list(self._waiting):
+            self._settle(request_id, exc)
 
     async def _run(self) -> None:
         while True:
             pubsub = self._pubsub_client.pubsub()
             try:
                 await pubsub.subscribe(self.channel)
+                await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
                 self.subscribed.set()
-                # A notice published while we were disconnected is lost: check everyone now.
+                # A notice published while we were not subscribed is lost: check everyone now.
                 await self._poll(min_age_s=0.0)
+                next_poll = time.monotonic() + self._poll_every_s
                 while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25)
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                   timeout=self._poll_every_s)
                     if msg is not None and msg["type"] == "message":
-                        self._wake(msg["data"].decode())
-                        continue
-                    await self._poll(min_age_s=self._poll_after_s)
+                        self._settle(msg["data"].decode())
+                    if time.monotonic() >= next_poll:  # even while notices keep coming
+                        await self._poll(min_age_s=self._poll_after_s)
+                        next_poll = time.monotonic() + self._poll_every_s
             except asyncio.CancelledError:
                 raise
             except _NET_ERRORS as exc:
                 self.subscribed.clear()
                 self._fail_all(Unavailable(f"lost the connection to Redis while waiting: {exc}"))
                 await asyncio.sleep(0.2)
+            except Exception:  # e.g. -BUSY or -READONLY: resubscribe, never die silently
+                self.subscribed.clear()
+                log.exception("reply subscription failed; resubscribing")
+                await asyncio.sleep(0.2)
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
 
     async def _poll(self, min_age_s: float) -> None:
-        """Wake calls whose reply hash is complete (fields n, ch + one per item)."""
+        """Settle enqueued calls whose reply hash is complete (fields n, ch + one per item) or
+        gone. A failed poll is skipped, not fatal: the next round tries again."""
         now = time.monotonic()
-        due = [(rid, n) for rid, (fut, n, t0) in list(self._waiting.items())
-               if not fut.done() and now - t0 >= min_age_s][:1000]
+        due = [(rid, w.num_items) for rid, w in list(self._waiting.items())
+               if w.enqueued_at is not None and not w.future.done()
+               and now - w.enqueued_at >= min_age_s][:MAX_POLLED]
         if not due:
             return
-        async with self._client.pipeline(transaction=False) as pipe:
-            for rid, _ in due:
-                pipe.hlen(self._keys.reply(rid))
-            lengths = await pipe.execute()
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for rid, _ in due:
+                    pipe.hlen(self._keys.reply(rid))
+                lengths = await pipe.execute()
+        except Exception as exc:
+            log.warning("reply poll failed: %s", exc)
+            return
         for (rid, n), length in zip(due, lengths):
             if length >= n + 2:
-                self._wake(rid)
+                self._settle(rid)
+            elif length == 0:
+                self._settle(rid, Unavailable(
+                    "the request's state vanished from Redis (restarted or flushed); retry it"))

@@ -15,7 +15,7 @@ from tokq import __version__
 from tokq.config import GatewayConfig
 from tokq.entry import decode_result, encode_body
 from tokq.model_info import ModelInfo
-from tokq.queue import Queue
+from tokq.queue import Queue, QueueFull
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -111,7 +111,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         dims = self._dimensions(request)
         prompt = self._prompt(request)
         normalize = request.normalize if request.HasField("normalize") else True
-        timeout_ms = self._timeout_ms(context)
+        self._timeout_ms(context)  # a call already past its deadline is not tokenized
 
         ids = await self.tokenizer.encode(texts, prompt=prompt, truncate=request.truncate)
         tokenize_ms = (time.perf_counter() - t_start) * 1000
@@ -121,7 +121,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             self._observer.embed_tokenized(tokenize_ms, num_tokens)
 
         request_id = f"{self.gateway_id}-{next(self._ids)}"
-        raw = await self._submit_and_wait(request_id, items, timeout_ms)
+        raw = await self._submit_and_wait(request_id, items, context)
 
         results = [decode_result(raw[i]) for i in range(len(items))]
         failed = next((r for r in results if not r.ok), None)
@@ -140,31 +140,37 @@ class EmbedderService(pb_grpc.EmbedderServicer):
                              inference_ms=inference_ms, total_ms=total_ms),
         )
 
-    async def _submit_and_wait(self, request_id: str, items, timeout_ms: int) -> dict[int, bytes]:
+    async def _submit_and_wait(self, request_id: str, items, context) -> dict[int, bytes]:
         done = self.router.expect(request_id, len(items))
-        enqueued = None
+        collected = False
         try:
-            enqueued = await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
-                                                channel=self.router.channel)
+            timeout_ms = self._timeout_ms(context)  # what is left after tokenizing
+            await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
+                                     channel=self.router.channel)
+            self.router.enqueued(request_id)
             try:
                 await asyncio.wait_for(done, timeout=timeout_ms / 1000)
             except TimeoutError:
                 raise DeadlineExceeded(f"no answer within the deadline ({timeout_ms} ms); "
                                        "the service is overloaded or no worker is running") from None
             raw = await self.queue.collect(request_id)
+            collected = True
             if len(raw) < len(items):
                 raise ServiceError(f"reply incomplete: {len(raw)} of {len(items)} inputs answered")
-            enqueued = None  # collected: nothing left to clean up
             return raw
+        except QueueFull:
+            collected = True  # nothing of it was enqueued
+            raise
         finally:
             self.router.forget(request_id)
-            if enqueued is not None:
-                # Cancelled, timed out or failed: leave nothing of this request in Redis.
-                await asyncio.shield(self._cancel_quietly(enqueued))
+            if not collected:
+                # Cancelled, timed out or failed, possibly while the enqueue was in flight:
+                # withdraw it (O(1)) so no worker spends time on it and nothing stays behind.
+                await asyncio.shield(self._cancel_quietly(request_id))
 
-    async def _cancel_quietly(self, enqueued) -> None:
+    async def _cancel_quietly(self, request_id: str) -> None:
         try:
-            await self.queue.cancel(enqueued)
+            await self.queue.cancel(request_id)
         except Exception:  # Redis gone: the reply key expires by its TTL anyway
             pass
 

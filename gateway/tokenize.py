@@ -4,6 +4,8 @@ model's fast (Rust) tokenizer in a small thread pool, so the gRPC loop never blo
 from __future__ import annotations
 
 import asyncio
+import copy
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoTokenizer
@@ -17,12 +19,21 @@ class Tokenizer:
         self.info = info
         self._tok = AutoTokenizer.from_pretrained(str(info.path))
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenize")
+        # One tokenizer per thread: a fast tokenizer's truncation setting is state on the
+        # shared Rust object, so concurrent calls with and without truncate corrupt each other.
+        self._local = threading.local()
+
+    def _tokenizer(self):
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            tok = self._local.tok = copy.deepcopy(self._tok)
+        return tok
 
     def encode_sync(self, texts: list[str], *, prompt: str = "", truncate: bool = False) -> list[list[int]]:
         max_len = self.info.max_length
         if prompt:
             texts = [prompt + t for t in texts]
-        enc = self._tok(texts, add_special_tokens=True, truncation=truncate,
+        enc = self._tokenizer()(texts, add_special_tokens=True, truncation=truncate,
                         max_length=max_len if truncate else None,
                         return_attention_mask=False, return_token_type_ids=False)
         ids = enc["input_ids"]

@@ -12,6 +12,7 @@
 -- ARGV[5] max_skip_age_ms: an entry this old is never passed over
 -- ARGV[6] max_drop: stop after dropping this many expired/orphaned entries
 -- ARGV[7] reply key prefix, ARGV[8] lease key prefix (same hash tag)
+-- ARGV[9] batch id prefix: unique per client, so ids never repeat across a Redis restart
 -- The rule is tokq/claim_rule.py, entry for entry. Returns
 --   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}}
 --#include lib/common.lua
@@ -47,16 +48,25 @@ while not stopped do
   local window = redis.call('LRANGE', pending, num_scanned, num_scanned + window_size - 1)
   for i = 1, #window do
     local raw = window[i]
-    local tokens, ts_ms, request_id, index, deadline_ms = parse_entry(raw)
+    local tokens, ts_ms, request_id, index, deadline_ms, attempt = parse_entry(raw)
     if deadline_ms <= now then
       expired[#expired + 1] = {request_id, index}
       dropped_tokens = dropped_tokens + tokens
     elseif not is_live(request_id) then
       num_orphaned = num_orphaned + 1
       dropped_tokens = dropped_tokens + tokens
+    elseif attempt ~= '0' and #taken > 0 then
+      stopped = true -- a redo after a crashed worker goes alone (below): it ends this batch
+      break
     elseif #taken == 0 or taken_tokens + tokens <= budget then
       taken[#taken + 1] = raw
       taken_tokens = taken_tokens + tokens
+      if attempt ~= '0' then
+        -- Alone, so a poison item cannot use up its neighbours' attempts with its own.
+        num_scanned = num_scanned + 1
+        stopped = true
+        break
+      end
     elseif #skipped >= lookahead or now - tonumber(ts_ms) >= max_skip_age_ms then
       stopped = true -- lookahead 0: nothing is ever passed over (strict FIFO)
       break
@@ -89,7 +99,7 @@ add_to_counter(counters, 'orphaned', num_orphaned)
 if #taken == 0 then
   return {'', now, #expired, num_orphaned, {}}
 end
-local batch_id = tostring(redis.call('INCR', KEYS[5]))
+local batch_id = ARGV[9] .. '-' .. redis.call('INCR', KEYS[5])
 push_values('RPUSH', ARGV[8] .. batch_id, taken)
 redis.call('ZADD', leases, now + tonumber(ARGV[3]), batch_id)
 add_to_count(KEYS[4], #taken)

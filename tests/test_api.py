@@ -70,3 +70,13 @@ def test_cli_lists_every_subcommand():
     out = CliRunner().invoke(main, ["--help"]).output
     for name in COMMANDS:
         assert name in out
+
+
+def test_redis_commands_are_retried_on_connection_errors_only():
+    # After a timeout a script may already have run; enqueue, claim and collect must not run
+    # twice. A refused or reset connection (a restarted Redis) is safe to retry.
+    from tokq.connection import connect
+
+    retry = connect("redis://127.0.0.1:1/0").connection_pool.connection_kwargs["retry"]
+    assert retry._supported_errors == (redis.exceptions.ConnectionError,)
+    assert not issubclass(redis.exceptions.TimeoutError, redis.exceptions.ConnectionError)

@@ -148,16 +148,23 @@ async def test_claim_clears_a_run_of_dead_entries_longer_than_one_step(redis_url
 
 async def test_cancel_withdraws_queued_and_inflight_items(redis_url):
     async with open_queue(redis_url) as q:
-        a = await q.enqueue("a", items(10, 10), timeout_ms=5_000, channel=CHANNEL)
+        await q.enqueue("a", items(10, 10), timeout_ms=5_000, channel=CHANNEL)
         b = await q.enqueue("b", items(7), timeout_ms=5_000, channel=CHANNEL)
         claim = await q.claim(10)  # a's first item is now in flight
-        await q.cancel(a)
-        assert await q.redis.lrange(q.keys.pending, 0, -1) == list(b.entries)
-        assert (await q.stats()).queued_tokens == 7
+        assert await q.cancel("a") is True
+        assert await q.cancel("a") is False  # already gone
+        # a's queued item leaves at the next claim, its tokens off the count; it never runs.
+        nxt = await q.claim(100)
+        assert [e.request_id for e in nxt.entries] == ["b"]
+        assert await q.redis.lrange(q.keys.pending, 0, -1) == []
+        stats = await q.stats()
+        assert (stats.queued_tokens, stats.counters["orphaned"], stats.counters["cancelled"]) == (0, 1, 1)
         # The late ack of a cancelled item must not resurrect its reply.
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         assert not await q.redis.exists(q.keys.reply("a"))
         assert await q.collect("a") == {}
+        await q.ack(nxt.batch_id, [(e, ok_result(e)) for e in nxt.entries])
+        assert sorted(await q.collect(b.request_id)) == [0]
 
 
 async def test_stats_in_one_call(redis_url):

@@ -222,6 +222,28 @@ def test_deadline_exceeded_and_overload_leave_nothing_behind(stack, client):
     assert client.embed(["served again"], timeout=30).shape == (1, 384)
 
 
+def test_a_request_whose_state_vanishes_fails_unavailable_not_at_its_deadline(stack, client):
+    for w in list(stack.workers):
+        stack.signal_worker(w, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(client.embed, ["lost in a Redis restart"], timeout=60)
+            r = stack.client()
+            for _ in range(400):  # the request is queued within 20 s
+                if list(r.scan_iter(match=f"{KEYS.base}:reply:*")):
+                    break
+                time.sleep(0.05)
+            for key in r.scan_iter(match=f"{KEYS.base}:reply:*"):  # what a flush would do
+                r.delete(key)
+            with pytest.raises(TokqError) as err:
+                call.result(timeout=20)  # the poll notices within a few seconds, not at 60 s
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and "vanished" in err.value.message
+    finally:
+        for w in list(stack.workers):
+            stack.signal_worker(w, signal.SIGCONT)
+    assert no_request_keys_left(stack) == []
+
+
 def _load(client, texts, reference_vectors, stop: threading.Event, errors: list, done: list) -> None:
     i = 0
     while not stop.is_set():

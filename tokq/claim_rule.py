@@ -39,7 +39,8 @@ def plan_claim(pending: Sequence[Entry], *, now_ms: int, budget: int, lookahead:
     FIFO up to ``budget`` tokens; the first live item is always taken, even alone over the
     budget. An item that does not fit may be passed over (at most ``lookahead`` of them) so
     that smaller ones behind it fill the batch, unless it has waited ``max_skip_age_ms``:
-    then the batch ends and it goes first next time, so nothing starves.
+    then the batch ends and it goes first next time, so nothing starves. An item being redone
+    after a crashed worker's lease expired (attempt > 0) is claimed alone.
     """
     taken: list[Entry] = []
     expired: list[Entry] = []
@@ -52,9 +53,15 @@ def plan_claim(pending: Sequence[Entry], *, now_ms: int, budget: int, lookahead:
             expired.append(entry)
         elif not is_live(entry.request_id):
             orphaned.append(entry)
+        elif entry.attempt > 0 and taken:
+            break  # a redo after a crashed worker goes alone (below): it ends this batch
         elif not taken or taken_tokens + entry.tokens <= budget:
             taken.append(entry)
             taken_tokens += entry.tokens
+            if entry.attempt > 0:
+                # Alone, so a poison item cannot use up its neighbours' attempts with its own.
+                num_scanned += 1
+                break
         elif len(skipped) >= lookahead or now_ms - entry.ts_ms >= max_skip_age_ms:
             break  # lookahead 0: nothing is ever passed over (strict FIFO)
         else:

@@ -5,6 +5,7 @@ instead of hanging a caller."""
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+import redis.exceptions
 from redis.backoff import ExponentialBackoff
 from redis.asyncio.retry import Retry
 
@@ -14,7 +15,11 @@ SOCKET_TIMEOUT_S = 5.0
 
 def _retry() -> Retry:
     # redis-py's default retry backs off for seconds; a refused connection must surface fast.
-    return Retry(ExponentialBackoff(cap=0.1, base=0.02), retries=2)
+    # Only connection errors are retried (a stale pooled connection after a Redis restart):
+    # after a timeout the command may already have run, and the queue's scripts (enqueue,
+    # claim, collect) must not run twice.
+    return Retry(ExponentialBackoff(cap=0.1, base=0.02), retries=2,
+                 supported_errors=(redis.exceptions.ConnectionError,))
 
 
 def connect(url: str, *, max_connections: int = 32, pool_timeout_s: float = 5.0) -> aioredis.Redis:

@@ -8,6 +8,7 @@ Times come from the Redis clock inside the scripts; ``clock`` overrides it for t
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -78,6 +79,9 @@ class Queue:
         self.config = config
         self.scripts = Scripts(redis)
         self._clock = clock
+        # Batch ids are <this prefix>-<INCR>: unique even after a Redis restart resets the
+        # counter, so a late ack can never release another worker's new batch.
+        self._batch_prefix = secrets.token_hex(4)
 
     def _now_arg(self) -> int:
         return self._clock() if self._clock else 0  # 0 = the script reads Redis TIME
@@ -110,11 +114,11 @@ class Queue:
                         for index, (tokens, body) in enumerate(items))
         return Enqueued(request_id, ts_ms, deadline_ms, entries)
 
-    async def cancel(self, enqueued: Enqueued) -> None:
-        """Withdraw a request: its reply key and its still-queued entries go."""
+    async def cancel(self, request_id: str) -> bool:
+        """Withdraw a request: its reply key goes now, its queued entries at the next claim
+        that reaches them (O(1) here). False if it was already collected or gone."""
         k = self.keys
-        await self.scripts.run("cancel", [k.pending, k.tokens, k.reply(enqueued.request_id)],
-                               list(enqueued.entries))
+        return bool(await self.scripts.run("cancel", [k.reply(request_id), k.counters], []))
 
     async def collect(self, request_id: str) -> dict[int, bytes]:
         """Take a request's results (index -> raw result) and delete its reply key."""
@@ -142,7 +146,7 @@ class Queue:
         k, cfg = self.keys, self.config
         args = [self._now_arg(), budget, cfg.lease_ms,
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
-                max_drop, k.reply_prefix, k.lease_prefix]
+                max_drop, k.reply_prefix, k.lease_prefix, self._batch_prefix]
         batch_id, now_ms, expired, orphaned, raw = await self.scripts.run(
             "claim", [k.pending, k.tokens, k.leases, k.inflight, k.batch_seq, k.counters], args)
         claim = None

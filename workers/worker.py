@@ -30,7 +30,8 @@ DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # used until `tokq profile --apply
 IDLE_POLL_S = 0.002
 REDIS_RETRY_S = 0.2
 ACK_ATTEMPTS = 10
-_REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Any Redis failure, -READONLY after a failover or -OOM included: wait and retry, never exit.
+_REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 BUDGET_REFRESH_S = 1.0
 
 
@@ -194,7 +195,10 @@ class Worker:
     async def _renew_leases(self) -> None:
         async def renew():
             for batch_id in list(self._held):
-                await self.queue.renew(batch_id)
+                if not await self.queue.renew(batch_id) and batch_id in self._held:
+                    # Requeued already (we stalled past the lease): another worker may redo it;
+                    # our ack still counts once, the first answer wins.
+                    log.warning("lease of batch %s expired before it finished", batch_id)
         await self._every(self.queue_config.lease_ms / 3000, renew)
 
     async def _requeue_expired(self) -> None:
@@ -210,7 +214,10 @@ class Worker:
                       "batches": self.num_batches, "ts": time.time()}
             async with self.queue.redis.pipeline(transaction=False) as pipe:
                 pipe.set(keys.heartbeat(self.worker_id), json.dumps(status), px=3 * period_ms)
-                pipe.zadd(keys.workers, {self.worker_id: int(time.time() * 1000)})
+                now_ms = int(time.time() * 1000)
+                pipe.zadd(keys.workers, {self.worker_id: now_ms})
+                # Forget workers silent for 10 heartbeats (crashed ones never remove themselves).
+                pipe.zremrangebyscore(keys.workers, "-inf", now_ms - 10 * period_ms)
                 await pipe.execute()
             if self.observer:
                 self.observer.heartbeat()
