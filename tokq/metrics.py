@@ -17,7 +17,7 @@ Queue (``observe_queue_stats``; exported by whichever process calls it, so dashb
   tokq_queue_queued_entries / tokq_queue_queued_tokens       gauge   waiting to be claimed
   tokq_queue_oldest_age_seconds                              gauge   age of the head entry
   tokq_queue_inflight_items / tokq_queue_inflight_batches    gauge   claimed, not yet acked
-  tokq_queue_{enqueued,rejected,claimed,expired,orphaned,requeued,failed,acked}_total   counter
+  tokq_queue_{enqueued,rejected,cancelled,claimed,expired,orphaned,requeued,failed,acked}_total   counter
       The totals live in a Redis hash shared by every process, so a Counter's inc() cannot
       express them; a custom collector reports the last value read as a true counter (TYPE
       counter), which keeps rate() and increase() correct and treats a Redis restart as a reset.
@@ -71,12 +71,13 @@ FILL_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1
 # gRPC codes that count as the service failing (not the caller's mistake): alerts use this set.
 ERROR_CODES = ("UNKNOWN", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE",
                "DATA_LOSS")
-QUEUE_COUNTERS = ("enqueued", "rejected", "claimed", "expired", "orphaned", "requeued", "failed",
-                  "acked")
+QUEUE_COUNTERS = ("enqueued", "rejected", "cancelled", "claimed", "expired", "orphaned", "requeued",
+                  "failed", "acked")
 _QUEUE_COUNTER_HELP = {
     "enqueued": "Items accepted into the queue",
     "rejected": "Items refused because the queue was at its token cap",
     "claimed": "Items handed to a worker in a batch",
+    "cancelled": "Requests withdrawn by the gateway (the caller cancelled or timed out)",
     "expired": "Items dropped because their deadline passed before they ran",
     "orphaned": "Queued items dropped because their request was cancelled or timed out",
     "requeued": "Items put back after a worker's lease ran out",
