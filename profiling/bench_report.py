@@ -30,7 +30,8 @@ def sustainable_at(steps: list[dict], slo_ms: float) -> float:
     """Highest offered rate that meets ``slo_ms`` with every lower measured rate meeting it too
     (a lucky step above a failed one does not count)."""
     best = 0.0
-    for step in sorted(steps, key=lambda s: s["offered_rps"]):
+    # Runs where the generator fell behind measured nothing about the server: left out.
+    for step in sorted((s for s in steps if s["generator_kept_up"]), key=lambda s: s["offered_rps"]):
         if not passes(step, slo_ms):
             break
         best = step["offered_rps"]
@@ -60,7 +61,8 @@ def _headline_table(report: dict, slo_ms: float) -> list[str]:
     for s in report["systems"]:
         best = s.get("sustainable") or {}
         lat = best.get("latency_ms", {})
-        rows.append(f"| {s['name']} | {_fmt(s['sustainable_rps'])} | {_fmt(best.get('throughput_rps'))} "
+        at_least = ">= " if s.get("generator_limited") else ""  # the generator, not the server, gave out
+        rows.append(f"| {s['name']} | {at_least}{_fmt(s['sustainable_rps'])} | {_fmt(best.get('throughput_rps'))} "
                     f"| {_fmt(best.get('tokens_per_s'))} | {_ratio(s['sustainable_rps'], ref_rps)} "
                     f"| {_fmt(lat.get('p50'))} | {_fmt(lat.get('p90'))} | {_fmt(lat.get('p99'))} | {s['limit']} |")
     return rows

@@ -213,3 +213,37 @@ async def test_http_sender_reports_ok_and_enforces_the_whole_deadline():
         server.server_close()
     assert ok.status == "OK" and ok.queue_ms is None  # Infinity reports no server timings
     assert late.status == "DEADLINE_EXCEEDED"
+
+
+def run_summary(rate: float, latency_ms: float, send_lag_ms: float = 0.0) -> dict:
+    """A 100-request run at ``rate`` whose sends were ``send_lag_ms`` late."""
+    samples = [loadgen.Sample(i / rate, i / rate + send_lag_ms / 1000, i / rate + latency_ms / 1000,
+                              "OK", 10, None, None) for i in range(100)]
+    return loadgen.summarize(samples, rate)
+
+
+async def test_step_search_runs_a_rate_again_when_the_generator_fell_behind():
+    calls: list[float] = []
+    behind_at = {40.0: 1}  # the first run at 40 req/s is held up by the generator, the retry is not
+
+    async def run_at(rate: float) -> dict:
+        calls.append(rate)
+        if behind_at.get(rate, 0) > 0:
+            behind_at[rate] -= 1
+            return run_summary(rate, 500, send_lag_ms=400)
+        return run_summary(rate, 50 if rate <= 80 else 900)
+
+    result = await loadgen.step_search(run_at, start_rate_per_s=20, slo_ms=250, factor=2, num_refinements=0)
+    assert calls == [20, 40, 40, 80, 160]
+    assert result["sustainable_rps"] == 80 and not result["generator_limited"]
+    assert "SLO" in result["limit"]
+
+
+async def test_step_search_says_when_only_the_generator_limits_it():
+    async def run_at(rate: float) -> dict:
+        return run_summary(rate, 50, send_lag_ms=400 if rate >= 40 else 0)
+
+    result = await loadgen.step_search(run_at, start_rate_per_s=20, slo_ms=250, factor=2)
+    assert [s["offered_rps"] for s in result["steps"]] == [20, 40, 40]  # no bisection against it
+    assert result["sustainable_rps"] == 20 and result["generator_limited"]
+    assert result["limit"].startswith("load generator fell behind")

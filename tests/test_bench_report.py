@@ -61,6 +61,9 @@ def test_sustainable_rate_ignores_a_lucky_step_above_a_failed_one():
     assert bench_report.sustainable_at(steps, 500) == 10
     assert bench_report.sustainable_at(steps, 1000) == 30
     assert bench_report.sustainable_at([step(10, 50, errors=5)], 500) == 0  # 5% errors
+    behind = step(20, 700)
+    behind["generator_kept_up"] = False  # measured the generator, not the server: skipped
+    assert bench_report.sustainable_at([step(10, 50), behind, step(20, 100)], 500) == 20
 
 
 def test_section_states_ratios_and_targets(report):
