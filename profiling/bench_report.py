@@ -171,7 +171,11 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
         f"near it). Torch threads: {o['torch_threads']} per baseline model process, and `tokq up`'s own "
         "choice for its worker (cores - 1), the same number.  ",
         f"Single-batch forward time (tokq engine, full budget packed from the workload): {forward or '–'}.",
-        "", f"### Sustainable throughput at p99 <= {slo_ms:g} ms", "", *_headline_table(report, slo_ms), "",
+        "", f"### Sustainable throughput at p99 <= {slo_ms:g} ms", "",
+        f"Rates come from the step grid (x{o['step_factor']:g}, one bisection), so systems whose limits "
+        "fall between the same two grid points show the same rate, and ratios are quantized by the grid. "
+        "`>=` marks a rate where the load generator, not the server, gave out.", "",
+        *_headline_table(report, slo_ms), "",
         "### Targets", "", *_targets(report, slo_ms), "",
         "### Highest rate meeting other p99 bounds (same steps)", "", *_bounds_table(report), "",
         "### Batches (read from tokq's worker metrics and queue counters; timings from responses)", "",
