@@ -37,9 +37,18 @@ proto: install
 dashboards: install
 	$(BIN)/python deploy/grafana/build.py
 
+# Infinity (a baseline of `tokq bench`) lives in its own venv: its extras would downgrade
+# packages tokq needs. Best effort: without it the benchmark says Infinity was left out.
+.venv-infinity/bin/infinity_emb:
+	$(PYTHON) -m venv .venv-infinity
+	.venv-infinity/bin/pip install -q "$(TORCH_SPEC)" 'infinity-emb[server,torch]==0.0.78'
+
+# Regenerates profiling/RESULTS.md's sections and plots (about 15 minutes on 2 cores).
 bench: install
+	-$(MAKE) .venv-infinity/bin/infinity_emb
 	$(BIN)/python -m tokq.profiling.bench_queue
 	$(BIN)/python -m tokq.profiling.bench_runtime
+	$(BIN)/tokq bench --all --out profiling/bench.json --plots profiling/ --results-md profiling/RESULTS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

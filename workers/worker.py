@@ -35,6 +35,16 @@ _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 BUDGET_REFRESH_S = 1.0
 
 
+# The next claim starts at PREFETCH_AT of the expected forward time, less PREFETCH_CLAIMS
+# expected claim round trips.
+PREFETCH_AT = 0.8
+PREFETCH_CLAIMS = 2.0
+
+
+def _ewma(avg: float, value: float, weight: float = 0.2) -> float:
+    return value if avg == 0.0 else (1 - weight) * avg + weight * value
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -60,6 +70,8 @@ class Worker:
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
         self.num_batches = 0
+        self._forward_s_avg = 0.0  # moving averages that time the prefetching claim
+        self._claim_s_avg = 0.0
 
     def stop(self) -> None:
         """Stop claiming; the batches in hand are finished and acknowledged."""
@@ -95,8 +107,12 @@ class Worker:
                 continue
             forward = asyncio.create_task(asyncio.to_thread(self.run_batch, claim))
             if not self._stop.is_set():
-                next_claim = asyncio.create_task(self._claim())  # overlaps the forward
+                # Overlap the next claim with the end of this forward: late enough that it
+                # takes what arrived meanwhile (fuller batches), early enough that the device
+                # does not wait on Redis.
+                next_claim = asyncio.create_task(self._claim(delay_s=self._prefetch_delay_s()))
             outcome = await forward
+            self._forward_s_avg = _ewma(self._forward_s_avg, outcome.forward_s)
             await self._ack(claim, outcome)
             self._held.discard(claim.batch_id)
             self.num_batches += 1
@@ -119,7 +135,15 @@ class Worker:
         # Give up: the lease expires and another worker redoes the batch (acks are idempotent).
         log.error("batch %s not acknowledged; it will be redone after its lease", claim.batch_id)
 
-    async def _claim(self) -> Claim | None:
+    def _prefetch_delay_s(self) -> float:
+        return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
+
+    async def _claim(self, delay_s: float = 0.0) -> Claim | None:
+        if delay_s > 0:
+            with contextlib.suppress(TimeoutError):  # SIGTERM: stop waiting, claim nothing new
+                await asyncio.wait_for(self._stop.wait(), timeout=delay_s)
+            if self._stop.is_set():
+                return None
         start = time.perf_counter()
         try:
             claim = await self.queue.claim(self.budget)
@@ -129,10 +153,12 @@ class Worker:
                 self.observer.observe_error("redis")
             await asyncio.sleep(REDIS_RETRY_S)
             return None
+        claim_s = time.perf_counter() - start
+        self._claim_s_avg = _ewma(self._claim_s_avg, claim_s)
         if claim is not None:
             self._held.add(claim.batch_id)
         if self.observer:
-            self.observer.observe_claim(time.perf_counter() - start)
+            self.observer.observe_claim(claim_s)
         return claim
 
     async def _drained(self) -> bool:
