@@ -14,6 +14,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokq.keys import QueueKeys
+from tokq.processes import stop_all
 from tokq.redis_server import EmbeddedRedis, free_port
 
 
@@ -76,12 +77,6 @@ class ServiceStack:
         procs = list(self.workers.values()) + ([self.gateway] if self.gateway else [])
         for proc in procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        stop_all(procs, timeout_s=20)
         self.redis.close()

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tokq import metrics
+from tokq.processes import stop_all
 from tokq.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,12 +58,7 @@ def prometheus(config: Path, tmp_path: Path):
         _wait_until(lambda: _get(f"{url}/-/ready") is not None, 30, proc)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_all([proc], timeout_s=10)
         proc.stderr.close()
 
 
@@ -206,9 +202,4 @@ def test_prometheus_scrapes_a_running_tokq_up(tmp_path, bundled_model_dir):
             ok = query(url, 'sum(tokq_gateway_requests_total{rpc="Embed",code="OK"})')
             assert float(ok[0]["value"][1]) == 5
     finally:
-        up.terminate()
-        try:
-            up.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
+        stop_all([up], timeout_s=30)

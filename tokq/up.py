@@ -13,6 +13,7 @@ import time
 
 import click
 
+from tokq.processes import stop_all
 from tokq.redis_server import EmbeddedRedis, free_port
 
 _PR_SET_PDEATHSIG = 1
@@ -45,19 +46,6 @@ def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) ->
             except grpc.RpcError:
                 time.sleep(0.2)
     raise click.ClickException(f"gateway at {target} not serving after {timeout_s:.0f} s")
-
-
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + 15
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @click.command("up")
@@ -126,6 +114,6 @@ def up_command(port, host, num_workers, model, redis_url, redis_server, token_bu
     except KeyboardInterrupt:
         click.echo("stopping tokq ...", err=True)
     finally:
-        _stop_all(procs)
+        stop_all(procs)
         if embedded:
             embedded.close()
