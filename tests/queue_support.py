@@ -9,7 +9,7 @@ import numpy as np
 
 from tokq.config import QueueConfig
 from tokq.connection import connect
-from tokq.entry import Entry, encode_body, encode_ok
+from tokq.entry import Entry, encode_body, encode_ok, format_entry
 from tokq.queue import Queue
 
 QUEUE = "test-model"
@@ -38,6 +38,13 @@ async def open_queue(redis_url: str, clock: ManualClock | None = None, **config)
         yield Queue(client, QUEUE, QueueConfig(**config), clock=clock)
     finally:
         await client.aclose()
+
+
+def stored_entries(enqueued, items_: list[tuple[int, bytes]]) -> tuple[bytes, ...]:
+    """The entries enqueue.lua must have stored for these items (tokq.entry's format)."""
+    return tuple(format_entry(tokens, enqueued.ts_ms, enqueued.request_id, index,
+                              enqueued.deadline_ms, 0, body)
+                 for index, (tokens, body) in enumerate(items_))
 
 
 def items(*token_counts: int) -> list[tuple[int, bytes]]:

@@ -71,7 +71,7 @@ class Entry:
 
 def format_entry(tokens: int, ts_ms: int, request_id: str, index: int, deadline_ms: int,
                  attempt: int, body: bytes) -> bytes:
-    """The bytes enqueue.lua builds; used to find a request's entries again (cancel)."""
+    """The bytes enqueue.lua builds (the tests check what Redis stores against it)."""
     head = f"{tokens}::{ts_ms}::{request_id}:{index}:{deadline_ms}:{attempt}:"
     return head.encode() + body
 

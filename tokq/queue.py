@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import redis.asyncio as aioredis
 
 from tokq.config import QueueConfig
-from tokq.entry import Entry, format_entry, parse_entry
+from tokq.entry import Entry, parse_entry
 from tokq.keys import QueueKeys
 from tokq.scripts import Scripts
 
@@ -42,7 +42,6 @@ class Enqueued:
     request_id: str
     ts_ms: int
     deadline_ms: int
-    entries: tuple[bytes, ...]  # exactly as stored, so cancel can find them
 
 
 @dataclass(frozen=True)
@@ -109,10 +108,7 @@ class Queue:
             raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)
         if status == b"DUPLICATE":
             raise ValueError(f"request id {request_id!r} is already queued")
-        ts_ms, deadline_ms = int(reply[1]), int(reply[2])
-        entries = tuple(format_entry(tokens, ts_ms, request_id, index, deadline_ms, 0, body)
-                        for index, (tokens, body) in enumerate(items))
-        return Enqueued(request_id, ts_ms, deadline_ms, entries)
+        return Enqueued(request_id, int(reply[1]), int(reply[2]))
 
     async def cancel(self, request_id: str) -> bool:
         """Withdraw a request: its reply key goes now, its queued entries at the next claim
