@@ -12,6 +12,7 @@ from tokq.gateway.errors import DeadlineExceeded, InvalidArgument, ServiceError,
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
 from tokq import __version__
+from tokq.client import GATEWAY_ID_METADATA
 from tokq.config import GatewayConfig
 from tokq.entry import decode_result, encode_body
 from tokq.model_info import ModelInfo
@@ -45,6 +46,9 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
     async def _call(self, rpc: str, handler, request, context):
         start = time.perf_counter()
+        # Which process answered: tokq.Client balances its connections by it (SO_REUSEPORT
+        # spreads connections, not calls, over `--procs` processes).
+        context.set_trailing_metadata(((GATEWAY_ID_METADATA, self.gateway_id),))
         if self._observer:
             self._observer.request_started(rpc)
         code = grpc.StatusCode.OK
