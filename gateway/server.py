@@ -53,8 +53,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
     info = ModelInfo.load(config.model or None, name=config.model_name or None)
     tokenizer = Tokenizer(info)
-    client = connect(config.redis_url, max_connections=config.redis_max_connections)
-    pubsub_client = connect_pubsub(config.redis_url)
+    client = connect(config.redis_url, max_connections=config.redis_max_connections,
+                     cluster=config.redis_cluster)
+    pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
     queue = Queue(client, info.queue_name, queue_config or cfg.load(cfg.QueueConfig))
     gid = gateway_id()
     router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
