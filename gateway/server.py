@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
@@ -60,7 +61,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
 
     observer = metrics.GatewayMetrics(info.name)
-    service = EmbedderService(info, tokenizer, queue, router, config, gid, observer=observer)
+    model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
+    embedder = Embedder({info.name: model})
+    service = EmbedderService(embedder)
 
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),
