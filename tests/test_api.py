@@ -20,22 +20,6 @@ def test_generated_code_matches_the_proto(tmp_path):
             f"{path.name} drifted from embedder.proto: run `make proto`")
 
 
-def test_errors_map_to_grpc_codes_in_one_place():
-    from tokq.gateway.errors import InvalidArgument, from_result_code, to_status
-    from tokq.queue import QueueFull
-
-    assert to_status(InvalidArgument("bad"))[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert to_status(QueueFull(10, 5, 12))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert to_status(redis.exceptions.ConnectionError("refused"))[0] == grpc.StatusCode.UNAVAILABLE
-    assert to_status(redis.exceptions.TimeoutError("slow"))[0] == grpc.StatusCode.UNAVAILABLE
-    assert to_status(TimeoutError())[0] == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert to_status(RuntimeError("boom")) == (grpc.StatusCode.INTERNAL, "internal error: RuntimeError: boom")
-    # errors written into replies by workers and Lua keep their status
-    assert from_result_code("DEADLINE_EXCEEDED", "late").code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert from_result_code("INTERNAL", "x").code == grpc.StatusCode.INTERNAL
-    assert from_result_code("NOT_A_CODE", "x").code == grpc.StatusCode.INTERNAL
-
-
 def test_config_rejects_unknown_keys_and_takes_env_overrides():
     with pytest.raises(ValueError, match="unknown QueueConfig key.*lease_msec"):
         cfg.load(cfg.QueueConfig, {"lease_msec": 5})
