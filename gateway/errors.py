@@ -1,7 +1,10 @@
-"""Every failure a caller can see, and its gRPC status: the one place errors are mapped.
+"""Every failure a caller can see, and its status on each transport: the one place errors are
+mapped.
 
 Handlers raise ``ServiceError`` (or let queue/Redis exceptions through); ``to_status`` turns any
-exception into (code, message) so the servicer aborts the call exactly once, the same way.
+exception into (gRPC code, message) so the servicer aborts the call exactly once, the same way, and
+``to_http`` turns the same exception into the HTTP status and OpenAI-style error object.
+
 What a caller reads never holds internal detail (a Redis host:port, exception text, a worker's
 traceback): that goes to the log under a short correlation id, and the id goes in the message,
 so an operator can find the cause of the one call a user reports.
@@ -28,14 +31,29 @@ UNAVAILABLE_MESSAGE = "queue backend unavailable, retry"
 RETRYABLE_REDIS_PREFIXES = ("READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN",
                             "CLUSTERDOWN", "NOREPLICAS", "UNBLOCKED")
 
+# gRPC code -> (HTTP status, OpenAI error "type"). Codes not listed are 500 server_error.
+HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
 
 class ServiceError(Exception):
     code = grpc.StatusCode.INTERNAL
+    http_status: int | None = None  # None: from HTTP_STATUS by ``code``
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, *, param: str | None = None) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
+        self.param = param  # the request field at fault, when one is (OpenAI's error "param")
 
     @property
     def message(self) -> str:
@@ -48,8 +66,21 @@ class InvalidArgument(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class ModelNotFound(ServiceError):
+    """The request names a model this gateway does not serve."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class PayloadTooLarge(ServiceError):
+    """The request body is over the size limit (gRPC enforces its own message limit the same way)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 413
+
+
 class Unauthenticated(ServiceError):
-    """No or an unknown API key."""
+    """No API key, or one the gateway does not accept."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
 
@@ -75,18 +106,6 @@ def correlation_id() -> str:
     return secrets.token_hex(4)
 
 
-def _internal(detail: str, exc: BaseException | None = None) -> tuple[grpc.StatusCode, str]:
-    cid = correlation_id()
-    log.error("internal error [%s]: %s", cid, detail, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error [{cid}]; the gateway log has the details"
-
-
-def _unavailable(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    cid = correlation_id()
-    log.warning("queue backend unavailable [%s]: %s: %s", cid, type(exc).__name__, exc)
-    return grpc.StatusCode.UNAVAILABLE, f"{UNAVAILABLE_MESSAGE} [{cid}]"
-
-
 def is_retryable_redis_error(exc: BaseException) -> bool:
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ReadOnlyError, redis.exceptions.OutOfMemoryError,
@@ -94,12 +113,29 @@ def is_retryable_redis_error(exc: BaseException) -> bool:
                         redis.exceptions.MasterDownError, redis.exceptions.AuthenticationError)):
         return True  # AuthenticationError: misconfigured; the caller can only wait for a fix
     if isinstance(exc, redis.exceptions.ResponseError):
-        # A script's redis.call error arrives as its own prefix (OOM ...) or inside
+        # A script's redis.call error arrives with its own prefix (OOM ...), or inside
         # "ERR Error running script ...: BUSY ..."-style text on older servers.
         text = str(exc)
         return text.startswith(RETRYABLE_REDIS_PREFIXES) or any(
             f" {p} " in text or f": {p}" in text for p in RETRYABLE_REDIS_PREFIXES)
     return False
+
+
+def code_of(exc: BaseException) -> grpc.StatusCode:
+    """The status an exception ends a call with (no logging: safe for metrics)."""
+    from tokq.queue import QueueFull
+
+    if isinstance(exc, ServiceError):
+        return exc.code
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if is_retryable_redis_error(exc):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, TimeoutError):  # asyncio's: our own wait; before OSError (it is one)
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, (ConnectionError, OSError)):  # a socket error below redis-py
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
 
 
 def from_result_code(name: str, message: str) -> ServiceError:
@@ -110,22 +146,45 @@ def from_result_code(name: str, message: str) -> ServiceError:
     the caller gets the correlation id."""
     code = getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
     if code == grpc.StatusCode.INTERNAL:
-        _, safe = _internal(f"a worker answered {name}: {message}")
-        return ServiceError(safe, code)
+        cid = correlation_id()
+        log.error("internal error [%s]: a worker answered %s: %s", cid, name, message)
+        return ServiceError(_internal_message(cid), code)
     return ServiceError(message, code)
 
 
+def _internal_message(cid: str) -> str:
+    return f"internal error [{cid}]; the gateway log has the details"
+
+
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(gRPC code, caller-safe message); internal detail is logged with a correlation id."""
     from tokq.queue import QueueFull
 
+    code = code_of(exc)
     if isinstance(exc, ServiceError):
-        return exc.code, exc.message
+        return code, exc.message
     if isinstance(exc, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue over its token cap, retry later with backoff: {exc}"
-    if is_retryable_redis_error(exc):
-        return _unavailable(exc)
-    if isinstance(exc, TimeoutError):  # asyncio's: our own wait; before OSError (it is one)
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before all inputs were embedded"
-    if isinstance(exc, (ConnectionError, OSError)):  # a socket error below redis-py
-        return _unavailable(exc)
-    return _internal(f"{type(exc).__name__}: {exc}", exc)
+        return code, f"queue over its token cap, retry later with backoff: {exc}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return code, "deadline exceeded before all inputs were embedded"
+    cid = correlation_id()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        log.warning("queue backend unavailable [%s]: %s: %s", cid, type(exc).__name__, exc)
+        return code, f"{UNAVAILABLE_MESSAGE} [{cid}]"
+    log.error("internal error [%s]: %s: %s", cid, type(exc).__name__, exc, exc_info=exc)
+    return code, _internal_message(cid)
+
+
+def status_name(exc: BaseException) -> str:
+    """The gRPC status name an exception ends a call with (for metrics labels)."""
+    return code_of(exc).name
+
+
+def to_http(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, body) for any exception: OpenAI's {"error": {message, type, param, code}},
+    ``code`` being the gRPC status name so both transports' errors read alike."""
+    code, message = to_status(exc)
+    status, kind = HTTP_STATUS.get(code, (500, "server_error"))
+    status = getattr(exc, "http_status", None) or status
+    return status, {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None),
+                              "code": code.name.lower()}}

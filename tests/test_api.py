@@ -20,6 +20,24 @@ def test_generated_code_matches_the_proto(tmp_path):
             f"{path.name} drifted from embedder.proto: run `make proto`")
 
 
+def test_http_statuses_come_from_the_same_mapping_as_grpc_codes():
+    from tokq.gateway.errors import (InvalidArgument, ModelNotFound, PayloadTooLarge, Unavailable,
+                                     to_http)
+    from tokq.queue import QueueFull
+
+    status, body = to_http(InvalidArgument("bad dims", param="dimensions"))
+    assert status == 400 and body == {"error": {"message": "bad dims", "type": "invalid_request_error",
+                                                "param": "dimensions", "code": "invalid_argument"}}
+    assert to_http(ModelNotFound("nope"))[0] == 404
+    assert to_http(PayloadTooLarge("big"))[0] == 413
+    assert to_http(QueueFull(10, 5, 12))[0] == 429
+    assert to_http(Unavailable("down"))[0] == 503
+    assert to_http(redis.exceptions.ConnectionError("refused"))[0] == 503
+    assert to_http(TimeoutError())[0] == 504
+    status, body = to_http(RuntimeError("boom"))
+    assert status == 500 and "boom" not in body["error"]["message"]  # logged, not shown
+
+
 def test_config_rejects_unknown_keys_and_takes_env_overrides():
     with pytest.raises(ValueError, match="unknown QueueConfig key.*lease_msec"):
         cfg.load(cfg.QueueConfig, {"lease_msec": 5})
@@ -61,6 +79,6 @@ def test_redis_commands_are_retried_on_connection_errors_only():
     # twice. A refused or reset connection (a restarted Redis) is safe to retry.
     from tokq.connection import connect
 
-    retry = connect("redis://127.0.0.1:1/0").connection_pool.connection_kwargs["retry"]
+    retry = connect("redis://127.0.0.1:1/0", cluster="no").connection_pool.connection_kwargs["retry"]
     assert retry._supported_errors == (redis.exceptions.ConnectionError,)
     assert not issubclass(redis.exceptions.TimeoutError, redis.exceptions.ConnectionError)

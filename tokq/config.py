@@ -86,12 +86,15 @@ _REDIS_URL = setting("redis://127.0.0.1:6379/0", "redis://, rediss:// or unix://
 _MODEL = setting("", "local model directory", default_text="the bundled all-MiniLM-L6-v2")
 _MODEL_NAME = setting("", "name the model is served under (its queue name adds a fingerprint "
                       "of the model's files)", default_text="the model directory's name")
+_REDIS_CLUSTER = setting("auto", "Redis Cluster mode; auto asks the server",
+                         choices=("auto", "yes", "no"))
 _PORT_OR_OFF = dict(min=0, max=65_535)
 
 
 @dataclass(frozen=True)
 class WorkerConfig(_Validated):
     redis_url: str = _REDIS_URL
+    redis_cluster: str = _REDIS_CLUSTER
     model: str = _MODEL
     model_name: str = _MODEL_NAME
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
@@ -109,6 +112,7 @@ class WorkerConfig(_Validated):
 @dataclass(frozen=True)
 class GatewayConfig(_Validated):
     redis_url: str = _REDIS_URL
+    redis_cluster: str = _REDIS_CLUSTER
     model: str = _MODEL
     model_name: str = _MODEL_NAME
     host: str = setting("0.0.0.0", "address the gRPC server listens on")
