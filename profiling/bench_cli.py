@@ -93,7 +93,8 @@ def load_queries(workload_path: str | None, num_queries: int, seed: int):
     return capped, source
 
 
-def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats: int = 5) -> dict[str, float]:
+def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats: int = 5,
+                       device: str = "cpu") -> dict[str, float]:
     """Median forward time of one full-budget batch packed from the workload mix (the worker's
     engine, this process, the same thread count as the systems)."""
     import time
@@ -108,7 +109,7 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
     if torch_threads:
         torch.set_num_threads(torch_threads)
     try:
-        engine = Engine.load(None, device="cpu")
+        engine = Engine.load(None, device=device)
         make = BatchMaker(queries, token_ids_for(engine.info), engine.info.max_length)
         out = {}
         for budget in budgets:
@@ -164,12 +165,22 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
               help="Write bench_latency.png and bench_throughput.png here.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
               help="Rewrite the 'Service benchmark' section of this markdown file (e.g. profiling/RESULTS.md).")
+@click.option("--budget-check", is_flag=True,
+              help="Profile the worker's engine in this run (goal: --slo-ms), then measure tokq at the profiled "
+                   "budget beside each of --budgets; writes its own RESULTS.md section and, with --plots, "
+                   "the profile figure (budget_check_profile.png).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Device of tokq's worker (and of --budget-check's profile): cpu | cuda | cuda:N.")
+@click.option("--refinements", type=int, default=None,
+              help="Bisections after the step search [default: 1; 3 with --budget-check, ~3% resolution].")
+@click.option("--profile-max-tokens", default=4096, show_default=True,
+              help="Largest batch --budget-check profiles (raise it on a GPU).")
 @click.option("--note", default="", help="Free text for the report (e.g. whether the machine was idle).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
                   step_factor, max_steps, step_duration_s, timeout_ms, budgets, profile_json, profiled_budget,
                   padded_max_batch, padded_max_wait_ms, infinity_bin, torch_threads, out_path, plots_dir,
-                  results_md, note, quiet) -> None:
+                  results_md, budget_check, device, refinements, profile_max_tokens, note, quiet) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     from rich.console import Console
 
@@ -184,26 +195,54 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
             raise ValueError("--budgets needs positive integers")
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    names = ["all"] if run_all else (list(systems) or ["tokq", "one-at-a-time"])
-    profiled = profiled_budget or profiled_budget_from(Path(profile_json) if profile_json else None)
+    queries, source = load_queries(workload_path, num_queries, seed)
+    torch_threads = torch_threads or max(1, (os.cpu_count() or 2) - 1)
+    console = Console(stderr=True, quiet=quiet)
+    profile = None
+    if budget_check:
+        from tokq.profiling.bench_budget import profile_budget
+
+        with console.status("profiling the worker's engine (tokq profile) under the goal"):
+            profile = profile_budget(queries, device=device, torch_threads=torch_threads, slo_ms=slo_ms,
+                                     max_tokens=profile_max_tokens)
+        console.print(profile["summary"])
+        if profile["recommended_budget"] is None:
+            raise click.ClickException("the profile recommends no budget: " + profile["summary"])
+        names = [f"tokq-b{b}" for b in budget_list[:-1]] + ["tokq"]
+        profiled = profile["recommended_budget"]
+        names += [] if profiled in budget_list else ["tokq-profiled"]
+    else:
+        names = ["all"] if run_all else (list(systems) or ["tokq", "one-at-a-time"])
+        profiled = profiled_budget or profiled_budget_from(Path(profile_json) if profile_json else None)
     infinity_bin = find_infinity(infinity_bin)
     specs = system_specs(names, budgets=budget_list, profiled_budget=profiled, padded_max_batch=padded_max_batch,
                          padded_max_wait_ms=padded_max_wait_ms, infinity_bin=infinity_bin)
     infinity_note = (f"measured ({infinity_bin}). {INFINITY_WHY}" if any(s.kind == "infinity" for s in specs)
                      else f"not measured ({'not asked for' if infinity_bin else 'no infinity_emb found'}). "
                           f"{INFINITY_WHY}")
-    queries, source = load_queries(workload_path, num_queries, seed)
-    torch_threads = torch_threads or max(1, (os.cpu_count() or 2) - 1)
-    console = Console(stderr=True, quiet=quiet)
     tokq_budgets = sorted({s.token_budget for s in specs if s.kind == "tokq"})
     with console.status("timing single-batch forward passes"):
-        forward_ms = measure_forward_ms(queries, tokq_budgets, torch_threads) if tokq_budgets else {}
+        forward_ms = (measure_forward_ms(queries, tokq_budgets, torch_threads, device=device)
+                      if tokq_budgets else {})
     options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
                            step_factor=step_factor, max_steps=max_steps, step_duration_s=step_duration_s,
-                           timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed)
+                           timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed, device=device,
+                           num_refinements=refinements if refinements is not None else (3 if budget_check else 1))
     report = asyncio.run(run_bench(specs, queries, options, console=console))
     report["meta"].update(workload_source=source, forward_ms_by_budget=forward_ms, note=note,
                           infinity=infinity_note, profiled_budget=profiled)
-    Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
-    written = render_outputs(report, plots_dir=plots_dir, results_md=results_md, json_path=out_path)
+    if budget_check:
+        from tokq.profiling import bench_budget
+
+        report["budget_check"] = {"device": device, "profile": profile, "profiled_budget": profiled,
+                                  "fixed_budgets": budget_list}
+        report["budget_check"]["verdict"] = v = bench_budget.verdict(report)
+        Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
+        written = bench_budget.render(report, results_md=results_md, plots_dir=plots_dir)
+        console.print(f"profiled budget {v['profiled_budget']}: {v['profiled_rps']:.0f} req/s; best fixed "
+                      f"{v['best_fixed_budget']}: {v['best_fixed_rps']:.0f} req/s; {v['ratio']:.2f}x "
+                      f"({'met' if v['passes'] else 'NOT met'}: >= {v['min_ratio']:.2f}x)")
+    else:
+        Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
+        written = render_outputs(report, plots_dir=plots_dir, results_md=results_md, json_path=out_path)
     console.print(f"wrote {', '.join([out_path, *written])}")

@@ -34,6 +34,7 @@ class BenchOptions:
     torch_threads: int = 1
     seed: int = 1
     num_refinements: int = 1
+    device: str = "cpu"  # tokq's worker
 
 
 def schedule(queries, options: BenchOptions, rate: float, duration_s: float) -> list[loadgen.Arrival]:
@@ -144,7 +145,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
             progress.update(overall, description=f"starting {spec.name}")
             log_path = log_dir / f"{spec.name.split()[0]}-{len(report['systems'])}.log"
             system = await asyncio.to_thread(start_system, spec, torch_threads=options.torch_threads,
-                                             log_path=str(log_path))
+                                             log_path=str(log_path), device=options.device)
             try:
                 progress.update(overall, description=f"measuring {spec.name}")
                 result = await measure(system, queries, options, progress, label=spec.name)

@@ -217,9 +217,11 @@ def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float) -> No
         client.close()
 
 
-def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | None = None) -> RunningSystem:
+def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | None = None,
+                 device: str = "cpu") -> RunningSystem:
     """Start ``spec`` and return once it serves (for tokq: once its worker has warmed up).
-    ``torch_threads`` > 0 caps the model process's intra-op threads (OMP_NUM_THREADS)."""
+    ``torch_threads`` > 0 caps the model process's intra-op threads (OMP_NUM_THREADS);
+    ``device`` is tokq's worker's (the baselines run on the CPU)."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -235,7 +237,7 @@ def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | No
         if spec.lookahead is not None:
             env["TOKQ_LOOKAHEAD"] = str(spec.lookahead)
         args = ["-m", "tokq.cli", "up", "--port", str(port), "--redis-url", redis_server.url,
-                "--workers", "1", "--device", "cpu", "--metrics-port", str(metrics_port)]
+                "--workers", "1", "--device", device, "--metrics-port", str(metrics_port)]
         if spec.token_budget:
             args += ["--token-budget", str(spec.token_budget)]
     elif spec.kind == "infinity":

@@ -46,6 +46,8 @@ def plot_profile(report: dict, path: str | Path) -> Path:
         ax_ms.plot(dense, fit.predict_ms(dense), "-", color="C1", alpha=0.8,
                    label=f"flat-then-linear fit ({fit.kind})")
     ax_tps.plot(tokens, tokens_per_s / 1000.0, "o-", color="C2", label="throughput")
+    if fit is not None:  # the budget's throughput cap is read from the fitted curve
+        ax_tps.plot(dense, dense / fit.predict_ms(dense), "-", color="C1", alpha=0.6, label="fitted throughput")
 
     rec = report.get("recommendation") or {}
     if rec.get("max_batch_ms"):
