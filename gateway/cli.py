@@ -32,6 +32,8 @@ def _run_one(values: dict) -> None:
 @click.option("--default-timeout-ms", type=int, help="deadline for calls that set none")
 @click.option("--redis-max-connections", type=int, help="Redis connections per process")
 @click.option("--metrics-port", type=int, help="Prometheus port (process i of --procs uses +i)")
+@click.option("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 0 = off)")
+@click.option("--ready-check-ms", type=int, help="readiness check period (Redis up, a live worker)")
 @click.option("--procs", type=int, default=1, show_default=True,
               help="gateway processes sharing the port (SO_REUSEPORT); one tops out near 3,000 RPC/s")
 def gateway_command(procs: int, **values) -> None:

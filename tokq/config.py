@@ -62,6 +62,9 @@ class GatewayConfig:
     redis_max_connections: int = 32
     max_pending_rpcs: int = 20_000  # calls accepted but not yet picked up, before gRPC rejects
     metrics_port: int = 0
+    max_request_bytes: int = 64 * 1024 * 1024  # one request's size, gRPC message or HTTP body
+    http_port: int = 0  # the OpenAI-compatible HTTP API (same host); 0 = off (`tokq up` serves 8080)
+    ready_check_ms: int = 1_000  # how often readiness (Redis up, a live worker) is checked
 
 
 def _coerce(value: Any, typ: Any, name: str) -> Any:

@@ -59,8 +59,10 @@ def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) ->
 @click.option("--device", default="auto", show_default=True)
 @click.option("--metrics-port", type=int, default=9400, show_default=True,
               help="gateway metrics here, worker i at +1+i (0 = none)")
+@click.option("--http-port", type=int, default=8080, show_default=True,
+              help="OpenAI-compatible HTTP API (POST /v1/embeddings); 0 = off")
 def up_command(port, host, num_workers, model, redis_url, redis_server, token_budget, device,
-               metrics_port) -> None:
+               metrics_port, http_port) -> None:
     """Start Redis, the gateway and workers; stop everything on Ctrl-C."""
     embedded = None
     if not redis_url:
@@ -89,12 +91,16 @@ def up_command(port, host, num_workers, model, redis_url, redis_server, token_bu
         gw_args = ["gateway", *common, "--host", host, "--port", str(port)]
         if metrics_port:
             gw_args += ["--metrics-port", str(metrics_port)]
+        if http_port:
+            gw_args += ["--http-port", str(http_port)]
         procs.append(_spawn(gw_args))
         workers = [_spawn(worker_args(i)) for i in range(num_workers)]
         procs += workers
         _wait_ready(f"{host}:{port}", procs, timeout_s=120)
         click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host}:{port} "
                    f"(health and reflection on), {num_workers} worker(s)")
+        if http_port:
+            click.echo(f"  HTTP:    http://{host}:{http_port}/v1/embeddings (OpenAI-compatible)")
         click.echo(f"  Redis:   {redis_url}" + (" (embedded)" if embedded else ""))
         if metrics_port:
             ports = ", ".join(f"worker {i} :{metrics_port + 1 + i}" for i in range(num_workers))
@@ -102,6 +108,9 @@ def up_command(port, host, num_workers, model, redis_url, redis_server, token_bu
         click.echo(f"  try:     tokq embed --target {host}:{port} \"hello world\"")
         click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {host}:{port} "
                    "tokq.v1.Embedder/Embed")
+        if http_port:
+            click.echo(f"           curl http://{host}:{http_port}/v1/embeddings -H 'Content-Type: "
+                       f"application/json' -d '{{\"input\": \"hello\"}}'")
         click.echo("Ctrl-C stops everything.\n", nl=True)
         while True:
             if procs[0].poll() is not None:
