@@ -66,7 +66,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     observer = metrics.GatewayMetrics(info.name)
     model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
     embedder = Embedder({info.name: model})
-    service = EmbedderService(embedder)
+    service = EmbedderService(embedder, gid)
 
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),
@@ -74,15 +74,16 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         # application (3,000 hard): a burst of short queries must queue in Redis, not die here.
         ("grpc.server.max_pending_requests", config.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", 2 * config.max_pending_rpcs),
-        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
     embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     port = server.add_insecure_port(address)
     if port == 0:
@@ -100,7 +101,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     if config.http_port:
         sock = http.bind(config.host, config.http_port)
         http_port = sock.getsockname()[1]
-        http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=config.max_request_bytes))
+        http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=config.max_message_bytes))
 
     await router.start()
     await server.start()
@@ -108,7 +109,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         http_task = asyncio.create_task(http_server.serve([sock]), name="http")
     stats_task = None
     if config.metrics_port:
-        metrics.start_metrics_server(config.metrics_port)
+        metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
         stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
     await readiness.start()
     log.info("gateway %s serving %s on %s:%d (queue %s)%s", gid, info.name, config.host, port,

@@ -19,8 +19,7 @@ from tokq.redis_server import EmbeddedRedis, free_port
 
 
 class ServiceStack:
-    def __init__(self, env: dict[str, str] | None = None, model: str | None = None, http: bool = False,
-                 gateway_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, env: dict[str, str] | None = None, model: str | None = None, http: bool = False) -> None:
         self.redis = EmbeddedRedis(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None).start()
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
@@ -29,20 +28,19 @@ class ServiceStack:
         # The OpenAI-compatible HTTP API on its own free port, when asked for.
         self.http_port = free_port() if http else 0
         self.http_url = f"http://127.0.0.1:{self.http_port}" if http else ""
-        self.gateway_args = list(gateway_args)
         self.gateway: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
     def _spawn(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, "--redis-url", self.redis.url,
-                                 *self.model_args], env=self.env)
+        # The Redis URL (with its password) goes in the environment, as `tokq up` passes it.
+        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, *self.model_args],
+                                env={**self.env, "TOKQ_REDIS_URL": self.redis.url})
 
-    def start_gateway(self, timeout_s: float = 90) -> None:
+    def start_gateway(self, *extra: str, timeout_s: float = 90) -> None:
         """Returns once the gateway answers health checks; it reports SERVING only once a worker is
         alive too (``wait_ready``)."""
         http_args = ["--http-port", str(self.http_port)] if self.http_port else []
-        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port), *http_args,
-                                   *self.gateway_args)
+        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port), *http_args, *extra)
         self._wait_health({health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING},
                           timeout_s)
 

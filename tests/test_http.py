@@ -14,14 +14,14 @@ from grpc_health.v1 import health_pb2
 
 pytestmark = pytest.mark.slow
 MODEL = "all-MiniLM-L6-v2"
-MAX_REQUEST_BYTES = 200_000
+MAX_MESSAGE_BYTES = 200_000
 
 
 @pytest.fixture(scope="module")
 def stack():
     from service_stack import ServiceStack
 
-    s = ServiceStack(http=True, env={"TOKQ_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
+    s = ServiceStack(http=True, env={"TOKQ_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
                                      "TOKQ_READY_CHECK_MS": "300"})
     try:
         s.start_gateway()
