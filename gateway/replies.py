@@ -1,7 +1,8 @@
 """Waking the calls whose replies are complete.
 
-Workers (through ack.lua) PUBLISH a request's id on its gateway's channel once every input of it
-is answered. One subscription per gateway process serves all waiting calls, so thousands of
+Workers (through ack.lua) SPUBLISH a request's id on its gateway's shard channel once every
+input of it is answered (sharded pub/sub: Redis >= 7, and the only kind that stays on the queue's
+node on Redis Cluster). One subscription per gateway process serves all waiting calls, so thousands of
 concurrent requests hold no Redis connection each. A notice can be missed (a reconnect), so
 every ``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
 complete replies wake their call, and a reply hash that has vanished (Redis restarted and lost
@@ -21,6 +22,7 @@ import redis.exceptions
 
 from tokq.gateway.errors import Unavailable
 from tokq.keys import QueueKeys
+from tokq.queue import REPLY_META_FIELDS
 
 log = logging.getLogger(__name__)
 _NET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -92,7 +94,7 @@ class ReplyRouter:
         while True:
             pubsub = self._pubsub_client.pubsub()
             try:
-                await pubsub.subscribe(self.channel)
+                await pubsub.ssubscribe(self.channel)
                 await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
                 self.subscribed.set()
                 # A notice published while we were not subscribed is lost: check everyone now.
@@ -101,7 +103,7 @@ class ReplyRouter:
                 while True:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True,
                                                    timeout=self._poll_every_s)
-                    if msg is not None and msg["type"] == "message":
+                    if msg is not None and msg["type"] == "smessage":
                         self._settle(msg["data"].decode())
                     if time.monotonic() >= next_poll:  # even while notices keep coming
                         await self._poll(min_age_s=self._poll_after_s)
@@ -121,8 +123,8 @@ class ReplyRouter:
                     await pubsub.aclose()
 
     async def _poll(self, min_age_s: float) -> None:
-        """Settle enqueued calls whose reply hash is complete (fields n, ch + one per item) or
-        gone. A failed poll is skipped, not fatal: the next round tries again."""
+        """Settle enqueued calls whose reply hash is complete (REPLY_META_FIELDS + one field
+        per item) or gone. A failed poll is skipped, not fatal: the next round tries again."""
         now = time.monotonic()
         due = [(rid, w.num_items) for rid, w in list(self._waiting.items())
                if w.enqueued_at is not None and not w.future.done()
@@ -138,7 +140,7 @@ class ReplyRouter:
             log.warning("reply poll failed: %s", exc)
             return
         for (rid, n), length in zip(due, lengths):
-            if length >= n + 2:
+            if length >= n + len(REPLY_META_FIELDS):
                 self._settle(rid)
             elif length == 0:
                 self._settle(rid, Unavailable(
