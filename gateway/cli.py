@@ -22,6 +22,8 @@ def _run_one(values: dict) -> None:
 
 @click.command("gateway")
 @click.option("--redis-url", help="redis:// or rediss:// URL (env TOKQ_REDIS_URL)")
+@click.option("--redis-cluster", type=click.Choice(["auto", "yes", "no"]),
+              help="Redis Cluster mode; auto asks the server (default)")
 @click.option("--model", help="local model directory; default: the bundled all-MiniLM-L6-v2")
 @click.option("--model-name", help="name to serve the model under (and its queue name)")
 @click.option("--host", help="address to listen on (default 0.0.0.0)")

@@ -20,6 +20,7 @@ import time
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from tokq.connection import ShardedSubscriber
 from tokq.gateway.errors import Unavailable
 from tokq.keys import QueueKeys
 from tokq.queue import REPLY_META_FIELDS
@@ -91,20 +92,18 @@ class ReplyRouter:
             self._settle(request_id, exc)
 
     async def _run(self) -> None:
+        subscriber = ShardedSubscriber(self._pubsub_client)
         while True:
-            pubsub = self._pubsub_client.pubsub()
             try:
-                await pubsub.ssubscribe(self.channel)
-                await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+                await subscriber.subscribe(self.channel)
                 self.subscribed.set()
                 # A notice published while we were not subscribed is lost: check everyone now.
                 await self._poll(min_age_s=0.0)
                 next_poll = time.monotonic() + self._poll_every_s
                 while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True,
-                                                   timeout=self._poll_every_s)
-                    if msg is not None and msg["type"] == "smessage":
-                        self._settle(msg["data"].decode())
+                    msg = await subscriber.get_message(timeout=self._poll_every_s)
+                    if msg is not None:
+                        self._settle(msg[1].decode())
                     if time.monotonic() >= next_poll:  # even while notices keep coming
                         await self._poll(min_age_s=self._poll_after_s)
                         next_poll = time.monotonic() + self._poll_every_s
@@ -119,8 +118,7 @@ class ReplyRouter:
                 log.exception("reply subscription failed; resubscribing")
                 await asyncio.sleep(0.2)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                await subscriber.aclose()
 
     async def _poll(self, min_age_s: float) -> None:
         """Settle enqueued calls whose reply hash is complete (REPLY_META_FIELDS + one field

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
@@ -52,14 +53,17 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
     info = ModelInfo.load(config.model or None, name=config.model_name or None)
     tokenizer = Tokenizer(info)
-    client = connect(config.redis_url, max_connections=config.redis_max_connections)
-    pubsub_client = connect_pubsub(config.redis_url)
+    client = connect(config.redis_url, max_connections=config.redis_max_connections,
+                     cluster=config.redis_cluster)
+    pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
     queue = Queue(client, info.queue_name, queue_config or cfg.load(cfg.QueueConfig))
     gid = gateway_id()
     router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
 
     observer = metrics.GatewayMetrics(info.name)
-    service = EmbedderService(info, tokenizer, queue, router, config, gid, observer=observer)
+    model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
+    embedder = Embedder({info.name: model})
+    service = EmbedderService(embedder)
 
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),

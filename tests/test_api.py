@@ -36,6 +36,24 @@ def test_errors_map_to_grpc_codes_in_one_place():
     assert from_result_code("NOT_A_CODE", "x").code == grpc.StatusCode.INTERNAL
 
 
+def test_http_statuses_come_from_the_same_mapping_as_grpc_codes():
+    from tokq.gateway.errors import (InvalidArgument, ModelNotFound, PayloadTooLarge, Unavailable,
+                                     to_http)
+    from tokq.queue import QueueFull
+
+    status, body = to_http(InvalidArgument("bad dims", param="dimensions"))
+    assert status == 400 and body == {"error": {"message": "bad dims", "type": "invalid_request_error",
+                                                "param": "dimensions", "code": "invalid_argument"}}
+    assert to_http(ModelNotFound("nope"))[0] == 404
+    assert to_http(PayloadTooLarge("big"))[0] == 413
+    assert to_http(QueueFull(10, 5, 12))[0] == 429
+    assert to_http(Unavailable("down"))[0] == 503
+    assert to_http(redis.exceptions.ConnectionError("refused"))[0] == 503
+    assert to_http(TimeoutError())[0] == 504
+    status, body = to_http(RuntimeError("boom"))
+    assert status == 500 and "boom" in body["error"]["message"]
+
+
 def test_config_rejects_unknown_keys_and_takes_env_overrides():
     with pytest.raises(ValueError, match="unknown QueueConfig key.*lease_msec"):
         cfg.load(cfg.QueueConfig, {"lease_msec": 5})

@@ -35,6 +35,7 @@ class QueueConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: str = "auto"  # auto (ask the server) | yes | no
     model: str = ""  # local model directory; "" = the bundled all-MiniLM-L6-v2
     model_name: str = ""  # name served and queue name; "" = derived from the model directory
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -51,6 +52,7 @@ class WorkerConfig:
 @dataclass(frozen=True)
 class GatewayConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: str = "auto"  # auto (ask the server) | yes | no
     model: str = ""
     model_name: str = ""
     host: str = "0.0.0.0"

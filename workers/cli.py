@@ -24,7 +24,7 @@ async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -
         torch.set_num_threads(config.threads)
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.model_name or None)
-    client = connect(config.redis_url, max_connections=8)
+    client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
     queue_config = cfg.load(cfg.QueueConfig)
     worker_id = worker_id or default_worker_id()
     observer = None
@@ -55,12 +55,17 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
     """Liveness: 0 when this worker's (or, without --worker-id, any worker's) heartbeat is fresh."""
     import redis
 
+    from tokq.connection import connect_sync
     from tokq.keys import QueueKeys
     from tokq.model_info import ModelInfo
 
     info = ModelInfo.load(config.model or None, name=config.model_name or None)
     keys = QueueKeys(info.queue_name)
-    client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=1, socket_timeout=2)
+    try:
+        client = connect_sync(config.redis_url, config.redis_cluster)
+    except redis.RedisError as exc:
+        click.echo(f"unhealthy: Redis unreachable: {exc}", err=True)
+        return 1
     try:
         if worker_id:
             alive = bool(client.exists(keys.heartbeat(worker_id)))
@@ -77,6 +82,8 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
 
 @click.command("worker")
 @click.option("--redis-url", help="redis:// or rediss:// URL (env TOKQ_REDIS_URL)")
+@click.option("--redis-cluster", type=click.Choice(["auto", "yes", "no"]),
+              help="Redis Cluster mode; auto asks the server (default)")
 @click.option("--model", help="local model directory; default: the bundled all-MiniLM-L6-v2")
 @click.option("--model-name", help="served model name (and queue name)")
 @click.option("--device", help="auto | cpu | cuda | cuda:N")
