@@ -15,6 +15,7 @@ retries, the call raises ``LostAnswer``: its outcome is unknown, and the caller 
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -213,6 +214,23 @@ class Queue:
         requeued, failed = await self._run(
             "requeue", [k.leases, k.pending, k.tokens, k.inflight, k.counters], args)
         return int(requeued), int(failed)
+
+    async def heartbeat(self, worker_id: str, status: dict, *, ttl_ms: int,
+                        forget_after_ms: int) -> int:
+        """Mark ``worker_id`` alive for ``ttl_ms`` with its JSON ``status`` (plus ``ts_ms``), in
+        the worker registry at the Redis clock's now (returned); forget silent workers."""
+        k = self.keys
+        return int(await self._run(
+            "heartbeat", [k.workers, k.heartbeat(worker_id)],
+            [self._now_arg(), worker_id, json.dumps(status), ttl_ms, forget_after_ms]))
+
+    async def forget_worker(self, worker_id: str) -> None:
+        """Remove a worker's heartbeat and registry entry (it stopped, or gave up as hung)."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(k.heartbeat(worker_id))
+            pipe.zrem(k.workers, worker_id)
+            await pipe.execute()
 
     async def stats(self) -> QueueStats:
         k = self.keys
