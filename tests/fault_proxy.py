@@ -32,7 +32,7 @@ class FaultProxy:
     def __init__(self, upstream_url: str, *, seed: int = 0) -> None:
         parsed = urlparse(upstream_url)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 6379)
-        self._path = parsed.path
+        self._parsed = parsed  # the proxy's URL keeps its scheme, credentials and database
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy",
                                         daemon=True)
@@ -48,7 +48,9 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}{self._path}"
+        credentials = self._parsed.netloc.rpartition("@")[0]
+        netloc = f"{credentials}@127.0.0.1:{self.port}" if credentials else f"127.0.0.1:{self.port}"
+        return self._parsed._replace(netloc=netloc).geturl()
 
     def start(self) -> FaultProxy:
         self._thread.start()

@@ -29,8 +29,9 @@ class ServiceStack:
         self.workers: dict[str, subprocess.Popen] = {}
 
     def _spawn(self, *args: str, redis_url: str | None = None) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, "--redis-url",
-                                 redis_url or self.redis.url, *self.model_args], env=self.env)
+        # The Redis URL (with its password) goes in the environment, as `tokq up` passes it.
+        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, *self.model_args],
+                                env={**self.env, "TOKQ_REDIS_URL": redis_url or self.redis.url})
 
     def start_gateway(self, timeout_s: float = 90, *, redis_url: str | None = None) -> None:
         """Start the gateway (through ``redis_url``, e.g. a fault proxy, instead of the server)."""
