@@ -33,9 +33,9 @@ class ServiceStack:
         return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, *self.model_args],
                                 env={**self.env, "TOKQ_REDIS_URL": redis_url or self.redis.url})
 
-    def start_gateway(self, timeout_s: float = 90, *, redis_url: str | None = None) -> None:
+    def start_gateway(self, *extra: str, timeout_s: float = 90, redis_url: str | None = None) -> None:
         """Start the gateway (through ``redis_url``, e.g. a fault proxy, instead of the server)."""
-        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port),
+        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port), *extra,
                                    redis_url=redis_url)
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.target) as channel:

@@ -197,3 +197,31 @@ async def test_concurrent_enqueues_keep_each_request_contiguous(redis_url):
             assert len({e.request_id for e in run}) == 1
             assert [e.index for e in run] == list(range(50))
         assert (await q.stats()).queued_tokens == sum(e.tokens for e in stored) == 400
+
+
+async def _redis_ms(q) -> int:
+    seconds, micros = await q.redis.time()
+    return seconds * 1000 + micros // 1000
+
+
+async def test_heartbeats_are_on_the_redis_clock_and_silent_workers_are_forgotten(redis_url):
+    import json
+
+    async with open_queue(redis_url) as q:
+        before = await _redis_ms(q)
+        now = await q.heartbeat("w1", {"batches": 3}, ttl_ms=2_000, forget_after_ms=10_000)
+        after = await _redis_ms(q)
+        assert before <= now <= after  # Redis TIME, whatever this host's clock says
+        status = json.loads(await q.redis.get(q.keys.heartbeat("w1")))
+        assert status == {"batches": 3, "ts_ms": now}
+        assert await q.redis.zscore(q.keys.workers, "w1") == now
+        assert 0 < await q.redis.pttl(q.keys.heartbeat("w1")) <= 2_000
+        await q.forget_worker("w1")
+    clock = ManualClock()
+    async with open_queue(redis_url, clock) as q:
+        await q.heartbeat("old", {}, ttl_ms=2_000, forget_after_ms=10_000)
+        clock.advance(10_001)
+        await q.heartbeat("new", {}, ttl_ms=2_000, forget_after_ms=10_000)
+        assert await q.redis.zrange(q.keys.workers, 0, -1) == [b"new"]
+        await q.forget_worker("new")
+        assert not await q.redis.exists(q.keys.workers, q.keys.heartbeat("new"))

@@ -39,6 +39,7 @@ async def test_every_script_is_exercised(redis_url):
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         assert sorted(await q.collect("kept")) == [0, 1]
         assert (await q.stats()).counters["requeued"] == 2
+        await q.heartbeat("w", {"batches": 1}, ttl_ms=1_000, forget_after_ms=5_000)
         assert set(q.scripts.calls) == set(script_names())
 
 
