@@ -63,7 +63,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     observer = metrics.GatewayMetrics(info.name)
     model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
     embedder = Embedder({info.name: model})
-    service = EmbedderService(embedder)
+    service = EmbedderService(embedder, gid)
 
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),
@@ -77,9 +77,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     port = server.add_insecure_port(address)
     if port == 0:
@@ -89,7 +90,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     await server.start()
     stats_task = None
     if config.metrics_port:
-        metrics.start_metrics_server(config.metrics_port)
+        metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
         stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
