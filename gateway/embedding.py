@@ -20,6 +20,7 @@ import numpy as np
 from tokq import __version__
 from tokq.config import GatewayConfig
 from tokq.entry import decode_result, encode_body
+from tokq.gateway.prompt_boundary import PromptBoundary
 from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable,
                                  from_result_code, status_name)
 from tokq.gateway.replies import ReplyRouter
@@ -79,6 +80,7 @@ class ServedModel:
         self.observer = observer  # metrics hooks (tokq.metrics.GatewayMetrics), optional
         self._ids = itertools.count()
         self._vocab_size = int(info.config["vocab_size"])  # the embedding table: ids past it crash a forward
+        self._prompt_boundary = PromptBoundary(info, tokenizer)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -158,6 +160,7 @@ class ServedModel:
                 raise InvalidArgument("prompt_name applies to text inputs only: token-id inputs are "
                                       "used as given", param="prompt_name")
             ids = self._check_token_ids(request.token_ids, request.truncate)
+            prompt = ""
             self._timeout_ms(context)
         else:
             texts = self._check_texts(request.texts)
@@ -165,8 +168,11 @@ class ServedModel:
             self._timeout_ms(context)  # a call already past its deadline is not tokenized
             ids = await self.tokenizer.encode(texts, prompt=prompt, truncate=request.truncate)
         tokenize_ms = (time.perf_counter() - t_start) * 1000
-        items = [(len(seq), encode_body(seq, normalize=normalize, dimensions=dims)) for seq in ids]
-        num_tokens = sum(n for n, _ in items)
+        # A shared prompt is computed once by the worker: the queue counts only the rest.
+        prefix_lens = self._prompt_boundary.prefix_lens(prompt, ids)
+        items = [(len(seq) - p, encode_body(seq, normalize=normalize, dimensions=dims, prefix_len=p))
+                 for seq, p in zip(ids, prefix_lens)]
+        num_tokens = sum(len(seq) for seq in ids)
         if self.observer:
             self.observer.embed_tokenized(tokenize_ms, num_tokens)
 
