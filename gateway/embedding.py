@@ -21,7 +21,7 @@ from tokq import __version__
 from tokq.config import GatewayConfig
 from tokq.entry import decode_result, encode_body
 from tokq.gateway.prompt_boundary import PromptBoundary
-from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, ServiceError,
+from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable,
                                  from_result_code, status_name)
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
@@ -206,19 +206,20 @@ class ServedModel:
             except TimeoutError:
                 raise DeadlineExceeded(f"no answer within the deadline ({timeout_ms} ms); "
                                        "the service is overloaded or no worker is running") from None
-            raw = await self.queue.collect(request_id)
+            raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue
             collected = True
-            if len(raw) < len(items):
-                raise ServiceError(f"reply incomplete: {len(raw)} of {len(items)} inputs answered")
+            if len(raw) < len(items):  # Redis restarted or flushed between notice and collect
+                raise Unavailable("the request's state vanished from Redis; retry it")
             return raw
         except QueueFull:
-            collected = True  # nothing of it was enqueued
+            collected = True  # a rejected enqueue queues nothing (a repeat is never rejected)
             raise
         finally:
             self.router.forget(request_id)
             if not collected:
-                # Cancelled, timed out or failed, possibly while the enqueue was in flight:
-                # withdraw it (O(1)) so no worker spends time on it and nothing stays behind.
+                # Cancelled, timed out or failed, possibly while the enqueue was in flight or
+                # with its answer lost (LostAnswer: queued or not, we cannot tell): withdraw it
+                # (O(1)) so no worker spends time on it and nothing stays behind.
                 await asyncio.shield(self._cancel_quietly(request_id))
 
     async def _cancel_quietly(self, request_id: str) -> None:
