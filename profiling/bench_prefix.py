@@ -90,9 +90,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--budget", type=int, default=1024, help="queued tokens per batch")
-    ap.add_argument("--queries", type=int, default=256, help="queries per scenario")
+    ap.add_argument("--queries", type=int, default=96, help="queries per scenario")
     ap.add_argument("--prompt-tokens", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--write", type=Path, help="rewrite this file's bench_prefix section")
     args = ap.parse_args()
 
@@ -128,17 +128,23 @@ def main() -> None:
                 eng.embed(batch)
             computed[label] = eng.tokens_computed - before
         times = {label: [] for label in systems}
+        order = list(systems)
         for round_index in range(args.rounds):
-            for label, (eng, packed) in systems.items():
+            # back to back, the order flipped every round: load from other processes drifts
+            # over seconds, so each round's ratio compares like with like
+            for label in order if round_index % 2 == 0 else order[::-1]:
+                eng, packed = systems[label]
                 times[label].append(time_system(eng, packed))
             print(f"{name}: round {round_index + 1}/{args.rounds} "
                   + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
         input_tokens = sum(len(s) for s in seqs)
-        base = statistics.median(times["full forward (today)"])
+        base = times["full forward (today)"]
         for label, (_, packed) in systems.items():
             t = statistics.median(times[label])
+            ratios = [b / x for b, x in zip(base, times[label])]
             rows.append((name, label, len(packed), input_tokens, computed[label], input_tokens / t,
-                         computed[label] / t, len(seqs) / t, base / t))
+                         computed[label] / t, len(seqs) / t, statistics.median(ratios),
+                         min(ratios), max(ratios)))
     wall = time.perf_counter() - wall_before
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
     cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
@@ -157,18 +163,20 @@ def main() -> None:
         f"(both paths scale with layers alike), vocabulary {VOCAB}. {args.queries} queries per scenario "
         f"(lengths: profiling/workload.py, seed 1, or fixed), batches of at most {args.budget} queued "
         f"tokens as the queue counts them (the prompt's tokens are not counted on the prefix path: its "
-        f"K/V come from the worker's cache, filled by the warm-up). Median of {args.rounds} rounds, systems "
-        f"interleaved per round. Load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"K/V come from the worker's cache, filled by the warm-up). Rates: medians over {args.rounds} rounds; "
+        f"ratio: the median of per-round ratios, the systems run back to back in each round, their "
+        f"order flipped every round. tokens/s counts every input token (prompt included) served per "
+        f"second; computed tokens/s the tokens run through the model. Load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
         f"this process used {cpu_s:.0f} s CPU in {wall:.0f} s wall ({cpu_s / wall:.1f} cores). "
         "This is a shared 2-core machine: other engineers' runs compete for it; the ratios are measured "
         "in the same run, the absolute rates vary between runs.",
         "",
-        "| scenario | system | batches | input tokens | tokens computed | input tokens/s | computed tokens/s | queries/s | x full forward |",
+        "| scenario | system | batches | input tokens | tokens computed | input tokens/s | computed tokens/s | queries/s | x full forward (median, range over rounds) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, label, nb, inp, comp, inp_s, comp_s, q_s, ratio in rows:
+    for name, label, nb, inp, comp, inp_s, comp_s, q_s, ratio, lo, hi in rows:
         lines.append(f"| {name} | {label} | {nb} | {inp:,} | {comp:,} | {inp_s:,.0f} | {comp_s:,.0f} | "
-                     f"{q_s:,.1f} | {ratio:.2f} |")
+                     f"{q_s:,.1f} | **{ratio:.2f}** ({lo:.2f}-{hi:.2f}) |")
     lines += ["", SECTION_END]
     section = "\n".join(lines)
     print(section)
