@@ -16,12 +16,11 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
     """SET the queue's budget key (an integer string); running workers poll it. Returns the key."""
-    import redis
-
+    from tokq.connection import connect_sync
     from tokq.keys import QueueKeys
 
     key = QueueKeys(queue_name).budget
-    client = redis.Redis.from_url(redis_url)
+    client = connect_sync(redis_url)
     try:
         client.set(key, str(int(budget_tokens)))
     finally:

@@ -28,12 +28,15 @@ class ServiceStack:
         self.gateway: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, "--redis-url", self.redis.url,
-                                 *self.model_args], env=self.env)
+    def _spawn(self, *args: str, redis_url: str | None = None) -> subprocess.Popen:
+        # The Redis URL (with its password) goes in the environment, as `tokq up` passes it.
+        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, *self.model_args],
+                                env={**self.env, "TOKQ_REDIS_URL": redis_url or self.redis.url})
 
-    def start_gateway(self, timeout_s: float = 90) -> None:
-        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port))
+    def start_gateway(self, *extra: str, timeout_s: float = 90, redis_url: str | None = None) -> None:
+        """Start the gateway (through ``redis_url``, e.g. a fault proxy, instead of the server)."""
+        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port), *extra,
+                                   redis_url=redis_url)
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -46,8 +49,10 @@ class ServiceStack:
                     time.sleep(0.2)
         raise TimeoutError("gateway did not become healthy")
 
-    def start_worker(self, worker_id: str, *extra: str, wait: bool = True, timeout_s: float = 90) -> None:
-        self.workers[worker_id] = self._spawn("worker", "--worker-id", worker_id, *extra)
+    def start_worker(self, worker_id: str, *extra: str, wait: bool = True, timeout_s: float = 90,
+                     redis_url: str | None = None) -> None:
+        self.workers[worker_id] = self._spawn("worker", "--worker-id", worker_id, *extra,
+                                              redis_url=redis_url)
         if wait:
             self.wait_heartbeat(worker_id, timeout_s)
 
@@ -61,6 +66,12 @@ class ServiceStack:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"worker {worker_id} sent no heartbeat")
+
+    def kill_gateway(self) -> None:
+        """kill -9 the gateway (calls in flight lose their connection)."""
+        self.gateway.send_signal(signal.SIGKILL)
+        self.gateway.wait()
+        self.gateway = None
 
     def signal_worker(self, worker_id: str, sig: int) -> None:
         self.workers[worker_id].send_signal(sig)
