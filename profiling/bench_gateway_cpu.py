@@ -126,8 +126,9 @@ def _this(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tokq.profiling.bench_gateway_cpu", *args], env=_env(), **kw)
 
 
-def _tokq(*args: str, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args], env=_env(), stdout=log, stderr=log)
+def _tokq(*args: str, redis_url: str, log) -> subprocess.Popen:
+    env = {**_env(), "TOKQ_REDIS_URL": redis_url}  # in the environment: the URL holds the password
+    return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args], env=env, stdout=log, stderr=log)
 
 
 class Stack:
@@ -146,10 +147,10 @@ class Stack:
         self.redis_pid = int(client.info("server")["process_id"])
         self.gateway_target = f"127.0.0.1:{free_port()}"
         self.echo_target = f"127.0.0.1:{free_port()}"
-        self.gateway = _tokq("gateway", "--redis-url", self.redis.url, "--host", "127.0.0.1",
-                             "--port", self.gateway_target.rsplit(":", 1)[1], log=self.log)
-        self.worker = _tokq("worker", "--redis-url", self.redis.url, "--device", "cpu", "--threads", "1",
-                            "--worker-id", "cpu-bench", log=self.log)
+        self.gateway = _tokq("gateway", "--host", "127.0.0.1", "--port", self.gateway_target.rsplit(":", 1)[1],
+                             redis_url=self.redis.url, log=self.log)
+        self.worker = _tokq("worker", "--device", "cpu", "--threads", "1", "--worker-id", "cpu-bench",
+                            redis_url=self.redis.url, log=self.log)
         self.echo = _this("echo-server", "--port", self.echo_target.rsplit(":", 1)[1],
                           stdout=self.log, stderr=self.log)
         try:

@@ -272,7 +272,8 @@ def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | No
         metrics_port = free_port()
         if spec.lookahead is not None:
             env["TOKQ_LOOKAHEAD"] = str(spec.lookahead)
-        args = ["-m", "tokq.cli", "up", "--port", str(port), "--redis-url", redis_server.url,
+        env["TOKQ_REDIS_URL"] = redis_server.url  # in the environment: it holds the password
+        args = ["-m", "tokq.cli", "up", "--port", str(port),
                 "--workers", "1", "--device", spec.device, "--metrics-port", str(metrics_port), *model_args]
         if spec.token_budget:
             args += ["--token-budget", str(spec.token_budget)]
