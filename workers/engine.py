@@ -90,7 +90,15 @@ class Engine:
     def batch_flops(self, batch: PackedBatch) -> float:
         """FLOPs of one forward over ``batch``, the attention term counted per sequence (the
         same count the worker's MFU metric uses)."""
-        return float(forward_flops(self.info.config, batch.seqlens))
+        flops = forward_flops(self.info.config, batch.seqlens)
+        if batch.prefix_lens is not None and self.prefix_cache is not None:
+            # a cached prompt is not computed: its tokens' share, and its square of attention,
+            # leave; each query token attends to the prompt's keys (p * q), not a square of them
+            prefix = batch.prefix_lens.astype(np.int64)
+            queries = batch.seqlens.astype(np.int64) - prefix
+            flops -= forward_flops(self.info.config, prefix)
+            flops -= 4 * len(self.model.layers) * self.model.q_dim * int((prefix * queries).sum())
+        return float(flops)
 
     def warmup(self, num_tokens: int) -> None:
         """Run one full-budget batch (max-length sequences, then the remainder) so allocator
