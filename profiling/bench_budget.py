@@ -17,7 +17,7 @@ PROFILE_PNG = "budget_check_profile.png"
 
 
 def profile_budget(queries, *, device: str, torch_threads: int, slo_ms: float, max_tokens: int,
-                   on_progress=None) -> dict:
+                   model_dir: str | None = None, on_progress=None) -> dict:
     """`tokq profile` on the engine a worker would load (same device, same threads), on the
     workload the bench sends, with the bench's goal; returns the profile report."""
     import torch
@@ -29,7 +29,7 @@ def profile_budget(queries, *, device: str, torch_threads: int, slo_ms: float, m
     threads_before = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
     try:
-        engine = Engine.load(None, device=device)
+        engine = Engine.load(model_dir, device=device)
         config = SweepConfig(min_tokens=16, max_tokens=max_tokens, points_per_doubling=2,
                              target_s_per_point=0.5, stop_ms=2000.0)
         return run_profile(engine, queries, config, slo_p99_ms=slo_ms, workload_source="the bench workload",
