@@ -26,7 +26,7 @@ class Engine:
         self.device = device
         self.dtype = dtype
         self.attn_backend = attn_backend  # the backend actually used, never "auto"
-        self._attend = attention.attend_fn(attn_backend)
+        self._attend = attention.attend_fn(attn_backend, device)
 
     @property
     def linear_backend(self) -> str:
