@@ -80,7 +80,8 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
 @click.option("--model", help="local model directory; default: the bundled all-MiniLM-L6-v2")
 @click.option("--model-name", help="served model name (and queue name)")
 @click.option("--device", help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
+@click.option("--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 where the "
+              "device runs it natively, fp16 on pre-Ampere GPUs, else fp32)")
 @click.option("--attn-backend", help="auto | flash_attn | torch_varlen | sdpa ...")
 @click.option("--token-budget", type=int, help="tokens per batch; default: the published budget "
               "(tokq profile --apply), else a per-device default")
@@ -98,6 +99,10 @@ def worker_command(worker_id, burst, check, **values) -> None:
         raise click.UsageError(str(exc)) from exc
     if check:
         sys.exit(_check(config, worker_id))
+    from tokq.workers import device
+
+    if error := device.torch_version_error():  # one line, before anything loads
+        raise click.ClickException(error)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(config, worker_id, burst))
 
