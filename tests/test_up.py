@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import redis
 
 from tokq.redis_server import free_port
 
@@ -51,6 +52,17 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         assert f"127.0.0.1:{port}" in text and "tokq embed" in text and "redis://" in text
         children = _children(proc.pid)
         assert len(children) == 4  # Redis, gateway, two workers
+        # The embedded Redis has a generated password; no child has it on its command line
+        # (readable by any local user with ps) and it is not printed.
+        envs = [dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                     if b"=" in kv) for pid in children]
+        url = next(e[b"TOKQ_REDIS_URL"] for e in envs if b"TOKQ_REDIS_URL" in e).decode()
+        password = redis.connection.parse_url(url)["password"]
+        assert password and len(password) >= 20 and password not in text
+        for pid in children:
+            assert password.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url.replace(password, "wrong")).ping()
         with Client(f"127.0.0.1:{port}") as client:
             vectors = client.embed(["make run works", "and answers"], timeout=60)
         assert vectors.shape == (2, 384)

@@ -1,16 +1,32 @@
 """Redis connections for the gateway and workers: any redis:// or rediss:// URL (TLS, password,
 db), a bounded pool, and fail-fast timeouts so an unreachable Redis is reported within a second
-instead of hanging a caller."""
+instead of hanging a caller.
+
+The same URL may name a standalone server or any node of a Redis Cluster: ``cluster="auto"``
+asks the server (``INFO cluster``) once, and in cluster mode the client is redis-py's
+``RedisCluster``, which finds the node owning each key's slot and follows MOVED/ASK.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any, Literal
+
+import redis
 import redis.asyncio as aioredis
 import redis.exceptions
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 CONNECT_TIMEOUT_S = 0.5
 SOCKET_TIMEOUT_S = 5.0
+ClusterMode = Literal["auto", "yes", "no"]
+CLUSTER_MODES = ("auto", "yes", "no")
+_PROBE_ATTEMPTS = 20  # x ~0.5 s: a Redis still starting (compose, k8s) gets ~10 s
+
+_cluster_by_url: dict[str, bool] = {}
 
 
 def _retry() -> Retry:
@@ -22,8 +38,78 @@ def _retry() -> Retry:
                  supported_errors=(redis.exceptions.ConnectionError,))
 
 
-def connect(url: str, *, max_connections: int = 32, pool_timeout_s: float = 5.0) -> aioredis.Redis:
-    """A binary-safe asyncio client over a pool of at most ``max_connections`` connections."""
+def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
+    """Whether ``url`` names a Redis Cluster node: ``mode`` yes/no says so, ``auto`` asks the
+    server once (``cluster_enabled:1`` in INFO cluster) and remembers the answer per URL."""
+    if mode not in CLUSTER_MODES:
+        raise ValueError(f"redis_cluster must be one of {', '.join(CLUSTER_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode == "yes"
+    if url not in _cluster_by_url:
+        client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                      socket_timeout=SOCKET_TIMEOUT_S)
+        try:
+            for attempt in range(_PROBE_ATTEMPTS):
+                try:
+                    info = client.info("cluster")
+                    break
+                except redis.exceptions.ConnectionError:
+                    if attempt == _PROBE_ATTEMPTS - 1:
+                        raise
+                    time.sleep(0.5)
+        finally:
+            client.close()
+        _cluster_by_url[url] = bool(info.get("cluster_enabled"))
+    return _cluster_by_url[url]
+
+
+class BoundedRedisCluster(RedisCluster):
+    """redis-py's cluster client raises MaxConnectionsError when a node's pool is used up; the
+    gateway runs thousands of concurrent calls, so commands wait for one of
+    ``max_connections`` slots instead (as the standalone BlockingConnectionPool does)."""
+
+    def __init__(self, *args: Any, max_connections: int = 32, **kwargs: Any) -> None:
+        super().__init__(*args, max_connections=max_connections, **kwargs)
+        self._bound = asyncio.Semaphore(max_connections)
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self._bound:
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        async def bounded_execute(*args: Any, **kwargs: Any) -> Any:
+            async with self._bound:
+                return await execute(*args, **kwargs)
+
+        pipe.execute = bounded_execute
+        return pipe
+
+
+def _cluster_client(url: str, max_connections: int) -> RedisCluster:
+    return BoundedRedisCluster.from_url(
+        url,
+        max_connections=max_connections,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_keepalive=True,
+        # Connection errors and CLUSTERDOWN are retried after re-reading the slot map (how a
+        # failover is followed); the cluster client does not retry timeouts' replies twice.
+        retry=_retry(),
+        # While one primary fails over, the slots of the others keep serving.
+        require_full_coverage=False,
+        decode_responses=False,
+    )
+
+
+def connect(url: str, *, max_connections: int = 32, pool_timeout_s: float = 5.0,
+            cluster: ClusterMode = "auto") -> aioredis.Redis | RedisCluster:
+    """A binary-safe asyncio client over at most ``max_connections`` connections (per node in
+    a cluster): a ``RedisCluster`` where ``url`` names a cluster node, else a ``Redis``."""
+    if is_cluster(url, cluster):
+        return _cluster_client(url, max_connections)
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
@@ -37,7 +123,64 @@ def connect(url: str, *, max_connections: int = 32, pool_timeout_s: float = 5.0)
     return aioredis.Redis(connection_pool=pool)
 
 
-def connect_pubsub(url: str) -> aioredis.Redis:
-    """A separate client for a long-lived SUBSCRIBE (it holds its connection for good)."""
+def connect_pubsub(url: str, cluster: ClusterMode = "auto") -> aioredis.Redis | RedisCluster:
+    """A separate client for a long-lived (S)SUBSCRIBE (it holds its connection for good). In
+    a cluster, ``client.pubsub()`` is a ClusterPubSub whose SSUBSCRIBE goes to the node that
+    owns the channel's slot."""
+    if is_cluster(url, cluster):
+        return _cluster_client(url, max_connections=4)
     return aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                    socket_keepalive=True, retry=_retry(), decode_responses=False)
+
+
+def connect_sync(url: str, cluster: ClusterMode = "auto") -> redis.Redis | redis.RedisCluster:
+    """A blocking client for one-shot CLI work (liveness check, publishing a budget)."""
+    kwargs = dict(socket_connect_timeout=1.0, socket_timeout=2.0)
+    if is_cluster(url, cluster):
+        return redis.RedisCluster.from_url(url, require_full_coverage=False, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+class ShardedSubscriber:
+    """SSUBSCRIBE to shard channels through either client, with one interface: a standalone
+    ``Redis`` reads them with ``get_message``; a ``RedisCluster`` opens one connection per
+    node that owns a channel's slot and reads them with ``get_sharded_message``."""
+
+    def __init__(self, client: aioredis.Redis | RedisCluster) -> None:
+        self._client = client
+        self._cluster = isinstance(client, RedisCluster)
+        self._pubsub: Any = None
+
+    async def subscribe(self, *channels: str) -> None:
+        """Subscribe (a fresh connection each time, after re-reading the slot map in a cluster,
+        so a resubscribe after a failover goes to the new primary)."""
+        await self.aclose()
+        if self._cluster:
+            await self._client.initialize()
+            await self._client.nodes_manager.initialize()
+        self._pubsub = self._client.pubsub()
+        await self._pubsub.ssubscribe(*channels)
+        for _ in channels:  # the confirmations
+            await self._read(timeout=1.0, ignore_subscribe_messages=False)
+
+    async def _read(self, timeout: float, ignore_subscribe_messages: bool) -> dict | None:
+        if self._cluster:
+            return await self._pubsub.get_sharded_message(
+                ignore_subscribe_messages=ignore_subscribe_messages, timeout=timeout)
+        return await self._pubsub.get_message(
+            ignore_subscribe_messages=ignore_subscribe_messages, timeout=timeout)
+
+    async def get_message(self, timeout: float) -> tuple[bytes, bytes] | None:
+        """The next (channel, data) published, or None after ``timeout`` seconds."""
+        msg = await self._read(timeout=timeout, ignore_subscribe_messages=True)
+        if msg is None or msg["type"] not in (b"smessage", "smessage"):
+            return None
+        return msg["channel"], msg["data"]
+
+    async def aclose(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            try:
+                await pubsub.aclose()
+            except Exception:  # closing a broken connection: nothing left to release
+                pass

@@ -12,7 +12,8 @@ import click
 from tokq import config as cfg
 
 
-async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -> None:
+async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker_id: str | None,
+                 burst: bool) -> None:
     from tokq.connection import connect
     from tokq.queue import Queue
     from tokq.workers.engine import Engine
@@ -24,8 +25,7 @@ async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -
         torch.set_num_threads(config.threads)
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.model_name or None)
-    client = connect(config.redis_url, max_connections=8)
-    queue_config = cfg.load(cfg.QueueConfig)
+    client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
     worker_id = worker_id or default_worker_id()
     observer = None
     if config.metrics_port:
@@ -55,12 +55,17 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
     """Liveness: 0 when this worker's (or, without --worker-id, any worker's) heartbeat is fresh."""
     import redis
 
+    from tokq.connection import connect_sync
     from tokq.keys import QueueKeys
     from tokq.model_info import ModelInfo
 
     info = ModelInfo.load(config.model or None, name=config.model_name or None)
     keys = QueueKeys(info.queue_name)
-    client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=1, socket_timeout=2)
+    try:
+        client = connect_sync(config.redis_url, config.redis_cluster)
+    except redis.RedisError as exc:
+        click.echo(f"unhealthy: Redis unreachable: {exc}", err=True)
+        return 1
     try:
         if worker_id:
             alive = bool(client.exists(keys.heartbeat(worker_id)))
@@ -76,27 +81,15 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
 
 
 @click.command("worker")
-@click.option("--redis-url", help="redis:// or rediss:// URL (env TOKQ_REDIS_URL)")
-@click.option("--model", help="local model directory; default: the bundled all-MiniLM-L6-v2")
-@click.option("--model-name", help="served model name (and queue name)")
-@click.option("--device", help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", help="auto | float32 | bfloat16 | float16 (auto: bf16 where the "
-              "device runs it natively, fp16 on pre-Ampere GPUs, else fp32)")
-@click.option("--attn-backend", help="auto | flash_attn | torch_varlen | sdpa ...")
-@click.option("--token-budget", type=int, help="tokens per batch; default: the published budget "
-              "(tokq profile --apply), else a per-device default")
-@click.option("--threads", type=int, help="torch CPU threads (default: all cores)")
-@click.option("--heartbeat-ms", type=int)
-@click.option("--metrics-port", type=int)
+@cfg.click_options(cfg.WorkerConfig, cfg.QueueConfig)
 @click.option("--worker-id", help="default: hostname-pid")
 @click.option("--burst", is_flag=True, help="drain the queue, then exit (tests, batch jobs)")
 @click.option("--check", is_flag=True, help="liveness probe: exit 0 if the heartbeat is fresh, else 1")
 def worker_command(worker_id, burst, check, **values) -> None:
     """Claim token-budget batches from Redis and embed them."""
-    try:
-        config = cfg.load(cfg.WorkerConfig, values)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    worker_values, queue_values = cfg.split(values, cfg.WorkerConfig, cfg.QueueConfig)
+    config = cfg.load_or_exit(cfg.WorkerConfig, worker_values)
+    queue_config = cfg.load_or_exit(cfg.QueueConfig, queue_values)
     if check:
         sys.exit(_check(config, worker_id))
     from tokq.workers import device
@@ -104,7 +97,7 @@ def worker_command(worker_id, burst, check, **values) -> None:
     if error := device.torch_version_error():  # one line, before anything loads
         raise click.ClickException(error)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_serve(config, worker_id, burst))
+    asyncio.run(_serve(config, queue_config, worker_id, burst))
 
 
 def main() -> None:

@@ -17,17 +17,18 @@ from pathlib import Path
 
 import torch
 
+from tokq.config import DTYPES
+
 # The oldest torch tokq runs on: F.scaled_dot_product_attention(enable_gqa=) and F.rms_norm.
 # Tested on 2.13; torch.nn.attention.varlen (CUDA) is used from 2.10 on.
 MIN_TORCH = (2, 6)
 TESTED_TORCH = "2.13"
-
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -106,7 +107,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return auto_dtype(device)
     if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_CHOICES)}")
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     return _DTYPES[dtype]
 
 

@@ -1,0 +1,115 @@
+"""A real Redis Cluster (3 primaries + 3 replicas on loopback): the test cluster itself, and
+tokq's connections against it from a node that does not own the queue's slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from queue_support import QUEUE, items, ok_result
+
+from tokq.connection import ShardedSubscriber, connect, connect_pubsub, is_cluster
+from tokq.keys import QueueKeys
+from tokq.queue import Queue
+from tokq.redis_cluster import NUM_SLOTS
+
+
+def _non_owner_url(cluster, key: str) -> str:
+    owner = cluster.owner_port(key)
+    return cluster.node_url(next(p for p in cluster.primary_ports() if p != owner))
+
+
+def test_cluster_has_three_replicated_primaries_covering_every_slot(redis_cluster, redis_cluster_url):
+    primaries = redis_cluster.primary_ports()
+    assert len(primaries) == 3
+    with redis.Redis.from_url(redis_cluster_url, decode_responses=True) as c:
+        slots = c.execute_command("CLUSTER", "SLOTS")
+        assert sum(int(end) - int(start) + 1 for start, end, *_ in slots) == NUM_SLOTS
+        nodes = c.execute_command("CLUSTER", "NODES")
+    # CLUSTER NODES lines: <id> <addr> <flags> <primary id or -> ...
+    rows = [line.split() for line in nodes.splitlines()]
+    primary_ids = {r[0] for r in rows if "master" in r[2].split(",")}
+    replica_of = [r[3] for r in rows if "slave" in r[2].split(",")]
+    assert sorted(replica_of) == sorted(primary_ids)  # one replica per primary
+
+
+def test_mode_is_detected_from_the_server(redis_cluster_url, redis_url):
+    assert is_cluster(redis_cluster_url) is True
+    assert is_cluster(redis_url) is False
+    assert is_cluster(redis_url, "yes") is True  # an explicit setting wins
+    with pytest.raises(ValueError, match="redis_cluster"):
+        is_cluster(redis_url, "maybe")
+
+
+async def test_queue_cycle_through_a_node_that_does_not_own_the_slot(redis_cluster):
+    keys = QueueKeys(QUEUE)
+    url = _non_owner_url(redis_cluster, keys.pending)
+    client = connect(url)
+    try:
+        q = Queue(client, QUEUE)
+        await q.enqueue("r1", items(3, 4), timeout_ms=10_000, channel=keys.done_channel("gw"))
+        claim = await q.claim(100)
+        assert [e.tokens for e in claim.entries] == [3, 4]
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        assert sorted(await q.collect("r1")) == [0, 1]
+        assert (await q.stats()).queued_entries == 0
+    finally:
+        await client.aclose()
+
+
+async def test_a_plain_client_on_a_cluster_gets_moved(redis_cluster):
+    """What the issue saw: without cluster mode, a node that does not own the slot refuses."""
+    keys = QueueKeys(QUEUE)
+    client = connect(_non_owner_url(redis_cluster, keys.pending), cluster="no")
+    try:
+        with pytest.raises(redis.exceptions.MovedError):
+            await Queue(client, QUEUE).stats()
+    finally:
+        await client.aclose()
+
+
+async def test_a_bounded_cluster_client_queues_commands_beyond_its_connections(redis_cluster_url):
+    client = connect(redis_cluster_url, max_connections=2)
+    try:
+        keys = [f"k{i}" for i in range(200)]  # spread over all three primaries
+        await asyncio.gather(*(client.set(k, k) for k in keys))
+        assert await asyncio.gather(*(client.get(k) for k in keys)) == [k.encode() for k in keys]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("kind", ["standalone", "cluster"])
+async def test_sharded_subscriber_hears_channels_on_every_node(kind, request):
+    url = request.getfixturevalue("redis_cluster_url" if kind == "cluster" else "redis_url")
+    channels = [QueueKeys(f"m{i}").done_channel("gw") for i in range(6)]
+    client, sub = connect(url), ShardedSubscriber(connect_pubsub(url))
+    try:
+        await sub.subscribe(*channels)
+        for ch in channels:
+            await client.spublish(ch, ch.encode())
+        got = []
+        for _ in range(50):
+            if (msg := await sub.get_message(timeout=0.2)) is not None:
+                got.append(msg)
+            if len(got) == len(channels):
+                break
+        assert sorted(got) == sorted((ch.encode(), ch.encode()) for ch in channels)
+    finally:
+        await sub.aclose()
+        await client.aclose()
+
+
+def test_killed_primary_is_replaced_by_its_replica(redis_cluster, redis_cluster_url):
+    key = "tokq:{failover}:probe"
+    with redis.RedisCluster.from_url(redis_cluster_url) as c:
+        c.set(key, b"kept")
+        primary = redis_cluster.owner_port(key)
+        c.get_node_from_key(key).redis_connection.execute_command("WAIT", 1, 2000)
+    replicas = redis_cluster.replica_ports_of(primary)
+    assert len(replicas) == 1
+    redis_cluster.kill(primary)
+    redis_cluster.wait_ok(timeout_s=30)
+    assert redis_cluster.owner_port(key) == replicas[0]
+    with redis.RedisCluster.from_url(redis_cluster.node_url(replicas[0])) as c:
+        assert c.get(key) == b"kept"
