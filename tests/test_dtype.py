@@ -130,3 +130,21 @@ def test_pooling_is_done_in_fp32(kind):
     assert pooled.dtype == torch.float32
     if kind == "mean":  # summed in fp32, not in bf16
         torch.testing.assert_close(pooled[0], hidden[:3].float().mean(0))
+
+
+def test_accuracy_report_compares_with_fp32_and_rewrites_its_section(tmp_path):
+    from tokq.profiling import accuracy_dtype
+
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(40, 16))
+    same = accuracy_dtype.compare(ref, ref.copy())
+    assert same["cos_min"] == pytest.approx(1.0) and same["nn_mean"] == 1.0 and same["finite"]
+    noisy = accuracy_dtype.compare(ref, ref + rng.normal(scale=0.5, size=ref.shape))
+    assert noisy["cos_min"] < 0.99 and noisy["nn_mean"] < 1.0
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\n## Other\nkept\n")
+    for body in ("first", "second"):
+        accuracy_dtype.write_section(results, f"{accuracy_dtype.SECTION_START}\n{body}\n{accuracy_dtype.SECTION_END}")
+    text = results.read_text()
+    assert "kept" in text and "second" in text and "first" not in text
+    assert text.count(accuracy_dtype.SECTION_START) == 1
