@@ -115,7 +115,8 @@ class BatchRunner:
     def _embed(self, bodies: list[Body]) -> np.ndarray:
         batch = PackedBatch.pack([b.token_ids for b in bodies],
                                  normalize=[b.normalize for b in bodies],
-                                 dimensions=[b.dimensions for b in bodies])
+                                 dimensions=[b.dimensions for b in bodies],
+                                 prefix_lens=[b.prefix_len for b in bodies])
         return self.engine.embed(batch)
 
     def _embed_into(self, bodies: list[Body], items: list[int], vectors: np.ndarray,
