@@ -2,6 +2,7 @@
 same machine, systems interleaved round by round so load from other work hits all of them.
 
     .venv/bin/python -m tokq.profiling.bench_runtime [--num-queries 800] [--rounds 3]
+        [--dtype auto|float32|bfloat16] [--threads N]
 
 Prints tokens/s (real tokens, no padding counted; median over rounds) of:
   * the packed runtime at token budgets 256..4096, queries packed in arrival order;
@@ -15,6 +16,12 @@ timed again just before every measurement, two ways: a large ``torch.mm`` (MKL, 
 its AVX2 path on AMD CPUs) and the same product through oneDNN (AVX-512, what the runtime
 uses). "Linear limit" = peak / (2 FLOPs per linear weight); "MFU" = all model FLOPs, attention
 included, / peak.
+
+The target's own ceiling, in whatever dtype the runtime uses (``--dtype``, default auto): the
+model's linear layers alone, through the same kernels in the same dtype, on the same 1,024-token
+batch shapes (``linear_only_tokens_per_s``), timed again before every measurement; the forward's
+fraction of it is what is left for everything else. A torch profiler table of the packed
+forward, by op, shows where that rest goes.
 """
 
 from __future__ import annotations
@@ -85,6 +92,41 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 3) -> tuple[float, float]
     return peaks[0], (peaks[1] if len(peaks) > 1 else 0.0)
 
 
+def linear_only_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: int = 5) -> float:
+    """Tokens/s of the model's linear layers alone (every 2-d weight of every layer, with its
+    bias, through the engine's own kernels and dtype) on a ``num_tokens``-row input: the
+    ceiling the whole forward is measured against."""
+    gen = torch.Generator().manual_seed(0)
+    linear, dtype = engine.model.linear, engine.dtype
+    calls = []
+    for layer in engine.model.layers:
+        for name, weight in vars(layer).items():
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                bias = getattr(layer, name.removesuffix("_weight") + "_bias", None)
+                x = torch.randn(num_tokens, weight.shape[1], generator=gen).to(dtype)
+                calls.append((x, weight, bias))
+
+    @torch.inference_mode()
+    def run() -> None:
+        for x, weight, bias in calls:
+            linear(x, weight, bias)
+
+    run()
+    return num_tokens / statistics.median(timed(run) for _ in range(repeats))
+
+
+def op_table(engine: Engine, batches: list[PackedBatch], row_limit: int = 14) -> str:
+    """The torch profiler's per-op table (self CPU time) over ``batches``' forwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for batch in batches[:2]:
+        engine.embed(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in batches:
+            engine.embed(batch)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+
+
 def timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
@@ -117,17 +159,21 @@ def main() -> None:
     ap.add_argument("--workload", type=Path, default=WORKLOAD)
     ap.add_argument("--model", default=None, help="model directory (default: bundled all-MiniLM-L6-v2)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the runtime's dtype (auto: bf16 on CPUs with native bf16, else fp32)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     from sentence_transformers import SentenceTransformer
 
-    engine = Engine.load(args.model, device="cpu")  # what auto picks
+    engine = Engine.load(args.model, device="cpu", dtype=args.dtype)  # what auto picks
     # the alternatives auto did not pick, each changing one thing
-    engines = {backend: Engine.load(args.model, device="cpu", attn_backend=backend)
+    engines = {backend: Engine.load(args.model, device="cpu", dtype=args.dtype, attn_backend=backend)
                for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop") if backend != engine.attn_backend}
-    engines["F.linear (MKL)"] = Engine.load(args.model, device="cpu", linear="torch")
+    engines["F.linear"] = Engine.load(args.model, device="cpu", dtype=args.dtype, linear="torch")
+    if engine.dtype != torch.float32:
+        engines["fp32"] = Engine.load(args.model, device="cpu", dtype="float32")
     st = SentenceTransformer(str(engine.info.path), device="cpu")
     texts, source = load_texts(args.workload, args.num_queries, st.tokenizer)
     ids = st.tokenizer(texts, truncation=True, max_length=engine.info.max_length)["input_ids"]
@@ -147,7 +193,8 @@ def main() -> None:
         systems[f"packed 1024 {label}"] = lambda e=eng: [e.embed(x) for x in backend_batches]
         flops[f"packed 1024 {label}"] = sum(engine.batch_flops(x) for x in backend_batches)
 
-    print(f"model {engine.info.name}, auto: attention {engine.attn_backend}, linear {engine.linear_backend}; "
+    print(f"model {engine.info.name}, {str(engine.dtype).removeprefix('torch.')}, attention "
+          f"{engine.attn_backend}, linear {engine.linear_backend}; "
           f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
@@ -161,12 +208,24 @@ def main() -> None:
     # from other work moves both; every figure is a median over rounds of per-round values
     rates: dict[str, list[float]] = {name: [] for name in systems}
     peaks: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
+    limits: dict[str, list[float]] = {name: [] for name in systems}  # linear layers alone
     for round_index in range(args.rounds):
         for name, fn in systems.items():
             peaks[name].append(matmul_peak_flops())
+            limits[name].append(linear_only_tokens_per_s(engine))
             rates[name].append(num_tokens / timed(fn))
         print(f"round {round_index + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}")
     report(rates, peaks, flops, num_tokens, engine.flops_per_token())
+    dtype = str(engine.dtype).removeprefix("torch.")
+    print(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 "
+          f"tokens): {statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")
+    print(f"\n| system | % of the {dtype} linear-layer limit (same kernels, same run) |\n|---|---:|")
+    for name, rate in rates.items():
+        if name.startswith("packed"):
+            share = statistics.median(r / lim for r, lim in zip(rate, limits[name]))
+            print(f"| {name} | {100 * share:.0f}% |")
+    print(f"\nwhere the packed 1024 forward's time goes ({dtype}, torch profiler, self CPU time):\n")
+    print(op_table(engine, backend_batches))
     attn_ms = {backend: attention_ms_per_layer(engine, backend_batches, backend)
                for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop")}
     print("\nattention alone, ms per layer per 1,024-token batch: "
@@ -190,8 +249,8 @@ def report(rates: dict[str, list[float]], peaks: dict[str, list[tuple[float, flo
             print(f"fp32 peak, {label}: {median_of(values) / 1e9:.0f} GFLOP/s median "
                   f"(min {min(values) / 1e9:.0f}, max {max(values) / 1e9:.0f}); linear-layer limit "
                   f"{median_of(values) / per_token:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token")
-    print("\n| system | tokens/s | x one-at-a-time | x batch-32 | % linear limit, mm peak "
-          "| % linear limit, oneDNN peak | MFU, oneDNN peak |")
+    print("\n| system | tokens/s | x one-at-a-time | x batch-32 | % linear limit, fp32 mm peak "
+          "| % linear limit, fp32 oneDNN peak | MFU, fp32 oneDNN peak |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, rate in rates.items():
         mfu = share(name, 1, flops[name] / num_tokens) if name in flops else ""
