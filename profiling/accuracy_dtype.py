@@ -24,6 +24,7 @@ import torch
 
 from tokq.batch import PackedBatch
 from tokq.profiling.profile_batches import token_ids_for
+from tokq.profiling.results_md import write_block
 from tokq.profiling.workload import generate
 from tokq.workers import device as device_mod
 from tokq.workers.engine import Engine
@@ -132,13 +133,7 @@ def run(args) -> str:
 
 
 def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.is_file() else "# Results\n"
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    write_block(path, section, SECTION_START, SECTION_END)
 
 
 def main() -> None:

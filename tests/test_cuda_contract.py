@@ -179,3 +179,86 @@ def test_cuda_sdpa_fallback_repeats_kv_heads_instead_of_enable_gqa(monkeypatch, 
     ref = reference_attention(q, k, v, batch.cu_seqlens, True, 0.25)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert seen and all(hq == hkv and not gqa for hq, hkv, gqa in seen), seen
+
+
+# -- on a real GPU (marked cuda: skipped here) -------------------------------------------------
+# The first GPU run checks the decoder path too: Qwen2/Qwen3 in bf16 through both varlen
+# backends, strided q/k/v views, fp16, and the SDPA fallback without the math kernel.
+
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _cuda_engine_or_skip(path, dtype: str, backend: str) -> Engine:
+    reason = attention.unavailable_reason(backend, torch.device("cuda"), getattr(torch, dtype))
+    if reason:
+        pytest.skip(reason)
+    return Engine.load(path, device="cuda", dtype=dtype, attn_backend=backend)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    dirs = {}
+    for name in ("qwen2_causal_lm", "qwen3_model", "bert"):
+        dirs[name] = tmp_path_factory.mktemp(f"gpu-{name}")
+        build(name, dirs[name])
+    return dirs
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa_packed"])
+@pytest.mark.parametrize("model", ["qwen2_causal_lm", "qwen3_model", "bert"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_engine_matches_cpu_fp32(tiny_dirs, model, backend, dtype):
+    gpu = _cuda_engine_or_skip(tiny_dirs[model], dtype, backend)
+    cpu = Engine.load(tiny_dirs[model], device="cpu", dtype="float32")
+    batch = _batch(3)
+    got, want = gpu.embed(batch), cpu.embed(batch)
+    assert np.isfinite(got).all()
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= 0.99, cos.min()
+    alone = gpu.embed(PackedBatch.pack([batch.input_ids[:int(batch.cu_seqlens[1])]]))
+    np.testing.assert_allclose(alone[0], got[0], atol=3e-2)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa_packed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_backends_take_strided_qkv_views_of_one_projection(backend, causal):
+    cuda_dev = torch.device("cuda")
+    if reason := attention.unavailable_reason(backend, cuda_dev, torch.bfloat16):
+        pytest.skip(reason)
+    batch = PackedBatch.pack([np.arange(n) for n in (3, 300, 1, 17, 129, 64)])
+    heads, kv_heads, dim = 8, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(batch.num_tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(cuda_dev, torch.bfloat16)
+    q = qkv[:, :heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    layout = attention.build_layout(batch, cuda_dev, backend, causal=causal, dtype=torch.bfloat16)
+    if layout.restore is not None:
+        pytest.skip("this layout reorders sequences; covered by tests/test_attention.py")
+    out = attention.attend_fn(backend, cuda_dev)(q, k, v, layout, causal, dim ** -0.5)
+    ref = reference_attention(q, k, v, batch.cu_seqlens, causal, dim ** -0.5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("backend", ["sdpa_packed", "sdpa_grouped", "sdpa_loop"])
+def test_cuda_sdpa_fallback_runs_without_the_math_kernel(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda_dev = torch.device("cuda")
+    batch = PackedBatch.pack([np.arange(n) for n in (3, 7, 7, 40, 70, 512)])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch.num_tokens, 8, 64, generator=gen).to(cuda_dev, torch.float16)
+    k, v = (torch.randn(batch.num_tokens, 2, 64, generator=gen).to(cuda_dev, torch.float16) for _ in range(2))
+    layout = attention.build_layout(batch, cuda_dev, backend, causal=True, dtype=torch.float16)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # math refused
+        out = attention.attend_fn(backend, cuda_dev)(q, k, v, layout, True, 0.125)
+    ref = reference_attention(q, k, v, batch.cu_seqlens, True, 0.125)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
