@@ -6,6 +6,7 @@ several gateway processes can share one port."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import secrets
@@ -115,6 +116,11 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     await readiness.start()
     log.info("gateway %s serving %s on %s:%d (queue %s)%s", gid, info.name, config.host, port,
              info.queue_name, f", HTTP on port {http_port}" if http_port else "")
+    # What start-up loaded (tokenizer, transformers, protobuf, gRPC: ~200,000 objects) lives as
+    # long as the process: out of the cyclic collector's reach, its full collections stop
+    # rescanning it on every few hundred calls (17% of the gateway's CPU before, by py-spy).
+    gc.collect()
+    gc.freeze()
     if on_ready:
         on_ready(port)
 
