@@ -93,8 +93,12 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=96, help="queries per scenario")
     ap.add_argument("--prompt-tokens", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (0: torch's default); 1 keeps ratios steady on a shared CPU")
     ap.add_argument("--write", type=Path, help="rewrite this file's bench_prefix section")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), args.layers)
