@@ -44,12 +44,13 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str | torch.device = "auto",
              dtype: str | torch.dtype = "auto", attn_backend: str = "auto",
-             name: str | None = None, linear: str = "auto") -> Engine:
-        """Load a model directory (None: the bundled all-MiniLM-L6-v2). Raises
+             name: str | None = None, linear: str = "auto", revision: str | None = None) -> Engine:
+        """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
+        all-MiniLM-L6-v2). Raises
         ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
         ``linear``: auto | onednn | torch, the kernel of the linear layers (auto: oneDNN for
         fp32 on CPU, see workers/models/layers.py)."""
-        info = ModelInfo.load(path, name)
+        info = ModelInfo.load(path, name, revision)
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         backend = attention.choose_backend(attn_backend, resolved_device, resolved_dtype)
