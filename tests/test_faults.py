@@ -262,24 +262,17 @@ def test_kill_9_of_the_gateway_mid_request(stack, texts, reference):
 
 # -- the RESULTS.md table --------------------------------------------------------------------
 
-BEGIN, END = "<!-- faults:begin -->", "<!-- faults:end -->"
-
 
 def write_results(path: Path, table: list[Tally]) -> None:
-    load = os.getloadavg()
-    lines = [
-        BEGIN,
-        "",
-        f"`{RESULTS_ENV}=profiling/RESULTS.md .venv/bin/python -m pytest -q tests/test_faults.py "
-        "-p no:cacheprovider`",
-        "",
-        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
-        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}, on a shared 2-core machine (other "
-        "processes competed). One gateway and one worker (plus a second, killed, in the worker "
-        f"scenario), lease {LEASE_MS} ms, queue cap {MAX_QUEUED_TOKENS} tokens, calls of 1-4 "
-        "inputs checked against the model run alone (cosine >= 0.9999). Lost = hung or no "
-        "answer by a deadline the scenario did not cause; wrong = wrong vectors or a "
-        "non-retryable status; duplicated = items queued beyond those sent.",
+    from tokq.profiling.results_section import shared_machine_note, write_section
+
+    body = [
+        "One gateway and one worker (plus a second, killed, in the worker scenario), each behind "
+        f"its own fault proxy; lease {LEASE_MS} ms, queue cap {MAX_QUEUED_TOKENS} tokens; calls of "
+        "1-4 inputs checked against the model run alone (cosine >= 0.9999). Lost = hung, or no "
+        "answer by a deadline the scenario did not cause; wrong = wrong vectors or a status that "
+        "is not retryable; duplicated = items queued beyond those sent. "
+        + shared_machine_note(),
         "",
         "| fault | calls | answered correctly | retryable errors | lost | wrong | duplicated |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -287,14 +280,8 @@ def write_results(path: Path, table: list[Tally]) -> None:
     for t in table:
         codes = ", ".join(f"{c} {n}" for c, n in sorted(t.codes.items()))
         dup = "n/a (counters lost)" if t.duplicated is None else str(t.duplicated)
-        lines.append(f"| {t.fault} | {t.calls} | {t.correct} | {t.retryable}"
-                     f"{f' ({codes})' if codes else ''} | {t.lost} | {t.wrong} | {dup} |")
-    lines += ["", END]
-    block = "\n".join(lines)
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## Faults survived\n\n" + block + "\n"
-    path.write_text(text, encoding="utf-8")
+        body.append(f"| {t.fault} | {t.calls} | {t.correct} | {t.retryable}"
+                    f"{f' ({codes})' if codes else ''} | {t.lost} | {t.wrong} | {dup} |")
+    write_section(path, "faults", "Faults survived",
+                  f"{RESULTS_ENV}=profiling/RESULTS.md .venv/bin/python -m pytest -q "
+                  "tests/test_faults.py -p no:cacheprovider", body)

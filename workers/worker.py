@@ -92,6 +92,7 @@ class Worker:
         self._forward_since: float | None = None  # monotonic start of the running forward
         self._notices = ShardedSubscriber(queue.redis)
         self._subscribed = False
+        self._beat_lock = asyncio.Lock()  # a beat in flight must not outlive a give-up
 
     def stop(self) -> None:
         """Stop claiming; the batches in hand are finished and acknowledged."""
@@ -170,8 +171,8 @@ class Worker:
             self._subscribed = False
 
     async def _wait_for_work(self) -> None:
-        """Until a work notice arrives or IDLE_FALLBACK_S pass (or a stop). Notices that came
-        while busy are read at once: one claim answers all of them."""
+        """Until a work notice arrives or IDLE_FALLBACK_S pass. Notices that came while busy
+        are read at once: one claim answers all of them."""
         if not self._subscribed:
             await self._subscribe()
         if not self._subscribed:
@@ -285,14 +286,15 @@ class Worker:
         period_ms = self.config.heartbeat_ms
 
         async def beat():
-            if not self.healthy:
-                return
             status = {"worker": self.worker_id, "model": self.engine.info.name,
                       "device": str(self.engine.device), "budget": self.budget,
                       "batches": self.num_batches}
-            # Times on the Redis clock (in the script): hosts' clocks may disagree.
-            await self.queue.heartbeat(self.worker_id, status, ttl_ms=3 * period_ms,
-                                       forget_after_ms=10 * period_ms)
+            async with self._beat_lock:
+                if not self.healthy:
+                    return
+                # Times on the Redis clock (in the script): hosts' clocks may disagree.
+                await self.queue.heartbeat(self.worker_id, status, ttl_ms=3 * period_ms,
+                                           forget_after_ms=10 * period_ms)
             if self.observer:
                 self.observer.heartbeat()
                 self.observer.set_budget(self.budget)
@@ -307,7 +309,8 @@ class Worker:
             since = self._forward_since
             if since is None or time.monotonic() - since <= self.hung_after_s:
                 continue
-            self.healthy = False
+            async with self._beat_lock:
+                self.healthy = False
             self._held.clear()
             log.error("forward running for %.1f s (hung past %.1f s): giving up; exiting %d",
                       time.monotonic() - since, self.hung_after_s, EXIT_HUNG)
