@@ -1,6 +1,7 @@
 """Redo without a storm: a worker holding ~600 short items is killed (-9) under steady load.
 
     .venv/bin/python -m tokq.profiling.bench_crash_recovery [--rate 40] [--burst 600] [--lease-ms 2000]
+        [--results profiling/RESULTS.md]
 
 Starts its own embedded Valkey and two real ``tokq worker`` processes (the bundled model, one
 torch thread each): a survivor (the default budget) and a victim whose budget holds the whole
@@ -36,6 +37,7 @@ from tokq.entry import encode_body
 from tokq.keys import QueueKeys
 from tokq.model_info import bundled_model_path
 from tokq.processes import stop_all
+from tokq.profiling.results_section import shared_machine_note, write_section
 from tokq.queue import Queue, QueueFull
 from tokq.redis_server import EmbeddedRedis
 
@@ -101,10 +103,11 @@ class Load:
 
 
 def start_worker(url: str, worker_id: str, budget: int, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker", "--redis-url", url,
+    return subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker",
                              "--model", str(bundled_model_path()), "--worker-id", worker_id,
                              "--token-budget", str(budget), "--threads", "1"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env={**env, "TOKQ_REDIS_URL": url},  # the password stays off argv
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def wait_heartbeats(client: redis.Redis, procs: dict[str, subprocess.Popen]) -> None:
@@ -187,6 +190,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=600, help="items the victim holds")
     parser.add_argument("--lease-ms", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--results", help="rewrite this file's crash-recovery section")
     args = parser.parse_args()
 
     server = EmbeddedRedis().start()
@@ -202,19 +206,30 @@ def main() -> None:
         client.close()
         server.close()
 
-    load = os.getloadavg()
-    print(f"kill -9 of a worker holding {args.burst} items of {len(ITEM)} tokens, steady load "
-          f"{args.rate:.0f} req/s, lease {args.lease_ms} ms; medians of {args.rounds} rounds")
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
-    print(f"{'rule':32} {'recovery':>10} {'redone':>8} {'pre p99':>9} {'thr. during/before':>19}")
-    for name, m in med.items():
-        print(f"{name:32} {m['recovery_leases']:8.2f} L {m['redone_leases']:6.2f} L "
-              f"{m['pre_p99_ms']:7.0f}ms {m['recovery_items_per_s'] / m['pre_items_per_s']:18.2f}x"
-              f"  (unanswered {m['unanswered']:.0f})")
     old, new = med["old: every redone item alone"], med["new: redone in batches"]
-    print(f"recovery new/old: {new['recovery_leases'] / max(old['recovery_leases'], 1e-9):.2f}x; "
-          f"L = lease periods")
-    print(f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (shared 2-core machine)")
+    lines = [
+        f"kill -9 of a worker holding {args.burst} items of {len(ITEM)} tokens under steady load "
+        f"({args.rate:.0f} single-item requests/s), lease {args.lease_ms} ms; medians of "
+        f"{args.rounds} rounds per rule; L = lease periods.",
+        "",
+        "| redo rule | recovery to pre-crash p99 | burst redone | pre-crash p99 | "
+        "throughput during recovery / before | unanswered |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in med.items():
+        lines.append(f"| {name} | {m['recovery_leases']:.2f} L | {m['redone_leases']:.2f} L | "
+                     f"{m['pre_p99_ms']:.0f} ms | "
+                     f"{m['recovery_items_per_s'] / m['pre_items_per_s']:.2f}x | {m['unanswered']:.0f} |")
+    lines += ["", f"Recovery, new rule / old rule: "
+              f"{new['recovery_leases'] / max(old['recovery_leases'], 1e-9):.2f}x. "
+              + shared_machine_note()]
+    print("\n".join(lines))
+    if args.results:
+        write_section(args.results, "bench_crash_recovery", "Crash recovery: redo without a storm",
+                      ".venv/bin/python -m tokq.profiling.bench_crash_recovery " + " ".join(
+                          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                          if k != "results") + f" --results {args.results}", lines)
 
 
 if __name__ == "__main__":

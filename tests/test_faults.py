@@ -187,6 +187,20 @@ def test_answers_lost_on_the_gateways_link(stack, texts, reference):
     record(tally, stack)
 
 
+def test_an_enqueue_whose_every_answer_is_lost_is_unavailable_and_withdrawn(stack, texts, reference):
+    from fault_proxy import script_sha
+
+    stack.gateway_proxy.cut_rate(1.0, script_sha("enqueue"))  # it runs; no answer ever comes
+    tally = Tally("every answer to enqueue lost (after redis-py's retries)")
+    try:
+        asyncio.run(run_calls(stack, tally, texts, reference, num_calls=10, concurrency=2,
+                              retryable={"UNAVAILABLE"}))
+    finally:
+        stack.gateway_proxy.reset()
+    assert tally.codes == {"UNAVAILABLE": 10}
+    record(tally, stack)  # each was withdrawn: nothing computed for nobody, no key left
+
+
 def test_answers_lost_on_the_workers_link(stack, texts, reference):
     stack.worker_proxy.cut_rate(0.05)  # of claim, ack, renew and requeue
     tally = Tally("answer lost after the command ran, worker's link (5% of script calls)")

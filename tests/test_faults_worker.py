@@ -131,3 +131,20 @@ async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, en
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
+
+
+async def test_a_missed_work_notice_costs_at_most_the_fallback_poll(redis_url, engine):
+    qcfg = QueueConfig()
+    async with open_queue(redis_url) as q:
+        worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="deaf")
+        run = asyncio.create_task(worker.run())
+        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("deaf")), 60, "the first heartbeat")
+        # Queue an item behind an entry that keeps the queue non-empty, so no notice is sent.
+        await q.redis.set(q.keys.tokens, 1)
+        await q.enqueue("r", [(3, encode_body([101, 2000, 102]))], timeout_ms=60_000,
+                        channel=q.keys.done_channel("test"))
+        await q.redis.incrby(q.keys.tokens, -1)
+        await _wait_for(lambda: _complete(q, q.keys.reply("r"), 1), 30, "the fallback claim")
+        assert decode_result((await q.collect("r"))[0]).ok
+        worker.stop()
+        await asyncio.wait_for(run, 30)
