@@ -184,6 +184,7 @@ def test_answers_lost_on_the_gateways_link(stack, texts, reference):
     finally:
         stack.gateway_proxy.reset()
     assert stack.gateway_proxy.cuts > 0
+    tally.fault += f": {stack.gateway_proxy.cuts} answers cut"
     record(tally, stack)
 
 
@@ -210,6 +211,7 @@ def test_answers_lost_on_the_workers_link(stack, texts, reference):
     finally:
         stack.worker_proxy.reset()
     assert stack.worker_proxy.cuts > 0
+    tally.fault += f": {stack.worker_proxy.cuts} answers cut"
     record(tally, stack)
 
 
