@@ -19,6 +19,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo
 from tokq.profiling.loadgen import Reply
 from tokq.redis_server import EmbeddedRedis, free_port
 from tokq.v1 import embedder_pb2 as pb
@@ -115,7 +116,7 @@ class RunningSystem:
         """Cumulative batch counters of a tokq deployment (None for a baseline)."""
         if self.redis_server is None:
             return None
-        keys = QueueKeys("all-MiniLM-L6-v2")
+        keys = QueueKeys(ModelInfo.load().queue_name)
         client = redis.Redis.from_url(self.redis_server.url)
         try:
             counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
@@ -205,7 +206,7 @@ def _wait_http_health(target: str, proc: subprocess.Popen, timeout_s: float) -> 
 
 def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     """A worker's heartbeat appears after its warm-up at the full budget."""
-    key = QueueKeys("all-MiniLM-L6-v2").heartbeat("up-0")
+    key = QueueKeys(ModelInfo.load().queue_name).heartbeat("up-0")
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     try:

@@ -22,6 +22,7 @@ import redis.exceptions
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.entry import decode_body, encode_error, encode_ok
+from tokq.model_info import first_out_of_vocab
 from tokq.queue import Claim, Queue
 
 log = logging.getLogger("tokq.worker")
@@ -168,11 +169,21 @@ class Worker:
     # -- compute (runs in a thread) -----------------------------------------------------------
 
     def run_batch(self, claim: Claim) -> BatchOutcome:
-        entries = claim.entries
-        bodies = [decode_body(e.body) for e in entries]
+        all_entries = claim.entries
+        all_bodies = [decode_body(e.body) for e in all_entries]
+        # Ids past the embedding table never reach the model (the gateway checks too; this is
+        # the last line against another producer or a model swapped under the same queue).
+        vocab = self.engine.info.vocab_size
+        refused = {i: bad for i, b in enumerate(all_bodies)
+                   if (bad := first_out_of_vocab(b.token_ids, vocab)) is not None}
+        results = [(all_entries[i], encode_error(
+            "INVALID_ARGUMENT", f"token id {bad} is outside {self.engine.info.name}'s vocabulary "
+            f"(0..{vocab - 1})")) for i, bad in refused.items()]
+        entries = [e for i, e in enumerate(all_entries) if i not in refused]
+        bodies = [b for i, b in enumerate(all_bodies) if i not in refused]
         start = time.perf_counter()
         try:
-            vectors = self._embed(bodies)
+            vectors = self._embed(bodies) if bodies else None
             failures: dict[int, str] = {}
         except Exception as exc:  # isolate the failing input(s): the rest of the batch is fine
             log.warning("batch %s failed (%s); retrying its %d items one by one",
@@ -180,7 +191,6 @@ class Worker:
             vectors, failures = self._embed_one_by_one(bodies)
         forward_s = time.perf_counter() - start
         forward_ms = forward_s * 1000
-        results = []
         for i, (entry, body) in enumerate(zip(entries, bodies)):
             if i in failures:
                 results.append((entry, encode_error("INTERNAL", failures[i])))
@@ -188,7 +198,8 @@ class Worker:
             dims = body.dimensions or vectors.shape[1]
             queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
             results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [e.tokens for e in entries], forward_s, len(failures))
+        return BatchOutcome(results, [e.tokens for e in entries], forward_s,
+                            len(failures) + len(refused))
 
     def _embed(self, bodies) -> np.ndarray:
         batch = PackedBatch.pack([b.token_ids for b in bodies],
