@@ -1,4 +1,5 @@
-"""Optional API keys, one check for every transport: gRPC metadata ``authorization: Bearer <key>``
+"""Who may call: TLS server credentials (``server_credentials``) and optional API keys, one
+check for every transport: gRPC metadata ``authorization: Bearer <key>``
 (UNAUTHENTICATED) and HTTP's Authorization header (401) both call ``ApiKeys.check``.
 
 Keys come from --api-key (repeatable, env TOKQ_API_KEYS comma-separated) and --api-key-file (one
@@ -95,3 +96,22 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
     return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
+
+
+def server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """TLS from --tls-cert/--tls-key; with --tls-client-ca, clients must present a certificate
+    signed by it (mutual TLS). None: plaintext."""
+    if not config.tls_cert:
+        return None
+
+    def read(name: str) -> bytes:
+        path = getattr(config, name)
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{name} {path!r}: {exc.strerror}") from None
+
+    client_ca = read("tls_client_ca") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read("tls_key"), read("tls_cert"))],
+                                       root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tokq.gateway.embedding import Embedder, ServedModel
+from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, server_credentials
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
@@ -28,7 +29,7 @@ from tokq.v1 import embedder_pb2, embedder_pb2_grpc
 
 log = logging.getLogger("tokq.gateway")
 SERVICE_NAME = embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 QUEUE_STATS_PERIOD_S = 2.0
@@ -52,7 +53,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
                 stop: asyncio.Event | None = None, on_ready=None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
     info = ModelInfo.load(config.model or None, name=config.model_name or None)
-    tokenizer = Tokenizer(info)
+    tokenizer = Tokenizer(info, num_threads=config.tokenize_threads)
+    api_keys = ApiKeys.from_config(config)
+    credentials = server_credentials(config)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
                      cluster=config.redis_cluster)
     pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
@@ -65,14 +68,16 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     embedder = Embedder({info.name: model})
     service = EmbedderService(embedder)
 
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None, options=[
         ("grpc.so_reuseport", 1),
         # gRPC core starts cancelling calls at random once 1,000 wait to be picked up by the
         # application (3,000 hard): a burst of short queries must queue in Redis, not die here.
         ("grpc.server.max_pending_requests", config.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", 2 * config.max_pending_rpcs),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # Follows the byte caps: a request a little over them gets our INVALID_ARGUMENT naming the
+        # cap; one far over is refused by gRPC before it is read into memory.
+        ("grpc.max_receive_message_length", model.limits.max_message_bytes),
+        ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
     ])
     embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -82,7 +87,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"could not bind {address}")
 
@@ -94,7 +100,12 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("gateway %s serving %s on %s:%d (queue %s)", gid, info.name, config.host, port, info.queue_name)
+    log.info("gateway %s serving %s on %s:%d (%s%s; queue %s)", gid, info.name, config.host, port,
+             "TLS" if credentials else "plaintext",
+             ", mutual TLS" if config.tls_client_ca else "", info.queue_name)
+    log.info("API keys %s; reflection %s; metrics %s", "required" if api_keys else "off",
+             "on" if config.reflection else "off",
+             f"on {config.metrics_host or config.host}:{config.metrics_port}" if config.metrics_port else "off")
     if on_ready:
         on_ready(port)
 

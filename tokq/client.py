@@ -3,7 +3,8 @@
     from tokq import Client
     vectors = Client("localhost:50051").embed(["red shoes", "blue shoes"])   # float32 [2, dim]
 
-Errors raise ``TokqError`` carrying the gRPC status code and the server's message.
+Errors raise ``TokqError`` carrying the gRPC status code and the server's message. A gateway
+with TLS takes ``credentials=grpc.ssl_channel_credentials(...)``; one with API keys, ``api_key=``.
 """
 
 from __future__ import annotations
@@ -66,13 +67,18 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024)]
 
 
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 class Client:
     def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
-                 model: str = "") -> None:
+                 model: str = "", api_key: str | None = None) -> None:
         self._channel = (grpc.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
                          else grpc.insecure_channel(target, _CHANNEL_OPTIONS))
         self._stub = pb_grpc.EmbedderStub(self._channel)
         self.model = model
+        self._metadata = _auth_metadata(api_key)
 
     def embed(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
               dimensions: int | None = None, prompt_name: str | None = None,
@@ -85,13 +91,13 @@ class Client:
                    timeout: float | None = None) -> Embeddings:
         req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model)
         try:
-            return _unpack(self._stub.Embed(req, timeout=timeout))
+            return _unpack(self._stub.Embed(req, timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
     def info(self, timeout: float | None = None) -> pb.InfoResponse:
         try:
-            return self._stub.Info(pb.InfoRequest(), timeout=timeout)
+            return self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -101,7 +107,7 @@ class Client:
         if prompt_name is not None:
             req.prompt_name = prompt_name
         try:
-            return [list(t.ids) for t in self._stub.Tokenize(req, timeout=timeout).inputs]
+            return [list(t.ids) for t in self._stub.Tokenize(req, timeout=timeout, metadata=self._metadata).inputs]
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -119,11 +125,12 @@ class AsyncClient:
     """The asyncio variant (grpc.aio); create it inside a running event loop."""
 
     def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
-                 model: str = "") -> None:
+                 model: str = "", api_key: str | None = None) -> None:
         self._channel = (grpc.aio.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
                          else grpc.aio.insecure_channel(target, _CHANNEL_OPTIONS))
         self._stub = pb_grpc.EmbedderStub(self._channel)
         self.model = model
+        self._metadata = _auth_metadata(api_key)
 
     async def embed(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
                     dimensions: int | None = None, prompt_name: str | None = None,
@@ -137,13 +144,13 @@ class AsyncClient:
                          timeout: float | None = None) -> Embeddings:
         req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model)
         try:
-            return _unpack(await self._stub.Embed(req, timeout=timeout))
+            return _unpack(await self._stub.Embed(req, timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
     async def info(self, timeout: float | None = None) -> pb.InfoResponse:
         try:
-            return await self._stub.Info(pb.InfoRequest(), timeout=timeout)
+            return await self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
