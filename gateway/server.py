@@ -66,7 +66,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     observer = metrics.GatewayMetrics(info.name)
     model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
     embedder = Embedder({info.name: model})
-    service = EmbedderService(embedder)
+    service = EmbedderService(embedder, gid)
 
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None, options=[
         ("grpc.so_reuseport", 1),

@@ -9,6 +9,7 @@ import grpc
 
 from tokq.gateway.embedding import EmbedInput, Embedder
 from tokq.gateway.errors import to_status
+from tokq.client import GATEWAY_ID_METADATA
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -18,10 +19,15 @@ def _optional(message, name: str):
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):
-    def __init__(self, embedder: Embedder) -> None:
+    def __init__(self, embedder: Embedder, gateway_id: str = "") -> None:
         self.embedder = embedder
+        # Which process answered, in each reply's trailing metadata: tokq.Client balances its
+        # connections by it (SO_REUSEPORT spreads connections, not calls, over `--procs`).
+        self._identity = ((GATEWAY_ID_METADATA, gateway_id),) if gateway_id else None
 
     async def _call(self, rpc: str, model_name: str, operation, context: grpc.aio.ServicerContext):
+        if self._identity:
+            context.set_trailing_metadata(self._identity)
         try:
             return await self.embedder.observed(rpc, model_name, operation)
         except asyncio.CancelledError:

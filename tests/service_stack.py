@@ -35,8 +35,8 @@ class ServiceStack:
         return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, *self.model_args],
                                 env={**self.env, "TOKQ_REDIS_URL": self.redis.url})
 
-    def start_gateway(self, timeout_s: float = 90) -> None:
-        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port))
+    def start_gateway(self, *extra: str, timeout_s: float = 90) -> None:
+        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port), *extra)
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)

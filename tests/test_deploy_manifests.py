@@ -155,6 +155,15 @@ def test_k8s_deployments_run_real_subcommands_with_real_settings():
     assert ran == {"gateway", "worker"}
 
 
+def test_k8s_gateway_service_is_headless_with_one_process_per_pod():
+    # README "Clients and balancing": clients balance per call over the pods' addresses, which
+    # needs the DNS name to list them (headless) and each pod to be one process.
+    service = _kind("Service")["tokq-gateway"]
+    assert service["spec"]["clusterIP"] == "None"
+    (container,) = _kind("Deployment")["tokq-gateway"]["spec"]["template"]["spec"]["containers"]
+    assert "--procs" not in container["command"]
+
+
 def test_k8s_worker_requests_a_gpu():
     (container,) = _kind("Deployment")["tokq-worker"]["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
