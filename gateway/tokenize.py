@@ -35,7 +35,8 @@ PREFIX_CHARS_PER_TOKEN = 8
 
 def encode_truncated(backend: RustTokenizer, text: str, max_length: int) -> list[int]:
     """``text``'s ids truncated to ``max_length`` (special tokens included), equal to tokenizing
-    all of ``text`` with right-side truncation, while reading only a prefix of it.
+    all of ``text`` with right-side truncation, while reading only a prefix of it. ``backend``
+    must have truncation and padding off.
 
     Why a prefix gives the same ids: the normalizer works per character and the pre-tokenizer cuts
     words by local context, so every word of the prefix except the last (which the cut may have
@@ -68,7 +69,9 @@ class Tokenizer:
     def __init__(self, info: ModelInfo, num_threads: int = 0, heavy_bytes: int = 0) -> None:
         self.info = info
         self._tok = AutoTokenizer.from_pretrained(str(info.path))
-        backend = self._tok.backend_tokenizer
+        # Our own copy, never truncating or padding by itself: the HF wrapper sets those on its
+        # backend per call, and ``encode_truncated`` does the truncation.
+        backend = copy.deepcopy(self._tok.backend_tokenizer)
         backend.no_truncation()
         backend.no_padding()
         self._backend = backend
