@@ -7,6 +7,7 @@
   free thread in its own lane and a core to run on.
 - truncate=true tokenizes a prefix, not the whole string (``encode_truncated``): an 8 MB input
   costs about what a max-length one does, and the ids are those of tokenizing it all (see there).
+  Without truncate=true, a long input is refused from its prefix too (``surely_too_long``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ def encode_truncated(backend: RustTokenizer, text: str, max_length: int) -> list
         cut *= 2
 
 
+def surely_too_long(backend: RustTokenizer, text: str, max_length: int) -> bool:
+    """True when ``text`` has more than ``max_length`` tokens for certain, read from a prefix: the
+    prefix's first tokens are settled (as in ``encode_truncated``) and more follow. A long text
+    sent without truncate=true is then refused for the price of a max-length one. False means
+    "not known from the prefix": the full tokenization decides."""
+    keep = max_length - backend.num_special_tokens_to_add(False)
+    cut = max(64, keep * PREFIX_CHARS_PER_TOKEN)
+    if len(text) <= cut:
+        return False
+    return _prefix_is_settled(backend.encode(text[:cut], add_special_tokens=False), keep)
+
+
 def _prefix_is_settled(enc: Encoding, keep: int) -> bool:
     words = enc.word_ids
     if len(words) <= keep:
@@ -103,6 +116,12 @@ class Tokenizer:
                 enc.truncate(keep, direction="left")
                 out.append(backend.post_process(enc).ids)
             return out
+        for i, text in enumerate(texts):
+            if surely_too_long(backend, text, max_len):
+                raise InvalidArgument(
+                    f"input {i} is more than {max_len} tokens long; {self.info.name} takes at most "
+                    f"{max_len} tokens per input (special tokens included). Shorten it or set "
+                    f"truncate=true to cut it to {max_len}.", param="input")
         encs = backend.encode_batch(texts, add_special_tokens=True)
         ids = [enc.ids for enc in encs]
         for i, seq in enumerate(ids):
@@ -124,10 +143,9 @@ class Tokenizer:
             pool, lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
 
     def cost_bytes(self, sizes: list[int], truncate: bool) -> int:
-        """What tokenizing inputs of these byte sizes costs, in bytes actually read: truncate=true
-        reads about a first prefix of each (``encode_truncated``)."""
-        if not truncate:
-            return sum(sizes)
+        """About the bytes tokenizing inputs of these UTF-8 sizes reads: a long input costs about
+        a first prefix (cut by ``encode_truncated``, or refused by ``surely_too_long``), an input
+        of words longer than the model reads being the rare exception that reads further."""
         first_cut = 4 * PREFIX_CHARS_PER_TOKEN * self.info.max_length  # <= 4 bytes a char
         return sum(min(n, first_cut) for n in sizes)
 

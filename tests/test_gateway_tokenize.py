@@ -10,7 +10,7 @@ import random
 import pytest
 
 from tokq.gateway.errors import InvalidArgument
-from tokq.gateway.tokenize import Tokenizer, encode_truncated
+from tokq.gateway.tokenize import Tokenizer, encode_truncated, surely_too_long
 from tokq.model_info import ModelInfo
 
 
@@ -112,3 +112,24 @@ def test_an_8mb_input_truncated_gives_the_ids_of_the_whole_string(tokenizer, wor
     whole = tokenizer._tok(text, truncation=True, max_length=256)["input_ids"]  # reads all 8 MB
     assert tokenizer.encode_sync([text], truncate=True) == [whole]
     assert tokenizer.cost_bytes([len(text)], truncate=True) < 100_000  # the lane sees a small call
+
+
+@pytest.mark.parametrize("family", ["wordpiece", "byte-level BPE"])
+def test_a_long_input_is_refused_from_its_prefix_only_when_surely_too_long(family, words, bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(bundled_model_dir)) if family == "wordpiece" else _byte_level_bpe(words)
+    backend = copy.deepcopy(hf.backend_tokenizer)
+    backend.no_truncation()
+    backend.no_padding()
+    texts = _hostile_texts(words)
+    for max_length in (8, 256, 4096):
+        for name, text in texts.items():
+            if surely_too_long(backend, text, max_length):
+                assert len(hf(text)["input_ids"]) > max_length, (family, name, max_length)
+    assert surely_too_long(backend, texts["prose"], 256)  # the shortcut does apply
+
+
+def test_over_long_input_without_truncate_names_the_limit_from_a_prefix(tokenizer):
+    with pytest.raises(InvalidArgument, match="input 0 is more than 256 tokens long.*truncate=true"):
+        tokenizer.encode_sync(["word " * 1_000_000])

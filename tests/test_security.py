@@ -136,3 +136,22 @@ def test_reflection_can_be_turned_off_and_metrics_bind_their_own_address(redis_u
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
         assert b"tokq_" in body
+
+
+def test_embedded_redis_password_is_in_a_private_file_not_on_its_command_line():
+    import os
+    import stat
+
+    import redis
+
+    from tokq.redis_server import EmbeddedRedis, redact_url
+
+    with EmbeddedRedis() as server:
+        assert len(server.password) >= 20 and server.host == "127.0.0.1"
+        conf = os.path.join(server._dir, "redis.conf")
+        assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600
+        assert server.password.encode() not in open(f"/proc/{server._proc.pid}/cmdline", "rb").read()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host=server.host, port=server.port).ping()
+        assert redis.Redis.from_url(server.url).ping()
+        assert server.password not in redact_url(server.url) and "***" in redact_url(server.url)
