@@ -20,7 +20,8 @@ import numpy as np
 from tokq import __version__
 from tokq.config import GatewayConfig
 from tokq.entry import decode_result, encode_body
-from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, ServiceError,
+from tokq.gateway.prompt_boundary import PromptBoundary
+from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable,
                                  from_result_code, status_name)
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
@@ -80,6 +81,7 @@ class ServedModel:
         self.observer = observer  # metrics hooks (tokq.metrics.GatewayMetrics), optional
         self._ids = itertools.count()
         self.limits = Limits.resolve(info, config)  # byte caps, checked before tokenizing
+        self._prompt_boundary = PromptBoundary(info, tokenizer)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -157,6 +159,7 @@ class ServedModel:
                 raise InvalidArgument("prompt_name applies to text inputs only: token-id inputs are "
                                       "used as given", param="prompt_name")
             ids = self._check_token_ids(request.token_ids, request.truncate)
+            prompt = ""
             self._timeout_ms(context)
         else:
             texts = self._check_texts(request.texts)
@@ -167,8 +170,11 @@ class ServedModel:
                 texts, prompt=prompt, truncate=request.truncate,
                 cost_bytes=self.tokenizer.cost_bytes(sizes, request.truncate))
         tokenize_ms = (time.perf_counter() - t_start) * 1000
-        items = [(len(seq), encode_body(seq, normalize=normalize, dimensions=dims)) for seq in ids]
-        num_tokens = sum(n for n, _ in items)
+        # A shared prompt is computed once by the worker: the queue counts only the rest.
+        prefix_lens = self._prompt_boundary.prefix_lens(prompt, ids)
+        items = [(len(seq) - p, encode_body(seq, normalize=normalize, dimensions=dims, prefix_len=p))
+                 for seq, p in zip(ids, prefix_lens)]
+        num_tokens = sum(len(seq) for seq in ids)
         if self.observer:
             self.observer.embed_tokenized(tokenize_ms, num_tokens)
 
@@ -202,19 +208,20 @@ class ServedModel:
             except TimeoutError:
                 raise DeadlineExceeded(f"no answer within the deadline ({timeout_ms} ms); "
                                        "the service is overloaded or no worker is running") from None
-            raw = await self.queue.collect(request_id)
+            raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue
             collected = True
-            if len(raw) < len(items):
-                raise ServiceError(f"reply incomplete: {len(raw)} of {len(items)} inputs answered")
+            if len(raw) < len(items):  # Redis restarted or flushed between notice and collect
+                raise Unavailable("the request's state vanished from Redis; retry it")
             return raw
         except QueueFull:
-            collected = True  # nothing of it was enqueued
+            collected = True  # a rejected enqueue queues nothing (a repeat is never rejected)
             raise
         finally:
             self.router.forget(request_id)
             if not collected:
-                # Cancelled, timed out or failed, possibly while the enqueue was in flight:
-                # withdraw it (O(1)) so no worker spends time on it and nothing stays behind.
+                # Cancelled, timed out or failed, possibly while the enqueue was in flight or
+                # with its answer lost (LostAnswer: queued or not, we cannot tell): withdraw it
+                # (O(1)) so no worker spends time on it and nothing stays behind.
                 await asyncio.shield(self._cancel_quietly(request_id))
 
     async def _cancel_quietly(self, request_id: str) -> None:

@@ -1,6 +1,7 @@
 """The gateway process: an asyncio gRPC server with the Embedder service, standard health and
-reflection (so grpcurl works), bounded Redis connections, and SO_REUSEPORT so several gateway
-processes can share one port."""
+reflection (so grpcurl works), the OpenAI-compatible HTTP API on the same loop (--http-port),
+a readiness check behind both health endpoints, bounded Redis connections, and SO_REUSEPORT so
+several gateway processes can share one port."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, server_credentials
+from tokq.gateway.readiness import Readiness
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
@@ -92,17 +95,32 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     if port == 0:
         raise OSError(f"could not bind {address}")
 
+    async def report(ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    readiness = Readiness(client, {m.info.name: m.queue.keys for m in embedder.models.values()},
+                          period_s=config.ready_check_ms / 1000, on_change=report)
+    http_server = http_task = None
+    http_port = 0
+    if config.http_port:
+        sock = http.bind(config.host, config.http_port)
+        http_port = sock.getsockname()[1]
+        http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=model.limits.max_message_bytes))
+
     await router.start()
     await server.start()
+    if http_server:
+        http_task = asyncio.create_task(http_server.serve([sock]), name="http")
     stats_task = None
     if config.metrics_port:
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
         stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("gateway %s serving %s on %s:%d (%s%s; queue %s)", gid, info.name, config.host, port,
-             "TLS" if credentials else "plaintext",
-             ", mutual TLS" if config.tls_client_ca else "", info.queue_name)
+    await readiness.start()
+    log.info("gateway %s serving %s on %s:%d (%s%s; queue %s)%s", gid, info.name, config.host, port,
+             "TLS" if credentials else "plaintext", ", mutual TLS" if config.tls_client_ca else "",
+             info.queue_name, f", HTTP on port {http_port}" if http_port else "")
     log.info("API keys %s; reflection %s; metrics %s", "required" if api_keys else "off",
              "on" if config.reflection else "off",
              f"on {config.metrics_host or config.host}:{config.metrics_port}" if config.metrics_port else "off")
@@ -117,9 +135,13 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     try:
         await stop.wait()
     finally:
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await readiness.stop()
+        await report(False)
+        if http_server:
+            http_server.should_exit = True
         await server.stop(grace=5)
+        if http_task:
+            await http_task
         if stats_task:
             stats_task.cancel()
         await router.stop()

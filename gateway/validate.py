@@ -33,8 +33,7 @@ class InputTooLarge(InvalidArgument):
 class Limits:
     max_input_bytes: int
     max_request_bytes: int
-    max_inputs: int
-    max_length: int  # tokens per input
+    max_message_bytes: int  # gRPC receive limit and HTTP body limit
 
     @classmethod
     def resolve(cls, info: ModelInfo, config: GatewayConfig) -> Limits:
@@ -42,14 +41,12 @@ class Limits:
         per_request = config.max_request_bytes or min(
             MAX_DEFAULT_REQUEST_BYTES,
             max(per_input, config.max_inputs * info.max_length * REQUEST_BYTES_PER_TOKEN))
-        return cls(per_input, per_request, config.max_inputs, info.max_length)
-
-    @property
-    def max_message_bytes(self) -> int:
-        """gRPC's receive limit: room for a request twice over the cap (so it gets our message,
-        which names the cap) or a full request of token ids (<= 5 bytes each), plus framing."""
-        token_ids = self.max_inputs * self.max_length * 5
-        return max(2 * self.max_request_bytes, token_ids) + (1 << 20)
+        # The message limit follows the caps: room for a request twice over them (so it gets our
+        # message, which names the cap) or a full request of token ids (<= 5 bytes each), plus
+        # framing; anything larger is refused by gRPC (HTTP: 413) before it is read.
+        token_ids = config.max_inputs * info.max_length * 5
+        message = config.max_message_bytes or max(2 * per_request, token_ids) + (1 << 20)
+        return cls(per_input, per_request, message)
 
 
 def utf8_len(text: str) -> int:

@@ -96,6 +96,8 @@ def test_grpc_health_and_reflection(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+    stack.wait_ready()  # the readiness check has seen the worker's heartbeat
+
     with grpc.insecure_channel(stack.target) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="tokq.v1.Embedder"), timeout=5).status

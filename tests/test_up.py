@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,9 +36,9 @@ def _alive(pid: int) -> bool:
 def test_tokq_up_serves_and_ctrl_c_stops_everything():
     from tokq import Client
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--workers", "2",
-                             "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--metrics-port", "0", "--http-port", str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     try:
@@ -70,6 +71,11 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         cli = subprocess.run([sys.executable, "-m", "tokq.cli", "embed", "--target", f"127.0.0.1:{port}",
                               "hello"], capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0 and '"model": "all-MiniLM-L6-v2"' in cli.stdout
+        # the HTTP API, with the curl line tokq up printed
+        curl = next(line.strip() for line in lines if line.strip().startswith("curl "))
+        assert f"http://127.0.0.1:{http_port}/v1/embeddings" in curl
+        out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout
+        assert np.array(json.loads(out)["data"][0]["embedding"]).shape == (384,)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)

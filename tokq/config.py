@@ -149,6 +149,13 @@ class GatewayConfig(_Validated):
                                         "--api-key-file", flag="--api-key", secret=True,
                                         default_text="none")
     api_key_file: str = setting("", "file with one accepted API key per line")
+    http_port: int = setting(0, "OpenAI-compatible HTTP API port, on --host (0 = off)", **_PORT_OR_OFF)
+    max_message_bytes: int = setting(0, "largest gRPC message or HTTP request body "
+                                     "(larger: RESOURCE_EXHAUSTED / 413)", min=0, max=1 << 30,
+                                     default_text="0 = follows the byte caps: twice "
+                                     "--max-request-bytes + 1 MiB")
+    ready_check_ms: int = setting(1_000, "how often readiness (Redis answers, a worker of the model "
+                                  "is alive) is checked for gRPC health and /ready", min=50, max=60_000)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -178,6 +185,7 @@ class UpConfig(_Validated):
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     metrics_port: int = setting(9400, "gateway metrics here, worker i at +1+i (0 = none)",
                                 min=0, max=65_535 - 257)
+    http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)
 
 
 def _base_type(typ: Any) -> Any:

@@ -90,7 +90,7 @@ def up_command(**values) -> None:
     signal.signal(signal.SIGTERM, shutdown)
     try:
         gw_args = ["gateway", *common, "--host", host, "--port", str(port),
-                   "--metrics-port", str(metrics_port)]
+                   "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port)]
         procs.append(_spawn(gw_args, env))
         workers = [_spawn(worker_args(i), env) for i in range(num_workers)]
         procs += workers
@@ -98,6 +98,8 @@ def up_command(**values) -> None:
         _wait_ready(f"{shown_host}:{port}", procs, timeout_s=120)
         click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host}:{port} "
                    f"(health and reflection on), {num_workers} worker(s)")
+        if conf.http_port:
+            click.echo(f"  HTTP:    http://{shown_host}:{conf.http_port}/v1/embeddings (OpenAI-compatible)")
         click.echo(f"  Redis:   {redact_url(redis_url)}" + (
             " (embedded, loopback, generated password)" if embedded else ""))
         if metrics_port:
@@ -106,6 +108,9 @@ def up_command(**values) -> None:
         click.echo(f"  try:     tokq embed --target {shown_host}:{port} \"hello world\"")
         click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {shown_host}:{port} "
                    "tokq.v1.Embedder/Embed")
+        if conf.http_port:
+            click.echo(f"           curl http://{shown_host}:{conf.http_port}/v1/embeddings -H 'Content-Type: "
+                       f"application/json' -d '{{\"input\": \"hello\"}}'")
         click.echo("Ctrl-C stops everything.\n", nl=True)
         while True:
             if procs[0].poll() is not None:
