@@ -115,3 +115,15 @@ def server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(read("tls_key"), read("tls_cert"))],
                                        root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
+
+
+def http_tls_options(config: GatewayConfig) -> dict:
+    """The same TLS (and client-certificate requirement) for the HTTP API, as uvicorn options."""
+    if not config.tls_cert:
+        return {}
+    import ssl
+
+    options = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+    if config.tls_client_ca:
+        options |= {"ssl_ca_certs": config.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return options

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
-from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, server_credentials
+from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
 from tokq.gateway.readiness import Readiness
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
@@ -107,7 +107,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     if config.http_port:
         sock = http.bind(config.host, config.http_port)
         http_port = sock.getsockname()[1]
-        http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=model.limits.max_message_bytes))
+        http_server = http.server(
+            http.build_app(embedder, readiness, max_body_bytes=model.limits.max_message_bytes,
+                           api_keys=api_keys),
+            **http_tls_options(config))
 
     await router.start()
     await server.start()

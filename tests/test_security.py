@@ -72,6 +72,10 @@ def _reference_ids(text: str) -> list[int]:
     return AutoTokenizer.from_pretrained(str(bundled_model_path()))(text)["input_ids"]
 
 
+# Health answers (no worker runs in these tests, so readiness says NOT_SERVING): reachable is the point.
+ANSWERED = (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 def _health(channel) -> int:
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
@@ -86,7 +90,7 @@ def test_tls_serves_over_a_real_tls_channel_and_refuses_plaintext(redis_url, pki
             plain.info(timeout=5)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
         with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
-            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert _health(channel) in ANSWERED
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(redis_url, pki):
@@ -118,7 +122,7 @@ def test_api_keys_are_required_except_for_health(redis_url, tmp_path):
                 client.embed(["no entry"], timeout=10)
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and needle in err.value.message
         with grpc.insecure_channel(target) as channel:
-            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING  # probes carry no key
+            assert _health(channel) in ANSWERED  # probes carry no key
             with pytest.raises(grpc.RpcError) as err:  # reflection describes the API: keyed too
                 list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
                     iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
@@ -155,3 +159,24 @@ def test_embedded_redis_password_is_in_a_private_file_not_on_its_command_line():
             redis.Redis(host=server.host, port=server.port).ping()
         assert redis.Redis.from_url(server.url).ping()
         assert server.password not in redact_url(server.url) and "***" in redact_url(server.url)
+
+
+def test_http_api_takes_the_same_keys_and_tls(redis_url, pki):
+    import ssl
+
+    import httpx
+
+    http_port = free_port()
+    with running_gateway(redis_url, http_port=http_port, api_keys=("http-key-789",),
+                         tls_cert=str(pki["server"]), tls_key=str(pki["server_key"])):
+        base = f"https://127.0.0.1:{http_port}"
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(pki["ca"])), timeout=30) as http:
+            assert http.get(f"{base}/health").status_code == 200  # open for probes
+            for headers in ({}, {"authorization": "Bearer nope"}):
+                resp = http.post(f"{base}/v1/embeddings", json={"input": "hi"}, headers=headers)
+                assert resp.status_code == 401 and resp.json()["error"]["code"] == "unauthenticated"
+                assert http.get(f"{base}/v1/models", headers=headers).status_code == 401
+            models = http.get(f"{base}/v1/models", headers={"authorization": "Bearer http-key-789"})
+            assert models.status_code == 200 and models.json()["data"][0]["id"] == "all-MiniLM-L6-v2"
+        with httpx.Client(timeout=10) as plain, pytest.raises(httpx.HTTPError):
+            plain.get(f"http://127.0.0.1:{http_port}/health")
