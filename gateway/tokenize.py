@@ -92,8 +92,9 @@ class Tokenizer:
         light = num_threads or os.cpu_count() or 2
         self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize")
         self._heavy = ThreadPoolExecutor(max(1, light // 2), thread_name_prefix="tokenize-large")
-        # A request is large past ~4 max-length inputs of ordinary text (4 bytes a token).
-        self.heavy_bytes = heavy_bytes or 16 * info.max_length
+        # Large: more than ~16 max-length inputs of ordinary text (4 bytes a token) to read, i.e.
+        # a few milliseconds of one core. A search query (a few short inputs) is never large.
+        self.heavy_bytes = heavy_bytes or 64 * info.max_length
         self._local = threading.local()
 
     def _backend_copy(self) -> RustTokenizer:

@@ -133,3 +133,22 @@ def test_a_long_input_is_refused_from_its_prefix_only_when_surely_too_long(famil
 def test_over_long_input_without_truncate_names_the_limit_from_a_prefix(tokenizer):
     with pytest.raises(InvalidArgument, match="input 0 is more than 256 tokens long.*truncate=true"):
         tokenizer.encode_sync(["word " * 1_000_000])
+
+
+async def test_a_short_call_is_not_queued_behind_large_ones(words):
+    # The large lane has one thread here: three large calls run one after another there, while
+    # a short call takes the other lane and finishes first.
+    tok = Tokenizer(ModelInfo.load(), num_threads=2)
+    try:
+        rng = random.Random(1)
+        big = [" ".join(rng.choice(words) for _ in range(300))[:1900] for _ in range(250)]
+        cost = tok.cost_bytes([len(t) for t in big], truncate=True)
+        assert cost > tok.heavy_bytes and tok.cost_bytes([5], truncate=False) <= tok.heavy_bytes
+        large = [asyncio.ensure_future(tok.encode(big, truncate=True, cost_bytes=cost)) for _ in range(3)]
+        await asyncio.sleep(0)  # all three submitted before the short one
+        short = await tok.encode(["hello"], cost_bytes=5)
+        assert short == [[101, 7592, 102]]
+        assert not all(f.done() for f in large)
+        assert all(len(ids) == 250 for ids in await asyncio.gather(*large))
+    finally:
+        tok.close()
