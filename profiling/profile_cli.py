@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.knee.DEFAULT_SLO_P99_MS (not imported: keeps --help fast)
 
 
 def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
@@ -29,9 +30,12 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
 
 
 @click.command("profile")
-@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False), default=None,
-              envvar="TOKQ_MODEL", help="Local model directory [default: the bundled all-MiniLM-L6-v2].")
-@click.option("--name", "model_name", default=None, help="Model name served (names the queue).")
+@click.option("--model", "model_path", default=None, envvar="TOKQ_MODEL",
+              help="Local model directory or Hugging Face repo id (ORG/NAME, from the HF cache) "
+                   "[default: the bundled all-MiniLM-L6-v2].")
+@click.option("--revision", default=None, envvar="TOKQ_REVISION", help="Hugging Face revision of a repo id.")
+@click.option("--served-model-name", "--name", "model_name", default=None, envvar="TOKQ_SERVED_MODEL_NAME",
+              help="Model name served (names the queue) [default: the repo id or directory name].")
 @click.option("--device", default="auto", envvar="TOKQ_DEVICE", show_default=True,
               help="auto | cpu | cuda | cuda:N.")
 @click.option("--dtype", default="auto", envvar="TOKQ_DTYPE", show_default=True,
@@ -51,8 +55,11 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
 @click.option("--max-repeats", default=50, show_default=True)
 @click.option("--stop-ms", default=2000.0, show_default=True,
               help="Stop the sweep once a batch takes longer than this.")
-@click.option("--max-batch-ms", type=float, default=None,
-              help="Latency ceiling for the recommended budget [default: 2x the flat latency].")
+@click.option("--slo-p99-ms", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_SLO_P99_MS,
+              show_default=True,
+              help="The service's p99 latency goal. The budget is the largest batch whose forward takes at "
+                   "most half of it (a request waits for the batch in progress, then its own), and no "
+                   "larger than where throughput reaches 95% of its peak.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="profile.json", show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG to write.")
 @click.option("--apply", "apply_budget", is_flag=True, help="Publish the recommended budget to Redis.")
@@ -62,9 +69,9 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
               help="CPU threads for torch [default: torch's own choice]. Fewer than the cores "
                    "helps on a shared machine: busy cores make multi-threaded ops wait on each other.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def profile_command(model_path, model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
+def profile_command(model_path, revision, model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
                     min_tokens, max_tokens, points_per_doubling, time_per_point_s, min_repeats, max_repeats,
-                    stop_ms, max_batch_ms, out_path, plot_path, apply_budget, redis_url, num_threads,
+                    stop_ms, slo_p99_ms, out_path, plot_path, apply_budget, redis_url, num_threads,
                     quiet) -> None:
     """Find the token count where forward latency stops being flat, and the budget to serve at."""
     from rich.console import Console
@@ -94,11 +101,11 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
         with console.status("loading model"):
             try:
                 engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
-                                     name=model_name)
-            except ValueError as exc:  # unsupported model, device, dtype or backend: say which
+                                     name=model_name, revision=revision)
+            except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
                 raise click.ClickException(str(exc)) from None
         report = _run_with_progress(console, lambda on_progress: run_profile(
-            engine, queries, config, max_batch_ms=max_batch_ms, seed=seed, on_progress=on_progress,
+            engine, queries, config, slo_p99_ms=slo_p99_ms, seed=seed, on_progress=on_progress,
             workload_source=str(workload_path) if workload_path else f"generated (n={num_queries}, seed={seed})"))
     finally:
         torch.set_num_threads(threads_before)  # the setting is process-wide
@@ -109,6 +116,8 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
 
         plot_profile(report, plot_path)
     click.echo(report["summary"])
+    if report["recommendation"]:
+        Console().print(budget_table(report))
     click.echo(f"wrote {out_path}" + (f" and {plot_path}" if plot_path and report["points"] else ""))
 
     if apply_budget:
@@ -117,6 +126,24 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
             raise click.ClickException("no budget to apply: " + report["summary"])
         key = publish_budget(redis_url, engine.info.queue_name, budget)
         click.echo(f"published token budget {budget} to {key} at {redis_url}")
+
+
+def budget_table(report: dict):
+    """The goal, both caps and the budget, as a rich table."""
+    from rich.table import Table
+
+    rec = report["recommendation"]
+    table = Table(title="token budget", show_header=False)
+    table.add_row("latency goal (p99)", f"{rec['slo_p99_ms']:,.4g} ms")
+    table.add_row("forward time it allows", f"{rec['max_batch_ms']:,.4g} ms")
+    table.add_row("largest batch within it", f"{rec['latency_cap_tokens']} tokens" if rec["latency_cap_tokens"]
+                  else "none measured")
+    table.add_row(f"{rec['saturation_fraction']:.0%} of peak throughput at",
+                  f"{rec['throughput_cap_tokens']} tokens ({rec['peak_tokens_per_s']:,.0f} tokens/s peak)")
+    table.add_row("recommended budget", f"[bold]{rec['budget_tokens']}[/bold] tokens" if rec["budget_tokens"]
+                  else "[bold red]none[/bold red]")
+    table.add_row("limited by", rec["limited_by"] or "nothing fits the goal")
+    return table
 
 
 def _run_with_progress(console, run):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import redis
@@ -18,15 +19,20 @@ from gateway_support import running_gateway
 from tokq import config as cfg
 from tokq.gateway.validate import Limits
 from tokq.model_info import ModelInfo
+from tokq.redis_server import free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
 OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
+HTTP_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def small_caps(redis_server):
-    with running_gateway(redis_server.url, max_input_bytes=1000, max_request_bytes=3000) as port:
+    with running_gateway(redis_server.url, max_input_bytes=1000, max_request_bytes=3000,
+                         http_port=HTTP_PORT) as port:
         with grpc.insecure_channel(f"127.0.0.1:{port}", OPTIONS) as channel:
             yield pb_grpc.EmbedderStub(channel)
 
@@ -53,6 +59,8 @@ def test_over_a_cap_is_invalid_argument_naming_it_and_nothing_is_queued(small_ca
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.details(), err.details()
     err = rejected(small_caps.Tokenize, pb.TokenizeRequest(inputs=inputs))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.details()
+    http = httpx.post(f"http://127.0.0.1:{HTTP_PORT}/v1/embeddings", json={"input": inputs}, timeout=30)
+    assert http.status_code == 413 and needle in http.json()["error"]["message"]
     assert nothing_queued(redis_url)
 
 

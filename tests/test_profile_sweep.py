@@ -149,9 +149,9 @@ def test_sweep_and_fit_recover_the_knee_of_the_forward_pass():
     result = sweep(fwd, random_batches(), FAST, WallTimer(fwd.clock))
     assert result.stopped_reason is None
     assert [p.num_tokens for p in result.points] == token_grid(16, 16384, 1)
-    fit, rec = analyze(result.points, max_batch_ms=None)
+    fit, rec = analyze(result.points)
     assert fit.kind == "knee" and abs(np.log2(fit.knee_tokens / 600)) <= 1
-    assert rec.budget_tokens == 1024  # 1024 tokens ~13.5 ms <= 2 x 8 ms < 2048 tokens ~27 ms
+    assert rec.budget_tokens == 1024 and rec.limited_by == "throughput"  # 512 tokens: 85% of the peak
 
 
 def test_points_carry_the_achieved_flop_rate_when_the_model_counts_flops():
@@ -221,8 +221,10 @@ def test_report_and_figure_of_a_profile(bundled_model_dir, tmp_path):
     assert report["recommended_budget"] == 1024 and report["fit"]["kind"] == "knee"
     assert report["flat_ms"] == pytest.approx(8.0, rel=0.01)
     assert report["workload"]["token_ids"] == "random" and len(report["points"]) == 11
-    assert "Recommended token budget: 1024" in report["summary"]
-    assert report["saturation"] == {"fraction": 0.9, "tokens": 1024, "peak_tokens_per_s": pytest.approx(75_000)}
+    assert "Recommended token budget: 1024" in report["summary"] and "limited by throughput" in report["summary"]
+    assert report["slo_p99_ms"] == 500.0 and report["max_batch_ms"] == 250.0 and report["limited_by"] == "throughput"
+    assert report["recommendation"]["latency_cap_tokens"] == 16384
+    assert report["saturation"] == {"fraction": 0.95, "tokens": 1024, "peak_tokens_per_s": pytest.approx(75_000, rel=0.01)}
     png = plot_profile(report, tmp_path / "p.png")
     assert imread(png).shape[:2] == (700, 800)
 
