@@ -28,6 +28,9 @@ class QueueConfig:
     lookahead: int = 4
     # ... but never one that has waited this long: nothing starves.
     max_skip_age_ms: int = 50
+    # Shards of each model's queue, each its own hash tag (a Redis Cluster spreads them over
+    # its nodes); a request goes whole to one shard, workers claim from every shard.
+    queue_shards: int = 1
     # Replies nobody collects expire this long after the request's deadline.
     reply_ttl_ms: int = 60_000
 
