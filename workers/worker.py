@@ -22,7 +22,8 @@ import redis.exceptions
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.entry import decode_body, encode_error, encode_ok
-from tokq.queue import Claim, Queue
+from tokq.queue import Claim
+from tokq.shards import ShardedQueue
 
 log = logging.getLogger("tokq.worker")
 
@@ -58,7 +59,7 @@ class BatchOutcome:
 
 
 class Worker:
-    def __init__(self, engine, queue: Queue, config: WorkerConfig, queue_config: QueueConfig,
+    def __init__(self, engine, queue: ShardedQueue, config: WorkerConfig, queue_config: QueueConfig,
                  worker_id: str | None = None, observer=None) -> None:
         self.engine = engine
         self.queue = queue
@@ -251,6 +252,8 @@ class Worker:
         await self._every(period_ms / 1000, beat)
 
     async def _refresh_budget(self) -> None:
+        # Also the shards in use: gateways may have raised (or lowered) the shard count.
+        await self.queue.refresh_shard_count()
         if self.config.token_budget:
             return
         published = await self.queue.get_budget()
