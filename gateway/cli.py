@@ -13,43 +13,33 @@ import click
 from tokq import config as cfg
 
 
-def _run_one(values: dict) -> None:
+def _run_one(gateway_values: dict, queue_values: dict) -> None:
     from tokq.gateway.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(cfg.load(cfg.GatewayConfig, values)))
+    asyncio.run(serve(cfg.load(cfg.GatewayConfig, gateway_values),
+                      cfg.load(cfg.QueueConfig, queue_values)))
 
 
 @click.command("gateway")
-@click.option("--redis-url", help="redis:// or rediss:// URL (env TOKQ_REDIS_URL)")
-@click.option("--redis-cluster", type=click.Choice(["auto", "yes", "no"]),
-              help="Redis Cluster mode; auto asks the server (default)")
-@click.option("--model", help="local model directory; default: the bundled all-MiniLM-L6-v2")
-@click.option("--model-name", help="name to serve the model under (and its queue name)")
-@click.option("--host", help="address to listen on (default 0.0.0.0)")
-@click.option("--port", type=int, help="gRPC port (default 50051)")
-@click.option("--max-inputs", type=int, help="most inputs accepted in one request (default 512)")
-@click.option("--default-timeout-ms", type=int, help="deadline for calls that set none")
-@click.option("--redis-max-connections", type=int, help="Redis connections per process")
-@click.option("--metrics-port", type=int, help="Prometheus port (process i of --procs uses +i)")
-@click.option("--procs", type=int, default=1, show_default=True,
+@cfg.click_options(cfg.GatewayConfig, cfg.QueueConfig)
+@click.option("--procs", type=click.IntRange(1, 256), default=1, show_default=True,
               help="gateway processes sharing the port (SO_REUSEPORT); one tops out near 3,000 RPC/s")
 def gateway_command(procs: int, **values) -> None:
     """Serve the tokq.v1.Embedder gRPC API in front of the Redis queue."""
-    try:
-        base = cfg.load(cfg.GatewayConfig, values)  # validate before forking
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    gateway_values, queue_values = cfg.split(values, cfg.GatewayConfig, cfg.QueueConfig)
+    base = cfg.load_or_exit(cfg.GatewayConfig, gateway_values)  # validate before forking
+    cfg.load_or_exit(cfg.QueueConfig, queue_values)
     if procs <= 1:
-        _run_one(values)
+        _run_one(gateway_values, queue_values)
         return
     ctx = multiprocessing.get_context("spawn")
     children = []
     for i in range(procs):
-        child_values = dict(values)
+        child_values = dict(gateway_values)
         if base.metrics_port:
             child_values["metrics_port"] = base.metrics_port + i
-        proc = ctx.Process(target=_run_one, args=(child_values,), name=f"tokq-gateway-{i}")
+        proc = ctx.Process(target=_run_one, args=(child_values, queue_values), name=f"tokq-gateway-{i}")
         proc.start()
         children.append(proc)
 

@@ -1,7 +1,8 @@
 """Waking the calls whose replies are complete.
 
-Workers (through ack.lua) PUBLISH a request's id on its gateway's channel once every input of it
-is answered. One subscription per gateway process serves all waiting calls, so thousands of
+Workers (through ack.lua) SPUBLISH a request's id on its gateway's shard channel once every
+input of it is answered (sharded pub/sub: Redis >= 7, and the only kind that stays on the queue's
+node on Redis Cluster). One subscription per gateway process serves all waiting calls, so thousands of
 concurrent requests hold no Redis connection each. A notice can be missed (a reconnect), so
 every ``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
 complete replies wake their call, and a reply hash that has vanished (Redis restarted and lost
@@ -19,8 +20,10 @@ import time
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from tokq.connection import ShardedSubscriber
 from tokq.gateway.errors import Unavailable
 from tokq.keys import QueueKeys
+from tokq.queue import REPLY_META_FIELDS
 
 log = logging.getLogger(__name__)
 _NET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -89,20 +92,18 @@ class ReplyRouter:
             self._settle(request_id, exc)
 
     async def _run(self) -> None:
+        subscriber = ShardedSubscriber(self._pubsub_client)
         while True:
-            pubsub = self._pubsub_client.pubsub()
             try:
-                await pubsub.subscribe(self.channel)
-                await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+                await subscriber.subscribe(self.channel)
                 self.subscribed.set()
                 # A notice published while we were not subscribed is lost: check everyone now.
                 await self._poll(min_age_s=0.0)
                 next_poll = time.monotonic() + self._poll_every_s
                 while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True,
-                                                   timeout=self._poll_every_s)
-                    if msg is not None and msg["type"] == "message":
-                        self._settle(msg["data"].decode())
+                    msg = await subscriber.get_message(timeout=self._poll_every_s)
+                    if msg is not None:
+                        self._settle(msg[1].decode())
                     if time.monotonic() >= next_poll:  # even while notices keep coming
                         await self._poll(min_age_s=self._poll_after_s)
                         next_poll = time.monotonic() + self._poll_every_s
@@ -117,12 +118,11 @@ class ReplyRouter:
                 log.exception("reply subscription failed; resubscribing")
                 await asyncio.sleep(0.2)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                await subscriber.aclose()
 
     async def _poll(self, min_age_s: float) -> None:
-        """Settle enqueued calls whose reply hash is complete (fields n, ch + one per item) or
-        gone. A failed poll is skipped, not fatal: the next round tries again."""
+        """Settle enqueued calls whose reply hash is complete (REPLY_META_FIELDS + one field
+        per item) or gone. A failed poll is skipped, not fatal: the next round tries again."""
         now = time.monotonic()
         due = [(rid, w.num_items) for rid, w in list(self._waiting.items())
                if w.enqueued_at is not None and not w.future.done()
@@ -138,7 +138,7 @@ class ReplyRouter:
             log.warning("reply poll failed: %s", exc)
             return
         for (rid, n), length in zip(due, lengths):
-            if length >= n + 2:
+            if length >= n + len(REPLY_META_FIELDS):
                 self._settle(rid)
             elif length == 0:
                 self._settle(rid, Unavailable(

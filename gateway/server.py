@@ -1,6 +1,7 @@
 """The gateway process: an asyncio gRPC server with the Embedder service, standard health and
-reflection (so grpcurl works), bounded Redis connections, and SO_REUSEPORT so several gateway
-processes can share one port."""
+reflection (so grpcurl works), the OpenAI-compatible HTTP API on the same loop (--http-port),
+a readiness check behind both health endpoints, bounded Redis connections, and SO_REUSEPORT so
+several gateway processes can share one port."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokq.gateway import http
+from tokq.gateway.embedding import Embedder, ServedModel
+from tokq.gateway.readiness import Readiness
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
@@ -60,7 +64,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
 
     observer = metrics.GatewayMetrics(info.name)
-    service = EmbedderService(info, tokenizer, queue, router, config, gid, observer=observer)
+    model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
+    embedder = Embedder({info.name: model})
+    service = EmbedderService(embedder, gid)
 
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),
@@ -68,29 +74,46 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         # application (3,000 hard): a burst of short queries must queue in Redis, not die here.
         ("grpc.server.max_pending_requests", config.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", 2 * config.max_pending_rpcs),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
     embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {address}")
 
+    async def report(ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    readiness = Readiness(client, {m.info.name: m.queue.keys for m in embedder.models.values()},
+                          period_s=config.ready_check_ms / 1000, on_change=report)
+    http_server = http_task = None
+    http_port = 0
+    if config.http_port:
+        sock = http.bind(config.host, config.http_port)
+        http_port = sock.getsockname()[1]
+        http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=config.max_message_bytes))
+
     await router.start()
     await server.start()
+    if http_server:
+        http_task = asyncio.create_task(http_server.serve([sock]), name="http")
     stats_task = None
     if config.metrics_port:
-        metrics.start_metrics_server(config.metrics_port)
+        metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
         stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("gateway %s serving %s on %s:%d (queue %s)", gid, info.name, config.host, port, info.queue_name)
+    await readiness.start()
+    log.info("gateway %s serving %s on %s:%d (queue %s)%s", gid, info.name, config.host, port,
+             info.queue_name, f", HTTP on port {http_port}" if http_port else "")
     if on_ready:
         on_ready(port)
 
@@ -102,9 +125,13 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     try:
         await stop.wait()
     finally:
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await readiness.stop()
+        await report(False)
+        if http_server:
+            http_server.should_exit = True
         await server.stop(grace=5)
+        if http_task:
+            await http_task
         if stats_task:
             stats_task.cancel()
         await router.stop()

@@ -3,8 +3,7 @@
 -- KEYS[2] tokens    STRING sum of the tokens in pending
 -- KEYS[3] leases    ZSET   batch_id -> lease deadline (ms)
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
--- KEYS[5] batchseq  STRING names the batches
--- KEYS[6] counters  HASH   claimed, expired, orphaned
+-- KEYS[5] counters  HASH   claimed, batches, expired, orphaned
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] budget: max summed tokens (one longer item still goes, alone)
 -- ARGV[3] lease_ms: how long the worker has before the batch is requeued
@@ -12,20 +11,28 @@
 -- ARGV[5] max_skip_age_ms: an entry this old is never passed over
 -- ARGV[6] max_drop: stop after dropping this many expired/orphaned entries
 -- ARGV[7] reply key prefix, ARGV[8] lease key prefix (same hash tag)
--- ARGV[9] batch id prefix: unique per client, so ids never repeat across a Redis restart
+-- ARGV[9] batch id, chosen by the client (unique prefix + its own counter): a repeat of the
+--         same claim after a lost answer finds the lease and gets the same batch back, instead
+--         of leasing a second one that nobody would ever process
+-- ARGV[10] isolate_attempt: an entry redone this many times or more is claimed alone
 -- The rule is tokq/claim_rule.py, entry for entry. Returns
 --   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}}
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
 
-local pending, leases, counters = KEYS[1], KEYS[3], KEYS[6]
+local pending, leases, counters = KEYS[1], KEYS[3], KEYS[5]
 local now = now_ms(ARGV[1])
+local batch_id, lease = ARGV[9], ARGV[8] .. ARGV[9]
+if redis.call('ZSCORE', leases, batch_id) then
+  return {batch_id, now, 0, 0, redis.call('LRANGE', lease, 0, -1)} -- a repeat
+end
 local budget = tonumber(ARGV[2])
 local lookahead = tonumber(ARGV[4])
 local max_skip_age_ms = tonumber(ARGV[5])
 local max_drop = tonumber(ARGV[6])
 local reply_prefix = ARGV[7]
+local isolate_attempt = tonumber(ARGV[10])
 local EXPIRED = '-DEADLINE_EXCEEDED:deadline passed while queued'
 
 -- One EXISTS per request, not per item: a request's items sit together.
@@ -55,14 +62,14 @@ while not stopped do
     elseif not is_live(request_id) then
       num_orphaned = num_orphaned + 1
       dropped_tokens = dropped_tokens + tokens
-    elseif attempt ~= '0' and #taken > 0 then
-      stopped = true -- a redo after a crashed worker goes alone (below): it ends this batch
+    elseif #taken > 0 and attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
+      stopped = true -- an item that failed repeatedly goes alone (below): it ends this batch
       break
     elseif #taken == 0 or taken_tokens + tokens <= budget then
       taken[#taken + 1] = raw
       taken_tokens = taken_tokens + tokens
-      if attempt ~= '0' then
-        -- Alone, so a poison item cannot use up its neighbours' attempts with its own.
+      if attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
+        -- Alone, so a poison item cannot use up its batch-mates' attempts with its own.
         num_scanned = num_scanned + 1
         stopped = true
         break
@@ -99,9 +106,9 @@ add_to_counter(counters, 'orphaned', num_orphaned)
 if #taken == 0 then
   return {'', now, #expired, num_orphaned, {}}
 end
-local batch_id = ARGV[9] .. '-' .. redis.call('INCR', KEYS[5])
-push_values('RPUSH', ARGV[8] .. batch_id, taken)
+push_values('RPUSH', lease, taken)
 redis.call('ZADD', leases, now + tonumber(ARGV[3]), batch_id)
 add_to_count(KEYS[4], #taken)
 add_to_counter(counters, 'claimed', #taken)
+add_to_counter(counters, 'batches', 1)
 return {batch_id, now, #expired, num_orphaned, taken}

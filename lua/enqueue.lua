@@ -8,20 +8,33 @@
 -- ARGV[3] timeout_ms, relative: deadline_ms = now_ms + timeout_ms
 -- ARGV[4] max_queued_tokens: the cap; a non-empty queue rejects a request that would pass it
 -- ARGV[5] reply_ttl_ms: how long an uncollected reply outlives the deadline
--- ARGV[6] channel the completion notice is published on
--- ARGV[7..] (token_count, body) pairs, one per item
--- Returns {'OK', now_ms, deadline_ms} | {'QUEUE_FULL', queued_tokens} | {'DUPLICATE'}
+-- ARGV[6] shard channel the completion notice is published on
+-- ARGV[7] the queue's work shard channel: told when the queue stops being empty
+-- ARGV[8..] (token_count, body) pairs, one per item
+-- Idempotent by request id, so a client may run it again after a lost answer: if the reply
+-- hash exists with the same item count, this is a repeat and gets the first run's answer
+-- (checked before the cap, so a repeat is never QUEUE_FULL). QUEUE_FULL queues nothing.
+-- Returns {'OK', ts_ms, deadline_ms} | {'QUEUE_FULL', queued_tokens} | {'DUPLICATE'}
 --#include lib/common.lua
 --#include lib/entry.lua
+
+local num_items = (#ARGV - 7) / 2
+local first = redis.call('HMGET', KEYS[4], 'n', 't')
+if first[1] then
+  if tonumber(first[1]) ~= num_items then
+    return {'DUPLICATE'} -- a different request under a reused id
+  end
+  local ts_ms, deadline = string.match(first[2], '^(%d+):(%d+)$')
+  return {'OK', tonumber(ts_ms), tonumber(deadline)}
+end
 
 local now = now_ms(ARGV[1])
 local request_id = ARGV[2]
 local timeout_ms = tonumber(ARGV[3])
 local deadline_ms = now + timeout_ms
 
-local num_items = (#ARGV - 6) / 2
 local request_tokens = 0
-for i = 7, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
   request_tokens = request_tokens + tonumber(ARGV[i])
 end
 -- An empty queue always takes one request, so no request is too big to ever be served.
@@ -30,18 +43,19 @@ if queued_tokens > 0 and queued_tokens + request_tokens > tonumber(ARGV[4]) then
   redis.call('HINCRBY', KEYS[3], 'rejected', num_items)
   return {'QUEUE_FULL', queued_tokens}
 end
-if redis.call('EXISTS', KEYS[4]) == 1 then
-  return {'DUPLICATE'}
-end
 
 local entries = {}
-for i = 7, #ARGV, 2 do
-  local index = (i - 7) / 2
+for i = 8, #ARGV, 2 do
+  local index = (i - 8) / 2
   entries[#entries + 1] = format_entry(tonumber(ARGV[i]), now, request_id, index, deadline_ms, 0, ARGV[i + 1])
 end
 push_values('RPUSH', KEYS[1], entries)
 add_to_count(KEYS[2], request_tokens)
 add_to_counter(KEYS[3], 'enqueued', num_items)
-redis.call('HSET', KEYS[4], 'n', num_items, 'ch', ARGV[6])
+redis.call('HSET', KEYS[4], 'n', num_items, 'ch', ARGV[6], 't', now .. ':' .. deadline_ms)
 redis.call('PEXPIRE', KEYS[4], timeout_ms + tonumber(ARGV[5]))
+if queued_tokens == 0 then
+  -- Only the empty -> non-empty step wakes idle workers: a busy fleet gets no notices.
+  redis.call('SPUBLISH', ARGV[7], '1')
+end
 return {'OK', now, deadline_ms}

@@ -9,6 +9,8 @@
 -- ARGV[2] max_attempts
 -- ARGV[3] max_batches handled per call
 -- ARGV[4] reply key prefix, ARGV[5] lease key prefix (same hash tag)
+-- ARGV[6] the queue's work shard channel: idle workers are told when items come back
+-- Idempotent: a repeat finds the handled leases gone and does nothing.
 -- Returns {items requeued, items failed}
 --#include lib/common.lua
 --#include lib/entry.lua
@@ -43,6 +45,9 @@ for _, batch_id in ipairs(batch_ids) do
   redis.call('ZREM', KEYS[1], batch_id)
 end
 push_front(KEYS[2], back)
+if #back > 0 then
+  redis.call('SPUBLISH', ARGV[6], '1')
+end
 add_to_count(KEYS[3], back_tokens)
 add_to_count(KEYS[4], -num_released)
 add_to_counter(KEYS[5], 'requeued', #back)

@@ -119,7 +119,7 @@ class RunningSystem:
         client = redis.Redis.from_url(self.redis_server.url)
         try:
             counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
-            snap = {"batches_claimed": int(client.get(keys.batch_seq) or 0),
+            snap = {"batches_claimed": counters.get("batches", 0),
                     "items_claimed": counters.get("claimed", 0)}
         finally:
             client.close()

@@ -10,7 +10,7 @@ import numpy as np
 from tokq.config import QueueConfig
 from tokq.connection import connect
 from tokq.entry import Entry, encode_body, encode_ok, format_entry
-from tokq.queue import Queue
+from tokq.queue import COLLECT_GRACE_MS, Queue
 
 QUEUE = "test-model"
 CHANNEL = "tokq:{test-model}:done:gw-test"
@@ -59,3 +59,18 @@ def ok_result(entry: Entry) -> bytes:
 
 async def all_keys(queue: Queue) -> set[str]:
     return {k.decode() for k in await queue.redis.keys("*")}
+
+
+async def keys_left(queue: Queue) -> set[str]:
+    """Keys still in Redis besides the event counters. A collected reply stays a short grace
+    for a repeated collect (tokq.queue.COLLECT_GRACE_MS): checked to expire by itself within
+    it, then left out."""
+    left = set()
+    for key in await all_keys(queue):
+        if key == queue.keys.counters:
+            continue
+        if key.startswith(queue.keys.collected("")):
+            assert 0 < await queue.redis.pttl(key) <= COLLECT_GRACE_MS, key
+            continue
+        left.add(key)
+    return left

@@ -19,35 +19,57 @@ from tokq.redis_server import EmbeddedRedis, free_port
 
 
 class ServiceStack:
-    def __init__(self, env: dict[str, str] | None = None, model: str | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, model: str | None = None, http: bool = False) -> None:
         self.redis = EmbeddedRedis(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None).start()
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.model_args = ["--model", model] if model else []
+        # The OpenAI-compatible HTTP API on its own free port, when asked for.
+        self.http_port = free_port() if http else 0
+        self.http_url = f"http://127.0.0.1:{self.http_port}" if http else ""
         self.gateway: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, "--redis-url", self.redis.url,
-                                 *self.model_args], env=self.env)
+    def _spawn(self, *args: str, redis_url: str | None = None) -> subprocess.Popen:
+        # The Redis URL (with its password) goes in the environment, as `tokq up` passes it.
+        return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, *self.model_args],
+                                env={**self.env, "TOKQ_REDIS_URL": redis_url or self.redis.url})
 
-    def start_gateway(self, timeout_s: float = 90) -> None:
-        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port))
-        deadline = time.monotonic() + timeout_s
+    def start_gateway(self, *extra: str, timeout_s: float = 90, redis_url: str | None = None) -> None:
+        """Start the gateway (through ``redis_url``, e.g. a fault proxy, instead of the server) and
+        return once it answers health checks; it reports SERVING only once a worker is alive too
+        (``wait_ready``)."""
+        http_args = ["--http-port", str(self.http_port)] if self.http_port else []
+        self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port), *http_args, *extra,
+                                   redis_url=redis_url)
+        self._wait_health({health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING},
+                          timeout_s)
+
+    def health(self) -> int:
+        """The gateway's gRPC health status (health_pb2.HealthCheckResponse.SERVING, ...)."""
         with grpc.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                assert self.gateway.poll() is None, "gateway exited during start-up"
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                        return
-                except grpc.RpcError:
-                    time.sleep(0.2)
-        raise TimeoutError("gateway did not become healthy")
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
 
-    def start_worker(self, worker_id: str, *extra: str, wait: bool = True, timeout_s: float = 90) -> None:
-        self.workers[worker_id] = self._spawn("worker", "--worker-id", worker_id, *extra)
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        self._wait_health({health_pb2.HealthCheckResponse.SERVING}, timeout_s)
+
+    def _wait_health(self, wanted: set[int], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.gateway.poll() is None, "gateway exited"
+            try:
+                if self.health() in wanted:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway health not in {wanted} after {timeout_s} s")
+
+    def start_worker(self, worker_id: str, *extra: str, wait: bool = True, timeout_s: float = 90,
+                     redis_url: str | None = None) -> None:
+        self.workers[worker_id] = self._spawn("worker", "--worker-id", worker_id, *extra,
+                                              redis_url=redis_url)
         if wait:
             self.wait_heartbeat(worker_id, timeout_s)
 
@@ -61,6 +83,12 @@ class ServiceStack:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"worker {worker_id} sent no heartbeat")
+
+    def kill_gateway(self) -> None:
+        """kill -9 the gateway (calls in flight lose their connection)."""
+        self.gateway.send_signal(signal.SIGKILL)
+        self.gateway.wait()
+        self.gateway = None
 
     def signal_worker(self, worker_id: str, sig: int) -> None:
         self.workers[worker_id].send_signal(sig)

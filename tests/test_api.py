@@ -20,20 +20,22 @@ def test_generated_code_matches_the_proto(tmp_path):
             f"{path.name} drifted from embedder.proto: run `make proto`")
 
 
-def test_errors_map_to_grpc_codes_in_one_place():
-    from tokq.gateway.errors import InvalidArgument, from_result_code, to_status
+def test_http_statuses_come_from_the_same_mapping_as_grpc_codes():
+    from tokq.gateway.errors import (InvalidArgument, ModelNotFound, PayloadTooLarge, Unavailable,
+                                     to_http)
     from tokq.queue import QueueFull
 
-    assert to_status(InvalidArgument("bad"))[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert to_status(QueueFull(10, 5, 12))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert to_status(redis.exceptions.ConnectionError("refused"))[0] == grpc.StatusCode.UNAVAILABLE
-    assert to_status(redis.exceptions.TimeoutError("slow"))[0] == grpc.StatusCode.UNAVAILABLE
-    assert to_status(TimeoutError())[0] == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert to_status(RuntimeError("boom")) == (grpc.StatusCode.INTERNAL, "internal error: RuntimeError: boom")
-    # errors written into replies by workers and Lua keep their status
-    assert from_result_code("DEADLINE_EXCEEDED", "late").code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert from_result_code("INTERNAL", "x").code == grpc.StatusCode.INTERNAL
-    assert from_result_code("NOT_A_CODE", "x").code == grpc.StatusCode.INTERNAL
+    status, body = to_http(InvalidArgument("bad dims", param="dimensions"))
+    assert status == 400 and body == {"error": {"message": "bad dims", "type": "invalid_request_error",
+                                                "param": "dimensions", "code": "invalid_argument"}}
+    assert to_http(ModelNotFound("nope"))[0] == 404
+    assert to_http(PayloadTooLarge("big"))[0] == 413
+    assert to_http(QueueFull(10, 5, 12))[0] == 429
+    assert to_http(Unavailable("down"))[0] == 503
+    assert to_http(redis.exceptions.ConnectionError("refused"))[0] == 503
+    assert to_http(TimeoutError())[0] == 504
+    status, body = to_http(RuntimeError("boom"))
+    assert status == 500 and "boom" not in body["error"]["message"]  # logged, not shown
 
 
 def test_config_rejects_unknown_keys_and_takes_env_overrides():
@@ -77,6 +79,6 @@ def test_redis_commands_are_retried_on_connection_errors_only():
     # twice. A refused or reset connection (a restarted Redis) is safe to retry.
     from tokq.connection import connect
 
-    retry = connect("redis://127.0.0.1:1/0").connection_pool.connection_kwargs["retry"]
+    retry = connect("redis://127.0.0.1:1/0", cluster="no").connection_pool.connection_kwargs["retry"]
     assert retry._supported_errors == (redis.exceptions.ConnectionError,)
     assert not issubclass(redis.exceptions.TimeoutError, redis.exceptions.ConnectionError)

@@ -155,6 +155,15 @@ def test_k8s_deployments_run_real_subcommands_with_real_settings():
     assert ran == {"gateway", "worker"}
 
 
+def test_k8s_gateway_service_is_headless_with_one_process_per_pod():
+    # README "Clients and balancing": clients balance per call over the pods' addresses, which
+    # needs the DNS name to list them (headless) and each pod to be one process.
+    service = _kind("Service")["tokq-gateway"]
+    assert service["spec"]["clusterIP"] == "None"
+    (container,) = _kind("Deployment")["tokq-gateway"]["spec"]["template"]["spec"]["containers"]
+    assert "--procs" not in container["command"]
+
+
 def test_k8s_worker_requests_a_gpu():
     (container,) = _kind("Deployment")["tokq-worker"]["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -212,3 +221,18 @@ def test_dockerfile_copies_every_package_and_runs_tokq():
 @pytest.mark.parametrize("path", sorted(p.relative_to(DEPLOY) for p in DEPLOY.rglob("*.y*ml")))
 def test_every_yaml_file_parses(path):
     assert list(yaml.safe_load_all((DEPLOY / path).read_text()))
+
+
+def test_k8s_gateway_readiness_is_grpc_health_and_worker_liveness_is_its_heartbeat():
+    (gateway,) = _kind("Deployment")["tokq-gateway"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in gateway["env"]}
+    assert gateway["readinessProbe"]["grpc"]["port"] == int(env["TOKQ_PORT"])
+    ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert ports["http"] == int(env["TOKQ_HTTP_PORT"]) and gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+    (worker,) = _kind("Deployment")["tokq-worker"]["spec"]["template"]["spec"]["containers"]
+    for probe in ("startupProbe", "livenessProbe"):
+        command = worker[probe]["exec"]["command"]
+        assert subcommand_of(command) == "worker" and "--check" in command
+        from tokq.workers.cli import worker_command
+
+        assert worker_command.make_context("worker", command[1:]).params["this_host"]

@@ -1,4 +1,5 @@
-"""claim.lua and the Python reference (tokq/claim_rule.py) agree on random queues."""
+"""claim.lua and the Python reference (tokq/claim_rule.py) agree on random queues, redone
+entries (attempt > 0) included."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from queue_support import CHANNEL, ManualClock, open_queue
 
-from tokq.claim_rule import DEADLINE_EXCEEDED, plan_claim
+from tokq.claim_rule import DEADLINE_EXCEEDED, isolate_attempt_for, plan_claim
 from tokq.entry import format_entry, parse_entry
 
 NOW_MS = 1_700_000_000_000
@@ -16,20 +17,22 @@ REQUEST_IDS = ("a", "b", "c", "d")
 
 
 def _pending(spec) -> list:
-    """Entries from (request_id, tokens, age_ms, deadline_in_ms, body) tuples, indexed per request."""
+    """Entries from (request_id, tokens, age_ms, deadline_in_ms, body[, attempt]) tuples,
+    indexed per request."""
     next_index = dict.fromkeys(REQUEST_IDS, 0)
     pending = []
-    for request_id, tokens, age_ms, deadline_in_ms, body in spec:
+    for request_id, tokens, age_ms, deadline_in_ms, body, *attempt in spec:
         raw = format_entry(tokens, NOW_MS - age_ms, request_id, next_index[request_id],
-                           NOW_MS + deadline_in_ms, 0, body)
+                           NOW_MS + deadline_in_ms, attempt[0] if attempt else 0, body)
         next_index[request_id] += 1
         pending.append(parse_entry(raw))
     return pending
 
 
-def _case(spec, *, budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc"):
+def _case(spec, *, budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
+          max_attempts=3):
     return dict(pending=_pending(spec), live=set(live), budget=budget, lookahead=lookahead,
-                max_skip_age_ms=max_skip_age_ms, max_drop=max_drop)
+                max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts)
 
 
 @st.composite
@@ -44,18 +47,23 @@ def claim_cases(draw):
     ages_ms = st.sampled_from((0, max(max_skip_age_ms - 1, 0), max_skip_age_ms,
                                max_skip_age_ms + 1))
     deadlines_in_ms = st.sampled_from((-1, 0, 1, 500, 500, 500, 500, 500, 500, 500))
+    # Mostly first tries; redone ones on both sides of the isolation threshold.
+    attempts = st.sampled_from((0, 0, 0, 0, 1, 1, 2, 3, 4))
     spec = draw(st.lists(st.tuples(st.sampled_from(REQUEST_IDS), sizes, ages_ms,
-                                   deadlines_in_ms, st.binary(max_size=6)),  # may hold ':'
+                                   deadlines_in_ms, st.binary(max_size=6),  # may hold ':'
+                                   attempts),
                          min_size=3, max_size=40))
     return _case(spec, budget=budget, lookahead=draw(st.integers(0, 3)),
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.integers(1, 8)),
-                 live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)))
+                 live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
+                 max_attempts=draw(st.sampled_from((2, 3, 5))))
 
 
-async def _compare(redis_url, pending, live, budget, lookahead, max_skip_age_ms, max_drop):
+async def _compare(redis_url, pending, live, budget, lookahead, max_skip_age_ms, max_drop,
+                   max_attempts):
     """Run claim.lua once on `pending` and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
-                          max_skip_age_ms=max_skip_age_ms) as q:
+                          max_skip_age_ms=max_skip_age_ms, max_attempts=max_attempts) as q:
         k = q.keys
         await q.redis.flushdb()
         for request_id in live:
@@ -68,6 +76,7 @@ async def _compare(redis_url, pending, live, budget, lookahead, max_skip_age_ms,
             budget, lookahead=lookahead, max_drop=max_drop)
         plan = plan_claim(pending, now_ms=NOW_MS, budget=budget, lookahead=lookahead,
                           max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
+                          isolate_attempt=isolate_attempt_for(max_attempts),
                           is_live=live.__contains__)
 
         taken = [e.raw for e in claim.entries] if claim else []
@@ -104,6 +113,11 @@ async def _compare(redis_url, pending, live, budget, lookahead, max_skip_age_ms,
 @example(case=_case([("a", 10, 0, 0, b""), ("d", 10, 0, 500, b""), ("b", 10, 0, 1, b"")],
                     max_drop=2))
 @example(case=_case([("d", 10, 0, 500, b""), ("d", 10, 0, 500, b"")], max_drop=1))
+# Redone once: batched as usual; redone twice (or on its last try): alone, and it ends a batch.
+@example(case=_case([("a", 10, 0, 500, b"", 1), ("b", 10, 0, 500, b"", 0), ("a", 10, 0, 500, b"", 1)]))
+@example(case=_case([("a", 10, 0, 500, b"", 0), ("b", 10, 0, 500, b"", 2), ("a", 10, 0, 500, b"", 0)]))
+@example(case=_case([("a", 10, 0, 500, b"", 2), ("b", 10, 0, 500, b"", 0)]))
+@example(case=_case([("a", 10, 0, 500, b"", 1), ("b", 10, 0, 500, b"", 0)], max_attempts=2))
 def test_lua_claim_agrees_with_the_python_rule(redis_server, case):
     asyncio.run(_compare(redis_server.url, **case))
 
@@ -116,7 +130,7 @@ def _entries(*spec):
 
 def _plan(pending, **overrides):
     rule = dict(now_ms=NOW_MS, budget=600, lookahead=2, max_skip_age_ms=50, max_drop=100,
-                is_live=lambda request_id: True)
+                isolate_attempt=2, is_live=lambda request_id: True)
     return plan_claim(pending, **(rule | overrides))
 
 
@@ -143,3 +157,11 @@ def test_an_item_older_than_the_skip_age_is_never_passed_over():
 def test_the_first_item_goes_even_when_longer_than_the_budget():
     plan = _plan(_entries((900, 0), (10, 0)))
     assert [e.tokens for e in plan.taken] == [900]
+
+
+def test_redone_items_are_isolated_only_after_failing_twice_or_on_their_last_try():
+    assert [isolate_attempt_for(n) for n in (1, 2, 3, 5, 10)] == [1, 1, 2, 2, 2]
+    once = [parse_entry(format_entry(10, NOW_MS, "a", i, NOW_MS + 10_000, 1, b"x")) for i in range(3)]
+    assert len(_plan(once).taken) == 3
+    twice = [parse_entry(format_entry(10, NOW_MS, "a", i, NOW_MS + 10_000, 2, b"x")) for i in range(3)]
+    assert len(_plan(twice).taken) == 1

@@ -6,7 +6,7 @@ import asyncio
 import random
 from collections import Counter
 
-from queue_support import CHANNEL, all_keys, items, ok_result, open_queue
+from queue_support import CHANNEL, items, keys_left, ok_result, open_queue
 
 from tokq.queue import Claim
 
@@ -48,7 +48,8 @@ async def test_eight_claimers_drain_ten_thousand_items_exactly_once(redis_url):
         stats = await q.stats()
         assert (stats.queued_entries, stats.inflight_items, stats.inflight_batches) == (0, 0, 0)
         total = NUM_REQUESTS * ITEMS_PER_REQUEST
-        assert stats.counters == {"enqueued": total, "claimed": total, "acked": total}
+        assert stats.counters == {"enqueued": total, "claimed": total, "acked": total,
+                                  "batches": len(claims)}
         for r in range(NUM_REQUESTS):
             assert sorted(await q.collect(f"r{r}")) == list(range(ITEMS_PER_REQUEST))
-        assert await all_keys(q) == {q.keys.counters, q.keys.batch_seq}
+        assert await keys_left(q) == set()

@@ -1,8 +1,10 @@
-"""Leases: renewal, a crashed worker's batch redone, poison items stopped, acks idempotent."""
+"""Leases: renewal, a crashed worker's batch redone in batches, poison items isolated and
+stopped, acks idempotent."""
 
 from __future__ import annotations
 
-from queue_support import CHANNEL, ManualClock, all_keys, items, ok_result, open_queue
+import pytest
+from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
 from tokq.entry import decode_result, encode_error
 
@@ -11,7 +13,7 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
         pubsub = q.redis.pubsub()
-        await pubsub.subscribe(CHANNEL)
+        await pubsub.ssubscribe(CHANNEL)
         await pubsub.get_message(timeout=1.0)
         await q.enqueue("r", items(5, 5, 5), timeout_ms=60_000, channel=CHANNEL)
         crashed = await q.claim(10)  # items 0 and 1; this worker never acks
@@ -21,8 +23,8 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
         clock.advance(1)
         assert await q.requeue_expired() == (2, 0)
 
-        # Back at the front, in order, ahead of everything queued since; a redo goes alone.
-        for expected in ([("r", 0, 1)], [("r", 1, 1)], [("r", 2, 0), ("later", 0, 0)]):
+        # Back at the front, in order, ahead of everything queued since, in a normal batch.
+        for expected in ([("r", 0, 1), ("r", 1, 1), ("r", 2, 0)], [("later", 0, 0)]):
             redo = await q.claim(15)
             assert [(e.request_id, e.index, e.attempt) for e in redo.entries] == expected
             await q.ack(redo.batch_id, [(e, ok_result(e)) for e in redo.entries])
@@ -51,14 +53,14 @@ async def test_late_ack_before_the_redo_answers_once(redis_url):
         await q.requeue_expired()
         # The slow worker finishes after its items were requeued: its results are valid.
         await q.ack(slow.batch_id, [(e, ok_result(e)) for e in slow.entries])
-        for _ in range(2):  # redone items are claimed one at a time
-            redo = await q.claim(600)
-            await q.ack(redo.batch_id, [(e, ok_result(e)) for e in redo.entries])
+        redo = await q.claim(600)  # redone once: together again
+        assert len(redo.entries) == 2
+        await q.ack(redo.batch_id, [(e, ok_result(e)) for e in redo.entries])
         results = await q.collect("r")
         assert [decode_result(results[i]).vector.tolist() for i in range(2)] == [[0.0, 0.0], [1.0, 0.0]]
         stats = await q.stats()
         assert (stats.inflight_items, stats.counters["acked"]) == (0, 2)
-        assert await all_keys(q) == {q.keys.counters, q.keys.batch_seq}
+        assert await keys_left(q) == set()
 
 
 async def test_poison_items_stop_after_max_attempts(redis_url):
@@ -72,12 +74,13 @@ async def test_poison_items_stop_after_max_attempts(redis_url):
                 break
             clock.advance(1_000)
             outcomes.append(await q.requeue_expired())
-        # Together first; after a crash each is redone alone until its attempts run out.
-        assert outcomes == [(2, 0), (1, 0), (0, 1), (1, 0), (0, 1)]
+        # Together twice (a crash is usually the worker's, not the items'); after the second
+        # crash each is redone alone, and its attempts run out.
+        assert outcomes == [(2, 0), (2, 0), (0, 1), (0, 1)]
         results = {i: decode_result(r) for i, r in (await q.collect("poison")).items()}
         assert {r.code for r in results.values()} == {"INTERNAL"}
         assert "failed 3 times" in results[0].message
-        assert await all_keys(q) == {q.keys.counters, q.keys.batch_seq}
+        assert await keys_left(q) == set()
         assert (await q.stats()).counters["failed"] == 2
 
 
@@ -130,11 +133,12 @@ async def test_items_left_out_of_an_ack_are_answered_with_an_error(redis_url):
         assert (stats.inflight_items, stats.counters["failed"]) == (0, 2)
 
 
-async def test_poison_item_does_not_use_up_its_batch_mates_attempts(redis_url):
+@pytest.mark.parametrize("max_attempts", [2, 3, 5])
+async def test_poison_item_does_not_use_up_its_batch_mates_attempts(redis_url, max_attempts):
     clock = ManualClock()
-    async with open_queue(redis_url, clock, lease_ms=1_000, max_attempts=2) as q:
+    async with open_queue(redis_url, clock, lease_ms=1_000, max_attempts=max_attempts) as q:
         await q.enqueue("r", items(5, 5, 5), timeout_ms=600_000, channel=CHANNEL)
-        for _ in range(10):
+        for _ in range(20):
             claim = await q.claim(600)
             if claim is None:
                 break
@@ -146,3 +150,18 @@ async def test_poison_item_does_not_use_up_its_batch_mates_attempts(redis_url):
         results = {i: decode_result(r) for i, r in (await q.collect("r")).items()}
         assert [results[i].ok for i in range(3)] == [True, False, True]
         assert results[1].code == "INTERNAL"
+        assert f"failed {max_attempts} times" in results[1].message
+
+
+async def test_a_crashed_workers_many_items_come_back_in_full_batches(redis_url):
+    """No storm: the hundreds of short items a dead worker held are redone in budget-sized
+    batches, not one forward each."""
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        await q.enqueue("r", items(*[4] * 300), timeout_ms=600_000, channel=CHANNEL)
+        held = [await q.claim(400), await q.claim(400)]  # a batch and its prefetch: 200 items
+        clock.advance(1_000)
+        assert await q.requeue_expired() == (200, 0)
+        redo = [await q.claim(400) for _ in range(2)]
+        assert [len(c.entries) for c in held] == [len(c.entries) for c in redo] == [100, 100]
+        assert {e.attempt for c in redo for e in c.entries} == {1}

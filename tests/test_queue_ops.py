@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from queue_support import (CHANNEL, ManualClock, all_keys, items, ok_result, open_queue,
+from queue_support import (CHANNEL, ManualClock, items, keys_left, ok_result, open_queue,
                            stored_entries)
 
 from tokq.entry import decode_body, decode_result, parse_entry
@@ -15,7 +15,7 @@ from tokq.queue import MAX_DROPS_PER_CLAIM, QueueFull
 async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
     async with open_queue(redis_url) as q:
         pubsub = q.redis.pubsub()
-        await pubsub.subscribe(CHANNEL)
+        await pubsub.ssubscribe(CHANNEL)
         await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
         req_items = items(3, 5, 2)
         enq = await q.enqueue("req1", req_items, timeout_ms=5_000, channel=CHANNEL)
@@ -30,8 +30,8 @@ async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
         assert decode_result(results[1]).vector.tolist() == [1.0, 0.0]
         assert stored_entries(enq, req_items) == tuple(e.raw for e in claim.entries)
         # Drained: only the monotonically increasing totals and the batch sequence remain.
-        assert await all_keys(q) == {q.keys.counters, q.keys.batch_seq}
-        assert (await q.stats()).counters == {"enqueued": 3, "claimed": 3, "acked": 3}
+        assert await keys_left(q) == set()
+        assert (await q.stats()).counters == {"enqueued": 3, "claimed": 3, "batches": 1, "acked": 3}
         assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1) is None
         await pubsub.aclose()
 
@@ -39,7 +39,7 @@ async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
 async def test_completion_is_published_once_when_the_last_item_is_answered(redis_url):
     async with open_queue(redis_url) as q:
         pubsub = q.redis.pubsub()
-        await pubsub.subscribe(CHANNEL)
+        await pubsub.ssubscribe(CHANNEL)
         await pubsub.get_message(timeout=1.0)
         await q.enqueue("req1", items(4, 4), timeout_ms=5_000, channel=CHANNEL)
         claim = await q.claim(4)  # only item 0 fits
@@ -82,14 +82,11 @@ async def test_over_cap_request_is_rejected_whole(redis_url):
         assert (await q.stats()).queued_tokens == 400
 
 
-async def test_reused_request_id_is_refused(redis_url):
+async def test_request_id_with_a_colon_is_refused(redis_url):
     async with open_queue(redis_url) as q:
-        await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
-        with pytest.raises(ValueError, match="already queued"):
-            await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
         with pytest.raises(ValueError, match="no ':'"):
             await q.enqueue("a:b", items(1), timeout_ms=5_000, channel=CHANNEL)
-        assert await q.redis.llen(q.keys.pending) == 1
+        assert await q.redis.llen(q.keys.pending) == 0
 
 
 async def test_claim_never_exceeds_budget_and_a_long_item_goes_alone(redis_url):
@@ -200,3 +197,31 @@ async def test_concurrent_enqueues_keep_each_request_contiguous(redis_url):
             assert len({e.request_id for e in run}) == 1
             assert [e.index for e in run] == list(range(50))
         assert (await q.stats()).queued_tokens == sum(e.tokens for e in stored) == 400
+
+
+async def _redis_ms(q) -> int:
+    seconds, micros = await q.redis.time()
+    return seconds * 1000 + micros // 1000
+
+
+async def test_heartbeats_are_on_the_redis_clock_and_silent_workers_are_forgotten(redis_url):
+    import json
+
+    async with open_queue(redis_url) as q:
+        before = await _redis_ms(q)
+        now = await q.heartbeat("w1", {"batches": 3}, ttl_ms=2_000, forget_after_ms=10_000)
+        after = await _redis_ms(q)
+        assert before <= now <= after  # Redis TIME, whatever this host's clock says
+        status = json.loads(await q.redis.get(q.keys.heartbeat("w1")))
+        assert status == {"batches": 3, "ts_ms": now}
+        assert await q.redis.zscore(q.keys.workers, "w1") == now
+        assert 0 < await q.redis.pttl(q.keys.heartbeat("w1")) <= 2_000
+        await q.forget_worker("w1")
+    clock = ManualClock()
+    async with open_queue(redis_url, clock) as q:
+        await q.heartbeat("old", {}, ttl_ms=2_000, forget_after_ms=10_000)
+        clock.advance(10_001)
+        await q.heartbeat("new", {}, ttl_ms=2_000, forget_after_ms=10_000)
+        assert await q.redis.zrange(q.keys.workers, 0, -1) == [b"new"]
+        await q.forget_worker("new")
+        assert not await q.redis.exists(q.keys.workers, q.keys.heartbeat("new"))

@@ -95,6 +95,8 @@ def test_grpc_health_and_reflection(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+    stack.wait_ready()  # the readiness check has seen the worker's heartbeat
+
     with grpc.insecure_channel(stack.target) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="tokq.v1.Embedder"), timeout=5).status
@@ -181,10 +183,34 @@ def test_bad_requests_get_invalid_argument_and_service_still_serves(client, call
     assert client.embed(["still serving"], timeout=30).shape == (1, 384)
 
 
-def test_unknown_model_is_invalid_argument(stack):
+def test_token_id_inputs_embed_like_their_text(stack, client, reference):
+    from tokq.v1 import embedder_pb2 as pb
+    from tokq.v1 import embedder_pb2_grpc as pb_grpc
+
+    texts = ["caller tokenized this", "and this one too"]
+    ids = client.tokenize(texts)
+    with grpc.insecure_channel(stack.target) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        reply = stub.Embed(pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=seq) for seq in ids]), timeout=30)
+        got = np.array([e.values for e in reply.embeddings], dtype=np.float32)
+        assert_close(got, reference(texts))
+        assert reply.usage.prompt_tokens == sum(len(seq) for seq in ids)
+        long = pb.TokenIds(ids=ids[0][:1] + [2000] * 300)
+        cut = stub.Embed(pb.EmbedRequest(token_inputs=[long], truncate=True), timeout=30)
+        assert cut.usage.prompt_tokens == 256  # cut to the model's limit, like text
+        for bad, needle in [(pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=[101, 30522])]), "30522"),
+                            (pb.EmbedRequest(token_inputs=[long]), "at most 256"),
+                            (pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=[])]), "no token ids"),
+                            (pb.EmbedRequest(inputs=["x"], token_inputs=[pb.TokenIds(ids=[101])]), "not both")]:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Embed(bad, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+
+
+def test_unknown_model_is_not_found(stack):
     with Client(stack.target, model="no-such-model") as c, pytest.raises(TokqError) as err:
         c.embed(["hi"], timeout=10)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no-such-model" in err.value.message
+    assert err.value.code == grpc.StatusCode.NOT_FOUND and "no-such-model" in err.value.message
 
 
 def test_truncate_cuts_over_long_input(client, reference):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import redis
 
 from tokq.redis_server import free_port
 
@@ -34,9 +36,9 @@ def _alive(pid: int) -> bool:
 def test_tokq_up_serves_and_ctrl_c_stops_everything():
     from tokq import Client
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--workers", "2",
-                             "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--metrics-port", "0", "--http-port", str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     try:
@@ -51,6 +53,17 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         assert f"127.0.0.1:{port}" in text and "tokq embed" in text and "redis://" in text
         children = _children(proc.pid)
         assert len(children) == 4  # Redis, gateway, two workers
+        # The embedded Redis has a generated password; no child has it on its command line
+        # (readable by any local user with ps) and it is not printed.
+        envs = [dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                     if b"=" in kv) for pid in children]
+        url = next(e[b"TOKQ_REDIS_URL"] for e in envs if b"TOKQ_REDIS_URL" in e).decode()
+        password = redis.connection.parse_url(url)["password"]
+        assert password and len(password) >= 20 and password not in text
+        for pid in children:
+            assert password.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url.replace(password, "wrong")).ping()
         with Client(f"127.0.0.1:{port}") as client:
             vectors = client.embed(["make run works", "and answers"], timeout=60)
         assert vectors.shape == (2, 384)
@@ -58,6 +71,11 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         cli = subprocess.run([sys.executable, "-m", "tokq.cli", "embed", "--target", f"127.0.0.1:{port}",
                               "hello"], capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0 and '"model": "all-MiniLM-L6-v2"' in cli.stdout
+        # the HTTP API, with the curl line tokq up printed
+        curl = next(line.strip() for line in lines if line.strip().startswith("curl "))
+        assert f"http://127.0.0.1:{http_port}/v1/embeddings" in curl
+        out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout
+        assert np.array(json.loads(out)["data"][0]["embedding"]).shape == (384,)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)

@@ -24,10 +24,14 @@ class PackedBatch:
     normalize: np.ndarray  # bool [N]: L2-normalize this sequence's embedding
     dimensions: np.ndarray  # int32 [N]: Matryoshka truncation, 0 = full dimension
     handles: tuple[Any, ...] = field(default=())
+    # int32 [N] or None: the first prefix_lens[i] tokens of sequence i are a shared prompt a
+    # causal model may compute once (workers/prefix_attention.py); the ids stay complete
+    prefix_lens: np.ndarray | None = None
 
     @classmethod
     def pack(cls, sequences: Sequence[Sequence[int]], *, normalize: bool | Sequence[bool] = True,
-             dimensions: int | Sequence[int] = 0, handles: Sequence[Any] = ()) -> PackedBatch:
+             dimensions: int | Sequence[int] = 0, handles: Sequence[Any] = (),
+             prefix_lens: int | Sequence[int] = 0) -> PackedBatch:
         if not sequences:
             raise ValueError("a batch needs at least one sequence")
         seqs = [np.asarray(s, dtype=np.int64) for s in sequences]
@@ -39,6 +43,9 @@ class PackedBatch:
         # positions: 0..len-1 within each sequence, built without a Python loop
         positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
         n = len(seqs)
+        prefixes = np.broadcast_to(np.asarray(prefix_lens, dtype=np.int32), (n,))
+        if ((prefixes < 0) | (prefixes >= lens)).any():
+            raise ValueError("a prefix must leave at least one token of its sequence")
         return cls(
             input_ids=np.concatenate(seqs),
             positions=positions,
@@ -47,6 +54,7 @@ class PackedBatch:
             normalize=np.broadcast_to(np.asarray(normalize, dtype=bool), (n,)).copy(),
             dimensions=np.broadcast_to(np.asarray(dimensions, dtype=np.int32), (n,)).copy(),
             handles=tuple(handles),
+            prefix_lens=prefixes.copy() if prefixes.any() else None,
         )
 
     @property

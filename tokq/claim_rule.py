@@ -31,16 +31,24 @@ class ClaimPlan:
         return sum(e.tokens for e in self.taken)
 
 
+def isolate_attempt_for(max_attempts: int) -> int:
+    """The attempt from which a redone item is claimed alone: its third try (it failed twice),
+    or its last one when fewer are allowed, so a poison item's final crash takes no batch-mate
+    down with it. Items redone once (a crashed worker's whole batch) go back in full batches:
+    isolating them all would turn one crash into hundreds of single-item forwards."""
+    return max(1, min(2, max_attempts - 1))
+
+
 def plan_claim(pending: Sequence[Entry], *, now_ms: int, budget: int, lookahead: int,
-               max_skip_age_ms: int, max_drop: int,
+               max_skip_age_ms: int, max_drop: int, isolate_attempt: int,
                is_live: Callable[[str], bool]) -> ClaimPlan:
     """Decide the next batch from the head of ``pending`` (oldest first).
 
     FIFO up to ``budget`` tokens; the first live item is always taken, even alone over the
     budget. An item that does not fit may be passed over (at most ``lookahead`` of them) so
     that smaller ones behind it fill the batch, unless it has waited ``max_skip_age_ms``:
-    then the batch ends and it goes first next time, so nothing starves. An item being redone
-    after a crashed worker's lease expired (attempt > 0) is claimed alone.
+    then the batch ends and it goes first next time, so nothing starves. An item redone
+    ``isolate_attempt`` times or more (see ``isolate_attempt_for``) is claimed alone.
     """
     taken: list[Entry] = []
     expired: list[Entry] = []
@@ -53,13 +61,13 @@ def plan_claim(pending: Sequence[Entry], *, now_ms: int, budget: int, lookahead:
             expired.append(entry)
         elif not is_live(entry.request_id):
             orphaned.append(entry)
-        elif entry.attempt > 0 and taken:
-            break  # a redo after a crashed worker goes alone (below): it ends this batch
+        elif taken and entry.attempt >= isolate_attempt:
+            break  # an item that failed repeatedly goes alone (below): it ends this batch
         elif not taken or taken_tokens + entry.tokens <= budget:
             taken.append(entry)
             taken_tokens += entry.tokens
-            if entry.attempt > 0:
-                # Alone, so a poison item cannot use up its neighbours' attempts with its own.
+            if entry.attempt >= isolate_attempt:
+                # Alone, so a poison item cannot use up its batch-mates' attempts with its own.
                 num_scanned += 1
                 break
         elif len(skipped) >= lookahead or now_ms - entry.ts_ms >= max_skip_age_ms:

@@ -4,11 +4,20 @@
     vectors = Client("localhost:50051").embed(["red shoes", "blue shoes"])   # float32 [2, dim]
 
 Errors raise ``TokqError`` carrying the gRPC status code and the server's message.
+
+One client holds a few connections (``connections=``, default 4) and spreads calls over the
+gateway *processes* behind them: ``tokq gateway --procs N`` shares one port by SO_REUSEPORT,
+which spreads connections, not calls, and gRPC sends every call of a channel down one
+connection. Each reply names the process that sent it (trailing metadata), so calls go to the
+process with the fewest calls in flight; a connection that lands on a process another one
+already reaches is reopened a few times to find processes none reaches yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -62,17 +71,143 @@ def _error(exc: grpc.RpcError) -> TokqError:
     return TokqError(exc.code(), exc.details() or "")
 
 
+GATEWAY_ID_METADATA = "tokq-gateway"  # trailing metadata: the answering gateway process's id
+DEFAULT_CONNECTIONS = 4
+# Reopen connections that reach an already-reached process until this many in a row found no
+# new one: with 2 processes and 4 connections, the chance one process is never reached is 2^-19.
+DISCOVERY_MISSES = 16
+
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                    # Each channel its own connection: grpc-python otherwise shares one between
+                    # all channels to the same target.
+                    ("grpc.use_local_subchannel_pool", 1),
+                    # A name with several addresses (a headless Service): each connection takes
+                    # a random one instead of all taking the first.
+                    ("grpc.service_config", json.dumps(
+                        {"loadBalancingConfig": [{"pick_first": {"shuffleAddressList": True}}]}))]
+
+
+class _Connection:
+    __slots__ = ("channel", "stub", "outstanding", "process", "retired")
+
+    def __init__(self, channel) -> None:
+        self.channel = channel
+        self.stub = pb_grpc.EmbedderStub(channel)
+        self.outstanding = 0  # calls in flight
+        self.process: str | None = None  # the gateway process it reaches, once a reply said
+        self.retired = False  # replaced: closed once its calls in flight finish
+
+
+class _Pool:
+    """Which connection the next call takes (no I/O: shared by Client and AsyncClient).
+
+    Calls go to the process with the fewest calls in flight, ties taken in turn, then to that
+    process's least busy connection. A connection not yet identified counts as a process of its
+    own but, once others are, takes one call at a time (its reply identifies it)."""
+
+    def __init__(self, open_channel: Callable[[], object], size: int) -> None:
+        self._open = open_channel
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._misses_left = DISCOVERY_MISSES
+        self._seen: set[str] = set()
+        self.connections = [_Connection(open_channel()) for _ in range(size)]
+        self.retired: list[_Connection] = []
+
+    @staticmethod
+    def _least_busy(items: list, load, turn: int):
+        n = len(items)
+        return min((items[(turn + i) % n] for i in range(n)), key=load)
+
+    def acquire(self) -> _Connection:
+        with self._lock:
+            self._turn += 1
+            identified = any(c.process for c in self.connections)
+            groups: dict[object, list[_Connection]] = {}
+            for conn in self.connections:
+                if conn.process is None and identified and conn.outstanding:
+                    continue  # not identified yet: one call at a time, to find out
+                groups.setdefault(conn.process or id(conn), []).append(conn)
+            group = self._least_busy(list(groups.values()), lambda g: sum(c.outstanding for c in g), self._turn)
+            conn = self._least_busy(group, lambda c: c.outstanding, self._turn)
+            conn.outstanding += 1
+            return conn
+
+    def release(self, conn: _Connection, process: str | None) -> object | None:
+        """Record a finished call and which process answered; returns a channel the caller must
+        close (a replaced connection with nothing left in flight), else None."""
+        with self._lock:
+            conn.outstanding -= 1
+            if process and not conn.retired and process != conn.process:
+                conn.process = process
+                if process not in self._seen:
+                    self._seen.add(process)
+                    self._misses_left = DISCOVERY_MISSES
+                elif self._misses_left > 0 and any(c is not conn and c.process == process
+                                                   for c in self.connections):
+                    self._misses_left -= 1
+                    conn.retired = True
+                    self.retired.append(conn)
+                    self.connections[self.connections.index(conn)] = _Connection(self._open())
+            if conn.retired and conn.outstanding == 0 and conn in self.retired:
+                self.retired.remove(conn)
+                return conn.channel
+            return None
+
+    def processes(self) -> dict[str | None, int]:
+        """How many connections reach each gateway process (None: not identified yet)."""
+        with self._lock:
+            out: dict[str | None, int] = {}
+            for conn in self.connections:
+                out[conn.process] = out.get(conn.process, 0) + 1
+            return out
+
+    def channels(self) -> list:
+        with self._lock:
+            return [c.channel for c in self.connections + self.retired]
+
+
+def _process_of(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key == GATEWAY_ID_METADATA:
+            return value
+    return None
+
+
+def _check_connections(connections: int) -> int:
+    if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+        raise ValueError(f"connections must be a positive integer, got {connections!r}")
+    return connections
 
 
 class Client:
+    """A blocking client, safe to share between threads; ``connections`` connections to
+    ``target``, calls spread over the gateway processes they reach."""
+
     def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
-                 model: str = "") -> None:
-        self._channel = (grpc.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
-                         else grpc.insecure_channel(target, _CHANNEL_OPTIONS))
-        self._stub = pb_grpc.EmbedderStub(self._channel)
+                 model: str = "", connections: int = DEFAULT_CONNECTIONS) -> None:
+        def open_channel():
+            return (grpc.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
+                    else grpc.insecure_channel(target, _CHANNEL_OPTIONS))
+
+        self._pool = _Pool(open_channel, _check_connections(connections))
         self.model = model
+
+    def _call(self, method: str, request, timeout: float | None):
+        conn = self._pool.acquire()
+        process = None
+        try:
+            response, call = getattr(conn.stub, method).with_call(request, timeout=timeout)
+            process = _process_of(call.trailing_metadata())
+            return response
+        except grpc.RpcError as exc:
+            process = _process_of(exc.trailing_metadata())
+            raise _error(exc) from None
+        finally:
+            idle = self._pool.release(conn, process)
+            if idle is not None:
+                idle.close()
 
     def embed(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
               dimensions: int | None = None, prompt_name: str | None = None,
@@ -84,29 +219,25 @@ class Client:
                    dimensions: int | None = None, prompt_name: str | None = None,
                    timeout: float | None = None) -> Embeddings:
         req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model)
-        try:
-            return _unpack(self._stub.Embed(req, timeout=timeout))
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        return _unpack(self._call("Embed", req, timeout))
 
     def info(self, timeout: float | None = None) -> pb.InfoResponse:
-        try:
-            return self._stub.Info(pb.InfoRequest(), timeout=timeout)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        return self._call("Info", pb.InfoRequest(), timeout)
 
     def tokenize(self, texts: Sequence[str], *, truncate: bool = False, prompt_name: str | None = None,
                  timeout: float | None = None) -> list[list[int]]:
         req = pb.TokenizeRequest(inputs=list(texts), truncate=truncate, model=self.model)
         if prompt_name is not None:
             req.prompt_name = prompt_name
-        try:
-            return [list(t.ids) for t in self._stub.Tokenize(req, timeout=timeout).inputs]
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        return [list(t.ids) for t in self._call("Tokenize", req, timeout).inputs]
+
+    def processes(self) -> dict[str | None, int]:
+        """Connections per gateway process reached (None: not identified yet)."""
+        return self._pool.processes()
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._pool.channels():
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -119,11 +250,29 @@ class AsyncClient:
     """The asyncio variant (grpc.aio); create it inside a running event loop."""
 
     def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
-                 model: str = "") -> None:
-        self._channel = (grpc.aio.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
-                         else grpc.aio.insecure_channel(target, _CHANNEL_OPTIONS))
-        self._stub = pb_grpc.EmbedderStub(self._channel)
+                 model: str = "", connections: int = DEFAULT_CONNECTIONS) -> None:
+        def open_channel():
+            return (grpc.aio.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
+                    else grpc.aio.insecure_channel(target, _CHANNEL_OPTIONS))
+
+        self._pool = _Pool(open_channel, _check_connections(connections))
         self.model = model
+
+    async def _call(self, method: str, request, timeout: float | None):
+        conn = self._pool.acquire()
+        process = None
+        try:
+            call = getattr(conn.stub, method)(request, timeout=timeout)
+            response = await call
+            process = _process_of(await call.trailing_metadata())
+            return response
+        except grpc.RpcError as exc:
+            process = _process_of(exc.trailing_metadata())
+            raise _error(exc) from None
+        finally:
+            idle = self._pool.release(conn, process)
+            if idle is not None:
+                await idle.close()
 
     async def embed(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
                     dimensions: int | None = None, prompt_name: str | None = None,
@@ -136,19 +285,25 @@ class AsyncClient:
                          dimensions: int | None = None, prompt_name: str | None = None,
                          timeout: float | None = None) -> Embeddings:
         req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model)
-        try:
-            return _unpack(await self._stub.Embed(req, timeout=timeout))
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        return _unpack(await self._call("Embed", req, timeout))
 
     async def info(self, timeout: float | None = None) -> pb.InfoResponse:
-        try:
-            return await self._stub.Info(pb.InfoRequest(), timeout=timeout)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        return await self._call("Info", pb.InfoRequest(), timeout)
+
+    async def tokenize(self, texts: Sequence[str], *, truncate: bool = False, prompt_name: str | None = None,
+                       timeout: float | None = None) -> list[list[int]]:
+        req = pb.TokenizeRequest(inputs=list(texts), truncate=truncate, model=self.model)
+        if prompt_name is not None:
+            req.prompt_name = prompt_name
+        return [list(t.ids) for t in (await self._call("Tokenize", req, timeout)).inputs]
+
+    def processes(self) -> dict[str | None, int]:
+        """Connections per gateway process reached (None: not identified yet)."""
+        return self._pool.processes()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._pool.channels():
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

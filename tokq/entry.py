@@ -7,9 +7,11 @@ A queue entry is ``<tokens>::<ts_ms>::<item>``, the form the Lua scripts sort an
 ``ts_ms`` and ``deadline_ms`` are Redis-clock milliseconds set by ``enqueue.lua`` (one clock for
 every host). ``attempt`` counts claims that ended in an expired lease. ``body`` is opaque to Lua:
 
-    body = struct '<BBH' (id_width, flags, dimensions) + token ids as little-endian uint16/uint32
+    body = struct '<BBH' (id_width, flags, dimensions) [+ '<H' prefix_len if flags & FLAG_PREFIX]
+           + token ids as little-endian uint16/uint32
 
-so workers never tokenize. A result, written by a worker (or by Lua for errors), is
+so workers never tokenize. ``prefix_len``: the ids start with that many tokens of a shared
+prompt, which a causal model computes once (the ids stay complete, so a worker may ignore it). A result, written by a worker (or by Lua for errors), is
 
     b"+" + struct '<ff' (queue_ms, inference_ms) + float32 little-endian vector   # success
     b"-" + <gRPC status name> + b":" + utf-8 message                              # failure
@@ -23,11 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 
 FLAG_NORMALIZE = 1
+FLAG_PREFIX = 2
 _BODY_HEAD = struct.Struct("<BBH")
+_PREFIX_LEN = struct.Struct("<H")
 _RESULT_HEAD = struct.Struct("<ff")
 
 
-def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0) -> bytes:
+def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0, prefix_len: int = 0) -> bytes:
     """Pack one item's token ids and options into an entry body."""
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or ids.size == 0:
@@ -36,8 +40,13 @@ def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0) -> by
         raise ValueError(f"dimensions {dimensions} out of range")
     width = 2 if int(ids.max()) < 0x10000 else 4
     dtype = "<u2" if width == 2 else "<u4"
-    flags = FLAG_NORMALIZE if normalize else 0
-    return _BODY_HEAD.pack(width, flags, dimensions) + ids.astype(dtype).tobytes()
+    if not 0 <= prefix_len < ids.size:
+        raise ValueError(f"prefix_len {prefix_len} must leave at least one of {ids.size} tokens")
+    flags = (FLAG_NORMALIZE if normalize else 0) | (FLAG_PREFIX if prefix_len else 0)
+    head = _BODY_HEAD.pack(width, flags, dimensions)
+    if prefix_len:
+        head += _PREFIX_LEN.pack(prefix_len)
+    return head + ids.astype(dtype).tobytes()
 
 
 @dataclass(frozen=True)
@@ -45,14 +54,21 @@ class Body:
     token_ids: np.ndarray  # int64 [n]
     normalize: bool
     dimensions: int  # 0 = the model's full dimension
+    prefix_len: int = 0  # leading ids that are a shared prompt (0: none)
 
 
 def decode_body(body: bytes) -> Body:
     width, flags, dims = _BODY_HEAD.unpack_from(body)
     if width not in (2, 4):
         raise ValueError(f"bad id width {width} in entry body")
-    ids = np.frombuffer(body, dtype="<u2" if width == 2 else "<u4", offset=_BODY_HEAD.size)
-    return Body(ids.astype(np.int64), bool(flags & FLAG_NORMALIZE), dims)
+    offset, prefix_len = _BODY_HEAD.size, 0
+    if flags & FLAG_PREFIX:
+        (prefix_len,) = _PREFIX_LEN.unpack_from(body, offset)
+        offset += _PREFIX_LEN.size
+    ids = np.frombuffer(body, dtype="<u2" if width == 2 else "<u4", offset=offset)
+    if prefix_len >= ids.size:  # only a hint: a bad one costs speed, never the answer
+        prefix_len = 0
+    return Body(ids.astype(np.int64), bool(flags & FLAG_NORMALIZE), dims, prefix_len)
 
 
 @dataclass(frozen=True)

@@ -75,11 +75,6 @@ class QueueKeys:
         return f"{self.base}:inflight"
 
     @property
-    def batch_seq(self) -> str:
-        """STRING: counter that names claimed batches."""
-        return f"{self.base}:batchseq"
-
-    @property
     def counters(self) -> str:
         """HASH of monotonically increasing event counts (requeued, expired, rejected, ...)."""
         return f"{self.base}:counters"
@@ -92,9 +87,19 @@ class QueueKeys:
     def reply(self, request_id: str) -> str:
         return self.reply_prefix + request_id
 
+    def collected(self, request_id: str) -> str:
+        """HASH: a collected reply, kept a short grace so a repeated collect (after a lost
+        answer) gets the same results; it expires by itself."""
+        return f"{self.base}:collected:{request_id}"
+
     def done_channel(self, gateway_id: str) -> str:
-        """Pub/sub channel a gateway listens on for 'request complete' notices."""
+        """Shard channel (SSUBSCRIBE) a gateway listens on for 'request complete' notices."""
         return f"{self.base}:done:{gateway_id}"
+
+    @property
+    def work_channel(self) -> str:
+        """Shard channel idle workers listen on: told when the queue stops being empty."""
+        return f"{self.base}:work"
 
     @property
     def budget(self) -> str:

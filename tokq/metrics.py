@@ -4,7 +4,7 @@ Names are ``tokq_<stage>_<what>_<unit>``; times are seconds (Prometheus' base un
 are tokens or items. Labels: ``model`` on everything, ``worker`` on worker metrics, ``rpc``
 and ``code`` (gRPC status name) on requests. Importable without torch.
 
-Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/service.py)
+Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/embedding.py)
   tokq_gateway_requests_total{rpc,code}           counter   finished RPCs
   tokq_gateway_request_duration_seconds{rpc}      histogram whole RPC, as the gateway saw it
   tokq_gateway_tokenize_duration_seconds          histogram tokenizing one Embed request
@@ -205,7 +205,7 @@ def observe_queue_stats(stats, *, model: str) -> None:
 
 
 class GatewayMetrics:
-    """The gateway's observer: gateway/service.py calls these four hooks."""
+    """The gateway's observer: gateway/embedding.py calls these four hooks."""
 
     def __init__(self, model: str) -> None:
         self.model = model

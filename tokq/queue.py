@@ -4,16 +4,26 @@ each one Lua script run (one round trip) on a ``redis.asyncio`` client.
 Use a client made with ``decode_responses=False`` (``tokq.connection.connect``): entry bodies
 and results are binary.
 Times come from the Redis clock inside the scripts; ``clock`` overrides it for tests.
+
+Every script is safe to run twice: redis-py runs a command again after a ConnectionError, and
+the first run may have happened with only its answer lost. enqueue is idempotent by request
+id, claim by the batch id this client picks, collect keeps the reply a short grace; ack,
+renew, requeue and cancel are idempotent by nature. When no answer comes even after the
+retries, the call raises ``LostAnswer``: its outcome is unknown, and the caller retries it.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
+from tokq.claim_rule import isolate_attempt_for
 from tokq.config import QueueConfig
 from tokq.entry import Entry, parse_entry
 from tokq.keys import QueueKeys
@@ -24,6 +34,22 @@ from tokq.scripts import Scripts
 MAX_DROPS_PER_CLAIM = 1000
 # Expired leases handled per requeue call.
 MAX_BATCHES_PER_REQUEUE = 100
+# How long a collected reply is kept for a repeated collect: longer than redis-py's reconnect
+# and retries (tokq.connection), short enough that nothing lingers.
+COLLECT_GRACE_MS = 5_000
+# Fields of a reply hash besides the answered items: n, ch, t (lua/lib/reply.lua).
+REPLY_META_FIELDS = (b"n", b"ch", b"t")
+
+
+class LostAnswer(redis.exceptions.ConnectionError):
+    """A queue script got no answer from Redis (connection lost or timed out, even after
+    retries): it may or may not have run. Retryable (the gateway answers UNAVAILABLE and
+    withdraws the request)."""
+
+    def __init__(self, script: str, cause: Exception) -> None:
+        super().__init__(f"no answer from Redis to {script} ({type(cause).__name__}); "
+                         "it may or may not have run")
+        self.script = script
 
 
 class QueueFull(Exception):
@@ -78,16 +104,24 @@ class Queue:
         self.config = config
         self.scripts = Scripts(redis)
         self._clock = clock
-        # Batch ids are <this prefix>-<INCR>: unique even after a Redis restart resets the
-        # counter, so a late ack can never release another worker's new batch.
-        self._batch_prefix = secrets.token_hex(4)
+        # Batch ids are <random prefix>-<local counter>, chosen here so that a repeated claim
+        # finds its own lease; the prefix keeps them unique across clients and restarts.
+        self._batch_prefix = secrets.token_hex(8)
+        self._batch_numbers = itertools.count(1)
 
     def _now_arg(self) -> int:
         return self._clock() if self._clock else 0  # 0 = the script reads Redis TIME
 
+    async def _run(self, script: str, keys: Sequence[str], args: Sequence) -> object:
+        try:
+            return await self.scripts.run(script, keys, args)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise LostAnswer(script, exc) from exc
+
     async def enqueue(self, request_id: str, items: Sequence[tuple[int, bytes]], *,
                       timeout_ms: int, channel: str) -> Enqueued:
-        """Queue all items of one request (token_count, body), atomically; raises QueueFull."""
+        """Queue all items of one request (token_count, body), atomically; raises QueueFull.
+        Idempotent by ``request_id``: running it again returns the first run's answer."""
         if not request_id or ":" in request_id:
             raise ValueError(f"request id {request_id!r} must be non-empty and hold no ':'")
         if not items:
@@ -95,31 +129,35 @@ class Queue:
         if timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
         args: list = [self._now_arg(), request_id, timeout_ms, self.config.max_queued_tokens,
-                      self.config.reply_ttl_ms, channel]
+                      self.config.reply_ttl_ms, channel, self.keys.work_channel]
         for tokens, body in items:
             if tokens < 1:
                 raise ValueError(f"an item needs at least one token, got {tokens}")
             args += [int(tokens), body]
         k = self.keys
-        reply = await self.scripts.run(
+        reply = await self._run(
             "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id)], args)
         status = reply[0]
         if status == b"QUEUE_FULL":
             raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)
         if status == b"DUPLICATE":
-            raise ValueError(f"request id {request_id!r} is already queued")
+            raise ValueError(f"request id {request_id!r} is already used by another request")
         return Enqueued(request_id, int(reply[1]), int(reply[2]))
 
     async def cancel(self, request_id: str) -> bool:
         """Withdraw a request: its reply key goes now, its queued entries at the next claim
         that reaches them (O(1) here). False if it was already collected or gone."""
         k = self.keys
-        return bool(await self.scripts.run("cancel", [k.reply(request_id), k.counters], []))
+        return bool(await self._run("cancel", [k.reply(request_id), k.counters], []))
 
     async def collect(self, request_id: str) -> dict[int, bytes]:
-        """Take a request's results (index -> raw result) and delete its reply key."""
-        flat = await self.scripts.run("collect", [self.keys.reply(request_id)], [])
-        return {int(field): value for field, value in _pairs(flat) if field not in (b"n", b"ch")}
+        """Take a request's results (index -> raw result); its reply key goes (a copy stays
+        ``COLLECT_GRACE_MS`` so that running this again returns the same results)."""
+        k = self.keys
+        flat = await self._run("collect", [k.reply(request_id), k.collected(request_id)],
+                               [COLLECT_GRACE_MS])
+        return {int(field): value for field, value in _pairs(flat)
+                if field not in REPLY_META_FIELDS}
 
     async def claim(self, budget: int, *, lookahead: int | None = None) -> Claim | None:
         """The next batch of at most ``budget`` tokens (one longer item goes alone), leased
@@ -136,15 +174,18 @@ class Queue:
     async def claim_step(self, budget: int, *, lookahead: int | None = None,
                          max_drop: int = MAX_DROPS_PER_CLAIM) -> tuple[Claim | None, int, int]:
         """One run of claim.lua: (the batch or None, entries dropped as expired, entries
-        dropped because their request is gone). It stops after ``max_drop`` drops."""
+        dropped because their request is gone). It stops after ``max_drop`` drops. The batch
+        id is picked here, so a run repeated after a lost answer returns the same batch."""
         if budget < 1:
             raise ValueError(f"budget must be positive, got {budget}")
         k, cfg = self.keys, self.config
         args = [self._now_arg(), budget, cfg.lease_ms,
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
-                max_drop, k.reply_prefix, k.lease_prefix, self._batch_prefix]
-        batch_id, now_ms, expired, orphaned, raw = await self.scripts.run(
-            "claim", [k.pending, k.tokens, k.leases, k.inflight, k.batch_seq, k.counters], args)
+                max_drop, k.reply_prefix, k.lease_prefix,
+                f"{self._batch_prefix}-{next(self._batch_numbers)}",
+                isolate_attempt_for(cfg.max_attempts)]
+        batch_id, now_ms, expired, orphaned, raw = await self._run(
+            "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters], args)
         claim = None
         if batch_id:
             claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired)
@@ -153,7 +194,7 @@ class Queue:
     async def renew(self, batch_id: str) -> bool:
         """Extend a running batch's lease; False if it was already requeued or acknowledged."""
         args = [self._now_arg(), self.config.lease_ms, batch_id]
-        return bool(await self.scripts.run("renew", [self.keys.leases], args))
+        return bool(await self._run("renew", [self.keys.leases], args))
 
     async def ack(self, batch_id: str, results: Sequence[tuple[Entry, bytes]]) -> None:
         """Deliver each item's result (tokq.entry encode_ok/encode_error bytes) and release
@@ -163,20 +204,37 @@ class Queue:
         args: list = [k.reply_prefix, batch_id]
         for entry, result in results:
             args += [entry.request_id, entry.index, result]
-        await self.scripts.run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id)], args)
+        await self._run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id)], args)
 
     async def requeue_expired(self) -> tuple[int, int]:
         """Put the items of expired leases back at the front: (requeued, failed)."""
         k = self.keys
         args = [self._now_arg(), self.config.max_attempts, MAX_BATCHES_PER_REQUEUE,
-                k.reply_prefix, k.lease_prefix]
-        requeued, failed = await self.scripts.run(
+                k.reply_prefix, k.lease_prefix, k.work_channel]
+        requeued, failed = await self._run(
             "requeue", [k.leases, k.pending, k.tokens, k.inflight, k.counters], args)
         return int(requeued), int(failed)
 
+    async def heartbeat(self, worker_id: str, status: dict, *, ttl_ms: int,
+                        forget_after_ms: int) -> int:
+        """Mark ``worker_id`` alive for ``ttl_ms`` with its JSON ``status`` (plus ``ts_ms``), in
+        the worker registry at the Redis clock's now (returned); forget silent workers."""
+        k = self.keys
+        return int(await self._run(
+            "heartbeat", [k.workers, k.heartbeat(worker_id)],
+            [self._now_arg(), worker_id, json.dumps(status), ttl_ms, forget_after_ms]))
+
+    async def forget_worker(self, worker_id: str) -> None:
+        """Remove a worker's heartbeat and registry entry (it stopped, or gave up as hung)."""
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(k.heartbeat(worker_id))
+            pipe.zrem(k.workers, worker_id)
+            await pipe.execute()
+
     async def stats(self) -> QueueStats:
         k = self.keys
-        entries, tokens, age_ms, inflight, batches, counters = await self.scripts.run(
+        entries, tokens, age_ms, inflight, batches, counters = await self._run(
             "stats", [k.pending, k.tokens, k.leases, k.inflight, k.counters], [self._now_arg()])
         return QueueStats(int(entries), int(tokens), int(age_ms), int(inflight), int(batches),
                           {f.decode(): int(v) for f, v in _pairs(counters)})

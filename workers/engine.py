@@ -11,11 +11,14 @@ import torch
 from tokq.batch import PackedBatch
 from tokq.metrics import forward_flops
 from tokq.model_info import ModelInfo
-from tokq.workers import attention, pooling
+from tokq.workers import attention, pooling, prefix_attention
 from tokq.workers.device import resolve_device, resolve_dtype, synchronize
 from tokq.workers.loader import load_weights
 from tokq.workers.models.bert import Bert
 from tokq.workers.models.qwen import Qwen
+from tokq.workers.prefix_cache import PrefixCache
+
+DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 
 
 class Engine:
@@ -27,6 +30,11 @@ class Engine:
         self.dtype = dtype
         self.attn_backend = attn_backend  # the backend actually used, never "auto"
         self._attend = attention.attend_fn(attn_backend)
+        # Shared prompts are computed once only where that is exact: causal attention, and the
+        # last token pooled (mean or CLS pooling would need the prompt tokens' own states).
+        self.prefix_cache = (PrefixCache(DEFAULT_PREFIX_CACHE_BYTES, _fingerprint(info))
+                             if model.causal and info.pooling == "last" else None)
+        self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
 
     @property
     def linear_backend(self) -> str:
@@ -60,9 +68,15 @@ class Engine:
         if batch.max_seqlen > self.info.max_length:
             raise ValueError(f"sequence of {batch.max_seqlen} tokens exceeds the model's "
                              f"max length {self.info.max_length}")
+        if batch.prefix_lens is not None and self.prefix_cache is not None:
+            pooled, computed = prefix_attention.forward_pooled(
+                self.model, batch, self.prefix_cache, self.attn_backend, self.device, self.dtype)
+            self.tokens_computed += computed
+            return pooling.finish(pooled, batch.normalize, batch.dimensions)
         layout = attention.build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
                                         dtype=self.dtype)
         hidden = self.model.forward(layout, self._attend)
+        self.tokens_computed += batch.num_tokens
         pooled = pooling.pool(hidden, layout, self.info.pooling)
         return pooling.finish(pooled, batch.normalize, batch.dimensions)
 
@@ -87,3 +101,8 @@ class Engine:
         seqs = [np.arange(1, n + 1, dtype=np.int64) % vocab for n in lens]
         self.embed(PackedBatch.pack(seqs))
         synchronize(self.device)
+
+
+def _fingerprint(info: ModelInfo) -> str:
+    """What the prefix cache keys by besides the token ids (one engine serves one model)."""
+    return getattr(info, "fingerprint", None) or f"{info.name}:{info.path}"

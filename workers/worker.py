@@ -194,7 +194,8 @@ class Worker:
     def _embed(self, bodies) -> np.ndarray:
         batch = PackedBatch.pack([b.token_ids for b in bodies],
                                  normalize=[b.normalize for b in bodies],
-                                 dimensions=[b.dimensions for b in bodies])
+                                 dimensions=[b.dimensions for b in bodies],
+                                 prefix_lens=[b.prefix_len for b in bodies])
         return self.engine.embed(batch)
 
     def _embed_one_by_one(self, bodies) -> tuple[np.ndarray, dict[int, str]]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tokq/v1/embedder.proto\x12\x07tokq.v1\"\xb7\x01\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0bprompt_name\x18\x06 \x01(\tH\x02\x88\x01\x01\x42\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\x0e\n\x0c_prompt_name\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"4\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\"W\n\x06Timing\x12\x13\n\x0btokenize_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x14\n\x0cinference_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\x86\x01\n\rEmbedResponse\x12&\n\nembeddings\x18\x01 \x03(\x0b\x32\x12.tokq.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x05usage\x18\x03 \x01(\x0b\x32\x0e.tokq.v1.Usage\x12\x1f\n\x06timing\x18\x04 \x01(\x0b\x32\x0f.tokq.v1.Timing\"\r\n\x0bInfoRequest\"\xca\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x18\n\x10max_input_length\x18\x03 \x01(\r\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\r\x12\x12\n\nmax_inputs\x18\x05 \x01(\r\x12\x14\n\x0cprompt_names\x18\x06 \x03(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x07 \x01(\t\x12\x0f\n\x07pooling\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t\"l\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x18\n\x0bprompt_name\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_prompt_name\"-\n\x0eTokenizedInput\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"J\n\x10TokenizeResponse\x12\'\n\x06inputs\x18\x01 \x03(\x0b\x32\x17.tokq.v1.TokenizedInput\x12\r\n\x05model\x18\x02 \x01(\t2\xb8\x01\n\x08\x45mbedder\x12\x36\n\x05\x45mbed\x12\x15.tokq.v1.EmbedRequest\x1a\x16.tokq.v1.EmbedResponse\x12\x33\n\x04Info\x12\x14.tokq.v1.InfoRequest\x1a\x15.tokq.v1.InfoResponse\x12?\n\x08Tokenize\x12\x18.tokq.v1.TokenizeRequest\x1a\x19.tokq.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tokq/v1/embedder.proto\x12\x07tokq.v1\"\xe0\x01\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0bprompt_name\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\'\n\x0ctoken_inputs\x18\x07 \x03(\x0b\x32\x11.tokq.v1.TokenIdsB\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\x0e\n\x0c_prompt_name\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"4\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\"W\n\x06Timing\x12\x13\n\x0btokenize_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x14\n\x0cinference_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\x86\x01\n\rEmbedResponse\x12&\n\nembeddings\x18\x01 \x03(\x0b\x32\x12.tokq.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x05usage\x18\x03 \x01(\x0b\x32\x0e.tokq.v1.Usage\x12\x1f\n\x06timing\x18\x04 \x01(\x0b\x32\x0f.tokq.v1.Timing\"\x1c\n\x0bInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xca\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x18\n\x10max_input_length\x18\x03 \x01(\r\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\r\x12\x12\n\nmax_inputs\x18\x05 \x01(\r\x12\x14\n\x0cprompt_names\x18\x06 \x03(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x07 \x01(\t\x12\x0f\n\x07pooling\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t\"l\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x18\n\x0bprompt_name\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_prompt_name\"-\n\x0eTokenizedInput\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"J\n\x10TokenizeResponse\x12\'\n\x06inputs\x18\x01 \x03(\x0b\x32\x17.tokq.v1.TokenizedInput\x12\r\n\x05model\x18\x02 \x01(\t2\xb8\x01\n\x08\x45mbedder\x12\x36\n\x05\x45mbed\x12\x15.tokq.v1.EmbedRequest\x1a\x16.tokq.v1.EmbedResponse\x12\x33\n\x04Info\x12\x14.tokq.v1.InfoRequest\x1a\x15.tokq.v1.InfoResponse\x12?\n\x08Tokenize\x12\x18.tokq.v1.TokenizeRequest\x1a\x19.tokq.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokq.v1.embedder_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EMBEDREQUEST']._serialized_start=36
-  _globals['_EMBEDREQUEST']._serialized_end=219
-  _globals['_EMBEDDING']._serialized_start=221
-  _globals['_EMBEDDING']._serialized_end=248
-  _globals['_USAGE']._serialized_start=250
-  _globals['_USAGE']._serialized_end=302
-  _globals['_TIMING']._serialized_start=304
-  _globals['_TIMING']._serialized_end=391
-  _globals['_EMBEDRESPONSE']._serialized_start=394
-  _globals['_EMBEDRESPONSE']._serialized_end=528
-  _globals['_INFOREQUEST']._serialized_start=530
-  _globals['_INFOREQUEST']._serialized_end=543
-  _globals['_INFORESPONSE']._serialized_start=546
-  _globals['_INFORESPONSE']._serialized_end=748
-  _globals['_TOKENIZEREQUEST']._serialized_start=750
-  _globals['_TOKENIZEREQUEST']._serialized_end=858
-  _globals['_TOKENIZEDINPUT']._serialized_start=860
-  _globals['_TOKENIZEDINPUT']._serialized_end=905
-  _globals['_TOKENIZERESPONSE']._serialized_start=907
-  _globals['_TOKENIZERESPONSE']._serialized_end=981
-  _globals['_EMBEDDER']._serialized_start=984
-  _globals['_EMBEDDER']._serialized_end=1168
+  _globals['_EMBEDREQUEST']._serialized_end=260
+  _globals['_TOKENIDS']._serialized_start=262
+  _globals['_TOKENIDS']._serialized_end=285
+  _globals['_EMBEDDING']._serialized_start=287
+  _globals['_EMBEDDING']._serialized_end=314
+  _globals['_USAGE']._serialized_start=316
+  _globals['_USAGE']._serialized_end=368
+  _globals['_TIMING']._serialized_start=370
+  _globals['_TIMING']._serialized_end=457
+  _globals['_EMBEDRESPONSE']._serialized_start=460
+  _globals['_EMBEDRESPONSE']._serialized_end=594
+  _globals['_INFOREQUEST']._serialized_start=596
+  _globals['_INFOREQUEST']._serialized_end=624
+  _globals['_INFORESPONSE']._serialized_start=627
+  _globals['_INFORESPONSE']._serialized_end=829
+  _globals['_TOKENIZEREQUEST']._serialized_start=831
+  _globals['_TOKENIZEREQUEST']._serialized_end=939
+  _globals['_TOKENIZEDINPUT']._serialized_start=941
+  _globals['_TOKENIZEDINPUT']._serialized_end=986
+  _globals['_TOKENIZERESPONSE']._serialized_start=988
+  _globals['_TOKENIZERESPONSE']._serialized_end=1062
+  _globals['_EMBEDDER']._serialized_start=1065
+  _globals['_EMBEDDER']._serialized_end=1249
 # @@protoc_insertion_point(module_scope)

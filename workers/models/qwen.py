@@ -82,15 +82,17 @@ class Qwen:
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    def forward(self, layout: Layout, attend: AttendFn) -> torch.Tensor:
-        """Last hidden state ``[T, hidden]`` (after the final norm) of the packed batch."""
+    def forward(self, layout: Layout, attend: AttendFn | None, prefix=None) -> torch.Tensor:
+        """Last hidden state ``[T, hidden]`` (after the final norm) of the packed batch.
+        ``prefix`` (workers/prefix_attention.PrefixPass): the batch holds only the tokens after
+        shared prefixes, at their true positions, and attends through it instead."""
         num_tokens = layout.input_ids.shape[0]
         q_size, kv_size = self.q_dim, self.num_kv_heads * self.head_dim
         cos, sin = self.rotary.tables(layout.positions, layout.max_seqlen - 1)
         scale = self.head_dim ** -0.5
         linear = self.linear
         x = F.embedding(layout.input_ids, self.embed_tokens)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             qkv = linear(rms_norm(x, layer.input_norm, self.eps), layer.qkv_weight, layer.qkv_bias)
             q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -98,7 +100,10 @@ class Qwen:
             if layer.q_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = attend(q, k, v, layout, True, scale)
+            if prefix is None:
+                attn = attend(q, k, v, layout, True, scale)
+            else:
+                attn = prefix.attend(index, q, k, v, scale)
             x = linear.add(attn.reshape(num_tokens, q_size), layer.out_weight, None, x)
             gate, up = linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up_weight).chunk(2, -1)
             x = linear.add(self.act(gate) * up, layer.down_weight, None, x)

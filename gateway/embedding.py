@@ -1,0 +1,286 @@
+"""The embedding path every transport shares: look the model up -> validate -> tokenize (or take
+the caller's token ids) -> enqueue -> wait for the reply -> results.
+
+gRPC (gateway/service.py) and HTTP (gateway/http.py) are thin adapters over ``Embedder``: they turn
+their request into an ``EmbedInput``, and any exception raised here into their own status through
+gateway/errors.py. Nothing here knows about either wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from tokq import __version__
+from tokq.config import GatewayConfig
+from tokq.entry import decode_result, encode_body
+from tokq.gateway.prompt_boundary import PromptBoundary
+from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable,
+                                 from_result_code, status_name)
+from tokq.gateway.replies import ReplyRouter
+from tokq.gateway.tokenize import Tokenizer
+from tokq.model_info import ModelInfo
+from tokq.queue import Queue, QueueFull
+
+
+class Deadline(Protocol):
+    """What is left of a call's time: grpc.aio's ServicerContext is one, ``Timer`` another."""
+
+    def time_remaining(self) -> float | None: ...
+
+
+class Timer:
+    """A deadline for transports that carry none of their own (HTTP): None = the default."""
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self._end = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._end is None else self._end - time.monotonic()
+
+
+@dataclass(frozen=True)
+class EmbedInput:
+    """One embedding request, whatever it came over. Exactly one of ``texts``/``token_ids``."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    model: str = ""
+    truncate: bool = False
+    normalize: bool | None = None  # None: true (unit length)
+    dimensions: int | None = None  # None: the model's full dimension
+    prompt_name: str | None = None  # None: the model's default prompt, if any
+
+
+@dataclass(frozen=True)
+class EmbedOutput:
+    vectors: list[np.ndarray]  # float32, one per input, in input order
+    model: str
+    num_tokens: int
+    timing: dict[str, float]  # tokenize_ms, queue_ms, inference_ms, total_ms
+
+
+class ServedModel:
+    """One model this gateway serves: its tokenizer, its queue and the calls waiting on it."""
+
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, queue: Queue, router: ReplyRouter,
+                 config: GatewayConfig, gateway_id: str, observer=None) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.queue = queue
+        self.router = router
+        self.config = config
+        self.gateway_id = gateway_id
+        self.observer = observer  # metrics hooks (tokq.metrics.GatewayMetrics), optional
+        self._ids = itertools.count()
+        self._vocab_size = int(info.config["vocab_size"])  # the embedding table: ids past it crash a forward
+        self._prompt_boundary = PromptBoundary(info, tokenizer)
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def _prompt(self, prompt_name: str | None) -> str:
+        try:
+            return self.info.prompt(prompt_name)
+        except KeyError:
+            known = ", ".join(sorted(self.info.prompts)) or "none"
+            raise InvalidArgument(f"unknown prompt_name {prompt_name!r}; {self.info.name} defines: {known}",
+                                  param="prompt_name") from None
+
+    def _check_count(self, num_inputs: int) -> None:
+        if not num_inputs:
+            raise InvalidArgument("inputs is empty: send at least one string to embed", param="input")
+        if num_inputs > self.config.max_inputs:
+            raise InvalidArgument(f"{num_inputs} inputs in one request; the limit is "
+                                  f"{self.config.max_inputs}: split the request", param="input")
+
+    def _check_texts(self, inputs) -> list[str]:
+        texts = list(inputs)
+        self._check_count(len(texts))
+        for i, text in enumerate(texts):
+            if not text:
+                raise InvalidArgument(f"input {i} is an empty string: every input needs text", param="input")
+        return texts
+
+    def _check_token_ids(self, inputs, truncate: bool) -> list[list[int]]:
+        """Caller-tokenized inputs, used as given (special tokens included, as Tokenize returns
+        them): every id must be in the vocabulary; over-long ones are cut or refused like text."""
+        seqs = [list(seq) for seq in inputs]
+        self._check_count(len(seqs))
+        max_len, vocab = self.info.max_length, self._vocab_size
+        for i, seq in enumerate(seqs):
+            if not seq:
+                raise InvalidArgument(f"input {i} has no token ids: every input needs at least one",
+                                      param="input")
+            bad = next((t for t in seq if type(t) is not int or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidArgument(f"input {i} has token id {bad!r} outside {self.info.name}'s "
+                                      f"vocabulary (0..{vocab - 1})", param="input")
+            if len(seq) > max_len:
+                if not truncate:
+                    raise InvalidArgument(
+                        f"input {i} is {len(seq)} tokens long; {self.info.name} takes at most "
+                        f"{max_len} tokens per input. Shorten it or set truncate=true to cut it "
+                        f"to {max_len}.", param="input")
+                seqs[i] = seq[:max_len]
+        return seqs
+
+    def _dimensions(self, dims: int | None) -> int:
+        if dims is None:
+            return 0
+        if not 1 <= dims <= self.info.hidden_size:
+            raise InvalidArgument(f"dimensions={dims} is out of range: {self.info.name} gives 1.."
+                                  f"{self.info.hidden_size} dimensions", param="dimensions")
+        return 0 if dims == self.info.hidden_size else dims
+
+    def _timeout_ms(self, context: Deadline) -> int:
+        remaining = context.time_remaining()
+        default = self.config.default_timeout_ms
+        if remaining is None:
+            return default
+        if remaining <= 0:
+            raise DeadlineExceeded("the call's deadline passed before it was queued")
+        return max(1, min(default, int(remaining * 1000)))
+
+    # -- operations ---------------------------------------------------------------------------
+
+    async def embed(self, request: EmbedInput, context: Deadline) -> EmbedOutput:
+        t_start = time.perf_counter()
+        if request.texts and request.token_ids:
+            raise InvalidArgument("send either text inputs or token-id inputs, not both", param="input")
+        dims = self._dimensions(request.dimensions)
+        normalize = True if request.normalize is None else request.normalize
+        if request.token_ids:
+            if request.prompt_name is not None:
+                raise InvalidArgument("prompt_name applies to text inputs only: token-id inputs are "
+                                      "used as given", param="prompt_name")
+            ids = self._check_token_ids(request.token_ids, request.truncate)
+            prompt = ""
+            self._timeout_ms(context)
+        else:
+            texts = self._check_texts(request.texts)
+            prompt = self._prompt(request.prompt_name)
+            self._timeout_ms(context)  # a call already past its deadline is not tokenized
+            ids = await self.tokenizer.encode(texts, prompt=prompt, truncate=request.truncate)
+        tokenize_ms = (time.perf_counter() - t_start) * 1000
+        # A shared prompt is computed once by the worker: the queue counts only the rest.
+        prefix_lens = self._prompt_boundary.prefix_lens(prompt, ids)
+        items = [(len(seq) - p, encode_body(seq, normalize=normalize, dimensions=dims, prefix_len=p))
+                 for seq, p in zip(ids, prefix_lens)]
+        num_tokens = sum(len(seq) for seq in ids)
+        if self.observer:
+            self.observer.embed_tokenized(tokenize_ms, num_tokens)
+
+        request_id = f"{self.gateway_id}-{next(self._ids)}"
+        raw = await self._submit_and_wait(request_id, items, context)
+
+        results = [decode_result(raw[i]) for i in range(len(items))]
+        failed = next((r for r in results if not r.ok), None)
+        if failed is not None:
+            raise from_result_code(failed.code, failed.message)
+        queue_ms = max(r.queue_ms for r in results)
+        inference_ms = max(r.inference_ms for r in results)
+        total_ms = (time.perf_counter() - t_start) * 1000
+        if self.observer:
+            self.observer.embed_done(queue_ms, inference_ms)
+        return EmbedOutput(
+            vectors=[r.vector for r in results], model=self.info.name, num_tokens=num_tokens,
+            timing={"tokenize_ms": tokenize_ms, "queue_ms": queue_ms,
+                    "inference_ms": inference_ms, "total_ms": total_ms})
+
+    async def _submit_and_wait(self, request_id: str, items, context) -> dict[int, bytes]:
+        done = self.router.expect(request_id, len(items))
+        collected = False
+        try:
+            timeout_ms = self._timeout_ms(context)  # what is left after tokenizing
+            await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
+                                     channel=self.router.channel)
+            self.router.enqueued(request_id)
+            try:
+                await asyncio.wait_for(done, timeout=timeout_ms / 1000)
+            except TimeoutError:
+                raise DeadlineExceeded(f"no answer within the deadline ({timeout_ms} ms); "
+                                       "the service is overloaded or no worker is running") from None
+            raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue
+            collected = True
+            if len(raw) < len(items):  # Redis restarted or flushed between notice and collect
+                raise Unavailable("the request's state vanished from Redis; retry it")
+            return raw
+        except QueueFull:
+            collected = True  # a rejected enqueue queues nothing (a repeat is never rejected)
+            raise
+        finally:
+            self.router.forget(request_id)
+            if not collected:
+                # Cancelled, timed out or failed, possibly while the enqueue was in flight or
+                # with its answer lost (LostAnswer: queued or not, we cannot tell): withdraw it
+                # (O(1)) so no worker spends time on it and nothing stays behind.
+                await asyncio.shield(self._cancel_quietly(request_id))
+
+    async def _cancel_quietly(self, request_id: str) -> None:
+        try:
+            await self.queue.cancel(request_id)
+        except Exception:  # Redis gone: the reply key expires by its TTL anyway
+            pass
+
+    async def tokenize(self, texts, *, truncate: bool = False, prompt_name: str | None = None) -> list[list[int]]:
+        texts = self._check_texts(texts)
+        return await self.tokenizer.encode(texts, prompt=self._prompt(prompt_name), truncate=truncate)
+
+    async def describe(self) -> dict:
+        """What a client may want to know before calling: limits, prompts, the published budget."""
+        budget = await self.queue.get_budget()
+        return {"model": self.info.name, "dimensions": self.info.hidden_size,
+                "max_input_length": self.info.max_length, "token_budget": budget or 0,
+                "max_inputs": self.config.max_inputs, "prompt_names": sorted(self.info.prompts),
+                "default_prompt_name": self.info.default_prompt_name or "",
+                "pooling": self.info.pooling, "version": __version__}
+
+
+class Embedder:
+    """The models this gateway serves, looked up per request by name (or queue name)."""
+
+    def __init__(self, models: Mapping[str, ServedModel]) -> None:
+        if not models:
+            raise ValueError("a gateway serves at least one model")
+        self.models = dict(models)
+        self._aliases = {m.info.queue_name: m for m in self.models.values()}
+
+    def lookup(self, name: str) -> ServedModel:
+        """'' picks the only model; an unknown name is ModelNotFound (404 / NOT_FOUND)."""
+        if not name:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise InvalidArgument(f"this gateway serves several models: name one of "
+                                  f"{', '.join(sorted(self.models))}", param="model")
+        model = self.models.get(name) or self._aliases.get(name)
+        if model is None:
+            raise ModelNotFound(f"unknown model {name!r}; this gateway serves "
+                                f"{', '.join(repr(n) for n in sorted(self.models))}", param="model")
+        return model
+
+    async def observed(self, rpc: str, model_name: str, operation):
+        """Run ``operation(model)`` for the named model, counted in that model's metrics under
+        ``rpc`` with the gRPC status name it ends with (HTTP and gRPC alike)."""
+        start = time.perf_counter()
+        model = None
+        code = "OK"
+        try:
+            model = self.lookup(model_name)
+            if model.observer:
+                model.observer.request_started(rpc)
+            return await operation(model)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except BaseException as exc:
+            code = status_name(exc)
+            raise
+        finally:
+            if model is not None and model.observer:
+                model.observer.request_finished(rpc, code, time.perf_counter() - start)

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP API: Starlette on uvicorn, on the gateway's own asyncio loop, over
+the same embedding path as gRPC (gateway/embedding.py).
+
+    POST /v1/embeddings   OpenAI's embeddings request and response (+ TEI's truncate, normalize,
+                          prompt_name); errors as OpenAI's {"error": {...}} object
+    GET  /v1/models       the served models
+    GET  /health          live: the process answers
+    GET  /ready           ready: Redis reachable and a live worker serves the model (else 503)
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import socket
+
+import numpy as np
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from tokq.gateway.embedding import EmbedInput, Embedder, Timer
+from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, to_http
+
+# Body fields: OpenAI's, then TEI's extras. Anything else is a 400 naming it (a typo is not ignored).
+FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "normalize", "prompt_name"}
+
+
+def _json(body, status: int = 200) -> Response:
+    # orjson writes numpy float32 arrays directly (see profiling/RESULTS.md, "HTTP API").
+    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
+                    media_type="application/json")
+
+
+def _error(exc: BaseException) -> Response:
+    status, body = to_http(exc)
+    return _json(body, status)
+
+
+def _typed(body: dict, name: str, types: tuple[type, ...], what: str):
+    value = body.get(name)
+    # bool is an int in Python; JSON true is not a dimension.
+    if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+        raise InvalidArgument(f"{name} must be {what}, got {value!r}", param=name)
+    return value
+
+
+def _inputs(value) -> tuple[list[str], list[list[int]]]:
+    """OpenAI's four input shapes: string, list of strings, token-id array, list of those."""
+    if isinstance(value, str):
+        return [value], []
+    if isinstance(value, list):
+        if all(isinstance(v, str) for v in value):
+            return value, []
+        if all(type(v) is int for v in value):
+            return [], [value]
+        if all(isinstance(v, list) for v in value):
+            return [], value  # ids are checked against the vocabulary by the embedding path
+    raise InvalidArgument("input must be a string, a list of strings, a token-id array or a list "
+                          "of token-id arrays", param="input")
+
+
+async def _body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused (413) as soon as it passes ``max_bytes``, before all of it is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {max_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_request(raw: bytes) -> tuple[EmbedInput, str]:
+    """(the embedding request, encoding_format) from a POST /v1/embeddings body."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise InvalidArgument(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(FIELDS))}",
+                              param=unknown[0])
+    if "input" not in body:
+        raise InvalidArgument("input is required", param="input")
+    texts, token_ids = _inputs(body["input"])
+    encoding = _typed(body, "encoding_format", (str,), '"float" or "base64"') or "float"
+    if encoding not in ("float", "base64"):
+        raise InvalidArgument(f'encoding_format must be "float" or "base64", got {encoding!r}',
+                              param="encoding_format")
+    _typed(body, "user", (str,), "a string")
+    return EmbedInput(
+        texts=texts, token_ids=token_ids,
+        model=_typed(body, "model", (str,), "a string") or "",
+        truncate=bool(_typed(body, "truncate", (bool,), "a boolean")),
+        normalize=_typed(body, "normalize", (bool,), "a boolean"),
+        dimensions=_typed(body, "dimensions", (int,), "an integer"),
+        prompt_name=_typed(body, "prompt_name", (str,), "a string"),
+    ), encoding
+
+
+def _encode(vector: np.ndarray, encoding: str):
+    if encoding == "base64":  # little-endian float32, what the openai SDK decodes
+        return base64.b64encode(vector.astype("<f4", copy=False).tobytes()).decode("ascii")
+    return vector
+
+
+def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 1024 * 1024) -> Starlette:
+    """``readiness``: an object with ``ready`` (bool) and ``reason`` (str); None = always ready."""
+
+    async def embeddings(request: Request) -> Response:
+        try:
+            params, encoding = parse_request(await _body(request, max_body_bytes))
+
+            async def embed(model):
+                return await model.embed(params, Timer())
+            out = await embedder.observed("http.Embeddings", params.model, embed)
+        except Exception as exc:  # mapped once, in gateway.errors
+            return _error(exc)
+        return _json({
+            "object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)}
+                     for i, v in enumerate(out.vectors)],
+            "model": out.model,
+            "usage": {"prompt_tokens": out.num_tokens, "total_tokens": out.num_tokens},
+        })
+
+    def _model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tokq"}
+
+    async def models(request: Request) -> Response:
+        return _json({"object": "list", "data": [_model_card(n) for n in embedder.models]})
+
+    async def model(request: Request) -> Response:
+        try:
+            return _json(_model_card(embedder.lookup(request.path_params["name"]).info.name))
+        except Exception as exc:
+            return _error(exc)
+
+    async def health(request: Request) -> Response:
+        return _json({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        if readiness is None or readiness.ready:
+            return _json({"status": "ready"})
+        return _json({"status": "not ready", "reason": readiness.reason}, 503)
+
+    return Starlette(routes=[
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+    ])
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # The gateway's own SIGTERM/SIGINT handlers stop gRPC and HTTP together, in order.
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket with SO_REUSEPORT, so `--procs` gateway processes share the HTTP port
+    as they share the gRPC one. Port 0 picks a free port (read it from getsockname())."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def server(app: Starlette, **uvicorn_options) -> _Server:
+    """A uvicorn server to run as a task on the running loop: ``await server.serve([sock])``;
+    set ``should_exit`` to stop it."""
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5, **uvicorn_options)
+    return _Server(config)

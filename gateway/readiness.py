@@ -1,0 +1,74 @@
+"""Whether this gateway can answer now: Redis reachable and, for every model it serves, a worker
+whose heartbeat key is still alive. Checked every ``period_s`` by one task; gRPC health and
+HTTP /ready report the last answer, so a load balancer or k8s stops sending calls that could
+only wait out their deadline, and sends them again once Redis or a worker is back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+from tokq.keys import QueueKeys
+
+log = logging.getLogger(__name__)
+
+
+class Readiness:
+    def __init__(self, client, keys: Mapping[str, QueueKeys], period_s: float = 1.0,
+                 on_change: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        self._client = client
+        self._keys = dict(keys)  # served model name -> its queue's keys
+        self.period_s = period_s
+        self._on_change = on_change
+        self.ready = False
+        self.reason = "not checked yet"
+        self._task: asyncio.Task | None = None
+
+    async def _live_workers(self, keys: QueueKeys) -> int:
+        members = await self._client.zrange(keys.workers, 0, -1)
+        if not members:
+            return 0
+        # Heartbeat keys expire 3 periods after a worker's last beat; the set keeps dead ones a while.
+        return int(await self._client.exists(*(keys.heartbeat(m.decode()) for m in members)))
+
+    async def _probe(self) -> tuple[bool, str]:
+        try:
+            await self._client.ping()
+            for name, keys in self._keys.items():
+                if not await self._live_workers(keys):
+                    return False, f"no live worker serves model {name!r}"
+        except Exception as exc:  # any failure to ask Redis is "Redis unreachable"
+            return False, f"Redis unreachable: {type(exc).__name__}: {exc}"
+        return True, "ready"
+
+    async def check(self) -> bool:
+        try:
+            ready, reason = await asyncio.wait_for(self._probe(), timeout=max(1.0, 2 * self.period_s))
+        except TimeoutError:
+            ready, reason = False, "Redis did not answer the readiness check in time"
+        changed = ready != self.ready
+        self.ready, self.reason = ready, reason
+        if changed:
+            log.info("readiness: %s (%s)", "SERVING" if ready else "NOT_SERVING", reason)
+            if self._on_change:
+                await self._on_change(ready)
+        return ready
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            await self.check()
+
+    async def start(self) -> None:
+        await self.check()
+        if self._on_change and not self.ready:  # report the first answer even if unchanged
+            await self._on_change(False)
+        self._task = asyncio.create_task(self._run(), name="readiness")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

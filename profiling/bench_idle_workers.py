@@ -1,0 +1,121 @@
+"""What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item.
+
+    .venv/bin/python -m tokq.profiling.bench_idle_workers [--workers 16] [--idle-s 10] [--items 200]
+
+Starts its own embedded Valkey and ``--workers`` real ``tokq worker`` processes (the bundled
+model, one torch thread each), waits until all have beaten their heartbeat, then:
+  * idle: Redis commands per second per worker over ``--idle-s`` seconds with nothing queued
+    (INFO commandstats, this script's own INFO calls left out), against the 500/s one claim
+    every 2 ms (the old idle poll) would cost;
+  * wake-up: ``--items`` single-item requests, each sent to an empty queue after the fleet went
+    idle; wake-up = the claim's Redis-clock time minus the enqueue's (the result's queue_ms),
+    p50/p99, against a PING round trip measured in the same run.
+Prints the figures and the load average (this is a shared 2-core machine: the workers compete
+with each other and with whatever else runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import redis
+
+from tokq.connection import connect
+from tokq.entry import decode_result, encode_body
+from tokq.keys import QueueKeys
+from tokq.model_info import bundled_model_path
+from tokq.processes import stop_all
+from tokq.queue import REPLY_META_FIELDS, Queue
+from tokq.redis_server import EmbeddedRedis
+
+OLD_POLL_PER_S = 1 / 0.002  # one claim every 2 ms
+
+
+def command_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def wake_ups(url: str, queue_name: str, num_items: int, gap_s: float) -> tuple[list[float], list[float]]:
+    client = connect(url)
+    queue = Queue(client, queue_name)
+    keys = queue.keys
+    wake_ms, ping_ms = [], []
+    try:
+        for n in range(num_items):
+            t = time.perf_counter()
+            await client.ping()
+            ping_ms.append((time.perf_counter() - t) * 1000)
+            rid = f"wake{n}"
+            await queue.enqueue(rid, [(3, encode_body([101, 2000 + n % 500, 102]))],
+                                timeout_ms=30_000, channel=keys.done_channel("bench"))
+            while await client.hlen(keys.reply(rid)) < len(REPLY_META_FIELDS) + 1:
+                await asyncio.sleep(0.001)
+            result = decode_result((await queue.collect(rid))[0])
+            wake_ms.append(result.queue_ms)
+            await asyncio.sleep(gap_s)  # the fleet goes idle again
+    finally:
+        await client.aclose()
+    return wake_ms, ping_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--items", type=int, default=200)
+    parser.add_argument("--gap-s", type=float, default=0.05, help="pause between wake-up items")
+    args = parser.parse_args()
+
+    server = EmbeddedRedis().start()
+    client = redis.Redis.from_url(server.url)
+    model = bundled_model_path()
+    queue_name = "all-MiniLM-L6-v2"
+    keys = QueueKeys(queue_name)
+    env = {**os.environ, "TOKQ_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker", "--redis-url", server.url,
+                               "--model", str(model), "--worker-id", f"idle{i}"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for i in range(args.workers)]
+    try:
+        deadline = time.monotonic() + 600
+        while sum(client.exists(keys.heartbeat(f"idle{i}")) for i in range(args.workers)) < args.workers:
+            assert all(p.poll() is None for p in procs), "a worker exited during start-up"
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.5)
+        time.sleep(2.0)  # every worker past its first claims
+        before, t0 = command_calls(client), time.monotonic()
+        time.sleep(args.idle_s)
+        calls, elapsed = command_calls(client) - before, time.monotonic() - t0
+        per_worker = calls / elapsed / args.workers
+        wake_ms, ping_ms = asyncio.run(wake_ups(server.url, queue_name, args.items, args.gap_s))
+    finally:
+        stop_all(procs, timeout_s=30)
+        client.close()
+        server.close()
+
+    load = os.getloadavg()
+    print(f"idle workers: {args.workers} processes, {args.idle_s:.0f} s with nothing queued")
+    print(f"  Redis commands/s per idle worker: {per_worker:.1f} "
+          f"(a 2 ms claim poll: {OLD_POLL_PER_S:.0f}/s, {OLD_POLL_PER_S / per_worker:.0f}x more)")
+    print(f"wake-up of a new item at an empty queue ({args.items} items, ms, Redis clock):")
+    print(f"  p50 {statistics.median(wake_ms):.1f}  p99 {percentile(wake_ms, 0.99):.1f}  "
+          f"max {max(wake_ms):.1f}")
+    print(f"  PING round trip, same run: p50 {statistics.median(ping_ms):.2f}  "
+          f"p99 {percentile(ping_ms, 0.99):.2f}")
+    print(f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (shared 2-core machine)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""A TCP proxy in front of a real Redis that loses answers on purpose (no tests here).
+
+It forwards bytes both ways on its own thread and event loop, so sync and async tests and
+child processes (pointed at ``proxy.url``) can all go through it. Told to cut a command, it
+lets the command reach Redis, waits for Redis's answer (so the command surely ran), drops the
+answer and closes the client's connection: what a reset by a load balancer, a failover or a
+CLIENT KILL does to a client. redis-py then reconnects and sends the command again.
+
+Commands are recognised by bytes in the chunk the client sent (e.g. a script's SHA1, or
+b"EVALSHA" for every script call), which is enough for redis-py's one-command-per-round-trip
+traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import random
+import threading
+from urllib.parse import urlparse
+
+from tokq.scripts import script_source
+
+
+def script_sha(name: str) -> bytes:
+    """The SHA1 redis-py sends in EVALSHA for one of tokq's scripts."""
+    return hashlib.sha1(script_source(name).encode()).hexdigest().encode()
+
+
+class FaultProxy:
+    def __init__(self, upstream_url: str, *, seed: int = 0) -> None:
+        parsed = urlparse(upstream_url)
+        self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 6379)
+        self._parsed = parsed  # the proxy's URL keeps its scheme, credentials and database
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy",
+                                        daemon=True)
+        self._lock = threading.Lock()
+        self._cut_next: list[bytes] = []  # cut the next command holding each of these
+        self._rate, self._rate_match = 0.0, b""  # and this fraction of those holding this
+        self._rng = random.Random(seed)
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+        self.cuts = 0  # answers dropped so far
+        self.matched = 0  # commands seen that matched the rate's pattern
+
+    @property
+    def url(self) -> str:
+        credentials = self._parsed.netloc.rpartition("@")[0]
+        netloc = f"{credentials}@127.0.0.1:{self.port}" if credentials else f"127.0.0.1:{self.port}"
+        return self._parsed._replace(netloc=netloc).geturl()
+
+    def start(self) -> FaultProxy:
+        self._thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(10)
+        return self
+
+    def close(self) -> None:
+        async def shutdown():
+            if self._server is not None:
+                self._server.close()
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    # -- what to cut --------------------------------------------------------------------------
+
+    def cut_next(self, match: bytes = b"EVALSHA", times: int = 1) -> None:
+        """Lose the answer of the next ``times`` commands whose bytes contain ``match``."""
+        with self._lock:
+            self._cut_next += [match] * times
+
+    def cut_rate(self, fraction: float, match: bytes = b"EVALSHA") -> None:
+        """Lose the answer of this fraction of the commands containing ``match`` (0 = none)."""
+        with self._lock:
+            self._rate, self._rate_match = fraction, match
+
+    def reset(self) -> None:
+        with self._lock:
+            self._cut_next.clear()
+            self._rate = 0.0
+
+    def drop_all(self) -> None:
+        """Close every connection now, answers in flight included (a network blip)."""
+        def close_all():
+            for writer in list(self._writers):
+                writer.close()
+        self._loop.call_soon_threadsafe(close_all)
+
+    def _should_cut(self, data: bytes) -> bool:
+        with self._lock:
+            for i, match in enumerate(self._cut_next):
+                if match in data:
+                    del self._cut_next[i]
+                    self.cuts += 1
+                    return True
+            if self._rate and self._rate_match in data:
+                self.matched += 1
+                if self._rng.random() < self._rate:
+                    self.cuts += 1
+                    return True
+        return False
+
+    # -- forwarding ---------------------------------------------------------------------------
+
+    async def _serve(self) -> int:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            upstream_r, upstream_w = await asyncio.open_connection(*self._upstream)
+        except OSError:  # Redis down: the client sees its connection closed
+            client_w.close()
+            return
+        self._writers |= {client_w, upstream_w}
+        drop_answer = asyncio.Event()
+
+        async def to_redis():
+            while data := await client_r.read(65536):
+                if self._should_cut(data):
+                    drop_answer.set()  # before the command leaves, so its answer is caught
+                upstream_w.write(data)
+                await upstream_w.drain()
+
+        async def to_client():
+            while data := await upstream_r.read(65536):
+                if drop_answer.is_set():
+                    return  # the command ran (Redis answered); the answer is lost
+                client_w.write(data)
+                await client_w.drain()
+
+        tasks = [asyncio.create_task(to_redis()), asyncio.create_task(to_client())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for writer in (client_w, upstream_w):
+                self._writers.discard(writer)
+                writer.close()

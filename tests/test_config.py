@@ -1,0 +1,110 @@
+"""Config you can discover: every field is a flag on every CLI that uses it, --help shows its env
+var and default, and a value out of range stops the command with one line (exit status 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from tokq import config as cfg
+from tokq.gateway.cli import gateway_command
+from tokq.up import up_command
+from tokq.workers.cli import worker_command
+
+COMMANDS = {
+    "gateway": (gateway_command, (cfg.GatewayConfig, cfg.QueueConfig)),
+    "worker": (worker_command, (cfg.WorkerConfig, cfg.QueueConfig)),
+    "up": (up_command, (cfg.UpConfig, cfg.QueueConfig)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_field_is_a_flag_whose_help_shows_its_env_var_and_default(name):
+    command, classes = COMMANDS[name]
+    out = " ".join(CliRunner().invoke(command, ["--help"]).output.split())  # unwrapped
+    ctx = click.Context(command)
+    records = dict(p.get_help_record(ctx) for p in command.params if p.get_help_record(ctx))
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            flag = cfg.flag_of(f)
+            decl = next((d for d in records if d.split()[0] in (flag, f"{flag}/--no-{flag[2:]}")), None)
+            assert decl, f"{name}: no {flag} for {cls.__name__}.{f.name}"
+            help_text = " ".join(records[decl].split())
+            assert f"env {cfg.env_var(f.name)};" in help_text and "default:" in help_text, help_text
+            assert help_text in out  # what --help prints
+
+
+def test_every_numeric_field_has_a_range():
+    for cls in (cfg.QueueConfig, cfg.WorkerConfig, cfg.GatewayConfig, cfg.UpConfig):
+        for f in dataclasses.fields(cls):
+            if f.type in ("int", "float"):
+                assert f.metadata.get("min") is not None, f"{cls.__name__}.{f.name} has no range"
+
+
+@pytest.mark.parametrize("name,args,env,needle", [
+    ("gateway", ["--lease-ms", "0"], {}, "lease_ms=0 is out of range, must be 100..3600000 "
+                                         "(flag --lease-ms, env TOKQ_LEASE_MS)"),
+    ("worker", ["--heartbeat-ms", "-5"], {}, "heartbeat_ms=-5 is out of range"),
+    ("up", [], {"TOKQ_PORT": "70000"}, "port=70000 is out of range, must be 0..65535"),
+    ("gateway", [], {"TOKQ_MAX_ATTEMPTS": "0"}, "env TOKQ_MAX_ATTEMPTS"),
+    ("gateway", ["--tls-cert", "a.pem"], {}, "tls_cert and tls_key go together"),
+    ("worker", [], {"TOKQ_LEASE_MS": "soon"}, "TOKQ_LEASE_MS: expected int, got 'soon'"),
+])
+def test_a_bad_value_is_one_line_and_exit_status_2(name, args, env, needle):
+    env = {**os.environ, **env, "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-m", "tokq.cli", name, *args], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 2, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and needle in errors[0], run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_flags_beat_env_vars_beat_defaults():
+    conf = cfg.load(cfg.QueueConfig, {"lookahead": 0}, env={"TOKQ_LEASE_MS": "1500", "TOKQ_LOOKAHEAD": "9"})
+    assert (conf.lease_ms, conf.lookahead, conf.max_attempts) == (1500, 0, 3)
+    keys = cfg.load(cfg.GatewayConfig, {"api_keys": ()}, env={"TOKQ_API_KEYS": "a, b"})
+    assert keys.api_keys == ("a", "b")  # an unused repeatable flag leaves the env value
+    assert cfg.load(cfg.GatewayConfig, {"reflection": None}, env={"TOKQ_REFLECTION": "off"}).reflection is False
+
+
+@pytest.mark.slow
+def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_server, redis_url):
+    from tokq import Client
+    from tokq.redis_server import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_PORT": str(port), "TOKQ_HOST": "127.0.0.1",
+           "TOKQ_DEVICE": "cpu", "TOKQ_REDIS_URL": redis_url, "TOKQ_METRICS_PORT": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "tokq up exited:\n" + "".join(lines)
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        text = "".join(lines)
+        assert f"127.0.0.1:{port}" in text and "(embedded" not in text
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        cmdlines = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0") for pid in children]
+        assert len(cmdlines) == 2 and all(b"tokq.cli" in c for c in cmdlines)  # gateway + worker
+        worker = next(c for c in cmdlines if b"worker" in c)
+        assert worker[worker.index(b"--device") + 1] == b"cpu"
+        assert redis_server.password.encode() not in b" ".join(b" ".join(c) for c in cmdlines)
+        with Client(f"127.0.0.1:{port}") as client:
+            assert client.embed(["up honours TOKQ_*"], timeout=60).shape == (1, 384)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -1,0 +1,185 @@
+"""A prompt applied by the gateway reaches the worker as a shared prefix (issue 15), end to end
+in one process with real parts: a tiny random Qwen3 with a real byte-level BPE tokenizer and
+Qwen3-Embedding's prompts, the gateway's ServedModel, a real Redis queue and the worker's own
+batch code. The queue counts only the query tokens, the worker computes the prompt once, and
+every vector equals the full forward's, including prompts that end mid-word."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from tokq.batch import PackedBatch
+from tokq.config import GatewayConfig, QueueConfig, WorkerConfig
+from tokq.connection import connect, connect_pubsub
+from tokq.entry import decode_body, encode_body
+from tokq.gateway.embedding import EmbedInput, ServedModel, Timer
+from tokq.gateway.prompt_boundary import PromptBoundary, shared_prefix_len
+from tokq.gateway.replies import ReplyRouter
+from tokq.gateway.tokenize import Tokenizer
+from tokq.model_info import ModelInfo
+from tokq.queue import Queue
+from tokq.workers.engine import Engine
+from tokq.workers.worker import Worker
+
+INSTRUCT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+PROMPTS = {
+    "query": INSTRUCT,  # Qwen3-Embedding's form: ends at a clean token boundary
+    "spaced": INSTRUCT + " ",  # the space merges into the query's first word
+    "midword": "Instruct: summ",  # the last word continues in the input
+    "document": "",
+}
+TEXTS = ["what is the capital of france", "arize the search results", "x",
+         "how do transformers pool embeddings for retrieval", "query", "passages"]
+CORPUS = [INSTRUCT, "summarize the passages that answer a web search query"] + TEXTS * 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen3 with a byte-level BPE tokenizer that appends <|endoftext|> (as Qwen3-Embedding's does)."""
+    path = tmp_path_factory.mktemp("qwen3_prompted")
+    rust = RustTokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    eos = rust.token_to_id("<|endoftext|>")
+    rust.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                        special_tokens=[("<|endoftext|>", eos)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<|endoftext|>").save_pretrained(path)
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=rust.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=256)
+    model = transformers.Qwen3Model(config)
+    with torch.no_grad():  # weights far from init: sharp attention, positions matter
+        gen = torch.Generator().manual_seed(1)
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    model.save_pretrained(path)
+    (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": PROMPTS}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def info(model_dir):
+    return ModelInfo.load(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(info):
+    tok = Tokenizer(info)
+    yield tok
+    tok.close()
+
+
+def _prompt_ids(tokenizer, prompt):
+    return tokenizer.encode_sync([""], prompt=prompt)[0]
+
+
+def test_prompt_boundary_per_prompt_form(info, tokenizer):
+    boundary = PromptBoundary(info, tokenizer)
+    assert boundary.enabled
+    full = {name: tokenizer.encode_sync(TEXTS, prompt=p) for name, p in PROMPTS.items()}
+    eos = full["document"][0][-1]
+    clean = _prompt_ids(tokenizer, INSTRUCT)[:-1]  # the prompt's tokens, without the closing <|endoftext|>
+    # a clean boundary: every input starts with the prompt's own tokens, and shares all of them
+    assert all(seq[:len(clean)] == clean for seq in full["query"])
+    assert boundary.prefix_lens(INSTRUCT, full["query"]) == [len(clean)] * len(TEXTS)
+    # a prompt ending in a space or mid-word: inputs whose first word merges with that end
+    # ("Query: passages" -> "Query", ":", " passages"; "summ" + "arize" -> "summarize") do not
+    # start with the prompt's tokens and share all but its last piece(s); the others share it all
+    for name in ("spaced", "midword"):
+        prompt_ids = _prompt_ids(tokenizer, PROMPTS[name])[:-1]
+        lens = boundary.prefix_lens(PROMPTS[name], full[name])
+        starts = [seq[:len(prompt_ids)] == prompt_ids for seq in full[name]]
+        assert True in starts and False in starts, name  # both kinds in one request
+        for seq, n, start in zip(full[name], lens, starts):
+            assert n == len(prompt_ids) if start else 0 < n < len(prompt_ids)
+            assert seq[:n] == prompt_ids[:n] and n < len(seq)
+    # no prompt, or only special tokens in common: the full path
+    assert boundary.prefix_lens("", full["document"]) == [0] * len(TEXTS)
+    assert shared_prefix_len([eos], [eos, 5]) == 0  # a prefix always leaves a token
+
+
+def test_encoders_never_mark_a_prefix(bundled_model_dir):
+    bert = ModelInfo.load(bundled_model_dir)
+    bert = ModelInfo(**{**bert.__dict__, "prompts": {"q": "query: "}})
+    tok = Tokenizer(bert)
+    try:
+        boundary = PromptBoundary(bert, tok)
+        assert not boundary.enabled
+        assert boundary.prefix_lens("query: ", tok.encode_sync(["hi"], prompt="query: ")) == [0]
+    finally:
+        tok.close()
+
+
+def test_entry_body_carries_the_prefix_length_compatibly():
+    ids = np.arange(100, 130)
+    body = decode_body(encode_body(ids, normalize=False, dimensions=8, prefix_len=20))
+    assert (body.token_ids.tolist(), body.normalize, body.dimensions, body.prefix_len) == (
+        ids.tolist(), False, 8, 20)
+    plain = encode_body(ids)
+    assert decode_body(plain).prefix_len == 0 and len(plain) == 4 + 2 * 30  # unchanged format
+    with pytest.raises(ValueError, match="at least one"):
+        encode_body(ids, prefix_len=30)
+
+
+async def _serve_one_batch(redis_url, info, tokenizer, engine, request: EmbedInput):
+    """The gateway enqueues the request; the worker's batch code answers it in one claim."""
+    client, pubsub = connect(redis_url), connect_pubsub(redis_url)
+    queue = Queue(client, info.queue_name, QueueConfig())
+    router = ReplyRouter(pubsub, client, queue.keys, queue.keys.done_channel("gw-prefix"))
+    await router.start()
+    try:
+        served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), "gw-prefix")
+        worker = Worker(engine, queue, WorkerConfig(token_budget=4096), QueueConfig(), worker_id="w")
+        call = asyncio.create_task(served.embed(request, Timer(60)))
+        claim = None
+        while claim is None:
+            assert not call.done(), call.exception()
+            claim = await queue.claim(4096)
+            await asyncio.sleep(0.01)
+        outcome = await asyncio.to_thread(worker.run_batch, claim)
+        await queue.ack(claim.batch_id, outcome.results)
+        return await call, claim
+    finally:
+        await router.stop()
+        await client.aclose()
+        await pubsub.aclose()
+
+
+@pytest.mark.parametrize("prompt_name", ["query", "spaced", "midword", "document"])
+def test_gateway_to_worker_computes_the_prompt_once_and_matches_the_full_forward(
+        redis_url, info, tokenizer, model_dir, prompt_name):
+    engine = Engine.load(model_dir, device="cpu")
+    prompt = PROMPTS[prompt_name]
+    full_ids = tokenizer.encode_sync(TEXTS, prompt=prompt)
+    prefix_lens = PromptBoundary(info, tokenizer).prefix_lens(prompt, full_ids)
+    request = EmbedInput(texts=TEXTS, prompt_name=prompt_name, normalize=False)
+    out, claim = asyncio.run(_serve_one_batch(redis_url, info, tokenizer, engine, request))
+
+    # the queue counted the tokens the worker computes: each input's own, past its prefix
+    assert sorted(e.tokens for e in claim.entries) == sorted(
+        len(s) - p for s, p in zip(full_ids, prefix_lens))
+    assert out.num_tokens == sum(len(s) for s in full_ids)  # usage still counts every token
+    distinct = {tuple(s[:p]) for s, p in zip(full_ids, prefix_lens) if p}
+    assert engine.tokens_computed == sum(len(s) - p for s, p in zip(full_ids, prefix_lens)) + sum(
+        len(d) for d in distinct)
+    if prompt_name != "document":
+        assert distinct and engine.tokens_computed < sum(len(s) for s in full_ids)
+
+    reference = Engine.load(model_dir, device="cpu").embed(PackedBatch.pack(full_ids, normalize=False))
+    ours = np.stack(out.vectors)
+    cos = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
+    assert cos.min() >= 0.9999
+    np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,194 @@
+"""Every queue script is safe to run twice: its answer is lost after it ran (tests/fault_proxy.py
+cuts the connection), redis-py runs it again with the same arguments, and Redis ends up exactly
+as after one run, with the caller getting the one run's answer."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+from fault_proxy import FaultProxy, script_sha
+from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
+
+from tokq.entry import decode_result
+from tokq.queue import COLLECT_GRACE_MS, LostAnswer
+from tokq.scripts import script_names, script_source
+
+# Batch ids are <random client prefix>-<n>: the control and the proxied run name them differently.
+_BATCH_ID = re.compile(r"[0-9a-f]{16}-(\d+)")
+
+
+async def _dump(q) -> dict:
+    """Every key with its value, TTLs as present/absent, batch ids made comparable."""
+    r = q.redis
+    out = {}
+    for key in sorted(await r.keys("*")):
+        kind = (await r.type(key)).decode()
+        if kind == "string":
+            value = await r.get(key)
+        elif kind == "list":
+            value = await r.lrange(key, 0, -1)
+        elif kind == "hash":
+            value = sorted((await r.hgetall(key)).items())
+        elif kind == "zset":
+            value = await r.zrange(key, 0, -1, withscores=True)
+        else:
+            value = kind
+        out[_BATCH_ID.sub(r"B-\1", key.decode())] = (
+            kind, _BATCH_ID.sub(r"B-\1", repr(value)), await r.pttl(key) > 0)
+    return out
+
+
+async def _evalsha_calls(q) -> int:
+    return (await q.redis.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+
+
+async def _setup_claimed(q):
+    await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
+    return await q.claim(11)
+
+
+async def _op_enqueue(q, _):
+    return await q.enqueue("x", items(3, 4), timeout_ms=60_000, channel=CHANNEL)
+
+
+async def _op_claim(q, _):
+    claim = await q.claim(11)
+    return [e.raw for e in claim.entries]
+
+
+async def _op_ack(q, claim):
+    return await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+
+
+async def _op_renew(q, claim):
+    q._clock.advance(500)
+    return await q.renew(claim.batch_id)
+
+
+async def _op_requeue(q, claim):
+    q._clock.advance(1_000)
+    return await q.requeue_expired()
+
+
+async def _op_cancel(q, _):
+    return await q.cancel("r")
+
+
+async def _op_collect(q, claim):
+    await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+    return await q.collect("r")
+
+
+async def _setup_queued(q):
+    await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
+
+
+async def _setup_answered(q):
+    await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
+    return await q.claim(600)
+
+
+# script name -> (state before, the operation, whether the caller gets the one run's answer)
+CASES = {
+    "enqueue": (_setup_queued, _op_enqueue, True),
+    "claim": (_setup_queued, _op_claim, True),
+    "ack": (_setup_claimed, _op_ack, True),
+    "renew": (_setup_claimed, _op_renew, True),
+    # A repeat of these finds its work done and says so; the state is what one run leaves.
+    "requeue": (_setup_claimed, _op_requeue, False),
+    "cancel": (_setup_queued, _op_cancel, False),
+    "collect": (_setup_answered, _op_collect, True),
+}
+
+
+async def _run_case(url, script, *, proxy: FaultProxy | None):
+    setup, op, _ = CASES[script]
+    clock = ManualClock()
+    async with open_queue(url, clock, lease_ms=1_000) as q:
+        await q.redis.flushall()
+        state = await setup(q)
+        target = q
+        async with contextlib.AsyncExitStack() as stack:
+            if proxy is not None:
+                target = await stack.enter_async_context(open_queue(proxy.url, clock, lease_ms=1_000))
+                proxy.cut_next(script_sha(script))
+            before = await _evalsha_calls(q)
+            answer = await op(target, state)
+            runs = await _evalsha_calls(q) - before
+        return answer, await _dump(q), runs
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+async def test_a_script_run_again_after_its_answer_was_lost_changes_nothing(redis_url, script):
+    async with open_queue(redis_url) as q:  # loaded, so no run is a NOSCRIPT miss
+        for name in script_names():
+            await q.redis.script_load(script_source(name))
+    proxy = FaultProxy(redis_url).start()
+    try:
+        once, state_once, runs_once = await _run_case(redis_url, script, proxy=None)
+        twice, state_twice, runs_twice = await _run_case(redis_url, script, proxy=proxy)
+    finally:
+        proxy.close()
+    assert proxy.cuts == 1
+    assert runs_twice == runs_once + 1  # it really ran a second time, with the same arguments
+    assert state_twice == state_once
+    if CASES[script][2]:
+        assert twice == once
+
+
+async def test_a_repeated_enqueue_is_never_rejected_by_the_cap(redis_url):
+    """The repeat is recognised before the cap: a full queue does not turn it into QUEUE_FULL."""
+    proxy = FaultProxy(redis_url).start()
+    try:
+        async with open_queue(redis_url, max_queued_tokens=10) as warm:
+            await warm.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        async with open_queue(proxy.url, max_queued_tokens=10) as q:
+            proxy.cut_next(script_sha("enqueue"))
+            enq = await q.enqueue("full", items(9), timeout_ms=60_000, channel=CHANNEL)
+            assert proxy.cuts == 1 and enq.deadline_ms == enq.ts_ms + 60_000
+            assert (await q.stats()).queued_tokens == 10
+            assert "rejected" not in (await q.stats()).counters
+    finally:
+        proxy.close()
+
+
+async def test_a_reused_request_id_is_told_apart_from_a_repeat(redis_url):
+    async with open_queue(redis_url) as q:
+        first = await q.enqueue("r", items(1, 2), timeout_ms=5_000, channel=CHANNEL)
+        assert await q.enqueue("r", items(1, 2), timeout_ms=5_000, channel=CHANNEL) == first
+        with pytest.raises(ValueError, match="already used"):
+            await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
+        assert await q.redis.llen(q.keys.pending) == 2
+
+
+async def test_a_collected_reply_is_kept_only_a_short_grace(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("r", items(2), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        first = await q.collect("r")
+        assert await q.collect("r") == first and decode_result(first[0]).ok
+        # Gone for every other script: a late ack or a cancel finds nothing to write to.
+        assert not await q.redis.exists(q.keys.reply("r"))
+        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        assert await q.cancel("r") is False
+        assert 0 < await q.redis.pttl(q.keys.collected("r")) <= COLLECT_GRACE_MS
+        assert await keys_left(q) == set()
+
+
+async def test_an_answer_lost_on_every_retry_raises_lost_answer(redis_url):
+    proxy = FaultProxy(redis_url).start()
+    try:
+        async with open_queue(proxy.url) as q:
+            await q.stats()  # scripts loaded, connection warm
+            proxy.cut_rate(1.0, script_sha("enqueue"))
+            with pytest.raises(LostAnswer, match="enqueue"):
+                await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
+            proxy.reset()
+            # It did run (three times, as one): queued once, and the caller may now withdraw it.
+            assert (await q.stats()).queued_entries == 1
+            assert await q.cancel("r") is True
+    finally:
+        proxy.close()

@@ -1,0 +1,77 @@
+"""Readiness from worker heartbeats in a real Redis (standalone and Cluster), and the worker's
+--check probe as k8s runs it. The gateway end to end (Redis stopped and started, a worker
+stopped and started) is in tests/test_http.py."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from tokq.keys import QueueKeys
+
+pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
+KEYS = QueueKeys("all-MiniLM-L6-v2")
+
+
+def beat(client, worker_id: str, ttl_ms: int = 60_000) -> None:
+    """What a worker's heartbeat writes (workers/worker.py)."""
+    client.set(KEYS.heartbeat(worker_id), "{}", px=ttl_ms)
+    client.zadd(KEYS.workers, {worker_id: int(time.time() * 1000)})
+
+
+async def test_ready_only_with_a_live_heartbeat(redis_url):
+    from tokq.connection import connect
+    from tokq.gateway.readiness import Readiness
+
+    changes = []
+
+    async def on_change(ready):
+        changes.append(ready)
+
+    client = connect(redis_url)
+    try:
+        readiness = Readiness(client, {"all-MiniLM-L6-v2": KEYS}, period_s=0.05, on_change=on_change)
+        assert not await readiness.check() and "no live worker" in readiness.reason
+        await client.zadd(KEYS.workers, {"gone": 1})  # listed, but its heartbeat key expired
+        assert not await readiness.check()
+        await client.set(KEYS.heartbeat("w1"), "{}", px=60_000)
+        await client.zadd(KEYS.workers, {"w1": int(time.time() * 1000)})
+        assert await readiness.check() and readiness.reason == "ready"
+        await client.delete(KEYS.heartbeat("w1"))  # a worker's clean stop
+        assert not await readiness.check()
+        assert changes == [True, False]
+    finally:
+        await client.aclose()
+
+
+async def test_unreachable_redis_is_not_ready():
+    from tokq.connection import connect
+    from tokq.gateway.readiness import Readiness
+    from tokq.redis_server import free_port
+
+    client = connect(f"redis://127.0.0.1:{free_port()}/0", cluster="no")
+    try:
+        readiness = Readiness(client, {"m": KEYS})
+        assert not await readiness.check() and "Redis unreachable" in readiness.reason
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.redis_kinds("standalone")
+def test_worker_check_this_host_sees_only_this_hosts_workers(redis_url):
+    def check(*args):
+        return subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--check", *args,
+                               "--redis-url", redis_url], capture_output=True).returncode
+
+    client = redis.Redis.from_url(redis_url)
+    beat(client, "another-pod-1234")
+    assert check() == 0  # some worker is alive
+    assert check("--this-host") == 1  # but not one of this pod's
+    beat(client, f"{socket.gethostname()}-4321")
+    assert check("--this-host") == 0
+    client.close()
