@@ -6,6 +6,7 @@ several gateway processes can share one port."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -26,7 +27,7 @@ from tokq import config as cfg
 from tokq import metrics
 from tokq.connection import connect, connect_pubsub
 from tokq.model_info import ModelInfo
-from tokq.queue import Queue
+from tokq.shards import ShardedQueue
 from tokq.v1 import embedder_pb2, embedder_pb2_grpc
 
 log = logging.getLogger("tokq.gateway")
@@ -37,7 +38,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 QUEUE_STATS_PERIOD_S = 2.0
 
 
-async def _export_queue_stats(queue: Queue, model: str) -> None:
+async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
     """The queue's depth and event totals, read with one stats call, for Prometheus."""
     while True:
         try:
@@ -59,9 +60,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
                      cluster=config.redis_cluster)
     pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
-    queue = Queue(client, info.queue_name, queue_config or cfg.load(cfg.QueueConfig))
+    queue = ShardedQueue(client, info.queue_name, queue_config or cfg.load(cfg.QueueConfig))
     gid = gateway_id()
-    router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
+    router = ReplyRouter(pubsub_client, client, queue.reply_key,
+                         [k.done_channel(gid) for k in queue.shard_keys()])
 
     observer = metrics.GatewayMetrics(info.name)
     model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
@@ -103,6 +105,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         http_port = sock.getsockname()[1]
         http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=config.max_message_bytes))
 
+    with contextlib.suppress(Exception):  # Redis not up yet: the first enqueues record it
+        await queue.record_shard_count()  # workers claim from every shard from now on
     await router.start()
     await server.start()
     if http_server:

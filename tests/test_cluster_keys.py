@@ -47,6 +47,7 @@ async def test_every_script_call_stays_in_its_first_key_slot(redis_url):
         await q.requeue_expired()  # the held batch's lease has expired
         await q.cancel("r5")
         await q.stats()
+        await q.heartbeat("w1", {"model": "model-x"}, ttl_ms=1_000, forget_after_ms=10_000)
     finally:
         await client.aclose()
     assert {name for name, _, _ in calls} == set(script_names())

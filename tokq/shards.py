@@ -28,6 +28,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+import redis.exceptions
+
 from tokq.config import QueueConfig
 from tokq.entry import Entry
 from tokq.keys import MAX_SHARDS, QueueKeys, shard_queue_name
@@ -179,14 +181,24 @@ class ShardedQueue:
         return self._claim_shards
 
     async def claim(self, budget: int, *, lookahead: int | None = None) -> Claim | None:
-        """One batch from the next non-empty shard in rotation; None when all are empty."""
+        """One batch from the next non-empty shard in rotation; None when all are empty. A
+        shard whose node is down (failing over) is passed over, so the others keep being
+        served; a claim that may have run there is redone when its lease expires. Raises
+        only when every shard failed."""
         n = self._claim_shards
+        errors: list[Exception] = []
         for step in range(n):
             index = (self._next_claim + step) % n
-            claim = await self.shard(index).claim(budget, lookahead=lookahead)
+            try:
+                claim = await self.shard(index).claim(budget, lookahead=lookahead)
+            except redis.exceptions.RedisError as exc:
+                errors.append(exc)
+                continue
             if claim is not None:
                 self._next_claim = (index + 1) % n
                 return claim
+        if len(errors) == n:
+            raise errors[-1]
         return None
 
     async def renew(self, batch_id: str) -> bool:
@@ -211,6 +223,19 @@ class ShardedQueue:
         return QueueStats(sum(p.queued_entries for p in parts), sum(p.queued_tokens for p in parts),
                           max(p.oldest_age_ms for p in parts), sum(p.inflight_items for p in parts),
                           sum(p.inflight_batches for p in parts), dict(counters))
+
+    def work_channels(self) -> list[str]:
+        """The channels an idle worker listens on: every shard it claims from."""
+        return [self.shard(i).keys.work_channel for i in range(self._claim_shards)]
+
+    async def heartbeat(self, worker_id: str, status: dict, *, ttl_ms: int,
+                        forget_after_ms: int) -> int:
+        """Workers register once per model (on shard 0's keys), whatever S is."""
+        return await self.shard(0).heartbeat(worker_id, status, ttl_ms=ttl_ms,
+                                             forget_after_ms=forget_after_ms)
+
+    async def forget_worker(self, worker_id: str) -> None:
+        await self.shard(0).forget_worker(worker_id)
 
     async def get_budget(self) -> int | None:
         return await self.shard(0).get_budget()
