@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-queue proto dashboards bench clean
+.PHONY: install run test test-queue proto dashboards bench bench-gpu bench-gateway-cpu clean
 
 install: $(VENV)/.installed
 
@@ -38,17 +38,33 @@ dashboards: install
 	$(BIN)/python deploy/grafana/build.py
 
 # Infinity (a baseline of `tokq bench`) lives in its own venv: its extras would downgrade
-# packages tokq needs. Best effort: without it the benchmark says Infinity was left out.
+# packages tokq needs (transformers 4, numpy 1). Its optimum extra also does the ONNX export
+# of the ONNX Runtime baselines (optimum needs transformers < 4.58). Best effort: without it
+# the benchmark says Infinity was left out, and exports the ONNX model with torch.onnx.
 .venv-infinity/bin/infinity_emb:
 	$(PYTHON) -m venv .venv-infinity
-	.venv-infinity/bin/pip install -q "$(TORCH_SPEC)" 'infinity-emb[server,torch]==0.0.78'
+	.venv-infinity/bin/pip install -q "$(TORCH_SPEC)" 'infinity-emb[server,torch,optimum]==0.0.78'
 
 # Regenerates profiling/RESULTS.md's sections and plots (about 15 minutes on 2 cores).
 bench: install
 	-$(MAKE) .venv-infinity/bin/infinity_emb
 	$(BIN)/python -m tokq.profiling.bench_queue
 	$(BIN)/python -m tokq.profiling.bench_runtime
+	$(BIN)/python -m tokq.profiling.bench_gateway_cpu run --results-md profiling/RESULTS.md
 	$(BIN)/tokq bench --all --out profiling/bench.json --plots profiling/ --results-md profiling/RESULTS.md
+
+# Gateway CPU per single-input call (gateway, worker, Redis, load client) against a bare gRPC
+# server, with a py-spy profile of the gateway.
+bench-gateway-cpu: install
+	$(BIN)/python -m tokq.profiling.bench_gateway_cpu run --profile-dir profiling/gateway-profile \
+		--results-md profiling/RESULTS.md
+
+# On a CUDA host (install with TORCH_SPEC='torch==2.13.0+cu128'): `tokq profile` and `tokq bench`
+# on the GPU with the bundled MiniLM and a Qwen3-0.6B-shaped random model; writes RESULTS.md's
+# "GPU benchmark" section (GPU name, MFU at the profiled budget, throughput vs one-at-a-time).
+# Without a GPU it says so and exits 0.
+bench-gpu: install
+	$(BIN)/python -m tokq.profiling.bench_gpu --results-md profiling/RESULTS.md --out-dir profiling/gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

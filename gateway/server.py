@@ -55,7 +55,8 @@ def gateway_id() -> str:
 async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None = None,
                 stop: asyncio.Event | None = None, on_ready=None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
-    info = ModelInfo.load(config.model or None, name=config.model_name or None)
+    info = ModelInfo.load(config.model or None, name=config.served_model_name or None,
+                          revision=config.revision or None)
     tokenizer = Tokenizer(info)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
                      cluster=config.redis_cluster)

@@ -25,8 +25,10 @@ INFINITY_WHY = ("`infinity-emb` 0.0.78 resolves offline without changing torch, 
                 "extras pin numpy<2, sentence-transformers<4 (so transformers 4.57), rich<14 and click<8.2, "
                 "which would downgrade the project's environment (numpy 2.4, transformers 5, "
                 "sentence-transformers 6). So it is not installed in `.venv`; it runs from its own virtualenv "
-                "with the same torch 2.13 CPU wheel: `python3.11 -m venv .venv-infinity && "
-                ".venv-infinity/bin/pip install torch==2.13.0 'infinity-emb[server,torch]==0.0.78'`")
+                "with the same torch 2.13 CPU wheel: `make .venv-infinity/bin/infinity_emb` (`python3 -m venv "
+                ".venv-infinity && .venv-infinity/bin/pip install torch==2.13.0 "
+                "'infinity-emb[server,torch,optimum]==0.0.78'`; the optimum extra is its ONNX engine)")
+ONNX_SYSTEMS = ("onnx", "infinity-onnx")  # the systems that run the ONNX export
 
 
 def find_infinity(path: str | None) -> str | None:
@@ -40,22 +42,36 @@ def find_infinity(path: str | None) -> str | None:
     return shutil.which("infinity_emb")
 
 
+def optimum_cli_beside(infinity_bin: str | None) -> str | None:
+    """optimum's exporter from Infinity's virtualenv, if it has one."""
+    if not infinity_bin:
+        return None
+    cli = Path(infinity_bin).with_name("optimum-cli")
+    return str(cli) if cli.is_file() else None
+
+
 def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int | None,
-                 padded_max_batch: int, padded_max_wait_ms: float, infinity_bin: str | None = None):
+                 padded_max_batch: int, padded_max_wait_ms: float, infinity_bin: str | None = None,
+                 onnx_dir: str = "", default_budget: int = 1024):
     from tokq.profiling.bench_systems import SystemSpec
 
     main_budget = budgets[-1]
     catalog = {
         "tokq": SystemSpec(f"tokq look-ahead b{main_budget}", "tokq", main_budget, None),
+        "tokq-defaults": SystemSpec(f"tokq (`tokq up` defaults: budget {default_budget}, dtype auto)", "tokq"),
         "tokq-fifo": SystemSpec(f"tokq FIFO b{main_budget}", "tokq", main_budget, 0),
         "one-at-a-time": SystemSpec("one-at-a-time (sentence-transformers)", "one-at-a-time"),
+        "onnx": SystemSpec("one-at-a-time (ONNX Runtime)", "onnx-one-at-a-time", onnx_dir=onnx_dir),
         "padded": SystemSpec(f"padded batching (<= {padded_max_batch} req, {padded_max_wait_ms:g} ms)",
                              "padded-batching", max_batch_size=padded_max_batch,
                              max_wait_ms=padded_max_wait_ms),
     }
     if infinity_bin:
-        catalog["infinity"] = SystemSpec(f"Infinity (HTTP, batch <= {padded_max_batch})", "infinity",
+        catalog["infinity"] = SystemSpec(f"Infinity torch (HTTP, batch <= {padded_max_batch})", "infinity",
                                          max_batch_size=padded_max_batch, infinity_bin=infinity_bin)
+        catalog["infinity-onnx"] = SystemSpec(f"Infinity ONNX, mean pooling (HTTP, batch <= {padded_max_batch})",
+                                              "infinity", max_batch_size=padded_max_batch,
+                                              infinity_bin=infinity_bin, engine="optimum", onnx_dir=onnx_dir)
     for b in budgets[:-1]:
         catalog[f"tokq-b{b}"] = SystemSpec(f"tokq look-ahead b{b}", "tokq", b, None)
     if profiled_budget and profiled_budget not in budgets:
@@ -65,7 +81,8 @@ def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int |
         names = list(catalog)
     unknown = [n for n in names if n not in catalog]
     if unknown:
-        hint = " (infinity: no infinity_emb found; see --infinity-bin)" if "infinity" in unknown else ""
+        hint = (" (infinity: no infinity_emb found; see --infinity-bin)"
+                if {"infinity", "infinity-onnx"} & set(unknown) else "")
         raise click.UsageError(f"unknown system(s) {unknown}; known: {', '.join(catalog)}{hint}")
     return [catalog[n] for n in names]
 
@@ -93,7 +110,25 @@ def load_queries(workload_path: str | None, num_queries: int, seed: int):
     return capped, source
 
 
-def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats: int = 5) -> dict[str, float]:
+NUM_PROBES = 48  # queries whose vectors each system must match before its figure counts
+
+
+def reference_vectors(queries, n: int, *, model_dir: str | None = None, device: str = "cpu"):
+    """``n`` probe texts spread over the workload (short and long) and sentence-transformers'
+    vectors of each, encoded alone: what every system's vectors are checked against."""
+    import numpy as np
+
+    from tokq.profiling.baselines.server import load_model
+
+    by_length = sorted((q for q in queries if q.text), key=lambda q: q.num_tokens)
+    picks = [by_length[round(i * (len(by_length) - 1) / max(n - 1, 1))].text for i in range(n)]
+    model = load_model(model_dir, device)
+    want = np.stack([model.encode([t], normalize_embeddings=True)[0] for t in picks]).astype(np.float32)
+    return picks, want
+
+
+def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats: int = 5, *,
+                       model_dir: str | None = None, device: str = "cpu") -> dict[str, float]:
     """Median forward time of one full-budget batch packed from the workload mix (the worker's
     engine, this process, the same thread count as the systems)."""
     import time
@@ -108,7 +143,7 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
     if torch_threads:
         torch.set_num_threads(torch_threads)
     try:
-        engine = Engine.load(None, device="cpu")
+        engine = Engine.load(model_dir, device=device)
         make = BatchMaker(queries, token_ids_for(engine.info), engine.info.max_length)
         out = {}
         for budget in budgets:
@@ -117,7 +152,7 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                engine.embed(batch)
+                engine.embed(batch)  # returns host arrays: a CUDA forward has finished
                 times.append((time.perf_counter() - start) * 1000)
             out[str(budget)] = round(float(np.median(times)), 2)
         return out
@@ -128,8 +163,8 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.command("bench")
 @click.option("--all", "run_all", is_flag=True, help="Every system: tokq budgets, FIFO, and all baselines.")
 @click.option("--system", "systems", multiple=True,
-              help="tokq | tokq-fifo | tokq-b<N> | tokq-profiled | one-at-a-time | padded (repeatable) "
-                   "[default: tokq and one-at-a-time].")
+              help="tokq | tokq-defaults | tokq-fifo | tokq-b<N> | tokq-profiled | one-at-a-time | onnx | padded | "
+                   "infinity | infinity-onnx (repeatable) [default: tokq and one-at-a-time].")
 @click.option("--workload", "workload_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL workload [default: ../shared/workloads/short_queries.jsonl, else generated].")
 @click.option("--num-queries", default=4000, show_default=True, help="Size of a generated workload.")
@@ -159,6 +194,11 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.option("--torch-threads", default=0, show_default=True,
               help="Intra-op threads of each baseline's model process; 0 = what `tokq up` gives its one "
                    "worker (cores - 1, at least 1), so both sides compute on the same threads.")
+@click.option("--device", default="cpu", show_default=True,
+              help="Device of tokq's worker and the sentence-transformers baselines (cuda: see `make bench-gpu`).")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Model directory for tokq and the sentence-transformers baselines [default: bundled "
+                   "all-MiniLM-L6-v2; ONNX and Infinity always run the bundled model].")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="bench.json", show_default=True)
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="Write bench_latency.png and bench_throughput.png here.")
@@ -168,13 +208,18 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
                   step_factor, max_steps, step_duration_s, timeout_ms, budgets, profile_json, profiled_budget,
-                  padded_max_batch, padded_max_wait_ms, infinity_bin, torch_threads, out_path, plots_dir,
-                  results_md, note, quiet) -> None:
+                  padded_max_batch, padded_max_wait_ms, infinity_bin, torch_threads, device, model_dir, out_path,
+                  plots_dir, results_md, note, quiet) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     from rich.console import Console
 
+    import dataclasses
+    import shutil
+    import tempfile
+
     from tokq.profiling.bench_run import BenchOptions, run_bench
     from tokq.profiling.bench_report import render_outputs
+    from tokq.workers.worker import DEFAULT_BUDGET
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -185,25 +230,46 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     names = ["all"] if run_all else (list(systems) or ["tokq", "one-at-a-time"])
+    default_budget = DEFAULT_BUDGET["cuda" if device.startswith("cuda") else "cpu"]  # the worker's, unprofiled
     profiled = profiled_budget or profiled_budget_from(Path(profile_json) if profile_json else None)
     infinity_bin = find_infinity(infinity_bin)
-    specs = system_specs(names, budgets=budget_list, profiled_budget=profiled, padded_max_batch=padded_max_batch,
-                         padded_max_wait_ms=padded_max_wait_ms, infinity_bin=infinity_bin)
-    infinity_note = (f"measured ({infinity_bin}). {INFINITY_WHY}" if any(s.kind == "infinity" for s in specs)
-                     else f"not measured ({'not asked for' if infinity_bin else 'no infinity_emb found'}). "
-                          f"{INFINITY_WHY}")
-    queries, source = load_queries(workload_path, num_queries, seed)
-    torch_threads = torch_threads or max(1, (os.cpu_count() or 2) - 1)
     console = Console(stderr=True, quiet=quiet)
-    tokq_budgets = sorted({s.token_budget for s in specs if s.kind == "tokq"})
-    with console.status("timing single-batch forward passes"):
-        forward_ms = measure_forward_ms(queries, tokq_budgets, torch_threads) if tokq_budgets else {}
-    options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
-                           step_factor=step_factor, max_steps=max_steps, step_duration_s=step_duration_s,
-                           timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed)
-    report = asyncio.run(run_bench(specs, queries, options, console=console))
+    export_root = Path(tempfile.mkdtemp(prefix="tokq-bench-onnx-"))
+    try:
+        onnx_export = None
+        if names == ["all"] or set(ONNX_SYSTEMS) & set(names):
+            from tokq.model_info import bundled_model_path
+            from tokq.profiling.baselines.onnx_model import export
+
+            with console.status("exporting the model to ONNX"):
+                onnx_export = export(bundled_model_path(), export_root / "onnx",
+                                     optimum_cli=optimum_cli_beside(infinity_bin))
+        specs = system_specs(names, budgets=budget_list, profiled_budget=profiled,
+                             padded_max_batch=padded_max_batch, padded_max_wait_ms=padded_max_wait_ms,
+                             infinity_bin=infinity_bin, onnx_dir=str(onnx_export.path) if onnx_export else "",
+                             default_budget=default_budget)
+        specs = [s if s.kind in ("infinity", "onnx-one-at-a-time")
+                 else dataclasses.replace(s, model=model_dir or "", device=device) for s in specs]
+        infinity_note = (f"measured ({infinity_bin}). {INFINITY_WHY}" if any(s.kind == "infinity" for s in specs)
+                         else f"not measured ({'not asked for' if infinity_bin else 'no infinity_emb found'}). "
+                              f"{INFINITY_WHY}")
+        queries, source = load_queries(workload_path, num_queries, seed)
+        torch_threads = torch_threads or max(1, (os.cpu_count() or 2) - 1)
+        tokq_budgets = sorted({s.token_budget or default_budget for s in specs if s.kind == "tokq"})
+        with console.status("timing single-batch forward passes"):
+            forward_ms = (measure_forward_ms(queries, tokq_budgets, torch_threads, model_dir=model_dir, device=device)
+                          if tokq_budgets else {})
+        with console.status("sentence-transformers' own vectors of the probe queries"):
+            probe = reference_vectors(queries, NUM_PROBES, model_dir=model_dir, device=device)
+        options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
+                               step_factor=step_factor, max_steps=max_steps, step_duration_s=step_duration_s,
+                               timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed)
+        report = asyncio.run(run_bench(specs, queries, options, console=console, probe=probe))
+    finally:
+        shutil.rmtree(export_root, ignore_errors=True)
     report["meta"].update(workload_source=source, forward_ms_by_budget=forward_ms, note=note,
-                          infinity=infinity_note, profiled_budget=profiled)
+                          infinity=infinity_note, profiled_budget=profiled, default_budget=default_budget,
+                          onnx_export=onnx_export.exporter if onnx_export else None)
     Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
     written = render_outputs(report, plots_dir=plots_dir, results_md=results_md, json_path=out_path)
     console.print(f"wrote {', '.join([out_path, *written])}")

@@ -56,8 +56,10 @@ def plot_throughput(report: dict, path: str | Path) -> None:
     bars.barh(ypos, values, color=[f"C{i}" for i in ypos])
     bars.set_yticks(list(ypos), names, fontsize=8)
     bars.invert_yaxis()
-    for y, v in zip(ypos, values):
+    for y, v, system in zip(ypos, values, systems):
         label = f"{v:.0f}" + (f"  ({v / ref:.1f}x one-at-a-time)" if ref else "")
+        if not (system.get("vectors") or {}).get("counts", True):
+            label = "not counted: vectors differ from sentence-transformers"
         bars.text(v, y, " " + label, va="center", fontsize=8)
     bars.set_xlim(0, max(values + [1]) * 1.6)
     bars.set_xlabel(f"highest offered requests/s with p99 <= {slo_ms:g} ms")
@@ -66,7 +68,7 @@ def plot_throughput(report: dict, path: str | Path) -> None:
     for i, system in enumerate(systems):
         steps = _steps(system)
         offered = [s["offered_rps"] for s in steps]
-        top = max(top, *offered)
+        top = max([top, *offered])
         curves.plot(offered, [s["throughput_rps"] for s in steps], "o-", color=f"C{i}", label=system["name"])
     curves.plot([0, top], [0, top], ":", color="grey", label="completed = offered")
     curves.set_xlabel("offered load (requests/s)")

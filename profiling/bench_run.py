@@ -15,9 +15,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tokq.profiling import loadgen
-from tokq.profiling.bench_systems import SystemSpec, batch_stats, make_sender, start_system
+from tokq.profiling.bench_systems import (SystemSpec, batch_stats, fetch_vectors, make_sender, min_cosine,
+                                          start_system)
 
 WARMUP_S = 2.0
+MIN_COSINE = 0.9999  # a system's vectors against sentence-transformers', for its figure to count
 SETTLE_S = 0.5  # pause between runs so one run's stragglers never land in the next
 
 
@@ -124,7 +126,26 @@ def machine() -> dict:
                          "grpcio": grpc.__version__}}
 
 
-async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, console=None) -> dict:
+async def check_vectors(system, probe) -> dict:
+    """The system's vectors of the probe texts against sentence-transformers' (``probe`` =
+    texts, reference vectors); ``counts`` is False when they differ, with the reason."""
+    texts, want = probe
+    try:
+        got = await fetch_vectors(system, texts)
+    except Exception as exc:  # the check failing is a result too
+        return {"num_probes": len(texts), "min_cos": None, "counts": False,
+                "why": f"could not fetch its vectors: {type(exc).__name__}: {exc}"}
+    if got.shape != want.shape:
+        return {"num_probes": len(texts), "min_cos": None, "counts": False,
+                "why": f"vectors of shape {got.shape}, sentence-transformers gives {want.shape}"}
+    cos = min_cosine(got, want)
+    ok = cos >= MIN_COSINE
+    return {"num_probes": len(texts), "min_cos": round(cos, 6), "counts": ok,
+            "why": "" if ok else f"vectors differ from sentence-transformers: min cosine {cos:.4f} < {MIN_COSINE}"}
+
+
+async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, console=None,
+                    probe=None) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tokq.profiling.workload import describe
@@ -146,11 +167,17 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
             system = await asyncio.to_thread(start_system, spec, torch_threads=options.torch_threads,
                                              log_path=str(log_path))
             try:
-                progress.update(overall, description=f"measuring {spec.name}")
-                result = await measure(system, queries, options, progress, label=spec.name)
+                vectors = await check_vectors(system, probe) if probe else None
+                if vectors and not vectors["counts"] and spec.kind != "tokq":
+                    progress.console.print(f"{spec.name}: not measured, {vectors['why']}")
+                    result = {"slo_ms": options.slo_ms, "sustainable_rps": 0.0, "sustainable": None,
+                              "limit": f"not counted: {vectors['why']}", "steps": [], "half_load": None}
+                else:
+                    progress.update(overall, description=f"measuring {spec.name}")
+                    result = await measure(system, queries, options, progress, label=spec.name)
             finally:
                 await asyncio.to_thread(system.close)
-            report["systems"].append({**spec.describe(), **result, "log": str(log_path)})
+            report["systems"].append({**spec.describe(), **result, "vectors": vectors, "log": str(log_path)})
             progress.advance(overall)
     duration_s = (datetime.now(timezone.utc) - started).total_seconds()
     if busy_start_s is not None:

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import grpc
 import redis
@@ -30,16 +31,20 @@ START_TIMEOUT_S = 180
 @dataclass(frozen=True)
 class SystemSpec:
     name: str
-    kind: str  # "tokq" | "one-at-a-time" | "padded-batching" | "infinity"
-    token_budget: int = 0  # tokq: tokens per batch
+    kind: str  # "tokq" | "one-at-a-time" | "onnx-one-at-a-time" | "padded-batching" | "infinity"
+    token_budget: int = 0  # tokq: tokens per batch (0: the worker's default, as `tokq up` runs it)
     lookahead: int | None = None  # tokq: entries a claim may pass over (0 = strict FIFO)
     max_batch_size: int = 64  # padded-batching: inputs per batch
     max_wait_ms: float = 10.0  # padded-batching
     infinity_bin: str = ""  # infinity: the `infinity_emb` executable (its own virtualenv)
+    engine: str = "torch"  # infinity: torch | optimum (ONNX Runtime)
+    onnx_dir: str = ""  # onnx-one-at-a-time, infinity optimum: the ONNX export
+    model: str = ""  # tokq and the sentence-transformers baselines: model directory ("" = bundled)
+    device: str = "cpu"  # tokq and the sentence-transformers baselines
 
     def describe(self) -> dict:
         keep = {"tokq": ("token_budget", "lookahead"), "padded-batching": ("max_batch_size", "max_wait_ms"),
-                "infinity": ("max_batch_size", "infinity_bin")}
+                "infinity": ("max_batch_size", "infinity_bin", "engine")}
         d = asdict(self)
         return {"name": self.name, "kind": self.kind, **{k: d[k] for k in keep.get(self.kind, ())}}
 
@@ -96,6 +101,36 @@ class HttpSender:
         await self._client.aclose()
 
 
+async def fetch_vectors(system: "RunningSystem", texts: list[str], timeout_s: float = 60.0):
+    """Each text's vector from ``system``, one single-input request per text (as the load
+    sends them), all in flight at once; float32 [n, dim]."""
+    import numpy as np
+
+    if system.spec.kind == "infinity":
+        import httpx2
+
+        async with httpx2.AsyncClient(base_url=f"http://{system.target}", timeout=timeout_s) as client:
+            async def one(text: str):
+                resp = await client.post("/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [text]})
+                resp.raise_for_status()
+                return resp.json()["data"][0]["embedding"]
+
+            rows = await asyncio.gather(*(one(t) for t in texts))
+        return np.asarray(rows, dtype=np.float32)
+    from tokq import AsyncClient
+
+    async with AsyncClient(system.target) as client:
+        rows = await asyncio.gather(*(client.embed([t], truncate=True, timeout=timeout_s) for t in texts))
+    return np.concatenate(rows).astype(np.float32)
+
+
+def min_cosine(got, want) -> float:
+    import numpy as np
+
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    return float(cos.min())
+
+
 def make_sender(system: "RunningSystem", timeout_s: float):
     if system.spec.kind == "infinity":
         return HttpSender(f"http://{system.target}", "all-MiniLM-L6-v2", timeout_s)
@@ -104,8 +139,10 @@ def make_sender(system: "RunningSystem", timeout_s: float):
 
 class RunningSystem:
     def __init__(self, spec: SystemSpec, target: str, proc: subprocess.Popen,
-                 redis_server: EmbeddedRedis | None = None, metrics_port: int = 0) -> None:
+                 redis_server: EmbeddedRedis | None = None, metrics_port: int = 0,
+                 queue: str = "all-MiniLM-L6-v2") -> None:
         self.spec = spec
+        self.queue = queue
         self.target = target
         self.proc = proc
         self.redis_server = redis_server
@@ -115,7 +152,7 @@ class RunningSystem:
         """Cumulative batch counters of a tokq deployment (None for a baseline)."""
         if self.redis_server is None:
             return None
-        keys = QueueKeys("all-MiniLM-L6-v2")
+        keys = QueueKeys(self.queue)
         client = redis.Redis.from_url(self.redis_server.url)
         try:
             counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
@@ -203,9 +240,9 @@ def _wait_http_health(target: str, proc: subprocess.Popen, timeout_s: float) -> 
     raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
 
 
-def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float, queue: str) -> None:
     """A worker's heartbeat appears after its warm-up at the full budget."""
-    key = QueueKeys("all-MiniLM-L6-v2").heartbeat("up-0")
+    key = QueueKeys(queue).heartbeat("up-0")
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     try:
@@ -229,35 +266,50 @@ def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | No
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     redis_server = None
     metrics_port = 0
+    model_args = ["--model", spec.model] if spec.model else []
     if spec.kind == "tokq":
         redis_server = EmbeddedRedis().start()
         metrics_port = free_port()
         if spec.lookahead is not None:
             env["TOKQ_LOOKAHEAD"] = str(spec.lookahead)
-        args = ["-m", "tokq.cli", "up", "--port", str(port), "--redis-url", redis_server.url,
-                "--workers", "1", "--device", "cpu", "--metrics-port", str(metrics_port)]
+        env["TOKQ_REDIS_URL"] = redis_server.url  # in the environment: it holds the password
+        args = ["-m", "tokq.cli", "up", "--port", str(port),
+                "--workers", "1", "--device", spec.device, "--metrics-port", str(metrics_port), *model_args]
         if spec.token_budget:
             args += ["--token-budget", str(spec.token_budget)]
     elif spec.kind == "infinity":
         from tokq.model_info import bundled_model_path
 
         env.update(INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1")
-        args = ["v2", "--model-id", str(bundled_model_path()), "--served-model-name", "all-MiniLM-L6-v2",
-                "--engine", "torch", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
-                "--batch-size", str(spec.max_batch_size), "--no-bettertransformer"]
+        if log_path:  # the ONNX engine caches its optimized model under the hub cache: keep it here
+            env["HF_HUB_CACHE"] = str(Path(log_path).parent / "hf-cache")
+        # Mean pooling, as the model was trained: Infinity's ONNX engine defaults to CLS pooling
+        # (cosine ~0.5 to the model's real vectors).
+        # Its ONNX engine is given the export as "." from inside it: with optimum-onnx 0.1 it
+        # looks an absolute model.onnx path up as a name inside the directory, and fails.
+        model_dir = "." if spec.engine == "optimum" else str(bundled_model_path())
+        args = ["v2", "--model-id", model_dir, "--served-model-name", "all-MiniLM-L6-v2",
+                "--engine", spec.engine, "--pooling-method", "mean", "--device", "cpu", "--host", "127.0.0.1",
+                "--port", str(port), "--batch-size", str(spec.max_batch_size), "--no-bettertransformer"]
     else:
-        args = ["-m", "tokq.profiling.baselines", "--kind", spec.kind, "--port", str(port),
-                "--max-batch-size", str(spec.max_batch_size), "--max-wait-ms", str(spec.max_wait_ms)]
+        args = ["-m", "tokq.profiling.baselines", "--kind", spec.kind, "--port", str(port), "--device", spec.device,
+                "--max-batch-size", str(spec.max_batch_size), "--max-wait-ms", str(spec.max_wait_ms), *model_args]
+        if spec.onnx_dir:
+            args += ["--onnx-dir", spec.onnx_dir]
     program = spec.infinity_bin if spec.kind == "infinity" else sys.executable
-    proc = subprocess.Popen([program, *args], env=env, stdout=log, stderr=log)
-    system = RunningSystem(spec, target, proc, redis_server, metrics_port)
+    cwd = spec.onnx_dir if spec.kind == "infinity" and spec.engine == "optimum" else None
+    proc = subprocess.Popen([program, *args], env=env, stdout=log, stderr=log, cwd=cwd)
+    from tokq.model_info import ModelInfo
+
+    queue = ModelInfo.load(spec.model or None).queue_name
+    system = RunningSystem(spec, target, proc, redis_server, metrics_port, queue)
     try:
         if spec.kind == "infinity":
             _wait_http_health(target, proc, START_TIMEOUT_S)
         else:
             _wait_healthy(target, proc, START_TIMEOUT_S)
         if redis_server:
-            _wait_worker(redis_server.url, proc, START_TIMEOUT_S)
+            _wait_worker(redis_server.url, proc, START_TIMEOUT_S, queue)
     except BaseException:
         system.close()
         raise

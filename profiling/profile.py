@@ -146,7 +146,7 @@ def _needs_more(times_ms: list[float], config: SweepConfig) -> bool:
 
 def _point(batch: PackedBatch, times_ms: list[float], batch_flops) -> Point:
     p10, median, p90 = np.percentile(times_ms, [10, 50, 90])
-    return Point(num_tokens=batch.num_tokens, num_seqs=batch.num_seqs, max_seqlen=batch.max_seqlen,
+    return Point(num_tokens=batch.num_queued_tokens, num_seqs=batch.num_seqs, max_seqlen=batch.max_seqlen,
                  median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90), num_repeats=len(times_ms),
                  gflop_per_s=batch_flops(batch) / median / 1e6 if batch_flops else None)
 

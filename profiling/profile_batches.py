@@ -101,15 +101,21 @@ class BatchMaker:
     ``make_ids(query, max_tokens)`` gives a query's ids, at most ``max_tokens`` (>= 1) of them.
     Lengths are capped at ``max_length``; the last sequence is cut to hit the total. Each call
     continues where the last stopped, so successive grid points see different queries.
+
+    ``prompt_ids``: every query goes behind this shared prompt (after its ``lead`` special ids,
+    e.g. a BOS), marked as each sequence's prefix and, as the queue counts them, not counted:
+    the worker computes it once and caches it (issue 15).
     """
 
     def __init__(self, queries: Sequence[Query], make_ids: Callable[[Query, int], np.ndarray],
-                 max_length: int) -> None:
+                 max_length: int, *, prompt_ids: np.ndarray | None = None, lead: int = 0) -> None:
         if not queries:
             raise ValueError("empty workload")
         self.queries = queries
         self.make_ids = make_ids
         self.max_length = max_length
+        self.prompt_ids = np.asarray(prompt_ids if prompt_ids is not None else [], dtype=np.int64)
+        self.lead = lead if self.prompt_ids.size else 0
         self._next: Iterator[Query] = self._cycle()
 
     def _cycle(self) -> Iterator[Query]:
@@ -117,6 +123,8 @@ class BatchMaker:
             yield from self.queries
 
     def __call__(self, num_tokens: int) -> PackedBatch:
+        if self.prompt_ids.size:
+            return self._prompted(num_tokens)
         seqs: list[np.ndarray] = []
         remaining = num_tokens
         while remaining > 0:
@@ -124,3 +132,29 @@ class BatchMaker:
             seqs.append(self.make_ids(query, min(self.max_length, remaining)))
             remaining -= seqs[-1].size
         return PackedBatch.pack(seqs)
+
+    def _prompted(self, num_tokens: int) -> PackedBatch:
+        seqs: list[np.ndarray] = []
+        prefix_len = self.lead + self.prompt_ids.size
+        remaining = num_tokens
+        while remaining > 0:
+            query = next(self._next)
+            cap = max(1, min(self.max_length - self.prompt_ids.size, remaining + self.lead))
+            ids = self.make_ids(query, cap)
+            if ids.size <= self.lead:  # too short to have tokens of its own
+                continue
+            seqs.append(np.concatenate([ids[:self.lead], self.prompt_ids, ids[self.lead:]]))
+            remaining -= ids.size - self.lead
+        return PackedBatch.pack(seqs, prefix_lens=prefix_len)
+
+
+def shared_prompt_ids(engine, token_ids: TokenIds) -> np.ndarray | None:
+    """The default prompt's ids (without special tokens) when the worker computes it once
+    (a prefix-capable engine, a default prompt, a tokenizer), else None."""
+    info = engine.info
+    prompt = info.prompt(None) if info.default_prompt_name else ""
+    if not prompt or getattr(engine, "prefix_cache", None) is None or not token_ids.has_tokenizer:
+        return None
+    ids = list(token_ids.tokenize(prompt))
+    body = ids[len(token_ids.prefix):len(ids) - len(token_ids.suffix)]
+    return np.asarray(body, dtype=np.int64) if body else None

@@ -29,9 +29,12 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
 
 
 @click.command("profile")
-@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False), default=None,
-              envvar="TOKQ_MODEL", help="Local model directory [default: the bundled all-MiniLM-L6-v2].")
-@click.option("--name", "model_name", default=None, help="Model name served (names the queue).")
+@click.option("--model", "model_path", default=None, envvar="TOKQ_MODEL",
+              help="Local model directory or Hugging Face repo id (ORG/NAME, from the HF cache) "
+                   "[default: the bundled all-MiniLM-L6-v2].")
+@click.option("--revision", default=None, envvar="TOKQ_REVISION", help="Hugging Face revision of a repo id.")
+@click.option("--served-model-name", "--name", "model_name", default=None, envvar="TOKQ_SERVED_MODEL_NAME",
+              help="Model name served (names the queue) [default: the repo id or directory name].")
 @click.option("--device", default="auto", envvar="TOKQ_DEVICE", show_default=True,
               help="auto | cpu | cuda | cuda:N.")
 @click.option("--dtype", default="auto", envvar="TOKQ_DTYPE", show_default=True,
@@ -62,7 +65,7 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
               help="CPU threads for torch [default: torch's own choice]. Fewer than the cores "
                    "helps on a shared machine: busy cores make multi-threaded ops wait on each other.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def profile_command(model_path, model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
+def profile_command(model_path, revision, model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
                     min_tokens, max_tokens, points_per_doubling, time_per_point_s, min_repeats, max_repeats,
                     stop_ms, max_batch_ms, out_path, plot_path, apply_budget, redis_url, num_threads,
                     quiet) -> None:
@@ -94,8 +97,8 @@ def profile_command(model_path, model_name, device, dtype, attn_backend, workloa
         with console.status("loading model"):
             try:
                 engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
-                                     name=model_name)
-            except ValueError as exc:  # unsupported model, device, dtype or backend: say which
+                                     name=model_name, revision=revision)
+            except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
                 raise click.ClickException(str(exc)) from None
         report = _run_with_progress(console, lambda on_progress: run_profile(
             engine, queries, config, max_batch_ms=max_batch_ms, seed=seed, on_progress=on_progress,

@@ -14,7 +14,7 @@ import numpy as np
 
 from tokq.profiling.knee import KneeFit, Recommendation, fit_knee, recommend_budget, throughput_saturation
 from tokq.profiling.profile import Point, SweepConfig, sweep, timer_for
-from tokq.profiling.profile_batches import BatchMaker, token_ids_for
+from tokq.profiling.profile_batches import BatchMaker, shared_prompt_ids, token_ids_for
 from tokq.profiling.workload import Query, describe
 
 SATURATION_FRACTION = 0.9  # "throughput saturates" = reaches this share of the peak measured
@@ -73,7 +73,11 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_ba
     load_before = _load_average()
     t0 = time.perf_counter()
     token_ids = token_ids_for(engine.info, seed=seed)
-    make_batch = BatchMaker(queries, token_ids, engine.info.max_length)
+    # With a default prompt on a prefix-capable model, batches are measured as the queue counts
+    # them: each query behind the prompt, which the worker computes once and caches.
+    prompt_ids = shared_prompt_ids(engine, token_ids)
+    make_batch = BatchMaker(queries, token_ids, engine.info.max_length, prompt_ids=prompt_ids,
+                            lead=len(token_ids.prefix))
     result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_progress,
                    batch_flops=getattr(engine, "batch_flops", None))
     fit, rec = analyze(result.points, max_batch_ms)
@@ -92,6 +96,9 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_ba
         "load_average": [load_before, _load_average()],
         "workload": {"source": workload_source, **summary,
                      "token_ids": "text" if summary["has_texts"] and token_ids.has_tokenizer else "random"},
+        "prompt": None if prompt_ids is None else {
+            "name": engine.info.default_prompt_name, "tokens": int(prompt_ids.size),
+            "counted": False},  # the budget counts the tokens after the prompt
         "sweep": asdict(config),
         "points": [p.to_dict() for p in result.points],
         "stopped_reason": result.stopped_reason,
@@ -119,6 +126,11 @@ def summarize(report: dict) -> str:
     if points:
         head += f" from {points[0]['num_tokens']} to {points[-1]['num_tokens']} tokens"
     parts = [head + f" in {report['duration_s']:.0f} s."]
+    if report.get("prompt"):
+        prompt = report["prompt"]
+        parts.append(f"Every query behind the default prompt {prompt['name']!r} ({prompt['tokens']} tokens), "
+                     "computed once and cached by the worker: batch sizes count the tokens after it, "
+                     "as the queue does.")
     if report["stopped_reason"]:
         parts.append(f"Stopped early: {report['stopped_reason']}.")
     fit, rec = report["fit"], report["recommendation"]

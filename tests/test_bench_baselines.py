@@ -1,5 +1,7 @@
 """The baseline servers return the model's embeddings through the tokq.v1 gRPC API: each
-input's vector matches sentence-transformers encoding it alone, whichever batch it rode in."""
+input's vector matches sentence-transformers encoding it alone, whichever batch it rode in
+(ONNX Runtime's too, on an ONNX export made here); and the bench's vector check refuses a
+server whose vectors are not the model's."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import numpy as np
 import pytest
 
 from tokq import AsyncClient, TokqError
+from tokq.profiling.baselines.onnx_model import OnnxSentenceEncoder, export
 from tokq.profiling.baselines.runners import make_runner
 from tokq.profiling.baselines.server import load_model, serve
+from tokq.profiling.bench_cli import DEFAULT_INFINITY_BIN, optimum_cli_beside
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +113,72 @@ async def test_padded_batching_skips_requests_whose_caller_left(model):
     assert kept.vectors.shape == (1, model.get_embedding_dimension())
     assert runner.num_batches == 1 and runner.num_inputs == 1  # the cancelled input was never encoded
     assert kept.num_tokens == 4  # [CLS] still here [SEP]
+
+
+@pytest.fixture(scope="module")
+def onnx_export(bundled_model_dir, tmp_path_factory):
+    return export(bundled_model_dir, tmp_path_factory.mktemp("onnx"))
+
+
+async def test_onnx_runtime_baseline_matches_sentence_transformers(model, bundled_model_dir, onnx_export):
+    assert "torch.onnx.export" in onnx_export.exporter  # no optimum in this environment
+    encoder = OnnxSentenceEncoder(onnx_export.path, threads=1)
+    texts = texts_of_mixed_lengths(bundled_model_dir, 16, seed=5)  # some over 256 tokens: truncated
+    want = np.stack([model.encode([t], normalize_embeddings=True)[0] for t in texts])
+    runner = make_runner("onnx-one-at-a-time", encoder)
+    target, stop, task = await serve_in_background(runner, encoder)
+    try:
+        async with AsyncClient(target) as client:
+            singles = await asyncio.gather(*(client.embed([t], truncate=True) for t in texts))
+            info = await client.info()
+            with pytest.raises(TokqError) as too_long:
+                await client.embed([max(texts, key=len)])  # over 256 tokens without truncate
+    finally:
+        stop.set()
+        await task
+    got = np.concatenate(singles)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert min_cosine(got, want) >= 0.9999
+    assert info.version.endswith("onnx-one-at-a-time") and info.max_input_length == 256
+    assert too_long.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.skipif(optimum_cli_beside(str(DEFAULT_INFINITY_BIN)) is None,
+                    reason="optimum lives in .venv-infinity (make .venv-infinity/bin/infinity_emb)")
+def test_optimum_export_gives_the_models_vectors(model, bundled_model_dir, tmp_path):
+    made = export(bundled_model_dir, tmp_path / "onnx", optimum_cli=optimum_cli_beside(str(DEFAULT_INFINITY_BIN)))
+    assert made.exporter.startswith("optimum-onnx")
+    texts = texts_of_mixed_lengths(bundled_model_dir, 8, seed=6)
+    got = OnnxSentenceEncoder(made.path, threads=1).encode(texts, batch_size=1)
+    want = model.encode(texts, batch_size=1, normalize_embeddings=True)
+    assert min_cosine(got, want) >= 0.9999
+
+
+async def test_bench_vector_check_refuses_a_server_whose_vectors_are_not_the_models(model, bundled_model_dir):
+    """The bench's check, against a real gRPC server answering a constant vector (the bare
+    server of bench_gateway_cpu), and against the real one-at-a-time baseline."""
+    from tokq.profiling.bench_gateway_cpu import _this
+    from tokq.profiling.bench_run import check_vectors
+    from tokq.profiling.bench_systems import RunningSystem, SystemSpec, _wait_healthy
+    from tokq.redis_server import free_port
+
+    texts = texts_of_mixed_lengths(bundled_model_dir, 6, seed=7)
+    probe = (texts, np.stack([model.encode([t], normalize_embeddings=True)[0] for t in texts]))
+    port = free_port()
+    proc = _this("echo-server", "--port", str(port))
+    try:
+        await asyncio.to_thread(_wait_healthy, f"127.0.0.1:{port}", proc, 60)
+        wrong = await check_vectors(RunningSystem(SystemSpec("echo", "one-at-a-time"), f"127.0.0.1:{port}", proc),
+                                    probe)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert not wrong["counts"] and wrong["min_cos"] < 0.9 and "differ from sentence-transformers" in wrong["why"]
+
+    target, stop, task = await serve_in_background(make_runner("one-at-a-time", model), model)
+    try:
+        right = await check_vectors(RunningSystem(SystemSpec("st", "one-at-a-time"), target, None), probe)
+    finally:
+        stop.set()
+        await task
+    assert right["counts"] and right["min_cos"] >= 0.9999 and right["num_probes"] == 6

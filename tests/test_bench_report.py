@@ -50,10 +50,21 @@ def report():
         "systems": [
             system("tokq look-ahead b1024", "tokq", tokq_steps, slo_ms, token_budget=1024, half_load=half),
             system("one-at-a-time (sentence-transformers)", "one-at-a-time",
-                   [step(50, 30), step(80, 900)], slo_ms),
+                   [step(40, 30), step(80, 900)], slo_ms, vectors=checked(1.0)),
+            system("one-at-a-time (ONNX Runtime)", "onnx-one-at-a-time",
+                   [step(100, 80), step(150, 900)], slo_ms, vectors=checked(0.99999)),
+            system("Infinity torch", "infinity", [step(90, 200), step(120, 3000)], slo_ms, vectors=checked(1.0)),
+            # Wrong vectors: not measured, so neither its (absent) rate nor the 2x target uses it.
+            {**system("Infinity ONNX", "infinity", [], slo_ms, vectors=checked(0.5)),
+             "limit": "not counted: vectors differ"},
             system("padded batching", "padded-batching", [step(50, 200), step(100, 3000)], slo_ms),
         ],
     }
+
+
+def checked(min_cos: float) -> dict:
+    ok = min_cos >= 0.9999
+    return {"num_probes": 48, "min_cos": min_cos, "counts": ok, "why": "" if ok else "vectors differ"}
 
 
 def test_sustainable_rate_ignores_a_lucky_step_above_a_failed_one():
@@ -70,10 +81,14 @@ def test_section_states_ratios_and_targets(report):
     md = bench_report.markdown_section(report)
     assert md.startswith(bench_report.SECTION_START) and md.rstrip().endswith(bench_report.SECTION_END)
     assert "tokq bench --all" in md and "machine otherwise idle" in md
-    # tokq sustains 200 req/s, one-at-a-time 50: 4.00x, which meets the 4x target
-    assert "| tokq look-ahead b1024 | 200 |" in md and "4.00x" in md
-    assert "sustains 4.00x (200 vs 50 req/s): **met**" in md
+    # tokq sustains 200 req/s: 5x one-at-a-time (40), 2.2x Infinity's best counted engine (torch,
+    # 90: the ONNX one was not counted), 2x ONNX Runtime (100)
+    assert "| tokq look-ahead b1024 | 200 |" in md and "5.00x" in md
+    assert "sustains 5.00x one-at-a-time (sentence-transformers) (200 vs 40 req/s): **met**" in md
+    assert "sustains 2.22x Infinity torch (200 vs 90 req/s): **met**" in md
+    assert "sustains 2.00x one-at-a-time (ONNX Runtime) (200 vs 100 req/s): **met**" in md
     assert "Ahead of every other baseline**: yes" in md
+    assert "| 0.50000 (**not counted**) | not counted: vectors differ |" in md
     # half load p99 60 ms against 4 x 100 ms forward
     assert "p99 60 ms at 100 req/s vs 4 x 100 ms = 400 ms: **met**" in md
     assert "| tokq look-ahead b1024 (sustainable) | 200 | 40 | 12.5 | 150 | 0.15 | 30.0 |" in md
@@ -83,11 +98,24 @@ def test_section_states_ratios_and_targets(report):
 
 
 def test_targets_not_met_are_said_so(report):
-    report["systems"][1]["steps"] = [step(50, 30), step(80, 100), step(120, 900)]
     report["systems"][1] = system("one-at-a-time (sentence-transformers)", "one-at-a-time",
-                                  report["systems"][1]["steps"], 500.0)
+                                  [step(50, 30), step(80, 100), step(120, 900)], 500.0)
     md = bench_report.markdown_section(report)
-    assert "sustains 2.50x (200 vs 80 req/s): **not met**" in md
+    assert "sustains 2.50x one-at-a-time (sentence-transformers) (200 vs 80 req/s): **not met**" in md
+
+
+def test_targets_judge_tokq_up_defaults_and_say_when_a_baseline_is_missing(report):
+    tokq_steps = [step(100, 50), step(160, 100), step(240, 900)]
+    defaults = system("tokq (defaults)", "tokq", tokq_steps, 500.0, token_budget=0, lookahead=None,
+                      half_load=step(80, 500))
+    report["systems"].insert(0, defaults)  # the best tokq system (b1024, 200) is not the one judged
+    report["systems"] = [s for s in report["systems"] if s["kind"] != "onnx-one-at-a-time"]
+    report["meta"]["default_budget"] = 1024
+    md = bench_report.markdown_section(report)
+    assert "tokq (defaults) sustains 4.00x one-at-a-time (sentence-transformers) (160 vs 40 req/s): **not met**" in md
+    assert "ONNX Runtime one at a time at equal p99 (<= 500 ms)**: not judged (not in this run)." in md
+    # its half-load p99 against the default budget's forward time
+    assert "tokq (defaults): p99 500 ms at 80 req/s vs 4 x 100 ms = 400 ms: **not met**" in md
 
 
 def test_outputs_replace_only_their_own_section(report, tmp_path):
@@ -131,6 +159,8 @@ def test_bench_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
     if tokq["sustainable_rps"]:
         assert tokq["half_load"]["offered_rps"] == 4
     assert report["meta"]["forward_ms_by_budget"]["64"] > 0
+    for s in report["systems"]:  # each checked against sentence-transformers before measuring
+        assert s["vectors"]["counts"] and s["vectors"]["min_cos"] >= 0.9999, s["vectors"]
     assert "## Service benchmark" in md.read_text()
 
 

@@ -34,7 +34,7 @@ def test_every_field_is_a_flag_whose_help_shows_its_env_var_and_default(name):
     for cls in classes:
         for f in dataclasses.fields(cls):
             flag = cfg.flag_of(f)
-            decl = next((d for d in records if d.split()[0] in (flag, f"{flag}/--no-{flag[2:]}")), None)
+            decl = next((d for d in records if d.split()[0].rstrip(",") in (flag, f"{flag}/--no-{flag[2:]}")), None)
             assert decl, f"{name}: no {flag} for {cls.__name__}.{f.name}"
             help_text = " ".join(records[decl].split())
             assert f"env {cfg.env_var(f.name)};" in help_text and "default:" in help_text, help_text

@@ -201,3 +201,22 @@ def test_encoders_never_take_the_prefix_path(bundled_model_dir):
 def test_prefix_must_leave_a_token():
     with pytest.raises(ValueError, match="at least one token"):
         PackedBatch.pack([[1, 2, 3]], prefix_lens=3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "sdpa_packed"])
+def test_cuda_prefix_path_matches_the_full_forward_in_bf16(engine, backend):
+    """On the GPU: flash-attn's real varlen call with cu_seqlens_k (bottom-right causal), and the
+    masked-SDPA path the other backends take; bf16, so a looser bound than fp32's."""
+    from tokq.workers import attention
+
+    reason = attention.unavailable_reason(backend, torch.device("cuda"), torch.bfloat16)
+    if reason:
+        pytest.skip(reason)
+    gpu = Engine.load(engine.info.path, device="cuda", dtype="bfloat16", attn_backend=backend)
+    seqs, prefix_lens = _workload(seed=8)
+    full = engine.embed(PackedBatch.pack(seqs))  # fp32 CPU reference
+    for _ in range(2):  # computed in the batch, then from the cache
+        shared = gpu.embed(PackedBatch.pack(seqs, prefix_lens=prefix_lens))
+        assert _cos(shared, full).min() >= 0.99

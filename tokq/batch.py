@@ -66,5 +66,11 @@ class PackedBatch:
         return int(self.cu_seqlens[-1])
 
     @property
+    def num_queued_tokens(self) -> int:
+        """The tokens the queue counts for this batch: shared prompts are computed once and
+        cached by the worker, so they are not counted (issue 15)."""
+        return self.num_tokens - (int(self.prefix_lens.sum()) if self.prefix_lens is not None else 0)
+
+    @property
     def seqlens(self) -> np.ndarray:
         return np.diff(self.cu_seqlens)

@@ -21,12 +21,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def setting(default: Any, help: str, *, min: int | None = None, max: int | None = None,
             choices: tuple[str, ...] | None = None, flag: str | None = None,
-            default_text: str | None = None, secret: bool = False) -> Any:
+            default_text: str | None = None, secret: bool = False,
+            aliases: tuple[str, ...] = ()) -> Any:
     """A config field: its default, one-line help, valid range (inclusive) or choices, and how
     --help shows the default. ``flag`` overrides the generated ``--field-name``."""
     return dataclasses.field(default=default, metadata={
         "help": help, "min": min, "max": max, "choices": choices, "flag": flag,
-        "default_text": default_text, "secret": secret})
+        "default_text": default_text, "secret": secret, "aliases": aliases})
 
 
 def env_var(name: str) -> str:
@@ -86,9 +87,13 @@ class QueueConfig(_Validated):
 
 _REDIS_URL = setting("redis://127.0.0.1:6379/0", "redis://, rediss:// or unix:// URL of the queue's "
                      "Redis (a password in it is never logged)")
-_MODEL = setting("", "local model directory", default_text="the bundled all-MiniLM-L6-v2")
-_MODEL_NAME = setting("", "name the model is served under (its queue name adds a fingerprint "
-                      "of the model's files)", default_text="the model directory's name")
+_MODEL = setting("", "local model directory or Hugging Face repo id (ORG/NAME, from the HF cache)",
+                 default_text="the bundled all-MiniLM-L6-v2")
+_REVISION = setting("", "Hugging Face revision (branch, tag or commit) of a repo id --model",
+                    default_text="main")
+_SERVED_MODEL_NAME = setting("", "name the model is served under (its queue name adds a "
+                             "fingerprint of the model's files)", aliases=("--model-name",),
+                             default_text="the repo id, or the model directory's name")
 _REDIS_CLUSTER = setting("auto", "Redis Cluster mode; auto asks the server",
                          choices=("auto", "yes", "no"))
 _PORT_OR_OFF = dict(min=0, max=65_535)
@@ -99,7 +104,8 @@ class WorkerConfig(_Validated):
     redis_url: str = _REDIS_URL
     redis_cluster: str = _REDIS_CLUSTER
     model: str = _MODEL
-    model_name: str = _MODEL_NAME
+    revision: str = _REVISION
+    served_model_name: str = _SERVED_MODEL_NAME
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting("auto", "weights and activations dtype", choices=DTYPES)
     attn_backend: str = setting("auto", "auto | flash_attn | torch_varlen | sdpa ...")
@@ -117,7 +123,8 @@ class GatewayConfig(_Validated):
     redis_url: str = _REDIS_URL
     redis_cluster: str = _REDIS_CLUSTER
     model: str = _MODEL
-    model_name: str = _MODEL_NAME
+    revision: str = _REVISION
+    served_model_name: str = _SERVED_MODEL_NAME
     host: str = setting("0.0.0.0", "address the gRPC server listens on")
     port: int = setting(50051, "gRPC port", min=0, max=65_535)
     max_inputs: int = setting(512, "most inputs accepted in one request", min=1, max=100_000)
@@ -176,7 +183,8 @@ class UpConfig(_Validated):
     port: int = setting(50051, "gRPC port (0 = any free port)", min=0, max=65_535)
     workers: int = setting(1, "worker processes", min=1, max=256)
     model: str = _MODEL
-    model_name: str = _MODEL_NAME
+    revision: str = _REVISION
+    served_model_name: str = _SERVED_MODEL_NAME
     redis_url: str = setting("", "use this Redis (no embedded one is started)",
                              default_text="an embedded Redis on loopback with a generated password")
     redis_server: str = setting("", "Redis/Valkey server binary for the embedded one",
@@ -290,7 +298,7 @@ def click_options(*classes: type, exclude: tuple[str, ...] = (),
             elif typing.get_origin(typ) is tuple:
                 decls, kwargs["multiple"] = [flag, f.name], True
             else:
-                decls = [flag, f.name]
+                decls = [flag, *f.metadata.get("aliases", ()), f.name]
                 kwargs["type"] = click.Choice(f.metadata["choices"]) if f.metadata.get("choices") else typ
             options.append(click.option(*decls, **kwargs))
 

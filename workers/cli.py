@@ -25,7 +25,8 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
 
         torch.set_num_threads(config.threads)
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
-                         attn_backend=config.attn_backend, name=config.model_name or None)
+                         attn_backend=config.attn_backend, name=config.served_model_name or None,
+                         revision=config.revision or None)
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
     worker_id = worker_id or default_worker_id()
     observer = None
@@ -61,7 +62,8 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = Fa
     from tokq.keys import QueueKeys
     from tokq.model_info import ModelInfo
 
-    info = ModelInfo.load(config.model or None, name=config.model_name or None)
+    info = ModelInfo.load(config.model or None, name=config.served_model_name or None,
+                          revision=config.revision or None)
     keys = QueueKeys(info.queue_name)
     try:
         client = connect_sync(config.redis_url, config.redis_cluster)

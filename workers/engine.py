@@ -44,12 +44,13 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str | torch.device = "auto",
              dtype: str | torch.dtype = "auto", attn_backend: str = "auto",
-             name: str | None = None, linear: str = "auto") -> Engine:
-        """Load a model directory (None: the bundled all-MiniLM-L6-v2). Raises
+             name: str | None = None, linear: str = "auto", revision: str | None = None) -> Engine:
+        """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
+        all-MiniLM-L6-v2). Raises
         ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
         ``linear``: auto | onednn | torch, the kernel of the linear layers (auto: oneDNN for
         fp32 on CPU, see workers/models/layers.py)."""
-        info = ModelInfo.load(path, name)
+        info = ModelInfo.load(path, name, revision)
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         backend = attention.choose_backend(attn_backend, resolved_device, resolved_dtype)
@@ -90,7 +91,15 @@ class Engine:
     def batch_flops(self, batch: PackedBatch) -> float:
         """FLOPs of one forward over ``batch``, the attention term counted per sequence (the
         same count the worker's MFU metric uses)."""
-        return float(forward_flops(self.info.config, batch.seqlens))
+        flops = forward_flops(self.info.config, batch.seqlens)
+        if batch.prefix_lens is not None and self.prefix_cache is not None:
+            # a cached prompt is not computed: its tokens' share, and its square of attention,
+            # leave; each query token attends to the prompt's keys (p * q), not a square of them
+            prefix = batch.prefix_lens.astype(np.int64)
+            queries = batch.seqlens.astype(np.int64) - prefix
+            flops -= forward_flops(self.info.config, prefix)
+            flops -= 4 * len(self.model.layers) * self.model.q_dim * int((prefix * queries).sum())
+        return float(flops)
 
     def warmup(self, num_tokens: int) -> None:
         """Run one full-budget batch (max-length sequences, then the remainder) so allocator

@@ -1,5 +1,6 @@
 """Baseline embedding servers that `tokq bench` measures tokq against, each a real gRPC server
-speaking tokq.v1.Embedder: sentence-transformers one request at a time, and Triton-style
-dynamic batching (wait up to X ms or N requests, pad to the longest).
+speaking tokq.v1.Embedder: sentence-transformers one request at a time, ONNX Runtime one
+request at a time (on an ONNX export of the same model), and Triton-style dynamic batching
+(wait up to X ms or N requests, pad to the longest).
 
-Run one with ``python -m tokq.profiling.baselines --kind padded --port 50061``."""
+Run one with ``python -m tokq.profiling.baselines --kind padded-batching --port 50061``."""

@@ -9,18 +9,36 @@ import click
 
 
 @click.command()
-@click.option("--kind", type=click.Choice(["one-at-a-time", "padded-batching"]), required=True)
+@click.option("--kind", type=click.Choice(["one-at-a-time", "onnx-one-at-a-time", "padded-batching"]), required=True)
 @click.option("--port", type=int, required=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--model", "model_path", default=None, help="model directory [default: bundled all-MiniLM-L6-v2]")
+@click.option("--device", default="cpu", show_default=True, help="sentence-transformers baselines: cpu | cuda | cuda:N")
 @click.option("--max-batch-size", type=int, default=64, show_default=True, help="padded-batching: inputs per batch")
 @click.option("--max-wait-ms", type=float, default=10.0, show_default=True,
               help="padded-batching: longest a request waits for its batch to fill")
-def main(kind, port, host, model_path, max_batch_size, max_wait_ms) -> None:
-    from tokq.profiling.baselines.runners import make_runner
+@click.option("--onnx-dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="onnx-one-at-a-time: directory of the ONNX export (model.onnx + tokenizer)")
+@click.option("--threads", type=int, default=None,
+              help="onnx-one-at-a-time: ONNX Runtime intra-op threads [default: OMP_NUM_THREADS, else its own choice]")
+def main(kind, port, host, model_path, device, max_batch_size, max_wait_ms, onnx_dir, threads) -> None:
+    from tokq.profiling.baselines.runners import ONNX_ONE_AT_A_TIME, make_runner
     from tokq.profiling.baselines.server import load_model, serve
 
-    model = load_model(model_path)
+    if kind == ONNX_ONE_AT_A_TIME:
+        import os
+        from pathlib import Path
+
+        from tokq.model_info import ModelInfo
+        from tokq.profiling.baselines.onnx_model import OnnxSentenceEncoder
+
+        if not onnx_dir:
+            raise click.UsageError("--kind onnx-one-at-a-time needs --onnx-dir")
+        threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS", "0"))
+        model = OnnxSentenceEncoder(Path(onnx_dir), threads=threads,
+                                    max_seq_length=ModelInfo.load(model_path).max_length)
+    else:
+        model = load_model(model_path, device)
     # Warm up at the largest batch this server will run, as tokq's workers do.
     model.encode(["warm up the kernels"] * max_batch_size, batch_size=max_batch_size)
     runner = make_runner(kind, model, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)

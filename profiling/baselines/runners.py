@@ -5,7 +5,8 @@ server keeps accepting while a forward runs, and both skip requests whose caller
 (as tokq's gateway cancels a timed-out request's queued entries).
 
 - ``OneAtATime``: each request is encoded as it arrives, alone, in arrival order: the
-  non-batched pipeline Voyage measured against.
+  non-batched pipeline Voyage measured against (with sentence-transformers, or with ONNX
+  Runtime on an ONNX export: ``onnx_model.OnnxSentenceEncoder``).
 - ``PaddedBatching``: Triton-style dynamic batching. A batch closes when it holds
   ``max_batch_size`` inputs or its oldest request has waited ``max_wait_ms``; the next batch
   forms while the current one runs; inputs are padded to the longest in the batch (one
@@ -43,8 +44,9 @@ def _encode(model, texts: list[str]) -> tuple[np.ndarray, list[int], float]:
 class OneAtATime:
     kind = "one-at-a-time"
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, kind: str = "one-at-a-time") -> None:
         self.model = model
+        self.kind = kind
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="encode")
 
     def describe(self) -> dict:
@@ -151,9 +153,14 @@ class PaddedBatching:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+ONNX_ONE_AT_A_TIME = "onnx-one-at-a-time"
+KINDS = (OneAtATime.kind, ONNX_ONE_AT_A_TIME, PaddedBatching.kind)
+
+
 def make_runner(kind: str, model, *, max_batch_size: int = 64, max_wait_ms: float = 10.0):
-    if kind == OneAtATime.kind:
-        return OneAtATime(model)
+    """``model``: a SentenceTransformer, or an OnnxSentenceEncoder for the onnx kind."""
+    if kind in (OneAtATime.kind, ONNX_ONE_AT_A_TIME):
+        return OneAtATime(model, kind)
     if kind == PaddedBatching.kind:
         return PaddedBatching(model, max_batch_size, max_wait_ms)
-    raise ValueError(f"unknown baseline {kind!r}; known: {OneAtATime.kind}, {PaddedBatching.kind}")
+    raise ValueError(f"unknown baseline {kind!r}; known: {', '.join(KINDS)}")

@@ -82,12 +82,12 @@ class BaselineService(pb_grpc.EmbedderServicer):
             pb.TokenizedInput(ids=seq, tokens=tok.convert_ids_to_tokens(seq)) for seq in ids])
 
 
-def load_model(model_path: str | None = None):
+def load_model(model_path: str | None = None, device: str = "cpu"):
     from sentence_transformers import SentenceTransformer
 
     from tokq.model_info import bundled_model_path
 
-    return SentenceTransformer(str(model_path or bundled_model_path()), device="cpu")
+    return SentenceTransformer(str(model_path or bundled_model_path()), device=device)
 
 
 async def serve(runner, model, *, port: int, host: str = "127.0.0.1", name: str = "all-MiniLM-L6-v2",

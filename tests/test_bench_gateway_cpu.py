@@ -1,0 +1,92 @@
+"""The gateway CPU benchmark's parts: per-process CPU time from /proc, a measured run of the load
+client against a real bare gRPC server, and the py-spy profile summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokq.profiling.bench_gateway_cpu import PySpy, _this, measure, proc_cpu_s, top_frames
+from tokq.profiling.bench_systems import _wait_healthy
+from tokq.redis_server import free_port
+
+BURN = """
+import threading, time, os
+def burn():
+    end = time.thread_time() + 0.3
+    while time.thread_time() < end:
+        pass
+threads = [threading.Thread(target=burn) for _ in range(2)]
+[t.start() for t in threads]; [t.join() for t in threads]
+t = os.times()
+print(t.user + t.system, flush=True)
+input()
+"""
+
+
+def test_proc_cpu_time_counts_every_thread_of_a_process():
+    child = subprocess.Popen([sys.executable, "-c", BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        own = float(child.stdout.readline())  # what the child says it used, all threads
+        seen = proc_cpu_s(child.pid)
+    finally:
+        child.communicate("\n", timeout=30)
+    assert own >= 0.6  # two threads of 0.3 s each (plus start-up)
+    assert seen == pytest.approx(own, abs=0.05)  # /proc ticks are 10 ms
+
+
+@pytest.fixture(scope="module")
+def echo_server():
+    port = free_port()
+    proc = _this("echo-server", "--port", str(port))
+    try:
+        _wait_healthy(f"127.0.0.1:{port}", proc, 60)
+        yield f"127.0.0.1:{port}", proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_measure_counts_cpu_of_each_process_over_the_measured_calls(echo_server):
+    target, proc = echo_server
+    before = proc_cpu_s(proc.pid)
+    run = measure(target, {"echo server": proc.pid}, rate=100, calls=60, warmup_calls=20, seed=3, workload=None)
+    used_overall = proc_cpu_s(proc.pid) - before
+    summary = run["summary"]
+    assert summary["num_requests"] == summary["num_ok"] == 60
+    assert set(run["cpu_ms_per_call"]) == {"echo server", "load client"}
+    assert run["cpu_s"]["load client"] > 0
+    # Warm-up calls were served too, outside the measured window.
+    assert 0 <= run["cpu_s"]["echo server"] <= used_overall
+    assert run["cpu_ms_per_call"]["echo server"] == pytest.approx(1000 * run["cpu_s"]["echo server"] / 60, abs=1e-3)
+
+
+def test_py_spy_profile_of_a_run_shows_the_servers_handler(echo_server, tmp_path):
+    target, proc = echo_server
+    out = tmp_path / "echo.txt"
+    measure(target, {"echo server": proc.pid}, rate=200, calls=400, warmup_calls=20, seed=4, workload=None,
+            while_running=lambda: PySpy(proc.pid, out))
+    frames = top_frames(out.read_text(), n=100)
+    assert frames["busy_samples"] > 0
+    assert any("Echo.Embed" in frame for frame, _ in frames["ours"])
+
+
+def test_top_frames_leaves_out_waits_and_merges_lines_of_a_function():
+    collapsed = "\n".join([
+        "thread (1): MainThread;run (asyncio/runners.py:190);_embed (gateway/service.py:10);encode (tokq/entry.py:5) 6",
+        "thread (1): MainThread;run (asyncio/runners.py:190);_embed (gateway/service.py:12);sendmsg (libc.so.6) 3",
+        "thread (1): MainThread;run (asyncio/runners.py:190);select (selectors.py:468);epoll_wait (libc.so.6) 50",
+        "thread (7): tokenize_0;_worker (concurrent/futures/thread.py:81);pthread_cond_timedwait (libc.so.6) 40",
+        "thread (8): tokenize_1;_worker (concurrent/futures/thread.py:83);0x7f00 (tokenizers.abi3.so) 1",
+    ])
+    frames = top_frames(collapsed)
+    assert frames["samples"] == 100 and frames["busy_samples"] == 10
+    assert dict(frames["threads"]) == {"MainThread": 0.9, "tokenize": 0.1}
+    assert dict(frames["python"]) == {"encode (tokq/entry.py)": 0.6, "_embed (gateway/service.py)": 0.3,
+                                      "_worker (concurrent/futures/thread.py)": 0.1}
+    assert dict(frames["native"]) == {"sendmsg (libc.so.6)": 0.3, "[tokenizers.abi3.so]": 0.1}
+    assert dict(frames["ours"]) == {"_embed (gateway/service.py)": 0.9, "encode (tokq/entry.py)": 0.6}
+    json.dumps(frames)  # goes into the report as is

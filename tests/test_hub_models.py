@@ -1,0 +1,131 @@
+"""Models named by Hugging Face id, resolved through a hub cache built on disk from the bundled
+model (models--ORG--NAME/{refs,snapshots,blobs}, as huggingface_hub lays it out): no network."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo, bundled_model_path
+from tokq.model_source import resolve
+
+REPO = "acme/mini-lm"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def build_hub_cache(cache: Path, repo_id: str = REPO, commit: str = COMMIT, ref: str = "main") -> Path:
+    """huggingface_hub's cache layout: files stored once as blobs (named by content hash),
+    snapshot files as relative symlinks to them, refs/<branch> holding the commit."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    for src in bundled_model_path().rglob("*"):
+        if not src.is_file():
+            continue
+        data = src.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            shutil.copyfile(src, blob)
+        link = snapshot / src.relative_to(bundled_model_path())
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    build_hub_cache(cache)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def test_repo_id_resolves_to_its_cached_snapshot_and_is_served_under_the_repo_id(hub_cache):
+    source = resolve(REPO)
+    assert source.path == hub_cache / "models--acme--mini-lm" / "snapshots" / COMMIT
+    assert source.name == REPO
+    info = ModelInfo.load(REPO)
+    assert (info.name, info.hidden_size, info.max_length, info.pooling) == (REPO, 384, 256, "mean")
+    assert info.queue_name == "acme_mini-lm"
+    assert ModelInfo.load(REPO, revision=COMMIT).path == source.path  # a commit pins it
+
+
+def test_snapshot_directory_by_path_is_named_by_repo_id_not_commit_hash(hub_cache):
+    snapshot = hub_cache / "models--acme--mini-lm" / "snapshots" / COMMIT
+    assert ModelInfo.load(snapshot).name == REPO
+    assert ModelInfo.load(snapshot, name="minilm").name == "minilm"  # --served-model-name wins
+
+
+def test_local_directories_still_work_and_take_no_revision(hub_cache):
+    assert ModelInfo.load(bundled_model_path()).name == "all-MiniLM-L6-v2"
+    assert ModelInfo.load(None).path == bundled_model_path()
+    with pytest.raises(ValueError, match="--revision"):
+        resolve(bundled_model_path(), revision="main")
+
+
+def test_offline_and_missing_is_a_clear_error(hub_cache):
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE=1 forbids downloading"):
+        resolve("acme/not-cached")
+    with pytest.raises(FileNotFoundError, match="at revision v2"):
+        resolve(REPO, revision="v2")
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a Hugging Face repo id"):
+        resolve("no/such/thing")
+
+
+def test_profile_publishes_the_budget_under_the_repo_ids_queue(hub_cache, tmp_path, redis_url):
+    from click.testing import CliRunner
+
+    from tokq.profiling.profile_cli import profile_command
+
+    args = ["--model", REPO, "--device", "cpu", "--threads", "1", "--min-tokens", "16", "--max-tokens", "64",
+            "--points-per-doubling", "1", "--time-per-point-s", "0.05", "--min-repeats", "3", "--stop-ms", "60000",
+            "--quiet", "--max-batch-ms", "1e9", "--out", str(tmp_path / "p.json"), "--apply",
+            "--redis-url", redis_url]
+    result = CliRunner().invoke(profile_command, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    assert int(client.get(QueueKeys("acme_mini-lm").budget)) > 0
+    client.close()
+
+
+@pytest.mark.slow
+def test_gateway_and_worker_serve_a_repo_id_from_the_cache(tmp_path, bundled_model_dir):
+    from sentence_transformers import SentenceTransformer
+
+    from service_stack import ServiceStack
+    from tokq import Client
+
+    cache = tmp_path / "hub"
+    build_hub_cache(cache)
+    # The name is given once (--model): gateway and worker agree on it and on the queue.
+    stack = ServiceStack(model=REPO, http=True, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    try:
+        stack.start_gateway()
+        stack.start_worker("w1", wait=False)
+        stack.wait_ready(timeout_s=120)
+        texts = ["served by its hub id", "from the local cache"]
+        with Client(stack.target) as client:
+            assert client.info(timeout=10).model == REPO
+            got = client.embed(texts, timeout=60)
+        want = SentenceTransformer(str(bundled_model_dir), device="cpu").encode(texts, normalize_embeddings=True)
+        cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+        assert cos.min() >= 0.9999
+        import httpx
+
+        assert httpx.get(f"{stack.http_url}/v1/models").json()["data"][0]["id"] == REPO
+        resp = httpx.post(f"{stack.http_url}/v1/embeddings", json={"model": REPO, "input": "hi"}, timeout=60)
+        assert resp.status_code == 200 and resp.json()["model"] == REPO
+        assert stack.client().exists(QueueKeys("acme_mini-lm").heartbeat("w1"))
+    finally:
+        stack.close()
