@@ -39,9 +39,10 @@ QUEUE_STATS_PERIOD_S = 2.0
 
 
 async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
-    """The queue's depth and event totals, read with one stats call, for Prometheus."""
+    """The queue's depth and event totals (every shard in use, summed), for Prometheus."""
     while True:
         try:
+            await queue.refresh_shard_count()  # shards other gateways still use count too
             metrics.observe_queue_stats(await queue.stats(), model=model)
         except Exception as exc:  # Redis down: the gauges keep their last value
             log.debug("queue stats failed: %s", exc)
