@@ -56,20 +56,23 @@ def gateway_id() -> str:
 async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None = None,
                 stop: asyncio.Event | None = None, on_ready=None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
-    info = ModelInfo.load(config.model or None, name=config.served_model_name or None,
-                          revision=config.revision or None)
-    tokenizer = Tokenizer(info)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
                      cluster=config.redis_cluster)
     pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
-    queue = ShardedQueue(client, info.queue_name, queue_config or cfg.load(cfg.QueueConfig))
+    queue_config = queue_config or cfg.load(cfg.QueueConfig)
     gid = gateway_id()
-    router = ReplyRouter(pubsub_client, client, queue.reply_key,
-                         [k.done_channel(gid) for k in queue.shard_keys()])
-
-    observer = metrics.GatewayMetrics(info.name)
-    model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
-    embedder = Embedder({info.name: model})
+    models: dict[str, ServedModel] = {}
+    for path, name in config.models():  # each model: its own tokenizer, queue and replies
+        info = ModelInfo.load(path, name=name, revision=config.revision or None)
+        if info.name in models:
+            raise cfg.ConfigError(f"model {info.name!r} is served twice: give each --model its "
+                                  "own --served-model-name")
+        queue = ShardedQueue(client, info.queue_name, queue_config)
+        router = ReplyRouter(pubsub_client, client, queue.reply_key,
+                             [k.done_channel(gid) for k in queue.shard_keys()])
+        models[info.name] = ServedModel(info, Tokenizer(info), queue, router, config, gid,
+                                        observer=metrics.GatewayMetrics(info.name))
+    embedder = Embedder(models)
     service = EmbedderService(embedder, gid)
 
     server = grpc.aio.server(options=[
@@ -107,19 +110,22 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         http_port = sock.getsockname()[1]
         http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=config.max_message_bytes))
 
-    with contextlib.suppress(Exception):  # Redis not up yet: the first enqueues record it
-        await queue.record_shard_count()  # workers claim from every shard from now on
-    await router.start()
+    for model in models.values():
+        with contextlib.suppress(Exception):  # Redis not up yet: the first enqueues record it
+            await model.queue.record_shard_count()  # workers claim from every shard from now on
+        await model.router.start()
     await server.start()
     if http_server:
         http_task = asyncio.create_task(http_server.serve([sock]), name="http")
-    stats_task = None
+    stats_tasks = []
     if config.metrics_port:
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
-        stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
+        stats_tasks = [asyncio.create_task(_export_queue_stats(m.queue, name))
+                       for name, m in models.items()]
     await readiness.start()
-    log.info("gateway %s serving %s on %s:%d (queue %s)%s", gid, info.name, config.host, port,
-             info.queue_name, f", HTTP on port {http_port}" if http_port else "")
+    log.info("gateway %s serving %s on %s:%d%s", gid,
+             ", ".join(f"{name} (queue {m.info.queue_name})" for name, m in models.items()),
+             config.host, port, f", HTTP on port {http_port}" if http_port else "")
     if on_ready:
         on_ready(port)
 
@@ -138,9 +144,11 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         await server.stop(grace=5)
         if http_task:
             await http_task
-        if stats_task:
-            stats_task.cancel()
-        await router.stop()
-        tokenizer.close()
+        for task in stats_tasks:
+            task.cancel()
+        for model in models.values():
+            await model.router.stop()
+            await model.queue.close()
+            model.tokenizer.close()
         await client.aclose()
         await pubsub_client.aclose()
