@@ -95,8 +95,8 @@ _SERVED_MODEL_NAME = setting("", "name the model is served under (its queue name
                              "fingerprint of the model's files)", aliases=("--model-name",),
                              default_text="the repo id, or the model directory's name")
 # A gateway serves one model per --model (repeatable); the request's `model` picks one.
-_MODELS = setting((), "local model directory or Hugging Face repo id; repeat to serve several "
-                  "models (each its own queue; a request's model field picks one)",
+_MODELS = setting((), "local model directory or Hugging Face repo id; repeat it to serve "
+                  "several models (a request names one)",
                   default_text="the bundled all-MiniLM-L6-v2")
 _SERVED_MODEL_NAMES = setting((), "name each --model is served under, in --model order "
                               "(repeatable)", aliases=("--model-name",),
