@@ -204,12 +204,20 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
               help="Write bench_latency.png and bench_throughput.png here.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
               help="Rewrite the 'Service benchmark' section of this markdown file (e.g. profiling/RESULTS.md).")
+@click.option("--budget-check", is_flag=True,
+              help="Profile the worker's engine in this run (goal: --slo-ms), then measure tokq at the profiled "
+                   "budget beside each of --budgets; writes its own RESULTS.md section and, with --plots, "
+                   "the profile figure (budget_check_profile.png).")
+@click.option("--refinements", type=int, default=None,
+              help="Bisections after the step search [default: 1; 3 with --budget-check, ~3% resolution].")
+@click.option("--profile-max-tokens", default=4096, show_default=True,
+              help="Largest batch --budget-check profiles (raise it on a GPU).")
 @click.option("--note", default="", help="Free text for the report (e.g. whether the machine was idle).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
                   step_factor, max_steps, step_duration_s, timeout_ms, budgets, profile_json, profiled_budget,
                   padded_max_batch, padded_max_wait_ms, infinity_bin, torch_threads, device, model_dir, out_path,
-                  plots_dir, results_md, note, quiet) -> None:
+                  plots_dir, results_md, budget_check, refinements, profile_max_tokens, note, quiet) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     from rich.console import Console
 
@@ -234,6 +242,20 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
     profiled = profiled_budget or profiled_budget_from(Path(profile_json) if profile_json else None)
     infinity_bin = find_infinity(infinity_bin)
     console = Console(stderr=True, quiet=quiet)
+    profile = None
+    if budget_check:
+        from tokq.profiling.bench_budget import profile_budget
+
+        with console.status("profiling the worker's engine (tokq profile) under the goal"):
+            profile = profile_budget(load_queries(workload_path, num_queries, seed)[0], device=device,
+                                     torch_threads=torch_threads or max(1, (os.cpu_count() or 2) - 1),
+                                     slo_ms=slo_ms, max_tokens=profile_max_tokens, model_dir=model_dir)
+        console.print(profile["summary"])
+        if profile["recommended_budget"] is None:
+            raise click.ClickException("the profile recommends no budget: " + profile["summary"])
+        profiled = profile["recommended_budget"]
+        names = [f"tokq-b{b}" for b in budget_list[:-1]] + ["tokq"] + (
+            [] if profiled in budget_list else ["tokq-profiled"])
     export_root = Path(tempfile.mkdtemp(prefix="tokq-bench-onnx-"))
     try:
         onnx_export = None
@@ -263,13 +285,26 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
             probe = reference_vectors(queries, NUM_PROBES, model_dir=model_dir, device=device)
         options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
                                step_factor=step_factor, max_steps=max_steps, step_duration_s=step_duration_s,
-                               timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed)
+                               timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed,
+                               num_refinements=refinements if refinements is not None else (3 if budget_check else 1))
         report = asyncio.run(run_bench(specs, queries, options, console=console, probe=probe))
     finally:
         shutil.rmtree(export_root, ignore_errors=True)
     report["meta"].update(workload_source=source, forward_ms_by_budget=forward_ms, note=note,
                           infinity=infinity_note, profiled_budget=profiled, default_budget=default_budget,
                           onnx_export=onnx_export.exporter if onnx_export else None)
-    Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
-    written = render_outputs(report, plots_dir=plots_dir, results_md=results_md, json_path=out_path)
+    if budget_check:
+        from tokq.profiling import bench_budget
+
+        report["budget_check"] = {"device": device, "profile": profile, "profiled_budget": profiled,
+                                  "fixed_budgets": budget_list}
+        report["budget_check"]["verdict"] = v = bench_budget.verdict(report)
+        Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
+        written = bench_budget.render(report, results_md=results_md, plots_dir=plots_dir)
+        console.print(f"profiled budget {v['profiled_budget']}: {v['profiled_rps']:.0f} req/s; best fixed "
+                      f"{v['best_fixed_budget']}: {v['best_fixed_rps']:.0f} req/s; {v['ratio']:.2f}x "
+                      f"({'met' if v['passes'] else 'NOT met'}: >= {v['min_ratio']:.2f}x)")
+    else:
+        Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
+        written = render_outputs(report, plots_dir=plots_dir, results_md=results_md, json_path=out_path)
     console.print(f"wrote {', '.join([out_path, *written])}")

@@ -229,11 +229,12 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
     return "\n".join(lines) + "\n"
 
 
-def replace_section(text: str, section: str) -> str:
+def replace_section(text: str, section: str, *, start_marker: str = SECTION_START,
+                    end_marker: str = SECTION_END) -> str:
     """``text`` with its bench section replaced by ``section`` (appended if it has none)."""
-    start, end = text.find(SECTION_START), text.find(SECTION_END)
+    start, end = text.find(start_marker), text.find(end_marker)
     if start != -1 and end > start:
-        return text[:start] + section + text[end + len(SECTION_END):].lstrip("\n")
+        return text[:start] + section + text[end + len(end_marker):].lstrip("\n")
     return (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
 
 

@@ -13,7 +13,7 @@ The break is searched on a fine log grid; for each candidate the fit is linear i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -101,46 +101,91 @@ def fit_knee(num_tokens: np.ndarray, latency_ms: np.ndarray) -> KneeFit:
                           f"{b * 1000:.3g} ms per 1k tokens")
 
 
+# The latency model behind the budget. Under load, a request that arrives while a batch runs
+# waits for it (up to one forward), then rides in the next batch (one forward): its latency is
+# about two forwards of a full batch, plus queueing and transport the goal must also hold. A
+# deeper queue than one batch means the offered load is above what the budget serves at all,
+# where no budget meets a goal. So a budget keeps the goal reachable if its forward takes at
+# most goal / FORWARDS_PER_REQUEST.
+FORWARDS_PER_REQUEST = 2.0
+DEFAULT_SLO_P99_MS = 500.0  # the same default goal as `tokq bench --slo-ms`
+# Past this share of the peak tokens/s, a bigger batch buys almost no throughput, only latency.
+SATURATION_FRACTION = 0.95
+
+
 @dataclass(frozen=True)
 class Recommendation:
-    budget_tokens: int | None  # the token budget to serve at; None when no batch fits the ceiling
-    max_batch_ms: float  # the latency ceiling it respects
-    latency_ms: float | None
-    tokens_per_s: float | None
+    budget_tokens: int | None  # the token budget to serve at; None when no batch fits the goal
+    slo_p99_ms: float  # the latency goal
+    max_batch_ms: float  # the forward time the goal allows: slo_p99_ms / FORWARDS_PER_REQUEST
+    latency_ms: float | None  # median forward time at the budget
+    tokens_per_s: float | None  # forward throughput at the budget
+    limited_by: str | None  # "throughput" | "latency goal" | "grid"; None when nothing fits
+    throughput_cap_tokens: int  # smallest batch reaching SATURATION_FRACTION of the peak
+    latency_cap_tokens: int | None  # largest batch (and all below it) within max_batch_ms
+    peak_tokens_per_s: float  # of the fitted curve when a fit was given, else measured
+    saturation_fraction: float
     reason: str
 
     def to_dict(self) -> dict:
-        return {"budget_tokens": self.budget_tokens, "max_batch_ms": self.max_batch_ms,
-                "latency_ms": self.latency_ms, "tokens_per_s": self.tokens_per_s, "reason": self.reason}
-
-
-def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFit,
-                     max_batch_ms: float | None = None) -> Recommendation:
-    """The measured batch size with the most tokens/s whose median latency is within the ceiling
-    (default: twice the flat latency). Measured, not extrapolated: only grid points qualify."""
-    x = np.asarray(num_tokens, dtype=float)
-    y = np.asarray(latency_ms, dtype=float)
-    ceiling_ms = float(max_batch_ms) if max_batch_ms is not None else 2.0 * fit.flat_ms
-    ok = y <= ceiling_ms
-    if not ok.any():
-        return Recommendation(None, ceiling_ms, None, None,
-                              f"no measured batch is within {ceiling_ms:.3g} ms (the fastest took "
-                              f"{y.min():.3g} ms): raise --max-batch-ms or lower --min-tokens")
-    tokens_per_s = x / (y / 1000.0)
-    best = int(np.flatnonzero(ok)[np.argmax(tokens_per_s[ok])])
-    note = ""
-    if ok.all():
-        note = "; every measured batch fits the ceiling, so a larger grid may find a bigger budget"
-    return Recommendation(int(x[best]), ceiling_ms, float(y[best]), float(tokens_per_s[best]),
-                          f"{int(x[best])} tokens gives the most throughput ({tokens_per_s[best]:,.0f} "
-                          f"tokens/s) within {ceiling_ms:.3g} ms per batch{note}")
+        return asdict(self)
 
 
 def throughput_saturation(num_tokens: np.ndarray, latency_ms: np.ndarray,
-                          fraction: float = 0.9) -> tuple[int, float]:
-    """The smallest measured batch reaching ``fraction`` of the peak tokens/s, and that peak.
-    Where latency has no flat part (CPUs), this is where batching stops paying."""
+                          fraction: float = SATURATION_FRACTION) -> tuple[int, float]:
+    """The smallest measured batch reaching ``fraction`` of the peak tokens/s, and that peak."""
     x = np.asarray(num_tokens, dtype=float)
     tokens_per_s = x / (np.asarray(latency_ms, dtype=float) / 1000.0)
     peak = float(tokens_per_s.max())
     return int(x[np.flatnonzero(tokens_per_s >= fraction * peak)[0]]), peak
+
+
+def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFit | None = None,
+                     slo_p99_ms: float = DEFAULT_SLO_P99_MS, fraction: float = SATURATION_FRACTION
+                     ) -> Recommendation:
+    """The budget that serves best under a p99 latency goal: the largest measured batch whose
+    median forward keeps the goal reachable (see FORWARDS_PER_REQUEST), but no larger than where
+    throughput stops growing (``fraction`` of the peak). Grid points only.
+
+    Throughput is read from ``fit`` when given: on a plateau, the peak of noisy measurements is
+    their luckiest point, and 95% of it may lie beyond every honest point; the fit averages
+    noise over the whole curve.
+
+    The budget is a cap: at low load a batch holds only what is queued, so a larger cap costs
+    latency only when the queue is deep, which is where it buys throughput. Past saturation it
+    buys none, so the cap stops there; on a GPU's flat-then-linear curve that is at or just past
+    the knee, on a CPU (no flat part) where the fixed cost per forward stops mattering."""
+    order = np.argsort(np.asarray(num_tokens, dtype=float))
+    x = np.asarray(num_tokens, dtype=float)[order]
+    y = np.asarray(latency_ms, dtype=float)[order]
+    if slo_p99_ms <= 0:
+        raise ValueError(f"the latency goal must be positive, got {slo_p99_ms} ms")
+    ceiling_ms = slo_p99_ms / FORWARDS_PER_REQUEST
+    sat_tokens, peak = throughput_saturation(x, fit.predict_ms(x) if fit else y, fraction)
+    within = np.cumprod(y <= ceiling_ms).astype(bool)  # a slow point caps everything above it
+    common = dict(slo_p99_ms=float(slo_p99_ms), max_batch_ms=ceiling_ms, throughput_cap_tokens=sat_tokens,
+                  peak_tokens_per_s=peak, saturation_fraction=fraction)
+    goal = f"p99 <= {slo_p99_ms:.4g} ms allows {ceiling_ms:.4g} ms per forward"
+    if not within.any():
+        return Recommendation(None, latency_ms=None, tokens_per_s=None, limited_by=None, latency_cap_tokens=None,
+                              reason=f"no budget meets the goal: {goal}, and the smallest batch measured "
+                                     f"({x[0]:.0f} tokens) took {y[0]:.3g} ms: raise --slo-p99-ms or lower "
+                                     "--min-tokens", **common)
+    lat_tokens = int(x[np.flatnonzero(within)[-1]])
+    budget = min(lat_tokens, sat_tokens)
+    at = int(np.flatnonzero(x == budget)[0])
+    tokens_per_s = float(x[at] / (y[at] / 1000.0))
+    if budget == x[-1]:
+        limited_by = "grid"
+        why = (f"every batch measured fits the goal ({goal}) and throughput still grows at the largest, "
+               f"{budget} tokens: a larger --max-tokens may find a bigger budget")
+    elif sat_tokens <= lat_tokens:
+        limited_by = "throughput"
+        why = (f"{budget} tokens reaches {fraction:.0%} of the peak throughput ({peak:,.0f} tokens/s); larger "
+               f"batches add latency, not throughput ({goal}: up to {lat_tokens} tokens would fit)")
+    else:
+        limited_by = "latency goal"
+        why = (f"{goal}: {budget} tokens is the largest batch within it (throughput would keep growing to "
+               f"{sat_tokens} tokens)")
+    return Recommendation(budget, latency_ms=float(y[at]), tokens_per_s=tokens_per_s, limited_by=limited_by,
+                          latency_cap_tokens=lat_tokens, reason=why, **common)

@@ -46,18 +46,24 @@ def plot_profile(report: dict, path: str | Path) -> Path:
         ax_ms.plot(dense, fit.predict_ms(dense), "-", color="C1", alpha=0.8,
                    label=f"flat-then-linear fit ({fit.kind})")
     ax_tps.plot(tokens, tokens_per_s / 1000.0, "o-", color="C2", label="throughput")
+    if fit is not None:  # the budget's throughput cap is read from the fitted curve
+        ax_tps.plot(dense, dense / fit.predict_ms(dense), "-", color="C1", alpha=0.6, label="fitted throughput")
 
     rec = report.get("recommendation") or {}
     if rec.get("max_batch_ms"):
         ax_ms.axhline(rec["max_batch_ms"], color="grey", ls=":",
-                      label=f"latency ceiling {rec['max_batch_ms']:.3g} ms")
+                      label=f"goal p99 <= {rec['slo_p99_ms']:.4g} ms: forward <= {rec['max_batch_ms']:.4g} ms")
+    if rec.get("latency_cap_tokens"):
+        ax_ms.axvline(rec["latency_cap_tokens"], color="grey", ls="-.", alpha=0.8,
+                      label=f"largest batch within the goal: {rec['latency_cap_tokens']} tokens")
     for ax in (ax_ms, ax_tps):
         if report.get("knee_tokens"):
             ax.axvline(report["knee_tokens"], color="C3", ls="--",
                        label=f"knee ~{report['knee_tokens']:.0f} tokens" if ax is ax_ms else None)
         if rec.get("budget_tokens"):
             ax.axvline(rec["budget_tokens"], color="C4", ls="-", lw=2, alpha=0.7,
-                       label=f"recommended budget {rec['budget_tokens']} tokens" if ax is ax_ms else None)
+                       label=(f"recommended budget {rec['budget_tokens']} tokens (limited by {rec['limited_by']})"
+                              if ax is ax_ms else None))
     sat = report.get("saturation")
     if sat:
         ax_tps.axvline(sat["tokens"], color="C2", ls=":",
@@ -76,8 +82,14 @@ def plot_profile(report: dict, path: str | Path) -> Path:
     for ax in (ax_ms, ax_tps):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
-    fig.suptitle(f"tokq profile: {report['model']} on {report['device']} ({report['device_name']}), "
-                 f"{report['dtype']}", fontsize=10)
+    title = (f"tokq profile: {report['model']} on {report['device']} ({report['device_name']}), "
+             f"{report['dtype']}")
+    if rec.get("budget_tokens"):
+        title += (f"\nbudget {rec['budget_tokens']} tokens for p99 <= {rec['slo_p99_ms']:.4g} ms, "
+                  f"limited by {rec['limited_by']}")
+    elif rec:
+        title += f"\nno budget meets p99 <= {rec['slo_p99_ms']:.4g} ms"
+    fig.suptitle(title, fontsize=10)
     path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)

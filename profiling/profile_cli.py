@@ -11,7 +11,10 @@ from pathlib import Path
 
 import click
 
+from tokq.config import DTYPES
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.knee.DEFAULT_SLO_P99_MS (not imported: keeps --help fast)
 
 
 def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
@@ -38,7 +41,8 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
 @click.option("--device", default="auto", envvar="TOKQ_DEVICE", show_default=True,
               help="auto | cpu | cuda | cuda:N.")
 @click.option("--dtype", default="auto", envvar="TOKQ_DTYPE", show_default=True,
-              help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16.")
+              type=click.Choice(DTYPES), help="auto: bf16 where the device runs it natively "
+              "(sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on sm70-75 GPUs, else fp32.")
 @click.option("--attn-backend", default="auto", envvar="TOKQ_ATTN_BACKEND", show_default=True)
 @click.option("--workload", "workload_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help='JSONL workload ({"id","text","tokens","t"} per line) for the length mix '
@@ -54,8 +58,11 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
 @click.option("--max-repeats", default=50, show_default=True)
 @click.option("--stop-ms", default=2000.0, show_default=True,
               help="Stop the sweep once a batch takes longer than this.")
-@click.option("--max-batch-ms", type=float, default=None,
-              help="Latency ceiling for the recommended budget [default: 2x the flat latency].")
+@click.option("--slo-p99-ms", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_SLO_P99_MS,
+              show_default=True,
+              help="The service's p99 latency goal. The budget is the largest batch whose forward takes at "
+                   "most half of it (a request waits for the batch in progress, then its own), and no "
+                   "larger than where throughput reaches 95% of its peak.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="profile.json", show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG to write.")
 @click.option("--apply", "apply_budget", is_flag=True, help="Publish the recommended budget to Redis.")
@@ -67,7 +74,7 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile_command(model_path, revision, model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
                     min_tokens, max_tokens, points_per_doubling, time_per_point_s, min_repeats, max_repeats,
-                    stop_ms, max_batch_ms, out_path, plot_path, apply_budget, redis_url, num_threads,
+                    stop_ms, slo_p99_ms, out_path, plot_path, apply_budget, redis_url, num_threads,
                     quiet) -> None:
     """Find the token count where forward latency stops being flat, and the budget to serve at."""
     from rich.console import Console
@@ -101,7 +108,7 @@ def profile_command(model_path, revision, model_name, device, dtype, attn_backen
             except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
                 raise click.ClickException(str(exc)) from None
         report = _run_with_progress(console, lambda on_progress: run_profile(
-            engine, queries, config, max_batch_ms=max_batch_ms, seed=seed, on_progress=on_progress,
+            engine, queries, config, slo_p99_ms=slo_p99_ms, seed=seed, on_progress=on_progress,
             workload_source=str(workload_path) if workload_path else f"generated (n={num_queries}, seed={seed})"))
     finally:
         torch.set_num_threads(threads_before)  # the setting is process-wide
@@ -112,6 +119,8 @@ def profile_command(model_path, revision, model_name, device, dtype, attn_backen
 
         plot_profile(report, plot_path)
     click.echo(report["summary"])
+    if report["recommendation"]:
+        Console().print(budget_table(report))
     click.echo(f"wrote {out_path}" + (f" and {plot_path}" if plot_path and report["points"] else ""))
 
     if apply_budget:
@@ -120,6 +129,24 @@ def profile_command(model_path, revision, model_name, device, dtype, attn_backen
             raise click.ClickException("no budget to apply: " + report["summary"])
         key = publish_budget(redis_url, engine.info.queue_name, budget)
         click.echo(f"published token budget {budget} to {key} at {redis_url}")
+
+
+def budget_table(report: dict):
+    """The goal, both caps and the budget, as a rich table."""
+    from rich.table import Table
+
+    rec = report["recommendation"]
+    table = Table(title="token budget", show_header=False)
+    table.add_row("latency goal (p99)", f"{rec['slo_p99_ms']:,.4g} ms")
+    table.add_row("forward time it allows", f"{rec['max_batch_ms']:,.4g} ms")
+    table.add_row("largest batch within it", f"{rec['latency_cap_tokens']} tokens" if rec["latency_cap_tokens"]
+                  else "none measured")
+    table.add_row(f"{rec['saturation_fraction']:.0%} of peak throughput at",
+                  f"{rec['throughput_cap_tokens']} tokens ({rec['peak_tokens_per_s']:,.0f} tokens/s peak)")
+    table.add_row("recommended budget", f"[bold]{rec['budget_tokens']}[/bold] tokens" if rec["budget_tokens"]
+                  else "[bold red]none[/bold red]")
+    table.add_row("limited by", rec["limited_by"] or "nothing fits the goal")
+    return table
 
 
 def _run_with_progress(console, run):

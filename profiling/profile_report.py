@@ -12,13 +12,11 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from tokq.profiling.knee import KneeFit, Recommendation, fit_knee, recommend_budget, throughput_saturation
+from tokq.profiling.knee import (DEFAULT_SLO_P99_MS, FORWARDS_PER_REQUEST, KneeFit, Recommendation, fit_knee,
+                                 recommend_budget)
 from tokq.profiling.profile import Point, SweepConfig, sweep, timer_for
 from tokq.profiling.profile_batches import BatchMaker, shared_prompt_ids, token_ids_for
 from tokq.profiling.workload import Query, describe
-
-SATURATION_FRACTION = 0.9  # "throughput saturates" = reaches this share of the peak measured
-
 
 def device_name(device: object) -> str:
     """A human name for the device: the GPU's model, or the CPU's model and thread count."""
@@ -37,14 +35,15 @@ def device_name(device: object) -> str:
     return f"{cpu}, {num_threads} thread{'' if num_threads == 1 else 's'}"
 
 
-def analyze(points: Sequence[Point], max_batch_ms: float | None) -> tuple[KneeFit | None, Recommendation | None]:
+def analyze(points: Sequence[Point], slo_p99_ms: float = DEFAULT_SLO_P99_MS
+            ) -> tuple[KneeFit | None, Recommendation | None]:
     """Knee fit and recommended budget; (None, None) with fewer than 3 points."""
     if len(points) < 3:
         return None, None
     tokens = np.array([p.num_tokens for p in points], dtype=float)
     latency_ms = np.array([p.median_ms for p in points])
     fit = fit_knee(tokens, latency_ms)
-    return fit, recommend_budget(tokens, latency_ms, fit, max_batch_ms)
+    return fit, recommend_budget(tokens, latency_ms, fit, slo_p99_ms)
 
 
 def _load_average() -> float | None:
@@ -54,15 +53,7 @@ def _load_average() -> float | None:
         return None
 
 
-def _saturation(points: Sequence[Point]) -> dict | None:
-    if not points:
-        return None
-    tokens, peak = throughput_saturation([p.num_tokens for p in points], [p.median_ms for p in points],
-                                         SATURATION_FRACTION)
-    return {"fraction": SATURATION_FRACTION, "tokens": tokens, "peak_tokens_per_s": peak}
-
-
-def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_batch_ms: float | None = None,
+def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, slo_p99_ms: float = DEFAULT_SLO_P99_MS,
                 workload_source: str = "generated", seed: int = 0, timer=None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Profile a loaded Engine (``info``, ``device``, ``dtype``, ``attn_backend``, ``embed``)
@@ -80,7 +71,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_ba
                             lead=len(token_ids.prefix))
     result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_progress,
                    batch_flops=getattr(engine, "batch_flops", None))
-    fit, rec = analyze(result.points, max_batch_ms)
+    fit, rec = analyze(result.points, slo_p99_ms)
     summary = describe(list(queries))
     report = {
         "model": engine.info.name,
@@ -107,10 +98,14 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, max_ba
         "knee_tokens": fit.knee_tokens if fit else None,
         "flat_ms": fit.flat_ms if fit else None,
         "slope_ms_per_token": fit.slope_ms_per_token if fit else None,
-        "max_batch_ms": rec.max_batch_ms if rec else max_batch_ms,
+        # The goal, the forward time it allows, the budget and what limited it.
+        "slo_p99_ms": slo_p99_ms,
+        "max_batch_ms": slo_p99_ms / FORWARDS_PER_REQUEST,
         "recommended_budget": rec.budget_tokens if rec else None,
+        "limited_by": rec.limited_by if rec else None,
         "recommendation": rec.to_dict() if rec else None,
-        "saturation": _saturation(result.points),
+        "saturation": {"fraction": rec.saturation_fraction, "tokens": rec.throughput_cap_tokens,
+                       "peak_tokens_per_s": rec.peak_tokens_per_s} if rec else None,
         "started_at": started_at,
         "duration_s": round(time.perf_counter() - t0, 3),
     }
@@ -138,12 +133,15 @@ def summarize(report: dict) -> str:
         parts.append("Too few points to fit a knee (3 needed): no budget recommended.")
         return " ".join(parts)
     parts.append(fit["reason"][0].upper() + fit["reason"][1:] + ".")
-    sat = report["saturation"]
-    parts.append(f"Throughput reaches {sat['fraction']:.0%} of its peak ({sat['peak_tokens_per_s']:,.0f} "
-                 f"tokens/s) at {sat['tokens']} tokens.")
+    parts.append(f"Latency goal p99 <= {rec['slo_p99_ms']:.4g} ms: a forward may take {rec['max_batch_ms']:.4g} ms "
+                 f"(a request waits for the batch in progress, then rides in its own).")
+    lat_cap = (f"the largest batch within it is {rec['latency_cap_tokens']} tokens"
+               if rec["latency_cap_tokens"] else "no batch measured is within it")
+    parts.append(f"Throughput reaches {rec['saturation_fraction']:.0%} of its peak ({rec['peak_tokens_per_s']:,.0f} "
+                 f"tokens/s) at {rec['throughput_cap_tokens']} tokens; {lat_cap}.")
     if rec["budget_tokens"] is None:
         parts.append(rec["reason"][0].upper() + rec["reason"][1:] + ".")
     else:
-        parts.append(f"Recommended token budget: {rec['budget_tokens']} ({rec['tokens_per_s']:,.0f} tokens/s "
-                     f"at {rec['latency_ms']:.3g} ms per batch, ceiling {rec['max_batch_ms']:.3g} ms).")
+        parts.append(f"Recommended token budget: {rec['budget_tokens']} ({rec['tokens_per_s']:,.0f} tokens/s at "
+                     f"{rec['latency_ms']:.3g} ms per batch), limited by {rec['limited_by']}: {rec['reason']}.")
     return " ".join(parts)

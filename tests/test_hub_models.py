@@ -100,32 +100,47 @@ def test_profile_publishes_the_budget_under_the_repo_ids_queue(hub_cache, tmp_pa
 
 
 @pytest.mark.slow
-def test_gateway_and_worker_serve_a_repo_id_from_the_cache(tmp_path, bundled_model_dir):
+def test_tokq_up_serves_a_repo_id_from_the_cache_under_its_name(tmp_path, bundled_model_dir):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
     from sentence_transformers import SentenceTransformer
 
-    from service_stack import ServiceStack
     from tokq import Client
+    from tokq.redis_server import free_port
 
     cache = tmp_path / "hub"
     build_hub_cache(cache)
-    # The name is given once (--model): gateway and worker agree on it and on the queue.
-    stack = ServiceStack(model=REPO, http=True, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    port, http_port = free_port(), free_port()
+    # The name is given once (--model): tokq up's gateway and worker agree on it and on the queue.
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--model", REPO, "--port", str(port),
+                             "--http-port", str(http_port), "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+                                 "PYTHONUNBUFFERED": "1"})
+    lines = []
     try:
-        stack.start_gateway()
-        stack.start_worker("w1", wait=False)
-        stack.wait_ready(timeout_s=120)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "tokq up exited:\n" + "".join(lines)
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
         texts = ["served by its hub id", "from the local cache"]
-        with Client(stack.target) as client:
+        with Client(f"127.0.0.1:{port}") as client:
             assert client.info(timeout=10).model == REPO
             got = client.embed(texts, timeout=60)
         want = SentenceTransformer(str(bundled_model_dir), device="cpu").encode(texts, normalize_embeddings=True)
         cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
         assert cos.min() >= 0.9999
-        import httpx
-
-        assert httpx.get(f"{stack.http_url}/v1/models").json()["data"][0]["id"] == REPO
-        resp = httpx.post(f"{stack.http_url}/v1/embeddings", json={"model": REPO, "input": "hi"}, timeout=60)
+        http = f"http://127.0.0.1:{http_port}"
+        assert httpx.get(f"{http}/v1/models").json()["data"][0]["id"] == REPO
+        resp = httpx.post(f"{http}/v1/embeddings", json={"model": REPO, "input": "hi"}, timeout=60)
         assert resp.status_code == 200 and resp.json()["model"] == REPO
-        assert stack.client().exists(QueueKeys("acme_mini-lm").heartbeat("w1"))
     finally:
-        stack.close()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)

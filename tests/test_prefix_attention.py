@@ -55,7 +55,7 @@ def engine(request, tmp_path_factory) -> Engine:
         _randomize(model)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    return Engine.load(path, device="cpu")
+    return Engine.load(path, device="cpu", dtype="float32")
 
 
 def _ids(rng, n: int) -> np.ndarray:
@@ -191,7 +191,7 @@ def test_flash_attn_call_contract(engine, monkeypatch):
 
 
 def test_encoders_never_take_the_prefix_path(bundled_model_dir):
-    bert = Engine.load(bundled_model_dir, device="cpu")
+    bert = Engine.load(bundled_model_dir, device="cpu", dtype="float32")
     assert bert.prefix_cache is None  # bidirectional: a prompt token sees the query after it
     seqs = [np.array([101, 7592, 2088, 102]), np.array([101, 7592, 102])]
     np.testing.assert_allclose(bert.embed(PackedBatch.pack(seqs, prefix_lens=2)),

@@ -44,8 +44,8 @@ def published_budget(redis_url: str, queue_name: str) -> int | None:
 
 def test_cpu_profile_writes_json_and_plot_and_applies_the_budget(tmp_path, redis_url):
     out, png = tmp_path / "profile.json", tmp_path / "profile.png"
-    # A ceiling nothing reaches: the budget is then the point with the most tokens/s.
-    result = invoke(SHORT_GRID + ["--max-batch-ms", "1e9", "--out", str(out), "--plot", str(png),
+    # A goal every batch meets: the budget is then where throughput stops growing.
+    result = invoke(SHORT_GRID + ["--slo-p99-ms", "1e9", "--out", str(out), "--plot", str(png),
                                   "--apply", "--redis-url", redis_url])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -57,17 +57,21 @@ def test_cpu_profile_writes_json_and_plot_and_applies_the_budget(tmp_path, redis
     assert all(p["median_ms"] > 0 and p["num_repeats"] >= 3 and p["gflop_per_s"] > 0 for p in report["points"])
     assert report["stopped_reason"] is None and report["duration_s"] > 0
     assert report["fit"]["kind"] in ("knee", "flat", "linear") and report["flat_ms"] > 0
-    best = max(report["points"], key=lambda p: p["tokens_per_s"])
-    assert report["recommended_budget"] == best["num_tokens"]
+    assert report["slo_p99_ms"] == 1e9 and report["max_batch_ms"] == 5e8
+    rec = report["recommendation"]
+    assert rec["latency_cap_tokens"] == 256 and rec["limited_by"] in ("throughput", "grid")
+    assert report["recommended_budget"] == min(rec["throughput_cap_tokens"], 256)
     assert report["summary"] in result.output
+    assert "limited by" in result.output and "latency goal (p99)" in result.output  # the rich table
 
     height, width = imread(png).shape[:2]
     assert (height, width) == (700, 800)
 
     key = QueueKeys("all-MiniLM-L6-v2").budget
-    assert redis.Redis.from_url(redis_url).get(key) == str(best["num_tokens"]).encode()
-    assert published_budget(redis_url, "all-MiniLM-L6-v2") == best["num_tokens"]
-    assert f"published token budget {best['num_tokens']}" in result.output
+    budget = report["recommended_budget"]
+    assert redis.Redis.from_url(redis_url).get(key) == str(budget).encode()
+    assert published_budget(redis_url, "all-MiniLM-L6-v2") == budget
+    assert f"published token budget {budget}" in result.output
 
 
 def test_profile_uses_a_workload_files_texts(tmp_path, bundled_model_dir):
@@ -89,7 +93,7 @@ def test_profile_uses_a_workload_files_texts(tmp_path, bundled_model_dir):
 
 
 def test_apply_refuses_when_no_batch_fits_the_ceiling(tmp_path, redis_url):
-    args = SHORT_GRID[:] + ["--max-batch-ms", "0.000001", "--out", str(tmp_path / "p.json"),
+    args = SHORT_GRID[:] + ["--slo-p99-ms", "0.000001", "--out", str(tmp_path / "p.json"),
                             "--apply", "--redis-url", redis_url]
     args[args.index("--max-tokens") + 1] = "64"
     result = CliRunner().invoke(profile_command, args)
@@ -100,7 +104,8 @@ def test_apply_refuses_when_no_batch_fits_the_ceiling(tmp_path, redis_url):
 
 
 @pytest.mark.parametrize("args, message", [(["--min-tokens", "64", "--max-tokens", "16"], "min_tokens"),
-                                           (["--min-repeats", "0"], "min_repeats")])
+                                           (["--min-repeats", "0"], "min_repeats"),
+                                           (["--slo-p99-ms", "0"], "slo-p99-ms")])
 def test_bad_sweep_flags_are_usage_errors(args, message):
     result = CliRunner().invoke(profile_command, ["--device", "cpu", *args])
     assert result.exit_code == 2 and message in result.output

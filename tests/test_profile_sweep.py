@@ -7,7 +7,9 @@ on the real clock is exercised in test_profile_cli.py.
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,9 +151,9 @@ def test_sweep_and_fit_recover_the_knee_of_the_forward_pass():
     result = sweep(fwd, random_batches(), FAST, WallTimer(fwd.clock))
     assert result.stopped_reason is None
     assert [p.num_tokens for p in result.points] == token_grid(16, 16384, 1)
-    fit, rec = analyze(result.points, max_batch_ms=None)
+    fit, rec = analyze(result.points)
     assert fit.kind == "knee" and abs(np.log2(fit.knee_tokens / 600)) <= 1
-    assert rec.budget_tokens == 1024  # 1024 tokens ~13.5 ms <= 2 x 8 ms < 2048 tokens ~27 ms
+    assert rec.budget_tokens == 1024 and rec.limited_by == "throughput"  # 512 tokens: 85% of the peak
 
 
 def test_points_carry_the_achieved_flop_rate_when_the_model_counts_flops():
@@ -189,6 +191,37 @@ def test_out_of_memory_ends_the_sweep_with_a_report_not_a_crash(error):
     assert result.stopped_reason.startswith("out of memory at 4096 tokens")
 
 
+class CublasAllocError(RuntimeError):  # a Python-level class: its instances can be weakly referenced
+    pass
+
+
+@pytest.mark.parametrize("error_cls,message", [
+    (torch.cuda.OutOfMemoryError, "CUDA out of memory. Tried to allocate 2 GiB"),
+    (CublasAllocError, "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")])
+@pytest.mark.parametrize("fail_at_call", [2, 7], ids=["scanning", "repeating"])
+def test_cache_is_emptied_after_the_out_of_memory_exception_is_released(error_cls, message, fail_at_call):
+    """The traceback holds the failed forward's activations: emptying the cache while it is
+    alive frees nothing. cuBLAS's own allocation failure counts as out of memory too."""
+    base = SimulatedForward(hinge())
+    raised, released, calls = [], [], []
+
+    def forward(batch):
+        calls.append(batch.num_tokens)
+        if batch.num_tokens >= 64 and len(calls) >= fail_at_call:
+            exc = error_cls(message)
+            raised.append(weakref.ref(exc))
+            raise exc
+        base(batch)
+
+    def release():
+        gc.collect()
+        released.append(all(ref() is None for ref in raised))
+
+    result = sweep(forward, random_batches(), FAST, WallTimer(base.clock), release=release)
+    assert result.out_of_memory_tokens is not None and result.stopped_reason.startswith("out of memory")
+    assert released and all(released)
+
+
 def test_errors_other_than_out_of_memory_are_raised():
     def forward(batch):
         raise RuntimeError("shape mismatch")
@@ -221,8 +254,10 @@ def test_report_and_figure_of_a_profile(bundled_model_dir, tmp_path):
     assert report["recommended_budget"] == 1024 and report["fit"]["kind"] == "knee"
     assert report["flat_ms"] == pytest.approx(8.0, rel=0.01)
     assert report["workload"]["token_ids"] == "random" and len(report["points"]) == 11
-    assert "Recommended token budget: 1024" in report["summary"]
-    assert report["saturation"] == {"fraction": 0.9, "tokens": 1024, "peak_tokens_per_s": pytest.approx(75_000)}
+    assert "Recommended token budget: 1024" in report["summary"] and "limited by throughput" in report["summary"]
+    assert report["slo_p99_ms"] == 500.0 and report["max_batch_ms"] == 250.0 and report["limited_by"] == "throughput"
+    assert report["recommendation"]["latency_cap_tokens"] == 16384
+    assert report["saturation"] == {"fraction": 0.95, "tokens": 1024, "peak_tokens_per_s": pytest.approx(75_000, rel=0.01)}
     png = plot_profile(report, tmp_path / "p.png")
     assert imread(png).shape[:2] == (700, 800)
 

@@ -114,7 +114,9 @@ class WorkerConfig(_Validated):
     revision: str = _REVISION
     served_model_name: str = _SERVED_MODEL_NAME
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
-    dtype: str = setting("auto", "weights and activations dtype", choices=DTYPES)
+    dtype: str = setting("auto", "weights and activations dtype; auto = bf16 where the device "
+                         "runs it natively (sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on "
+                         "sm70-75 GPUs, else fp32", choices=DTYPES)
     attn_backend: str = setting("auto", "auto | flash_attn | torch_varlen | sdpa ...")
     token_budget: int = setting(0, "tokens per batch; 0 = the published budget (tokq profile "
                                 "--apply), else a per-device default", min=0, max=10_000_000)
@@ -208,6 +210,7 @@ class UpConfig(_Validated):
     token_budget: int = setting(0, "fixed budget for the workers; 0 = published, else per device",
                                 min=0, max=10_000_000)
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = setting("auto", "the workers' dtype (see tokq worker --help)", choices=DTYPES)
     metrics_port: int = setting(9400, "gateway metrics here, worker i at +1+i (0 = none)",
                                 min=0, max=65_535 - 257)
     http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)

@@ -100,6 +100,10 @@ def worker_command(worker_id, burst, check, this_host, **values) -> None:
     queue_config = cfg.load_or_exit(cfg.QueueConfig, queue_values)
     if check:
         sys.exit(_check(config, worker_id, this_host))
+    from tokq.workers import device
+
+    if error := device.torch_version_error():  # one line, before anything loads
+        raise click.ClickException(error)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(config, queue_config, worker_id, burst))
 

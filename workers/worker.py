@@ -14,16 +14,13 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import redis.exceptions
 
-from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.entry import decode_body, encode_error, encode_ok
 from tokq.queue import Claim
 from tokq.shards import ShardedQueue
+from tokq.workers.runner import BatchOutcome, BatchRunner
 
 log = logging.getLogger("tokq.worker")
 
@@ -50,14 +47,6 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-@dataclass
-class BatchOutcome:
-    results: list  # (Entry, result bytes)
-    seqlens: list[int]
-    forward_s: float
-    num_failed: int
-
-
 class Worker:
     def __init__(self, engine, queue: ShardedQueue, config: WorkerConfig, queue_config: QueueConfig,
                  worker_id: str | None = None, observer=None) -> None:
@@ -67,6 +56,7 @@ class Worker:
         self.queue_config = queue_config
         self.worker_id = worker_id or default_worker_id()
         self.observer = observer
+        self.runner = BatchRunner(engine, observer=observer)
         self.budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
@@ -169,44 +159,7 @@ class Worker:
     # -- compute (runs in a thread) -----------------------------------------------------------
 
     def run_batch(self, claim: Claim) -> BatchOutcome:
-        entries = claim.entries
-        bodies = [decode_body(e.body) for e in entries]
-        start = time.perf_counter()
-        try:
-            vectors = self._embed(bodies)
-            failures: dict[int, str] = {}
-        except Exception as exc:  # isolate the failing input(s): the rest of the batch is fine
-            log.warning("batch %s failed (%s); retrying its %d items one by one",
-                        claim.batch_id, exc, len(entries))
-            vectors, failures = self._embed_one_by_one(bodies)
-        forward_s = time.perf_counter() - start
-        forward_ms = forward_s * 1000
-        results = []
-        for i, (entry, body) in enumerate(zip(entries, bodies)):
-            if i in failures:
-                results.append((entry, encode_error("INTERNAL", failures[i])))
-                continue
-            dims = body.dimensions or vectors.shape[1]
-            queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
-            results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [e.tokens for e in entries], forward_s, len(failures))
-
-    def _embed(self, bodies) -> np.ndarray:
-        batch = PackedBatch.pack([b.token_ids for b in bodies],
-                                 normalize=[b.normalize for b in bodies],
-                                 dimensions=[b.dimensions for b in bodies],
-                                 prefix_lens=[b.prefix_len for b in bodies])
-        return self.engine.embed(batch)
-
-    def _embed_one_by_one(self, bodies) -> tuple[np.ndarray, dict[int, str]]:
-        vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
-        failures = {}
-        for i, body in enumerate(bodies):
-            try:
-                vectors[i] = self._embed([body])[0]
-            except Exception as exc:
-                failures[i] = f"the worker failed on this input: {type(exc).__name__}: {exc}"
-        return vectors, failures
+        return self.runner.run(claim)  # failures, retries, device errors: workers/runner.py
 
     # -- chores -------------------------------------------------------------------------------
 
