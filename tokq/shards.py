@@ -27,6 +27,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import redis.exceptions
 
@@ -82,9 +83,16 @@ class ShardedQueue:
     def shard_keys(self) -> list[QueueKeys]:
         return [self.shard(i).keys for i in range(self.num_shards)]
 
+    @classmethod
+    def of(cls, queue: Queue) -> ShardedQueue:
+        """A one-shard ShardedQueue over an existing Queue (its batch ids name no shard: 0)."""
+        sharded = cls(queue.redis, queue.keys.queue, replace(queue.config, queue_shards=1))
+        sharded._shards[0] = queue
+        return sharded
+
     @staticmethod
     def shard_of_batch(batch_id: str) -> int:
-        return int(batch_id.split(".", 1)[0])
+        return int(batch_id.split(".", 1)[0]) if "." in batch_id else 0
 
     def shard_of_request(self, request_id: str) -> int | None:
         return self._shard_of_request.get(request_id)

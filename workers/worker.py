@@ -18,7 +18,7 @@ import time
 import redis.exceptions
 
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.queue import Claim
+from tokq.queue import Claim, Queue
 from tokq.shards import ShardedQueue
 from tokq.workers.runner import BatchOutcome, BatchRunner
 
@@ -48,9 +48,11 @@ def default_worker_id() -> str:
 
 
 class Worker:
-    def __init__(self, engine, queue: ShardedQueue, config: WorkerConfig, queue_config: QueueConfig,
+    def __init__(self, engine, queue: ShardedQueue | Queue, config: WorkerConfig, queue_config: QueueConfig,
                  worker_id: str | None = None, observer=None) -> None:
         self.engine = engine
+        if isinstance(queue, Queue):  # one unsharded queue
+            queue = ShardedQueue.of(queue)
         self.queue = queue
         self.config = config
         self.queue_config = queue_config
