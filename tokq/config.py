@@ -125,6 +125,10 @@ class WorkerConfig(_Validated):
     threads: int = setting(0, "torch CPU threads; 0 = torch's default (all cores)", min=0, max=4096)
     heartbeat_ms: int = setting(2_000, "how often the worker reports alive", min=50, max=600_000)
     metrics_port: int = setting(0, "Prometheus port (0 = no metrics endpoint)", **_PORT_OR_OFF)
+    hung_forward_ms: int = setting(30_000, "a forward running past max(this, 20x the warmup "
+                                   "forward at the full budget) is hung: the worker drops its "
+                                   "heartbeat and leases and exits (code 3) for its supervisor",
+                                   min=100, max=86_400_000)
 
 
 @dataclass(frozen=True)
