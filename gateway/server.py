@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
+from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
 from tokq.gateway.readiness import Readiness
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
@@ -32,7 +33,7 @@ from tokq.v1 import embedder_pb2, embedder_pb2_grpc
 
 log = logging.getLogger("tokq.gateway")
 SERVICE_NAME = embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 QUEUE_STATS_PERIOD_S = 2.0
@@ -56,6 +57,8 @@ def gateway_id() -> str:
 async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None = None,
                 stop: asyncio.Event | None = None, on_ready=None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
+    api_keys = ApiKeys.from_config(config)
+    credentials = server_credentials(config)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
                      cluster=config.redis_cluster)
     pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
@@ -70,19 +73,23 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         queue = ShardedQueue(client, info.queue_name, queue_config)
         router = ReplyRouter(pubsub_client, client, queue.reply_key,
                              [k.done_channel(gid) for k in queue.shard_keys()])
-        models[info.name] = ServedModel(info, Tokenizer(info), queue, router, config, gid,
+        models[info.name] = ServedModel(info, Tokenizer(info, num_threads=config.tokenize_threads),
+                                        queue, router, config, gid,
                                         observer=metrics.GatewayMetrics(info.name))
     embedder = Embedder(models)
+    max_message_bytes = max(m.limits.max_message_bytes for m in models.values())
     service = EmbedderService(embedder, gid)
 
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None, options=[
         ("grpc.so_reuseport", 1),
         # gRPC core starts cancelling calls at random once 1,000 wait to be picked up by the
         # application (3,000 hard): a burst of short queries must queue in Redis, not die here.
         ("grpc.server.max_pending_requests", config.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", 2 * config.max_pending_rpcs),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # Follows the byte caps: a request a little over them gets our INVALID_ARGUMENT naming the
+        # cap; one far over is refused by gRPC before it is read into memory.
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
     ])
     embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -92,7 +99,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"could not bind {address}")
 
@@ -108,7 +116,11 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     if config.http_port:
         sock = http.bind(config.host, config.http_port)
         http_port = sock.getsockname()[1]
-        http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=config.max_message_bytes))
+        http_server = http.server(
+            http.build_app(embedder, readiness,
+                           max_body_bytes=max_message_bytes,
+                           api_keys=api_keys),
+            **http_tls_options(config))
 
     for model in models.values():
         with contextlib.suppress(Exception):  # Redis not up yet: the first enqueues record it
@@ -123,9 +135,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         stats_tasks = [asyncio.create_task(_export_queue_stats(m.queue, name))
                        for name, m in models.items()]
     await readiness.start()
-    log.info("gateway %s serving %s on %s:%d%s", gid,
+    log.info("gateway %s serving %s on %s:%d (%s%s)%s", gid,
              ", ".join(f"{name} (queue {m.info.queue_name})" for name, m in models.items()),
-             config.host, port, f", HTTP on port {http_port}" if http_port else "")
+             config.host, port, "TLS" if credentials else "plaintext",
+             ", mutual TLS" if config.tls_client_ca else "", f", HTTP on port {http_port}" if http_port else "")
     if on_ready:
         on_ready(port)
 

@@ -173,8 +173,10 @@ class GatewayConfig(_Validated):
                                         default_text="none")
     api_key_file: str = setting("", "file with one accepted API key per line")
     http_port: int = setting(0, "OpenAI-compatible HTTP API port, on --host (0 = off)", **_PORT_OR_OFF)
-    max_message_bytes: int = setting(64 * 1024 * 1024, "largest gRPC message or HTTP request body "
-                                     "(larger: RESOURCE_EXHAUSTED / 413)", min=1024, max=1 << 30)
+    max_message_bytes: int = setting(0, "largest gRPC message or HTTP request body "
+                                     "(larger: RESOURCE_EXHAUSTED / 413)", min=0, max=1 << 30,
+                                     default_text="0 = follows the byte caps: twice "
+                                     "--max-request-bytes + 1 MiB")
     ready_check_ms: int = setting(1_000, "how often readiness (Redis answers, a worker of the model "
                                   "is alive) is checked for gRPC health and /ready", min=50, max=60_000)
 
