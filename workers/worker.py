@@ -72,7 +72,7 @@ class Worker:
         self.queue_config = queue_config
         self.worker_id = worker_id or default_worker_id()
         self.observer = observer
-        self.runner = BatchRunner(engine, observer=observer)
+        self.runner = BatchRunner(engine, observer=observer, exit=exit_process)
         self.budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
