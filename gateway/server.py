@@ -6,6 +6,7 @@ several gateway processes can share one port."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import secrets
@@ -128,6 +129,11 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     log.info("API keys %s; reflection %s; metrics %s", "required" if api_keys else "off",
              "on" if config.reflection else "off",
              f"on {config.metrics_host or config.host}:{config.metrics_port}" if config.metrics_port else "off")
+    # What start-up loaded (tokenizer, transformers, protobuf, gRPC: ~200,000 objects) lives as
+    # long as the process: out of the cyclic collector's reach, its full collections stop
+    # rescanning it on every few hundred calls (17% of the gateway's CPU before, by py-spy).
+    gc.collect()
+    gc.freeze()
     if on_ready:
         on_ready(port)
 

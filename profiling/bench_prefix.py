@@ -99,6 +99,9 @@ def main() -> None:
                     help="torch threads (0: torch's default); 1 keeps ratios steady on a shared CPU")
     ap.add_argument("--write", type=Path, help="rewrite this file's bench_prefix section")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_prefix: no CUDA GPU here, nothing measured")  # `make bench-gpu` on a CPU host
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
 
