@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
+from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
 from tokq.gateway.readiness import Readiness
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
@@ -31,7 +32,7 @@ from tokq.v1 import embedder_pb2, embedder_pb2_grpc
 
 log = logging.getLogger("tokq.gateway")
 SERVICE_NAME = embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 QUEUE_STATS_PERIOD_S = 2.0
@@ -56,7 +57,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
     info = ModelInfo.load(config.model or None, name=config.served_model_name or None,
                           revision=config.revision or None)
-    tokenizer = Tokenizer(info)
+    tokenizer = Tokenizer(info, num_threads=config.tokenize_threads)
+    api_keys = ApiKeys.from_config(config)
+    credentials = server_credentials(config)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
                      cluster=config.redis_cluster)
     pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
@@ -69,14 +72,16 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     embedder = Embedder({info.name: model})
     service = EmbedderService(embedder, gid)
 
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None, options=[
         ("grpc.so_reuseport", 1),
         # gRPC core starts cancelling calls at random once 1,000 wait to be picked up by the
         # application (3,000 hard): a burst of short queries must queue in Redis, not die here.
         ("grpc.server.max_pending_requests", config.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", 2 * config.max_pending_rpcs),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # Follows the byte caps: a request a little over them gets our INVALID_ARGUMENT naming the
+        # cap; one far over is refused by gRPC before it is read into memory.
+        ("grpc.max_receive_message_length", model.limits.max_message_bytes),
+        ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
     ])
     embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -86,7 +91,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"could not bind {address}")
 
@@ -105,7 +111,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     if config.http_port:
         sock = http.bind(config.host, config.http_port)
         http_port = sock.getsockname()[1]
-        http_server = http.server(http.build_app(embedder, readiness, max_body_bytes=config.max_message_bytes))
+        http_server = http.server(
+            http.build_app(embedder, readiness, max_body_bytes=model.limits.max_message_bytes,
+                           api_keys=api_keys),
+            **http_tls_options(config))
 
     await router.start()
     await server.start()
@@ -116,8 +125,12 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
         stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
     await readiness.start()
-    log.info("gateway %s serving %s on %s:%d (queue %s)%s", gid, info.name, config.host, port,
+    log.info("gateway %s serving %s on %s:%d (%s%s; queue %s)%s", gid, info.name, config.host, port,
+             "TLS" if credentials else "plaintext", ", mutual TLS" if config.tls_client_ca else "",
              info.queue_name, f", HTTP on port {http_port}" if http_port else "")
+    log.info("API keys %s; reflection %s; metrics %s", "required" if api_keys else "off",
+             "on" if config.reflection else "off",
+             f"on {config.metrics_host or config.host}:{config.metrics_port}" if config.metrics_port else "off")
     if on_ready:
         on_ready(port)
 

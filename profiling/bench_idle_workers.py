@@ -1,6 +1,7 @@
 """What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item.
 
     .venv/bin/python -m tokq.profiling.bench_idle_workers [--workers 16] [--idle-s 10] [--items 200]
+        [--results profiling/RESULTS.md]
 
 Starts its own embedded Valkey and ``--workers`` real ``tokq worker`` processes (the bundled
 model, one torch thread each), waits until all have beaten their heartbeat, then:
@@ -31,6 +32,7 @@ from tokq.entry import decode_result, encode_body
 from tokq.keys import QueueKeys
 from tokq.model_info import bundled_model_path
 from tokq.processes import stop_all
+from tokq.profiling.results_section import shared_machine_note, write_section
 from tokq.queue import REPLY_META_FIELDS, Queue
 from tokq.redis_server import EmbeddedRedis
 
@@ -48,7 +50,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def wake_ups(url: str, queue_name: str, num_items: int, gap_s: float) -> tuple[list[float], list[float]]:
-    client = connect(url)
+    client = connect(url, cluster="no")
     queue = Queue(client, queue_name)
     keys = queue.keys
     wake_ms, ping_ms = [], []
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--items", type=int, default=200)
     parser.add_argument("--gap-s", type=float, default=0.05, help="pause between wake-up items")
+    parser.add_argument("--results", help="rewrite this file's idle-fleet section")
     args = parser.parse_args()
 
     server = EmbeddedRedis().start()
@@ -83,8 +86,9 @@ def main() -> None:
     model = bundled_model_path()
     queue_name = "all-MiniLM-L6-v2"
     keys = QueueKeys(queue_name)
-    env = {**os.environ, "TOKQ_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker", "--redis-url", server.url,
+    env = {**os.environ, "TOKQ_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TOKQ_REDIS_URL": server.url}  # the password stays off argv
+    procs = [subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker",
                                "--model", str(model), "--worker-id", f"idle{i}"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for i in range(args.workers)]
@@ -105,16 +109,29 @@ def main() -> None:
         client.close()
         server.close()
 
-    load = os.getloadavg()
-    print(f"idle workers: {args.workers} processes, {args.idle_s:.0f} s with nothing queued")
-    print(f"  Redis commands/s per idle worker: {per_worker:.1f} "
-          f"(a 2 ms claim poll: {OLD_POLL_PER_S:.0f}/s, {OLD_POLL_PER_S / per_worker:.0f}x more)")
-    print(f"wake-up of a new item at an empty queue ({args.items} items, ms, Redis clock):")
-    print(f"  p50 {statistics.median(wake_ms):.1f}  p99 {percentile(wake_ms, 0.99):.1f}  "
-          f"max {max(wake_ms):.1f}")
-    print(f"  PING round trip, same run: p50 {statistics.median(ping_ms):.2f}  "
-          f"p99 {percentile(ping_ms, 0.99):.2f}")
-    print(f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (shared 2-core machine)")
+    lines = [
+        f"{args.workers} idle `tokq worker` processes (one torch thread each), {args.idle_s:.0f} s "
+        f"with nothing queued; then {args.items} single-item requests, each to an empty queue.",
+        "",
+        "| measure | value | against |",
+        "|---|---:|---|",
+        f"| Redis commands/s per idle worker | {per_worker:.1f} | a 2 ms claim poll: "
+        f"{OLD_POLL_PER_S:.0f}/s ({OLD_POLL_PER_S / per_worker:.0f}x more) |",
+        f"| wake-up of a new item, p50 (Redis clock, ms) | {statistics.median(wake_ms):.1f} | "
+        f"PING round trip p50 {statistics.median(ping_ms):.2f} ms |",
+        f"| wake-up of a new item, p99 (Redis clock, ms) | {percentile(wake_ms, 0.99):.1f} | "
+        f"PING round trip p99 {percentile(ping_ms, 0.99):.2f} ms |",
+        f"| wake-up, max (ms) | {max(wake_ms):.1f} | |",
+        "",
+        "Wake-up = the claim's Redis time minus the enqueue's (1 ms resolution). "
+        + shared_machine_note(),
+    ]
+    print("\n".join(lines))
+    if args.results:
+        write_section(args.results, "bench_idle_workers", "Idle fleet: waiting on Redis, not polling",
+                      ".venv/bin/python -m tokq.profiling.bench_idle_workers " + " ".join(
+                          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                          if k != "results") + f" --results {args.results}", lines)
 
 
 if __name__ == "__main__":

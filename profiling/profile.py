@@ -14,7 +14,6 @@ events on a GPU.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from tokq.batch import PackedBatch
+from tokq.workers.errors import is_out_of_memory, release_memory  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -112,31 +112,6 @@ def timer_for(device: object) -> WallTimer | CudaEventTimer:
     return CudaEventTimer(device) if str(device).startswith("cuda") else WallTimer()
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
-        return True
-    try:
-        import torch
-
-        if isinstance(exc, torch.cuda.OutOfMemoryError):
-            return True
-    except ImportError:
-        pass
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
-def _release_memory() -> None:
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
-
-
 def _needs_more(times_ms: list[float], config: SweepConfig) -> bool:
     """The repeat rule: at least min_repeats and target_s_per_point of timed runs, at most max_repeats."""
     if len(times_ms) >= config.max_repeats:
@@ -153,13 +128,16 @@ def _point(batch: PackedBatch, times_ms: list[float], batch_flops) -> Point:
 
 def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], PackedBatch],
           config: SweepConfig, timer=None, on_progress: Callable[[str, int, int], None] | None = None,
-          batch_flops: Callable[[PackedBatch], float] | None = None) -> SweepResult:
+          batch_flops: Callable[[PackedBatch], float] | None = None,
+          release: Callable[[], None] = release_memory) -> SweepResult:
     """Time ``forward`` on a batch of each grid size.
 
     Pass 1 climbs the grid once (warm-up runs, then one timed run per size) and finds where to
     stop. Pass 2 times the sizes kept in round-robin until each meets the repeat rule, so load
     from other processes, clock boosts or heat land on every size alike instead of on a few.
-    ``on_progress(text, completed, total)`` is told of each step.
+    ``on_progress(text, completed, total)`` is told of each step. After an out-of-memory
+    error, ``release()`` frees the device cache, once the exception (whose traceback holds the
+    failed forward's activations) is gone.
     """
     timer = timer or WallTimer()
     result = SweepResult()
@@ -167,23 +145,27 @@ def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], 
     batches: list[PackedBatch] = []
     samples: list[list[float]] = []
 
-    def out_of_memory(exc: Exception, num_tokens: int) -> None:
+    def out_of_memory(exc: Exception, num_tokens: int) -> bool:
+        """Record an OOM (called inside ``except``; anything else is raised)."""
         if not is_out_of_memory(exc):
             raise exc
-        _release_memory()
         result.out_of_memory_tokens = num_tokens
         result.stopped_reason = f"out of memory at {num_tokens} tokens ({type(exc).__name__})"
+        return True
 
     for num_tokens in grid:
         batch = make_batch(num_tokens)
         if on_progress:
             on_progress(f"scanning {num_tokens} tokens", len(batches), 2 * len(grid))
+        oom = False
         try:
             for _ in range(config.warmup_runs):
                 forward(batch)
             first_ms = timer.time_ms(lambda: forward(batch))
         except Exception as exc:  # noqa: BLE001 - out_of_memory() re-raises anything else
-            out_of_memory(exc, num_tokens)
+            oom = out_of_memory(exc, num_tokens)
+        if oom:  # out of the except block: the exception and its activations are gone
+            release()
             break
         batches.append(batch)
         samples.append([first_ms])
@@ -198,10 +180,13 @@ def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], 
             done = total - len(pending)
             on_progress(f"timing {len(pending)} batch sizes, round {len(samples[pending[0]]) + 1}", done, total)
         for i in pending:
+            oom = False
             try:
                 samples[i].append(timer.time_ms(lambda: forward(batches[i])))
             except Exception as exc:  # noqa: BLE001 - as above; sizes from here up are dropped
-                out_of_memory(exc, batches[i].num_tokens)
+                oom = out_of_memory(exc, batches[i].num_tokens)
+            if oom:
+                release()
                 del batches[i:], samples[i:]
                 total = 2 * len(batches)
                 break

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from tokq.config import DTYPES
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.knee.DEFAULT_SLO_P99_MS (not imported: keeps --help fast)
 
@@ -39,7 +41,8 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
 @click.option("--device", default="auto", envvar="TOKQ_DEVICE", show_default=True,
               help="auto | cpu | cuda | cuda:N.")
 @click.option("--dtype", default="auto", envvar="TOKQ_DTYPE", show_default=True,
-              help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16.")
+              type=click.Choice(DTYPES), help="auto: bf16 where the device runs it natively "
+              "(sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on sm70-75 GPUs, else fp32.")
 @click.option("--attn-backend", default="auto", envvar="TOKQ_ATTN_BACKEND", show_default=True)
 @click.option("--workload", "workload_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help='JSONL workload ({"id","text","tokens","t"} per line) for the length mix '

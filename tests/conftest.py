@@ -19,6 +19,10 @@ from tokq.redis_server import EmbeddedRedis
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Worker processes and `tokq profile` started by tests run fp32: the service tests compare their
+# vectors with sentence-transformers' fp32 at cos >= 0.9999. bf16 (`auto` on CPUs with
+# AVX512_BF16/AMX) is checked against fp32 in test_dtype.py and test_cuda_contract.py.
+os.environ.setdefault("TOKQ_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

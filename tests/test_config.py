@@ -108,3 +108,13 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_the_docker_image_listens_on_every_interface():
+    from pathlib import Path
+
+    dockerfile = (Path(__file__).parent.parent / "deploy" / "Dockerfile").read_text()
+    env = dict(line.strip().rstrip("\\").strip().split("=", 1) for line in
+               dockerfile.split("\nENV ", 1)[1].split("\n\n")[0].splitlines() if "=" in line)
+    assert env["TOKQ_HOST"] == "0.0.0.0" and 'CMD ["tokq", "up"]' in dockerfile
+    assert cfg.load(cfg.UpConfig, env=env).host == "0.0.0.0"

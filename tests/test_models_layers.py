@@ -40,12 +40,47 @@ def test_onednn_linear_and_residual_add_match_torch(bias):
 
 def test_linear_kernel_choice():
     cpu = torch.device("cpu")
-    assert layers.linear_kernels(cpu, torch.bfloat16).name == "torch"
     assert layers.linear_kernels(cpu, torch.float32, "torch").name == "torch"
-    expected = "onednn" if layers._onednn_works() else "torch"
-    assert layers.linear_kernels(cpu, torch.float32).name == expected
-    with pytest.raises(ValueError, match="fp32 on CPU"):
-        layers.linear_kernels(cpu, torch.bfloat16, "onednn")
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = "onednn" if layers._onednn_works(dtype) else "torch"
+        assert layers.linear_kernels(cpu, dtype).name == expected
+    assert layers.linear_kernels(cpu, torch.float16).name == "torch"
+    with pytest.raises(ValueError, match="fp32 or bf16 on CPU"):
+        layers.linear_kernels(cpu, torch.float16, "onednn")
+
+
+@pytest.mark.skipif(not layers._onednn_works(torch.bfloat16), reason="torch built without oneDNN bf16 linear")
+@pytest.mark.parametrize("act_name", ["gelu", "silu"])
+def test_onednn_bf16_fused_linear_matches_fp32(act_name):
+    x, w, b, residual = _inputs(rows=300)
+    ref = layers.TorchLinear()
+    bf = [t.bfloat16() for t in (x, w, b, residual)]
+    ours = layers.OneDnnLinear()
+    torch.testing.assert_close(ours.act(*bf[:3], act_name).float(), ref.act(x, w, b, act_name), atol=0.1, rtol=0.05)
+    torch.testing.assert_close(ours.add(*bf).float(), ref.add(x, w, b, residual), atol=0.1, rtol=0.05)
+
+
+def test_fused_projections_are_concatenated_on_the_host_then_moved(monkeypatch, tmp_path):
+    """The parts of qkv / gate-up are joined before they reach the device (on a GPU the parts
+    and the whole would otherwise coexist there: ~1.6x the weights at load). "meta" stands in
+    for the device: any concatenation there would show up in the spy."""
+    from tiny_models import build
+    from tokq.model_info import ModelInfo
+    from tokq.workers.loader import load_weights
+    from tokq.workers.models.qwen import Qwen
+
+    build("qwen2_causal_lm", tmp_path)
+    info = ModelInfo.load(tmp_path)
+    weights = load_weights(info.path, Qwen.ANCHOR, dtype=torch.bfloat16)
+    assert {t.device.type for t in weights.values()} == {"cpu"}
+    devices = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda ts, *a, **k: devices.extend(t.device.type for t in ts)
+                        or real_cat(ts, *a, **k))
+    model = Qwen(info.config, weights, info.family, info.max_length, device=torch.device("meta"))
+    assert devices and set(devices) == {"cpu"}
+    assert model.layers[0].qkv_weight.device.type == "meta"
+    assert model.layers[0].gate_up_weight.device.type == "meta"
 
 
 def test_rms_norm_bf16_matches_fp32_statistics():

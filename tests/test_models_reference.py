@@ -4,83 +4,22 @@ the packed runtime matches transformers' padded forward at the last real token /
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from tokq.batch import PackedBatch
+from tiny_models import CASES, SEQ_LENS, VOCAB, build
 from tokq.workers.engine import Engine
-
-VOCAB = 211
-MAX_POSITIONS = 64
-# lengths in no particular order, with repeats, a 1-token and a max-length sequence
-SEQ_LENS = [17, 1, 5, 64, 5, 2, 33, 17, 9, 17, 3]
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """Weights far from transformers' init (std 0.02, unit norms) so attention is sharp and
-    every norm weight and bias matters."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            is_norm = "norm" in name.lower() and name.endswith("weight")
-            param.copy_(1 + 0.2 * noise if is_norm else 0.15 * noise)
-
-
-def _bert_config(**extra) -> transformers.BertConfig:
-    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, intermediate_size=96,
-                                   max_position_embeddings=MAX_POSITIONS, **extra)
-
-
-def _qwen_config(family: str) -> transformers.PretrainedConfig:
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=96, max_position_embeddings=MAX_POSITIONS)
-    if family == "qwen2":
-        return transformers.Qwen2Config(**common)
-    return transformers.Qwen3Config(head_dim=24, **common)  # head_dim != hidden/heads, as Qwen3 allows
-
-
-def _write_cls_pooling(path) -> None:
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-
-
-# name -> (model class, config factory, save kwargs, pooling)
-CASES = {
-    "bert": (transformers.BertModel, _bert_config, {}, "mean"),
-    "bert_mlm_prefixed_sharded": (transformers.BertForMaskedLM, _bert_config, {"max_shard_size": "30KB"}, "mean"),
-    "bert_cls_gelu_tanh": (transformers.BertModel, lambda: _bert_config(hidden_act="gelu_new"), {}, "cls"),
-    "qwen2_causal_lm": (transformers.Qwen2ForCausalLM, lambda: _qwen_config("qwen2"), {}, "last"),
-    "qwen3_model": (transformers.Qwen3Model, lambda: _qwen_config("qwen3"), {}, "last"),
-    "qwen3_causal_lm_sharded": (transformers.Qwen3ForCausalLM, lambda: _qwen_config("qwen3"),
-                                {"max_shard_size": "40KB"}, "last"),
-}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny(request, tmp_path_factory):
-    model_cls, make_config, save_kwargs, pooling = CASES[request.param]
-    torch.manual_seed(0)
-    config = make_config()
-    config._attn_implementation = "eager"
-    model = model_cls(config).eval()
-    _randomize(model)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path, **save_kwargs)
+    base, pooling = build(request.param, path)
     if "sharded" in request.param:
         assert (path / "model.safetensors.index.json").is_file()
-    if pooling == "cls":
-        _write_cls_pooling(path)
-    base = getattr(model, "bert", None) or getattr(model, "model", None) or model
-    engine = Engine.load(path, device="cpu")
+    engine = Engine.load(path, device="cpu", dtype="float32")
     assert engine.info.pooling == pooling
     return engine, base, pooling
 
@@ -144,7 +83,7 @@ def test_every_cpu_backend_gives_the_same_embeddings(tiny):
 
 def test_torch_linear_kernels_give_the_same_embeddings(tiny):
     engine, _, _ = tiny
-    plain = Engine.load(engine.info.path, device="cpu", linear="torch")
+    plain = Engine.load(engine.info.path, device="cpu", dtype="float32", linear="torch")
     assert plain.linear_backend == "torch"
     batch = PackedBatch.pack(_sequences(seed=7))
     np.testing.assert_allclose(plain.embed(batch), engine.embed(batch), atol=1e-5)

@@ -55,7 +55,7 @@ def engine(request, tmp_path_factory) -> Engine:
         _randomize(model)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    return Engine.load(path, device="cpu")
+    return Engine.load(path, device="cpu", dtype="float32")
 
 
 def _ids(rng, n: int) -> np.ndarray:
@@ -191,7 +191,7 @@ def test_flash_attn_call_contract(engine, monkeypatch):
 
 
 def test_encoders_never_take_the_prefix_path(bundled_model_dir):
-    bert = Engine.load(bundled_model_dir, device="cpu")
+    bert = Engine.load(bundled_model_dir, device="cpu", dtype="float32")
     assert bert.prefix_cache is None  # bidirectional: a prompt token sees the query after it
     seqs = [np.array([101, 7592, 2088, 102]), np.array([101, 7592, 102])]
     np.testing.assert_allclose(bert.embed(PackedBatch.pack(seqs, prefix_lens=2)),
@@ -220,3 +220,17 @@ def test_cuda_prefix_path_matches_the_full_forward_in_bf16(engine, backend):
     for _ in range(2):  # computed in the batch, then from the cache
         shared = gpu.embed(PackedBatch.pack(seqs, prefix_lens=prefix_lens))
         assert _cos(shared, full).min() >= 0.99
+
+
+def test_cache_size_is_a_worker_setting(engine):
+    from click.testing import CliRunner
+
+    from tokq import config as cfg
+    from tokq.workers.cli import worker_command
+
+    assert cfg.load(cfg.WorkerConfig, env={"TOKQ_PREFIX_CACHE_MB": "8"}).prefix_cache_mb == 8
+    assert cfg.load(cfg.WorkerConfig, env={}).prefix_cache_mb == 256
+    assert "--prefix-cache-mb" in CliRunner().invoke(worker_command, ["--help"]).output
+    small = Engine(engine.info, engine.model, engine.device, engine.dtype, engine.attn_backend,
+                   prefix_cache_bytes=8 << 20)
+    assert small.prefix_cache.max_bytes == 8 << 20

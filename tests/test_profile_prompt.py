@@ -21,7 +21,7 @@ from tokq.workers.engine import Engine
 def engine(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_default_prompt")
     build_prompted_qwen3(path, default_prompt_name="query")
-    return Engine.load(path, device="cpu")
+    return Engine.load(path, device="cpu", dtype="float32")
 
 
 def test_batches_put_every_query_behind_the_prompt_and_count_the_rest(engine):

@@ -7,7 +7,9 @@ on the real clock is exercised in test_profile_cli.py.
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -187,6 +189,37 @@ def test_out_of_memory_ends_the_sweep_with_a_report_not_a_crash(error):
     assert [p.num_tokens for p in result.points][-1] == 2048
     assert result.out_of_memory_tokens == 4096
     assert result.stopped_reason.startswith("out of memory at 4096 tokens")
+
+
+class CublasAllocError(RuntimeError):  # a Python-level class: its instances can be weakly referenced
+    pass
+
+
+@pytest.mark.parametrize("error_cls,message", [
+    (torch.cuda.OutOfMemoryError, "CUDA out of memory. Tried to allocate 2 GiB"),
+    (CublasAllocError, "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")])
+@pytest.mark.parametrize("fail_at_call", [2, 7], ids=["scanning", "repeating"])
+def test_cache_is_emptied_after_the_out_of_memory_exception_is_released(error_cls, message, fail_at_call):
+    """The traceback holds the failed forward's activations: emptying the cache while it is
+    alive frees nothing. cuBLAS's own allocation failure counts as out of memory too."""
+    base = SimulatedForward(hinge())
+    raised, released, calls = [], [], []
+
+    def forward(batch):
+        calls.append(batch.num_tokens)
+        if batch.num_tokens >= 64 and len(calls) >= fail_at_call:
+            exc = error_cls(message)
+            raised.append(weakref.ref(exc))
+            raise exc
+        base(batch)
+
+    def release():
+        gc.collect()
+        released.append(all(ref() is None for ref in raised))
+
+    result = sweep(forward, random_batches(), FAST, WallTimer(base.clock), release=release)
+    assert result.out_of_memory_tokens is not None and result.stopped_reason.startswith("out of memory")
+    assert released and all(released)
 
 
 def test_errors_other_than_out_of_memory_are_raised():

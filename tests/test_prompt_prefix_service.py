@@ -124,7 +124,7 @@ async def _serve_one_batch(redis_url, info, tokenizer, engine, request: EmbedInp
 @pytest.mark.parametrize("prompt_name", ["query", "spaced", "midword", "document"])
 def test_gateway_to_worker_computes_the_prompt_once_and_matches_the_full_forward(
         redis_url, info, tokenizer, model_dir, prompt_name):
-    engine = Engine.load(model_dir, device="cpu")
+    engine = Engine.load(model_dir, device="cpu", dtype="float32")
     prompt = PROMPTS[prompt_name]
     full_ids = tokenizer.encode_sync(TEXTS, prompt=prompt)
     prefix_lens = PromptBoundary(info, tokenizer).prefix_lens(prompt, full_ids)
@@ -141,7 +141,7 @@ def test_gateway_to_worker_computes_the_prompt_once_and_matches_the_full_forward
     if prompt_name != "document":
         assert distinct and engine.tokens_computed < sum(len(s) for s in full_ids)
 
-    reference = Engine.load(model_dir, device="cpu").embed(PackedBatch.pack(full_ids, normalize=False))
+    reference = Engine.load(model_dir, device="cpu", dtype="float32").embed(PackedBatch.pack(full_ids, normalize=False))
     ours = np.stack(out.vectors)
     cos = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
     assert cos.min() >= 0.9999

@@ -81,6 +81,10 @@ async def _op_collect(q, claim):
     return await q.collect("r")
 
 
+async def _op_heartbeat(q, _):
+    return await q.heartbeat("w", {"batches": 2}, ttl_ms=5_000, forget_after_ms=10_000)
+
+
 async def _setup_queued(q):
     await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
 
@@ -100,6 +104,7 @@ CASES = {
     "requeue": (_setup_claimed, _op_requeue, False),
     "cancel": (_setup_queued, _op_cancel, False),
     "collect": (_setup_answered, _op_collect, True),
+    "heartbeat": (_setup_queued, _op_heartbeat, True),
 }
 
 

@@ -16,9 +16,10 @@ import pytest
 
 from tokq import Client, TokqError
 from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo
 
 pytestmark = pytest.mark.slow
-KEYS = QueueKeys("all-MiniLM-L6-v2")
+KEYS = QueueKeys(ModelInfo.load().queue_name)
 
 
 def make_texts(n: int, seed: int, bundled_model_dir) -> list[str]:

@@ -104,7 +104,9 @@ class WorkerConfig(_Validated):
     revision: str = _REVISION
     served_model_name: str = _SERVED_MODEL_NAME
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
-    dtype: str = setting("auto", "weights and activations dtype", choices=DTYPES)
+    dtype: str = setting("auto", "weights and activations dtype; auto = bf16 where the device "
+                         "runs it natively (sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on "
+                         "sm70-75 GPUs, else fp32", choices=DTYPES)
     attn_backend: str = setting("auto", "auto | flash_attn | torch_varlen | sdpa ...")
     token_budget: int = setting(0, "tokens per batch; 0 = the published budget (tokq profile "
                                 "--apply), else a per-device default", min=0, max=10_000_000)
@@ -113,6 +115,13 @@ class WorkerConfig(_Validated):
     threads: int = setting(0, "torch CPU threads; 0 = torch's default (all cores)", min=0, max=4096)
     heartbeat_ms: int = setting(2_000, "how often the worker reports alive", min=50, max=600_000)
     metrics_port: int = setting(0, "Prometheus port (0 = no metrics endpoint)", **_PORT_OR_OFF)
+    hung_forward_ms: int = setting(30_000, "a forward running past max(this, 20x the warmup "
+                                   "forward at the full budget) is hung: the worker drops its "
+                                   "heartbeat and leases and exits (code 3) for its supervisor",
+                                   min=100, max=86_400_000)
+    prefix_cache_mb: int = setting(256, "memory for shared prompts' K/V, so a decoder computes "
+                                   "each prompt once, not per batch (0 = once per batch)",
+                                   min=0, max=1 << 20)
 
 
 @dataclass(frozen=True)
@@ -157,8 +166,10 @@ class GatewayConfig(_Validated):
                                         default_text="none")
     api_key_file: str = setting("", "file with one accepted API key per line")
     http_port: int = setting(0, "OpenAI-compatible HTTP API port, on --host (0 = off)", **_PORT_OR_OFF)
-    max_message_bytes: int = setting(64 * 1024 * 1024, "largest gRPC message or HTTP request body "
-                                     "(larger: RESOURCE_EXHAUSTED / 413)", min=1024, max=1 << 30)
+    max_message_bytes: int = setting(0, "largest gRPC message or HTTP request body "
+                                     "(larger: RESOURCE_EXHAUSTED / 413)", min=0, max=1 << 30,
+                                     default_text="0 = follows the byte caps: twice "
+                                     "--max-request-bytes + 1 MiB")
     ready_check_ms: int = setting(1_000, "how often readiness (Redis answers, a worker of the model "
                                   "is alive) is checked for gRPC health and /ready", min=50, max=60_000)
 
@@ -189,6 +200,7 @@ class UpConfig(_Validated):
     token_budget: int = setting(0, "fixed budget for the workers; 0 = published, else per device",
                                 min=0, max=10_000_000)
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = setting("auto", "the workers' dtype (see tokq worker --help)", choices=DTYPES)
     metrics_port: int = setting(9400, "gateway metrics here, worker i at +1+i (0 = none)",
                                 min=0, max=65_535 - 257)
     http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_QUEUE_NAME = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
+_QUEUE_NAME = re.compile(r"^[A-Za-z0-9._\-@]{1,128}$")
+FINGERPRINT_CHARS = 8  # 32 bits: versions of one model name colliding by chance is ~never
 
 
-def queue_name_for(model_name: str) -> str:
-    """The queue name of a model: its name with anything outside [A-Za-z0-9._-] made '_'."""
-    name = re.sub(r"[^A-Za-z0-9._\-]", "_", model_name)[:128]
-    return name or "default"
+def queue_name_for(model_name: str, fingerprint: str = "") -> str:
+    """The queue name of a model: its name with anything outside [A-Za-z0-9._-] made '_', then
+    ``@`` and the first characters of its fingerprint (tokq/fingerprint.py) when given."""
+    suffix = f"@{fingerprint[:FINGERPRINT_CHARS]}" if fingerprint else ""
+    name = re.sub(r"[^A-Za-z0-9._\-]", "_", model_name)[:128 - len(suffix)]
+    return (name or "default") + suffix
 
 
 @dataclass(frozen=True)

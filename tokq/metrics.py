@@ -38,6 +38,7 @@ Worker (``WorkerMetrics``)
   tokq_worker_mfu_ratio                           gauge     FLOP/s over the last window_s / peak
   tokq_worker_heartbeat_timestamp_seconds         gauge     unix time of the last heartbeat
   tokq_worker_errors_total{kind}                  counter   failed batches, Redis errors, ...
+  tokq_worker_nonfinite_vectors_total             counter   NaN/inf vectors refused (INTERNAL)
   tokq_worker_device_info{device,dtype}           gauge     always 1; carries the labels
 The gauges over a window show a worker's state on its own /metrics page; dashboards and rules
 use rate() of the counters instead, which does not depend on when a scrape lands.
@@ -135,6 +136,8 @@ WORKER_MFU = Gauge("tokq_worker_mfu_ratio",
 WORKER_HEARTBEAT = Gauge("tokq_worker_heartbeat_timestamp_seconds",
                          "Unix time of the worker's last heartbeat", _W)
 WORKER_ERRORS = Counter("tokq_worker_errors", "Worker errors by kind", _W + ("kind",))
+WORKER_NONFINITE = Counter("tokq_worker_nonfinite_vectors",
+                           "Vectors refused because they held NaN or inf (answered INTERNAL)", _W)
 WORKER_INFO = Gauge("tokq_worker_device_info", "Always 1; labels describe the worker's device",
                     _W + ("device", "dtype"))
 
@@ -289,6 +292,9 @@ class WorkerMetrics:
         self._error_kinds.add(kind)
         WORKER_ERRORS.labels(*self.labels, kind).inc()
 
+    def observe_nonfinite(self, num_vectors: int) -> None:
+        WORKER_NONFINITE.labels(*self.labels).inc(num_vectors)
+
     def heartbeat(self) -> None:
         WORKER_HEARTBEAT.labels(*self.labels).set_to_current_time()
 
@@ -307,7 +313,8 @@ class WorkerMetrics:
         """Drop this worker's series (a worker stopped inside a process that goes on)."""
         for metric in (WORKER_BATCHES, WORKER_BATCH_TOKENS, WORKER_BATCH_ITEMS, WORKER_FILL_RATIO,
                        WORKER_CLAIM_DURATION, WORKER_TOKENS, WORKER_FLOPS, WORKER_BUDGET,
-                       WORKER_THROUGHPUT, WORKER_PEAK_FLOPS, WORKER_MFU, WORKER_HEARTBEAT):
+                       WORKER_THROUGHPUT, WORKER_PEAK_FLOPS, WORKER_MFU, WORKER_HEARTBEAT,
+                       WORKER_NONFINITE):
             metric.remove(*self.labels)  # a no-op for a series never created
         WORKER_INFO.remove(*self.labels, *self._info_labels)
         for bucket in self._tokens_buckets:

@@ -80,7 +80,7 @@ def up_command(**values) -> None:
     procs: list[subprocess.Popen] = []
 
     def worker_args(i: int) -> list[str]:
-        args = ["worker", *common, "--device", conf.device, "--worker-id", f"up-{i}",
+        args = ["worker", *common, "--device", conf.device, "--dtype", conf.dtype, "--worker-id", f"up-{i}",
                 "--threads", str(threads), "--token-budget", str(conf.token_budget),
                 "--metrics-port", str(metrics_port + 1 + i if metrics_port else 0)]
         return args

@@ -3,9 +3,12 @@
 attends to a neighbour's tokens, and nothing outside attention is ever padded.
 
 Backends (``auto`` picks the first that can run, in this order):
-  CUDA: ``flash_attn``    flash-attn's ``flash_attn_varlen_func`` (fp16/bf16, sm80+)
-        ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16)
-  CPU (and CUDA fallback), sequences sorted by length once per batch:
+  CUDA: ``flash_attn``    flash-attn's ``flash_attn_varlen_func`` (fp16/bf16, sm80+), when it
+                          imports (one built for another torch is skipped, with a log line)
+        ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16;
+                          its keywords differ per version, checked one by one)
+  CPU (and CUDA fallback: k, v heads repeated, since enable_gqa would drop CUDA SDPA to its
+  math kernel), sequences sorted by length once per batch:
         ``sdpa_packed``   sequences of <= 32 (33-64) tokens packed side by side into rows of 32
                           (64) slots, each row attending with a block-diagonal mask: all short
                           sequences in one SDPA call per layer; longer ones as ``sdpa_grouped``.
@@ -21,8 +24,12 @@ Backends (``auto`` picks the first that can run, in this order):
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import inspect
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from tokq.batch import PackedBatch
+
+log = logging.getLogger("tokq.attention")
 
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
 _SORTED = ("sdpa_packed", "sdpa_grouped")  # backends that want sequences sorted by length
@@ -182,44 +191,91 @@ def _sdpa_runs(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Ten
     return out
 
 
-def _flash_attn(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
-
-    cu, max_len = layout.cu_seqlens, layout.max_seqlen
-    return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal)
-
-
-def _torch_varlen(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    cu, max_len = layout.cu_seqlens, layout.max_seqlen
-    gqa = q.shape[1] != k.shape[1]
-    if "window_size" in _varlen_params():  # torch >= 2.11: causal is a (-1, 0) window
-        window = (-1, 0) if causal else (-1, -1)
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=window,
-                           enable_gqa=gqa)
-    if gqa:  # torch 2.10's varlen_attn has neither a window nor GQA
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=causal, scale=scale)
-
-
-def _varlen_params() -> set[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return set(inspect.signature(varlen_attn).parameters)
-
-
 AttendFn = Callable[..., torch.Tensor]
-_ATTEND: dict[str, AttendFn] = {
-    "flash_attn": _flash_attn, "torch_varlen": _torch_varlen,
-    "sdpa_packed": _sdpa_runs, "sdpa_grouped": _sdpa_runs, "sdpa_loop": _sdpa_runs,
-}
 
 
-def attend_fn(backend: str) -> AttendFn:
-    """``fn(q, k, v, layout, causal, scale) -> [T, Hq, D]`` for a backend name."""
-    return _ATTEND[backend]
+def _sdpa_attend(expand_kv: bool) -> AttendFn:
+    """The sdpa backends. ``expand_kv``: repeat k, v up to q's heads instead of passing
+    ``enable_gqa`` (CUDA: SDPA's flash and memory-efficient kernels refuse enable_gqa, so it
+    would drop to the math kernel and its full [B, H, L, L] scores: OOM on long batches)."""
+    def attend(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
+        if expand_kv and q.shape[1] != k.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return _sdpa_runs(q, k, v, layout, causal, scale)
+    return attend
+
+
+def _flash_attn_attend() -> AttendFn:
+    from flash_attn import flash_attn_varlen_func  # flash-attn 2.6 .. 2.8: one signature
+
+    def attend(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
+        cu, max_len = layout.cu_seqlens, layout.max_seqlen
+        return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale,
+                                      causal=causal)
+    return attend
+
+
+def _torch_varlen_attend() -> AttendFn:
+    """torch's varlen_attn, called with the keywords this torch's signature has, each checked
+    on its own (looked up once here, not per call): 2.10 takes ``is_causal`` (``scale`` not
+    in its first form); 2.11 replaced it by ``window_size`` (keyword-only); 2.12 added
+    ``enable_gqa``. Without ``enable_gqa``, k and v are repeated up to q's heads."""
+    from torch.nn.attention import varlen
+
+    varlen_attn = varlen.varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal_kwargs = {True: {"window_size": (-1, 0)}, False: {"window_size": (-1, -1)}}
+    elif "is_causal" in params:
+        causal_kwargs = {True: {"is_causal": True}, False: {"is_causal": False}}
+    else:
+        raise TypeError(f"torch {torch.__version__}: varlen_attn takes neither window_size "
+                        "nor is_causal")
+    has_scale, has_gqa = "scale" in params, "enable_gqa" in params
+
+    def attend(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
+        cu, max_len = layout.cu_seqlens, layout.max_seqlen
+        kwargs = dict(causal_kwargs[causal])
+        if has_scale:
+            kwargs["scale"] = scale
+        elif not math.isclose(scale, q.shape[-1] ** -0.5):
+            raise ValueError(f"torch {torch.__version__}: varlen_attn has no scale argument")
+        if q.shape[1] != k.shape[1]:
+            if has_gqa:
+                kwargs["enable_gqa"] = True
+            else:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+    return attend
+
+
+def attend_fn(backend: str, device: torch.device | str = "cpu") -> AttendFn:
+    """``fn(q, k, v, layout, causal, scale) -> [T, Hq, D]`` for a backend name on ``device``.
+    The backend's function is imported and its signature read here, once per model."""
+    if backend == "flash_attn":
+        return _flash_attn_attend()
+    if backend == "torch_varlen":
+        return _torch_varlen_attend()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}")
+    return _sdpa_attend(expand_kv=torch.device(device).type == "cuda")
+
+
+@functools.cache
+def _import_error(module: str) -> str | None:
+    """Why ``module`` is present but cannot be imported (e.g. flash-attn built against
+    another torch: "undefined symbol"), or None when it imports. Tried once per process."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -232,12 +288,19 @@ def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype) -
         return f"{backend} needs a CUDA device (have {device})"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"{backend} needs float16 or bfloat16 (have {dtype})"
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    if _cuda_capability(device) < (8, 0):
         return f"{backend} needs an sm80+ GPU"
-    if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn is not installed (pip install flash-attn)"
-    if backend == "torch_varlen" and importlib.util.find_spec("torch.nn.attention.varlen") is None:
+    if backend == "flash_attn":
+        if importlib.util.find_spec("flash_attn") is None:
+            return "flash-attn is not installed (pip install flash-attn)"
+        error = _import_error("flash_attn")
+        return f"flash-attn is installed but does not import ({error})" if error else None
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs >= 2.10)"
+    try:
+        _torch_varlen_attend()
+    except TypeError as exc:
+        return str(exc)
     return None
 
 
@@ -249,7 +312,12 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
         if reason:
             raise ValueError(reason)
         return requested
+    skipped = []
     for backend in BACKENDS:
-        if unavailable_reason(backend, device, dtype) is None:
+        reason = unavailable_reason(backend, device, dtype)
+        if reason is None:
+            if device.type == "cuda" and skipped:  # one line: why not the faster kernel
+                log.warning("attention backend %s (%s)", backend, "; ".join(skipped))
             return backend
+        skipped.append(f"not {backend}: {reason}")
     raise AssertionError("the sdpa backends always run")

@@ -26,7 +26,8 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
         torch.set_num_threads(config.threads)
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.served_model_name or None,
-                         revision=config.revision or None)
+                         revision=config.revision or None,
+                         prefix_cache_bytes=config.prefix_cache_mb << 20)
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
     worker_id = worker_id or default_worker_id()
     observer = None
@@ -100,6 +101,10 @@ def worker_command(worker_id, burst, check, this_host, **values) -> None:
     queue_config = cfg.load_or_exit(cfg.QueueConfig, queue_values)
     if check:
         sys.exit(_check(config, worker_id, this_host))
+    from tokq.workers import device
+
+    if error := device.torch_version_error():  # one line, before anything loads
+        raise click.ClickException(error)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(config, queue_config, worker_id, burst))
 

@@ -1,15 +1,51 @@
-"""Which device and dtype a model runs on: "auto" resolves to CUDA in bf16 when a GPU is
-present, else CPU in fp32 (CPU bf16 matmuls are slower than fp32 on most server CPUs)."""
+"""Which device and dtype a model runs on, and the torch versions tokq supports.
+
+``auto`` device: CUDA when a GPU is present, else CPU. ``auto`` dtype, per what the hardware
+runs natively (emulated types are slower than fp32):
+  CUDA  bf16 on sm80+ (Ampere and later); fp16 on sm70-sm75 (V100, T4: tensor cores, no bf16;
+        an fp16 overflow gives inf/NaN, which the worker refuses to return); fp32 before.
+  CPU   bf16 where the CPU has native bf16 dot products (AVX512_BF16 or AMX, detected, never
+        assumed: oneDNN then runs bf16 linear layers ~2x faster than fp32); fp32 otherwise.
+Pooling and normalization always run in fp32 (workers/pooling.py).
+"""
 
 from __future__ import annotations
 
+import functools
+import re
+from pathlib import Path
+
 import torch
 
+from tokq.config import DTYPES
+
+# The oldest torch tokq runs on: F.scaled_dot_product_attention(enable_gqa=) and F.rms_norm.
+# Tested on 2.13; torch.nn.attention.varlen (CUDA) is used from 2.10 on.
+MIN_TORCH = (2, 6)
+TESTED_TORCH = "2.13"
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def torch_version_error(version: str = torch.__version__) -> str | None:
+    """One line saying why this torch is unsupported, or None when it is supported."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and (int(match[1]), int(match[2])) >= MIN_TORCH:
+        return None
+    floor = ".".join(map(str, MIN_TORCH))
+    return (f"tokq needs torch >= {floor} (tested on {TESTED_TORCH}); this is torch {version}: "
+            f"pip install 'torch>={floor}'")
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    error = torch_version_error(version)
+    if error:
+        raise RuntimeError(error)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -25,13 +61,53 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return resolved
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match[1].split()) if match else set()
+
+
+def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
+    """AVX512_BF16 or AMX among ``flags``; without flags, this CPU's, asked of torch's own
+    CPU probe, else read from /proc/cpuinfo."""
+    if flags is not None:
+        return bool(set(_BF16_CPU_FLAGS) & flags)
+    return _this_cpu_has_native_bf16()
+
+
+@functools.cache
+def _this_cpu_has_native_bf16() -> bool:
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        if fn is not None and fn():
+            return True
+    return cpu_has_native_bf16(cpu_flags())
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        capability = cuda_capability(device)
+        if capability >= (8, 0):
+            return torch.bfloat16
+        return torch.float16 if capability >= (7, 0) else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device)
     if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     return _DTYPES[dtype]
 
 

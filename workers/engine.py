@@ -12,7 +12,7 @@ from tokq.batch import PackedBatch
 from tokq.metrics import forward_flops
 from tokq.model_info import ModelInfo
 from tokq.workers import attention, pooling, prefix_attention
-from tokq.workers.device import resolve_device, resolve_dtype, synchronize
+from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
 from tokq.workers.loader import load_weights
 from tokq.workers.models.bert import Bert
 from tokq.workers.models.qwen import Qwen
@@ -23,16 +23,16 @@ DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 
 class Engine:
     def __init__(self, info: ModelInfo, model: Bert | Qwen, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str):
+                 attn_backend: str, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         self.info = info
         self.model = model
         self.device = device
         self.dtype = dtype
         self.attn_backend = attn_backend  # the backend actually used, never "auto"
-        self._attend = attention.attend_fn(attn_backend)
+        self._attend = attention.attend_fn(attn_backend, device)
         # Shared prompts are computed once only where that is exact: causal attention, and the
         # last token pooled (mean or CLS pooling would need the prompt tokens' own states).
-        self.prefix_cache = (PrefixCache(DEFAULT_PREFIX_CACHE_BYTES, _fingerprint(info))
+        self.prefix_cache = (PrefixCache(prefix_cache_bytes, _fingerprint(info))
                              if model.causal and info.pooling == "last" else None)
         self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
 
@@ -44,23 +44,25 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str | torch.device = "auto",
              dtype: str | torch.dtype = "auto", attn_backend: str = "auto",
-             name: str | None = None, linear: str = "auto", revision: str | None = None) -> Engine:
+             name: str | None = None, linear: str = "auto", revision: str | None = None,
+             prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> Engine:
         """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
         all-MiniLM-L6-v2). Raises
         ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
         ``linear``: auto | onednn | torch, the kernel of the linear layers (auto: oneDNN for
         fp32 on CPU, see workers/models/layers.py)."""
+        check_torch_version()
         info = ModelInfo.load(path, name, revision)
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         backend = attention.choose_backend(attn_backend, resolved_device, resolved_dtype)
         model_cls = Bert if info.family == "bert" else Qwen
-        weights = load_weights(info.path, model_cls.ANCHOR, device=resolved_device, dtype=resolved_dtype)
+        weights = load_weights(info.path, model_cls.ANCHOR, dtype=resolved_dtype)  # on the host
         if model_cls is Bert:
-            model = Bert(info.config, weights, linear)
+            model = Bert(info.config, weights, linear, device=resolved_device)
         else:
-            model = Qwen(info.config, weights, info.family, info.max_length, linear)
-        return cls(info, model, resolved_device, resolved_dtype, backend)
+            model = Qwen(info.config, weights, info.family, info.max_length, linear, device=resolved_device)
+        return cls(info, model, resolved_device, resolved_dtype, backend, prefix_cache_bytes)
 
     @torch.inference_mode()
     def embed(self, batch: PackedBatch) -> np.ndarray:

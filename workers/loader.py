@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -35,9 +36,10 @@ def _canonical(name: str) -> str:
     return name
 
 
-def load_weights(path: Path, anchor: str, *, device: torch.device,
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's tensors, named relative to it, floats cast to ``dtype`` on ``device``.
+def load_weights(path: Path, anchor: str, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's tensors on the host, named relative to it, floats cast to ``dtype``.
+    They stay on the host so the model fuses its projections (qkv, gate-up) there and moves
+    each result once: concatenating on the GPU would hold the parts and the whole at once.
 
     ``anchor`` is a name every checkpoint of the family has (e.g. ``embed_tokens.weight``);
     whatever precedes it in the file is the prefix to strip.
@@ -57,10 +59,15 @@ def load_weights(path: Path, anchor: str, *, device: torch.device,
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name, stored in names:
                 tensor = f.get_tensor(stored)
-                if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                weights[name] = tensor.to(device)
+                weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return weights
+
+
+def moved(layer, device: torch.device):
+    """A copy of the frozen dataclass ``layer`` with every tensor field on ``device``."""
+    return dataclasses.replace(layer, **{
+        f.name: getattr(layer, f.name).to(device) for f in dataclasses.fields(layer)
+        if isinstance(getattr(layer, f.name), torch.Tensor)})
 
 
 def take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:

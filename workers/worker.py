@@ -3,36 +3,46 @@
 The forward runs in a thread (torch releases the GIL), so while it runs the event loop claims
 the next batch, renews the leases in hand, requeues crashed workers' leases and beats the
 heartbeat: the device never waits on Redis, and Redis never waits on the device.
+
+An idle worker does not poll: it waits on the queue's work channel (enqueue and requeue
+SPUBLISH there when the queue stops being empty) and claims at least every IDLE_FALLBACK_S in
+case a notice was missed. A forward that runs far past its expected time (a hung device) makes
+the worker give up: its heartbeat goes, its leases are no longer renewed (so its batches are
+redone elsewhere) and the process exits non-zero for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
-import numpy as np
 import redis.exceptions
 
-from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.entry import decode_body, encode_error, encode_ok
+from tokq.connection import ShardedSubscriber
 from tokq.queue import Claim, Queue
+from tokq.workers.runner import BatchOutcome, BatchRunner
 
 log = logging.getLogger("tokq.worker")
 
 DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # used until `tokq profile --apply` publishes one
-IDLE_POLL_S = 0.002
+# An idle worker waits for a work notice, but claims at least this often: a missed notice
+# (a reconnect) costs at most this long.
+IDLE_FALLBACK_S = 0.25
 REDIS_RETRY_S = 0.2
 ACK_ATTEMPTS = 10
 # Any Redis failure, -READONLY after a failover or -OOM included: wait and retry, never exit.
 _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 BUDGET_REFRESH_S = 1.0
+# A forward is hung past max(hung_forward_ms, HUNG_FACTOR x the warm-up forward at the full
+# budget); the process then exits with EXIT_HUNG.
+HUNG_FACTOR = 20.0
+EXIT_HUNG = 3
 
 
 # The next claim starts at PREFETCH_AT of the expected forward time, less PREFETCH_CLAIMS
@@ -49,29 +59,30 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-@dataclass
-class BatchOutcome:
-    results: list  # (Entry, result bytes)
-    seqlens: list[int]
-    forward_s: float
-    num_failed: int
-
-
 class Worker:
     def __init__(self, engine, queue: Queue, config: WorkerConfig, queue_config: QueueConfig,
-                 worker_id: str | None = None, observer=None) -> None:
+                 worker_id: str | None = None, observer=None,
+                 exit_process: Callable[[int], object] = os._exit) -> None:
         self.engine = engine
         self.queue = queue
         self.config = config
         self.queue_config = queue_config
         self.worker_id = worker_id or default_worker_id()
         self.observer = observer
+        self.runner = BatchRunner(engine, observer=observer, exit=exit_process)
         self.budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
         self.num_batches = 0
         self._forward_s_avg = 0.0  # moving averages that time the prefetching claim
         self._claim_s_avg = 0.0
+        self._exit_process = exit_process  # os._exit: a hung forward thread cannot be joined
+        self.healthy = True
+        self.hung_after_s = config.hung_forward_ms / 1000
+        self._forward_since: float | None = None  # monotonic start of the running forward
+        self._notices = ShardedSubscriber(queue.redis)
+        self._subscribed = False
+        self._beat_lock = asyncio.Lock()  # a beat in flight must not outlive a give-up
 
     def stop(self) -> None:
         """Stop claiming; the batches in hand are finished and acknowledged."""
@@ -81,18 +92,22 @@ class Worker:
 
     async def run(self, *, burst: bool = False) -> None:
         await self._refresh_budget()
+        start = time.perf_counter()
         await asyncio.to_thread(self.engine.warmup, self.budget)
+        self.hung_after_s = max(self.hung_after_s, HUNG_FACTOR * (time.perf_counter() - start))
+        await self._subscribe()  # before the first claim, so no notice falls in between
         chores = [asyncio.create_task(c) for c in (self._renew_leases(), self._requeue_expired(),
-                                                   self._heartbeat(), self._watch_budget())]
+                                                   self._heartbeat(), self._watch_budget(),
+                                                   self._watch_forward())]
         try:
             await self._loop(burst)
         finally:
             for task in chores:
                 task.cancel()
             await asyncio.gather(*chores, return_exceptions=True)
+            await self._notices.aclose()
             with contextlib.suppress(Exception):
-                await self.queue.redis.delete(self.queue.keys.heartbeat(self.worker_id))
-                await self.queue.redis.zrem(self.queue.keys.workers, self.worker_id)
+                await self.queue.forget_worker(self.worker_id)
 
     async def _loop(self, burst: bool) -> None:
         next_claim: asyncio.Task | None = asyncio.create_task(self._claim())
@@ -102,9 +117,10 @@ class Worker:
             if claim is None:
                 if self._stop.is_set() or (burst and await self._drained()):
                     break
-                await asyncio.sleep(IDLE_POLL_S)
+                await self._wait_for_work()
                 next_claim = asyncio.create_task(self._claim())
                 continue
+            self._forward_since = time.monotonic()
             forward = asyncio.create_task(asyncio.to_thread(self.run_batch, claim))
             if not self._stop.is_set():
                 # Overlap the next claim with the end of this forward: late enough that it
@@ -112,6 +128,7 @@ class Worker:
                 # does not wait on Redis.
                 next_claim = asyncio.create_task(self._claim(delay_s=self._prefetch_delay_s()))
             outcome = await forward
+            self._forward_since = None
             self._forward_s_avg = _ewma(self._forward_s_avg, outcome.forward_s)
             await self._ack(claim, outcome)
             self._held.discard(claim.batch_id)
@@ -134,6 +151,30 @@ class Worker:
                 await asyncio.sleep(REDIS_RETRY_S)
         # Give up: the lease expires and another worker redoes the batch (acks are idempotent).
         log.error("batch %s not acknowledged; it will be redone after its lease", claim.batch_id)
+
+    async def _subscribe(self) -> None:
+        try:
+            await self._notices.subscribe(self.queue.keys.work_channel)
+            self._subscribed = True
+        except _REDIS_ERRORS as exc:  # claims still happen every IDLE_FALLBACK_S meanwhile
+            log.warning("work-notice subscription failed: %s", exc)
+            self._subscribed = False
+
+    async def _wait_for_work(self) -> None:
+        """Until a work notice arrives or IDLE_FALLBACK_S pass. Notices that came while busy
+        are read at once: one claim answers all of them."""
+        if not self._subscribed:
+            await self._subscribe()
+        if not self._subscribed:
+            await asyncio.sleep(IDLE_FALLBACK_S)
+            return
+        try:
+            notice = await self._notices.get_message(timeout=IDLE_FALLBACK_S)
+            while notice is not None:
+                notice = await self._notices.get_message(timeout=0)
+        except _REDIS_ERRORS as exc:  # resubscribed on the next wait
+            log.warning("work-notice subscription lost: %s", exc)
+            self._subscribed = False
 
     def _prefetch_delay_s(self) -> float:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
@@ -168,44 +209,7 @@ class Worker:
     # -- compute (runs in a thread) -----------------------------------------------------------
 
     def run_batch(self, claim: Claim) -> BatchOutcome:
-        entries = claim.entries
-        bodies = [decode_body(e.body) for e in entries]
-        start = time.perf_counter()
-        try:
-            vectors = self._embed(bodies)
-            failures: dict[int, str] = {}
-        except Exception as exc:  # isolate the failing input(s): the rest of the batch is fine
-            log.warning("batch %s failed (%s); retrying its %d items one by one",
-                        claim.batch_id, exc, len(entries))
-            vectors, failures = self._embed_one_by_one(bodies)
-        forward_s = time.perf_counter() - start
-        forward_ms = forward_s * 1000
-        results = []
-        for i, (entry, body) in enumerate(zip(entries, bodies)):
-            if i in failures:
-                results.append((entry, encode_error("INTERNAL", failures[i])))
-                continue
-            dims = body.dimensions or vectors.shape[1]
-            queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
-            results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [e.tokens for e in entries], forward_s, len(failures))
-
-    def _embed(self, bodies) -> np.ndarray:
-        batch = PackedBatch.pack([b.token_ids for b in bodies],
-                                 normalize=[b.normalize for b in bodies],
-                                 dimensions=[b.dimensions for b in bodies],
-                                 prefix_lens=[b.prefix_len for b in bodies])
-        return self.engine.embed(batch)
-
-    def _embed_one_by_one(self, bodies) -> tuple[np.ndarray, dict[int, str]]:
-        vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
-        failures = {}
-        for i, body in enumerate(bodies):
-            try:
-                vectors[i] = self._embed([body])[0]
-            except Exception as exc:
-                failures[i] = f"the worker failed on this input: {type(exc).__name__}: {exc}"
-        return vectors, failures
+        return self.runner.run(claim)  # failures, retries, device errors: workers/runner.py
 
     # -- chores -------------------------------------------------------------------------------
 
@@ -221,7 +225,7 @@ class Worker:
 
     async def _renew_leases(self) -> None:
         async def renew():
-            for batch_id in list(self._held):
+            for batch_id in list(self._held if self.healthy else ()):
                 if not await self.queue.renew(batch_id) and batch_id in self._held:
                     # Requeued already (we stalled past the lease): another worker may redo it;
                     # our ack still counts once, the first answer wins.
@@ -232,24 +236,44 @@ class Worker:
         await self._every(self.queue_config.lease_ms / 2000, self.queue.requeue_expired)
 
     async def _heartbeat(self) -> None:
-        keys = self.queue.keys
         period_ms = self.config.heartbeat_ms
 
         async def beat():
             status = {"worker": self.worker_id, "model": self.engine.info.name,
                       "device": str(self.engine.device), "budget": self.budget,
-                      "batches": self.num_batches, "ts": time.time()}
-            async with self.queue.redis.pipeline(transaction=False) as pipe:
-                pipe.set(keys.heartbeat(self.worker_id), json.dumps(status), px=3 * period_ms)
-                now_ms = int(time.time() * 1000)
-                pipe.zadd(keys.workers, {self.worker_id: now_ms})
-                # Forget workers silent for 10 heartbeats (crashed ones never remove themselves).
-                pipe.zremrangebyscore(keys.workers, "-inf", now_ms - 10 * period_ms)
-                await pipe.execute()
+                      "batches": self.num_batches}
+            async with self._beat_lock:
+                if not self.healthy:
+                    return
+                # Times on the Redis clock (in the script): hosts' clocks may disagree.
+                await self.queue.heartbeat(self.worker_id, status, ttl_ms=3 * period_ms,
+                                           forget_after_ms=10 * period_ms)
             if self.observer:
                 self.observer.heartbeat()
                 self.observer.set_budget(self.budget)
         await self._every(period_ms / 1000, beat)
+
+    async def _watch_forward(self) -> None:
+        """Give up when the running forward is hung: stop vouching for this process (heartbeat
+        gone, leases left to expire so the batches are redone elsewhere), then exit."""
+        period_s = min(1.0, self.hung_after_s / 4)
+        while True:
+            await asyncio.sleep(period_s)
+            since = self._forward_since
+            if since is None or time.monotonic() - since <= self.hung_after_s:
+                continue
+            async with self._beat_lock:
+                self.healthy = False
+            self._held.clear()
+            log.error("forward running for %.1f s (hung past %.1f s): giving up; exiting %d",
+                      time.monotonic() - since, self.hung_after_s, EXIT_HUNG)
+            if self.observer:
+                self.observer.observe_error("hung")
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.queue.forget_worker(self.worker_id), timeout=2.0)
+            self._exit_process(EXIT_HUNG)
+            self.stop()  # only reached when exit_process returns (tests)
+            return
 
     async def _refresh_budget(self) -> None:
         if self.config.token_budget:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn, Layout
-from tokq.workers.loader import take
+from tokq.workers.loader import moved, take
 from tokq.workers.models.layers import activation, linear_kernels
 
 
@@ -59,7 +59,9 @@ class Bert:
     ANCHOR = "embeddings.word_embeddings.weight"  # locates the base model inside a checkpoint
     causal = False
 
-    def __init__(self, config: dict, weights: dict[str, torch.Tensor], linear_kind: str = "auto"):
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor], linear_kind: str = "auto",
+                 device: torch.device = torch.device("cpu")):
+        """``weights`` on the host; fused and summed tables are built there, then moved."""
         kind = config.get("position_embedding_type", "absolute")
         if kind != "absolute":
             raise UnsupportedModel(f"unsupported BERT position_embedding_type {kind!r}; supported: absolute")
@@ -69,12 +71,13 @@ class Bert:
         self.eps = float(config.get("layer_norm_eps", 1e-12))
         self.act_name = config.get("hidden_act", "gelu")
         activation(self.act_name)  # refuse an unknown activation at load
-        self.word_embeddings = take(weights, "embeddings.word_embeddings.weight")
+        self.word_embeddings = take(weights, "embeddings.word_embeddings.weight").to(device)
         token_type = take(weights, "embeddings.token_type_embeddings.weight")[0]
-        self.position_embeddings = take(weights, "embeddings.position_embeddings.weight") + token_type
-        self.embed_norm_weight = take(weights, "embeddings.LayerNorm.weight")
-        self.embed_norm_bias = take(weights, "embeddings.LayerNorm.bias")
-        self.layers = [BertLayer.from_weights(weights, f"encoder.layer.{i}.")
+        self.position_embeddings = (take(weights, "embeddings.position_embeddings.weight")
+                                    + token_type).to(device)
+        self.embed_norm_weight = take(weights, "embeddings.LayerNorm.weight").to(device)
+        self.embed_norm_bias = take(weights, "embeddings.LayerNorm.bias").to(device)
+        self.layers = [moved(BertLayer.from_weights(weights, f"encoder.layer.{i}."), device)
                        for i in range(int(config["num_hidden_layers"]))]
         self.linear = linear_kernels(self.word_embeddings.device, self.word_embeddings.dtype, linear_kind)
 

@@ -48,10 +48,11 @@ class TorchLinear:
 
 
 class OneDnnLinear:
-    """oneDNN's linear with the activation or residual add fused in (the kernel torch.compile's
-    CPU backend emits). Why: torch's fp32 ``F.linear`` goes to MKL, which takes its AVX2 path on
-    AMD CPUs; oneDNN uses AVX-512 there and measured ~2.4x faster per core on this machine
-    (profiling/RESULTS.md)."""
+    """oneDNN's linear (fp32 or bf16) with the activation or residual add fused in (the kernel
+    torch.compile's CPU backend emits). Why: torch's fp32 ``F.linear`` goes to MKL, which takes
+    its AVX2 path on AMD CPUs; oneDNN uses AVX-512 there and measured ~2.4x faster per core on
+    this machine (profiling/RESULTS.md); in bf16 the fused epilogue saves a pass over the
+    output."""
 
     name = "onednn"
 
@@ -70,27 +71,28 @@ class OneDnnLinear:
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto"):
-    """oneDNN for fp32 on CPU when this torch build has it (checked against F.linear once),
-    else F.linear. ``kind`` forces one: auto | onednn | torch."""
+    """oneDNN for fp32 and bf16 on CPU when this torch build has it (checked against F.linear
+    once per dtype), else F.linear. ``kind`` forces one: auto | onednn | torch."""
     if kind == "torch":
         return TorchLinear()
-    usable = device.type == "cpu" and dtype == torch.float32 and _onednn_works()
+    usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)
     if kind == "onednn" and not usable:
-        raise ValueError("oneDNN linear needs fp32 on CPU and a torch built with mkldnn")
+        raise ValueError("oneDNN linear needs fp32 or bf16 on CPU and a torch built with mkldnn")
     return OneDnnLinear() if usable else TorchLinear()
 
 
 @functools.cache
-def _onednn_works() -> bool:
+def _onednn_works(dtype: torch.dtype = torch.float32) -> bool:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     gen = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(shape, generator=gen) for shape in ((7, 24), (16, 24), (16,)))
+    x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((7, 24), (16, 24), (16,)))
     try:
         out = OneDnnLinear().act(x, w, b, "gelu")
     except RuntimeError:
         return False
-    return bool(torch.allclose(out, F.gelu(F.linear(x, w, b)), atol=1e-5))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    return bool(torch.allclose(out.float(), F.gelu(F.linear(x, w, b).float()), atol=tol, rtol=tol))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

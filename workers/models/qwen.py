@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn, Layout
-from tokq.workers.loader import take
+from tokq.workers.loader import moved, take
 from tokq.workers.models.layers import (Rotary, activation, apply_rope, linear_kernels, rms_norm,
                                         rope_theta)
 
@@ -56,7 +56,8 @@ class Qwen:
     causal = True
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], family: str, max_length: int,
-                 linear_kind: str = "auto"):
+                 linear_kind: str = "auto", device: torch.device = torch.device("cpu")):
+        """``weights`` on the host; fused projections are built there, then moved."""
         if config.get("use_sliding_window"):
             raise UnsupportedModel("sliding-window attention (use_sliding_window=true) is not supported")
         self.hidden_size = int(config["hidden_size"])
@@ -65,10 +66,10 @@ class Qwen:
         self.head_dim = int(config.get("head_dim") or self.hidden_size // self.num_heads)
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.act = activation(config.get("hidden_act", "silu"))
-        self.embed_tokens = take(weights, "embed_tokens.weight")
-        self.final_norm = take(weights, "norm.weight")
-        self.layers = [QwenLayer.from_weights(weights, f"layers.{i}.", qk_norm=family == "qwen3")
-                       for i in range(int(config["num_hidden_layers"]))]
+        self.embed_tokens = take(weights, "embed_tokens.weight").to(device)
+        self.final_norm = take(weights, "norm.weight").to(device)
+        self.layers = [moved(QwenLayer.from_weights(weights, f"layers.{i}.", qk_norm=family == "qwen3"),
+                             device) for i in range(int(config["num_hidden_layers"]))]
         self.linear = linear_kernels(self.embed_tokens.device, self.embed_tokens.dtype, linear_kind)
         self.rotary = Rotary(self.head_dim, rope_theta(config), self.embed_tokens.device,
                              self.embed_tokens.dtype, num_positions=max_length)

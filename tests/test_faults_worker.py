@@ -1,0 +1,150 @@
+"""The worker under faults, in process with a real Redis and the real bundled model: a forward
+that hangs (an injected block in front of the real engine) and an idle worker woken by a work
+notice instead of a poll."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from queue_support import QUEUE, open_queue
+
+from tokq.config import QueueConfig, WorkerConfig
+from tokq.entry import decode_result, encode_body
+from tokq.workers import worker as worker_module
+from tokq.workers.worker import EXIT_HUNG, Worker
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from tokq.workers.engine import Engine
+
+    return Engine.load(None, device="cpu", name=QUEUE)
+
+
+class HangingEngine:
+    """The real engine, except that once ``hang`` is set its forward blocks until ``release``
+    (a wedged device or driver, as seen from the worker)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.hang = threading.Event()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def embed(self, batch):
+        if self.hang.is_set():
+            self.entered.set()
+            self.release.wait(60)
+        return self._engine.embed(batch)
+
+
+async def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def _check(redis_url: str, worker_id: str) -> int:
+    return subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--check", "--worker-id",
+                           worker_id, "--redis-url", redis_url, "--model-name", QUEUE],
+                          capture_output=True, timeout=120).returncode
+
+
+async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(redis_url, engine):
+    qcfg = QueueConfig(lease_ms=1_000)
+    wcfg = WorkerConfig(token_budget=256, heartbeat_ms=200, hung_forward_ms=1_500)
+    hanging = HangingEngine(engine)
+    exits: list[int] = []
+    ids = [[101, 7592, 2088, 102], [101, 2204, 2851, 102]]
+    async with open_queue(redis_url, lease_ms=1_000) as q, open_queue(redis_url, lease_ms=1_000) as q2:
+        hung = Worker(hanging, q, wcfg, qcfg, worker_id="hung", exit_process=exits.append)
+        hung_run = asyncio.create_task(hung.run())
+        heartbeat = q.keys.heartbeat("hung")
+        await _wait_for(lambda: q.redis.exists(heartbeat), 60, "the first heartbeat")
+        assert await asyncio.to_thread(_check, redis_url, "hung") == 0
+
+        hanging.hang.set()
+        await q2.enqueue("r", [(len(t), encode_body(t)) for t in ids], timeout_ms=60_000,
+                         channel=q.keys.done_channel("test"))
+        await asyncio.to_thread(hanging.entered.wait, 30)
+
+        async def gave_up():
+            return bool(exits)
+        await _wait_for(gave_up, 60, "the hung worker to give up")
+        assert exits == [EXIT_HUNG] and not hung.healthy
+        assert not await q.redis.exists(heartbeat)
+        assert await q.redis.zscore(q.keys.workers, "hung") is None
+        assert await asyncio.to_thread(_check, redis_url, "hung") == 1
+
+        # Its lease is no longer renewed: a healthy worker redoes the batch.
+        healthy = Worker(engine, q2, WorkerConfig(token_budget=256, heartbeat_ms=200), qcfg,
+                         worker_id="healthy")
+        healthy_run = asyncio.create_task(healthy.run())
+        reply = q.keys.reply("r")
+        await _wait_for(lambda: _complete(q, reply, len(ids)), 60, "the redo")
+        results = await q.collect("r")
+        vectors = [decode_result(results[i]).vector for i in range(len(ids))]
+        from tokq.batch import PackedBatch
+
+        want = engine.embed(PackedBatch.pack([np.array(t) for t in ids]))
+        np.testing.assert_allclose(np.stack(vectors), want, atol=1e-5)
+        assert decode_result(results[0]).ok and (await q.stats()).counters["requeued"] == 2
+
+        hanging.release.set()  # the forward returns at last; the worker had stopped claiming
+        healthy.stop()
+        await asyncio.wait_for(asyncio.gather(hung_run, healthy_run), 60)
+        assert hung.num_batches == 1
+
+
+async def _complete(q, reply: str, n: int) -> bool:
+    return await q.redis.hlen(reply) >= n + 3
+
+
+async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, engine, monkeypatch):
+    # With the fallback poll an hour away, only the notice can make the worker claim.
+    monkeypatch.setattr(worker_module, "IDLE_FALLBACK_S", 3600.0)
+    qcfg = QueueConfig()
+    async with open_queue(redis_url) as q:
+        worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="idle")
+        run = asyncio.create_task(worker.run())
+        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("idle")), 60, "the first heartbeat")
+        await asyncio.sleep(0.5)  # idle now: its first claim found nothing
+        for n in range(3):  # each request arrives at an empty queue, so each sends a notice
+            await q.enqueue(f"r{n}", [(3, encode_body([101, 2000 + n, 102]))], timeout_ms=60_000,
+                            channel=q.keys.done_channel("test"))
+            reply = q.keys.reply(f"r{n}")
+            await _wait_for(lambda: _complete(q, reply, 1), 30, "the notice to wake the worker")
+            assert decode_result((await q.collect(f"r{n}"))[0]).ok
+        # stop() is seen at the next wake-up (within IDLE_FALLBACK_S in service, an hour here).
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+
+
+async def test_a_missed_work_notice_costs_at_most_the_fallback_poll(redis_url, engine):
+    qcfg = QueueConfig()
+    async with open_queue(redis_url) as q:
+        worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="deaf")
+        run = asyncio.create_task(worker.run())
+        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("deaf")), 60, "the first heartbeat")
+        # Queue an item behind an entry that keeps the queue non-empty, so no notice is sent.
+        await q.redis.set(q.keys.tokens, 1)
+        await q.enqueue("r", [(3, encode_body([101, 2000, 102]))], timeout_ms=60_000,
+                        channel=q.keys.done_channel("test"))
+        await q.redis.incrby(q.keys.tokens, -1)
+        await _wait_for(lambda: _complete(q, q.keys.reply("r"), 1), 30, "the fallback claim")
+        assert decode_result((await q.collect("r"))[0]).ok
+        worker.stop()
+        await asyncio.wait_for(run, 30)

@@ -1,0 +1,152 @@
+"""One claimed batch -> one result per item, whatever goes wrong in between.
+
+* An item the model cannot take (a token id past the vocabulary, too long, empty) is answered
+  INVALID_ARGUMENT before the forward; its batch-mates run.
+* A failed forward is classified (workers/errors.py) once its exception is gone, so the
+  traceback no longer holds the forward's activations, and the device cache is emptied:
+  - out of memory, or an input the model chokes on: the batch is split in halves and each
+    half retried (bisection: a poison input costs ~2 log2(n) forwards, not n), down to single
+    items, which then fail alone (INTERNAL);
+  - a sticky device error (device-side assert, illegal address, "CUDA error"): the worker is
+    marked unhealthy and the process exits for its supervisor to restart it; nothing is
+    answered, so the batch is redone elsewhere once its lease expires.
+* A vector holding NaN or inf (an fp16 overflow) is never returned: INTERNAL for that item,
+  counted in tokq_worker_nonfinite_vectors_total.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokq.batch import PackedBatch
+from tokq.entry import Body, decode_body, encode_error, encode_ok
+from tokq.workers.errors import Fault, classify, release_memory
+
+log = logging.getLogger("tokq.worker")
+
+EXIT_DEVICE_ERROR = 3  # the worker's exit status after a sticky device error
+_MAX_MESSAGE = 300
+
+
+class DeviceUnhealthy(RuntimeError):
+    """The device failed in a way no retry fixes; the worker must be restarted."""
+
+
+def exit_for_supervisor(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)  # from the forward's thread: no cleanup that could touch the broken device
+
+
+@dataclass
+class BatchOutcome:
+    results: list  # (Entry, result bytes)
+    seqlens: list[int]
+    forward_s: float
+    num_failed: int
+
+
+class BatchRunner:
+    """Runs claimed batches on ``engine``. ``exit(code)`` ends the process after a sticky
+    device error; ``release()`` frees device memory after a failed forward (both injectable
+    for tests)."""
+
+    def __init__(self, engine, *, observer=None, exit: Callable[[int], None] = exit_for_supervisor,
+                 release: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.exit = exit
+        self.release = release or (lambda: release_memory(engine.device))
+        self.healthy = True
+        self.vocab_size = int(engine.info.config.get("vocab_size") or 0)
+        self.max_length = engine.info.max_length
+
+    def run(self, claim) -> BatchOutcome:
+        if not self.healthy:
+            raise DeviceUnhealthy("the worker's device failed earlier; it must be restarted")
+        entries = claim.entries
+        bodies = [decode_body(e.body) for e in entries]
+        start = time.perf_counter()
+        failures: dict[int, tuple[str, str]] = {}  # item -> (gRPC code name, message)
+        for i, body in enumerate(bodies):
+            if reason := self._invalid(body):
+                failures[i] = ("INVALID_ARGUMENT", reason)
+        vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
+        todo = [i for i in range(len(bodies)) if i not in failures]
+        if todo:
+            self._embed_into(bodies, todo, vectors, failures)
+        nonfinite = [i for i in todo if i not in failures and not np.isfinite(vectors[i]).all()]
+        for i in nonfinite:
+            failures[i] = ("INTERNAL", f"the model gave a non-finite (NaN/inf) vector for this input "
+                                       f"in {str(self.engine.dtype).removeprefix('torch.')} (an "
+                                       "overflow); it was not returned")
+        if nonfinite:
+            log.error("batch %s: %d non-finite vector(s) refused", claim.batch_id, len(nonfinite))
+            if self.observer:
+                self.observer.observe_nonfinite(len(nonfinite))
+        forward_s = time.perf_counter() - start
+        forward_ms = forward_s * 1000
+        results = []
+        for i, (entry, body) in enumerate(zip(entries, bodies)):
+            if i in failures:
+                results.append((entry, encode_error(*failures[i])))
+                continue
+            dims = body.dimensions or vectors.shape[1]
+            queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
+            results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
+        return BatchOutcome(results, [e.tokens for e in entries], forward_s, len(failures))
+
+    def _invalid(self, body: Body) -> str | None:
+        ids = body.token_ids
+        if ids.size == 0:
+            return "an input needs at least one token"
+        if ids.size > self.max_length:
+            return f"input of {ids.size} tokens exceeds the model's max length {self.max_length}"
+        if self.vocab_size and int(ids.max()) >= self.vocab_size:
+            return (f"token id {int(ids.max())} is out of range: the model's vocabulary has "
+                    f"{self.vocab_size} ids (0..{self.vocab_size - 1})")
+        return None
+
+    def _embed(self, bodies: list[Body]) -> np.ndarray:
+        batch = PackedBatch.pack([b.token_ids for b in bodies],
+                                 normalize=[b.normalize for b in bodies],
+                                 dimensions=[b.dimensions for b in bodies],
+                                 prefix_lens=[b.prefix_len for b in bodies])
+        return self.engine.embed(batch)
+
+    def _embed_into(self, bodies: list[Body], items: list[int], vectors: np.ndarray,
+                    failures: dict[int, tuple[str, str]]) -> None:
+        """Embed ``items`` into ``vectors``; on failure bisect until each bad item fails alone."""
+        fault = None
+        try:
+            vectors[items] = self._embed([bodies[i] for i in items])
+        except Exception as exc:  # noqa: BLE001 - classified below, after the exception is gone
+            fault, message = classify(exc), f"{type(exc).__name__}: {exc}".splitlines()[0][:_MAX_MESSAGE]
+        if fault is None:
+            return
+        # Out of the except block: the exception and its traceback (the failed forward's
+        # frames and activations) are released, so the memory can really be handed back.
+        if fault is Fault.DEVICE:
+            self._device_failed(message)
+        self.release()
+        if len(items) == 1:
+            failures[items[0]] = ("INTERNAL", f"the worker failed on this input: {message}")
+            return
+        log.warning("%d-item forward failed (%s: %s); splitting it in two", len(items), fault.value, message)
+        half = len(items) // 2
+        self._embed_into(bodies, items[:half], vectors, failures)
+        self._embed_into(bodies, items[half:], vectors, failures)
+
+    def _device_failed(self, message: str) -> None:
+        self.healthy = False
+        log.critical("device error, worker unhealthy, exiting (status %d) for its supervisor to "
+                     "restart it; the batch is redone after its lease: %s", EXIT_DEVICE_ERROR, message)
+        if self.observer:
+            self.observer.observe_error("device")
+        self.exit(EXIT_DEVICE_ERROR)
+        raise DeviceUnhealthy(message)  # only reached when exit() returns (tests)
