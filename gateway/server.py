@@ -110,7 +110,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, status)
 
-    readiness = Readiness(client, {m.info.name: m.queue.keys for m in embedder.models.values()},
+    # Its own connection: under load every pooled one is busy, and a check waiting its turn would
+    # report a loaded gateway as unready.
+    ready_client = connect(config.redis_url, max_connections=1, cluster=config.redis_cluster)
+    readiness = Readiness(ready_client, {m.info.name: m.queue.keys for m in embedder.models.values()},
                           period_s=config.ready_check_ms / 1000, on_change=report)
     http_server = http_task = None
     http_port = 0
@@ -173,4 +176,5 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             await model.queue.close()
             model.tokenizer.close()
         await client.aclose()
+        await ready_client.aclose()
         await pubsub_client.aclose()
