@@ -122,6 +122,13 @@ def test_requests_spread_over_every_shard_and_node(stack, redis_cluster, referen
     assert len({redis_cluster.owner_port(k.pending) for k in shard_keys}) >= 2
 
 
+def test_worker_liveness_check_reads_the_cluster(stack):
+    env = {**os.environ, "TOKQ_REDIS_URL": stack["url"]}
+    check = [sys.executable, "-m", "tokq.cli", "worker", "--check", "--worker-id"]
+    assert subprocess.run([*check, "cw1"], env=env, timeout=60).returncode == 0
+    assert subprocess.run([*check, "no-such-worker"], env=env, timeout=60).returncode == 1
+
+
 def test_kill_9_of_a_primary_under_load_answers_right_or_retryable(stack, redis_cluster, reference):
     """Calls run before, during and after a primary dies; a replica takes over. Every call is
     answered with its own vectors or a retryable status; then calls succeed again, with no
