@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -169,6 +170,7 @@ def test_kill_9_of_a_primary_under_load_answers_right_or_retryable(stack, redis_
         stop.set()
         for t in threads:
             t.join(timeout=60)
+    print("outcomes during the failover:", dict(Counter(outcomes)))
     assert all(p.poll() is None for p in stack["procs"]), "a tokq process died"
     assert set(outcomes) <= {"OK"} | RETRYABLE, sorted(set(outcomes))
     assert outcomes.count("OK") > 0
