@@ -138,6 +138,7 @@ class Stack:
         import redis
 
         from tokq.keys import QueueKeys
+        from tokq.model_info import ModelInfo
         from tokq.redis_server import EmbeddedRedis, free_port
         from tokq.profiling.bench_systems import _wait_healthy
 
@@ -156,7 +157,7 @@ class Stack:
         try:
             _wait_healthy(self.echo_target, self.echo, START_TIMEOUT_S)
             _wait_healthy(self.gateway_target, self.gateway, START_TIMEOUT_S)
-            heartbeat = QueueKeys("all-MiniLM-L6-v2").heartbeat("cpu-bench")
+            heartbeat = QueueKeys(ModelInfo.load(None).queue_name).heartbeat("cpu-bench")
             deadline = time.monotonic() + START_TIMEOUT_S
             while not client.exists(heartbeat):  # the worker has warmed up
                 if self.worker.poll() is not None or time.monotonic() > deadline:
