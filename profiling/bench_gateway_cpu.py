@@ -435,6 +435,14 @@ def run_command(calls, rate, rounds, warmup_calls, seed, workload, profile_dir, 
         write_section(Path(results_md), section)
 
 
+@main.command("render")
+@click.argument("json_path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--results-md", type=click.Path(dir_okay=False), required=True)
+def render_command(json_path, results_md) -> None:
+    """Rewrite the section from a `run --json` report, without measuring again."""
+    write_section(Path(results_md), markdown_section(json.loads(Path(json_path).read_text())))
+
+
 @main.command("echo-server")
 @click.option("--port", type=int, required=True)
 def echo_command(port) -> None:
