@@ -14,7 +14,8 @@ third try is claimed alone) against the old rule in the same run (every redone i
   * recovery: from the kill until the steady requests' p99 (1 s windows, by send time) is
     back at its pre-crash value, in lease periods;
   * redone: from the kill until the last burst item is answered, in lease periods;
-  * throughput during recovery: items answered per second, against the pre-crash rate.
+  * throughput during recovery: steady requests answered per second from the kill to the end
+    of recovery (at least one lease), against the pre-crash rate.
 Figures are medians over ``--rounds`` rounds per rule. This is a shared 2-core machine: the
 load average is printed, and both workers compete with the load generator and Redis.
 """
@@ -176,10 +177,12 @@ async def one_round(url: str, client: redis.Redis, args, max_attempts: int) -> d
         t += WINDOW_S
     lease_s = args.lease_ms / 1000
     redone_s = load.done[burst] - killed_at if burst in load.done else float("nan")
-    pre_rate = len([1 for rid, done in load.done.items() if pre_from <= done < killed_at]) / (killed_at - pre_from)
-    span = max(end - killed_at, WINDOW_S)
-    items_in_recovery = sum(args.burst if rid.startswith("b") else 1
-                            for rid, done in load.done.items() if killed_at <= done < killed_at + span)
+    # Throughput of the steady traffic (what callers other than the crashed batch's get).
+    pre_rate = len([1 for rid, done in load.done.items()
+                    if rid.startswith("s") and pre_from <= done < killed_at]) / (killed_at - pre_from)
+    span = max(end - killed_at, args.lease_ms / 1000)
+    items_in_recovery = sum(1 for rid, done in load.done.items()
+                            if rid.startswith("s") and killed_at <= done < killed_at + span)
     return {"recovery_leases": (end - killed_at) / lease_s, "redone_leases": redone_s / lease_s,
             "pre_p99_ms": pre_p99 * 1000, "pre_items_per_s": pre_rate,
             "recovery_items_per_s": items_in_recovery / span,
