@@ -123,6 +123,8 @@ def main() -> None:
         f"PING round trip p99 {percentile(ping_ms, 0.99):.2f} ms |",
         f"| wake-up, max (ms) | {max(wake_ms):.1f} | |",
         "",
+        "Commands are what INFO commandstats counts: the commands a script runs inside Redis "
+        "(TIME, LRANGE, ...) count besides its EVALSHA. "
         "Wake-up = the claim's Redis time minus the enqueue's (1 ms resolution). "
         + shared_machine_note(),
     ]
