@@ -50,6 +50,7 @@ bench: install
 	-$(MAKE) .venv-infinity/bin/infinity_emb
 	$(BIN)/python -m tokq.profiling.bench_queue
 	$(BIN)/python -m tokq.profiling.bench_runtime
+	$(BIN)/python -m tokq.profiling.bench_prefix --threads 1 --write profiling/RESULTS.md
 	$(BIN)/python -m tokq.profiling.bench_gateway_cpu run --results-md profiling/RESULTS.md
 	$(BIN)/tokq bench --all --out profiling/bench.json --plots profiling/ --results-md profiling/RESULTS.md
 
@@ -65,6 +66,8 @@ bench-gateway-cpu: install
 # Without a GPU it says so and exits 0.
 bench-gpu: install
 	$(BIN)/python -m tokq.profiling.bench_gpu --results-md profiling/RESULTS.md --out-dir profiling/gpu
+	$(BIN)/python -m tokq.profiling.bench_prefix --device cuda --layers 28 --budget 8192 --queries 8192 \
+		--write profiling/RESULTS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

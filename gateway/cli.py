@@ -30,6 +30,13 @@ def gateway_command(procs: int, **values) -> None:
     gateway_values, queue_values = cfg.split(values, cfg.GatewayConfig, cfg.QueueConfig)
     base = cfg.load_or_exit(cfg.GatewayConfig, gateway_values)  # validate before forking
     cfg.load_or_exit(cfg.QueueConfig, queue_values)
+    from tokq.gateway.auth import ApiKeys, server_credentials
+
+    try:  # unreadable certificates or key files: one line now, not a traceback per process
+        server_credentials(base)
+        ApiKeys.from_config(base)
+    except cfg.ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     if procs <= 1:
         _run_one(gateway_values, queue_values)
         return

@@ -25,8 +25,10 @@ from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFoun
                                  from_result_code, status_name)
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
+from tokq.gateway.validate import Limits, check_text_sizes, check_token_ids
 from tokq.model_info import ModelInfo
-from tokq.queue import Queue, QueueFull
+from tokq.queue import QueueFull
+from tokq.shards import ShardedQueue
 
 
 class Deadline(Protocol):
@@ -69,7 +71,7 @@ class EmbedOutput:
 class ServedModel:
     """One model this gateway serves: its tokenizer, its queue and the calls waiting on it."""
 
-    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, queue: Queue, router: ReplyRouter,
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, queue: ShardedQueue, router: ReplyRouter,
                  config: GatewayConfig, gateway_id: str, observer=None) -> None:
         self.info = info
         self.tokenizer = tokenizer
@@ -79,7 +81,7 @@ class ServedModel:
         self.gateway_id = gateway_id
         self.observer = observer  # metrics hooks (tokq.metrics.GatewayMetrics), optional
         self._ids = itertools.count()
-        self._vocab_size = int(info.config["vocab_size"])  # the embedding table: ids past it crash a forward
+        self.limits = Limits.resolve(info, config)  # byte caps, checked before tokenizing
         self._prompt_boundary = PromptBoundary(info, tokenizer)
 
     # -- validation ---------------------------------------------------------------------------
@@ -112,15 +114,13 @@ class ServedModel:
         them): every id must be in the vocabulary; over-long ones are cut or refused like text."""
         seqs = [list(seq) for seq in inputs]
         self._check_count(len(seqs))
-        max_len, vocab = self.info.max_length, self._vocab_size
+        max_len = self.info.max_length
         for i, seq in enumerate(seqs):
             if not seq:
                 raise InvalidArgument(f"input {i} has no token ids: every input needs at least one",
                                       param="input")
-            bad = next((t for t in seq if type(t) is not int or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidArgument(f"input {i} has token id {bad!r} outside {self.info.name}'s "
-                                      f"vocabulary (0..{vocab - 1})", param="input")
+        check_token_ids(seqs, self.info)  # ids past the embedding table crash a forward
+        for i, seq in enumerate(seqs):
             if len(seq) > max_len:
                 if not truncate:
                     raise InvalidArgument(
@@ -164,9 +164,12 @@ class ServedModel:
             self._timeout_ms(context)
         else:
             texts = self._check_texts(request.texts)
+            sizes = check_text_sizes(texts, self.limits)
             prompt = self._prompt(request.prompt_name)
             self._timeout_ms(context)  # a call already past its deadline is not tokenized
-            ids = await self.tokenizer.encode(texts, prompt=prompt, truncate=request.truncate)
+            ids = await self.tokenizer.encode(
+                texts, prompt=prompt, truncate=request.truncate,
+                cost_bytes=self.tokenizer.cost_bytes(sizes, request.truncate))
         tokenize_ms = (time.perf_counter() - t_start) * 1000
         # A shared prompt is computed once by the worker: the queue counts only the rest.
         prefix_lens = self._prompt_boundary.prefix_lens(prompt, ids)
@@ -199,7 +202,7 @@ class ServedModel:
         try:
             timeout_ms = self._timeout_ms(context)  # what is left after tokenizing
             await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
-                                     channel=self.router.channel)
+                                     gateway_id=self.gateway_id)
             self.router.enqueued(request_id)
             try:
                 await asyncio.wait_for(done, timeout=timeout_ms / 1000)
@@ -230,7 +233,9 @@ class ServedModel:
 
     async def tokenize(self, texts, *, truncate: bool = False, prompt_name: str | None = None) -> list[list[int]]:
         texts = self._check_texts(texts)
-        return await self.tokenizer.encode(texts, prompt=self._prompt(prompt_name), truncate=truncate)
+        sizes = check_text_sizes(texts, self.limits)
+        return await self.tokenizer.encode(texts, prompt=self._prompt(prompt_name), truncate=truncate,
+                                           cost_bytes=self.tokenizer.cost_bytes(sizes, truncate))
 
     async def describe(self) -> dict:
         """What a client may want to know before calling: limits, prompts, the published budget."""

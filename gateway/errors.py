@@ -110,7 +110,9 @@ def is_retryable_redis_error(exc: BaseException) -> bool:
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ReadOnlyError, redis.exceptions.OutOfMemoryError,
                         redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
-                        redis.exceptions.MasterDownError, redis.exceptions.AuthenticationError)):
+                        redis.exceptions.MasterDownError, redis.exceptions.AuthenticationError,
+                        # Redis Cluster mid-failover or resharding: the slot map is changing.
+                        redis.exceptions.SlotNotCoveredError, redis.exceptions.AskError)):
         return True  # AuthenticationError: misconfigured; the caller can only wait for a fix
     if isinstance(exc, redis.exceptions.ResponseError):
         # A script's redis.call error arrives with its own prefix (OOM ...), or inside

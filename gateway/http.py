@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tokq.gateway.auth import ApiKeys
 from tokq.gateway.embedding import EmbedInput, Embedder, Timer
 from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, to_http
 
@@ -113,11 +114,18 @@ def _encode(vector: np.ndarray, encoding: str):
     return vector
 
 
-def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 1024 * 1024) -> Starlette:
-    """``readiness``: an object with ``ready`` (bool) and ``reason`` (str); None = always ready."""
+def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 1024 * 1024,
+              api_keys: ApiKeys | None = None) -> Starlette:
+    """``readiness``: an object with ``ready`` (bool) and ``reason`` (str); None = always ready.
+    ``api_keys``: when given, every route but /health and /ready needs ``Authorization: Bearer``."""
+
+    def authorize(request: Request) -> None:
+        if api_keys is not None:
+            api_keys.check(request.headers.get("authorization"))  # Unauthenticated -> 401
 
     async def embeddings(request: Request) -> Response:
         try:
+            authorize(request)
             params, encoding = parse_request(await _body(request, max_body_bytes))
 
             async def embed(model):
@@ -137,10 +145,15 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
         return {"id": name, "object": "model", "created": 0, "owned_by": "tokq"}
 
     async def models(request: Request) -> Response:
+        try:
+            authorize(request)
+        except Exception as exc:
+            return _error(exc)
         return _json({"object": "list", "data": [_model_card(n) for n in embedder.models]})
 
     async def model(request: Request) -> Response:
         try:
+            authorize(request)
             return _json(_model_card(embedder.lookup(request.path_params["name"]).info.name))
         except Exception as exc:
             return _error(exc)

@@ -1,58 +1,176 @@
-"""Tokenization off the event loop: all inputs of a request are batch-encoded at once by the
-model's fast (Rust) tokenizer in a small thread pool, so the gRPC loop never blocks on it."""
+"""Tokenization off the event loop, in two lanes, with truncation that costs what the model reads.
+
+- Each thread has its own copy of the model's fast (Rust) tokenizer; calls release the GIL.
+- Two thread pools: ordinary requests on one sized to the cores, large ones (by bytes to tokenize)
+  on a second pool with half as many threads. Large requests then wait for each other and
+  never take every core or every thread: a one-word query behind six 8 MB callers still finds a
+  free thread in its own lane and a core to run on.
+- truncate=true tokenizes a prefix, not the whole string (``encode_truncated``): an 8 MB input
+  costs about what a max-length one does, and the ids are those of tokenizing it all (see there).
+  Without truncate=true, a long input is refused from its prefix too (``surely_too_long``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from tokenizers import Encoding
+from tokenizers import Tokenizer as RustTokenizer
 from transformers import AutoTokenizer
 
 from tokq.gateway.errors import InvalidArgument
 from tokq.model_info import ModelInfo
 
+# Our pools are the parallelism; the Rust tokenizer's own (rayon) would let one large batch
+# take every core and undo the lanes. An operator's explicit setting still wins.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# First prefix tried for truncate=true, in characters per token kept: ordinary text runs 3-5
+# characters a token, so one tokenization of a prefix this long nearly always suffices.
+PREFIX_CHARS_PER_TOKEN = 8
+
+
+def encode_truncated(backend: RustTokenizer, text: str, max_length: int) -> list[int]:
+    """``text``'s ids truncated to ``max_length`` (special tokens included), equal to tokenizing
+    all of ``text`` with right-side truncation, while reading only a prefix of it. ``backend``
+    must have truncation and padding off.
+
+    Why a prefix gives the same ids: the normalizer works per character and the pre-tokenizer cuts
+    words by local context, so every word of the prefix except the last (which the cut may have
+    split) is a word of the whole text too, at the same place; the model then tokenizes each word
+    on its own. So when the first ``k`` tokens of the prefix all come from words before its last
+    one, they are the first ``k`` tokens of the whole text. Otherwise the prefix doubles; at worst
+    it becomes the whole text, the exact path. Tokens with no word id (added tokens) end the
+    shortcut: that case takes the next, longer prefix.
+    """
+    return encode_truncated_batch(backend, [text], max_length)[0]
+
+
+def encode_truncated_batch(backend: RustTokenizer, texts: list[str], max_length: int) -> list[list[int]]:
+    """``encode_truncated`` for many texts, through ``encode_batch``: unlike ``encode`` it
+    releases the GIL, so a large request never holds up the event loop or the other lane."""
+    keep = max_length - backend.num_special_tokens_to_add(False)
+    cut = max(64, keep * PREFIX_CHARS_PER_TOKEN)
+    out: list[list[int] | None] = [None] * len(texts)
+    todo = list(range(len(texts)))
+    while todo:
+        encs = backend.encode_batch([texts[i][:cut] for i in todo], add_special_tokens=False)
+        widen = []
+        for i, enc in zip(todo, encs):
+            if cut >= len(texts[i]) or _prefix_is_settled(enc, keep):
+                enc.truncate(keep)
+                out[i] = backend.post_process(enc).ids
+            else:
+                widen.append(i)
+        todo, cut = widen, cut * 2
+    return out
+
+
+def surely_too_long(backend: RustTokenizer, text: str, max_length: int) -> bool:
+    """True when ``text`` has more than ``max_length`` tokens for certain, read from a prefix: the
+    prefix's first tokens are settled (as in ``encode_truncated``) and more follow. A long text
+    sent without truncate=true is then refused for the price of a max-length one. False means
+    "not known from the prefix": the full tokenization decides."""
+    return first_surely_too_long(backend, [text], max_length) == 0
+
+
+def first_surely_too_long(backend: RustTokenizer, texts: list[str], max_length: int) -> int | None:
+    """The index of the first text ``surely_too_long`` says is, else None (one encode_batch)."""
+    keep = max_length - backend.num_special_tokens_to_add(False)
+    cut = max(64, keep * PREFIX_CHARS_PER_TOKEN)
+    long = [i for i, t in enumerate(texts) if len(t) > cut]
+    if not long:
+        return None
+    encs = backend.encode_batch([texts[i][:cut] for i in long], add_special_tokens=False)
+    return next((i for i, enc in zip(long, encs) if _prefix_is_settled(enc, keep)), None)
+
+
+def _prefix_is_settled(enc: Encoding, keep: int) -> bool:
+    words = enc.word_ids
+    if len(words) <= keep:
+        return False
+    last_kept, last = words[keep - 1], words[-1]
+    return last_kept is not None and last is not None and last_kept < last and None not in words[:keep]
+
 
 class Tokenizer:
-    def __init__(self, info: ModelInfo, num_threads: int = 2) -> None:
+    def __init__(self, info: ModelInfo, num_threads: int = 0, heavy_bytes: int = 0) -> None:
         self.info = info
         self._tok = AutoTokenizer.from_pretrained(str(info.path))
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenize")
-        # One tokenizer per thread: a fast tokenizer's truncation setting is state on the
-        # shared Rust object, so concurrent calls with and without truncate corrupt each other.
+        # Our own copy, never truncating or padding by itself: the HF wrapper sets those on its
+        # backend per call, and ``encode_truncated`` does the truncation.
+        backend = copy.deepcopy(self._tok.backend_tokenizer)
+        backend.no_truncation()
+        backend.no_padding()
+        self._backend = backend
+        self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
+        light = num_threads or os.cpu_count() or 2
+        self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize")
+        self._heavy = ThreadPoolExecutor(max(1, light // 2), thread_name_prefix="tokenize-large")
+        # Large: more than ~16 max-length inputs of ordinary text (4 bytes a token) to read, i.e.
+        # a few milliseconds of one core. A search query (a few short inputs) is never large.
+        self.heavy_bytes = heavy_bytes or 64 * info.max_length
         self._local = threading.local()
 
-    def _tokenizer(self):
+    def _backend_copy(self) -> RustTokenizer:
         tok = getattr(self._local, "tok", None)
         if tok is None:
-            tok = self._local.tok = copy.deepcopy(self._tok)
+            tok = self._local.tok = copy.deepcopy(self._backend)
         return tok
 
     def encode_sync(self, texts: list[str], *, prompt: str = "", truncate: bool = False) -> list[list[int]]:
         max_len = self.info.max_length
         if prompt:
             texts = [prompt + t for t in texts]
-        enc = self._tokenizer()(texts, add_special_tokens=True, truncation=truncate,
-                        max_length=max_len if truncate else None,
-                        return_attention_mask=False, return_token_type_ids=False)
-        ids = enc["input_ids"]
-        if not truncate:
-            for i, seq in enumerate(ids):
-                if len(seq) > max_len:
-                    raise InvalidArgument(
-                        f"input {i} is {len(seq)} tokens long; {self.info.name} takes at most "
-                        f"{max_len} tokens per input (special tokens included). Shorten it or set "
-                        f"truncate=true to cut it to {max_len}.")
+        backend = self._backend_copy()
+        if truncate and self._cut_prefix:
+            return encode_truncated_batch(backend, texts, max_len)
+        if truncate:  # left-side truncation keeps a suffix: the exact path on the whole text
+            keep = max_len - backend.num_special_tokens_to_add(False)
+            out = []
+            for enc in backend.encode_batch(texts, add_special_tokens=False):
+                enc.truncate(keep, direction="left")
+                out.append(backend.post_process(enc).ids)
+            return out
+        if (i := first_surely_too_long(backend, texts, max_len)) is not None:
+            raise InvalidArgument(
+                f"input {i} is more than {max_len} tokens long; {self.info.name} takes at most "
+                f"{max_len} tokens per input (special tokens included). Shorten it or set "
+                f"truncate=true to cut it to {max_len}.", param="input")
+        encs = backend.encode_batch(texts, add_special_tokens=True)
+        ids = [enc.ids for enc in encs]
+        for i, seq in enumerate(ids):
+            if len(seq) > max_len:
+                raise InvalidArgument(
+                    f"input {i} is {len(seq)} tokens long; {self.info.name} takes at most "
+                    f"{max_len} tokens per input (special tokens included). Shorten it or set "
+                    f"truncate=true to cut it to {max_len}.", param="input")
         return ids
 
-    async def encode(self, texts: list[str], *, prompt: str = "", truncate: bool = False) -> list[list[int]]:
+    async def encode(self, texts: list[str], *, prompt: str = "", truncate: bool = False,
+                     cost_bytes: int | None = None) -> list[list[int]]:
+        """``cost_bytes``: the bytes this call will tokenize (after any cut); it picks the lane."""
+        if cost_bytes is None:
+            cost_bytes = sum(len(t) for t in texts)
+        pool = self._heavy if cost_bytes > self.heavy_bytes else self._light
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._pool, lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
+            pool, lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
+
+    def cost_bytes(self, sizes: list[int], truncate: bool) -> int:
+        """About the bytes tokenizing inputs of these UTF-8 sizes reads: a long input costs about
+        a first prefix (cut by ``encode_truncated``, or refused by ``surely_too_long``), an input
+        of words longer than the model reads being the rare exception that reads further."""
+        first_cut = 4 * PREFIX_CHARS_PER_TOKEN * self.info.max_length  # <= 4 bytes a char
+        return sum(min(n, first_cut) for n in sizes)
 
     def tokens(self, ids: list[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(ids)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._light.shutdown(wait=False, cancel_futures=True)
+        self._heavy.shutdown(wait=False, cancel_futures=True)

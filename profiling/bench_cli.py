@@ -52,7 +52,7 @@ def optimum_cli_beside(infinity_bin: str | None) -> str | None:
 
 def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int | None,
                  padded_max_batch: int, padded_max_wait_ms: float, infinity_bin: str | None = None,
-                 onnx_dir: str = "", default_budget: int = 1024):
+                 onnx_dir: str = "", infinity_onnx_dir: str = "", default_budget: int = 1024):
     from tokq.profiling.bench_systems import SystemSpec
 
     main_budget = budgets[-1]
@@ -71,7 +71,8 @@ def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int |
                                          max_batch_size=padded_max_batch, infinity_bin=infinity_bin)
         catalog["infinity-onnx"] = SystemSpec(f"Infinity ONNX, mean pooling (HTTP, batch <= {padded_max_batch})",
                                               "infinity", max_batch_size=padded_max_batch,
-                                              infinity_bin=infinity_bin, engine="optimum", onnx_dir=onnx_dir)
+                                              infinity_bin=infinity_bin, engine="optimum",
+                                              onnx_dir=infinity_onnx_dir or onnx_dir)
     for b in budgets[:-1]:
         catalog[f"tokq-b{b}"] = SystemSpec(f"tokq look-ahead b{b}", "tokq", b, None)
     if profiled_budget and profiled_budget not in budgets:
@@ -266,10 +267,17 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
             with console.status("exporting the model to ONNX"):
                 onnx_export = export(bundled_model_path(), export_root / "onnx",
                                      optimum_cli=optimum_cli_beside(infinity_bin))
+        infinity_onnx_dir = ""
+        if onnx_export:
+            from tokq.model_info import ModelInfo
+            from tokq.profiling.baselines.onnx_model import for_infinity
+
+            infinity_onnx_dir = str(for_infinity(onnx_export.path, export_root / "onnx-infinity",
+                                                 ModelInfo.load(None).max_length))
         specs = system_specs(names, budgets=budget_list, profiled_budget=profiled,
                              padded_max_batch=padded_max_batch, padded_max_wait_ms=padded_max_wait_ms,
                              infinity_bin=infinity_bin, onnx_dir=str(onnx_export.path) if onnx_export else "",
-                             default_budget=default_budget)
+                             infinity_onnx_dir=infinity_onnx_dir, default_budget=default_budget)
         specs = [s if s.kind in ("infinity", "onnx-one-at-a-time")
                  else dataclasses.replace(s, model=model_dir or "", device=device) for s in specs]
         infinity_note = (f"measured ({infinity_bin}). {INFINITY_WHY}" if any(s.kind == "infinity" for s in specs)

@@ -1,7 +1,7 @@
 """CPU time per single-input Embed call, per process, against a bare grpc.aio server measured
 in the same run.
 
-    .venv/bin/python -m tokq.profiling.bench_gateway_cpu run [--calls 2000] [--rate 100] [--rounds 3]
+    .venv/bin/python -m tokq.profiling.bench_gateway_cpu run [--calls 2000] [--rate 60] [--rounds 3]
         [--profile-dir DIR] [--results-md profiling/RESULTS.md]
 
 Starts, as separate processes: an embedded Redis, one gateway and one worker (`tokq gateway`,
@@ -202,8 +202,10 @@ def measure(target: str, pids: dict[str, int], *, rate: float, calls: int, warmu
     finally:
         client.stdin.close()
         client.wait(timeout=60)
-    ok = max(summary["num_ok"], 1)
-    return {"cpu_ms_per_call": {name: round(1000 * (after[name] - before[name]) / ok, 4) for name in pids},
+    # Per call sent: a call that timed out cost the gateway too (the report shows the errors;
+    # the target is judged only on runs without them).
+    n = max(summary["num_requests"], 1)
+    return {"cpu_ms_per_call": {name: round(1000 * (after[name] - before[name]) / n, 4) for name in pids},
             "cpu_s": {name: round(after[name] - before[name], 3) for name in pids},
             "wall_s": round(wall_s, 2), "summary": summary}
 
@@ -363,11 +365,15 @@ def markdown_section(report: dict) -> str:
             per_round = ", ".join(f"{r[system]['cpu_ms_per_call'][name]:.3f}" for r in report["rounds"])
             lines.append(f"| {name} ({'tokq run' if system == 'tokq' else 'echo run'}) | {value:.3f} | {per_round} |")
     p99 = ", ".join(f"{r['tokq']['summary']['latency_ms']['p99']:.0f}" for r in report["rounds"])
+    errors = [sum(r[s]["summary"]["errors"].values()) for r in report["rounds"] for s in ("tokq", "echo")]
+    verdict = ("not judged: some calls failed (the worker fell behind on this busy machine)" if any(errors)
+               else "met" if gw <= TARGET_MS_PER_CALL else "not met")
     lines += ["", f"Gateway / bare grpc.aio server, within each round: **{med['gateway_vs_echo']:.2f}x** "
                   f"(rounds: {', '.join(str(r['gateway_vs_echo']) for r in report['rounds'])}). "
-                  f"tokq p99 latency per round: {p99} ms.  ",
+                  f"tokq p99 latency per round: {p99} ms; failed calls per round (tokq, echo): "
+                  f"{', '.join(map(str, errors))}.  ",
               f"Target: gateway <= {TARGET_MS_PER_CALL} ms of CPU per single-input call: "
-              f"**{'met' if gw <= TARGET_MS_PER_CALL else 'not met'}** ({gw:.3f} ms).", ""]
+              f"**{verdict}** ({gw:.3f} ms).", ""]
     prof = report.get("profile")
     if prof:
         lines += [f"### Where the gateway's CPU goes (py-spy --native, {prof['busy_samples']} busy of "
@@ -401,7 +407,7 @@ def main() -> None:
 
 @main.command("run")
 @click.option("--calls", default=2000, show_default=True, help="Measured single-input calls per run.")
-@click.option("--rate", default=100.0, show_default=True,
+@click.option("--rate", default=60.0, show_default=True,
               help="Offered req/s (open loop); low enough that one worker thread keeps up on a busy 2-core machine.")
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--warmup-calls", default=300, show_default=True)

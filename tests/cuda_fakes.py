@@ -48,20 +48,26 @@ def signature(text: str | inspect.Signature) -> inspect.Signature:
     return inspect.signature(namespace["f"])
 
 
-def reference_attention(q, k, v, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
-    """float64 attention, each sequence on its own; k, v heads shared by groups of q heads."""
+def reference_attention(q, k, v, cu_seqlens, causal: bool, scale: float,
+                        cu_seqlens_k=None) -> torch.Tensor:
+    """float64 attention, each sequence on its own; k, v heads shared by groups of q heads.
+    With ``cu_seqlens_k`` a sequence may have more keys than queries (a shared prompt's K/V
+    first); the causal mask is then aligned to the bottom right, as flash-attn's is."""
     q, k, v = (x.detach().double().cpu() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = torch.empty_like(q)
-    cu = [int(c) for c in cu_seqlens]
-    for start, end in zip(cu[:-1], cu[1:]):
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+    cu_q = [int(c) for c in cu_seqlens]
+    cu_k = cu_q if cu_seqlens_k is None else [int(c) for c in cu_seqlens_k]
+    for i in range(len(cu_q) - 1):
+        qs = q[cu_q[i]:cu_q[i + 1]].transpose(0, 1)  # [H, Lq, D]
+        ks, vs = (x[cu_k[i]:cu_k[i + 1]].transpose(0, 1) for x in (k, v))
         scores = qs @ ks.transpose(1, 2) * scale
         if causal:
-            n = end - start
-            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        out[start:end] = (scores.softmax(-1) @ vs).transpose(0, 1)
+            lq, lk = qs.shape[1], ks.shape[1]
+            scores = scores.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(lk - lq + 1),
+                                        float("-inf"))
+        out[cu_q[i]:cu_q[i + 1]] = (scores.softmax(-1) @ vs).transpose(0, 1)
     return out
 
 
@@ -70,7 +76,7 @@ def _check_qkv(q, k, v) -> None:
     assert q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
     assert q.dtype in (torch.float16, torch.bfloat16), f"the CUDA kernels take fp16/bf16, got {q.dtype}"
     assert q.device == k.device == v.device
-    assert q.shape[0] == k.shape[0] == v.shape[0] and k.shape == v.shape
+    assert k.shape == v.shape
     assert q.shape[2] == k.shape[2] <= 256, "head_dim must match and be <= 256"
     assert q.shape[1] % k.shape[1] == 0, "q heads must be a multiple of kv heads"
     for x in (q, k, v):
@@ -109,7 +115,8 @@ class FlashAttnVarlenFake:
         assert isinstance(a["causal"], bool)
         scale = q.shape[-1] ** -0.5 if a["softmax_scale"] is None else a["softmax_scale"]
         self.calls.append({"causal": a["causal"], "heads": (q.shape[1], k.shape[1]), "scale": scale})
-        return reference_attention(q, k, v, a["cu_seqlens_q"], a["causal"], scale).to(q.dtype)
+        return reference_attention(q, k, v, a["cu_seqlens_q"], a["causal"], scale,
+                                   cu_seqlens_k=a["cu_seqlens_k"]).to(q.dtype)
 
 
 class TorchVarlenFake:
@@ -146,4 +153,5 @@ class TorchVarlenFake:
             assert a.get(unused) is None, unused
         scale = q.shape[-1] ** -0.5 if a.get("scale") is None else a["scale"]
         self.calls.append({"causal": causal, "heads": (q.shape[1], k.shape[1]), "scale": scale})
-        return reference_attention(q, k, v, a["cu_seq_q"], causal, scale).to(q.dtype)
+        return reference_attention(q, k, v, a["cu_seq_q"], causal, scale,
+                                   cu_seqlens_k=a["cu_seq_k"]).to(q.dtype)

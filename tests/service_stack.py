@@ -14,6 +14,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo
 from tokq.processes import stop_all
 from tokq.redis_server import EmbeddedRedis, free_port
 
@@ -25,6 +26,7 @@ class ServiceStack:
         self.target = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.model_args = ["--model", model] if model else []
+        self.keys = QueueKeys(ModelInfo.load(model).queue_name)  # as its gateway and workers name it
         # The OpenAI-compatible HTTP API on its own free port, when asked for.
         self.http_port = free_port() if http else 0
         self.http_url = f"http://127.0.0.1:{self.http_port}" if http else ""
@@ -74,7 +76,7 @@ class ServiceStack:
             self.wait_heartbeat(worker_id, timeout_s)
 
     def wait_heartbeat(self, worker_id: str, timeout_s: float = 90) -> None:
-        keys = QueueKeys("all-MiniLM-L6-v2")
+        keys = self.keys
         client = self.client()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

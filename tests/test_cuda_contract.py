@@ -78,6 +78,27 @@ def test_engine_forward_through_cuda_call_path_matches_sdpa(tiny_bf16, monkeypat
     assert np.isfinite(got).all() and cos.min() >= 0.999, cos.min()
 
 
+def test_shared_prompt_path_through_flash_attn_call_matches_sdpa(tmp_path, monkeypatch):
+    """The decoder prefix path (a prompt's K/V computed once, queries attending to prompt +
+    own keys: cu_seqlens_k != cu_seqlens_q, causal aligned bottom-right) through flash-attn's
+    call on CPU."""
+    fake = _install(monkeypatch, "flash_attn", "flash-attn 2.6-2.8")
+    build("qwen3_model", tmp_path)
+    loaded = Engine.load(tmp_path, device="cpu", dtype="bfloat16")
+    flash = Engine(loaded.info, loaded.model, loaded.device, loaded.dtype, "flash_attn")
+    sdpa = Engine(loaded.info, loaded.model, loaded.device, loaded.dtype, "sdpa_packed")
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(1, VOCAB, size=9).tolist()
+    seqs = [prompt + rng.integers(1, VOCAB, size=n).tolist() for n in (1, 5, 17, 3)]
+    seqs.append(rng.integers(1, VOCAB, size=6).tolist())  # no prompt
+    batch = PackedBatch.pack(seqs, prefix_lens=[9, 9, 9, 9, 0])
+    for _ in range(2):  # first computes the prompt, second takes it from the cache
+        got, want = flash.embed(batch), sdpa.embed(batch)
+        cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+        assert np.isfinite(got).all() and cos.min() >= 0.999, cos.min()
+    assert fake.calls and all(c["causal"] for c in fake.calls)
+
+
 @pytest.mark.parametrize("version", VARLEN_VERSIONS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_varlen_call_binds_each_version_and_matches_reference(monkeypatch, version, causal):

@@ -1,13 +1,16 @@
-"""The gateway's tokenizer: limits named in errors, and safe under concurrent calls."""
+"""The gateway's tokenizer: limits named in errors, safe under concurrent calls, and truncation that
+reads only a prefix yet gives the ids of tokenizing the whole text."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import random
 
 import pytest
 
 from tokq.gateway.errors import InvalidArgument
-from tokq.gateway.tokenize import Tokenizer
+from tokq.gateway.tokenize import Tokenizer, encode_truncated, surely_too_long
 from tokq.model_info import ModelInfo
 
 
@@ -38,3 +41,114 @@ async def test_concurrent_calls_with_and_without_truncation_do_not_mix(tokenizer
     truncated, full = results[0::2], results[1::2]
     assert {len(seq) for r in truncated for seq in r} == {256}
     assert {len(seq) for r in full for seq in r} == {202}
+
+
+# -- truncate=true reads a prefix, and gives the ids of tokenizing the whole string ----------
+
+def _hostile_texts(words: list[str]) -> dict[str, str]:
+    rng = random.Random(7)
+    return {
+        "prose": " ".join(rng.choice(words) for _ in range(3000)),
+        "one 50k-char word": "x" * 50_000,
+        "whitespace then a word": " " * 30_000 + "hello",
+        "CJK": "日本語のテキストです。" * 4000,
+        "combining accents": ("e\u0301" * 3 + " ") * 5000,
+        "words around the [UNK] length": "a" * 99 + " " + "b" * 101 + " " + " ".join(words[:800]),
+        "special-token text": "[SEP] [CLS] <|endoftext|> " * 2000,
+        "emoji": "😀🎉 " * 4000,
+        "punctuation": ".,;!?" * 3000,
+        "short": "short text",
+    }
+
+
+def _byte_level_bpe(words: list[str]):
+    """A Qwen-style byte-level BPE (GPT-2 split regex + ByteLevel, EOS appended), trained here."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(3)
+    tok = RustTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(split, behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(rng.choice(words) for _ in range(50)) for _ in range(1000)],
+                            trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    eos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                       special_tokens=[("<|endoftext|>", eos)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def words(bundled_model_dir):
+    return [w.strip() for w in open(bundled_model_dir / "vocab.txt", encoding="utf-8")
+            if w.strip().isalpha()][:20000]
+
+
+@pytest.mark.parametrize("family", ["wordpiece", "byte-level BPE"])
+def test_truncated_ids_equal_tokenizing_the_whole_text(family, words, bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(bundled_model_dir)) if family == "wordpiece" else _byte_level_bpe(words)
+    backend = copy.deepcopy(hf.backend_tokenizer)
+    backend.no_truncation()
+    backend.no_padding()
+    for max_length in (8, 256, 512):
+        for name, text in _hostile_texts(words).items():
+            want = hf(text, truncation=True, max_length=max_length)["input_ids"]
+            assert encode_truncated(backend, text, max_length) == want, (family, name, max_length)
+
+
+def test_an_8mb_input_truncated_gives_the_ids_of_the_whole_string(tokenizer, words):
+    rng = random.Random(11)
+    text = " ".join(rng.choice(words) for _ in range(1_500_000))[: 8 << 20]
+    assert len(text) == 8 << 20
+    whole = tokenizer._tok(text, truncation=True, max_length=256)["input_ids"]  # reads all 8 MB
+    assert tokenizer.encode_sync([text], truncate=True) == [whole]
+    assert tokenizer.cost_bytes([len(text)], truncate=True) < 100_000  # the lane sees a small call
+
+
+@pytest.mark.parametrize("family", ["wordpiece", "byte-level BPE"])
+def test_a_long_input_is_refused_from_its_prefix_only_when_surely_too_long(family, words, bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(bundled_model_dir)) if family == "wordpiece" else _byte_level_bpe(words)
+    backend = copy.deepcopy(hf.backend_tokenizer)
+    backend.no_truncation()
+    backend.no_padding()
+    texts = _hostile_texts(words)
+    for max_length in (8, 256, 4096):
+        for name, text in texts.items():
+            if surely_too_long(backend, text, max_length):
+                assert len(hf(text)["input_ids"]) > max_length, (family, name, max_length)
+    assert surely_too_long(backend, texts["prose"], 256)  # the shortcut does apply
+
+
+def test_over_long_input_without_truncate_names_the_limit_from_a_prefix(tokenizer):
+    with pytest.raises(InvalidArgument, match="input 0 is more than 256 tokens long.*truncate=true"):
+        tokenizer.encode_sync(["word " * 1_000_000])
+
+
+async def test_a_short_call_is_not_queued_behind_large_ones(words):
+    # The large lane has one thread here: three large calls run one after another there, while
+    # a short call takes the other lane and finishes first.
+    tok = Tokenizer(ModelInfo.load(), num_threads=2)
+    try:
+        rng = random.Random(1)
+        big = [" ".join(rng.choice(words) for _ in range(300))[:1900] for _ in range(250)]
+        cost = tok.cost_bytes([len(t) for t in big], truncate=True)
+        assert cost > tok.heavy_bytes and tok.cost_bytes([5], truncate=False) <= tok.heavy_bytes
+        large = [asyncio.ensure_future(tok.encode(big, truncate=True, cost_bytes=cost)) for _ in range(3)]
+        await asyncio.sleep(0)  # all three submitted before the short one
+        short = await tok.encode(["hello"], cost_bytes=5)
+        assert short == [[101, 7592, 102]]
+        assert not all(f.done() for f in large)
+        assert all(len(ids) == 250 for ids in await asyncio.gather(*large))
+    finally:
+        tok.close()

@@ -55,7 +55,7 @@ def test_repo_id_resolves_to_its_cached_snapshot_and_is_served_under_the_repo_id
     assert source.name == REPO
     info = ModelInfo.load(REPO)
     assert (info.name, info.hidden_size, info.max_length, info.pooling) == (REPO, 384, 256, "mean")
-    assert info.queue_name == "acme_mini-lm"
+    assert info.queue_name == "acme_mini-lm@" + info.fingerprint[:8]  # name @ model fingerprint
     assert ModelInfo.load(REPO, revision=COMMIT).path == source.path  # a commit pins it
 
 
@@ -88,14 +88,14 @@ def test_profile_publishes_the_budget_under_the_repo_ids_queue(hub_cache, tmp_pa
 
     args = ["--model", REPO, "--device", "cpu", "--threads", "1", "--min-tokens", "16", "--max-tokens", "64",
             "--points-per-doubling", "1", "--time-per-point-s", "0.05", "--min-repeats", "3", "--stop-ms", "60000",
-            "--quiet", "--max-batch-ms", "1e9", "--out", str(tmp_path / "p.json"), "--apply",
+            "--quiet", "--slo-p99-ms", "1e9", "--out", str(tmp_path / "p.json"), "--apply",
             "--redis-url", redis_url]
     result = CliRunner().invoke(profile_command, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     import redis
 
     client = redis.Redis.from_url(redis_url)
-    assert int(client.get(QueueKeys("acme_mini-lm").budget)) > 0
+    assert int(client.get(QueueKeys(ModelInfo.load(REPO).queue_name).budget)) > 0  # name@fingerprint
     client.close()
 
 

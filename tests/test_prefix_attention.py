@@ -220,3 +220,17 @@ def test_cuda_prefix_path_matches_the_full_forward_in_bf16(engine, backend):
     for _ in range(2):  # computed in the batch, then from the cache
         shared = gpu.embed(PackedBatch.pack(seqs, prefix_lens=prefix_lens))
         assert _cos(shared, full).min() >= 0.99
+
+
+def test_cache_size_is_a_worker_setting(engine):
+    from click.testing import CliRunner
+
+    from tokq import config as cfg
+    from tokq.workers.cli import worker_command
+
+    assert cfg.load(cfg.WorkerConfig, env={"TOKQ_PREFIX_CACHE_MB": "8"}).prefix_cache_mb == 8
+    assert cfg.load(cfg.WorkerConfig, env={}).prefix_cache_mb == 256
+    assert "--prefix-cache-mb" in CliRunner().invoke(worker_command, ["--help"]).output
+    small = Engine(engine.info, engine.model, engine.device, engine.dtype, engine.attn_backend,
+                   prefix_cache_bytes=8 << 20)
+    assert small.prefix_cache.max_bytes == 8 << 20

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from matplotlib.image import imread
 
 from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo
 from tokq.profiling import workload
 from tokq.profiling.profile_cli import profile_command
 
@@ -49,7 +50,7 @@ def test_cpu_profile_writes_json_and_plot_and_applies_the_budget(tmp_path, redis
                                   "--apply", "--redis-url", redis_url])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert report["model"] == "all-MiniLM-L6-v2" and report["queue_name"] == "all-MiniLM-L6-v2"
+    assert report["model"] == "all-MiniLM-L6-v2" and report["queue_name"] == ModelInfo.load().queue_name
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["torch_version"]
     assert len(report["load_average"]) == 2
     assert report["num_threads"] == 1 and "1 thread" in report["device_name"]
@@ -67,10 +68,10 @@ def test_cpu_profile_writes_json_and_plot_and_applies_the_budget(tmp_path, redis
     height, width = imread(png).shape[:2]
     assert (height, width) == (700, 800)
 
-    key = QueueKeys("all-MiniLM-L6-v2").budget
+    key = QueueKeys(ModelInfo.load().queue_name).budget
     budget = report["recommended_budget"]
     assert redis.Redis.from_url(redis_url).get(key) == str(budget).encode()
-    assert published_budget(redis_url, "all-MiniLM-L6-v2") == budget
+    assert published_budget(redis_url, ModelInfo.load().queue_name) == budget
     assert f"published token budget {budget}" in result.output
 
 
@@ -99,7 +100,7 @@ def test_apply_refuses_when_no_batch_fits_the_ceiling(tmp_path, redis_url):
     result = CliRunner().invoke(profile_command, args)
     assert result.exit_code == 1
     assert "no budget to apply" in result.output
-    assert redis.Redis.from_url(redis_url).get(QueueKeys("all-MiniLM-L6-v2").budget) is None
+    assert redis.Redis.from_url(redis_url).get(QueueKeys(ModelInfo.load().queue_name).budget) is None
     assert json.loads((tmp_path / "p.json").read_text())["recommended_budget"] is None
 
 

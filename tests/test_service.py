@@ -16,9 +16,10 @@ import pytest
 
 from tokq import Client, TokqError
 from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo
 
 pytestmark = pytest.mark.slow
-KEYS = QueueKeys("all-MiniLM-L6-v2")
+KEYS = QueueKeys(ModelInfo.load().queue_name)
 
 
 def make_texts(n: int, seed: int, bundled_model_dir) -> list[str]:
@@ -162,8 +163,8 @@ def test_thousands_of_concurrent_calls_use_a_bounded_number_of_redis_connections
 
     out = asyncio.run(run())
     assert len(out) == 2000 and all(v.shape == (1, 384) for v in out)
-    # gateway pool (32) + its subscription + 8 per worker (2 running) + this test's client
-    assert peak <= 32 + 1 + 8 * len(stack.workers) + 1, peak
+    # gateway pool (32) + its subscription + its readiness check + 8 per worker (2 running) + this test's client
+    assert peak <= 32 + 1 + 1 + 8 * len(stack.workers) + 1, peak
 
 
 @pytest.mark.parametrize("call, code, needle", [

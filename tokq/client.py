@@ -3,7 +3,8 @@
     from tokq import Client
     vectors = Client("localhost:50051").embed(["red shoes", "blue shoes"])   # float32 [2, dim]
 
-Errors raise ``TokqError`` carrying the gRPC status code and the server's message.
+Errors raise ``TokqError`` carrying the gRPC status code and the server's message. A gateway
+with TLS takes ``credentials=grpc.ssl_channel_credentials(...)``; one with API keys, ``api_key=``.
 
 One client holds a few connections (``connections=``, default 4) and spreads calls over the
 gateway *processes* behind them: ``tokq gateway --procs N`` shares one port by SO_REUSEPORT,
@@ -186,19 +187,21 @@ class Client:
     ``target``, calls spread over the gateway processes they reach."""
 
     def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
-                 model: str = "", connections: int = DEFAULT_CONNECTIONS) -> None:
+                 model: str = "", connections: int = DEFAULT_CONNECTIONS, api_key: str | None = None) -> None:
         def open_channel():
             return (grpc.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
                     else grpc.insecure_channel(target, _CHANNEL_OPTIONS))
 
         self._pool = _Pool(open_channel, _check_connections(connections))
         self.model = model
+        # a gateway started with --api-key checks this on every call
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def _call(self, method: str, request, timeout: float | None):
         conn = self._pool.acquire()
         process = None
         try:
-            response, call = getattr(conn.stub, method).with_call(request, timeout=timeout)
+            response, call = getattr(conn.stub, method).with_call(request, timeout=timeout, metadata=self._metadata)
             process = _process_of(call.trailing_metadata())
             return response
         except grpc.RpcError as exc:
@@ -250,19 +253,21 @@ class AsyncClient:
     """The asyncio variant (grpc.aio); create it inside a running event loop."""
 
     def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
-                 model: str = "", connections: int = DEFAULT_CONNECTIONS) -> None:
+                 model: str = "", connections: int = DEFAULT_CONNECTIONS, api_key: str | None = None) -> None:
         def open_channel():
             return (grpc.aio.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
                     else grpc.aio.insecure_channel(target, _CHANNEL_OPTIONS))
 
         self._pool = _Pool(open_channel, _check_connections(connections))
         self.model = model
+        # a gateway started with --api-key checks this on every call
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def _call(self, method: str, request, timeout: float | None):
         conn = self._pool.acquire()
         process = None
         try:
-            call = getattr(conn.stub, method)(request, timeout=timeout)
+            call = getattr(conn.stub, method)(request, timeout=timeout, metadata=self._metadata)
             response = await call
             process = _process_of(await call.trailing_metadata())
             return response

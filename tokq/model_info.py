@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
+import numpy as np
+
+from tokq.fingerprint import model_fingerprint
 from tokq.keys import queue_name_for
 from tokq.model_source import bundled_model_path, resolve
 
@@ -45,9 +49,21 @@ class ModelInfo:
     default_prompt_name: str | None = None
     config: dict = field(default_factory=dict, repr=False)
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 of the files that decide this model's vectors (tokq/fingerprint.py)."""
+        return model_fingerprint(self.path)
+
     @property
     def queue_name(self) -> str:
-        return queue_name_for(self.name)
+        """``<name>@<fingerprint prefix>``: another model, or another version of this one,
+        served under the same name gets another queue."""
+        return queue_name_for(self.name, self.fingerprint)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding table: every token id must be below it."""
+        return int(self.config["vocab_size"])
 
     @property
     def is_decoder(self) -> bool:
@@ -90,6 +106,19 @@ class ModelInfo:
             default_prompt_name=st_prompts.get("default_prompt_name"),
             config=cfg,
         )
+
+
+def first_out_of_vocab(ids, vocab_size: int) -> int | None:
+    """The first id outside 0..vocab_size-1, else None. An id past the embedding table would
+    index out of bounds in the forward (on CUDA, a device assert that poisons the process)."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        bad = next((t for t in ids if type(t) is not int), None)  # bool or float: no token id
+        if bad is not None:
+            return bad
+        arr = arr.astype(np.int64)
+    mask = (arr < 0) | (arr >= vocab_size)
+    return int(arr[np.argmax(mask)]) if mask.any() else None
 
 
 def _family(cfg: dict) -> str:

@@ -3,9 +3,12 @@
 attends to a neighbour's tokens, and nothing outside attention is ever padded.
 
 Backends (``auto`` picks the first that can run, in this order):
-  CUDA: ``flash_attn``    flash-attn's ``flash_attn_varlen_func`` (fp16/bf16, sm80+)
-        ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16)
-  CPU (and CUDA fallback), sequences sorted by length once per batch:
+  CUDA: ``flash_attn``    flash-attn's ``flash_attn_varlen_func`` (fp16/bf16, sm80+), when it
+                          imports (one built for another torch is skipped, with a log line)
+        ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16;
+                          its keywords differ per version, checked one by one)
+  CPU (and CUDA fallback: k, v heads repeated, since enable_gqa would drop CUDA SDPA to its
+  math kernel), sequences sorted by length once per batch:
         ``sdpa_packed``   sequences of <= 32 (33-64) tokens packed side by side into rows of 32
                           (64) slots, each row attending with a block-diagonal mask: all short
                           sequences in one SDPA call per layer; longer ones as ``sdpa_grouped``.

@@ -23,7 +23,7 @@ DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 
 class Engine:
     def __init__(self, info: ModelInfo, model: Bert | Qwen, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str):
+                 attn_backend: str, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         self.info = info
         self.model = model
         self.device = device
@@ -32,7 +32,7 @@ class Engine:
         self._attend = attention.attend_fn(attn_backend, device)
         # Shared prompts are computed once only where that is exact: causal attention, and the
         # last token pooled (mean or CLS pooling would need the prompt tokens' own states).
-        self.prefix_cache = (PrefixCache(DEFAULT_PREFIX_CACHE_BYTES, _fingerprint(info))
+        self.prefix_cache = (PrefixCache(prefix_cache_bytes, _fingerprint(info))
                              if model.causal and info.pooling == "last" else None)
         self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
 
@@ -44,7 +44,8 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str | torch.device = "auto",
              dtype: str | torch.dtype = "auto", attn_backend: str = "auto",
-             name: str | None = None, linear: str = "auto", revision: str | None = None) -> Engine:
+             name: str | None = None, linear: str = "auto", revision: str | None = None,
+             prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> Engine:
         """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
         all-MiniLM-L6-v2). Raises
         ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
@@ -61,7 +62,7 @@ class Engine:
             model = Bert(info.config, weights, linear, device=resolved_device)
         else:
             model = Qwen(info.config, weights, info.family, info.max_length, linear, device=resolved_device)
-        return cls(info, model, resolved_device, resolved_dtype, backend)
+        return cls(info, model, resolved_device, resolved_dtype, backend, prefix_cache_bytes)
 
     @torch.inference_mode()
     def embed(self, batch: PackedBatch) -> np.ndarray:

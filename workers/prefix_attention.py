@@ -62,11 +62,9 @@ class PrefixPass:
     max_seqlen_k: int
     buckets: tuple[_Bucket, ...]  # sdpa
     num_tokens: int  # tokens computed (T of the forward)
+    new_prefix_tokens: int  # rows 0..this of the batch: the prefixes computed in it
+    _new_cu: list[int] = field(default_factory=list)  # host copy: no device sync per layer
     _captured: list = field(default_factory=list)  # per layer: new prefixes' (k, v) rows
-
-    @property
-    def new_prefix_tokens(self) -> int:
-        return int(self.layout.cu_seqlens[self.num_new])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -94,7 +92,7 @@ class PrefixPass:
         if not self._captured:
             return
         kv = torch.stack([torch.stack(pair) for pair in self._captured])  # [L, 2, P_new, Hkv, D]
-        cu = self.layout.cu_seqlens[:self.num_new + 1].tolist()
+        cu = self._new_cu
         for j, key in enumerate(self.new_keys):
             cache.put(key, kv[:, :, cu[j]:cu[j + 1]].clone())
         self._captured.clear()
@@ -187,7 +185,8 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
     return PrefixPass(layout=layout, num_new=len(new), new_keys=[keys[j] for j in new],
                       context=context, use_flash=use_flash, kv_rows=kv_rows, cu_seqlens_k=cu_k,
                       max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(k_lens.max()),
-                      buckets=buckets, num_tokens=num_tokens)
+                      buckets=buckets, num_tokens=num_tokens,
+                      new_prefix_tokens=int(cu_q[len(new)]), _new_cu=cu_q[:len(new) + 1].tolist())
 
 
 def _buckets(q_lens, cu_q, ctx_lens, ctx_rows, own_rows, dtype, device) -> tuple[_Bucket, ...]:

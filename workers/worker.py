@@ -26,6 +26,7 @@ import redis.exceptions
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.connection import ShardedSubscriber
 from tokq.queue import Claim, Queue
+from tokq.shards import ShardedQueue
 from tokq.workers.runner import BatchOutcome, BatchRunner
 
 log = logging.getLogger("tokq.worker")
@@ -60,16 +61,18 @@ def default_worker_id() -> str:
 
 
 class Worker:
-    def __init__(self, engine, queue: Queue, config: WorkerConfig, queue_config: QueueConfig,
+    def __init__(self, engine, queue: ShardedQueue | Queue, config: WorkerConfig, queue_config: QueueConfig,
                  worker_id: str | None = None, observer=None,
                  exit_process: Callable[[int], object] = os._exit) -> None:
         self.engine = engine
+        if isinstance(queue, Queue):  # one unsharded queue
+            queue = ShardedQueue.of(queue)
         self.queue = queue
         self.config = config
         self.queue_config = queue_config
         self.worker_id = worker_id or default_worker_id()
         self.observer = observer
-        self.runner = BatchRunner(engine, observer=observer)
+        self.runner = BatchRunner(engine, observer=observer, exit=exit_process)
         self.budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
@@ -154,7 +157,7 @@ class Worker:
 
     async def _subscribe(self) -> None:
         try:
-            await self._notices.subscribe(self.queue.keys.work_channel)
+            await self._notices.subscribe(*self.queue.work_channels())  # every shard's
             self._subscribed = True
         except _REDIS_ERRORS as exc:  # claims still happen every IDLE_FALLBACK_S meanwhile
             log.warning("work-notice subscription failed: %s", exc)
@@ -276,6 +279,10 @@ class Worker:
             return
 
     async def _refresh_budget(self) -> None:
+        # Also the shards in use: gateways may have raised (or lowered) the shard count.
+        before = self.queue.claim_shards
+        if await self.queue.refresh_shard_count() != before:
+            self._subscribed = False  # listen for work on the new shards too
         if self.config.token_budget:
             return
         published = await self.queue.get_budget()

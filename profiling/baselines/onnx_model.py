@@ -71,6 +71,27 @@ def _torch_export(model_dir: Path, out_dir: Path) -> None:
             shutil.copy(f, out_dir / f.name)
 
 
+def for_infinity(export_dir: Path, out_dir: Path, max_seq_length: int) -> Path:
+    """The export as Infinity's ONNX engine should see it: that engine truncates inputs at the
+    config's ``max_position_embeddings`` (512 for MiniLM) instead of the model's
+    ``max_seq_length`` (256), so longer inputs would give other vectors than the model's. This
+    copy (model.onnx hard-linked) says ``max_seq_length`` there; the graph is unchanged."""
+    import json
+    import shutil
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in export_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            try:
+                os.link(f, out_dir / f.name)
+            except OSError:
+                shutil.copy(f, out_dir / f.name)
+    config = json.loads((export_dir / "config.json").read_text())
+    config["max_position_embeddings"] = min(int(config.get("max_position_embeddings", max_seq_length)), max_seq_length)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
 class OnnxSentenceEncoder:
     """ONNX Runtime in place of sentence-transformers: ``encode`` (padded batch -> mean pooling ->
     unit length), ``tokenizer``, ``max_seq_length``, ``get_embedding_dimension``."""

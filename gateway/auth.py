@@ -1,0 +1,129 @@
+"""Who may call: TLS server credentials (``server_credentials``) and optional API keys, one
+check for every transport: gRPC metadata ``authorization: Bearer <key>``
+(UNAUTHENTICATED) and HTTP's Authorization header (401) both call ``ApiKeys.check``.
+
+Keys come from --api-key (repeatable, env TOKQ_API_KEYS comma-separated) and --api-key-file (one
+per line, # comments). Only their SHA-256 digests are kept, and a presented key is hashed and
+looked up, so the time a check takes says nothing about how much of a key matched. Health checks
+stay open: probes carry no keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import grpc
+
+from tokq.config import ConfigError, GatewayConfig
+from tokq.gateway.errors import Unauthenticated
+
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class ApiKeys:
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = frozenset(_digest(k) for k in keys if k)
+        if not self._digests:
+            raise ConfigError("no API keys given (an empty --api-key-file?)")
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> ApiKeys | None:
+        """The accepted keys, or None when the gateway takes calls without one."""
+        keys = list(config.api_keys)
+        if config.api_key_file:
+            try:
+                lines = Path(config.api_key_file).read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"api_key_file {config.api_key_file!r}: {exc.strerror}") from None
+            keys += [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+            if not keys:
+                raise ConfigError(f"api_key_file {config.api_key_file!r} holds no key")
+        return cls(keys) if keys else None
+
+    def check(self, authorization: str | None) -> None:
+        """Accept ``Bearer <key>`` for a known key; raise Unauthenticated otherwise."""
+        scheme, _, key = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthenticated("an API key is required: send 'authorization: Bearer <key>'")
+        if _digest(key.strip()) not in self._digests:
+            raise Unauthenticated("API key not accepted")
+
+
+def _metadata_value(details: grpc.HandlerCallDetails, name: str) -> str | None:
+    for key, value in details.invocation_metadata or ():
+        if key == name:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the key before the call reaches a servicer; health stays open."""
+
+    def __init__(self, keys: ApiKeys) -> None:
+        self.keys = keys
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        try:
+            self.keys.check(_metadata_value(details, "authorization"))
+        except Unauthenticated as exc:
+            return _refusing(handler, exc.message)
+        return handler
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover (makes this an async generator, as streaming handlers are)
+
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
+
+
+def server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """TLS from --tls-cert/--tls-key; with --tls-client-ca, clients must present a certificate
+    signed by it (mutual TLS). None: plaintext."""
+    if not config.tls_cert:
+        return None
+
+    def read(name: str) -> bytes:
+        path = getattr(config, name)
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{name} {path!r}: {exc.strerror}") from None
+
+    client_ca = read("tls_client_ca") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read("tls_key"), read("tls_cert"))],
+                                       root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def http_tls_options(config: GatewayConfig) -> dict:
+    """The same TLS (and client-certificate requirement) for the HTTP API, as uvicorn options."""
+    if not config.tls_cert:
+        return {}
+    import ssl
+
+    options = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+    if config.tls_client_ca:
+        options |= {"ssl_ca_certs": config.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return options

@@ -1,0 +1,86 @@
+"""Checks every request passes before any real work, whatever transport it came over: byte caps
+(before tokenizing, so a hostile input costs a length check) and token ids against the vocabulary.
+
+The caps default from the model's max length (``Limits.resolve``):
+- per input: max_length x 256 bytes. Ordinary text runs ~4 bytes a token (CJK and code 3-6), so
+  this is ~64x what the model can read: truncate=true callers may send whole documents, and the
+  cut before tokenizing (gateway/tokenize.py) keeps their cost near one max-length input.
+- per request: max_inputs x max_length x 16 bytes (a full request of max-length inputs with 4x
+  slack), at least one maximal input, at most 64 MiB (gRPC's usual message limit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokq.config import GatewayConfig
+from tokq.gateway.errors import InvalidArgument
+from tokq.model_info import ModelInfo, first_out_of_vocab
+
+INPUT_BYTES_PER_TOKEN = 256
+REQUEST_BYTES_PER_TOKEN = 16
+MAX_DEFAULT_REQUEST_BYTES = 64 << 20
+
+
+class InputTooLarge(InvalidArgument):
+    """Over a byte cap: INVALID_ARGUMENT on gRPC, 413 on HTTP."""
+
+    http_status = 413
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_input_bytes: int
+    max_request_bytes: int
+    max_message_bytes: int  # gRPC receive limit and HTTP body limit
+
+    @classmethod
+    def resolve(cls, info: ModelInfo, config: GatewayConfig) -> Limits:
+        per_input = config.max_input_bytes or info.max_length * INPUT_BYTES_PER_TOKEN
+        per_request = config.max_request_bytes or min(
+            MAX_DEFAULT_REQUEST_BYTES,
+            max(per_input, config.max_inputs * info.max_length * REQUEST_BYTES_PER_TOKEN))
+        # The message limit follows the caps: room for a request twice over them (so it gets our
+        # message, which names the cap) or a full request of token ids (<= 5 bytes each), plus
+        # framing; anything larger is refused by gRPC (HTTP: 413) before it is read.
+        token_ids = config.max_inputs * info.max_length * 5
+        message = config.max_message_bytes or max(2 * per_request, token_ids) + (1 << 20)
+        return cls(per_input, per_request, message)
+
+
+def utf8_len(text: str) -> int:
+    # isascii() is O(1) on CPython's compact strings: the common case costs no encoding.
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_text_sizes(texts: Sequence[str], limits: Limits) -> list[int]:
+    """Each input's UTF-8 size, after checking both caps; an 8 MB string is measured, never
+    tokenized."""
+    sizes = []
+    total = 0
+    for i, text in enumerate(texts):
+        # a string's length in characters is a lower bound of its bytes: no encoding needed
+        # to refuse one that is over by characters alone
+        size = len(text) if len(text) > limits.max_input_bytes else utf8_len(text)
+        if size > limits.max_input_bytes:
+            raise InputTooLarge(
+                f"input {i} is {size:,} bytes; the limit is {limits.max_input_bytes:,} bytes per "
+                "input (max_input_bytes: --max-input-bytes / TOKQ_MAX_INPUT_BYTES)", param="input")
+        total += size
+        sizes.append(size)
+    if total > limits.max_request_bytes:
+        raise InputTooLarge(
+            f"the request's inputs are {total:,} bytes; the limit is {limits.max_request_bytes:,} "
+            "bytes per request (max_request_bytes: --max-request-bytes / TOKQ_MAX_REQUEST_BYTES): "
+            "split the request", param="input")
+    return sizes
+
+
+def check_token_ids(seqs: Sequence[Sequence[int]], info: ModelInfo) -> None:
+    """INVALID_ARGUMENT for the first input holding an id outside the model's vocabulary."""
+    for i, seq in enumerate(seqs):
+        bad = first_out_of_vocab(seq, info.vocab_size)
+        if bad is not None:
+            raise InvalidArgument(f"input {i} has token id {bad!r} outside {info.name}'s vocabulary "
+                                  f"(0..{info.vocab_size - 1})", param="input")

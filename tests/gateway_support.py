@@ -1,0 +1,47 @@
+"""A real gateway in this process (its own thread and event loop) on a loopback port: for tests
+of what the gateway alone decides (limits, TLS, API keys), without starting a process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import contextmanager
+
+from tokq import config as cfg
+
+
+@contextmanager
+def running_gateway(redis_url: str, **settings):
+    """Yields the gateway's port; ``settings`` are GatewayConfig fields (env vars ignored)."""
+    from tokq.gateway.server import serve
+
+    config = cfg.load(cfg.GatewayConfig, {"redis_url": redis_url, "host": "127.0.0.1", "port": 0,
+                                          **settings}, env={})
+    state: dict = {}
+    ready = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    def on_ready(port: int) -> None:
+        state["port"] = port
+        ready.set()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        state["stop"] = asyncio.Event()
+        try:
+            loop.run_until_complete(serve(config, cfg.QueueConfig(), stop=state["stop"], on_ready=on_ready))
+        except BaseException as exc:  # start-up failed: say why instead of timing out
+            state["error"] = exc
+            ready.set()
+
+    thread = threading.Thread(target=run, daemon=True, name="test-gateway")
+    thread.start()
+    assert ready.wait(120), "gateway did not start"
+    if "error" in state:
+        raise state["error"]
+    try:
+        yield state["port"]
+    finally:
+        loop.call_soon_threadsafe(state["stop"].set)
+        thread.join(30)
+        loop.close()

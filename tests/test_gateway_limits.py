@@ -1,0 +1,110 @@
+"""Hostile input over real gRPC: byte caps are checked before tokenizing (INVALID_ARGUMENT naming
+the cap, nothing queued), gRPC's receive limit follows them, and an 8 MB truncate=true input
+gets the vector of tokenizing the whole string."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from gateway_support import running_gateway
+from tokq import config as cfg
+from tokq.gateway.validate import Limits
+from tokq.model_info import ModelInfo
+from tokq.redis_server import free_port
+from tokq.v1 import embedder_pb2 as pb
+from tokq.v1 import embedder_pb2_grpc as pb_grpc
+
+OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+HTTP_PORT = free_port()
+
+
+@pytest.fixture(scope="module")
+def small_caps(redis_server):
+    with running_gateway(redis_server.url, max_input_bytes=1000, max_request_bytes=3000,
+                         http_port=HTTP_PORT) as port:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", OPTIONS) as channel:
+            yield pb_grpc.EmbedderStub(channel)
+
+
+def rejected(call, request) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call(request, timeout=30)
+    return err.value
+
+
+def nothing_queued(redis_url: str) -> bool:
+    r = redis.Redis.from_url(redis_url)
+    return not [k for k in r.scan_iter() if b":reply:" in k or b":pending" in k]
+
+
+@pytest.mark.parametrize("inputs,needle", [
+    (["x" * 1001], "input 0 is 1,001 bytes; the limit is 1,000 bytes per input (max_input_bytes"),
+    (["ok", "é" * 600], "input 1 is 1,200 bytes"),  # 600 characters, 1,200 UTF-8 bytes
+    (["y" * 900] * 4, "3,600 bytes; the limit is 3,000 bytes per request (max_request_bytes"),
+])
+def test_over_a_cap_is_invalid_argument_naming_it_and_nothing_is_queued(small_caps, redis_url, inputs, needle):
+    for truncate in (False, True):  # truncate=true does not lift the caps
+        err = rejected(small_caps.Embed, pb.EmbedRequest(inputs=inputs, truncate=truncate))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.details(), err.details()
+    err = rejected(small_caps.Tokenize, pb.TokenizeRequest(inputs=inputs))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.details()
+    http = httpx.post(f"http://127.0.0.1:{HTTP_PORT}/v1/embeddings", json={"input": inputs}, timeout=30)
+    assert http.status_code == 413 and needle in http.json()["error"]["message"]
+    assert nothing_queued(redis_url)
+
+
+def test_just_under_the_caps_is_tokenized(small_caps):
+    reply = small_caps.Tokenize(pb.TokenizeRequest(inputs=["word " * 199 + "x"] * 3, truncate=True), timeout=30)
+    assert [len(t.ids) for t in reply.inputs] == [202] * 3  # 1,000 bytes each (200 words), 3,000 in all
+
+
+def test_far_over_the_caps_is_refused_by_grpc_before_it_is_read(small_caps):
+    limits = Limits.resolve(ModelInfo.load(), cfg.load(cfg.GatewayConfig, {"max_input_bytes": 1000,
+                                                                            "max_request_bytes": 3000}, env={}))
+    err = rejected(small_caps.Embed, pb.EmbedRequest(inputs=["z" * (limits.max_message_bytes + 1)]))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_default_caps_come_from_the_models_max_length():
+    limits = Limits.resolve(ModelInfo.load(), cfg.load(cfg.GatewayConfig, env={}))
+    assert limits.max_input_bytes == 256 * 256  # max_length 256 x 256 bytes
+    assert limits.max_request_bytes == 512 * 256 * 16  # max_inputs x max_length x 16 bytes
+    assert limits.max_message_bytes > 2 * limits.max_request_bytes
+
+
+@pytest.mark.slow
+def test_an_8mb_truncated_input_gets_the_vector_of_the_whole_string(redis_server, redis_url, bundled_model_dir):
+    words = [w.strip() for w in open(bundled_model_dir / "vocab.txt", encoding="utf-8")
+             if w.strip().isalpha()][:20000]
+    rng = random.Random(5)
+    text = " ".join(rng.choice(words) for _ in range(1_500_000))[: 8 << 20]
+    from transformers import AutoTokenizer
+
+    whole_ids = AutoTokenizer.from_pretrained(str(bundled_model_dir))(
+        text, truncation=True, max_length=256)["input_ids"]  # tokenizes all 8 MB
+    worker = subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker", "--device", "cpu", "--threads", "1"],
+                              env={**os.environ, "TOKQ_REDIS_URL": redis_url})
+    try:
+        with running_gateway(redis_url, max_input_bytes=9 << 20, max_request_bytes=9 << 20) as port, \
+                grpc.insecure_channel(f"127.0.0.1:{port}", OPTIONS) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            ids = stub.Tokenize(pb.TokenizeRequest(inputs=[text], truncate=True), timeout=60).inputs[0].ids
+            assert list(ids) == whole_ids
+            cut = stub.Embed(pb.EmbedRequest(inputs=[text], truncate=True), timeout=180)
+            whole = stub.Embed(pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=whole_ids)]), timeout=180)
+            assert cut.usage.prompt_tokens == 256
+            np.testing.assert_allclose(cut.embeddings[0].values, whole.embeddings[0].values, atol=1e-6)
+    finally:
+        worker.terminate()
+        worker.wait(60)
