@@ -36,13 +36,13 @@ import redis
 from tokq.connection import ShardedSubscriber, connect
 from tokq.entry import encode_body
 from tokq.keys import QueueKeys
-from tokq.model_info import bundled_model_path
+from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
 from tokq.profiling.results_section import shared_machine_note, write_section
 from tokq.queue import Queue, QueueFull
 from tokq.redis_server import EmbeddedRedis
 
-QUEUE = "all-MiniLM-L6-v2"
+QUEUE = ModelInfo.load().queue_name  # the bundled model's, as its workers name it
 ITEM = [101, 7592, 2088, 102]  # 4 tokens
 WINDOW_S = 1.0
 PRE_S = 5.0

@@ -28,9 +28,10 @@ import pytest
 
 from tokq import AsyncClient, TokqError
 from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo
 
 pytestmark = pytest.mark.slow
-KEYS = QueueKeys("all-MiniLM-L6-v2")
+KEYS = QueueKeys(ModelInfo.load().queue_name)  # as the gateway and workers name it
 LEASE_MS = 1500
 REPLY_TTL_MS = 2000  # so a killed gateway's uncollected replies go within seconds
 MAX_QUEUED_TOKENS = 6000
