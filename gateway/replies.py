@@ -76,7 +76,11 @@ class ReplyRouter:
             waiter.enqueued_at = time.monotonic()
 
     def forget(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
+        waiter = self._waiting.pop(request_id, None)
+        if waiter is not None and waiter.future.done() and not waiter.future.cancelled():
+            # Failed (a broken subscription) before its call waited on it: mark it seen, or
+            # asyncio logs "exception was never retrieved" for every such call.
+            waiter.future.exception()
 
     @property
     def num_waiting(self) -> int:

@@ -294,7 +294,12 @@ def main(argv: list[str] | None = None) -> None:
         "client-observed rates are bounded by the client processes' CPU, not by Redis: shards add "
         "server threads that this machine has no cores to run. The Redis time per operation does "
         "not depend on S (each shard is an independent queue in its own slot), which is what "
-        "lets throughput grow with the nodes a real fleet gives the shards.", "",
+        "lets throughput grow with the nodes a real fleet gives the shards (the spread across S "
+        "in the columns above is this machine's load, not the shard count). Redis time per call "
+        "(commandstats) counts wall time inside a command, so on a machine this loaded it also "
+        "holds time the Redis thread waited for a core: the per-operation costs and the estimate "
+        "below are upper bounds (the Queue section, measured on a quieter machine, has 67 us per "
+        "37-item claim).", "",
         "### Estimate: 1,000 GPUs", "", *[f"- {line}" for line in est], "",
         f"Assumption: one worker per GPU, the GPU always busy (the claim prefetch hides Redis), "
         f"batches of the profiled budget and latency (`--budget`, `--forward-ms`; rerun with a GPU's "

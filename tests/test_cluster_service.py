@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -122,6 +123,13 @@ def test_requests_spread_over_every_shard_and_node(stack, redis_cluster, referen
     assert len({redis_cluster.owner_port(k.pending) for k in shard_keys}) >= 2
 
 
+def test_worker_liveness_check_reads_the_cluster(stack):
+    env = {**os.environ, "TOKQ_REDIS_URL": stack["url"]}
+    check = [sys.executable, "-m", "tokq.cli", "worker", "--check", "--worker-id"]
+    assert subprocess.run([*check, "cw1"], env=env, timeout=60).returncode == 0
+    assert subprocess.run([*check, "no-such-worker"], env=env, timeout=60).returncode == 1
+
+
 def test_kill_9_of_a_primary_under_load_answers_right_or_retryable(stack, redis_cluster, reference):
     """Calls run before, during and after a primary dies; a replica takes over. Every call is
     answered with its own vectors or a retryable status; then calls succeed again, with no
@@ -162,6 +170,7 @@ def test_kill_9_of_a_primary_under_load_answers_right_or_retryable(stack, redis_
         stop.set()
         for t in threads:
             t.join(timeout=60)
+    print("outcomes during the failover:", dict(Counter(outcomes)))
     assert all(p.poll() is None for p in stack["procs"]), "a tokq process died"
     assert set(outcomes) <= {"OK"} | RETRYABLE, sorted(set(outcomes))
     assert outcomes.count("OK") > 0

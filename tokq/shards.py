@@ -63,16 +63,15 @@ class ShardedQueue:
         self._load_task: asyncio.Task | None = None
         self._count_at = -SHARD_COUNT_REFRESH_S
         self._shard_of_request: dict[str, int] = {}
-        self._batch_token = secrets.token_hex(4)
+        self._batch_token = secrets.token_hex(8)
 
     # -- shards -----------------------------------------------------------------------------
     def shard(self, index: int) -> Queue:
         """The Queue of shard ``index`` (made on first use: any index a batch id names)."""
         if index not in self._shards:
-            q = Queue(self.redis, shard_queue_name(self.name, index), self.config, clock=self._clock)
             # Batch ids name their shard; the token keeps them unique across processes.
-            q._batch_prefix = f"{index}.{self._batch_token}"
-            self._shards[index] = q
+            self._shards[index] = Queue(self.redis, shard_queue_name(self.name, index), self.config,
+                                        clock=self._clock, batch_prefix=f"{index}.{self._batch_token}")
         return self._shards[index]
 
     @property
