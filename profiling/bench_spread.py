@@ -98,6 +98,12 @@ class Gateway:
         self.pids = gateway_children(self.proc.pid) if self.procs > 1 else [self.proc.pid]
         assert len(self.pids) == self.procs, self.pids
 
+    def ready(self) -> bool:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ready", timeout=2).status == 200
+        except OSError:
+            return False
+
     def counts(self, rpc: str) -> list[float]:
         return [ok_calls(port, rpc) for port in self.metrics_ports]
 
@@ -151,7 +157,6 @@ def measure(gateway: Gateway, transport: str, num_clients: int, *, seconds: floa
 def run(*, seconds: float, concurrency: int, rounds: int, configs=CONFIGS) -> dict:
     import redis
 
-    from tokq.keys import QueueKeys
     from tokq.processes import stop_all
     from tokq.redis_server import EmbeddedRedis
 
@@ -166,10 +171,11 @@ def run(*, seconds: float, concurrency: int, rounds: int, configs=CONFIGS) -> di
         for g in gateways.values():
             g.wait()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not client.exists(QueueKeys(MODEL).heartbeat("spread")):  # warmed up
-            if worker.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the worker sent no heartbeat")
-            time.sleep(0.2)
+        for g in gateways.values():  # ready: the gateway sees a live (warmed-up) worker
+            while not g.ready():
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the worker never became ready")
+                time.sleep(0.3)
         fixed = {"worker": worker.pid, "redis": int(client.info("server")["process_id"])}
         results = []
         for r in range(rounds):
