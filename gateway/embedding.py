@@ -27,7 +27,8 @@ from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.validate import Limits, check_text_sizes, check_token_ids
 from tokq.model_info import ModelInfo
-from tokq.queue import Queue, QueueFull
+from tokq.queue import QueueFull
+from tokq.shards import ShardedQueue
 
 
 class Deadline(Protocol):
@@ -70,7 +71,7 @@ class EmbedOutput:
 class ServedModel:
     """One model this gateway serves: its tokenizer, its queue and the calls waiting on it."""
 
-    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, queue: Queue, router: ReplyRouter,
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, queue: ShardedQueue, router: ReplyRouter,
                  config: GatewayConfig, gateway_id: str, observer=None) -> None:
         self.info = info
         self.tokenizer = tokenizer
@@ -201,7 +202,7 @@ class ServedModel:
         try:
             timeout_ms = self._timeout_ms(context)  # what is left after tokenizing
             await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
-                                     channel=self.router.channel)
+                                     gateway_id=self.gateway_id)
             self.router.enqueued(request_id)
             try:
                 await asyncio.wait_for(done, timeout=timeout_ms / 1000)
@@ -256,7 +257,7 @@ class Embedder:
         self._aliases = {m.info.queue_name: m for m in self.models.values()}
 
     def lookup(self, name: str) -> ServedModel:
-        """'' picks the only model; an unknown name is ModelNotFound (404 / NOT_FOUND)."""
+        """'' picks the only model; an unknown name is ModelNotFound (INVALID_ARGUMENT / HTTP 404)."""
         if not name:
             if len(self.models) == 1:
                 return next(iter(self.models.values()))

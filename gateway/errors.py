@@ -67,9 +67,12 @@ class InvalidArgument(ServiceError):
 
 
 class ModelNotFound(ServiceError):
-    """The request names a model this gateway does not serve."""
+    """The request names a model this gateway does not serve. On gRPC that is a bad argument
+    (INVALID_ARGUMENT, as it always was, so existing callers' handling keeps working); on HTTP it
+    is OpenAI's 404 model_not_found, which the SDKs raise as NotFoundError."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 404
 
 
 class PayloadTooLarge(ServiceError):
@@ -110,7 +113,9 @@ def is_retryable_redis_error(exc: BaseException) -> bool:
     if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ReadOnlyError, redis.exceptions.OutOfMemoryError,
                         redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
-                        redis.exceptions.MasterDownError, redis.exceptions.AuthenticationError)):
+                        redis.exceptions.MasterDownError, redis.exceptions.AuthenticationError,
+                        # Redis Cluster mid-failover or resharding: the slot map is changing.
+                        redis.exceptions.SlotNotCoveredError, redis.exceptions.AskError)):
         return True  # AuthenticationError: misconfigured; the caller can only wait for a fix
     if isinstance(exc, redis.exceptions.ResponseError):
         # A script's redis.call error arrives with its own prefix (OOM ...), or inside

@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 import redis.exceptions
 
 from tokq.connection import ShardedSubscriber
 from tokq.gateway.errors import Unavailable
-from tokq.keys import QueueKeys
 from tokq.queue import REPLY_META_FIELDS
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,15 @@ class _Waiter:
 
 
 class ReplyRouter:
-    def __init__(self, pubsub_client: aioredis.Redis, client: aioredis.Redis, keys: QueueKeys,
-                 channel: str, poll_after_s: float = 1.0, poll_every_s: float = 0.25) -> None:
+    def __init__(self, pubsub_client: aioredis.Redis, client: aioredis.Redis,
+                 reply_key: Callable[[str], str], channels: Sequence[str],
+                 poll_after_s: float = 1.0, poll_every_s: float = 0.25) -> None:
+        """``channels``: this gateway's done channel on every queue shard it enqueues to;
+        ``reply_key``: a request id's reply hash (on the shard it was enqueued to)."""
         self._pubsub_client = pubsub_client
         self._client = client
-        self._keys = keys
-        self.channel = channel
+        self._reply_key = reply_key
+        self.channels = list(channels)
         self._poll_after_s = poll_after_s
         self._poll_every_s = poll_every_s
         self._waiting: dict[str, _Waiter] = {}
@@ -73,7 +76,11 @@ class ReplyRouter:
             waiter.enqueued_at = time.monotonic()
 
     def forget(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
+        waiter = self._waiting.pop(request_id, None)
+        if waiter is not None and waiter.future.done() and not waiter.future.cancelled():
+            # Failed (a broken subscription) before its call waited on it: mark it seen, or
+            # asyncio logs "exception was never retrieved" for every such call.
+            waiter.future.exception()
 
     @property
     def num_waiting(self) -> int:
@@ -95,7 +102,7 @@ class ReplyRouter:
         subscriber = ShardedSubscriber(self._pubsub_client)
         while True:
             try:
-                await subscriber.subscribe(self.channel)
+                await subscriber.subscribe(*self.channels)
                 self.subscribed.set()
                 # A notice published while we were not subscribed is lost: check everyone now.
                 await self._poll(min_age_s=0.0)
@@ -132,7 +139,7 @@ class ReplyRouter:
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for rid, _ in due:
-                    pipe.hlen(self._keys.reply(rid))
+                    pipe.hlen(self._reply_key(rid))
                 lengths = await pipe.execute()
         except Exception as exc:
             log.warning("reply poll failed: %s", exc)

@@ -6,6 +6,7 @@ several gateway processes can share one port."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -28,7 +29,7 @@ from tokq import config as cfg
 from tokq import metrics
 from tokq.connection import connect, connect_pubsub
 from tokq.model_info import ModelInfo
-from tokq.queue import Queue
+from tokq.shards import ShardedQueue
 from tokq.v1 import embedder_pb2, embedder_pb2_grpc
 
 log = logging.getLogger("tokq.gateway")
@@ -39,10 +40,11 @@ MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 QUEUE_STATS_PERIOD_S = 2.0
 
 
-async def _export_queue_stats(queue: Queue, model: str) -> None:
-    """The queue's depth and event totals, read with one stats call, for Prometheus."""
+async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
+    """The queue's depth and event totals (every shard in use, summed), for Prometheus."""
     while True:
         try:
+            await queue.refresh_shard_count()  # shards other gateways still use count too
             metrics.observe_queue_stats(await queue.stats(), model=model)
         except Exception as exc:  # Redis down: the gauges keep their last value
             log.debug("queue stats failed: %s", exc)
@@ -56,21 +58,27 @@ def gateway_id() -> str:
 async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None = None,
                 stop: asyncio.Event | None = None, on_ready=None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
-    info = ModelInfo.load(config.model or None, name=config.served_model_name or None,
-                          revision=config.revision or None)
-    tokenizer = Tokenizer(info, num_threads=config.tokenize_threads)
     api_keys = ApiKeys.from_config(config)
     credentials = server_credentials(config)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
                      cluster=config.redis_cluster)
     pubsub_client = connect_pubsub(config.redis_url, cluster=config.redis_cluster)
-    queue = Queue(client, info.queue_name, queue_config or cfg.load(cfg.QueueConfig))
+    queue_config = queue_config or cfg.load(cfg.QueueConfig)
     gid = gateway_id()
-    router = ReplyRouter(pubsub_client, client, queue.keys, queue.keys.done_channel(gid))
-
-    observer = metrics.GatewayMetrics(info.name)
-    model = ServedModel(info, tokenizer, queue, router, config, gid, observer=observer)
-    embedder = Embedder({info.name: model})
+    models: dict[str, ServedModel] = {}
+    for path, name in config.models():  # each model: its own tokenizer, queue and replies
+        info = ModelInfo.load(path, name=name, revision=config.revision or None)
+        if info.name in models:
+            raise cfg.ConfigError(f"model {info.name!r} is served twice: give each --model its "
+                                  "own --served-model-name")
+        queue = ShardedQueue(client, info.queue_name, queue_config)
+        router = ReplyRouter(pubsub_client, client, queue.reply_key,
+                             [k.done_channel(gid) for k in queue.shard_keys()])
+        models[info.name] = ServedModel(info, Tokenizer(info, num_threads=config.tokenize_threads),
+                                        queue, router, config, gid,
+                                        observer=metrics.GatewayMetrics(info.name))
+    embedder = Embedder(models)
+    max_message_bytes = max(m.limits.max_message_bytes for m in models.values())
     service = EmbedderService(embedder, gid)
 
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None, options=[
@@ -81,7 +89,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         ("grpc.server.max_pending_requests_hard_limit", 2 * config.max_pending_rpcs),
         # Follows the byte caps: a request a little over them gets our INVALID_ARGUMENT naming the
         # cap; one far over is refused by gRPC before it is read into memory.
-        ("grpc.max_receive_message_length", model.limits.max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
     ])
     embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
@@ -102,7 +110,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, status)
 
-    readiness = Readiness(client, {m.info.name: m.queue.keys for m in embedder.models.values()},
+    # Its own connection: under load every pooled one is busy, and a check waiting its turn would
+    # report a loaded gateway as unready.
+    ready_client = connect(config.redis_url, max_connections=1, cluster=config.redis_cluster)
+    readiness = Readiness(ready_client, {m.info.name: m.queue.keys for m in embedder.models.values()},
                           period_s=config.ready_check_ms / 1000, on_change=report)
     http_server = http_task = None
     http_port = 0
@@ -110,22 +121,28 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         sock = http.bind(config.host, config.http_port)
         http_port = sock.getsockname()[1]
         http_server = http.server(
-            http.build_app(embedder, readiness, max_body_bytes=model.limits.max_message_bytes,
+            http.build_app(embedder, readiness,
+                           max_body_bytes=max_message_bytes,
                            api_keys=api_keys),
             **http_tls_options(config))
 
-    await router.start()
+    for model in models.values():
+        with contextlib.suppress(Exception):  # Redis not up yet: the first enqueues record it
+            await model.queue.record_shard_count()  # workers claim from every shard from now on
+        await model.router.start()
     await server.start()
     if http_server:
         http_task = asyncio.create_task(http_server.serve([sock]), name="http")
-    stats_task = None
+    stats_tasks = []
     if config.metrics_port:
         metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
-        stats_task = asyncio.create_task(_export_queue_stats(queue, info.name))
+        stats_tasks = [asyncio.create_task(_export_queue_stats(m.queue, name))
+                       for name, m in models.items()]
     await readiness.start()
-    log.info("gateway %s serving %s on %s:%d (%s%s; queue %s)%s", gid, info.name, config.host, port,
-             "TLS" if credentials else "plaintext", ", mutual TLS" if config.tls_client_ca else "",
-             info.queue_name, f", HTTP on port {http_port}" if http_port else "")
+    log.info("gateway %s serving %s on %s:%d (%s%s)%s", gid,
+             ", ".join(f"{name} (queue {m.info.queue_name})" for name, m in models.items()),
+             config.host, port, "TLS" if credentials else "plaintext",
+             ", mutual TLS" if config.tls_client_ca else "", f", HTTP on port {http_port}" if http_port else "")
     log.info("API keys %s; reflection %s; metrics %s", "required" if api_keys else "off",
              "on" if config.reflection else "off",
              f"on {config.metrics_host or config.host}:{config.metrics_port}" if config.metrics_port else "off")
@@ -152,9 +169,12 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         await server.stop(grace=5)
         if http_task:
             await http_task
-        if stats_task:
-            stats_task.cancel()
-        await router.stop()
-        tokenizer.close()
+        for task in stats_tasks:
+            task.cancel()
+        for model in models.values():
+            await model.router.stop()
+            await model.queue.close()
+            model.tokenizer.close()
         await client.aclose()
+        await ready_client.aclose()
         await pubsub_client.aclose()

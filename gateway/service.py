@@ -69,8 +69,10 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         async def info(model):
-            return pb.InfoResponse(**await model.describe())
-        return await self._call("Info", request.model, info, context)
+            return pb.InfoResponse(**await model.describe(), models=sorted(self.embedder.models))
+        # No model named: the first one served (the others are listed in `models`).
+        return await self._call("Info", request.model or next(iter(self.embedder.models)),
+                                info, context)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async def tokenize(model):

@@ -47,15 +47,27 @@ def encode_truncated(backend: RustTokenizer, text: str, max_length: int) -> list
     it becomes the whole text, the exact path. Tokens with no word id (added tokens) end the
     shortcut: that case takes the next, longer prefix.
     """
+    return encode_truncated_batch(backend, [text], max_length)[0]
+
+
+def encode_truncated_batch(backend: RustTokenizer, texts: list[str], max_length: int) -> list[list[int]]:
+    """``encode_truncated`` for many texts, through ``encode_batch``: unlike ``encode`` it
+    releases the GIL, so a large request never holds up the event loop or the other lane."""
     keep = max_length - backend.num_special_tokens_to_add(False)
     cut = max(64, keep * PREFIX_CHARS_PER_TOKEN)
-    while True:
-        whole = cut >= len(text)
-        enc = backend.encode(text if whole else text[:cut], add_special_tokens=False)
-        if whole or _prefix_is_settled(enc, keep):
-            enc.truncate(keep)
-            return backend.post_process(enc).ids
-        cut *= 2
+    out: list[list[int] | None] = [None] * len(texts)
+    todo = list(range(len(texts)))
+    while todo:
+        encs = backend.encode_batch([texts[i][:cut] for i in todo], add_special_tokens=False)
+        widen = []
+        for i, enc in zip(todo, encs):
+            if cut >= len(texts[i]) or _prefix_is_settled(enc, keep):
+                enc.truncate(keep)
+                out[i] = backend.post_process(enc).ids
+            else:
+                widen.append(i)
+        todo, cut = widen, cut * 2
+    return out
 
 
 def surely_too_long(backend: RustTokenizer, text: str, max_length: int) -> bool:
@@ -63,11 +75,18 @@ def surely_too_long(backend: RustTokenizer, text: str, max_length: int) -> bool:
     prefix's first tokens are settled (as in ``encode_truncated``) and more follow. A long text
     sent without truncate=true is then refused for the price of a max-length one. False means
     "not known from the prefix": the full tokenization decides."""
+    return first_surely_too_long(backend, [text], max_length) == 0
+
+
+def first_surely_too_long(backend: RustTokenizer, texts: list[str], max_length: int) -> int | None:
+    """The index of the first text ``surely_too_long`` says is, else None (one encode_batch)."""
     keep = max_length - backend.num_special_tokens_to_add(False)
     cut = max(64, keep * PREFIX_CHARS_PER_TOKEN)
-    if len(text) <= cut:
-        return False
-    return _prefix_is_settled(backend.encode(text[:cut], add_special_tokens=False), keep)
+    long = [i for i, t in enumerate(texts) if len(t) > cut]
+    if not long:
+        return None
+    encs = backend.encode_batch([texts[i][:cut] for i in long], add_special_tokens=False)
+    return next((i for i, enc in zip(long, encs) if _prefix_is_settled(enc, keep)), None)
 
 
 def _prefix_is_settled(enc: Encoding, keep: int) -> bool:
@@ -109,7 +128,7 @@ class Tokenizer:
             texts = [prompt + t for t in texts]
         backend = self._backend_copy()
         if truncate and self._cut_prefix:
-            return [encode_truncated(backend, t, max_len) for t in texts]
+            return encode_truncated_batch(backend, texts, max_len)
         if truncate:  # left-side truncation keeps a suffix: the exact path on the whole text
             keep = max_len - backend.num_special_tokens_to_add(False)
             out = []
@@ -117,12 +136,11 @@ class Tokenizer:
                 enc.truncate(keep, direction="left")
                 out.append(backend.post_process(enc).ids)
             return out
-        for i, text in enumerate(texts):
-            if surely_too_long(backend, text, max_len):
-                raise InvalidArgument(
-                    f"input {i} is more than {max_len} tokens long; {self.info.name} takes at most "
-                    f"{max_len} tokens per input (special tokens included). Shorten it or set "
-                    f"truncate=true to cut it to {max_len}.", param="input")
+        if (i := first_surely_too_long(backend, texts, max_len)) is not None:
+            raise InvalidArgument(
+                f"input {i} is more than {max_len} tokens long; {self.info.name} takes at most "
+                f"{max_len} tokens per input (special tokens included). Shorten it or set "
+                f"truncate=true to cut it to {max_len}.", param="input")
         encs = backend.encode_batch(texts, add_special_tokens=True)
         ids = [enc.ids for enc in encs]
         for i, seq in enumerate(ids):

@@ -28,6 +28,8 @@ from pathlib import Path
 import grpc
 import redis
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from tokq import config as cfg
 from tokq.gateway.validate import Limits
 from tokq.keys import QueueKeys
@@ -57,13 +59,13 @@ def _text(num_bytes: int, seed: int) -> str:
         w = rng.choice(words)
         out.append(w)
         size += len(w) + 1
-    return " ".join(out)[:num_bytes]
+    return " ".join(out).encode()[:num_bytes].decode("utf-8", "ignore")  # UTF-8 bytes, not chars
 
 
 def scenarios(limits: Limits) -> dict[str, dict]:
     """name -> what each abuser sends over and over."""
     per_input = limits.max_input_bytes
-    n_full = max(1, min(limits.max_inputs, limits.max_request_bytes // per_input))
+    n_full = max(1, limits.max_request_bytes // per_input)
     return {
         "8 MB strings, truncate=true (the issue's attack)":
             {"sizes": [8 << 20], "truncate": True},
@@ -76,10 +78,11 @@ def scenarios(limits: Limits) -> dict[str, dict]:
     }
 
 
-def _abuse(target: str, spec: dict, stop, counts) -> None:
+def _abuse(target: str, spec: dict, ready, stop, counts) -> None:
     """Abuser process: NUM_ABUSERS threads sending ``spec`` requests back to back."""
     texts = [_text(n, seed=i) for i, n in enumerate(spec["sizes"])]
     request = pb.EmbedRequest(inputs=texts, truncate=spec["truncate"])
+    ready.set()
 
     def loop(i: int) -> None:
         with grpc.insecure_channel(target, OPTIONS) as channel:
@@ -109,7 +112,9 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _probe(stub, duration_s: float, pace_s: float) -> list[float]:
+def _probe(stub, duration_s: float, pace_s: float, errors: dict | None = None) -> list[float]:
+    """Latencies (ms) of one-input calls; a failed call counts in ``errors`` and, as the worst
+    case, as infinitely slow (a probe must never fail)."""
     latencies = []
     end = time.monotonic() + duration_s
     while time.monotonic() < end:
@@ -118,8 +123,9 @@ def _probe(stub, duration_s: float, pace_s: float) -> list[float]:
             stub.Embed(pb.EmbedRequest(inputs=[PROBE_TEXT]), timeout=30)
             latencies.append((time.perf_counter() - start) * 1000)
         except grpc.RpcError as exc:
-            latencies.append(float("inf") if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else
-                             (time.perf_counter() - start) * 1000)
+            latencies.append(float("inf"))
+            if errors is not None:
+                errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
         time.sleep(pace_s)
     return latencies
 
@@ -150,21 +156,32 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
             time.sleep(0.2)
         channel = grpc.insecure_channel(target, OPTIONS)
         stub = pb_grpc.EmbedderStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:  # ready: Redis answers and the worker's heartbeat is seen
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline and gateway.poll() is None, "gateway not ready"
+            time.sleep(0.2)
         _probe(stub, 3.0, pace_s)  # warm-up
-        results = {name: {"abused": [], "idle": [], "cpu_s": {}, "codes": {}} for name in scenarios(limits)}
+        results = {name: {"abused": [], "idle": [], "cpu_s": {}, "codes": {}, "probe_errors": {}}
+                   for name in scenarios(limits)}
         ctx = multiprocessing.get_context("spawn")
         for rnd in range(rounds):
             for name, spec in scenarios(limits).items():
                 res = results[name]
-                res["idle"] += _probe(stub, phase_s, pace_s)
-                stop, counts = ctx.Event(), ctx.Array("l", len(_CODES) + 1)
-                abuser = ctx.Process(target=_abuse, args=(target, spec, stop, counts), daemon=True)
+                res["idle"] += _probe(stub, phase_s, pace_s, res["probe_errors"])
+                ready, stop, counts = ctx.Event(), ctx.Event(), ctx.Array("l", len(_CODES) + 1)
+                abuser = ctx.Process(target=_abuse, args=(target, spec, ready, stop, counts), daemon=True)
                 abuser.start()
+                ready.wait(300)  # its texts are built
                 time.sleep(2.0)  # abusers at full pressure before probing
                 pids = {**procs, "abusers": abuser.pid, "probe": os.getpid()}
                 cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
                 t0 = time.monotonic()
-                res["abused"] += _probe(stub, phase_s, pace_s)
+                res["abused"] += _probe(stub, phase_s, pace_s, res["probe_errors"])
                 wall = time.monotonic() - t0
                 for k, p in pids.items():
                     res["cpu_s"].setdefault(k, []).append((_cpu_s(p) - cpu0[k]) / wall)
@@ -190,6 +207,7 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
             "p99_ratio": _pct(abused, 0.99) / _pct(idle, 0.99),
             "cpu_cores": {k: statistics.median(v) for k, v in res["cpu_s"].items()},
             "abuser_replies": {k: v for k, v in res["codes"].items() if v},
+            "probe_errors": res["probe_errors"],
         }
     out["idle_p99_ms_all"] = _pct(idle_all, 0.99)
     return out
@@ -214,14 +232,14 @@ def render(report: dict, command: str) -> str:
              "scenario's idle figures are the idle phases just before its abused phases. Caps "
              f"(defaults from max_length 256): {lim['max_input_bytes']:,} bytes per input, "
              f"{lim['max_request_bytes']:,} per request.", "",
-             "| abusers send | probe calls | idle p50 / p99 ms | abused p50 / p99 ms | p99 ratio "
+             "| abusers send | probe calls (failed) | idle p50 / p99 ms | abused p50 / p99 ms | p99 ratio "
              "(target <= 2) | abusers' replies | CPU cores: gateway / worker / redis / abusers / probe |",
              "|---|---|---|---|---|---|---|"]
     for name, s in report["scenarios"].items():
         cpu = s["cpu_cores"]
         replies = ", ".join(f"{k} {v:,}" for k, v in s["abuser_replies"].items())
         lines.append(
-            f"| {name} | {s['calls']} | {s['idle_p50_ms']:.1f} / {s['idle_p99_ms']:.1f} | "
+            f"| {name} | {s['calls']} ({sum(s['probe_errors'].values())}) | {s['idle_p50_ms']:.1f} / {s['idle_p99_ms']:.1f} | "
             f"{s['abused_p50_ms']:.1f} / {s['abused_p99_ms']:.1f} | **{s['p99_ratio']:.2f}x** | "
             f"{replies} | {cpu['gateway']:.2f} / {cpu['worker']:.2f} / {cpu['redis']:.2f} / "
             f"{cpu['abusers']:.2f} / {cpu['probe']:.2f} |")

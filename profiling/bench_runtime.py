@@ -99,19 +99,24 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 3) -> tuple[float, float]
     return peaks[0], (peaks[1] if len(peaks) > 1 else 0.0)
 
 
-def linear_only_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: int = 5) -> float:
-    """Tokens/s of the model's linear layers alone (every 2-d weight of every layer, with its
-    bias, through the engine's own kernels and dtype) on a ``num_tokens``-row input: the
-    ceiling the whole forward is measured against."""
+def linear_calls(engine: Engine, num_tokens: int = 1024) -> list[tuple]:
+    """(x, weight, bias) for every 2-d weight of every layer: the model's linear layers, each
+    on a ``num_tokens``-row input in the engine's dtype."""
     gen = torch.Generator().manual_seed(0)
-    linear, dtype = engine.model.linear, engine.dtype
     calls = []
     for layer in engine.model.layers:
         for name, weight in vars(layer).items():
             if isinstance(weight, torch.Tensor) and weight.dim() == 2:
                 bias = getattr(layer, name.removesuffix("_weight") + "_bias", None)
-                x = torch.randn(num_tokens, weight.shape[1], generator=gen).to(dtype)
+                x = torch.randn(num_tokens, weight.shape[1], generator=gen).to(engine.dtype)
                 calls.append((x, weight, bias))
+    return calls
+
+
+def linear_only_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: int = 5) -> float:
+    """Tokens/s of the model's linear layers alone (``linear_calls``, through the engine's own
+    kernels): the ceiling the whole forward is measured against."""
+    linear, calls = engine.model.linear, linear_calls(engine, num_tokens)
 
     @torch.inference_mode()
     def run() -> None:

@@ -62,6 +62,16 @@ def test_profiled_budget_within_ten_percent_of_the_best_fixed_one_passes():
     assert "shared 2-core machine" in section and "load average" in section
 
 
+def test_a_run_where_no_batch_filled_any_budget_says_the_budget_did_not_bind():
+    r = report({64: 77.0, 256: 50.0, 1024: 57.0}, profiled=256, fixed=[64, 256, 1024])
+    for s in r["systems"]:
+        s["sustainable"]["batches"]["tokens_per_batch"] = 35.0
+    assert "did not bind" in bench_budget.markdown_section(r)
+    for s in r["systems"]:
+        s["sustainable"]["batches"]["tokens_per_batch"] = 60.0  # 64's batches were full
+    assert "did not bind" not in bench_budget.markdown_section(r)
+
+
 def test_profiled_budget_further_than_ten_percent_behind_fails():
     r = report({64: 250.0, 256: 390.0, 45: 265.0}, profiled=45, fixed=[64, 256])
     v = bench_budget.verdict(r)

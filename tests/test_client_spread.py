@@ -23,14 +23,15 @@ pytestmark = pytest.mark.slow
 NUM_CALLS = 200
 
 
-def embed_counts(metrics_ports: list[int]) -> list[float]:
-    """Embed calls each gateway process has answered OK, from its own metrics page."""
+def embed_counts(metrics_ports: list[int], rpc: str = "Embed") -> list[float]:
+    """Embed calls (``rpc``: "http.Embeddings" for HTTP) each gateway process has answered OK,
+    from its own metrics page."""
     counts = []
     for port in metrics_ports:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         counts.append(sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                           if s.name == "tokq_gateway_requests_total"
-                          and s.labels.get("rpc") == "Embed" and s.labels.get("code") == "OK"))
+                          and s.labels.get("rpc") == rpc and s.labels.get("code") == "OK"))
     return counts
 
 
@@ -38,7 +39,7 @@ def embed_counts(metrics_ports: list[int]) -> list[float]:
 def stack():
     from service_stack import ServiceStack
 
-    s = ServiceStack()
+    s = ServiceStack(http=True)
     metrics_port = free_port()
     s.metrics_ports = [metrics_port, metrics_port + 1]
     try:
@@ -143,6 +144,24 @@ def test_a_name_with_several_addresses_is_spread_over_all_of_them(stack):
     finally:
         other.terminate()
         other.wait(timeout=30)
+
+
+def test_http_clients_spread_over_processes_by_connection(stack):
+    # HTTP/1.1 carries one request at a time per connection, so clients open many: here each
+    # request its own connection, as SO_REUSEPORT hands connections out.
+    import httpx
+
+    def post(i):
+        with httpx.Client(base_url=stack.http_url, timeout=30) as http:
+            resp = http.post("/v1/embeddings", json={"input": f"query {i}"})
+            assert resp.status_code == 200, resp.text
+
+    before = embed_counts(stack.metrics_ports, "http.Embeddings")
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(post, range(NUM_CALLS)))
+    split = [a - b for a, b in zip(embed_counts(stack.metrics_ports, "http.Embeddings"), before)]
+    assert sum(split) == NUM_CALLS
+    assert min(split) >= NUM_CALLS / 4, split  # binomial: 100 +- 7 each; under 50 is 7 sigma off
 
 
 # -- the pool's rule, on real (unconnected) channels ----------------------------------------------

@@ -79,6 +79,25 @@ async def test_a_bounded_cluster_client_queues_commands_beyond_its_connections(r
         await client.aclose()
 
 
+async def test_concurrent_first_calls_go_straight_to_the_slot_owner(redis_cluster, redis_cluster_url):
+    """redis-py routes calls made before its slot map is read to one node: they drew MOVED, and
+    the slot-map reset after 5 MOVEDs cut other calls' connections mid-flight (a script then
+    ran twice). tokq's client reads the slot map first."""
+    nodes = [redis.Redis(port=p, decode_responses=True) for p in redis_cluster.ports]
+    for n in nodes:
+        n.config_resetstat()
+    client = connect(redis_cluster_url)
+    try:
+        keys = [f"k{i}" for i in range(32)]
+        await asyncio.gather(*(client.set(k, k) for k in keys))
+    finally:
+        await client.aclose()
+    moved = sum(n.info("errorstats").get("errorstat_MOVED", {}).get("count", 0) for n in nodes)
+    for n in nodes:
+        n.close()
+    assert moved == 0
+
+
 @pytest.mark.parametrize("kind", ["standalone", "cluster"])
 async def test_sharded_subscriber_hears_channels_on_every_node(kind, request):
     url = request.getfixturevalue("redis_cluster_url" if kind == "cluster" else "redis_url")

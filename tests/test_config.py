@@ -82,9 +82,10 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
 
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_PORT": str(port), "TOKQ_HOST": "127.0.0.1",
-           "TOKQ_DEVICE": "cpu", "TOKQ_REDIS_URL": redis_url, "TOKQ_METRICS_PORT": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+           "TOKQ_DEVICE": "cpu", "TOKQ_METRICS_PORT": "0", "TOKQ_HTTP_PORT": "0", "TOKQ_LEASE_MS": "4321"}
+    env.pop("TOKQ_REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--redis-url", redis_url],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 180
@@ -103,6 +104,9 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
         worker = next(c for c in cmdlines if b"worker" in c)
         assert worker[worker.index(b"--device") + 1] == b"cpu"
         assert redis_server.password.encode() not in b" ".join(b" ".join(c) for c in cmdlines)
+        for pid in children:  # the queue settings up resolved reach every child
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            assert b"TOKQ_LEASE_MS=4321" in environ and f"TOKQ_REDIS_URL={redis_url}".encode() in environ
         with Client(f"127.0.0.1:{port}") as client:
             assert client.embed(["up honours TOKQ_*"], timeout=60).shape == (1, 384)
     finally:

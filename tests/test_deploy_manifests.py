@@ -40,11 +40,14 @@ def subcommand_of(command: list[str]) -> str:
 def check_env(subcommand: str, env: dict[str, str]) -> None:
     cls = CONFIG_FOR[subcommand]
     fields = {f.upper() for f in cls.__dataclass_fields__} if cls else set()
+    if cls:  # gateways and workers also read the queue's settings (QueueConfig) from TOKQ_*
+        fields |= {f.upper() for f in config.QueueConfig.__dataclass_fields__}
     for name in env:
         if name.startswith("TOKQ_"):
             assert name.removeprefix("TOKQ_") in fields, f"{name} is no {subcommand} setting"
     if cls:
         config.load(cls, env=env)  # the values parse as the config would read them
+        config.load(config.QueueConfig, env=env)
 
 
 def scrape_ports() -> dict[str, tuple[list[str], int]]:

@@ -88,7 +88,7 @@ def test_profile_publishes_the_budget_under_the_repo_ids_queue(hub_cache, tmp_pa
 
     args = ["--model", REPO, "--device", "cpu", "--threads", "1", "--min-tokens", "16", "--max-tokens", "64",
             "--points-per-doubling", "1", "--time-per-point-s", "0.05", "--min-repeats", "3", "--stop-ms", "60000",
-            "--quiet", "--max-batch-ms", "1e9", "--out", str(tmp_path / "p.json"), "--apply",
+            "--quiet", "--slo-p99-ms", "1e9", "--out", str(tmp_path / "p.json"), "--apply",
             "--redis-url", redis_url]
     result = CliRunner().invoke(profile_command, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output

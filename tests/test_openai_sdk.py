@@ -11,10 +11,10 @@ import numpy as np
 import openai
 import pytest
 
-from tokq.keys import QueueKeys
 
 pytestmark = pytest.mark.slow
 MODEL = "all-MiniLM-L6-v2"
+API_KEY = "sdk-test-key"  # the gateway takes calls only with this key (Bearer)
 TEXTS = ["a red running shoe", "blue suede shoes", "the quarterly earnings report", "hello"]
 
 
@@ -23,7 +23,8 @@ def stack():
     from service_stack import ServiceStack
 
     # Calls without a deadline of their own wait 3 s at most: a stopped worker gives a prompt 504.
-    s = ServiceStack(http=True, env={"TOKQ_DEFAULT_TIMEOUT_MS": "3000", "TOKQ_MAX_QUEUED_TOKENS": "2000"})
+    s = ServiceStack(http=True, env={"TOKQ_DEFAULT_TIMEOUT_MS": "3000", "TOKQ_MAX_QUEUED_TOKENS": "2000",
+                                     "TOKQ_API_KEYS": API_KEY})
     try:
         s.start_gateway()
         s.start_worker("w1")
@@ -36,7 +37,7 @@ def stack():
 @pytest.fixture(scope="module")
 def client(stack):
     # max_retries=0: the SDK retries 429/5xx by default, and these tests want to see them.
-    with openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
         yield c
 
 
@@ -95,7 +96,7 @@ def test_langchain_openai_embeddings(stack, reference):
     from langchain_openai import OpenAIEmbeddings
 
     # check_embedding_ctx_length=False: send text, not tiktoken ids (another model's vocabulary).
-    emb = OpenAIEmbeddings(model=MODEL, base_url=f"{stack.http_url}/v1", api_key="unused",
+    emb = OpenAIEmbeddings(model=MODEL, base_url=f"{stack.http_url}/v1", api_key=API_KEY,
                            check_embedding_ctx_length=False, max_retries=0)
     assert_close(emb.embed_documents(TEXTS), reference(TEXTS))
     assert_close([emb.embed_query(TEXTS[0])], reference(TEXTS[:1]))
@@ -119,6 +120,13 @@ def test_bad_input_raises_the_sdks_own_errors(client, kwargs, error, status):
     assert err.value.status_code == status and err.value.body["message"]
 
 
+def test_a_wrong_api_key_is_the_sdks_authentication_error(stack):
+    with openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="not-the-key", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.embeddings.create(model=MODEL, input="hi")
+    assert err.value.status_code == 401
+
+
 def test_a_stalled_worker_gives_504_and_overload_429(stack, client):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -126,7 +134,7 @@ def test_a_stalled_worker_gives_504_and_overload_429(stack, client):
     try:
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(client.embeddings.create, model=MODEL, input=["token " * 120] * 12)
-            r, keys = stack.client(), QueueKeys(MODEL)
+            r, keys = stack.client(), stack.keys
             while not int(r.get(keys.tokens) or 0):  # ~1,500 tokens now queued
                 assert not waiting.done(), waiting.result()
                 time.sleep(0.02)

@@ -21,7 +21,7 @@ from tokq.gateway.prompt_boundary import PromptBoundary, shared_prefix_len
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
 from tokq.model_info import ModelInfo
-from tokq.queue import Queue
+from tokq.shards import ShardedQueue
 from tokq.workers.engine import Engine
 from tokq.workers.worker import Worker
 
@@ -100,8 +100,9 @@ def test_entry_body_carries_the_prefix_length_compatibly():
 async def _serve_one_batch(redis_url, info, tokenizer, engine, request: EmbedInput):
     """The gateway enqueues the request; the worker's batch code answers it in one claim."""
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
-    queue = Queue(client, info.queue_name, QueueConfig())
-    router = ReplyRouter(pubsub, client, queue.keys, queue.keys.done_channel("gw-prefix"))
+    queue = ShardedQueue(client, info.queue_name, QueueConfig())
+    router = ReplyRouter(pubsub, client, queue.reply_key,
+                         [k.done_channel("gw-prefix") for k in queue.shard_keys()])
     await router.start()
     try:
         served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), "gw-prefix")

@@ -6,9 +6,13 @@ import asyncio
 import random
 from collections import Counter
 
+import pytest
 from queue_support import CHANNEL, items, keys_left, ok_result, open_queue
 
 from tokq.queue import Claim
+
+# The same queue code against a standalone server and a node of a real Redis Cluster.
+pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 
 NUM_CLAIMERS = 8
 NUM_REQUESTS = 500

@@ -6,15 +6,18 @@ from __future__ import annotations
 import pytest
 from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
+from tokq.connection import ShardedSubscriber
 from tokq.entry import decode_result, encode_error
+
+# The same queue code against a standalone server and a node of a real Redis Cluster.
+pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 
 
 async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
-        pubsub = q.redis.pubsub()
-        await pubsub.ssubscribe(CHANNEL)
-        await pubsub.get_message(timeout=1.0)
+        pubsub = ShardedSubscriber(q.redis)
+        await pubsub.subscribe(CHANNEL)  # confirmed when it returns
         await q.enqueue("r", items(5, 5, 5), timeout_ms=60_000, channel=CHANNEL)
         crashed = await q.claim(10)  # items 0 and 1; this worker never acks
         await q.enqueue("later", items(5), timeout_ms=60_000, channel=CHANNEL)
@@ -32,8 +35,8 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
         await q.ack(crashed.batch_id, [(e, encode_error("INTERNAL", "stale")) for e in crashed.entries])
 
         published = []
-        while (message := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)):
-            published.append(message["data"])
+        while (message := await pubsub.get_message(timeout=0.2)):
+            published.append(message[1])
         assert published == [b"r", b"later"]  # each request's completion, once
         results = await q.collect("r")
         assert [decode_result(results[i]).vector.tolist() for i in range(3)] == [

@@ -8,23 +8,26 @@ import pytest
 from queue_support import (CHANNEL, ManualClock, items, keys_left, ok_result, open_queue,
                            stored_entries)
 
+from tokq.connection import ShardedSubscriber
 from tokq.entry import decode_body, decode_result, parse_entry
 from tokq.queue import MAX_DROPS_PER_CLAIM, QueueFull
+
+# The same queue code against a standalone server and a node of a real Redis Cluster.
+pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 
 
 async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
     async with open_queue(redis_url) as q:
-        pubsub = q.redis.pubsub()
-        await pubsub.ssubscribe(CHANNEL)
-        await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+        pubsub = ShardedSubscriber(q.redis)
+        await pubsub.subscribe(CHANNEL)  # confirmed when it returns
         req_items = items(3, 5, 2)
         enq = await q.enqueue("req1", req_items, timeout_ms=5_000, channel=CHANNEL)
         claim = await q.claim(600)
         assert [e.index for e in claim.entries] == [0, 1, 2]
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
 
-        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-        assert message["data"] == b"req1"
+        message = await pubsub.get_message(timeout=1.0)
+        assert message[1] == b"req1"
         results = await q.collect("req1")
         assert sorted(results) == [0, 1, 2]
         assert decode_result(results[1]).vector.tolist() == [1.0, 0.0]
@@ -32,23 +35,22 @@ async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
         # Drained: only the monotonically increasing totals and the batch sequence remain.
         assert await keys_left(q) == set()
         assert (await q.stats()).counters == {"enqueued": 3, "claimed": 3, "batches": 1, "acked": 3}
-        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1) is None
+        assert await pubsub.get_message(timeout=0.1) is None
         await pubsub.aclose()
 
 
 async def test_completion_is_published_once_when_the_last_item_is_answered(redis_url):
     async with open_queue(redis_url) as q:
-        pubsub = q.redis.pubsub()
-        await pubsub.ssubscribe(CHANNEL)
-        await pubsub.get_message(timeout=1.0)
+        pubsub = ShardedSubscriber(q.redis)
+        await pubsub.subscribe(CHANNEL)  # confirmed when it returns
         await q.enqueue("req1", items(4, 4), timeout_ms=5_000, channel=CHANNEL)
         claim = await q.claim(4)  # only item 0 fits
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1) is None
+        assert await pubsub.get_message(timeout=0.1) is None
         claim = await q.claim(4)
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-        assert message["data"] == b"req1"
+        message = await pubsub.get_message(timeout=1.0)
+        assert message[1] == b"req1"
         await pubsub.aclose()
 
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import tokq.lua
 from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
 from tokq.entry import decode_result
 from tokq.scripts import script_names, script_source
+
+# The same queue code against a standalone server and a node of a real Redis Cluster.
+pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 
 LUA_DIR = Path(tokq.lua.__file__).parent
 
@@ -56,6 +60,7 @@ async def test_script_flush_mid_run_recovers(redis_url):
         assert await keys_left(q) == set()
 
 
+@pytest.mark.redis_kinds("standalone")  # restarts the standalone server
 async def test_redis_restart_mid_run_recovers(redis_server, redis_url):
     async with open_queue(redis_url) as q:
         await q.enqueue("lost", items(3), timeout_ms=10_000, channel=CHANNEL)

@@ -13,9 +13,10 @@ import pytest
 import redis
 
 from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
-KEYS = QueueKeys("all-MiniLM-L6-v2")
+KEYS = QueueKeys(ModelInfo.load().queue_name)  # as gateways and workers name the bundled model's queue
 
 
 def beat(client, worker_id: str, ttl_ms: int = 60_000) -> None:

@@ -163,8 +163,8 @@ def test_thousands_of_concurrent_calls_use_a_bounded_number_of_redis_connections
 
     out = asyncio.run(run())
     assert len(out) == 2000 and all(v.shape == (1, 384) for v in out)
-    # gateway pool (32) + its subscription + 8 per worker (2 running) + this test's client
-    assert peak <= 32 + 1 + 8 * len(stack.workers) + 1, peak
+    # gateway pool (32) + its subscription + its readiness check + 8 per worker (2 running) + this test's client
+    assert peak <= 32 + 1 + 1 + 8 * len(stack.workers) + 1, peak
 
 
 @pytest.mark.parametrize("call, code, needle", [
@@ -211,7 +211,7 @@ def test_token_id_inputs_embed_like_their_text(stack, client, reference):
 def test_unknown_model_is_not_found(stack):
     with Client(stack.target, model="no-such-model") as c, pytest.raises(TokqError) as err:
         c.embed(["hi"], timeout=10)
-    assert err.value.code == grpc.StatusCode.NOT_FOUND and "no-such-model" in err.value.message
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no-such-model" in err.value.message
 
 
 def test_truncate_cuts_over_long_input(client, reference):

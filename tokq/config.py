@@ -78,6 +78,9 @@ class QueueConfig(_Validated):
                              min=0, max=10_000)
     max_skip_age_ms: int = setting(50, "an entry this old is never passed over (nothing starves)",
                                    min=0, max=3_600_000)
+    queue_shards: int = setting(1, "shards of each model's queue, each its own hash tag (spread "
+                                "over a Redis Cluster's nodes); a request goes whole to one shard, "
+                                "workers claim from every shard", min=1, max=1024)
     reply_ttl_ms: int = setting(60_000, "replies nobody collects expire this long after the "
                                 "request's deadline", min=1_000, max=86_400_000)
 
@@ -91,6 +94,13 @@ _REVISION = setting("", "Hugging Face revision (branch, tag or commit) of a repo
 _SERVED_MODEL_NAME = setting("", "name the model is served under (its queue name adds a "
                              "fingerprint of the model's files)", aliases=("--model-name",),
                              default_text="the repo id, or the model directory's name")
+# A gateway serves one model per --model (repeatable); the request's `model` picks one.
+_MODELS = setting((), "local model directory or Hugging Face repo id; repeat it to serve "
+                  "several models (a request names one)",
+                  default_text="the bundled all-MiniLM-L6-v2")
+_SERVED_MODEL_NAMES = setting((), "name each --model is served under, in --model order "
+                              "(repeatable)", aliases=("--model-name",),
+                              default_text="the repo id, or the model directory's name")
 _REDIS_CLUSTER = setting("auto", "Redis Cluster mode; auto asks the server",
                          choices=("auto", "yes", "no"))
 _PORT_OR_OFF = dict(min=0, max=65_535)
@@ -128,9 +138,9 @@ class WorkerConfig(_Validated):
 class GatewayConfig(_Validated):
     redis_url: str = _REDIS_URL
     redis_cluster: str = _REDIS_CLUSTER
-    model: str = _MODEL
+    model: tuple[str, ...] = _MODELS
     revision: str = _REVISION
-    served_model_name: str = _SERVED_MODEL_NAME
+    served_model_name: tuple[str, ...] = _SERVED_MODEL_NAMES
     host: str = setting("0.0.0.0", "address the gRPC server listens on")
     port: int = setting(50051, "gRPC port", min=0, max=65_535)
     max_inputs: int = setting(512, "most inputs accepted in one request", min=1, max=100_000)
@@ -180,6 +190,15 @@ class GatewayConfig(_Validated):
                               "TOKQ_TLS_CERT/TOKQ_TLS_KEY)")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("tls_client_ca needs a server certificate too (--tls-cert/--tls-key)")
+        if len(self.served_model_name) > max(1, len(self.model)):
+            raise ConfigError(f"{len(self.served_model_name)} served model names for "
+                              f"{max(1, len(self.model))} model(s): give at most one per --model")
+
+    def models(self) -> list[tuple[str | None, str | None]]:
+        """(model path or repo id, served name) per model served; None = the default."""
+        paths = self.model or ("",)
+        names = self.served_model_name + ("",) * (len(paths) - len(self.served_model_name))
+        return [(path or None, name or None) for path, name in zip(paths, names)]
 
 
 @dataclass(frozen=True)
@@ -305,7 +324,7 @@ def click_options(*classes: type, exclude: tuple[str, ...] = (),
             if typ is bool:
                 decls = [f"{flag}/--no-{flag[2:]}", f.name]
             elif typing.get_origin(typ) is tuple:
-                decls, kwargs["multiple"] = [flag, f.name], True
+                decls, kwargs["multiple"] = [flag, *f.metadata.get("aliases", ()), f.name], True
             else:
                 decls = [flag, *f.metadata.get("aliases", ()), f.name]
                 kwargs["type"] = click.Choice(f.metadata["choices"]) if f.metadata.get("choices") else typ

@@ -75,6 +75,12 @@ class BoundedRedisCluster(RedisCluster):
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self._bound:
+            if self._initialize:
+                # redis-py picks a command's node before its own lazy initialize: concurrent
+                # first calls (or calls right after a failover reset the slot map) went to the
+                # default node, drew MOVED, and the reset that follows 5 MOVEDs closed the
+                # connections of commands still in flight. Read the slot map first.
+                await self.initialize()
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
@@ -83,6 +89,8 @@ class BoundedRedisCluster(RedisCluster):
 
         async def bounded_execute(*args: Any, **kwargs: Any) -> Any:
             async with self._bound:
+                if self._initialize:
+                    await self.initialize()
                 return await execute(*args, **kwargs)
 
         pipe.execute = bounded_execute

@@ -11,8 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_QUEUE_NAME = re.compile(r"^[A-Za-z0-9._\-@]{1,128}$")
+# A model's queue name (with its fingerprint after '@'), then for shards > 0 '#<shard>'.
+_QUEUE_NAME = re.compile(r"^[A-Za-z0-9._\-@]{1,128}(#[1-9][0-9]{0,3})?$")
 FINGERPRINT_CHARS = 8  # 32 bits: versions of one model name colliding by chance is ~never
+MAX_SHARDS = 1024
 
 
 def queue_name_for(model_name: str, fingerprint: str = "") -> str:
@@ -21,6 +23,16 @@ def queue_name_for(model_name: str, fingerprint: str = "") -> str:
     suffix = f"@{fingerprint[:FINGERPRINT_CHARS]}" if fingerprint else ""
     name = re.sub(r"[^A-Za-z0-9._\-]", "_", model_name)[:128 - len(suffix)]
     return (name or "default") + suffix
+
+
+def shard_queue_name(queue: str, shard: int) -> str:
+    """The queue of one shard of a model's queue. Shard 0 is the queue itself, so a one-shard
+    queue is the unsharded queue and raising the shard count keeps what is queued; shard s > 0
+    is ``<queue>#<s>``: its own hash tag, so shards spread over a cluster's nodes ('#' is not
+    allowed in a model's queue name, so no model's queue can collide with a shard)."""
+    if not 0 <= shard < MAX_SHARDS:
+        raise ValueError(f"shard {shard} out of range 0..{MAX_SHARDS - 1}")
+    return queue if shard == 0 else f"{queue}#{shard}"
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,12 @@ class QueueKeys:
     def budget(self) -> str:
         """STRING: the token budget published by ``tokq profile --apply``."""
         return f"{self.base}:budget"
+
+    @property
+    def shard_counts(self) -> str:
+        """ZSET shard count -> last time (ms) a gateway enqueued with that many shards (kept
+        on shard 0's keys; workers claim from the most shards seen lately)."""
+        return f"{self.base}:shards"
 
     @property
     def workers(self) -> str:

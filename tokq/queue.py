@@ -98,7 +98,7 @@ def _pairs(flat: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
 
 class Queue:
     def __init__(self, redis: aioredis.Redis, queue: str, config: QueueConfig = QueueConfig(),
-                 *, clock: Callable[[], int] | None = None) -> None:
+                 *, clock: Callable[[], int] | None = None, batch_prefix: str = "") -> None:
         self.redis = redis
         self.keys = QueueKeys(queue)
         self.config = config
@@ -106,7 +106,8 @@ class Queue:
         self._clock = clock
         # Batch ids are <random prefix>-<local counter>, chosen here so that a repeated claim
         # finds its own lease; the prefix keeps them unique across clients and restarts.
-        self._batch_prefix = secrets.token_hex(8)
+        # (tokq.shards puts the shard first: "<shard>.<random>", so an ack finds its shard.)
+        self._batch_prefix = batch_prefix or secrets.token_hex(8)
         self._batch_numbers = itertools.count(1)
 
     def _now_arg(self) -> int:

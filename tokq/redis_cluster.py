@@ -82,7 +82,9 @@ class LocalCluster:
     num_primaries: int = 3
     replicas_per_primary: int = 1
     host: str = "127.0.0.1"
-    node_timeout_ms: int = 1_000
+    # Short for fast failovers, long enough that a node starved of CPU on a loaded machine is
+    # not taken for dead (a spurious failover).
+    node_timeout_ms: int = 3_000
     nodes: list[ClusterNode] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ from tokq import config as cfg
 async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker_id: str | None,
                  burst: bool) -> None:
     from tokq.connection import connect
-    from tokq.queue import Queue
+    from tokq.shards import ShardedQueue
     from tokq.workers.engine import Engine
     from tokq.workers.worker import Worker, default_worker_id
 
@@ -39,7 +39,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
             peak_flops=metrics.device_peak_flops(engine.device), device=str(engine.device),
             dtype=str(engine.dtype).removeprefix("torch."))
         metrics.start_metrics_server(config.metrics_port)
-    worker = Worker(engine, Queue(client, engine.info.queue_name, queue_config), config, queue_config,
+    worker = Worker(engine, ShardedQueue(client, engine.info.queue_name, queue_config), config, queue_config,
                     worker_id=worker_id, observer=observer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -26,6 +26,7 @@ import redis.exceptions
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.connection import ShardedSubscriber
 from tokq.queue import Claim, Queue
+from tokq.shards import ShardedQueue
 from tokq.workers.runner import BatchOutcome, BatchRunner
 
 log = logging.getLogger("tokq.worker")
@@ -33,7 +34,7 @@ log = logging.getLogger("tokq.worker")
 DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # used until `tokq profile --apply` publishes one
 # An idle worker waits for a work notice, but claims at least this often: a missed notice
 # (a reconnect) costs at most this long.
-IDLE_FALLBACK_S = 0.25
+IDLE_FALLBACK_S = 0.5
 REDIS_RETRY_S = 0.2
 ACK_ATTEMPTS = 10
 # Any Redis failure, -READONLY after a failover or -OOM included: wait and retry, never exit.
@@ -60,10 +61,12 @@ def default_worker_id() -> str:
 
 
 class Worker:
-    def __init__(self, engine, queue: Queue, config: WorkerConfig, queue_config: QueueConfig,
+    def __init__(self, engine, queue: ShardedQueue | Queue, config: WorkerConfig, queue_config: QueueConfig,
                  worker_id: str | None = None, observer=None,
                  exit_process: Callable[[int], object] = os._exit) -> None:
         self.engine = engine
+        if isinstance(queue, Queue):  # one unsharded queue
+            queue = ShardedQueue.of(queue)
         self.queue = queue
         self.config = config
         self.queue_config = queue_config
@@ -154,7 +157,7 @@ class Worker:
 
     async def _subscribe(self) -> None:
         try:
-            await self._notices.subscribe(self.queue.keys.work_channel)
+            await self._notices.subscribe(*self.queue.work_channels())  # every shard's
             self._subscribed = True
         except _REDIS_ERRORS as exc:  # claims still happen every IDLE_FALLBACK_S meanwhile
             log.warning("work-notice subscription failed: %s", exc)
@@ -276,6 +279,10 @@ class Worker:
             return
 
     async def _refresh_budget(self) -> None:
+        # Also the shards in use: gateways may have raised (or lowered) the shard count.
+        before = self.queue.claim_shards
+        if await self.queue.refresh_shard_count() != before:
+            self._subscribed = False  # listen for work on the new shards too
         if self.config.token_budget:
             return
         published = await self.queue.get_budget()

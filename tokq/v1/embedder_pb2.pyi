@@ -75,7 +75,7 @@ class InfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dimensions", "max_input_length", "token_budget", "max_inputs", "prompt_names", "default_prompt_name", "pooling", "version")
+    __slots__ = ("model", "dimensions", "max_input_length", "token_budget", "max_inputs", "prompt_names", "default_prompt_name", "pooling", "version", "models")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class InfoResponse(_message.Message):
     DEFAULT_PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dimensions: int
     max_input_length: int
@@ -94,7 +95,8 @@ class InfoResponse(_message.Message):
     default_prompt_name: str
     pooling: str
     version: str
-    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_input_length: _Optional[int] = ..., token_budget: _Optional[int] = ..., max_inputs: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., pooling: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_input_length: _Optional[int] = ..., token_budget: _Optional[int] = ..., max_inputs: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., pooling: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "model", "truncate", "prompt_name")

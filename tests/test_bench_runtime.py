@@ -1,0 +1,23 @@
+"""bench_runtime's own ceiling: the model's linear layers alone, every one of them, through the
+engine's kernels and dtype; and its per-op profile (no timings asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny_models import build
+from tokq.batch import PackedBatch
+from tokq.profiling import bench_runtime
+from tokq.workers.engine import Engine
+
+
+@pytest.mark.parametrize("model,dtype", [("bert", "bfloat16"), ("qwen3_model", "float32")])
+def test_linear_limit_runs_every_linear_weight_in_the_engines_dtype(tmp_path, model, dtype):
+    build(model, tmp_path)
+    engine = Engine.load(tmp_path, device="cpu", dtype=dtype)
+    calls = bench_runtime.linear_calls(engine, num_tokens=8)
+    assert sum(w.numel() for _, w, _ in calls) == engine.model.num_linear_params
+    assert all(x.dtype == engine.dtype and x.shape == (8, w.shape[1]) for x, w, _ in calls)
+    assert bench_runtime.linear_only_tokens_per_s(engine, num_tokens=8, repeats=1) > 0
+    table = bench_runtime.op_table(engine, [PackedBatch.pack([[1, 2, 3], [4, 5]])])
+    assert "Self CPU" in table and ("linear" in table or "addmm" in table or "mm" in table)

@@ -1,0 +1,62 @@
+"""deploy/ for Redis Cluster: the compose override builds a 3+3 cluster and points gateway and
+worker at it with sharded queues; the autoscaler's signal covers every shard."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import yaml
+from prometheus_client import REGISTRY
+from queue_support import items
+from test_deploy_manifests import COMPOSE_DIR, K8S, check_env
+
+from tokq import metrics
+from tokq.config import QueueConfig
+from tokq.connection import connect
+from tokq.shards import ShardedQueue
+
+
+def test_compose_cluster_override_builds_a_replicated_cluster_and_uses_it():
+    base = yaml.safe_load((COMPOSE_DIR / "compose.yaml").read_text())["services"]
+    override = yaml.safe_load((COMPOSE_DIR / "compose.cluster.yaml").read_text())["services"]
+    nodes = [n for n in override if n.startswith("redis-node-")]
+    assert len(nodes) == 6
+    for n in nodes:
+        command = override[n]["command"]
+        assert command[command.index("--cluster-enabled") + 1] == "yes"
+    init = " ".join(override["redis-cluster-init"]["command"])
+    assert "--cluster-replicas 1" in init and "--cluster create" in init
+    assert set(override["redis-cluster-init"]["depends_on"]) == set(nodes)
+    for name in ("gateway", "worker"):
+        assert name in base
+        env = override[name]["environment"]
+        check_env(name, env)
+        host = re.match(r"redis://([^:/]+):(\d+)", env["TOKQ_REDIS_URL"]).group(1)
+        assert host in nodes
+        assert QueueConfig(queue_shards=int(env["TOKQ_QUEUE_SHARDS"])).queue_shards >= len(nodes) // 2
+        assert "redis-cluster-init" in override[name]["depends_on"]
+
+
+def test_autoscaler_reads_the_queue_gauge_that_sums_every_shard(redis_url):
+    (scaled,) = [d for d in yaml.safe_load_all((K8S / "autoscaler.yaml").read_text())
+                 if d and d["kind"] == "ScaledObject"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert "tokq_queue_queued_tokens" in trigger["metadata"]["query"]
+
+    async def run() -> int:
+        client = connect(redis_url)
+        q = ShardedQueue(client, "gauge-model", QueueConfig(queue_shards=4))
+        try:
+            for r in range(12):
+                await q.enqueue(f"r{r}", items(5, 6), timeout_ms=60_000, gateway_id="gw")
+            used = {q.shard_of_request(f"r{r}") for r in range(12)}
+            assert len(used) > 1
+            metrics.observe_queue_stats(await q.stats(), model="gauge-model")
+        finally:
+            await q.close()
+            await client.aclose()
+        return 12 * 11
+
+    total = asyncio.run(run())
+    assert REGISTRY.get_sample_value("tokq_queue_queued_tokens", {"model": "gauge-model"}) == total

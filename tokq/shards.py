@@ -1,0 +1,251 @@
+"""A model's queue as S shards, each a ``Queue`` with its own hash tag.
+
+One queue is one hash slot, so one Redis core: a claim costs Redis tens of microseconds, which
+caps one model's fleet however many nodes a cluster has. S shards land on different nodes.
+
+- Enqueue: a request goes whole to one shard (its items stay together, one script), the less
+  loaded by queued tokens of two shards picked at random. Loads are read in the background
+  (one GET per shard every ``LOAD_REFRESH_S``) and bumped locally by each enqueue, so the pick
+  costs no round trip; two random choices stay balanced on such stale loads where "the least
+  loaded" would send every gateway to the same shard.
+- Claim: shards in rotation, starting after the shard that served the last batch, so no
+  non-empty shard waits more than S-1 claims; still one budget-bounded batch from one shard
+  per claim. A batch id starts with its shard (``<shard>.<id>``): ack and renew go there.
+- Changing S live loses nothing: shard 0 is the unsharded queue, and every gateway records its
+  S in ``shard_counts`` (last seen, ms). Workers claim from the most shards any gateway used
+  within ``SHARD_COUNT_HORIZON_MS``, which outlasts every deadline, lease and redo of the
+  entries a gateway with more shards may have left; requests and batches are routed by their
+  ids, not by the current S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import secrets
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+import redis.exceptions
+
+from tokq.config import QueueConfig
+from tokq.entry import Entry
+from tokq.keys import MAX_SHARDS, QueueKeys, shard_queue_name
+from tokq.queue import Claim, Enqueued, Queue, QueueStats
+
+LOAD_REFRESH_S = 0.1
+SHARD_COUNT_REFRESH_S = 5.0
+SHARD_COUNT_HORIZON_MS = 3_600_000  # an hour: far past any request deadline and its redo
+
+
+class ShardedQueue:
+    """The Queue interface over ``config.queue_shards`` shards (see the module doc)."""
+
+    def __init__(self, redis, queue: str, config: QueueConfig = QueueConfig(), *,
+                 clock=None, rng: random.Random | None = None) -> None:
+        if not 1 <= config.queue_shards <= MAX_SHARDS:
+            raise ValueError(f"queue_shards must be in 1..{MAX_SHARDS}, got {config.queue_shards}")
+        self.redis = redis
+        self.name = queue
+        self.config = config
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._shards: dict[int, Queue] = {}
+        self.num_shards = config.queue_shards  # gateways enqueue to these
+        self._claim_shards = config.queue_shards  # workers claim from these (see refresh)
+        self._next_claim = self._rng.randrange(self.num_shards)
+        self._loads = [0] * self.num_shards
+        self._since_read = [0] * self.num_shards  # tokens enqueued since the last read began
+        self._loads_at = 0.0
+        self._load_task: asyncio.Task | None = None
+        self._count_at = -SHARD_COUNT_REFRESH_S
+        self._shard_of_request: dict[str, int] = {}
+        self._batch_token = secrets.token_hex(8)
+
+    # -- shards -----------------------------------------------------------------------------
+    def shard(self, index: int) -> Queue:
+        """The Queue of shard ``index`` (made on first use: any index a batch id names)."""
+        if index not in self._shards:
+            # Batch ids name their shard; the token keeps them unique across processes.
+            self._shards[index] = Queue(self.redis, shard_queue_name(self.name, index), self.config,
+                                        clock=self._clock, batch_prefix=f"{index}.{self._batch_token}")
+        return self._shards[index]
+
+    @property
+    def keys(self) -> QueueKeys:
+        """Shard 0's keys: the model-wide ones (budget, workers, heartbeats, shard counts)."""
+        return self.shard(0).keys
+
+    def shard_keys(self) -> list[QueueKeys]:
+        return [self.shard(i).keys for i in range(self.num_shards)]
+
+    @classmethod
+    def of(cls, queue: Queue) -> ShardedQueue:
+        """A one-shard ShardedQueue over an existing Queue (its batch ids name no shard: 0)."""
+        sharded = cls(queue.redis, queue.keys.queue, replace(queue.config, queue_shards=1))
+        sharded._shards[0] = queue
+        return sharded
+
+    @staticmethod
+    def shard_of_batch(batch_id: str) -> int:
+        return int(batch_id.split(".", 1)[0]) if "." in batch_id else 0
+
+    def shard_of_request(self, request_id: str) -> int | None:
+        return self._shard_of_request.get(request_id)
+
+    def reply_key(self, request_id: str) -> str:
+        return self.shard(self._shard_of_request.get(request_id, 0)).keys.reply(request_id)
+
+    # -- gateway side -----------------------------------------------------------------------
+    def pick_shard(self) -> int:
+        """The less loaded of two random shards (by queued tokens, as last read + enqueued)."""
+        if self.num_shards == 1:
+            return 0
+        a, b = self._rng.sample(range(self.num_shards), 2)
+        return a if self._loads[a] <= self._loads[b] else b
+
+    async def enqueue(self, request_id: str, items: Sequence[tuple[int, bytes]], *,
+                      timeout_ms: int, gateway_id: str) -> Enqueued:
+        """Queue the request on one shard; its completion notice comes on that shard's
+        ``done_channel(gateway_id)``. Every enqueue must end in ``collect`` or ``cancel``."""
+        self._maybe_refresh_loads()
+        index = self.pick_shard()
+        # Recorded before the script runs: a call cancelled mid-enqueue is still cancelled
+        # on the shard that may have queued it.
+        self._shard_of_request[request_id] = index
+        shard = self.shard(index)
+        try:
+            enqueued = await shard.enqueue(request_id, items, timeout_ms=timeout_ms,
+                                           channel=shard.keys.done_channel(gateway_id))
+        except ValueError:
+            self._shard_of_request.pop(request_id, None)
+            raise
+        tokens = sum(t for t, _ in items)
+        self._loads[index] += tokens
+        self._since_read[index] += tokens
+        return enqueued
+
+    async def collect(self, request_id: str) -> dict[int, bytes]:
+        index = self._shard_of_request.get(request_id, 0)
+        raw = await self.shard(index).collect(request_id)
+        self._shard_of_request.pop(request_id, None)
+        return raw
+
+    async def cancel(self, request_id: str) -> bool:
+        index = self._shard_of_request.pop(request_id, 0)
+        return await self.shard(index).cancel(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's shard without touching Redis (it was rejected whole)."""
+        self._shard_of_request.pop(request_id, None)
+
+    def _maybe_refresh_loads(self) -> None:
+        if self.num_shards == 1:
+            return
+        if time.monotonic() - self._loads_at >= LOAD_REFRESH_S and (
+                self._load_task is None or self._load_task.done()):
+            self._loads_at = time.monotonic()
+            self._load_task = asyncio.create_task(self._refresh_loads())
+
+    async def _refresh_loads(self) -> None:
+        with contextlib.suppress(Exception):  # stale loads only skew the pick a little
+            self._since_read = [0] * self.num_shards
+            values = await asyncio.gather(*(self.redis.get(k.tokens) for k in self.shard_keys()))
+            # What this process enqueued while the GETs ran may be missing from them.
+            self._loads = [int(v or 0) + d for v, d in zip(values, self._since_read)]
+            if time.monotonic() - self._count_at >= SHARD_COUNT_REFRESH_S:
+                self._count_at = time.monotonic()
+                await self.record_shard_count()
+
+    async def record_shard_count(self) -> None:
+        """Tell workers this many shards are in use now (ZADD: the member's time only grows)."""
+        now_ms = int(time.time() * 1000)
+        await self.redis.zadd(self.keys.shard_counts, {str(self.num_shards): now_ms})
+
+    async def close(self) -> None:
+        if self._load_task is not None:
+            self._load_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._load_task
+
+    # -- worker side ------------------------------------------------------------------------
+    async def refresh_shard_count(self) -> int:
+        """Claim from the most shards any gateway used within the horizon (or this config's,
+        if more); forget counts older than that. Returns the shard count claimed from."""
+        now_ms = int(time.time() * 1000)
+        key = self.keys.shard_counts
+        await self.redis.zremrangebyscore(key, 0, now_ms - SHARD_COUNT_HORIZON_MS)
+        seen = [int(m) for m in await self.redis.zrange(key, 0, -1)]
+        self._claim_shards = max([self.config.queue_shards, *seen])
+        self._next_claim %= self._claim_shards
+        return self._claim_shards
+
+    @property
+    def claim_shards(self) -> int:
+        return self._claim_shards
+
+    async def claim(self, budget: int, *, lookahead: int | None = None) -> Claim | None:
+        """One batch from the next non-empty shard in rotation; None when all are empty. A
+        shard whose node is down (failing over) is passed over, so the others keep being
+        served; a claim that may have run there is redone when its lease expires. Raises
+        only when every shard failed."""
+        n = self._claim_shards
+        errors: list[Exception] = []
+        for step in range(n):
+            index = (self._next_claim + step) % n
+            try:
+                claim = await self.shard(index).claim(budget, lookahead=lookahead)
+            except redis.exceptions.RedisError as exc:
+                errors.append(exc)
+                continue
+            if claim is not None:
+                self._next_claim = (index + 1) % n
+                return claim
+        if len(errors) == n:
+            raise errors[-1]
+        return None
+
+    async def renew(self, batch_id: str) -> bool:
+        return await self.shard(self.shard_of_batch(batch_id)).renew(batch_id)
+
+    async def ack(self, batch_id: str, results: Sequence[tuple[Entry, bytes]]) -> None:
+        await self.shard(self.shard_of_batch(batch_id)).ack(batch_id, results)
+
+    async def requeue_expired(self) -> tuple[int, int]:
+        done = await asyncio.gather(*(self.shard(i).requeue_expired()
+                                      for i in range(self._claim_shards)))
+        return sum(r for r, _ in done), sum(f for _, f in done)
+
+    # -- both -------------------------------------------------------------------------------
+    async def stats(self) -> QueueStats:
+        """Every shard's stats summed (oldest age: the oldest of all)."""
+        n = max(self.num_shards, self._claim_shards)
+        parts = await asyncio.gather(*(self.shard(i).stats() for i in range(n)))
+        counters: Counter[str] = Counter()
+        for p in parts:
+            counters.update(p.counters)
+        return QueueStats(sum(p.queued_entries for p in parts), sum(p.queued_tokens for p in parts),
+                          max(p.oldest_age_ms for p in parts), sum(p.inflight_items for p in parts),
+                          sum(p.inflight_batches for p in parts), dict(counters))
+
+    def work_channels(self) -> list[str]:
+        """The channels an idle worker listens on: every shard it claims from."""
+        return [self.shard(i).keys.work_channel for i in range(self._claim_shards)]
+
+    async def heartbeat(self, worker_id: str, status: dict, *, ttl_ms: int,
+                        forget_after_ms: int) -> int:
+        """Workers register once per model (on shard 0's keys), whatever S is."""
+        return await self.shard(0).heartbeat(worker_id, status, ttl_ms=ttl_ms,
+                                             forget_after_ms=forget_after_ms)
+
+    async def forget_worker(self, worker_id: str) -> None:
+        await self.shard(0).forget_worker(worker_id)
+
+    async def get_budget(self) -> int | None:
+        return await self.shard(0).get_budget()
+
+    async def set_budget(self, tokens: int) -> None:
+        await self.shard(0).set_budget(tokens)
