@@ -257,7 +257,7 @@ class Embedder:
         self._aliases = {m.info.queue_name: m for m in self.models.values()}
 
     def lookup(self, name: str) -> ServedModel:
-        """'' picks the only model; an unknown name is ModelNotFound (404 / NOT_FOUND)."""
+        """'' picks the only model; an unknown name is ModelNotFound (INVALID_ARGUMENT / HTTP 404)."""
         if not name:
             if len(self.models) == 1:
                 return next(iter(self.models.values()))

@@ -67,9 +67,12 @@ class InvalidArgument(ServiceError):
 
 
 class ModelNotFound(ServiceError):
-    """The request names a model this gateway does not serve."""
+    """The request names a model this gateway does not serve. On gRPC that is a bad argument
+    (INVALID_ARGUMENT, as it always was, so existing callers' handling keeps working); on HTTP it
+    is OpenAI's 404 model_not_found, which the SDKs raise as NotFoundError."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 404
 
 
 class PayloadTooLarge(ServiceError):

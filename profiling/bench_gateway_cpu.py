@@ -138,6 +138,7 @@ class Stack:
         import redis
 
         from tokq.keys import QueueKeys
+        from tokq.model_info import ModelInfo
         from tokq.redis_server import EmbeddedRedis, free_port
         from tokq.profiling.bench_systems import _wait_healthy
 
@@ -156,7 +157,7 @@ class Stack:
         try:
             _wait_healthy(self.echo_target, self.echo, START_TIMEOUT_S)
             _wait_healthy(self.gateway_target, self.gateway, START_TIMEOUT_S)
-            heartbeat = QueueKeys("all-MiniLM-L6-v2").heartbeat("cpu-bench")
+            heartbeat = QueueKeys(ModelInfo.load(None).queue_name).heartbeat("cpu-bench")
             deadline = time.monotonic() + START_TIMEOUT_S
             while not client.exists(heartbeat):  # the worker has warmed up
                 if self.worker.poll() is not None or time.monotonic() > deadline:
@@ -432,6 +433,14 @@ def run_command(calls, rate, rounds, warmup_calls, seed, workload, profile_dir, 
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     if results_md:
         write_section(Path(results_md), section)
+
+
+@main.command("render")
+@click.argument("json_path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--results-md", type=click.Path(dir_okay=False), required=True)
+def render_command(json_path, results_md) -> None:
+    """Rewrite the section from a `run --json` report, without measuring again."""
+    write_section(Path(results_md), markdown_section(json.loads(Path(json_path).read_text())))
 
 
 @main.command("echo-server")

@@ -30,7 +30,7 @@ import redis
 from tokq.connection import connect
 from tokq.entry import decode_result, encode_body
 from tokq.keys import QueueKeys
-from tokq.model_info import bundled_model_path
+from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
 from tokq.profiling.results_section import shared_machine_note, write_section
 from tokq.queue import REPLY_META_FIELDS, Queue
@@ -84,7 +84,7 @@ def main() -> None:
     server = EmbeddedRedis().start()
     client = redis.Redis.from_url(server.url)
     model = bundled_model_path()
-    queue_name = "all-MiniLM-L6-v2"
+    queue_name = ModelInfo.load(model).queue_name
     keys = QueueKeys(queue_name)
     env = {**os.environ, "TOKQ_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "TOKQ_REDIS_URL": server.url}  # the password stays off argv
@@ -123,6 +123,8 @@ def main() -> None:
         f"PING round trip p99 {percentile(ping_ms, 0.99):.2f} ms |",
         f"| wake-up, max (ms) | {max(wake_ms):.1f} | |",
         "",
+        "Commands are what INFO commandstats counts: the commands a script runs inside Redis "
+        "(TIME, LRANGE, ...) count besides its EVALSHA. "
         "Wake-up = the claim's Redis time minus the enqueue's (1 ms resolution). "
         + shared_machine_note(),
     ]

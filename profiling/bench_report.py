@@ -57,7 +57,10 @@ def _vectors(system: dict) -> str:
     if not v:
         return "not checked"
     cos = "–" if v["min_cos"] is None else f"{v['min_cos']:.5f}"
-    return cos if v["counts"] else f"{cos} (**not counted**)"
+    if v["counts"]:
+        return cos
+    # tokq is measured whatever its dtype gives; a baseline below the bar is not
+    return f"{cos} (below 0.9999)" if system["kind"] == "tokq" else f"{cos} (**not counted**)"
 
 
 def _fmt(value, digits: int = 0) -> str:
@@ -119,7 +122,10 @@ def _targets(report: dict, slo_ms: float) -> list[str]:
             why = "; ".join(f"{s['name']}: {s['limit']}" for s in dropped) or "not in this run"
             lines.append(label + f"not judged ({why}).")
             continue
-        ratio = best["sustainable_rps"] / ref["sustainable_rps"] if ref["sustainable_rps"] else math.inf
+        if not ref["sustainable_rps"]:  # no ratio to judge: the baseline met the SLO at no rate
+            lines.append(label + f"not judged: {ref['name']} met the SLO at no measured rate ({ref['limit']}).")
+            continue
+        ratio = best["sustainable_rps"] / ref["sustainable_rps"]
         lines.append(label + f"{best['name']} sustains {ratio:.2f}x {ref['name']} ({best['sustainable_rps']:.0f} vs "
                      f"{ref['sustainable_rps']:.0f} req/s): **{'met' if ratio >= ratio_needed else 'not met'}**.")
     counted = [o for o in others if counts(o)]

@@ -31,11 +31,12 @@ class ManualClock:
 
 
 @contextlib.asynccontextmanager
-async def open_queue(redis_url: str, clock: ManualClock | None = None, **config):
+async def open_queue(redis_url: str, clock: ManualClock | None = None, *, queue: str = QUEUE,
+                     **config):
     # The same connection settings as the gateway and workers (reconnects through a restart).
     client = connect(redis_url)
     try:
-        yield Queue(client, QUEUE, QueueConfig(**config), clock=clock)
+        yield Queue(client, queue, QueueConfig(**config), clock=clock)
     finally:
         await client.aclose()
 

@@ -90,3 +90,36 @@ def test_top_frames_leaves_out_waits_and_merges_lines_of_a_function():
     assert dict(frames["native"]) == {"sendmsg (libc.so.6)": 0.3, "[tokenizers.abi3.so]": 0.1}
     assert dict(frames["ours"]) == {"_embed (gateway/service.py)": 0.9, "encode (tokq/entry.py)": 0.6}
     json.dumps(frames)  # goes into the report as is
+
+
+def _round(gateway_ms: float, echo_ms: float, errors: dict | None = None) -> dict:
+    summary = {"latency_ms": {"p99": 40.0}, "errors": errors or {}}
+    return {"tokq": {"cpu_ms_per_call": {"gateway": gateway_ms, "worker": 3.0, "redis": 0.2, "load client": 0.5},
+                     "summary": summary},
+            "echo": {"cpu_ms_per_call": {"echo server": echo_ms, "load client": 0.5}, "summary": {"errors": {}}},
+            "gateway_vs_echo": round(gateway_ms / echo_ms, 2)}
+
+
+def test_report_judges_the_target_on_medians_and_only_without_failed_calls(tmp_path):
+    from click.testing import CliRunner
+
+    from tokq.profiling.bench_gateway_cpu import SECTION_START, main, markdown_section
+
+    meta = {"command": "python -m tokq.profiling.bench_gateway_cpu run", "started_at": "t0", "finished_at": "t1",
+            "machine": {"cpu": "cpu", "num_cpus": 2, "platform": "linux"}, "loadavg_at_start": ["1"],
+            "loadavg_at_end": ["2"], "calls": 100, "rate": 60, "rounds": 3}
+    report = {"meta": meta, "rounds": [_round(0.5, 0.3), _round(0.7, 0.3), _round(0.55, 0.25)]}
+    md = markdown_section(report)
+    assert "| gateway (tokq run) | 0.550 | 0.500, 0.700, 0.550 |" in md
+    assert "**met** (0.550 ms)" in md and "**2.20x**" in md  # median of 1.67, 2.33, 2.2
+    report["rounds"][1] = _round(0.5, 0.3, errors={"DEADLINE_EXCEEDED": 4})
+    assert "**not judged: some calls failed" in markdown_section(report)
+    report["rounds"] = [_round(0.9, 0.3)] * 3
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n")
+    for _ in range(2):
+        done = CliRunner().invoke(main, ["render", str(tmp_path / "r.json"), "--results-md", str(results)])
+        assert done.exit_code == 0, done.output
+    text = results.read_text()
+    assert text.startswith("# Results\n") and text.count(SECTION_START) == 1 and "**not met** (0.900 ms)" in text

@@ -114,6 +114,10 @@ def test_targets_judge_tokq_up_defaults_and_say_when_a_baseline_is_missing(repor
     md = bench_report.markdown_section(report)
     assert "tokq (defaults) sustains 4.00x one-at-a-time (sentence-transformers) (160 vs 40 req/s): **not met**" in md
     assert "ONNX Runtime one at a time at equal p99 (<= 500 ms)**: not judged (not in this run)." in md
+    i = next(i for i, s in enumerate(report["systems"]) if s["kind"] == "one-at-a-time")
+    report["systems"][i] = system("one-at-a-time (sentence-transformers)", "one-at-a-time", [step(25, 900)], 500.0)
+    md = bench_report.markdown_section(report)  # a baseline that met the SLO at no rate gives no ratio
+    assert "one at a time at equal p99 (<= 500 ms)**: not judged: one-at-a-time (sentence-transformers) met" in md
     # its half-load p99 against the default budget's forward time
     assert "tokq (defaults): p99 500 ms at 80 req/s vs 4 x 100 ms = 400 ms: **not met**" in md
 

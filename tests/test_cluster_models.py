@@ -85,7 +85,7 @@ def test_info_lists_every_model_and_an_unknown_model_is_refused(two_models):
     assert list(info.models) == sorted(NAMES) and info.model == NAMES[0]
     with Client(two_models, model="no-such-model") as client, pytest.raises(TokqError) as err:
         client.embed(["hi"], timeout=10)
-    assert err.value.code == grpc.StatusCode.NOT_FOUND and "minilm-a" in err.value.message
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "minilm-a" in err.value.message
     with Client(two_models) as client, pytest.raises(TokqError) as err:
         client.embed(["hi"], timeout=10)  # several served: the request must name one
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -28,9 +28,10 @@ import pytest
 
 from tokq import AsyncClient, TokqError
 from tokq.keys import QueueKeys
+from tokq.model_info import ModelInfo
 
 pytestmark = pytest.mark.slow
-KEYS = QueueKeys("all-MiniLM-L6-v2")
+KEYS = QueueKeys(ModelInfo.load().queue_name)  # as the gateway and workers name it
 LEASE_MS = 1500
 REPLY_TTL_MS = 2000  # so a killed gateway's uncollected replies go within seconds
 MAX_QUEUED_TOKENS = 6000
@@ -99,9 +100,10 @@ def enqueued_items(stack) -> int:
 
 def keys_left(stack, settle_s: float = 30) -> list[bytes]:
     """Keys of requests still in Redis once in-flight work and grace periods are over (waits
-    up to ``settle_s``); the counters, budget and worker registry are not request keys."""
+    up to ``settle_s``); the counters, budget, shard counts and worker registry are not request
+    keys."""
     r = stack.client()
-    keep = re.compile(rb"^tokq:\{[^}]+\}:(counters|budget|workers|heartbeat:.*)$")
+    keep = re.compile(rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|heartbeat:.*)$")
     deadline = time.monotonic() + settle_s
     while True:
         left = [k for k in r.keys("*") if not keep.match(k)]

@@ -58,7 +58,7 @@ async def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 def _check(redis_url: str, worker_id: str) -> int:
     return subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--check", "--worker-id",
-                           worker_id, "--redis-url", redis_url, "--model-name", QUEUE],
+                           worker_id, "--redis-url", redis_url, "--served-model-name", QUEUE],
                           capture_output=True, timeout=120).returncode
 
 
@@ -68,7 +68,9 @@ async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(r
     hanging = HangingEngine(engine)
     exits: list[int] = []
     ids = [[101, 7592, 2088, 102], [101, 2204, 2851, 102]]
-    async with open_queue(redis_url, lease_ms=1_000) as q, open_queue(redis_url, lease_ms=1_000) as q2:
+    name = engine.info.queue_name  # its model fingerprint included, as `--check` names it
+    async with open_queue(redis_url, lease_ms=1_000, queue=name) as q, \
+            open_queue(redis_url, lease_ms=1_000, queue=name) as q2:
         hung = Worker(hanging, q, wcfg, qcfg, worker_id="hung", exit_process=exits.append)
         hung_run = asyncio.create_task(hung.run())
         heartbeat = q.keys.heartbeat("hung")
@@ -116,7 +118,7 @@ async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, en
     # With the fallback poll an hour away, only the notice can make the worker claim.
     monkeypatch.setattr(worker_module, "IDLE_FALLBACK_S", 3600.0)
     qcfg = QueueConfig()
-    async with open_queue(redis_url) as q:
+    async with open_queue(redis_url, queue=engine.info.queue_name) as q:
         worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="idle")
         run = asyncio.create_task(worker.run())
         await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("idle")), 60, "the first heartbeat")
@@ -135,7 +137,7 @@ async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, en
 
 async def test_a_missed_work_notice_costs_at_most_the_fallback_poll(redis_url, engine):
     qcfg = QueueConfig()
-    async with open_queue(redis_url) as q:
+    async with open_queue(redis_url, queue=engine.info.queue_name) as q:
         worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="deaf")
         run = asyncio.create_task(worker.run())
         await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("deaf")), 60, "the first heartbeat")

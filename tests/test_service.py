@@ -211,7 +211,7 @@ def test_token_id_inputs_embed_like_their_text(stack, client, reference):
 def test_unknown_model_is_not_found(stack):
     with Client(stack.target, model="no-such-model") as c, pytest.raises(TokqError) as err:
         c.embed(["hi"], timeout=10)
-    assert err.value.code == grpc.StatusCode.NOT_FOUND and "no-such-model" in err.value.message
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "no-such-model" in err.value.message
 
 
 def test_truncate_cuts_over_long_input(client, reference):

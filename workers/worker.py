@@ -34,7 +34,7 @@ log = logging.getLogger("tokq.worker")
 DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # used until `tokq profile --apply` publishes one
 # An idle worker waits for a work notice, but claims at least this often: a missed notice
 # (a reconnect) costs at most this long.
-IDLE_FALLBACK_S = 0.25
+IDLE_FALLBACK_S = 0.5
 REDIS_RETRY_S = 0.2
 ACK_ATTEMPTS = 10
 # Any Redis failure, -READONLY after a failover or -OOM included: wait and retry, never exit.
