@@ -275,7 +275,8 @@ def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | No
             env["TOKQ_LOOKAHEAD"] = str(spec.lookahead)
         env["TOKQ_REDIS_URL"] = redis_server.url  # in the environment: it holds the password
         args = ["-m", "tokq.cli", "up", "--port", str(port),
-                "--workers", "1", "--device", spec.device, "--metrics-port", str(metrics_port), *model_args]
+                "--workers", "1", "--device", spec.device, "--metrics-port", str(metrics_port),
+                "--http-port", "0", *model_args]  # gRPC is what it measures; 8080 may be taken
         if spec.token_budget:
             args += ["--token-budget", str(spec.token_budget)]
     elif spec.kind == "infinity":

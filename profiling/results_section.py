@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tokq.profiling.results_md import write_block
+
 
 def shared_machine_note() -> str:
     one, five, fifteen = os.getloadavg()
@@ -17,11 +19,4 @@ def shared_machine_note() -> str:
 def write_section(path: str | Path, name: str, title: str, command: str, body: list[str]) -> None:
     start, end = f"<!-- {name}: start (generated; edits here are overwritten) -->", f"<!-- {name}: end -->"
     block = "\n".join([start, f"## {title}", "", f"`{command}`", "", *body, "", end])
-    path = Path(path)
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    head, sep, rest = text.partition(start)
-    if sep and end in rest:
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text, encoding="utf-8")
+    write_block(Path(path), block, start, end)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -167,14 +168,28 @@ def test_prometheus_scrapes_tokq_metrics_and_runs_rules_and_dashboards(tmp_path)
         server.shutdown()
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 free as well: tokq up gives its worker the gateway's metrics port + 1,
+    and a random neighbour (a cluster node's bus port, say) must not be taken for it."""
+    while True:
+        port = free_port()
+        try:
+            for candidate in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", candidate))
+            return port
+        except OSError:
+            continue
+
+
 @pytest.mark.slow
 def test_prometheus_scrapes_a_running_tokq_up(tmp_path, bundled_model_dir):
     """The key series reach Prometheus from the real gateway and worker processes."""
-    grpc_port, metrics_port = free_port(), free_port()
+    grpc_port, metrics_port = free_port(), free_port_pair()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     up = subprocess.Popen(
         [sys.executable, "-m", "tokq.cli", "up", "--port", str(grpc_port), "--metrics-port",
-         str(metrics_port), "--workers", "1", "--device", "cpu"],
+         str(metrics_port), "--workers", "1", "--device", "cpu", "--http-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True)
     lines: list[str] = []

@@ -235,7 +235,7 @@ class LocalCluster:
             time.sleep(0.1)
 
     def _not_ok_reason(self) -> str:
-        views = set()
+        views, running_primaries = set(), set()
         for node in self.nodes:
             if not node.running:
                 continue
@@ -246,18 +246,33 @@ class LocalCluster:
                         return f"node {node.port}: cluster_state {info.get('cluster_state')}"
                     if int(info.get("cluster_known_nodes", 0)) < len(self.nodes):
                         return f"node {node.port}: knows {info.get('cluster_known_nodes')} nodes"
-                    views.add(tuple(sorted((start, end, primary) for start, end, primary, _ in _slots(c))))
+                    # Replicas too: a node that has not yet heard (by gossip) that a replica
+                    # joined lists its primary without it.
+                    views.add(tuple(sorted((start, end, primary, tuple(sorted(replicas)))
+                                           for start, end, primary, replicas in _slots(c))))
                     repl = c.info("replication")
                     if repl.get("role") == "slave" and repl.get("master_link_status") != "up":
                         return f"node {node.port}: replica link {repl.get('master_link_status')}"
+                    if repl.get("role") == "master":
+                        running_primaries.add(node.port)
             except redis.RedisError as exc:
                 return f"node {node.port}: {exc}"
         if len(views) != 1:
             return f"nodes disagree on slot owners: {sorted(views)}"
-        primaries = {owner for *_, owner in next(iter(views))}
+        view = next(iter(views))
+        primaries = {owner for _, _, owner, _ in view}
+        listed_replicas = {r for *_, replicas in view for r in replicas}
+        running_replicas = {n.port for n in self.nodes if n.running} - primaries
+        if running_replicas - listed_replicas:
+            return f"replica(s) {sorted(running_replicas - listed_replicas)} not yet listed in the slot map"
         dead = [p for p in primaries if not self._node(p).running]
         if dead:
             return f"slots still assigned to stopped node(s) {dead}"
+        # A restarted, failed-over primary first comes back as a primary without slots, and only
+        # then turns into its successor's replica: until it has, the cluster is one replica short.
+        rejoining = sorted(running_primaries - primaries)
+        if rejoining:
+            return f"node(s) {rejoining} rejoining (primary without slots, not yet a replica)"
         return ""
 
     def _node(self, port: int) -> ClusterNode:
