@@ -19,6 +19,20 @@ from tokq.processes import stop_all
 from tokq.redis_server import EmbeddedRedis, free_port
 
 
+def read_until_serving(proc: subprocess.Popen, timeout_s: float = 180) -> list[str]:
+    """The lines `tokq up` (started with stdout=PIPE, text=True) prints up to the one saying it
+    serves; fails with its output if it exits first."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "tokq up exited:\n" + "".join(lines)
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            break
+    return lines
+
+
 class ServiceStack:
     def __init__(self, env: dict[str, str] | None = None, model: str | None = None, http: bool = False) -> None:
         self.redis = EmbeddedRedis(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None).start()

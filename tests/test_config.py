@@ -7,7 +7,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
 
 import click
 import pytest
@@ -17,6 +16,7 @@ from tokq import config as cfg
 from tokq.gateway.cli import gateway_command
 from tokq.up import up_command
 from tokq.workers.cli import worker_command
+from service_stack import read_until_serving
 
 COMMANDS = {
     "gateway": (gateway_command, (cfg.GatewayConfig, cfg.QueueConfig)),
@@ -88,13 +88,7 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "tokq up exited:\n" + "".join(lines)
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
+        lines += read_until_serving(proc)
         text = "".join(lines)
         assert f"127.0.0.1:{port}" in text and "(embedded" not in text
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,

@@ -14,6 +14,7 @@ import pytest
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.model_source import resolve
+from service_stack import read_until_serving
 
 REPO = "acme/mini-lm"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -104,8 +105,7 @@ def test_tokq_up_serves_a_repo_id_from_the_cache_under_its_name(tmp_path, bundle
     import signal
     import subprocess
     import sys
-    import time
-
+    
     import httpx
     from sentence_transformers import SentenceTransformer
 
@@ -123,13 +123,7 @@ def test_tokq_up_serves_a_repo_id_from_the_cache_under_its_name(tmp_path, bundle
                                  "PYTHONUNBUFFERED": "1"})
     lines = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "tokq up exited:\n" + "".join(lines)
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
+        lines += read_until_serving(proc)
         texts = ["served by its hub id", "from the local cache"]
         with Client(f"127.0.0.1:{port}") as client:
             assert client.info(timeout=10).model == REPO

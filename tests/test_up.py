@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from tokq.redis_server import free_port
+from service_stack import read_until_serving
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +43,7 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "tokq up exited:\n" + "".join(lines)
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
+        lines += read_until_serving(proc)
         text = "".join(lines)
         assert f"127.0.0.1:{port}" in text and "tokq embed" in text and "redis://" in text
         children = _children(proc.pid)
