@@ -1,8 +1,9 @@
 -- requeue.lua: put the items of expired leases (crashed or stuck workers) back at the FRONT
--- of the queue with attempt + 1; items that reach max_attempts get an error reply instead.
+-- of the heavy lane with attempt + 1 (so a crash's redo fills batches beside the light lane's
+-- small requests, never ahead of them); items that reach max_attempts get an error reply.
 -- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
--- KEYS[2] pending   LIST   entries, head = oldest
--- KEYS[3] tokens    STRING sum of the tokens in pending
+-- KEYS[2] heavy     LIST   heavy lane, head = oldest
+-- KEYS[3] tokens    STRING sum of the tokens in both lanes
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
 -- KEYS[5] counters  HASH   requeued, failed, orphaned
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)

@@ -56,8 +56,14 @@ class QueueKeys:
         return f"{self.base}:pending"
 
     @property
+    def heavy(self) -> str:
+        """LIST, as ``pending``: the heavy lane (requests over ``light_tokens``, redone items;
+        tokq/claim_rule.py). ``pending`` is the light lane."""
+        return f"{self.base}:heavy"
+
+    @property
     def tokens(self) -> str:
-        """STRING: sum of token counts in ``pending`` (kept by the scripts, for the cap)."""
+        """STRING: sum of token counts in both lanes (kept by the scripts, for the cap)."""
         return f"{self.base}:tokens"
 
     @property
