@@ -12,7 +12,8 @@
 -- ARGV[4] reply key prefix, ARGV[5] lease key prefix (same hash tag)
 -- ARGV[6] the queue's work shard channel: idle workers are told when items come back
 -- Idempotent: a repeat finds the handled leases gone and does nothing.
--- Returns {items requeued, items failed}
+-- Returns {items requeued, items failed, ms until the earliest lease left expires (-1: none)}:
+-- workers call again then, so a dead worker's batch is redone as its lease ends, not a poll later.
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
@@ -54,4 +55,9 @@ add_to_count(KEYS[4], -num_released)
 add_to_counter(KEYS[5], 'requeued', #back)
 add_to_counter(KEYS[5], 'failed', num_failed)
 add_to_counter(KEYS[5], 'orphaned', num_orphaned)
-return {#back, num_failed}
+local next_lease = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local next_in_ms = -1
+if #next_lease > 0 then
+  next_in_ms = math.max(0, tonumber(next_lease[2]) - now)
+end
+return {#back, num_failed, next_in_ms}

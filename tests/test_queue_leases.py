@@ -101,6 +101,28 @@ async def test_renewed_lease_is_not_requeued(redis_url):
         assert not await q.renew(claim.batch_id)
 
 
+async def test_requeue_says_when_the_earliest_lease_expires(redis_url):
+    """Workers call requeue again when the earliest lease would expire, so a dead worker's
+    batch is redone as its lease ends."""
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        assert await q.requeue_expired() == (0, 0)
+        assert q.next_expiry_ms is None  # no lease: the half-lease poll
+        await q.enqueue("r", items(5, 5), timeout_ms=60_000, channel=CHANNEL)
+        first = await q.claim(5)
+        clock.advance(300)
+        await q.claim(5)
+        await q.requeue_expired()
+        assert q.next_expiry_ms == 700  # the first lease's deadline
+        clock.advance(100)
+        await q.renew(first.batch_id)  # now due at 1_400
+        await q.requeue_expired()
+        assert q.next_expiry_ms == 900  # the second's, due at 1_300
+        clock.advance(900)
+        assert await q.requeue_expired() == (1, 0)
+        assert q.next_expiry_ms == 100
+
+
 async def test_ack_is_idempotent(redis_url):
     async with open_queue(redis_url) as q:
         await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)

@@ -109,6 +109,8 @@ class Queue:
         # (tokq.shards puts the shard first: "<shard>.<random>", so an ack finds its shard.)
         self._batch_prefix = batch_prefix or secrets.token_hex(8)
         self._batch_numbers = itertools.count(1)
+        # Set by requeue_expired: ms until the earliest lease left expires (None: no lease).
+        self.next_expiry_ms: int | None = None
 
     def _now_arg(self) -> int:
         return self._clock() if self._clock else 0  # 0 = the script reads Redis TIME
@@ -210,12 +212,14 @@ class Queue:
         await self._run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id)], args)
 
     async def requeue_expired(self) -> tuple[int, int]:
-        """Put the items of expired leases back at the front: (requeued, failed)."""
+        """Put the items of expired leases back at the front of the heavy lane: (requeued,
+        failed). Sets ``next_expiry_ms`` (when to call again to catch the next expiry)."""
         k = self.keys
         args = [self._now_arg(), self.config.max_attempts, MAX_BATCHES_PER_REQUEUE,
                 k.reply_prefix, k.lease_prefix, k.work_channel]
-        requeued, failed = await self._run(
+        requeued, failed, next_in_ms = await self._run(
             "requeue", [k.leases, k.heavy, k.tokens, k.inflight, k.counters], args)
+        self.next_expiry_ms = None if int(next_in_ms) < 0 else int(next_in_ms)
         return int(requeued), int(failed)
 
     async def heartbeat(self, worker_id: str, status: dict, *, ttl_ms: int,

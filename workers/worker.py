@@ -40,6 +40,8 @@ ACK_ATTEMPTS = 10
 # Any Redis failure, -READONLY after a failover or -OOM included: wait and retry, never exit.
 _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 BUDGET_REFRESH_S = 1.0
+# The requeue chore calls this long after a lease's deadline (Redis and host clocks tick apart).
+EXPIRY_SLACK_S = 0.005
 # A forward is hung past max(hung_forward_ms, HUNG_FACTOR x the warm-up forward at the full
 # budget); the process then exits with EXIT_HUNG.
 HUNG_FACTOR = 20.0
@@ -236,7 +238,21 @@ class Worker:
         await self._every(self.queue_config.lease_ms / 3000, renew)
 
     async def _requeue_expired(self) -> None:
-        await self._every(self.queue_config.lease_ms / 2000, self.queue.requeue_expired)
+        """Every half lease, and right after the earliest lease would expire: a crashed
+        worker's batch is redone as its lease ends, not up to half a lease later. Healthy
+        workers renew every third of a lease, so the earliest expiry is ~2/3 of a lease away
+        and the call rate stays that of the half-lease poll."""
+        period_s = self.queue_config.lease_ms / 2000
+        while True:
+            try:
+                await self.queue.requeue_expired()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis blips must not kill the worker
+                log.warning("requeue_expired failed: %s", exc)
+            next_ms = self.queue.next_expiry_ms
+            wait_s = period_s if next_ms is None else min(period_s, next_ms / 1000 + EXPIRY_SLACK_S)
+            await asyncio.sleep(wait_s)
 
     async def _heartbeat(self) -> None:
         period_ms = self.config.heartbeat_ms
