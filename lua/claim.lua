@@ -118,7 +118,7 @@ end
 if not isolated_head then
   light_skipped, light_scanned = scan(pending, share)
 end
-if not done then
+if heavy_head and not done then -- an empty heavy lane costs no LRANGE (idle workers claim often)
   heavy_skipped, heavy_scanned = scan(heavy, budget)
 end
 
