@@ -84,7 +84,7 @@ def mfu_at(profile: dict, budget: int | None, peak_flops: float | None) -> dict:
 
 
 def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> dict:
-    model_args = ["--model", str(model_dir), "--name", name] if model_dir else []
+    model_args = ["--model", str(model_dir), "--served-model-name", name] if model_dir else []
     profile_json = out_dir / f"gpu-profile-{name}.json"
     sweep = ["--time-per-point-s", "0.3", "--max-tokens", "8192"] if quick else []
     _tokq("profile", "--device", "cuda", *model_args, *sweep, "--out", str(profile_json),
@@ -94,8 +94,8 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> 
     bench_json = out_dir / f"gpu-bench-{name}.json"
     bench_model = ["--model", str(model_dir)] if model_dir else []
     systems = ["--system", "tokq-defaults", "--system", "one-at-a-time"]
-    if budget:  # "tokq" runs at the last of --budgets
-        systems = ["--system", "tokq", "--budgets", str(budget), *systems]
+    if budget:  # "tokq" runs at the last of --token-budgets
+        systems = ["--system", "tokq", "--token-budgets", str(budget), *systems]
     steps = ["--step-duration-s", "2", "--max-steps", "12"] if quick else []
     _tokq("bench", "--device", "cuda", *bench_model, *systems, *steps, "--profile-json", str(profile_json),
           "--out", str(bench_json), "--plots", str(out_dir / name), "--quiet")

@@ -167,7 +167,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-queries", type=int, default=800, help="queries each system encodes per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--token-budgets", type=int, nargs="+", default=list(BUDGETS))
     ap.add_argument("--workload", type=Path, default=WORKLOAD)
     ap.add_argument("--model", default=None, help="model directory (default: bundled all-MiniLM-L6-v2)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -224,7 +224,7 @@ def measure(args) -> None:
         f"st batch {ST_BATCH}": lambda: st.encode(texts, batch_size=ST_BATCH),
     }
     flops: dict[str, float] = {}
-    for budget in args.budgets:
+    for budget in args.token_budgets:
         batches = pack_in_order(ids, budget)
         systems[f"packed {budget}"] = lambda b=batches: [engine.embed(x) for x in b]
         flops[f"packed {budget}"] = sum(engine.batch_flops(x) for x in batches)
@@ -240,8 +240,8 @@ def measure(args) -> None:
     print(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
           f"(p50 {np.median([len(s) for s in ids]):.0f}, max {max(len(s) for s in ids)})")
     for name, eng in engines.items():
-        eng.warmup(max(args.budgets))
-    engine.warmup(max(args.budgets))
+        eng.warmup(max(args.token_budgets))
+    engine.warmup(max(args.token_budgets))
     st.encode(texts[:ST_BATCH], batch_size=ST_BATCH)
 
     # per round: each system timed right after its own peak measurement, so a change in load
