@@ -43,6 +43,7 @@ import torch
 from tokq.batch import PackedBatch
 from tokq.profiling.results_md import write_block
 from tokq.workers import attention
+from tokq.workers.layout import build_layout
 from tokq.workers.engine import Engine
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
 
@@ -151,7 +152,7 @@ def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: 
     model's shape; layouts built once, as the engine does per batch)."""
     model = engine.model
     gen = torch.Generator().manual_seed(0)
-    layouts = [attention.build_layout(b, engine.device, backend, causal=model.causal) for b in batches]
+    layouts = [build_layout(b, engine.device, backend, causal=model.causal) for b in batches]
     qkvs = [torch.randn(b.num_tokens, 3, model.num_heads, model.head_dim, generator=gen) for b in batches]
     attend, scale = attention.attend_fn(backend), model.head_dim ** -0.5
 
