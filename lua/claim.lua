@@ -6,7 +6,7 @@
 -- KEYS[5] counters  HASH   claimed, batches, expired, orphaned
 -- KEYS[6] heavy     LIST   heavy lane: larger requests' entries and redone items
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
--- ARGV[2] budget: max summed tokens (a lane's first item still goes; see tokq/claim_rule.py)
+-- ARGV[2] token_budget: max summed tokens (a lane's first item still goes; see tokq/claim_rule.py)
 -- ARGV[3] lease_ms: how long the worker has before the batch is requeued
 -- ARGV[4] lookahead: entries per lane that may be passed over to fill the budget (0 = strict FIFO)
 -- ARGV[5] max_skip_age_ms: an entry this old is never passed over
@@ -28,7 +28,7 @@ local batch_id, lease = ARGV[9], ARGV[8] .. ARGV[9]
 if redis.call('ZSCORE', leases, batch_id) then
   return {batch_id, now, 0, 0, redis.call('LRANGE', lease, 0, -1)} -- a repeat
 end
-local budget = tonumber(ARGV[2])
+local token_budget = tonumber(ARGV[2])
 local lookahead = tonumber(ARGV[4])
 local max_skip_age_ms = tonumber(ARGV[5])
 local max_drop = tonumber(ARGV[6])
@@ -48,7 +48,7 @@ local function is_live(request_id)
 end
 
 -- Scan phase: read a lane's head in windows, decide each entry; nothing is written yet.
-local window_size = math.min(math.max(math.floor(budget / 8), 16), 512)
+local window_size = math.min(math.max(math.floor(token_budget / 8), 16), 512)
 local taken, taken_tokens = {}, 0
 local expired, num_orphaned, dropped_tokens = {}, 0, 0
 local done = false -- an isolated item was taken, or max_drop reached: the claim ends
@@ -108,18 +108,18 @@ end
 -- heavy lane's head is a redo to isolate (it goes alone now).
 local light_skipped, light_scanned, heavy_skipped, heavy_scanned = {}, 0, {}, 0
 local heavy_head = redis.call('LINDEX', heavy, 0)
-local share = budget
+local share = token_budget
 local isolated_head = false
 if heavy_head then
   local head_tokens, _, _, _, _, head_attempt = parse_entry(heavy_head)
-  share = math.max(0, math.min(math.floor(budget / 2), budget - head_tokens))
+  share = math.max(0, math.min(math.floor(token_budget / 2), token_budget - head_tokens))
   isolated_head = tonumber(head_attempt) >= isolate_attempt
 end
 if not isolated_head then
   light_skipped, light_scanned = scan(pending, share)
 end
 if heavy_head and not done then -- an empty heavy lane costs no LRANGE (idle workers claim often)
-  heavy_skipped, heavy_scanned = scan(heavy, budget)
+  heavy_skipped, heavy_scanned = scan(heavy, token_budget)
 end
 
 -- Write phase.

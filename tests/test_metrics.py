@@ -121,8 +121,8 @@ def test_worker_batch_metrics_fill_ratio_size_class_and_close():
     model = _model()
     w = metrics.WorkerMetrics(model, "w0", model_config=BERT_TINY, device="cpu", dtype="float32")
     w.observe_claim(0.002)
-    w.observe_batch([100, 200, 212], budget_tokens=1024, forward_s=0.05)
-    w.observe_batch([30], budget_tokens=1024, forward_s=0.004)
+    w.observe_batch([100, 200, 212], token_budget=1024, forward_s=0.05)
+    w.observe_batch([30], token_budget=1024, forward_s=0.004)
     w.observe_error("forward")
     w.heartbeat()
     labels = {"model": model, "worker": "w0"}
@@ -162,8 +162,8 @@ def test_throughput_and_mfu_cover_the_last_window_only():
                               window_s=10.0, clock=lambda: now[0])
     labels = {"model": model, "worker": "w0"}
     now[0] += 20.0
-    w.observe_batch([512], budget_tokens=512, forward_s=0.1)
-    w.observe_batch([512], budget_tokens=512, forward_s=0.1)
+    w.observe_batch([512], token_budget=512, forward_s=0.1)
+    w.observe_batch([512], token_budget=512, forward_s=0.1)
     assert _value("tokq_worker_throughput_tokens_per_second", **labels) == pytest.approx(1024 / 10)
     assert _value("tokq_worker_mfu_ratio", **labels) == pytest.approx(2 / 10)
     assert _value("tokq_worker_device_peak_flops_per_second", **labels) == flops_512

@@ -30,11 +30,11 @@ def _pending(spec, next_index=None) -> list:
     return pending
 
 
-def _case(spec, *, heavy=(), budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
+def _case(spec, *, heavy=(), token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
           max_attempts=3):
     next_index = dict.fromkeys(REQUEST_IDS, 0)
     return dict(pending=_pending(spec, next_index), heavy=_pending(heavy, next_index),
-                live=set(live), budget=budget, lookahead=lookahead,
+                live=set(live), token_budget=token_budget, lookahead=lookahead,
                 max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts)
 
 
@@ -42,11 +42,11 @@ def _case(spec, *, heavy=(), budget=100, lookahead=2, max_skip_age_ms=50, max_dr
 def claim_cases(draw):
     """A random queue and claim arguments, drawn so that the rule's boundaries come up often:
     items that exactly fill the budget, items exactly max_skip_age_ms old, deadlines exactly now."""
-    budget = draw(st.integers(1, 300))
+    token_budget = draw(st.integers(1, 300))
     max_skip_age_ms = draw(st.sampled_from((0, 10, 50, 50)))
-    half = budget // 2 + 1  # two of these never fit together
-    sizes = st.one_of(st.sampled_from((budget, half, max(budget // 3, 1), max(budget // 4, 1))),
-                      st.integers(1, half), st.integers(1, 2 * budget))
+    half = token_budget // 2 + 1  # two of these never fit together
+    sizes = st.one_of(st.sampled_from((token_budget, half, max(token_budget // 3, 1), max(token_budget // 4, 1))),
+                      st.integers(1, half), st.integers(1, 2 * token_budget))
     ages_ms = st.sampled_from((0, max(max_skip_age_ms - 1, 0), max_skip_age_ms,
                                max_skip_age_ms + 1))
     deadlines_in_ms = st.sampled_from((-1, 0, 1, 500, 500, 500, 500, 500, 500, 500))
@@ -56,13 +56,13 @@ def claim_cases(draw):
                         st.binary(max_size=6), attempts)  # a body may hold ':'
     spec = draw(st.lists(entries, min_size=0, max_size=30))
     heavy = draw(st.lists(entries, min_size=0, max_size=30))
-    return _case(spec, heavy=heavy, budget=budget, lookahead=draw(st.integers(0, 3)),
+    return _case(spec, heavy=heavy, token_budget=token_budget, lookahead=draw(st.integers(0, 3)),
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.integers(1, 8)),
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
                  max_attempts=draw(st.sampled_from((2, 3, 5))))
 
 
-async def _compare(redis_url, pending, heavy, live, budget, lookahead, max_skip_age_ms, max_drop,
+async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max_skip_age_ms, max_drop,
                    max_attempts):
     """Run claim.lua once on `pending` and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
@@ -75,11 +75,11 @@ async def _compare(redis_url, pending, heavy, live, budget, lookahead, max_skip_
             if entries:
                 await q.redis.rpush(lane, *[e.raw for e in entries])
         if pending or heavy:
-            await q.redis.set(k.tokens, sum(e.tokens for e in [*pending, *heavy]))
+            await q.redis.set(k.tokens, sum(e.num_tokens for e in [*pending, *heavy]))
 
         claim, num_expired, num_orphaned = await q.claim_step(
-            budget, lookahead=lookahead, max_drop=max_drop)
-        plan = plan_claim(pending, heavy, now_ms=NOW_MS, budget=budget, lookahead=lookahead,
+            token_budget, lookahead=lookahead, max_drop=max_drop)
+        plan = plan_claim(pending, heavy, now_ms=NOW_MS, token_budget=token_budget, lookahead=lookahead,
                           max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
                           isolate_attempt=isolate_attempt_for(max_attempts),
                           is_live=live.__contains__)
@@ -90,7 +90,7 @@ async def _compare(redis_url, pending, heavy, live, budget, lookahead, max_skip_
         assert await q.redis.lrange(k.pending, 0, -1) == [e.raw for e in remaining]
         assert await q.redis.lrange(k.heavy, 0, -1) == [e.raw for e in remaining_heavy]
         assert int(await q.redis.get(k.tokens) or 0) == sum(
-            e.tokens for e in [*remaining, *remaining_heavy])
+            e.num_tokens for e in [*remaining, *remaining_heavy])
         assert (num_expired, num_orphaned) == (len(plan.expired), len(plan.orphaned))
         for request_id in REQUEST_IDS:
             answered = await q.redis.hgetall(k.reply(request_id))
@@ -145,34 +145,34 @@ def _entries(*spec):
 
 
 def _plan(pending, heavy=(), **overrides):
-    rule = dict(now_ms=NOW_MS, budget=600, lookahead=2, max_skip_age_ms=50, max_drop=100,
+    rule = dict(now_ms=NOW_MS, token_budget=600, lookahead=2, max_skip_age_ms=50, max_drop=100,
                 isolate_attempt=2, is_live=lambda request_id: True)
     return plan_claim(pending, heavy, **(rule | overrides))
 
 
 def test_strict_fifo_stops_at_the_first_item_that_does_not_fit():
     plan = _plan(_entries((400, 0), (300, 0), (100, 0)), lookahead=0)
-    assert [e.tokens for e in plan.taken] == [400]
+    assert [e.num_tokens for e in plan.taken] == [400]
     assert plan.num_scanned == 1
 
 
 def test_lookahead_passes_over_a_bounded_number_of_items():
     pending = _entries((400, 0), (300, 0), (250, 0), (210, 0), (100, 0))
     plan = _plan(pending, lookahead=2)
-    assert [e.tokens for e in plan.taken] == [400]
-    assert [e.tokens for e in plan.remaining(pending)] == [300, 250, 210, 100]
-    assert [e.tokens for e in _plan(pending, lookahead=3).taken] == [400, 100]
+    assert [e.num_tokens for e in plan.taken] == [400]
+    assert [e.num_tokens for e in plan.remaining(pending)] == [300, 250, 210, 100]
+    assert [e.num_tokens for e in _plan(pending, lookahead=3).taken] == [400, 100]
 
 
 def test_an_item_older_than_the_skip_age_is_never_passed_over():
     pending = _entries((400, 60), (300, 60), (100, 0))
-    assert [e.tokens for e in _plan(pending).taken] == [400]
-    assert [e.tokens for e in _plan(pending, max_skip_age_ms=61).taken] == [400, 100]
+    assert [e.num_tokens for e in _plan(pending).taken] == [400]
+    assert [e.num_tokens for e in _plan(pending, max_skip_age_ms=61).taken] == [400, 100]
 
 
 def test_the_first_item_goes_even_when_longer_than_the_budget():
     plan = _plan(_entries((900, 0), (10, 0)))
-    assert [e.tokens for e in plan.taken] == [900]
+    assert [e.num_tokens for e in plan.taken] == [900]
 
 
 def test_redone_items_are_isolated_only_after_failing_twice_or_on_their_last_try():
@@ -188,28 +188,28 @@ def test_the_light_lane_goes_first_within_its_share_and_the_heavy_head_always_fi
     heavy = _entries((200, 0), (200, 0))
     plan = _plan(light, heavy, lookahead=0)
     # Light gets half of 600, the heavy lane the rest: a one-word call is never behind them.
-    assert [e.tokens for e in plan.taken] == [50] * 6 + [200]
+    assert [e.num_tokens for e in plan.taken] == [50] * 6 + [200]
     big = _entries((500, 0), (500, 0))
-    assert [e.tokens for e in _plan(light, big, lookahead=0).taken] == [50, 50, 500]
+    assert [e.num_tokens for e in _plan(light, big, lookahead=0).taken] == [50, 50, 500]
     # No heavy work: the light lane gets the whole budget.
-    assert [e.tokens for e in _plan(light, [], lookahead=0).taken] == [50] * 7
+    assert [e.num_tokens for e in _plan(light, [], lookahead=0).taken] == [50] * 7
 
 
 def test_each_lane_with_work_gets_an_item_per_batch_even_past_its_share():
     light = _entries((40, 0), (40, 0))
     oversized = _entries((900, 0), (900, 0))
-    assert [e.tokens for e in _plan(light, oversized).taken] == [40, 900]
+    assert [e.num_tokens for e in _plan(light, oversized).taken] == [40, 900]
 
 
-def _drain(light, heavy, arrivals, *, budget=600, claims=300):
+def _drain(light, heavy, arrivals, *, token_budget=600, claims=300):
     """Run claims until both lanes are empty, appending ``arrivals(n)`` light entries after
     claim n; returns each claim's taken entries as (lane, index) pairs."""
     batches = []
     for n in range(claims):
         if not light and not heavy:
             break
-        plan = _plan(light, heavy, budget=budget, lookahead=0)
-        batches.append([("heavy" if e.tokens == budget else "light", e.index) for e in plan.taken])
+        plan = _plan(light, heavy, token_budget=token_budget, lookahead=0)
+        batches.append([("heavy" if e.num_tokens == token_budget else "light", e.index) for e in plan.taken])
         light, heavy = plan.remaining(light) + arrivals(n), plan.remaining_heavy(heavy)
     assert not light and not heavy, "not drained"
     return batches

@@ -42,7 +42,7 @@ class ClaimPlan:
 
     @property
     def taken_tokens(self) -> int:
-        return sum(e.tokens for e in self.taken)
+        return sum(e.num_tokens for e in self.taken)
 
 
 def isolate_attempt_for(max_attempts: int) -> int:
@@ -53,21 +53,21 @@ def isolate_attempt_for(max_attempts: int) -> int:
     return max(1, min(2, max_attempts - 1))
 
 
-def light_share(budget: int, heavy_head: Entry | None) -> int:
+def light_share(token_budget: int, heavy_head: Entry | None) -> int:
     """Tokens the light lane may fill: all of the budget when no heavy work waits, else at most
     half, and no more than leaves room for the heavy lane's head (so it goes in this batch)."""
     if heavy_head is None:
-        return budget
-    return max(0, min(budget // 2, budget - heavy_head.tokens))
+        return token_budget
+    return max(0, min(token_budget // 2, token_budget - heavy_head.num_tokens))
 
 
-def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms: int, budget: int,
-               lookahead: int, max_skip_age_ms: int, max_drop: int, isolate_attempt: int,
-               is_live: Callable[[str], bool]) -> ClaimPlan:
+def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms: int,
+               token_budget: int, lookahead: int, max_skip_age_ms: int, max_drop: int,
+               isolate_attempt: int, is_live: Callable[[str], bool]) -> ClaimPlan:
     """Decide the next batch from the heads of the light lane ``pending`` and the ``heavy``
     lane (each oldest first).
 
-    In each lane, FIFO up to its share of ``budget`` tokens (the light lane: ``light_share``;
+    In each lane, FIFO up to its share of ``token_budget`` tokens (the light lane: ``light_share``;
     the heavy lane: what is left); the first live item of each lane is always taken, even over
     its share. An item that does not fit may be passed over (at most ``lookahead`` of them per
     lane) so that smaller ones behind it fill the batch, unless it has waited
@@ -85,7 +85,7 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
         skipped: list[Entry] = []
         lane_taken = 0
         num_scanned = 0
-        tokens = sum(e.tokens for e in taken)
+        tokens = sum(e.num_tokens for e in taken)
         for entry in lane:
             if entry.deadline_ms <= now_ms:
                 expired.append(entry)
@@ -93,10 +93,10 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
                 orphaned.append(entry)
             elif taken and entry.attempt >= isolate_attempt:
                 break  # an item that failed repeatedly goes alone (below): it ends this batch
-            elif lane_taken == 0 or tokens + entry.tokens <= share:
+            elif lane_taken == 0 or tokens + entry.num_tokens <= share:
                 taken.append(entry)
                 lane_taken += 1
-                tokens += entry.tokens
+                tokens += entry.num_tokens
                 if entry.attempt >= isolate_attempt:
                     # Alone, so a poison item cannot use up its batch-mates' attempts with its own.
                     num_scanned += 1
@@ -118,10 +118,10 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
     skipped: list[Entry] = []
     num_scanned = 0
     if heavy_head is None or heavy_head.attempt < isolate_attempt:
-        skipped, num_scanned = scan(pending, light_share(budget, heavy_head))
+        skipped, num_scanned = scan(pending, light_share(token_budget, heavy_head))
     heavy_skipped: list[Entry] = []
     heavy_scanned = 0
     if not done:
-        heavy_skipped, heavy_scanned = scan(heavy, budget)
+        heavy_skipped, heavy_scanned = scan(heavy, token_budget)
     return ClaimPlan(tuple(taken), tuple(expired), tuple(orphaned), tuple(skipped), num_scanned,
                      tuple(heavy_skipped), heavy_scanned)

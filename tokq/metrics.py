@@ -266,10 +266,10 @@ class WorkerMetrics:
     def observe_claim(self, duration_s: float) -> None:
         WORKER_CLAIM_DURATION.labels(*self.labels).observe(duration_s)
 
-    def set_budget(self, budget_tokens: int) -> None:
-        WORKER_BUDGET.labels(*self.labels).set(budget_tokens)
+    def set_budget(self, token_budget: int) -> None:
+        WORKER_BUDGET.labels(*self.labels).set(token_budget)
 
-    def observe_batch(self, seqlens, *, budget_tokens: int, forward_s: float) -> None:
+    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float) -> None:
         """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens))."""
         lens = [int(n) for n in seqlens]
         num_tokens = sum(lens)
@@ -277,9 +277,9 @@ class WorkerMetrics:
         WORKER_BATCHES.labels(*self.labels).inc()
         WORKER_BATCH_TOKENS.labels(*self.labels).observe(num_tokens)
         WORKER_BATCH_ITEMS.labels(*self.labels).observe(len(lens))
-        if budget_tokens > 0:
-            self.set_budget(budget_tokens)
-            WORKER_FILL_RATIO.labels(*self.labels).observe(min(1.0, num_tokens / budget_tokens))
+        if token_budget > 0:
+            self.set_budget(token_budget)
+            WORKER_FILL_RATIO.labels(*self.labels).observe(min(1.0, num_tokens / token_budget))
         bucket = tokens_bucket(num_tokens)
         self._tokens_buckets.add(bucket)
         WORKER_FORWARD_DURATION.labels(*self.labels, bucket).observe(forward_s)

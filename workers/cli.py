@@ -46,7 +46,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
         loop.add_signal_handler(sig, worker.stop)
     logging.getLogger("tokq.worker").info(
         "worker %s: %s on %s (%s, attention %s), budget %d tokens, queue %s", worker.worker_id,
-        engine.info.name, engine.device, engine.dtype, engine.attn_backend, worker.budget,
+        engine.info.name, engine.device, engine.dtype, engine.attn_backend, worker.token_budget,
         engine.info.queue_name)
     try:
         await worker.run(burst=burst)

@@ -13,6 +13,7 @@ from tokq.metrics import forward_flops
 from tokq.model_info import ModelInfo
 from tokq.workers import attention, pooling, prefix_attention
 from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
+from tokq.workers.layout import build_layout
 from tokq.workers.loader import load_weights
 from tokq.workers.models.bert import Bert
 from tokq.workers.models.qwen import Qwen
@@ -76,8 +77,8 @@ class Engine:
                 self.model, batch, self.prefix_cache, self.attn_backend, self.device, self.dtype)
             self.tokens_computed += computed
             return pooling.finish(pooled, batch.normalize, batch.dimensions)
-        layout = attention.build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
-                                        dtype=self.dtype)
+        layout = build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
+                              dtype=self.dtype)
         hidden = self.model.forward(layout, self._attend)
         self.tokens_computed += batch.num_tokens
         pooled = pooling.pool(hidden, layout, self.info.pooling)

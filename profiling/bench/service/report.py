@@ -1,6 +1,6 @@
 """`tokq bench` JSON -> the "Service benchmark" section of RESULTS.md and two figures that a
 person reads without the JSON: latency against offered load, and sustainable throughput per
-system. Re-render without re-measuring: ``python -m tokq.profiling.bench_report bench.json
+system. Re-render without re-measuring: ``python -m tokq.profiling.bench.service.report bench.json
 --plots profiling/ --results-md profiling/RESULTS.md``.
 """
 
@@ -209,7 +209,7 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
         f"Load: open loop, {o['arrivals']} arrivals, {o['step_duration_s']:g} s per step, rate x{o['step_factor']:g} "
         f"per step from {o['start_rate']:g} req/s, then one bisection; latency counted from each request's "
         f"intended send time; client deadline {o['timeout_s']:g} s (p99 of an overloaded step is capped "
-        f"near it). Torch threads: {o['torch_threads']} per baseline model process, and `tokq up`'s own "
+        f"near it). Torch threads: {o['threads']} per baseline model process, and `tokq up`'s own "
         "choice for its worker (cores - 1), the same number.  ",
         f"Single-batch forward time (tokq engine, full budget packed from the workload): {forward or '–'}.",
         "", f"### Sustainable throughput at p99 <= {slo_ms:g} ms", "",
@@ -249,7 +249,7 @@ def render_outputs(report: dict, *, plots_dir: str | None, results_md: str | Non
     written: list[str] = []
     plots: dict[str, str] = {}
     if plots_dir:
-        from tokq.profiling.bench_plots import plot_latency, plot_throughput
+        from tokq.profiling.bench.service.plots import plot_latency, plot_throughput
 
         Path(plots_dir).mkdir(parents=True, exist_ok=True)
         for name, draw in ((LATENCY_PNG, plot_latency), (THROUGHPUT_PNG, plot_throughput)):
