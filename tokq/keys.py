@@ -112,6 +112,13 @@ class QueueKeys:
         return f"{self.base}:work"
 
     @property
+    def owner_prefix(self) -> str:
+        """Shard channel ``<owner_prefix><batch prefix>`` a worker holds a subscription on while
+        it lives: requeue.lua SPUBLISHes to the owner of a lease that missed a renewal, and
+        nobody listening (the process died, its connection with it) redoes the batch at once."""
+        return f"{self.base}:owner:"
+
+    @property
     def budget(self) -> str:
         """STRING: the token budget published by ``tokq profile --apply``."""
         return f"{self.base}:budget"

@@ -109,7 +109,7 @@ class Queue:
         # (tokq.shards puts the shard first: "<shard>.<random>", so an ack finds its shard.)
         self._batch_prefix = batch_prefix or secrets.token_hex(8)
         self._batch_numbers = itertools.count(1)
-        # Set by requeue_expired: ms until the earliest lease left expires (None: no lease).
+        # Set by requeue_expired: ms until the earliest lease is due a check (None: no lease).
         self.next_expiry_ms: int | None = None
 
     def _now_arg(self) -> int:
@@ -196,6 +196,12 @@ class Queue:
             claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired)
         return claim, int(expired), int(orphaned)
 
+    @property
+    def owner_channel(self) -> str:
+        """The channel this client's process subscribes to while it holds leases: requeue
+        redoes a lease that missed a renewal at once when nobody listens on it."""
+        return self.keys.owner_prefix + self._batch_prefix
+
     async def renew(self, batch_id: str) -> bool:
         """Extend a running batch's lease; False if it was already requeued or acknowledged."""
         args = [self._now_arg(), self.config.lease_ms, batch_id]
@@ -212,11 +218,13 @@ class Queue:
         await self._run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id)], args)
 
     async def requeue_expired(self) -> tuple[int, int]:
-        """Put the items of expired leases back at the front of the heavy lane: (requeued,
-        failed). Sets ``next_expiry_ms`` (when to call again to catch the next expiry)."""
+        """Put the items of expired leases, and of leases whose owner is gone (see
+        ``owner_channel``), back at the front of the heavy lane: (requeued, failed). Sets
+        ``next_expiry_ms`` (when to call again to check the next lease)."""
         k = self.keys
         args = [self._now_arg(), self.config.max_attempts, MAX_BATCHES_PER_REQUEUE,
-                k.reply_prefix, k.lease_prefix, k.work_channel]
+                k.reply_prefix, k.lease_prefix, k.work_channel, self.config.lease_ms,
+                k.owner_prefix]
         requeued, failed, next_in_ms = await self._run(
             "requeue", [k.leases, k.heavy, k.tokens, k.inflight, k.counters], args)
         self.next_expiry_ms = None if int(next_in_ms) < 0 else int(next_in_ms)

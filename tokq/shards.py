@@ -219,9 +219,13 @@ class ShardedQueue:
         done = await asyncio.gather(*(q.requeue_expired() for q in shards))
         return sum(r for r, _ in done), sum(f for _, f in done)
 
+    def owner_channels(self) -> list[str]:
+        """Every claimed shard's owner channel (Queue.owner_channel) of this process."""
+        return [self.shard(i).owner_channel for i in range(self._claim_shards)]
+
     @property
     def next_expiry_ms(self) -> int | None:
-        """Ms until the earliest lease on any shard expires, as the last requeue saw it."""
+        """Ms until the earliest lease on any shard is due a check, as the last requeue saw it."""
         known = [q.next_expiry_ms for i in range(self._claim_shards)
                  if (q := self.shard(i)).next_expiry_ms is not None]
         return min(known, default=None)

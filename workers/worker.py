@@ -159,7 +159,9 @@ class Worker:
 
     async def _subscribe(self) -> None:
         try:
-            await self._notices.subscribe(*self.queue.work_channels())  # every shard's
+            # Every shard's work channel, and this process's owner channels: while it lives,
+            # they tell requeue not to take its leases early (tokq.queue.Queue.owner_channel).
+            await self._notices.subscribe(*self.queue.work_channels(), *self.queue.owner_channels())
             self._subscribed = True
         except _REDIS_ERRORS as exc:  # claims still happen every IDLE_FALLBACK_S meanwhile
             log.warning("work-notice subscription failed: %s", exc)
@@ -238,10 +240,9 @@ class Worker:
         await self._every(self.queue_config.lease_ms / 3000, renew)
 
     async def _requeue_expired(self) -> None:
-        """Every half lease, and right after the earliest lease would expire: a crashed
-        worker's batch is redone as its lease ends, not up to half a lease later. Healthy
-        workers renew every third of a lease, so the earliest expiry is ~2/3 of a lease away
-        and the call rate stays that of the half-lease poll."""
+        """Every half lease, and as soon as the earliest lease is due a check (half a lease
+        before its deadline): a lease that missed a renewal is redone then if its owner's
+        process is gone (its owner channel has no subscriber), else when it expires."""
         period_s = self.queue_config.lease_ms / 2000
         while True:
             try:
@@ -290,6 +291,8 @@ class Worker:
                 self.observer.observe_error("hung")
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.queue.forget_worker(self.worker_id), timeout=2.0)
+            with contextlib.suppress(Exception):  # its owner channels go: leases redone sooner
+                await asyncio.wait_for(self._notices.aclose(), timeout=2.0)
             self._exit_process(EXIT_HUNG)
             self.stop()  # only reached when exit_process returns (tests)
             return
