@@ -33,10 +33,11 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     observer = None
     if config.metrics_port:
         from tokq import metrics
+        from tokq.flops import device_peak_flops
 
         observer = metrics.WorkerMetrics(
             engine.info.name, worker_id, model_config=engine.info.config,
-            peak_flops=metrics.device_peak_flops(engine.device), device=str(engine.device),
+            peak_flops=device_peak_flops(engine.device), device=str(engine.device),
             dtype=str(engine.dtype).removeprefix("torch."))
         metrics.start_metrics_server(config.metrics_port)
     worker = Worker(engine, ShardedQueue(client, engine.info.queue_name, queue_config), config, queue_config,

@@ -9,7 +9,7 @@ size), then `tokq bench --device cuda` with tokq at the profiled budget and at `
 defaults against sentence-transformers one request at a time on the same GPU (vectors checked
 against sentence-transformers first). The section gives the GPU's name, throughput against
 one-at-a-time at equal p99, and MFU at the profiled budget (model FLOP/s at that batch size over
-the GPU's dense 16-bit peak, tokq.metrics.device_peak_flops).
+the GPU's dense 16-bit peak, tokq.flops.device_peak_flops).
 
 Without a CUDA GPU it says so and exits 0, so CPU-only runs of `make bench` are unaffected.
 """
@@ -107,7 +107,7 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
 
     lines = [SECTION_START, "## GPU benchmark", "", f"Command: `{command}`  ",
              f"Date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}  ",
-             f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.metrics table)  "
+             f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.flops table)  "
              if peak_flops else f"GPU: **{gpu}** (peak FLOP/s unknown: set TOKQ_DEVICE_PEAK_FLOPS for MFU)  ",
              "Each model: `tokq profile --device cuda`, then `tokq bench --device cuda` (tokq at the profiled "
              "budget and at `tokq up`'s defaults; sentence-transformers one request at a time on the same GPU).", "",
@@ -152,7 +152,7 @@ def main(results_md, out_dir, quick) -> None:
         click.echo("bench-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
                    "nothing measured, RESULTS.md unchanged.")
         return
-    from tokq.metrics import device_peak_flops
+    from tokq.flops import device_peak_flops
 
     gpu = torch.cuda.get_device_name(0)
     peak = device_peak_flops("cuda:0")

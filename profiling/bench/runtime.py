@@ -41,10 +41,11 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
+from tokq.flops import linear_flops_per_token
 from tokq.profiling.results_md import write_block
 from tokq.workers import attention
-from tokq.workers.layout import build_layout
 from tokq.workers.engine import Engine
+from tokq.workers.layout import build_layout
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -256,7 +257,7 @@ def measure(args) -> None:
             limits[name].append(linear_only_tokens_per_s(engine))
             rates[name].append(num_tokens / timed(fn))
         print(f"round {round_index + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}")
-    report(rates, peaks, flops, num_tokens, engine.flops_per_token())
+    report(rates, peaks, flops, num_tokens, linear_flops_per_token(engine.info.config))
     dtype = str(engine.dtype).removeprefix("torch.")
     print(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 "
           f"tokens): {statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")
