@@ -30,11 +30,10 @@ import redis.asyncio as aioredis
 from tokq.config import QueueConfig
 from tokq.connection import connect
 from tokq.entry import encode_body, format_entry
-from tokq.profiling.workload import load_jsonl, query_lengths
+from tokq.profiling.workload import load_or_generate
 from tokq.queue import Queue
 from tokq.redis_server import EmbeddedRedis
 
-WORKLOAD = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads" / "short_queries.jsonl"
 ITEMS_PER_ENQUEUE = 32
 NUM_CALLERS = 8
 PIPELINE_DEPTH = 64
@@ -42,9 +41,8 @@ CHANNEL = "tokq:{bench}:done:bench"
 
 
 def workload_lengths(num_queries: int = 4000) -> tuple[list[int], str]:
-    if WORKLOAD.is_file():
-        return [q.num_tokens for q in load_jsonl(WORKLOAD)], str(WORKLOAD.resolve())
-    return query_lengths(num_queries, seed=1).tolist(), "generated (seed 1; shared workload missing)"
+    queries, source = load_or_generate(None, num_queries, seed=1)
+    return [q.num_tokens for q in queries], source
 
 
 def make_items(lengths: list[int]) -> list[tuple[int, bytes]]:

@@ -20,7 +20,6 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo
 from tokq.profiling.bench.loadgen import Reply
 from tokq.redis_server import EmbeddedRedis, free_port
 from tokq.v1 import embedder_pb2 as pb
