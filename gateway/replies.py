@@ -82,10 +82,6 @@ class ReplyRouter:
             # asyncio logs "exception was never retrieved" for every such call.
             waiter.future.exception()
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
     def _settle(self, request_id: str, exc: Exception | None = None) -> None:
         waiter = self._waiting.get(request_id)
         if waiter and not waiter.future.done():

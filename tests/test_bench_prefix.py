@@ -34,7 +34,7 @@ def test_run_writes_and_rewrites_its_section(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_prefix, "build_model", _tiny_model)
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nkept\n")
-    args = ["--layers", "1", "--budget", "64", "--queries", "6", "--rounds", "1", "--threads", "1",
+    args = ["--layers", "1", "--token-budget", "64", "--queries", "6", "--rounds", "1", "--threads", "1",
             "--results-md", str(results)]  # in the order the command lists its options
     for _ in range(2):
         done = CliRunner().invoke(bench_prefix.prefix_command, args, catch_exceptions=False)

@@ -8,13 +8,13 @@ random: the instruction ``Instruct: Given a web search query, retrieve relevant 
 answer the query\\nQuery:`` is ``--prompt-tokens`` ids, each query's length comes from the
 project's workload generator (profiling/workload.py) or is fixed by the scenario.
 
-Each system serves the same queries in batches of at most ``--budget`` queued tokens, counted
+Each system serves the same queries in batches of at most ``--token-budget`` queued tokens, counted
 as the queue counts them: the full forward's batches by every token, the prefix path's by the
 tokens after the prompt (the prompt's K/V come from the worker's cache, filled before timing).
 Per round the systems run in turn; every figure is the median over rounds.
 
     tokq bench prefix --threads 1 --results-md profiling/RESULTS.md          # CPU
-    tokq bench prefix --device cuda --layers 28 --budget 8192 --queries 8192 --results-md profiling/RESULTS.md
+    tokq bench prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 --results-md profiling/RESULTS.md
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def scenario(rng, num_queries: int, prompt: np.ndarray | None, fixed_len: int | 
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--layers", default=2, show_default=True, help="Of the model's 28 (time scales with layers for both paths).")
-@click.option("--budget", default=1024, show_default=True, help="Queued tokens per batch.")
+@click.option("--token-budget", default=1024, show_default=True, help="Queued tokens per batch.")
 @click.option("--queries", default=96, show_default=True, help="Queries per scenario.")
 @click.option("--prompt-tokens", default=20, show_default=True)
 @click.option("--rounds", default=7, show_default=True)
@@ -100,7 +100,7 @@ def scenario(rng, num_queries: int, prompt: np.ndarray | None, fixed_len: int | 
               help="torch threads (0: torch's default); 1 keeps ratios steady on a shared CPU.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
               help="Rewrite this file's block for the device type (e.g. profiling/RESULTS.md).")
-def prefix_command(device, dtype, layers, budget, queries, prompt_tokens, rounds, threads, results_md) -> None:
+def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, rounds, threads, results_md) -> None:
     """The shared prompt computed once against the full forward, in the same run."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("tokq bench prefix: no CUDA GPU here, nothing measured")  # `make bench-gpu` on a CPU host
@@ -127,11 +127,11 @@ def prefix_command(device, dtype, layers, budget, queries, prompt_tokens, rounds
     rows = []
     for name, (seqs, prefix_lens) in scenarios.items():
         has_prompt = any(prefix_lens)
-        systems = {"full forward (today)": (plain, batches(seqs, prefix_lens, budget, False))}
+        systems = {"full forward (today)": (plain, batches(seqs, prefix_lens, token_budget, False))}
         if has_prompt:
-            systems["prompt computed once"] = (engine, batches(seqs, prefix_lens, budget, True))
+            systems["prompt computed once"] = (engine, batches(seqs, prefix_lens, token_budget, True))
         else:  # the engine with the prefix path, given no prompt: must cost what today's does
-            systems["prefix-capable engine"] = (engine, batches(seqs, prefix_lens, budget, False))
+            systems["prefix-capable engine"] = (engine, batches(seqs, prefix_lens, token_budget, False))
         computed = {}
         for label, (eng, packed) in systems.items():
             eng.embed(packed[0])  # warm-up; fills the prompt's cache entry
@@ -171,7 +171,7 @@ def prefix_command(device, dtype, layers, budget, queries, prompt_tokens, rounds
         f"{str(engine.dtype).removeprefix('torch.')}, attention {engine.attn_backend}, torch {torch.__version__}. "
         f"Model: random weights with Qwen3-Embedding-0.6B's shapes, {layers} of its 28 layers "
         f"(both paths scale with layers alike), vocabulary {VOCAB}. {queries} queries per scenario "
-        f"(lengths: profiling/workload.py, seed 1, or fixed), batches of at most {budget} queued "
+        f"(lengths: profiling/workload.py, seed 1, or fixed), batches of at most {token_budget} queued "
         f"tokens as the queue counts them (the prompt's tokens are not counted on the prefix path: its "
         f"K/V come from the worker's cache, filled by the warm-up). Rates: medians over {rounds} rounds; "
         f"ratio: the median of per-round ratios, the systems run back to back in each round, their "

@@ -39,10 +39,12 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
+from tokq.flops import linear_flops_per_token
 from tokq.profiling.bench.loadgen import load_queries
 from tokq.profiling.results_md import block, command_line, write_block
 from tokq.workers import attention
 from tokq.workers.engine import Engine
+from tokq.workers.layout import build_layout
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
 
 BUDGETS = (256, 512, 1024, 2048, 4096)
@@ -130,7 +132,7 @@ def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: 
     model's shape; layouts built once, as the engine does per batch)."""
     model = engine.model
     gen = torch.Generator().manual_seed(0)
-    layouts = [attention.build_layout(b, engine.device, backend, causal=model.causal) for b in batches]
+    layouts = [build_layout(b, engine.device, backend, causal=model.causal) for b in batches]
     qkvs = [torch.randn(b.num_tokens, 3, model.num_heads, model.head_dim, generator=gen) for b in batches]
     attend, scale = attention.attend_fn(backend), model.head_dim ** -0.5
 
@@ -145,7 +147,7 @@ def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: 
 @click.command("runtime")
 @click.option("--num-queries", default=800, show_default=True, help="Queries each system encodes per round.")
 @click.option("--rounds", default=3, show_default=True)
-@click.option("--budgets", default=",".join(map(str, BUDGETS)), show_default=True,
+@click.option("--token-budgets", default=",".join(map(str, BUDGETS)), show_default=True,
               help="Token budgets of the packed runtime, comma-separated.")
 @click.option("--workload", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL workload [default: ../shared/workloads/short_queries.jsonl, else generated].")
@@ -155,13 +157,13 @@ def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: 
               help="The runtime's dtype (auto: bf16 on CPUs with native bf16, else fp32).")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
               help="Rewrite this file's block (e.g. profiling/RESULTS.md) with the output.")
-def runtime_command(num_queries, rounds, budgets, workload, model, threads, dtype, results_md) -> None:
+def runtime_command(num_queries, rounds, token_budgets, workload, model, threads, dtype, results_md) -> None:
     """Packed (varlen) runtime vs sentence-transformers on the short-query workload."""
     if threads:
         torch.set_num_threads(threads)
     out = io.StringIO()
     with contextlib.redirect_stdout(_Tee(sys.stdout, out)):
-        measure(num_queries=num_queries, rounds=rounds, budgets=[int(b) for b in budgets.split(",")], workload=workload, model=model,
+        measure(num_queries=num_queries, rounds=rounds, token_budgets=[int(b) for b in token_budgets.split(",")], workload=workload, model=model,
                 dtype=dtype)
     if results_md:
         write_block(results_md, BLOCK, block(BLOCK, [
@@ -185,7 +187,7 @@ class _Tee:
             stream.flush()
 
 
-def measure(*, num_queries: int, rounds: int, budgets: list[int], workload: str | None,
+def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload: str | None,
             model: str | None, dtype: str) -> None:
     from sentence_transformers import SentenceTransformer
 
@@ -207,7 +209,7 @@ def measure(*, num_queries: int, rounds: int, budgets: list[int], workload: str 
         f"st batch {ST_BATCH}": lambda: st.encode(texts, batch_size=ST_BATCH),
     }
     flops: dict[str, float] = {}
-    for budget in budgets:
+    for budget in token_budgets:
         batches = pack_in_order(ids, budget)
         systems[f"packed {budget}"] = lambda b=batches: [engine.embed(x) for x in b]
         flops[f"packed {budget}"] = sum(engine.batch_flops(x) for x in batches)
@@ -223,8 +225,8 @@ def measure(*, num_queries: int, rounds: int, budgets: list[int], workload: str 
     print(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
           f"(p50 {np.median([len(s) for s in ids]):.0f}, max {max(len(s) for s in ids)})")
     for name, eng in engines.items():
-        eng.warmup(max(budgets))
-    engine.warmup(max(budgets))
+        eng.warmup(max(token_budgets))
+    engine.warmup(max(token_budgets))
     st.encode(texts[:ST_BATCH], batch_size=ST_BATCH)
 
     # per round: each system timed right after its own peak measurement, so a change in load
@@ -238,7 +240,7 @@ def measure(*, num_queries: int, rounds: int, budgets: list[int], workload: str 
             limits[name].append(linear_only_tokens_per_s(engine))
             rates[name].append(num_tokens / timed(fn))
         print(f"round {round_index + 1}/{rounds} done, load average {os.getloadavg()[0]:.1f}")
-    report(rates, peaks, flops, num_tokens, engine.flops_per_token())
+    report(rates, peaks, flops, num_tokens, linear_flops_per_token(engine.info.config))
     dtype = str(engine.dtype).removeprefix("torch.")
     print(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 "
           f"tokens): {statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")
