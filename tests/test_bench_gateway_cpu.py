@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tokq.profiling.bench.gateway_cpu import PySpy, _this, measure, proc_cpu_s, top_frames
-from tokq.profiling.bench.service.systems import _wait_healthy
+from tokq.health import wait_for_health
 from tokq.redis_server import free_port
 
 BURN = """
@@ -43,7 +43,7 @@ def echo_server():
     port = free_port()
     proc = _this("echo-server", "--port", str(port))
     try:
-        _wait_healthy(f"127.0.0.1:{port}", proc, 60)
+        wait_for_health(f"127.0.0.1:{port}", [proc], 60)
         yield f"127.0.0.1:{port}", proc
     finally:
         proc.terminate()

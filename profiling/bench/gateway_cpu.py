@@ -139,7 +139,7 @@ class Stack:
         from tokq.keys import QueueKeys
         from tokq.model_info import ModelInfo
         from tokq.redis_server import EmbeddedRedis, free_port
-        from tokq.profiling.bench.service.systems import _wait_healthy
+        from tokq.health import wait_for_health
 
         self.log = open(log_path, "ab")
         self.redis = EmbeddedRedis().start()
@@ -154,8 +154,8 @@ class Stack:
         self.echo = _this("echo-server", "--port", self.echo_target.rsplit(":", 1)[1],
                           stdout=self.log, stderr=self.log)
         try:
-            _wait_healthy(self.echo_target, self.echo, START_TIMEOUT_S)
-            _wait_healthy(self.gateway_target, self.gateway, START_TIMEOUT_S)
+            wait_for_health(self.echo_target, [self.echo], START_TIMEOUT_S)
+            wait_for_health(self.gateway_target, [self.gateway], START_TIMEOUT_S)
             heartbeat = QueueKeys(ModelInfo.load(None).queue_name).heartbeat("cpu-bench")
             deadline = time.monotonic() + START_TIMEOUT_S
             while not client.exists(heartbeat):  # the worker has warmed up
