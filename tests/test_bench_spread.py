@@ -1,4 +1,4 @@
-"""`python -m tokq.profiling.bench.spread`: the figures it reports are taken from the numbers
+"""`tokq bench spread`: the figures it reports are taken from the numbers
 (medians over rounds, ratios within a round), and one real measurement against `--procs 2`."""
 
 from __future__ import annotations

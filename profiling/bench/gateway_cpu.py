@@ -1,7 +1,7 @@
 """CPU time per single-input Embed call, per process, against a bare grpc.aio server measured
 in the same run.
 
-    .venv/bin/python -m tokq.profiling.bench.gateway_cpu run [--calls 2000] [--rate 60] [--rounds 3]
+    tokq bench gateway-cpu [--calls 2000] [--rate 60] [--rounds 3]
         [--profile-dir DIR] [--results-md profiling/RESULTS.md]
 
 Starts, as separate processes: an embedded Redis, one gateway and one worker (`tokq gateway`,

@@ -2,7 +2,7 @@
 all-MiniLM-L6-v2 and a Qwen3-0.6B-shaped random-weight model, and write the "GPU benchmark"
 section of RESULTS.md.
 
-    .venv/bin/python -m tokq.profiling.bench.gpu [--results-md profiling/RESULTS.md] [--out-dir profiling/gpu]
+    tokq bench gpu [--results-md profiling/RESULTS.md] [--out-dir profiling/gpu]
 
 For each model: `tokq profile --device cuda` (latency knee, recommended budget, FLOP/s per batch
 size), then `tokq bench service --device cuda` with tokq at the profiled budget and at `tokq up`'s

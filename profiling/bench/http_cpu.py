@@ -2,7 +2,7 @@
 on the same gateway process in the same run, and orjson against the standard json module for the
 HTTP response body.
 
-    .venv/bin/python -m tokq.profiling.bench.http_cpu [--calls 1000] [--concurrency 8] [--rounds 3]
+    tokq bench http-cpu [--calls 1000] [--concurrency 8] [--rounds 3]
         [--results-md profiling/RESULTS.md]
 
 Starts an embedded Redis, one `tokq gateway --http-port` and one `tokq worker --threads 1`. Each

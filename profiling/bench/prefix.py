@@ -91,7 +91,8 @@ def scenario(rng, num_queries: int, prompt: np.ndarray | None, fixed_len: int | 
 @click.command("prefix")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--layers", default=2, show_default=True, help="Of the model's 28 (time scales with layers for both paths).")
+@click.option("--layers", default=2, show_default=True,
+              help="Of the model's 28 (time scales with layers for both paths).")
 @click.option("--token-budget", default=1024, show_default=True, help="Queued tokens per batch.")
 @click.option("--queries", default=96, show_default=True, help="Queries per scenario.")
 @click.option("--prompt-tokens", default=20, show_default=True)

@@ -252,7 +252,8 @@ def markdown(result: dict, command: str) -> str:
         f"(= ~{ITEMS_PER_ENQUEUE * 1e6 / e['redis_usec_per_call']:,.0f} items/s of server time) | | | |",
         f"| claim latency, one caller | p50 {c['claim_p50_ms']:.3f} ms, p99 {c['claim_p99_ms']:.3f} ms "
         f"| LPOP of as many entries: p50 {c['lpop_p50_ms']:.3f} ms, p99 {c['lpop_p99_ms']:.3f} ms "
-        f"| {ratio('claim', 'claim_p50_ms', 'lpop_p50_ms'):.2f} x / {ratio('claim', 'claim_p99_ms', 'lpop_p99_ms'):.2f} x "
+        f"| {ratio('claim', 'claim_p50_ms', 'lpop_p50_ms'):.2f} x / "
+        f"{ratio('claim', 'claim_p99_ms', 'lpop_p99_ms'):.2f} x "
         "| p50 < 0.4 ms |",
         f"| claims/s, {NUM_CALLERS} callers in one Python process | {c['claims_per_s']:,.0f} "
         f"| LPOP of as many entries, same callers: {c['lpop_same_callers_per_s']:,.0f}/s; pipelined: "

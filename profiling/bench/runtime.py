@@ -48,7 +48,9 @@ from tokq.workers.layout import build_layout
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
 
 BUDGETS = (256, 512, 1024, 2048, 4096)
-BLOCK = "tokq bench runtime"
+def block_name(dtype: str) -> str:
+    """One block per ``--dtype`` asked for: a float32 run does not overwrite the auto one."""
+    return f"tokq bench runtime ({dtype})"
 ST_BATCH = 32
 
 
@@ -163,11 +165,13 @@ def runtime_command(num_queries, rounds, token_budgets, workload, model, threads
         torch.set_num_threads(threads)
     out = io.StringIO()
     with contextlib.redirect_stdout(_Tee(sys.stdout, out)):
-        measure(num_queries=num_queries, rounds=rounds, token_budgets=[int(b) for b in token_budgets.split(",")], workload=workload, model=model,
-                dtype=dtype)
+        measure(num_queries=num_queries, rounds=rounds, token_budgets=[int(b) for b in token_budgets.split(",")],
+                workload=workload, model=model, dtype=dtype)
     if results_md:
-        write_block(results_md, BLOCK, block(BLOCK, [
-            "## Model runtime per dtype: the forward against its own linear-layer limit", "",
+        name = block_name(dtype)
+        write_block(results_md, name, block(name, generated_by="tokq bench runtime", lines=[
+            f"## Model runtime, `--dtype {dtype}`: packed forward vs sentence-transformers and its own "
+            "linear-layer limit", "",
             f"Command: `{command_line()}` (a shared 2-core machine: absolute figures move with other "
             "work; each system is timed right after its own limit and peak measurements).",
             "", "```", out.getvalue().rstrip(), "```"]))

@@ -2,12 +2,12 @@
 `--procs 1` and `--procs 2`, from one client process and from two, over gRPC (tokq.AsyncClient,
 which spreads its calls over the processes it reaches) and over HTTP (httpx, keep-alive pool).
 
-    .venv/bin/python -m tokq.profiling.bench.spread run [--seconds 8] [--concurrency 32]
+    tokq bench spread [--seconds 8] [--concurrency 32]
         [--rounds 3] [--json spread.json] [--results-md profiling/RESULTS.md]
 
 Starts an embedded Redis, one `tokq worker --threads 1`, and two gateways on their own ports:
 `--procs 1` and `--procs 2` (each process with its metrics port). Each measurement starts the
-client processes (`bench_spread client`: a closed loop, ``--concurrency`` calls in flight each)
+client processes (`python -m tokq.profiling.bench.spread client`: a closed loop, ``--concurrency`` calls in flight each)
 and, once all have warmed up, measures a window of ``--seconds`` while they run; calls/s and
 the split between processes come from the gateways' own metrics over that window, CPU from
 /proc per process over it. Configurations are interleaved within each round; figures are
