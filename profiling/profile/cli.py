@@ -18,17 +18,23 @@ DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.profile.knee.DEFAULT_SLO_P99_MS (no
 
 
 def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
-    """SET the queue's budget key (an integer string); running workers poll it. Returns the key."""
-    from tokq.connection import connect_sync
-    from tokq.keys import QueueKeys
+    """Publish the queue's budget with the queue's own writer (tokq.queue.Queue.set_budget);
+    running workers poll it. Returns the key."""
+    import asyncio
 
-    key = QueueKeys(queue_name).budget
-    client = connect_sync(redis_url)
-    try:
-        client.set(key, str(int(token_budget)))
-    finally:
-        client.close()
-    return key
+    from tokq.connection import connect
+    from tokq.queue import Queue
+
+    async def publish() -> str:
+        client = connect(redis_url, max_connections=1)
+        try:
+            queue = Queue(client, queue_name)
+            await queue.set_budget(token_budget)
+            return queue.keys.budget
+        finally:
+            await client.aclose()
+
+    return asyncio.run(publish())
 
 
 @click.command("profile")
