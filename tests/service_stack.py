@@ -3,11 +3,13 @@ worker processes, each started with `python -m tokq.cli ...` exactly as an opera
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 import redis
@@ -124,3 +126,17 @@ class ServiceStack:
                 proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
         stop_all(procs, timeout_s=20)
         self.redis.close()
+
+
+@contextlib.contextmanager
+def gateway_and_worker(*, env: dict[str, str] | None = None, http: bool = False) -> Iterator[ServiceStack]:
+    """The stack most end-to-end tests want: one gateway and one worker ("w1"), serving (gRPC
+    health SERVING) when the block starts, every process and Redis stopped after it."""
+    stack = ServiceStack(env=env, http=http)
+    try:
+        stack.start_gateway()
+        stack.start_worker("w1")
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.close()
