@@ -67,8 +67,9 @@ def no_request_keys_left(stack, settle_s: float = 15) -> list[bytes]:
         time.sleep(0.05)
     left = [k for k in r.scan_iter(match=f"{KEYS.base}:*")
             if b":reply:" in k or b":lease:" in k]
-    if r.llen(KEYS.pending):
-        left.append(KEYS.pending.encode())
+    for lane in (KEYS.pending, KEYS.heavy):
+        if r.llen(lane):
+            left.append(lane.encode())
     return left
 
 
