@@ -35,6 +35,7 @@ from pathlib import Path
 
 import click
 
+from tokq.host import cpu_name
 from tokq.profiling.results_md import command_line, markers, write_block
 
 BLOCK = "tokq bench gateway-cpu"
@@ -288,13 +289,7 @@ def top_frames(collapsed: str, n: int = 12) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "num_cpus": os.cpu_count(), "platform": platform.platform()}
+    return {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform()}
 
 
 def run_all(*, calls: int, rate: float, rounds: int, warmup_calls: int, seed: int, workload: str | None,
