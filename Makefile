@@ -48,16 +48,16 @@ dashboards: install
 # Regenerates profiling/RESULTS.md's sections and plots (about 15 minutes on 2 cores).
 bench: install
 	-$(MAKE) .venv-infinity/bin/infinity_emb
-	$(BIN)/python -m tokq.profiling.bench_queue
-	$(BIN)/python -m tokq.profiling.bench_runtime
-	$(BIN)/python -m tokq.profiling.bench_prefix --threads 1 --write profiling/RESULTS.md
-	$(BIN)/python -m tokq.profiling.bench_gateway_cpu run --results-md profiling/RESULTS.md
+	$(BIN)/python -m tokq.profiling.bench.queue
+	$(BIN)/python -m tokq.profiling.bench.runtime
+	$(BIN)/python -m tokq.profiling.bench.prefix --threads 1 --write profiling/RESULTS.md
+	$(BIN)/python -m tokq.profiling.bench.gateway_cpu run --results-md profiling/RESULTS.md
 	$(BIN)/tokq bench --all --out profiling/bench.json --plots profiling/ --results-md profiling/RESULTS.md
 
 # Gateway CPU per single-input call (gateway, worker, Redis, load client) against a bare gRPC
 # server, with a py-spy profile of the gateway.
 bench-gateway-cpu: install
-	$(BIN)/python -m tokq.profiling.bench_gateway_cpu run --profile-dir profiling/gateway-profile \
+	$(BIN)/python -m tokq.profiling.bench.gateway_cpu run --profile-dir profiling/gateway-profile \
 		--results-md profiling/RESULTS.md
 
 # On a CUDA host (install with TORCH_SPEC='torch==2.13.0+cu128'): `tokq profile` and `tokq bench`
@@ -65,8 +65,8 @@ bench-gateway-cpu: install
 # "GPU benchmark" section (GPU name, MFU at the profiled budget, throughput vs one-at-a-time).
 # Without a GPU it says so and exits 0.
 bench-gpu: install
-	$(BIN)/python -m tokq.profiling.bench_gpu --results-md profiling/RESULTS.md --out-dir profiling/gpu
-	$(BIN)/python -m tokq.profiling.bench_prefix --device cuda --layers 28 --budget 8192 --queries 8192 \
+	$(BIN)/python -m tokq.profiling.bench.gpu --results-md profiling/RESULTS.md --out-dir profiling/gpu
+	$(BIN)/python -m tokq.profiling.bench.prefix --device cuda --layers 28 --budget 8192 --queries 8192 \
 		--write profiling/RESULTS.md
 
 clean:

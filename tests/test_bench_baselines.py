@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from tokq import AsyncClient, TokqError
-from tokq.profiling.baselines.onnx_model import OnnxSentenceEncoder, export
-from tokq.profiling.baselines.runners import make_runner
-from tokq.profiling.baselines.server import load_model, serve
-from tokq.profiling.bench_cli import DEFAULT_INFINITY_BIN, optimum_cli_beside
+from tokq.profiling.bench.baselines.onnx_model import OnnxSentenceEncoder, export
+from tokq.profiling.bench.baselines.runners import make_runner
+from tokq.profiling.bench.baselines.server import load_model, serve
+from tokq.profiling.bench.service.cli import DEFAULT_INFINITY_BIN, optimum_cli_beside
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +157,9 @@ def test_optimum_export_gives_the_models_vectors(model, bundled_model_dir, tmp_p
 async def test_bench_vector_check_refuses_a_server_whose_vectors_are_not_the_models(model, bundled_model_dir):
     """The bench's check, against a real gRPC server answering a constant vector (the bare
     server of bench_gateway_cpu), and against the real one-at-a-time baseline."""
-    from tokq.profiling.bench_gateway_cpu import _this
-    from tokq.profiling.bench_run import check_vectors
-    from tokq.profiling.bench_systems import RunningSystem, SystemSpec, _wait_healthy
+    from tokq.profiling.bench.gateway_cpu import _this
+    from tokq.profiling.bench.service.run import check_vectors
+    from tokq.profiling.bench.service.systems import RunningSystem, SystemSpec, _wait_healthy
     from tokq.redis_server import free_port
 
     texts = texts_of_mixed_lengths(bundled_model_dir, 6, seed=7)

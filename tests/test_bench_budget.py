@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tokq.profiling import bench_budget, bench_report, workload
-from tokq.profiling.bench_run import BenchOptions, machine
-from tokq.profiling.knee import fit_knee, recommend_budget
+from tokq.profiling import workload
+from tokq.profiling.bench.service import budget as bench_budget
+from tokq.profiling.bench.service import report as bench_report
+from tokq.profiling.bench.service.run import BenchOptions, machine
+from tokq.profiling.profile.knee import fit_knee, recommend_budget
 
 GRID = [16, 32, 64, 128, 256, 512, 1024, 2048]
 
@@ -101,7 +103,7 @@ def test_budget_section_sits_beside_the_service_benchmark_section(tmp_path):
 
 @pytest.mark.slow
 def test_budget_check_runs_the_profile_and_the_budgets_end_to_end(tmp_path):
-    from tokq.profiling.bench_cli import bench_command
+    from tokq.profiling.bench.service.cli import bench_command
 
     out, md = tmp_path / "bench.json", tmp_path / "RESULTS.md"
     args = ["--budget-check", "--budgets", "32", "--profile-max-tokens", "32", "--rate", "8",

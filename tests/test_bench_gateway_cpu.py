@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tokq.profiling.bench_gateway_cpu import PySpy, _this, measure, proc_cpu_s, top_frames
-from tokq.profiling.bench_systems import _wait_healthy
+from tokq.profiling.bench.gateway_cpu import PySpy, _this, measure, proc_cpu_s, top_frames
+from tokq.profiling.bench.service.systems import _wait_healthy
 from tokq.redis_server import free_port
 
 BURN = """
@@ -103,9 +103,9 @@ def _round(gateway_ms: float, echo_ms: float, errors: dict | None = None) -> dic
 def test_report_judges_the_target_on_medians_and_only_without_failed_calls(tmp_path):
     from click.testing import CliRunner
 
-    from tokq.profiling.bench_gateway_cpu import SECTION_START, main, markdown_section
+    from tokq.profiling.bench.gateway_cpu import SECTION_START, main, markdown_section
 
-    meta = {"command": "python -m tokq.profiling.bench_gateway_cpu run", "started_at": "t0", "finished_at": "t1",
+    meta = {"command": "python -m tokq.profiling.bench.gateway_cpu run", "started_at": "t0", "finished_at": "t1",
             "machine": {"cpu": "cpu", "num_cpus": 2, "platform": "linux"}, "loadavg_at_start": ["1"],
             "loadavg_at_end": ["2"], "calls": 100, "rate": 60, "rounds": 3}
     report = {"meta": meta, "rounds": [_round(0.5, 0.3), _round(0.7, 0.3), _round(0.55, 0.25)]}

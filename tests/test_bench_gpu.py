@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from tokq.profiling.bench_gpu import SECTION_END, SECTION_START, build_qwen3_shaped, markdown_section, mfu_at
+from tokq.profiling.bench.gpu import SECTION_END, SECTION_START, build_qwen3_shaped, markdown_section, mfu_at
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this is the CPU-only behaviour")
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     results = tmp_path / "RESULTS.md"
-    done = subprocess.run([sys.executable, "-m", "tokq.profiling.bench_gpu", "--results-md", str(results),
+    done = subprocess.run([sys.executable, "-m", "tokq.profiling.bench.gpu", "--results-md", str(results),
                            "--out-dir", str(tmp_path / "gpu")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "no CUDA GPU" in done.stdout
@@ -27,7 +27,7 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
 def test_qwen3_shaped_model_is_served_alike_by_tokq_and_sentence_transformers(tmp_path):
     from tokq.batch import PackedBatch
     from tokq.model_info import ModelInfo
-    from tokq.profiling.baselines.server import load_model
+    from tokq.profiling.bench.baselines.server import load_model
     from tokq.workers.engine import Engine
 
     path = build_qwen3_shaped(tmp_path / "qwen3", num_hidden_layers=1, vocab_size=30522)  # the full one: 28, 151,669

@@ -12,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import pytest
 
-from tokq.profiling import loadgen, workload
-from tokq.profiling.bench_systems import GrpcSender
+from tokq.profiling import workload
+from tokq.profiling.bench import loadgen
+from tokq.profiling.bench.service.systems import GrpcSender
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -196,7 +197,7 @@ class EmbeddingsHandler(BaseHTTPRequestHandler):
 
 
 async def test_http_sender_reports_ok_and_enforces_the_whole_deadline():
-    from tokq.profiling.bench_systems import HttpSender
+    from tokq.profiling.bench.service.systems import HttpSender
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), EmbeddingsHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

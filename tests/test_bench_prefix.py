@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from tokq.profiling import bench_prefix
+from tokq.profiling.bench import prefix as bench_prefix
 
 
 def test_batches_count_queued_tokens():

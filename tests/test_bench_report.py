@@ -10,8 +10,10 @@ import pytest
 from click.testing import CliRunner
 from matplotlib.image import imread
 
-from tokq.profiling import bench_report, loadgen, workload
-from tokq.profiling.bench_run import BenchOptions, machine
+from tokq.profiling import workload
+from tokq.profiling.bench import loadgen
+from tokq.profiling.bench.service import report as bench_report
+from tokq.profiling.bench.service.run import BenchOptions, machine
 
 
 def step(rate: float, latency_ms: float, *, errors: int = 0, n: int = 100) -> dict:
@@ -139,7 +141,7 @@ def test_outputs_replace_only_their_own_section(report, tmp_path):
 
 @pytest.mark.slow
 def test_bench_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
-    from tokq.profiling.bench_cli import bench_command
+    from tokq.profiling.bench.service.cli import bench_command
 
     out, md = tmp_path / "bench.json", tmp_path / "RESULTS.md"
     args = ["--system", "tokq", "--system", "one-at-a-time", "--budgets", "64", "--rate", "8",
@@ -172,7 +174,7 @@ def test_cpu_accounting_sees_a_waited_child_as_the_runs_own():
     import subprocess
     import sys
 
-    from tokq.profiling.bench_run import cpu_busy_s, own_cpu_s
+    from tokq.profiling.bench.service.run import cpu_busy_s, own_cpu_s
 
     busy_before, own_before = cpu_busy_s(), own_cpu_s()
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"

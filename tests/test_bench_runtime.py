@@ -7,7 +7,7 @@ import pytest
 
 from tiny_models import build
 from tokq.batch import PackedBatch
-from tokq.profiling import bench_runtime
+from tokq.profiling.bench import runtime as bench_runtime
 from tokq.workers.engine import Engine
 
 

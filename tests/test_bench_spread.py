@@ -1,4 +1,4 @@
-"""`python -m tokq.profiling.bench_spread`: the figures it reports are taken from the numbers
+"""`python -m tokq.profiling.bench.spread`: the figures it reports are taken from the numbers
 (medians over rounds, ratios within a round), and one real measurement against `--procs 2`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tokq.profiling import bench_spread
+from tokq.profiling.bench import spread as bench_spread
 
 
 def result(rnd: int, transport: str, procs: int, clients: int, rate: float, split: list[float]) -> dict:
@@ -39,7 +39,7 @@ def test_section_says_the_split_the_ratio_and_the_machine():
     text = bench_spread.markdown_section(report([
         result(0, "grpc", 1, 1, 1000, [1000]), result(0, "grpc", 2, 1, 1500, [760, 740]),
         result(0, "grpc", 1, 2, 1200, [1200]), result(0, "grpc", 2, 2, 1800, [900, 900]),
-    ]), "python -m tokq.profiling.bench_spread run")
+    ]), "python -m tokq.profiling.bench.spread run")
     assert text.startswith(bench_spread.SECTION_START) and text.rstrip().endswith(bench_spread.SECTION_END)
     assert "| grpc | 2 | 1 | 1,500 | 1.50x | 51% | 0.30 + 0.30 | 0.50 | 0.10 | 0.40 | 0.30 | 0 |" in text
     assert "One client against `--procs 2`: 1.50x" in text and "Two client processes: 1.50x" in text

@@ -133,7 +133,7 @@ def test_pooling_is_done_in_fp32(kind):
 
 
 def test_accuracy_report_compares_with_fp32_and_rewrites_its_section(tmp_path):
-    from tokq.profiling import accuracy_dtype
+    from tokq.profiling.bench import dtypes as accuracy_dtype
 
     rng = np.random.default_rng(0)
     ref = rng.normal(size=(40, 16))

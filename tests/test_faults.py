@@ -282,7 +282,7 @@ def test_kill_9_of_the_gateway_mid_request(stack, texts, reference):
 
 
 def write_results(path: Path, table: list[Tally]) -> None:
-    from tokq.profiling.results_section import shared_machine_note, write_section
+    from tokq.profiling.results_md import shared_machine_note, write_section
 
     body = [
         "One gateway and one worker (plus a second, killed, in the worker scenario), each behind "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokq.profiling.bench_http_cpu import SECTION_END, SECTION_START, markdown_section, write_section
+from tokq.profiling.bench.http_cpu import SECTION_END, SECTION_START, markdown_section, write_section
 
 
 def _round(grpc_ms: float, http_ms: float) -> dict:
@@ -14,7 +14,7 @@ def test_ratio_is_the_median_of_per_round_ratios_and_the_section_is_rewritten(tm
     report = {"calls": 10, "concurrency": 2, "rounds": [_round(2.0, 3.0), _round(1.0, 1.0), _round(4.0, 5.0)],
               "json": {"orjson_us": 20.0, "json_us": 900.0, "json_over_orjson": 45.0},
               "loadavg": ["1.0", "1.0", "1.0"], "cpus": 2, "python": "3.11", "date": "today"}
-    section = markdown_section(report, "python -m tokq.profiling.bench_http_cpu")
+    section = markdown_section(report, "python -m tokq.profiling.bench.http_cpu")
     assert "median 1.25x (rounds: 1.50, 1.00, 1.25)" in section  # not the ratio of medians (1.33)
     assert "| gateway | 2.000 | 3.000 |" in section and "shared 2-core machine" in section
     results = tmp_path / "RESULTS.md"

@@ -85,7 +85,7 @@ def test_offline_and_missing_is_a_clear_error(hub_cache):
 def test_profile_publishes_the_budget_under_the_repo_ids_queue(hub_cache, tmp_path, redis_url):
     from click.testing import CliRunner
 
-    from tokq.profiling.profile_cli import profile_command
+    from tokq.profiling.profile.cli import profile_command
 
     args = ["--model", REPO, "--device", "cpu", "--threads", "1", "--min-tokens", "16", "--max-tokens", "64",
             "--points-per-doubling", "1", "--time-per-point-s", "0.05", "--min-repeats", "3", "--stop-ms", "60000",

@@ -16,7 +16,7 @@ from matplotlib.image import imread
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo
 from tokq.profiling import workload
-from tokq.profiling.profile_cli import profile_command
+from tokq.profiling.profile.cli import profile_command
 
 # 5 batch sizes (16..256 tokens), 3+ repeats each: a few seconds on 2 shared cores. One thread:
 # on a busy machine, two-thread ops stall on each other (measured 70x slower at 16 tokens).

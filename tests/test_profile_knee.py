@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokq.profiling.knee import fit_knee, recommend_budget, throughput_saturation
+from tokq.profiling.profile.knee import fit_knee, recommend_budget, throughput_saturation
 
 GRID = 16 * 2.0 ** np.arange(11)  # 16 ... 16384, one point per doubling
 

@@ -11,9 +11,9 @@ from prompted_model import INSTRUCT, build_prompted_qwen3
 from tokq.batch import PackedBatch
 from tokq.metrics import forward_flops
 from tokq.profiling import workload
-from tokq.profiling.profile import SweepConfig
-from tokq.profiling.profile_batches import BatchMaker, shared_prompt_ids, token_ids_for
-from tokq.profiling.profile_report import run_profile
+from tokq.profiling.profile.sweep import SweepConfig
+from tokq.profiling.profile.batches import BatchMaker, shared_prompt_ids, token_ids_for
+from tokq.profiling.profile.run import run_profile
 from tokq.workers.engine import Engine
 
 

@@ -19,9 +19,9 @@ import torch
 from tokq.batch import PackedBatch
 from tokq.model_info import ModelInfo
 from tokq.profiling import workload
-from tokq.profiling.profile import CudaEventTimer, SweepConfig, WallTimer, sweep, token_grid
-from tokq.profiling.profile_report import analyze, run_profile
-from tokq.profiling.profile_batches import BatchMaker, TokenIds, token_ids_for
+from tokq.profiling.profile.sweep import CudaEventTimer, SweepConfig, WallTimer, sweep, token_grid
+from tokq.profiling.profile.run import analyze, run_profile
+from tokq.profiling.profile.batches import BatchMaker, TokenIds, token_ids_for
 
 
 @dataclass
@@ -244,7 +244,7 @@ class SimulatedEngine:
 def test_report_and_figure_of_a_profile(bundled_model_dir, tmp_path):
     from matplotlib.image import imread
 
-    from tokq.profiling.plot import plot_profile
+    from tokq.profiling.profile.plot import plot_profile
 
     fwd = SimulatedForward(hinge(knee_tokens=600))
     engine = SimulatedEngine(ModelInfo.load(bundled_model_dir), fwd)
@@ -265,7 +265,7 @@ def test_report_and_figure_of_a_profile(bundled_model_dir, tmp_path):
 def test_figure_and_summary_without_a_fit(bundled_model_dir, tmp_path):
     from matplotlib.image import imread
 
-    from tokq.profiling.plot import plot_profile
+    from tokq.profiling.profile.plot import plot_profile
 
     fwd = SimulatedForward(hinge())
     cfg = SweepConfig(**{**FAST.__dict__, "max_tokens": 32})

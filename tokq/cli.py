@@ -13,8 +13,8 @@ COMMANDS = {
     "gateway": "tokq.gateway.cli:gateway_command",
     "worker": "tokq.workers.cli:worker_command",
     "embed": "tokq.client_cli:embed_command",
-    "profile": "tokq.profiling.profile_cli:profile_command",
-    "bench": "tokq.profiling.bench_cli:bench_command",
+    "profile": "tokq.profiling.profile.cli:profile_command",
+    "bench": "tokq.profiling.bench.service.cli:bench_command",
 }
 
 

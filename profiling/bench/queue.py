@@ -1,6 +1,6 @@
 """The queue's speed against the raw ceiling of the same Redis, measured in the same run.
 
-    .venv/bin/python -m tokq.profiling.bench_queue [--budget 600] [--num-claims 2000] [--json out.json]
+    .venv/bin/python -m tokq.profiling.bench.queue [--budget 600] [--num-claims 2000] [--json out.json]
 
 Starts its own embedded Valkey. Item lengths come from ../shared/workloads/short_queries.jsonl
 when it exists, else from tokq.profiling.workload's seeded generator (lognormal, median 10,

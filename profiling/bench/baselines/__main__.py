@@ -1,4 +1,4 @@
-"""``python -m tokq.profiling.baselines``: serve one baseline until SIGTERM/SIGINT."""
+"""``python -m tokq.profiling.bench.baselines``: serve one baseline until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ import click
 @click.option("--threads", type=int, default=None,
               help="onnx-one-at-a-time: ONNX Runtime intra-op threads [default: OMP_NUM_THREADS, else its own choice]")
 def main(kind, port, host, model_path, device, max_batch_size, max_wait_ms, onnx_dir, threads) -> None:
-    from tokq.profiling.baselines.runners import ONNX_ONE_AT_A_TIME, make_runner
-    from tokq.profiling.baselines.server import load_model, serve
+    from tokq.profiling.bench.baselines.runners import ONNX_ONE_AT_A_TIME, make_runner
+    from tokq.profiling.bench.baselines.server import load_model, serve
 
     if kind == ONNX_ONE_AT_A_TIME:
         import os
         from pathlib import Path
 
         from tokq.model_info import ModelInfo
-        from tokq.profiling.baselines.onnx_model import OnnxSentenceEncoder
+        from tokq.profiling.bench.baselines.onnx_model import OnnxSentenceEncoder
 
         if not onnx_dir:
             raise click.UsageError("--kind onnx-one-at-a-time needs --onnx-dir")

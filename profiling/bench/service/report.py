@@ -1,6 +1,6 @@
 """`tokq bench` JSON -> the "Service benchmark" section of RESULTS.md and two figures that a
 person reads without the JSON: latency against offered load, and sustainable throughput per
-system. Re-render without re-measuring: ``python -m tokq.profiling.bench_report bench.json
+system. Re-render without re-measuring: ``python -m tokq.profiling.bench.service.report bench.json
 --plots profiling/ --results-md profiling/RESULTS.md``.
 """
 
@@ -249,7 +249,7 @@ def render_outputs(report: dict, *, plots_dir: str | None, results_md: str | Non
     written: list[str] = []
     plots: dict[str, str] = {}
     if plots_dir:
-        from tokq.profiling.bench_plots import plot_latency, plot_throughput
+        from tokq.profiling.bench.service.plots import plot_latency, plot_throughput
 
         Path(plots_dir).mkdir(parents=True, exist_ok=True)
         for name, draw in ((LATENCY_PNG, plot_latency), (THROUGHPUT_PNG, plot_throughput)):

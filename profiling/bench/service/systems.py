@@ -1,5 +1,5 @@
 """The systems `tokq bench` measures, each started as its own processes exactly as an operator
-would (`tokq up` for tokq, `python -m tokq.profiling.baselines` for a baseline), the gRPC
+would (`tokq up` for tokq, `python -m tokq.profiling.bench.baselines` for a baseline), the gRPC
 sender the load generator drives them with, and the per-batch figures read from tokq's worker
 (its Prometheus page) and queue (Redis counters) around each run."""
 
@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo
-from tokq.profiling.loadgen import Reply
+from tokq.profiling.bench.loadgen import Reply
 from tokq.redis_server import EmbeddedRedis, free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -294,7 +294,7 @@ def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | No
                 "--engine", spec.engine, "--pooling-method", "mean", "--device", "cpu", "--host", "127.0.0.1",
                 "--port", str(port), "--batch-size", str(spec.max_batch_size), "--no-bettertransformer"]
     else:
-        args = ["-m", "tokq.profiling.baselines", "--kind", spec.kind, "--port", str(port), "--device", spec.device,
+        args = ["-m", "tokq.profiling.bench.baselines", "--kind", spec.kind, "--port", str(port), "--device", spec.device,
                 "--max-batch-size", str(spec.max_batch_size), "--max-wait-ms", str(spec.max_wait_ms), *model_args]
         if spec.onnx_dir:
             args += ["--onnx-dir", spec.onnx_dir]

@@ -1,6 +1,6 @@
 """Redo without a storm: a worker holding ~600 short items is killed (-9) under steady load.
 
-    .venv/bin/python -m tokq.profiling.bench_crash_recovery [--rate 10] [--burst 600] [--lease-ms 2000]
+    .venv/bin/python -m tokq.profiling.bench.crash_recovery [--rate 10] [--burst 600] [--lease-ms 2000]
         [--results profiling/RESULTS.md]
 
 Starts its own embedded Valkey and two real ``tokq worker`` processes (the bundled model, one
@@ -38,7 +38,7 @@ from tokq.entry import encode_body
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
-from tokq.profiling.results_section import shared_machine_note, write_section
+from tokq.profiling.results_md import shared_machine_note, write_section
 from tokq.queue import Queue, QueueFull
 from tokq.redis_server import EmbeddedRedis
 
@@ -232,7 +232,7 @@ def main() -> None:
     print("\n".join(lines))
     if args.results:
         write_section(args.results, "bench_crash_recovery", "Crash recovery: redo without a storm",
-                      ".venv/bin/python -m tokq.profiling.bench_crash_recovery " + " ".join(
+                      ".venv/bin/python -m tokq.profiling.bench.crash_recovery " + " ".join(
                           f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                           if k != "results") + f" --results {args.results}", lines)
 

@@ -3,4 +3,4 @@ speaking tokq.v1.Embedder: sentence-transformers one request at a time, ONNX Run
 request at a time (on an ONNX export of the same model), and Triton-style dynamic batching
 (wait up to X ms or N requests, pad to the longest).
 
-Run one with ``python -m tokq.profiling.baselines --kind padded-batching --port 50061``."""
+Run one with ``python -m tokq.profiling.bench.baselines --kind padded-batching --port 50061``."""

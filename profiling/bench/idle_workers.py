@@ -1,6 +1,6 @@
 """What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item.
 
-    .venv/bin/python -m tokq.profiling.bench_idle_workers [--workers 16] [--idle-s 10] [--items 200]
+    .venv/bin/python -m tokq.profiling.bench.idle_workers [--workers 16] [--idle-s 10] [--items 200]
         [--results profiling/RESULTS.md]
 
 Starts its own embedded Valkey and ``--workers`` real ``tokq worker`` processes (the bundled
@@ -32,7 +32,7 @@ from tokq.entry import decode_result, encode_body
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
-from tokq.profiling.results_section import shared_machine_note, write_section
+from tokq.profiling.results_md import shared_machine_note, write_section
 from tokq.queue import REPLY_META_FIELDS, Queue
 from tokq.redis_server import EmbeddedRedis
 
@@ -131,7 +131,7 @@ def main() -> None:
     print("\n".join(lines))
     if args.results:
         write_section(args.results, "bench_idle_workers", "Idle fleet: waiting on Redis, not polling",
-                      ".venv/bin/python -m tokq.profiling.bench_idle_workers " + " ".join(
+                      ".venv/bin/python -m tokq.profiling.bench.idle_workers " + " ".join(
                           f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                           if k != "results") + f" --results {args.results}", lines)
 

@@ -1,6 +1,6 @@
 """`tokq profile`: measure a model's latency knee on this device and publish the token budget.
 
-Parses flags and delegates: the sweep and fit live in ``profile.py``, the figure in ``plot.py``.
+Parses flags and delegates: the sweep in ``sweep.py``, the fit in ``knee.py``, both run by ``run.py``, the figure in ``plot.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import click
 from tokq.config import DTYPES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.knee.DEFAULT_SLO_P99_MS (not imported: keeps --help fast)
+DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.profile.knee.DEFAULT_SLO_P99_MS (not imported: keeps --help fast)
 
 
 def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
@@ -80,8 +80,8 @@ def profile_command(model_path, revision, model_name, device, dtype, attn_backen
     from rich.console import Console
 
     from tokq.profiling import workload
-    from tokq.profiling.profile import SweepConfig
-    from tokq.profiling.profile_report import run_profile
+    from tokq.profiling.profile.sweep import SweepConfig
+    from tokq.profiling.profile.run import run_profile
 
     try:
         config = SweepConfig(min_tokens=min_tokens, max_tokens=max_tokens,
@@ -115,7 +115,7 @@ def profile_command(model_path, revision, model_name, device, dtype, attn_backen
 
     Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
     if plot_path and report["points"]:
-        from tokq.profiling.plot import plot_profile
+        from tokq.profiling.profile.plot import plot_profile
 
         plot_profile(report, plot_path)
     click.echo(report["summary"])

@@ -1,0 +1,3 @@
+"""`tokq bench service`: open-loop load through the whole service against baselines (cli: the
+command; systems: starting them; run: driving them; report, plots: RESULTS.md and figures;
+budget: the profiled budget against fixed ones)."""
