@@ -66,7 +66,7 @@ bench-gateway-cpu: install
 # Without a GPU it says so and exits 0.
 bench-gpu: install
 	$(BIN)/python -m tokq.profiling.bench.gpu --results-md profiling/RESULTS.md --out-dir profiling/gpu
-	$(BIN)/python -m tokq.profiling.bench.prefix --device cuda --layers 28 --budget 8192 --queries 8192 \
+	$(BIN)/python -m tokq.profiling.bench.prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 \
 		--write profiling/RESULTS.md
 
 clean:

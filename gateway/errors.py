@@ -88,12 +88,6 @@ class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-class Overloaded(ServiceError):
-    """The queue is over its token cap: retry later with backoff."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
 class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

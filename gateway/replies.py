@@ -3,9 +3,10 @@
 Workers (through ack.lua) SPUBLISH a notice on the request's gateway's shard channel once every
 input of it is answered (sharded pub/sub: Redis >= 7, and the only kind that stays on the queue's
 node on Redis Cluster); the notice carries the results themselves unless they are large
-(tokq.queue.parse_notice), and then the waiting call needs no second round trip to collect them. One subscription per gateway process serves all waiting calls, so thousands of
-concurrent requests hold no Redis connection each. A notice can be missed (a reconnect), so
-every ``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
+(tokq.queue.parse_notice), and then the waiting call needs no second round trip to collect them.
+One subscription per gateway process serves all waiting calls, so thousands of concurrent
+requests hold no Redis connection each. A notice can be missed (a reconnect), so every
+``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
 complete replies wake their call, and a reply hash that has vanished (Redis restarted and lost
 it) fails the call UNAVAILABLE at once instead of leaving it to its deadline. If the
 subscription itself breaks, every waiting call fails UNAVAILABLE.
@@ -83,10 +84,6 @@ class ReplyRouter:
             # Failed (a broken subscription) before its call waited on it: mark it seen, or
             # asyncio logs "exception was never retrieved" for every such call.
             waiter.future.exception()
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
 
     def _settle(self, request_id: str, exc: Exception | None = None,
                 results: dict[int, bytes] | None = None) -> None:

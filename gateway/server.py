@@ -74,7 +74,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         queue = ShardedQueue(client, info.queue_name, queue_config)
         router = ReplyRouter(pubsub_client, client, queue.reply_key,
                              [k.done_channel(gid) for k in queue.shard_keys()])
-        models[info.name] = ServedModel(info, Tokenizer(info, num_threads=config.tokenize_threads),
+        models[info.name] = ServedModel(info, Tokenizer(info, threads=config.tokenize_threads),
                                         queue, router, config, gid,
                                         observer=metrics.GatewayMetrics(info.name))
     embedder = Embedder(models)

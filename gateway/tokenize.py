@@ -104,7 +104,7 @@ def _prefix_is_settled(enc: Encoding, keep: int) -> bool:
 
 
 class Tokenizer:
-    def __init__(self, info: ModelInfo, num_threads: int = 0, heavy_bytes: int = 0) -> None:
+    def __init__(self, info: ModelInfo, threads: int = 0, heavy_bytes: int = 0) -> None:
         self.info = info
         self._tok = AutoTokenizer.from_pretrained(str(info.path))
         # Our own copy, never truncating or padding by itself: the HF wrapper sets those on its
@@ -114,7 +114,7 @@ class Tokenizer:
         backend.no_padding()
         self._backend = backend
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
-        light = num_threads or os.cpu_count() or 2
+        light = threads or os.cpu_count() or 2
         self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize")
         self._heavy = ThreadPoolExecutor(max(1, light // 2), thread_name_prefix="tokenize-large")
         # Large: more than ~16 max-length inputs of ordinary text (4 bytes a token) to read, i.e.

@@ -5,7 +5,7 @@
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
 -- KEYS[5] counters  HASH   claimed, batches, expired, orphaned
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
--- ARGV[2] budget: max summed tokens (one longer item still goes, alone)
+-- ARGV[2] token_budget: max summed tokens (one longer item still goes, alone)
 -- ARGV[3] lease_ms: how long the worker has before the batch is requeued
 -- ARGV[4] lookahead: entries that may be passed over to fill the budget (0 = strict FIFO)
 -- ARGV[5] max_skip_age_ms: an entry this old is never passed over
@@ -27,7 +27,7 @@ local batch_id, lease = ARGV[9], ARGV[8] .. ARGV[9]
 if redis.call('ZSCORE', leases, batch_id) then
   return {batch_id, now, 0, 0, redis.call('LRANGE', lease, 0, -1)} -- a repeat
 end
-local budget = tonumber(ARGV[2])
+local token_budget = tonumber(ARGV[2])
 local lookahead = tonumber(ARGV[4])
 local max_skip_age_ms = tonumber(ARGV[5])
 local max_drop = tonumber(ARGV[6])
@@ -47,7 +47,7 @@ local function is_live(request_id)
 end
 
 -- Scan phase: read the head in windows, decide each entry; nothing is written yet.
-local window_size = math.min(math.max(math.floor(budget / 8), 16), 512)
+local window_size = math.min(math.max(math.floor(token_budget / 8), 16), 512)
 local taken, taken_tokens, skipped = {}, 0, {}
 local expired, num_orphaned, dropped_tokens = {}, 0, 0
 local num_scanned, stopped = 0, false
@@ -65,7 +65,7 @@ while not stopped do
     elseif #taken > 0 and attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
       stopped = true -- an item that failed repeatedly goes alone (below): it ends this batch
       break
-    elseif #taken == 0 or taken_tokens + tokens <= budget then
+    elseif #taken == 0 or taken_tokens + tokens <= token_budget then
       taken[#taken + 1] = raw
       taken_tokens = taken_tokens + tokens
       if attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
@@ -81,7 +81,7 @@ while not stopped do
       skipped[#skipped + 1] = raw
     end
     num_scanned = num_scanned + 1
-    if taken_tokens >= budget or #expired + num_orphaned >= max_drop then
+    if taken_tokens >= token_budget or #expired + num_orphaned >= max_drop then
       stopped = true
       break
     end

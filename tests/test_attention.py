@@ -9,6 +9,7 @@ import torch
 
 from tokq.batch import PackedBatch
 from tokq.workers import attention
+from tokq.workers.layout import build_layout
 
 SEQ_LENS = [3, 1, 7, 3, 12, 1, 7, 20, 7, 2, 40, 70, 33, 70, 16]  # every bucket, and past them
 HEAD_DIM = 16
@@ -45,7 +46,7 @@ def _reference(q, k, v, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
 
 def _run(backend: str, q, k, v, batch: PackedBatch, causal: bool, scale: float) -> torch.Tensor:
     """Attention in the backend's own token order, put back in the batch's order."""
-    layout = attention.build_layout(batch, q.device, backend, causal=causal, dtype=q.dtype)
+    layout = build_layout(batch, q.device, backend, causal=causal, dtype=q.dtype)
     if layout.restore is None:
         return attention.attend_fn(backend)(q, k, v, layout, causal, scale)
     # the layout sorted the sequences: feed it the rows in its order, then undo it
@@ -72,7 +73,7 @@ def test_cpu_backends_match_reference(backend, causal, heads):
 
 def test_grouped_layout_sorts_by_length_and_restores_batch_order():
     batch = _batch([5, 2, 5, 1])
-    layout = attention.build_layout(batch, torch.device("cpu"), "sdpa_grouped")
+    layout = build_layout(batch, torch.device("cpu"), "sdpa_grouped")
     assert [(r.start, r.num_seqs, r.seqlen) for r in layout.runs] == [(0, 1, 1), (1, 1, 2), (3, 2, 5)]
     assert layout.cu_seqlens.tolist() == [0, 1, 3, 8, 13]
     assert layout.restore.tolist() == [2, 1, 3, 0]  # sorted rows of sequences 0, 1, 2, 3
@@ -84,7 +85,7 @@ def test_grouped_layout_sorts_by_length_and_restores_batch_order():
 
 def test_packed_layout_puts_short_sequences_side_by_side_in_rows():
     batch = _batch([5, 70, 2, 30, 40, 3])
-    layout = attention.build_layout(batch, torch.device("cpu"), "sdpa_packed")
+    layout = build_layout(batch, torch.device("cpu"), "sdpa_packed")
     assert layout.input_ids.shape[0] == batch.num_tokens  # no pad outside attention
     runs = [(r.start, r.num_seqs, r.seqlen, r.num_tokens, r.gather is not None) for r in layout.runs]
     # sorted lengths 2, 3, 5 | 30 | 40 | 70: rows of 32 slots hold [2, 3, 5] and [30]; a row of 64
@@ -100,14 +101,14 @@ def test_packed_layout_puts_short_sequences_side_by_side_in_rows():
 
 
 def test_packed_causal_mask_stays_inside_each_sequence():
-    layout = attention.build_layout(_batch([3, 2]), torch.device("cpu"), "sdpa_packed", causal=True)
+    layout = build_layout(_batch([3, 2]), torch.device("cpu"), "sdpa_packed", causal=True)
     allowed = layout.runs[0].mask[0, 0] == 0  # slots: [2-token seq][3-token seq]
     assert allowed[:5, :5].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
                                                [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 
 
 def test_already_sorted_batch_is_not_copied():
-    layout = attention.build_layout(_batch([1, 2, 2, 9]), torch.device("cpu"), "sdpa_grouped")
+    layout = build_layout(_batch([1, 2, 2, 9]), torch.device("cpu"), "sdpa_grouped")
     assert layout.restore is None
     assert [(r.num_seqs, r.seqlen) for r in layout.runs] == [(1, 1), (2, 2), (1, 9)]
 

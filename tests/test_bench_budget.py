@@ -27,11 +27,11 @@ def profile_report(slo_ms: float = 500.0) -> dict:
     points = [{"num_tokens": int(t), "median_ms": float(ms), "p10_ms": float(ms), "p90_ms": float(ms),
                "tokens_per_s": float(t / ms * 1000)} for t, ms in zip(x, y)]
     return {"model": "all-MiniLM-L6-v2", "device": "cpu", "device_name": "test CPU, 1 thread", "dtype": "float32",
-            "num_threads": 1, "points": points, "fit": fit.to_dict(), "knee_tokens": fit.knee_tokens,
-            "recommendation": rec.to_dict(), "recommended_budget": rec.budget_tokens,
+            "threads": 1, "points": points, "fit": fit.to_dict(), "knee_tokens": fit.knee_tokens,
+            "recommendation": rec.to_dict(), "recommended_budget": rec.token_budget,
             "saturation": {"fraction": rec.saturation_fraction, "tokens": rec.throughput_cap_tokens,
                            "peak_tokens_per_s": rec.peak_tokens_per_s},
-            "summary": f"Recommended token budget: {rec.budget_tokens}, limited by {rec.limited_by}."}
+            "summary": f"Recommended token budget: {rec.token_budget}, limited by {rec.limited_by}."}
 
 
 def tokq_system(budget: int, rps: float) -> dict:
@@ -106,7 +106,7 @@ def test_budget_check_runs_the_profile_and_the_budgets_end_to_end(tmp_path):
     from tokq.profiling.bench.service.cli import bench_command
 
     out, md = tmp_path / "bench.json", tmp_path / "RESULTS.md"
-    args = ["--budget-check", "--budgets", "32", "--profile-max-tokens", "32", "--rate", "8",
+    args = ["--budget-check", "--token-budgets", "32", "--profile-max-tokens", "32", "--rate", "8",
             "--start-rate", "8", "--step-duration-s", "1.5", "--slo-ms", "20000", "--timeout-ms", "20000",
             "--out", str(out), "--plots", str(tmp_path), "--results-md", str(md), "--quiet"]
     result = CliRunner().invoke(bench_command, args, catch_exceptions=False)

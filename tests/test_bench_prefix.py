@@ -36,7 +36,7 @@ def test_run_writes_and_rewrites_its_section(tmp_path, monkeypatch):
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nkept\n")
     argv = ["bench_prefix", "--layers", "1", "--queries", "6", "--rounds", "1", "--threads", "1",
-            "--budget", "64", "--write", str(results)]
+            "--token-budget", "64", "--write", str(results)]
     monkeypatch.setattr(sys, "argv", argv)
     bench_prefix.main()
     bench_prefix.main()

@@ -144,7 +144,7 @@ def test_bench_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
     from tokq.profiling.bench.service.cli import bench_command
 
     out, md = tmp_path / "bench.json", tmp_path / "RESULTS.md"
-    args = ["--system", "tokq", "--system", "one-at-a-time", "--budgets", "64", "--rate", "8",
+    args = ["--system", "tokq", "--system", "one-at-a-time", "--token-budgets", "64", "--rate", "8",
             "--start-rate", "8", "--step-duration-s", "1.5", "--slo-ms", "20000", "--timeout-ms", "20000",
             "--profile-json", str(tmp_path / "none.json"), "--out", str(out), "--plots", str(tmp_path),
             "--results-md", str(md), "--quiet"]

@@ -29,9 +29,9 @@ async def open_sharded(url: str, num_shards: int, seed: int = 1, **config):
         await client.aclose()
 
 
-async def _drain(q: ShardedQueue, budget: int = 64) -> list:
+async def _drain(q: ShardedQueue, token_budget: int = 64) -> list:
     claims = []
-    while (claim := await q.claim(budget)) is not None:
+    while (claim := await q.claim(token_budget)) is not None:
         claims.append(claim)
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
     return claims

@@ -22,6 +22,7 @@ from cuda_fakes import (FLASH_ATTN_SIGNATURES, TORCH_VARLEN_SIGNATURES, FlashAtt
 from tiny_models import SEQ_LENS, VOCAB, build
 from tokq.batch import PackedBatch
 from tokq.workers import attention
+from tokq.workers.layout import build_layout
 from tokq.workers.engine import Engine
 
 MODELS = ("bert", "qwen2_causal_lm", "qwen3_model")
@@ -104,7 +105,7 @@ def test_shared_prompt_path_through_flash_attn_call_matches_sdpa(tmp_path, monke
 def test_torch_varlen_call_binds_each_version_and_matches_reference(monkeypatch, version, causal):
     fake = _install(monkeypatch, "torch_varlen", version)
     batch = PackedBatch.pack([np.arange(n) for n in (5, 1, 12, 7)])
-    layout = attention.build_layout(batch, torch.device("cpu"), "torch_varlen")
+    layout = build_layout(batch, torch.device("cpu"), "torch_varlen")
     gen = torch.Generator().manual_seed(0)
     # strided q/k/v: column slices of one fused projection, as the models pass them
     qkv = torch.randn(batch.num_tokens, (4 + 2 * 2) * 16, generator=gen).bfloat16()
@@ -193,7 +194,7 @@ def test_cuda_sdpa_fallback_repeats_kv_heads_instead_of_enable_gqa(monkeypatch, 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch.num_tokens, 6, 16, generator=gen)
     k, v = (torch.randn(batch.num_tokens, 2, 16, generator=gen) for _ in range(2))
-    layout = attention.build_layout(batch, torch.device("cpu"), backend, causal=True)
+    layout = build_layout(batch, torch.device("cpu"), backend, causal=True)
     attend = attention.attend_fn(backend, torch.device("cuda"))  # the CUDA variant, run on CPU
     assert layout.restore is None
     out = attend(q, k, v, layout, True, 0.25)
@@ -259,7 +260,7 @@ def test_cuda_backends_take_strided_qkv_views_of_one_projection(backend, causal)
     k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(-1, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
     assert not q.is_contiguous() and not v.is_contiguous()
-    layout = attention.build_layout(batch, cuda_dev, backend, causal=causal, dtype=torch.bfloat16)
+    layout = build_layout(batch, cuda_dev, backend, causal=causal, dtype=torch.bfloat16)
     if layout.restore is not None:
         pytest.skip("this layout reorders sequences; covered by tests/test_attention.py")
     out = attention.attend_fn(backend, cuda_dev)(q, k, v, layout, causal, dim ** -0.5)
@@ -278,7 +279,7 @@ def test_cuda_sdpa_fallback_runs_without_the_math_kernel(backend):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch.num_tokens, 8, 64, generator=gen).to(cuda_dev, torch.float16)
     k, v = (torch.randn(batch.num_tokens, 2, 64, generator=gen).to(cuda_dev, torch.float16) for _ in range(2))
-    layout = attention.build_layout(batch, cuda_dev, backend, causal=True, dtype=torch.float16)
+    layout = build_layout(batch, cuda_dev, backend, causal=True, dtype=torch.float16)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # math refused
         out = attention.attend_fn(backend, cuda_dev)(q, k, v, layout, True, 0.125)
     ref = reference_attention(q, k, v, batch.cu_seqlens, True, 0.125)

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from tokq.batch import PackedBatch
 from tokq.workers import device, pooling
-from tokq.workers.attention import build_layout
+from tokq.workers.layout import build_layout
 from tokq.workers.engine import Engine
 
 QUERIES = ["how do I reset my router", "cheap flights to lisbon in may", "a",

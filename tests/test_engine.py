@@ -115,15 +115,6 @@ def test_sequence_past_max_length_is_refused(engine):
         engine.embed(PackedBatch.pack([np.full(257, 1000)]))
 
 
-def test_flops_per_token_counts_linear_layers_and_attention(engine):
-    hidden, inter, layers = 384, 1536, 6
-    linear = layers * (4 * hidden * hidden + 2 * hidden * inter)
-    assert engine.flops_per_token() == 2 * linear
-    assert engine.flops_per_token(context_len=10) == 2 * linear + 4 * layers * hidden * 10
-    batch = PackedBatch.pack([[1] * 3, [1] * 5])
-    assert engine.batch_flops(batch) == 8 * 2 * linear + 4 * layers * hidden * (9 + 25)
-
-
 def test_warmup_runs_a_full_budget_batch(engine):
     engine.warmup(600)  # two max-length sequences and a remainder
 

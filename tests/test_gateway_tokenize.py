@@ -16,7 +16,7 @@ from tokq.model_info import ModelInfo
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = Tokenizer(ModelInfo.load(), num_threads=2)
+    tok = Tokenizer(ModelInfo.load(), threads=2)
     yield tok
     tok.close()
 
@@ -138,7 +138,7 @@ def test_over_long_input_without_truncate_names_the_limit_from_a_prefix(tokenize
 async def test_a_short_call_is_not_queued_behind_large_ones(words):
     # The large lane has one thread here: three large calls run one after another there, while
     # a short call takes the other lane and finishes first.
-    tok = Tokenizer(ModelInfo.load(), num_threads=2)
+    tok = Tokenizer(ModelInfo.load(), threads=2)
     try:
         rng = random.Random(1)
         big = [" ".join(rng.choice(words) for _ in range(300))[:1900] for _ in range(250)]

@@ -1,5 +1,5 @@
-"""tokq.metrics: names follow the convention, helpers export what they are given, the FLOP
-count agrees with torch's own counter, and /metrics serves it all over HTTP."""
+"""tokq.metrics: names follow the convention, helpers export what they are given, and
+/metrics serves it all over HTTP."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokq import metrics
+from tokq.flops import forward_flops
 
 NAME_RULE = re.compile(r"^tokq_(gateway|queue|worker)_[a-z][a-z0-9_]*_"
                        r"(seconds|tokens|entries|items|batches|requests|ratio|total|info|per_second)$")
@@ -121,8 +122,8 @@ def test_worker_batch_metrics_fill_ratio_size_class_and_close():
     model = _model()
     w = metrics.WorkerMetrics(model, "w0", model_config=BERT_TINY, device="cpu", dtype="float32")
     w.observe_claim(0.002)
-    w.observe_batch([100, 200, 212], budget_tokens=1024, forward_s=0.05)
-    w.observe_batch([30], budget_tokens=1024, forward_s=0.004)
+    w.observe_batch([100, 200, 212], token_budget=1024, forward_s=0.05)
+    w.observe_batch([30], token_budget=1024, forward_s=0.004)
     w.observe_error("forward")
     w.heartbeat()
     labels = {"model": model, "worker": "w0"}
@@ -132,7 +133,7 @@ def test_worker_batch_metrics_fill_ratio_size_class_and_close():
     assert _value("tokq_worker_batch_fill_ratio_sum", **labels) == pytest.approx(542 / 1024)
     assert _value("tokq_worker_budget_tokens", **labels) == 1024
     assert _value("tokq_worker_forward_flops_total", **labels) == (
-        metrics.forward_flops(BERT_TINY, [100, 200, 212]) + metrics.forward_flops(BERT_TINY, [30]))
+        forward_flops(BERT_TINY, [100, 200, 212]) + forward_flops(BERT_TINY, [30]))
     # 512 tokens is in the 512 class, 30 in the 32 class
     assert _value("tokq_worker_forward_duration_seconds_count", tokens_bucket="512", **labels) == 1
     assert _value("tokq_worker_forward_duration_seconds_count", tokens_bucket="32", **labels) == 1
@@ -157,13 +158,13 @@ def test_tokens_bucket_is_the_smallest_bound_at_or_above():
 def test_throughput_and_mfu_cover_the_last_window_only():
     now = [1000.0]
     model = _model()
-    flops_512 = metrics.forward_flops(BERT_TINY, [512])
+    flops_512 = forward_flops(BERT_TINY, [512])
     w = metrics.WorkerMetrics(model, "w0", model_config=BERT_TINY, peak_flops=flops_512,
                               window_s=10.0, clock=lambda: now[0])
     labels = {"model": model, "worker": "w0"}
     now[0] += 20.0
-    w.observe_batch([512], budget_tokens=512, forward_s=0.1)
-    w.observe_batch([512], budget_tokens=512, forward_s=0.1)
+    w.observe_batch([512], token_budget=512, forward_s=0.1)
+    w.observe_batch([512], token_budget=512, forward_s=0.1)
     assert _value("tokq_worker_throughput_tokens_per_second", **labels) == pytest.approx(1024 / 10)
     assert _value("tokq_worker_mfu_ratio", **labels) == pytest.approx(2 / 10)
     assert _value("tokq_worker_device_peak_flops_per_second", **labels) == flops_512
@@ -171,64 +172,6 @@ def test_throughput_and_mfu_cover_the_last_window_only():
     assert _value("tokq_worker_throughput_tokens_per_second", **labels) == 0
     assert _value("tokq_worker_mfu_ratio", **labels) == 0
     w.close()
-
-
-def test_device_peak_flops_from_table_and_env():
-    assert metrics.peak_flops_for_name("NVIDIA H100 80GB HBM3") == 989e12
-    assert metrics.peak_flops_for_name("NVIDIA H100 PCIe") == 756e12
-    assert metrics.peak_flops_for_name("NVIDIA H200") == 989e12
-    assert metrics.peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
-    assert metrics.peak_flops_for_name("NVIDIA L4") == 121e12
-    assert metrics.peak_flops_for_name("NVIDIA L40S") == 362e12
-    assert metrics.peak_flops_for_name("Tesla K80") is None
-    assert metrics.device_peak_flops("cpu", env={}) is None
-    assert metrics.device_peak_flops("cpu", env={"TOKQ_DEVICE_PEAK_FLOPS": "2.5e12"}) == 2.5e12
-
-
-def _torch_forward_flops(model, seqlen: int) -> int:
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    ids = torch.randint(0, 100, (1, seqlen))
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(input_ids=ids)
-    return counter.get_total_flops()
-
-
-@pytest.mark.parametrize("family", ["bert", "qwen3"])
-def test_forward_flops_matches_torch_flop_counter(family):
-    """Our closed-form count against torch's FlopCounterMode on a tiny random model (eager
-    attention: the counter sees its bmm calls, not the fused CPU SDPA kernel)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "bert":
-        cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, intermediate_size=128,
-                                      attn_implementation="eager")
-        model = transformers.BertModel(cfg, add_pooling_layer=False)
-    else:
-        cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                       intermediate_size=96, attn_implementation="eager")
-        model = transformers.Qwen3Model(cfg)
-    model.eval()
-    config = cfg.to_dict()
-    for seqlen in (7, 33):
-        assert metrics.forward_flops(config, [seqlen]) == _torch_forward_flops(model, seqlen)
-    # a packed batch costs its sequences' sum: attention is per sequence, not over the pack
-    assert metrics.forward_flops(config, [7, 33]) == (
-        metrics.forward_flops(config, [7]) + metrics.forward_flops(config, [33]))
-
-
-@pytest.mark.cuda
-def test_device_peak_flops_names_the_local_gpu():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    name = torch.cuda.get_device_name(0)
-    assert metrics.device_peak_flops("cuda:0", env={}) == metrics.peak_flops_for_name(name)
 
 
 def test_metrics_server_serves_every_family_over_http():

@@ -53,7 +53,7 @@ def test_cpu_profile_writes_json_and_plot_and_applies_the_budget(tmp_path, redis
     assert report["model"] == "all-MiniLM-L6-v2" and report["queue_name"] == ModelInfo.load().queue_name
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["torch_version"]
     assert len(report["load_average"]) == 2
-    assert report["num_threads"] == 1 and "1 thread" in report["device_name"]
+    assert report["threads"] == 1 and "1 thread" in report["device_name"]
     assert [p["num_tokens"] for p in report["points"]] == [16, 32, 64, 128, 256]
     assert all(p["median_ms"] > 0 and p["num_repeats"] >= 3 and p["gflop_per_s"] > 0 for p in report["points"])
     assert report["stopped_reason"] is None and report["duration_s"] > 0

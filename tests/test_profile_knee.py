@@ -95,8 +95,8 @@ def test_gpu_shaped_curve_lands_at_or_just_past_the_knee(points_per_doubling, se
     latency = noisy(hinge_ms(x, 12.0, 600, 12.0 / 600), 0.02, seed)
     rec = recommend_budget(x, latency, fit_knee(x, latency), slo_p99_ms=500.0)
     step = 2.0 ** (1 / points_per_doubling)
-    assert 600 / step < rec.budget_tokens <= 600 * step * 1.001, rec  # at the knee or one grid step past
-    assert rec.limited_by == "throughput" and rec.latency_cap_tokens > rec.budget_tokens
+    assert 600 / step < rec.token_budget <= 600 * step * 1.001, rec  # at the knee or one grid step past
+    assert rec.limited_by == "throughput" and rec.latency_cap_tokens > rec.token_budget
     assert rec.latency_ms <= 12.0 * step * 1.1  # the flat latency, or one grid step past it
 
 
@@ -104,10 +104,10 @@ def test_gpu_shaped_curve_under_a_tight_goal_is_limited_by_the_goal():
     x = grid(2)
     latency = hinge_ms(x, 12.0, 600, 12.0 / 600)
     rec = recommend_budget(x, latency, fit_knee(x, latency), slo_p99_ms=20.0)  # a forward may take 10 ms: below the flat part
-    assert rec.budget_tokens is None and rec.limited_by is None and "--slo-p99-ms" in rec.reason
+    assert rec.token_budget is None and rec.limited_by is None and "--slo-p99-ms" in rec.reason
     rec = recommend_budget(x, latency, fit_knee(x, latency), slo_p99_ms=26.0)  # 13 ms: just past the knee
     assert rec.limited_by == "latency goal" and rec.max_batch_ms == 13.0
-    assert rec.budget_tokens == x[latency <= 13.0].max() == 512 and rec.throughput_cap_tokens == 724
+    assert rec.token_budget == x[latency <= 13.0].max() == 512 and rec.throughput_cap_tokens == 724
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -118,7 +118,7 @@ def test_cpu_shaped_curve_is_capped_where_throughput_stops_growing(seed):
     rec = recommend_budget(x, latency, fit_knee(x, latency), slo_p99_ms=500.0)
     true_tokens, _ = throughput_saturation(x, cpu_line_ms(x), 0.95)  # 256 on this grid (205 exactly)
     assert rec.limited_by == "throughput"
-    assert true_tokens / 2 ** 0.5 <= rec.budget_tokens <= true_tokens
+    assert true_tokens / 2 ** 0.5 <= rec.token_budget <= true_tokens
     # The old rule (the best throughput within 2x the smallest batch's latency) gave 45 tokens here;
     # the goal would allow ~1,000 (250 ms), but past ~200 a bigger batch buys little throughput.
     assert rec.latency_cap_tokens in (724, 1024)
@@ -127,7 +127,7 @@ def test_cpu_shaped_curve_is_capped_where_throughput_stops_growing(seed):
 def test_cpu_shaped_curve_under_a_tight_goal_is_limited_by_the_goal():
     x = grid(1, 16, 8192)
     rec = recommend_budget(x, cpu_line_ms(x), fit_knee(x, cpu_line_ms(x)), slo_p99_ms=40.0)  # 20 ms per forward: up to 69 tokens
-    assert (rec.budget_tokens, rec.limited_by, rec.latency_cap_tokens) == (64, "latency goal", 64)
+    assert (rec.token_budget, rec.limited_by, rec.latency_cap_tokens) == (64, "latency goal", 64)
     assert rec.throughput_cap_tokens > 64 and "40 ms" in rec.reason
 
 
@@ -136,12 +136,12 @@ def test_a_slow_point_caps_every_larger_batch():
     latency = cpu_line_ms(x)
     latency[x == 512] = 400.0  # over the 250 ms a 500 ms goal allows (e.g. a cache cliff)
     rec = recommend_budget(x, latency, fit_knee(x, latency), slo_p99_ms=500.0)
-    assert rec.latency_cap_tokens == 256 and rec.budget_tokens <= 256
+    assert rec.latency_cap_tokens == 256 and rec.token_budget <= 256
 
 
 def test_flat_curve_takes_the_largest_batch_and_says_the_grid_may_be_too_small():
     rec = recommend_budget(GRID, np.full(GRID.size, 5.0), fit_knee(GRID, np.full(GRID.size, 5.0)))
-    assert rec.budget_tokens == 16384 and rec.limited_by == "grid" and "--max-tokens" in rec.reason
+    assert rec.token_budget == 16384 and rec.limited_by == "grid" and "--max-tokens" in rec.reason
 
 
 def test_goal_must_be_positive():

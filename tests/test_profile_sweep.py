@@ -153,7 +153,7 @@ def test_sweep_and_fit_recover_the_knee_of_the_forward_pass():
     assert [p.num_tokens for p in result.points] == token_grid(16, 16384, 1)
     fit, rec = analyze(result.points)
     assert fit.kind == "knee" and abs(np.log2(fit.knee_tokens / 600)) <= 1
-    assert rec.budget_tokens == 1024 and rec.limited_by == "throughput"  # 512 tokens: 85% of the peak
+    assert rec.token_budget == 1024 and rec.limited_by == "throughput"  # 512 tokens: 85% of the peak
 
 
 def test_points_carry_the_achieved_flop_rate_when_the_model_counts_flops():

@@ -133,7 +133,7 @@ def test_gateway_to_worker_computes_the_prompt_once_and_matches_the_full_forward
     out, claim = asyncio.run(_serve_one_batch(redis_url, info, tokenizer, engine, request))
 
     # the queue counted the tokens the worker computes: each input's own, past its prefix
-    assert sorted(e.tokens for e in claim.entries) == sorted(
+    assert sorted(e.num_tokens for e in claim.entries) == sorted(
         len(s) - p for s, p in zip(full_ids, prefix_lens))
     assert out.num_tokens == sum(len(s) for s in full_ids)  # usage still counts every token
     distinct = {tuple(s[:p]) for s, p in zip(full_ids, prefix_lens) if p}

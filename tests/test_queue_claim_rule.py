@@ -29,9 +29,9 @@ def _pending(spec) -> list:
     return pending
 
 
-def _case(spec, *, budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
+def _case(spec, *, token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
           max_attempts=3):
-    return dict(pending=_pending(spec), live=set(live), budget=budget, lookahead=lookahead,
+    return dict(pending=_pending(spec), live=set(live), token_budget=token_budget, lookahead=lookahead,
                 max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts)
 
 
@@ -39,11 +39,11 @@ def _case(spec, *, budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live
 def claim_cases(draw):
     """A random queue and claim arguments, drawn so that the rule's boundaries come up often:
     items that exactly fill the budget, items exactly max_skip_age_ms old, deadlines exactly now."""
-    budget = draw(st.integers(1, 300))
+    token_budget = draw(st.integers(1, 300))
     max_skip_age_ms = draw(st.sampled_from((0, 10, 50, 50)))
-    half = budget // 2 + 1  # two of these never fit together
-    sizes = st.one_of(st.sampled_from((budget, half, max(budget // 3, 1), max(budget // 4, 1))),
-                      st.integers(1, half), st.integers(1, 2 * budget))
+    half = token_budget // 2 + 1  # two of these never fit together
+    sizes = st.one_of(st.sampled_from((token_budget, half, max(token_budget // 3, 1), max(token_budget // 4, 1))),
+                      st.integers(1, half), st.integers(1, 2 * token_budget))
     ages_ms = st.sampled_from((0, max(max_skip_age_ms - 1, 0), max_skip_age_ms,
                                max_skip_age_ms + 1))
     deadlines_in_ms = st.sampled_from((-1, 0, 1, 500, 500, 500, 500, 500, 500, 500))
@@ -53,13 +53,13 @@ def claim_cases(draw):
                                    deadlines_in_ms, st.binary(max_size=6),  # may hold ':'
                                    attempts),
                          min_size=3, max_size=40))
-    return _case(spec, budget=budget, lookahead=draw(st.integers(0, 3)),
+    return _case(spec, token_budget=token_budget, lookahead=draw(st.integers(0, 3)),
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.integers(1, 8)),
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
                  max_attempts=draw(st.sampled_from((2, 3, 5))))
 
 
-async def _compare(redis_url, pending, live, budget, lookahead, max_skip_age_ms, max_drop,
+async def _compare(redis_url, pending, live, token_budget, lookahead, max_skip_age_ms, max_drop,
                    max_attempts):
     """Run claim.lua once on `pending` and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
@@ -70,11 +70,11 @@ async def _compare(redis_url, pending, live, budget, lookahead, max_skip_age_ms,
             await q.redis.hset(k.reply(request_id), mapping={"n": 99, "ch": CHANNEL})
         if pending:
             await q.redis.rpush(k.pending, *[e.raw for e in pending])
-            await q.redis.set(k.tokens, sum(e.tokens for e in pending))
+            await q.redis.set(k.tokens, sum(e.num_tokens for e in pending))
 
         claim, num_expired, num_orphaned = await q.claim_step(
-            budget, lookahead=lookahead, max_drop=max_drop)
-        plan = plan_claim(pending, now_ms=NOW_MS, budget=budget, lookahead=lookahead,
+            token_budget, lookahead=lookahead, max_drop=max_drop)
+        plan = plan_claim(pending, now_ms=NOW_MS, token_budget=token_budget, lookahead=lookahead,
                           max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
                           isolate_attempt=isolate_attempt_for(max_attempts),
                           is_live=live.__contains__)
@@ -83,7 +83,7 @@ async def _compare(redis_url, pending, live, budget, lookahead, max_skip_age_ms,
         assert taken == [e.raw for e in plan.taken]
         remaining = plan.remaining(pending)
         assert await q.redis.lrange(k.pending, 0, -1) == [e.raw for e in remaining]
-        assert int(await q.redis.get(k.tokens) or 0) == sum(e.tokens for e in remaining)
+        assert int(await q.redis.get(k.tokens) or 0) == sum(e.num_tokens for e in remaining)
         assert (num_expired, num_orphaned) == (len(plan.expired), len(plan.orphaned))
         for request_id in REQUEST_IDS:
             answered = await q.redis.hgetall(k.reply(request_id))
@@ -129,34 +129,34 @@ def _entries(*spec):
 
 
 def _plan(pending, **overrides):
-    rule = dict(now_ms=NOW_MS, budget=600, lookahead=2, max_skip_age_ms=50, max_drop=100,
+    rule = dict(now_ms=NOW_MS, token_budget=600, lookahead=2, max_skip_age_ms=50, max_drop=100,
                 isolate_attempt=2, is_live=lambda request_id: True)
     return plan_claim(pending, **(rule | overrides))
 
 
 def test_strict_fifo_stops_at_the_first_item_that_does_not_fit():
     plan = _plan(_entries((400, 0), (300, 0), (100, 0)), lookahead=0)
-    assert [e.tokens for e in plan.taken] == [400]
+    assert [e.num_tokens for e in plan.taken] == [400]
     assert plan.num_scanned == 1
 
 
 def test_lookahead_passes_over_a_bounded_number_of_items():
     pending = _entries((400, 0), (300, 0), (250, 0), (210, 0), (100, 0))
     plan = _plan(pending, lookahead=2)
-    assert [e.tokens for e in plan.taken] == [400]
-    assert [e.tokens for e in plan.remaining(pending)] == [300, 250, 210, 100]
-    assert [e.tokens for e in _plan(pending, lookahead=3).taken] == [400, 100]
+    assert [e.num_tokens for e in plan.taken] == [400]
+    assert [e.num_tokens for e in plan.remaining(pending)] == [300, 250, 210, 100]
+    assert [e.num_tokens for e in _plan(pending, lookahead=3).taken] == [400, 100]
 
 
 def test_an_item_older_than_the_skip_age_is_never_passed_over():
     pending = _entries((400, 60), (300, 60), (100, 0))
-    assert [e.tokens for e in _plan(pending).taken] == [400]
-    assert [e.tokens for e in _plan(pending, max_skip_age_ms=61).taken] == [400, 100]
+    assert [e.num_tokens for e in _plan(pending).taken] == [400]
+    assert [e.num_tokens for e in _plan(pending, max_skip_age_ms=61).taken] == [400, 100]
 
 
 def test_the_first_item_goes_even_when_longer_than_the_budget():
     plan = _plan(_entries((900, 0), (10, 0)))
-    assert [e.tokens for e in plan.taken] == [900]
+    assert [e.num_tokens for e in plan.taken] == [900]
 
 
 def test_redone_items_are_isolated_only_after_failing_twice_or_on_their_last_try():

@@ -95,7 +95,7 @@ async def test_items_are_queued_in_order_with_their_token_ids(redis_url):
         stored = await q.redis.lrange(q.keys.pending, 0, -1)
         assert stored == list(stored_entries(a, a_items) + stored_entries(b, b_items))
         first = parse_entry(stored[1])
-        assert (first.request_id, first.index, first.tokens, first.attempt) == ("a", 1, 7, 0)
+        assert (first.request_id, first.index, first.num_tokens, first.attempt) == ("a", 1, 7, 0)
         assert first.deadline_ms == a.ts_ms + 1_000 == a.deadline_ms
         assert decode_body(first.body).token_ids.tolist() == list(range(100, 107))
         assert int(await q.redis.get(q.keys.tokens)) == 10
@@ -129,7 +129,7 @@ async def test_claim_never_exceeds_budget_and_a_long_item_goes_alone(redis_url):
         await q.enqueue("r", items(300, 200, 200, 900, 5), timeout_ms=5_000, channel=CHANNEL)
         sizes = []
         while (claim := await q.claim(600)) is not None:
-            sizes.append([e.tokens for e in claim.entries])
+            sizes.append([e.num_tokens for e in claim.entries])
         assert sizes == [[300, 200], [200], [900], [5]]
 
 
@@ -138,10 +138,10 @@ async def test_lookahead_fills_the_budget_past_an_item_that_does_not_fit(redis_u
     async with open_queue(redis_url, clock, lookahead=2, max_skip_age_ms=50) as q:
         await q.enqueue("r", items(400, 300, 100, 100, 50), timeout_ms=5_000, channel=CHANNEL)
         claim = await q.claim(600)
-        assert [e.tokens for e in claim.entries] == [400, 100, 100]
+        assert [e.num_tokens for e in claim.entries] == [400, 100, 100]
         # The passed-over item is still first, and goes next.
         claim = await q.claim(600)
-        assert [e.tokens for e in claim.entries] == [300, 50]
+        assert [e.num_tokens for e in claim.entries] == [300, 50]
 
 
 async def test_an_old_item_is_never_passed_over(redis_url):
@@ -150,7 +150,7 @@ async def test_an_old_item_is_never_passed_over(redis_url):
         await q.enqueue("r", items(400, 300, 100), timeout_ms=5_000, channel=CHANNEL)
         clock.advance(50)
         claim = await q.claim(600)
-        assert [e.tokens for e in claim.entries] == [400]
+        assert [e.num_tokens for e in claim.entries] == [400]
 
 
 async def test_expired_deadlines_never_reach_a_model(redis_url):
@@ -231,7 +231,7 @@ async def test_concurrent_enqueues_keep_each_request_contiguous(redis_url):
         for run in runs:
             assert len({e.request_id for e in run}) == 1
             assert [e.index for e in run] == list(range(50))
-        assert (await q.stats()).queued_tokens == sum(e.tokens for e in stored) == 400
+        assert (await q.stats()).queued_tokens == sum(e.num_tokens for e in stored) == 400
 
 
 async def _redis_ms(q) -> int:

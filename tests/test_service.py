@@ -287,11 +287,11 @@ def _load(client, texts, reference_vectors, stop: threading.Event, errors: list,
 
 
 @contextlib.contextmanager
-def under_load(client, texts, reference_vectors, num_threads: int = 8):
+def under_load(client, texts, reference_vectors, num_callers: int = 8):
     """Eight callers checking every answer while the body runs; yields (errors, done) lists."""
     stop, errors, done = threading.Event(), [], []
     threads = [threading.Thread(target=_load, args=(client, texts, reference_vectors, stop, errors, done))
-               for _ in range(num_threads)]
+               for _ in range(num_callers)]
     for t in threads:
         t.start()
     try:

@@ -2,15 +2,13 @@
 
 Token ids of N sequences are concatenated into one flat ``[T]`` array with no padding;
 ``cu_seqlens`` (``[0, l1, l1+l2, ..., T]``) marks where each sequence starts, as flash-attn's
-varlen kernels expect. ``handles`` carries whatever the caller needs to answer each sequence
-(queue entries for the worker); the model never looks at it.
+varlen kernels expect.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,14 +21,13 @@ class PackedBatch:
     max_seqlen: int
     normalize: np.ndarray  # bool [N]: L2-normalize this sequence's embedding
     dimensions: np.ndarray  # int32 [N]: Matryoshka truncation, 0 = full dimension
-    handles: tuple[Any, ...] = field(default=())
     # int32 [N] or None: the first prefix_lens[i] tokens of sequence i are a shared prompt a
     # causal model may compute once (workers/prefix_attention.py); the ids stay complete
     prefix_lens: np.ndarray | None = None
 
     @classmethod
     def pack(cls, sequences: Sequence[Sequence[int]], *, normalize: bool | Sequence[bool] = True,
-             dimensions: int | Sequence[int] = 0, handles: Sequence[Any] = (),
+             dimensions: int | Sequence[int] = 0,
              prefix_lens: int | Sequence[int] = 0) -> PackedBatch:
         if not sequences:
             raise ValueError("a batch needs at least one sequence")
@@ -53,7 +50,6 @@ class PackedBatch:
             max_seqlen=int(lens.max()),
             normalize=np.broadcast_to(np.asarray(normalize, dtype=bool), (n,)).copy(),
             dimensions=np.broadcast_to(np.asarray(dimensions, dtype=np.int32), (n,)).copy(),
-            handles=tuple(handles),
             prefix_lens=prefixes.copy() if prefixes.any() else None,
         )
 

@@ -28,7 +28,7 @@ class ClaimPlan:
 
     @property
     def taken_tokens(self) -> int:
-        return sum(e.tokens for e in self.taken)
+        return sum(e.num_tokens for e in self.taken)
 
 
 def isolate_attempt_for(max_attempts: int) -> int:
@@ -39,12 +39,12 @@ def isolate_attempt_for(max_attempts: int) -> int:
     return max(1, min(2, max_attempts - 1))
 
 
-def plan_claim(pending: Sequence[Entry], *, now_ms: int, budget: int, lookahead: int,
+def plan_claim(pending: Sequence[Entry], *, now_ms: int, token_budget: int, lookahead: int,
                max_skip_age_ms: int, max_drop: int, isolate_attempt: int,
                is_live: Callable[[str], bool]) -> ClaimPlan:
     """Decide the next batch from the head of ``pending`` (oldest first).
 
-    FIFO up to ``budget`` tokens; the first live item is always taken, even alone over the
+    FIFO up to ``token_budget`` tokens; the first live item is always taken, even alone over the
     budget. An item that does not fit may be passed over (at most ``lookahead`` of them) so
     that smaller ones behind it fill the batch, unless it has waited ``max_skip_age_ms``:
     then the batch ends and it goes first next time, so nothing starves. An item redone
@@ -63,9 +63,9 @@ def plan_claim(pending: Sequence[Entry], *, now_ms: int, budget: int, lookahead:
             orphaned.append(entry)
         elif taken and entry.attempt >= isolate_attempt:
             break  # an item that failed repeatedly goes alone (below): it ends this batch
-        elif not taken or taken_tokens + entry.tokens <= budget:
+        elif not taken or taken_tokens + entry.num_tokens <= token_budget:
             taken.append(entry)
-            taken_tokens += entry.tokens
+            taken_tokens += entry.num_tokens
             if entry.attempt >= isolate_attempt:
                 # Alone, so a poison item cannot use up its batch-mates' attempts with its own.
                 num_scanned += 1
@@ -75,6 +75,6 @@ def plan_claim(pending: Sequence[Entry], *, now_ms: int, budget: int, lookahead:
         else:
             skipped.append(entry)
         num_scanned += 1
-        if taken_tokens >= budget or len(expired) + len(orphaned) >= max_drop:
+        if taken_tokens >= token_budget or len(expired) + len(orphaned) >= max_drop:
             break
     return ClaimPlan(tuple(taken), tuple(expired), tuple(orphaned), tuple(skipped), num_scanned)

@@ -21,13 +21,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def setting(default: Any, help: str, *, min: int | None = None, max: int | None = None,
             choices: tuple[str, ...] | None = None, flag: str | None = None,
-            default_text: str | None = None, secret: bool = False,
-            aliases: tuple[str, ...] = ()) -> Any:
+            default_text: str | None = None, secret: bool = False) -> Any:
     """A config field: its default, one-line help, valid range (inclusive) or choices, and how
     --help shows the default. ``flag`` overrides the generated ``--field-name``."""
     return dataclasses.field(default=default, metadata={
         "help": help, "min": min, "max": max, "choices": choices, "flag": flag,
-        "default_text": default_text, "secret": secret, "aliases": aliases})
+        "default_text": default_text, "secret": secret})
 
 
 def env_var(name: str) -> str:
@@ -92,14 +91,14 @@ _MODEL = setting("", "local model directory or Hugging Face repo id (ORG/NAME, f
 _REVISION = setting("", "Hugging Face revision (branch, tag or commit) of a repo id --model",
                     default_text="main")
 _SERVED_MODEL_NAME = setting("", "name the model is served under (its queue name adds a "
-                             "fingerprint of the model's files)", aliases=("--model-name",),
+                             "fingerprint of the model's files)",
                              default_text="the repo id, or the model directory's name")
 # A gateway serves one model per --model (repeatable); the request's `model` picks one.
 _MODELS = setting((), "local model directory or Hugging Face repo id; repeat it to serve "
                   "several models (a request names one)",
                   default_text="the bundled all-MiniLM-L6-v2")
 _SERVED_MODEL_NAMES = setting((), "name each --model is served under, in --model order "
-                              "(repeatable)", aliases=("--model-name",),
+                              "(repeatable)",
                               default_text="the repo id, or the model directory's name")
 _REDIS_CLUSTER = setting("auto", "Redis Cluster mode; auto asks the server",
                          choices=("auto", "yes", "no"))
@@ -324,9 +323,9 @@ def click_options(*classes: type, exclude: tuple[str, ...] = (),
             if typ is bool:
                 decls = [f"{flag}/--no-{flag[2:]}", f.name]
             elif typing.get_origin(typ) is tuple:
-                decls, kwargs["multiple"] = [flag, *f.metadata.get("aliases", ()), f.name], True
+                decls, kwargs["multiple"] = [flag, f.name], True
             else:
-                decls = [flag, *f.metadata.get("aliases", ()), f.name]
+                decls = [flag, f.name]
                 kwargs["type"] = click.Choice(f.metadata["choices"]) if f.metadata.get("choices") else typ
             options.append(click.option(*decls, **kwargs))
 

@@ -1,6 +1,6 @@
 """Wire formats of what travels through Redis: queue entries and per-item results.
 
-A queue entry is ``<tokens>::<ts_ms>::<item>``, the form the Lua scripts sort and sum by, with
+A queue entry is ``<num_tokens>::<ts_ms>::<item>``, the form the Lua scripts sort and sum by, with
 
     item = <request_id>:<index>:<deadline_ms>:<attempt>:<body>
 
@@ -76,7 +76,7 @@ class Entry:
     """One parsed queue entry; ``raw`` is the exact bytes stored in Redis."""
 
     raw: bytes
-    tokens: int
+    num_tokens: int
     ts_ms: int
     request_id: str
     index: int
@@ -85,17 +85,17 @@ class Entry:
     body: bytes
 
 
-def format_entry(tokens: int, ts_ms: int, request_id: str, index: int, deadline_ms: int,
+def format_entry(num_tokens: int, ts_ms: int, request_id: str, index: int, deadline_ms: int,
                  attempt: int, body: bytes) -> bytes:
     """The bytes enqueue.lua builds (the tests check what Redis stores against it)."""
-    head = f"{tokens}::{ts_ms}::{request_id}:{index}:{deadline_ms}:{attempt}:"
+    head = f"{num_tokens}::{ts_ms}::{request_id}:{index}:{deadline_ms}:{attempt}:"
     return head.encode() + body
 
 
 def parse_entry(raw: bytes) -> Entry:
-    tokens, ts, rest = raw.split(b"::", 2)
+    num_tokens, ts, rest = raw.split(b"::", 2)
     request_id, index, deadline, attempt, body = rest.split(b":", 4)
-    return Entry(raw, int(tokens), int(ts), request_id.decode(), int(index), int(deadline),
+    return Entry(raw, int(num_tokens), int(ts), request_id.decode(), int(index), int(deadline),
                  int(attempt), body)
 
 

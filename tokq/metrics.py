@@ -31,7 +31,7 @@ Worker (``WorkerMetrics``)
       the batch's power-of-two size class, so latency can be drawn against batch size
   tokq_worker_claim_duration_seconds              histogram one claim-script call
   tokq_worker_forward_tokens_total                counter   tokens forwarded
-  tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (forward_flops)
+  tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (tokq.flops)
   tokq_worker_budget_tokens                       gauge     token budget in force
   tokq_worker_throughput_tokens_per_second        gauge     tokens/s over the last window_s
   tokq_worker_device_peak_flops_per_second        gauge     dense 16-bit peak of the device
@@ -47,7 +47,6 @@ use rate() of the counters instead, which does not depend on when a scrape lands
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 import time
 from collections import deque
@@ -56,6 +55,8 @@ from collections.abc import Iterable, Mapping
 from prometheus_client import (REGISTRY, Counter, Gauge, Histogram, disable_created_metrics,
                                start_http_server)
 from prometheus_client.core import CounterMetricFamily
+
+from tokq.flops import forward_flops
 
 # No *_created series: they would double every counter and histogram for no use in tokq's
 # dashboards (rate() does not need them).
@@ -254,7 +255,7 @@ def tokens_bucket(num_tokens: int) -> str:
 
 class WorkerMetrics:
     """One worker's metrics. ``model_config`` is the model's config.json dict (for FLOPs);
-    ``peak_flops`` the device peak (device_peak_flops), None when unknown: no MFU then."""
+    ``peak_flops`` the device peak (tokq.flops.device_peak_flops), None when unknown: no MFU then."""
 
     def __init__(self, model: str, worker: str, *, model_config: Mapping | None = None,
                  peak_flops: float | None = None, device: str = "", dtype: str = "",
@@ -279,10 +280,10 @@ class WorkerMetrics:
     def observe_claim(self, duration_s: float) -> None:
         WORKER_CLAIM_DURATION.labels(*self.labels).observe(duration_s)
 
-    def set_budget(self, budget_tokens: int) -> None:
-        WORKER_BUDGET.labels(*self.labels).set(budget_tokens)
+    def set_budget(self, token_budget: int) -> None:
+        WORKER_BUDGET.labels(*self.labels).set(token_budget)
 
-    def observe_batch(self, seqlens, *, budget_tokens: int, forward_s: float) -> None:
+    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float) -> None:
         """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens))."""
         lens = [int(n) for n in seqlens]
         num_tokens = sum(lens)
@@ -290,9 +291,9 @@ class WorkerMetrics:
         WORKER_BATCHES.labels(*self.labels).inc()
         WORKER_BATCH_TOKENS.labels(*self.labels).observe(num_tokens)
         WORKER_BATCH_ITEMS.labels(*self.labels).observe(len(lens))
-        if budget_tokens > 0:
-            self.set_budget(budget_tokens)
-            WORKER_FILL_RATIO.labels(*self.labels).observe(min(1.0, num_tokens / budget_tokens))
+        if token_budget > 0:
+            self.set_budget(token_budget)
+            WORKER_FILL_RATIO.labels(*self.labels).observe(min(1.0, num_tokens / token_budget))
         bucket = tokens_bucket(num_tokens)
         self._tokens_buckets.add(bucket)
         WORKER_FORWARD_DURATION.labels(*self.labels, bucket).observe(forward_s)
@@ -334,63 +335,3 @@ class WorkerMetrics:
             WORKER_FORWARD_DURATION.remove(*self.labels, bucket)
         for kind in self._error_kinds:
             WORKER_ERRORS.remove(*self.labels, kind)
-
-
-def forward_flops(config: Mapping, seqlens: Iterable[int]) -> int:
-    """Matmul FLOPs (2 per multiply-add) of one unpadded forward pass over these sequences.
-
-    Per layer and token: the Q, K, V, O projections and the MLP (gated, three matrices, for
-    Qwen; two for BERT); per layer and sequence of length L: 2 * L^2 * heads * head_dim for
-    QK^T and as much for the weighted sum of V. Causal models are counted on the full square,
-    as torch's FlopCounterMode counts them. Embedding lookups and norms are not matmuls.
-    """
-    hidden = int(config["hidden_size"])
-    num_layers = int(config["num_hidden_layers"])
-    num_heads = int(config["num_attention_heads"])
-    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-    head_dim = int(config.get("head_dim") or hidden // num_heads)
-    ffn = int(config["intermediate_size"])
-    gated = config.get("model_type") in ("qwen2", "qwen3", "llama", "mistral")
-    proj = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads)
-    mlp = hidden * ffn * (3 if gated else 2)
-    lens = [int(n) for n in seqlens]
-    per_token = 2 * (proj + mlp)
-    attention = 4 * num_heads * head_dim * sum(n * n for n in lens)
-    return num_layers * (per_token * sum(lens) + attention)
-
-
-# Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' datasheets, FLOP/s.
-# Matched against torch.cuda.get_device_name(); the first matching key wins, so the more
-# specific names come first.
-DEVICE_PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM
-    ("H200", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("A10", 125e12),
-)
-
-
-def device_peak_flops(device="cpu", *, env: Mapping[str, str] | None = None) -> float | None:
-    """Peak FLOP/s for MFU: TOKQ_DEVICE_PEAK_FLOPS when set (any device), else the table
-    entry for a known GPU, else None (unknown: a CPU, or a GPU not in the table)."""
-    env = os.environ if env is None else env
-    if env.get("TOKQ_DEVICE_PEAK_FLOPS"):
-        return float(env["TOKQ_DEVICE_PEAK_FLOPS"])
-    name = str(device)
-    if name.startswith("cuda"):
-        import torch  # only a CUDA device has a name worth asking for
-
-        name = torch.cuda.get_device_name(torch.device(name))
-    return peak_flops_for_name(name)
-
-
-def peak_flops_for_name(device_name: str) -> float | None:
-    for key, peak in DEVICE_PEAK_FLOPS:
-        if key.lower() in device_name.lower():
-            return peak
-    return None

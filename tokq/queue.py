@@ -97,7 +97,7 @@ class Claim:
 
     @property
     def num_tokens(self) -> int:
-        return sum(e.tokens for e in self.entries)
+        return sum(e.num_tokens for e in self.entries)
 
 
 @dataclass(frozen=True)
@@ -178,27 +178,27 @@ class Queue:
         return {int(field): value for field, value in _pairs(flat)
                 if field not in REPLY_META_FIELDS}
 
-    async def claim(self, budget: int, *, lookahead: int | None = None) -> Claim | None:
-        """The next batch of at most ``budget`` tokens (one longer item goes alone), leased
+    async def claim(self, token_budget: int, *, lookahead: int | None = None) -> Claim | None:
+        """The next batch of at most ``token_budget`` tokens (one longer item goes alone), leased
         for ``config.lease_ms``; None when nothing is queued."""
         num_expired = 0
         while True:
-            claim, expired, orphaned = await self.claim_step(budget, lookahead=lookahead)
+            claim, expired, orphaned = await self.claim_step(token_budget, lookahead=lookahead)
             num_expired += expired
             if claim is not None:
                 return replace(claim, num_expired=num_expired)
             if expired + orphaned < MAX_DROPS_PER_CLAIM:
                 return None  # the queue is empty, not just a long run of dead entries
 
-    async def claim_step(self, budget: int, *, lookahead: int | None = None,
+    async def claim_step(self, token_budget: int, *, lookahead: int | None = None,
                          max_drop: int = MAX_DROPS_PER_CLAIM) -> tuple[Claim | None, int, int]:
         """One run of claim.lua: (the batch or None, entries dropped as expired, entries
         dropped because their request is gone). It stops after ``max_drop`` drops. The batch
         id is picked here, so a run repeated after a lost answer returns the same batch."""
-        if budget < 1:
-            raise ValueError(f"budget must be positive, got {budget}")
+        if token_budget < 1:
+            raise ValueError(f"budget must be positive, got {token_budget}")
         k, cfg = self.keys, self.config
-        args = [self._now_arg(), budget, cfg.lease_ms,
+        args = [self._now_arg(), token_budget, cfg.lease_ms,
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
                 max_drop, k.reply_prefix, k.lease_prefix,
                 f"{self._batch_prefix}-{next(self._batch_numbers)}",

@@ -188,7 +188,7 @@ class ShardedQueue:
     def claim_shards(self) -> int:
         return self._claim_shards
 
-    async def claim(self, budget: int, *, lookahead: int | None = None) -> Claim | None:
+    async def claim(self, token_budget: int, *, lookahead: int | None = None) -> Claim | None:
         """One batch from the next non-empty shard in rotation; None when all are empty. A
         shard whose node is down (failing over) is passed over, so the others keep being
         served; a claim that may have run there is redone when its lease expires. Raises
@@ -198,7 +198,7 @@ class ShardedQueue:
         for step in range(n):
             index = (self._next_claim + step) % n
             try:
-                claim = await self.shard(index).claim(budget, lookahead=lookahead)
+                claim = await self.shard(index).claim(token_budget, lookahead=lookahead)
             except redis.exceptions.RedisError as exc:
                 errors.append(exc)
                 continue

@@ -33,10 +33,11 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     observer = None
     if config.metrics_port:
         from tokq import metrics
+        from tokq.flops import device_peak_flops
 
         observer = metrics.WorkerMetrics(
             engine.info.name, worker_id, model_config=engine.info.config,
-            peak_flops=metrics.device_peak_flops(engine.device), device=str(engine.device),
+            peak_flops=device_peak_flops(engine.device), device=str(engine.device),
             dtype=str(engine.dtype).removeprefix("torch."))
         metrics.start_metrics_server(config.metrics_port)
     worker = Worker(engine, ShardedQueue(client, engine.info.queue_name, queue_config), config, queue_config,
@@ -46,7 +47,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
         loop.add_signal_handler(sig, worker.stop)
     logging.getLogger("tokq.worker").info(
         "worker %s: %s on %s (%s, attention %s), budget %d tokens, queue %s", worker.worker_id,
-        engine.info.name, engine.device, engine.dtype, engine.attn_backend, worker.budget,
+        engine.info.name, engine.device, engine.dtype, engine.attn_backend, worker.token_budget,
         engine.info.queue_name)
     try:
         await worker.run(burst=burst)

@@ -9,10 +9,11 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.metrics import forward_flops
+from tokq.flops import forward_flops
 from tokq.model_info import ModelInfo
 from tokq.workers import attention, pooling, prefix_attention
 from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
+from tokq.workers.layout import build_layout
 from tokq.workers.loader import load_weights
 from tokq.workers.models.bert import Bert
 from tokq.workers.models.qwen import Qwen
@@ -76,32 +77,18 @@ class Engine:
                 self.model, batch, self.prefix_cache, self.attn_backend, self.device, self.dtype)
             self.tokens_computed += computed
             return pooling.finish(pooled, batch.normalize, batch.dimensions)
-        layout = attention.build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
-                                        dtype=self.dtype)
+        layout = build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
+                              dtype=self.dtype)
         hidden = self.model.forward(layout, self._attend)
         self.tokens_computed += batch.num_tokens
         pooled = pooling.pool(hidden, layout, self.info.pooling)
         return pooling.finish(pooled, batch.normalize, batch.dimensions)
 
-    def flops_per_token(self, context_len: int = 0) -> float:
-        """Model FLOPs per token: 2 per linear-layer weight, plus 4 * q_dim per layer for every
-        key the token attends to (QK^T and AV). ``context_len`` is that number of keys: the
-        sequence length for encoders, about half of it on average for causal decoders."""
-        attn = 4 * len(self.model.layers) * self.model.q_dim * context_len
-        return float(2 * self.model.num_linear_params + attn)
-
     def batch_flops(self, batch: PackedBatch) -> float:
-        """FLOPs of one forward over ``batch``, the attention term counted per sequence (the
-        same count the worker's MFU metric uses)."""
-        flops = forward_flops(self.info.config, batch.seqlens)
-        if batch.prefix_lens is not None and self.prefix_cache is not None:
-            # a cached prompt is not computed: its tokens' share, and its square of attention,
-            # leave; each query token attends to the prompt's keys (p * q), not a square of them
-            prefix = batch.prefix_lens.astype(np.int64)
-            queries = batch.seqlens.astype(np.int64) - prefix
-            flops -= forward_flops(self.info.config, prefix)
-            flops -= 4 * len(self.model.layers) * self.model.q_dim * int((prefix * queries).sum())
-        return float(flops)
+        """FLOPs of one forward over ``batch`` (tokq.flops.forward_flops); a prompt the prefix
+        cache holds is not computed, so it counts only as keys its queries attend to."""
+        cached = batch.prefix_lens if batch.prefix_lens is not None and self.prefix_cache is not None else None
+        return float(forward_flops(self.info.config, batch.seqlens, cached))
 
     def warmup(self, num_tokens: int) -> None:
         """Run one full-budget batch (max-length sequences, then the remainder) so allocator

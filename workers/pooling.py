@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokq.workers.attention import Layout
+from tokq.workers.layout import Layout
 
 _MIN_NORM = 1e-12  # an all-zero vector stays zero instead of becoming NaN
 

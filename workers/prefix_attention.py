@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tokq.batch import PackedBatch
-from tokq.workers.attention import Layout
+from tokq.workers.layout import Layout, to_device
 from tokq.workers.prefix_cache import PrefixCache
 
 
@@ -162,9 +162,9 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
                  + np.repeat(np.asarray(seq_start_pos, dtype=np.int64), q_lens))
     k_lens = ctx_lens + q_lens
     layout = Layout(
-        input_ids=_to_device(np.concatenate(seq_ids).astype(np.int64), device),
-        positions=_to_device(positions, device),
-        cu_seqlens=_to_device(cu_q.astype(np.int32), device),
+        input_ids=to_device(np.concatenate(seq_ids).astype(np.int64), device),
+        positions=to_device(positions, device),
+        cu_seqlens=to_device(cu_q.astype(np.int32), device),
         max_seqlen=int(k_lens.max()),  # the rotary tables' reach: last position + 1
         seq_index=torch.empty(0, dtype=torch.int64, device=device),  # unused: "last" pooling
         runs=(),
@@ -176,10 +176,10 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
     if use_flash:
         rows = [np.concatenate((np.arange(c0, c0 + cl), np.arange(o0, o0 + ql)))
                 for c0, cl, o0, ql in zip(ctx_rows, ctx_lens, own_rows, q_lens)]
-        kv_rows = _to_device(np.concatenate(rows), device)
+        kv_rows = to_device(np.concatenate(rows), device)
         cu_k_np = np.zeros(len(seq_ids) + 1, dtype=np.int64)
         np.cumsum(k_lens, out=cu_k_np[1:])
-        cu_k = _to_device(cu_k_np.astype(np.int32), device)
+        cu_k = to_device(cu_k_np.astype(np.int32), device)
     else:
         buckets = _buckets(q_lens, cu_q, ctx_lens, ctx_rows, own_rows, dtype, device)
     return PrefixPass(layout=layout, num_new=len(new), new_keys=[keys[j] for j in new],
@@ -215,11 +215,11 @@ def _buckets(q_lens, cu_q, ctx_lens, ctx_rows, own_rows, dtype, device) -> tuple
         real_slots = np.flatnonzero(q_real.reshape(-1))
         out.append(_Bucket(
             num_seqs=num, q_len=q_len, k_len=k_len,
-            q_gather=_to_device(q_gather.reshape(-1), device),
-            k_gather=_to_device(k_gather.reshape(-1), device),
-            mask=_to_device(mask, device).to(dtype),
-            real_slots=_to_device(real_slots, device),
-            out_rows=_to_device(q_gather.reshape(-1)[real_slots], device)))
+            q_gather=to_device(q_gather.reshape(-1), device),
+            k_gather=to_device(k_gather.reshape(-1), device),
+            mask=to_device(mask, device).to(dtype),
+            real_slots=to_device(real_slots, device),
+            out_rows=to_device(q_gather.reshape(-1)[real_slots], device)))
     return tuple(out)
 
 
@@ -239,13 +239,6 @@ def _sdpa_buckets(q, k_all, v_all, buckets: tuple[_Bucket, ...], scale: float) -
                                            enable_gqa=gqa).transpose(1, 2)
         out.index_copy_(0, b.out_rows, o.reshape(-1, *o.shape[2:]).index_select(0, b.real_slots))
     return out
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
 
 
 def forward_pooled(model, batch: PackedBatch, cache: PrefixCache, backend: str,

@@ -22,8 +22,7 @@ class PrefixCache:
         self.fingerprint = fingerprint
         self._entries: OrderedDict[tuple[str, bytes], torch.Tensor] = OrderedDict()
         self.num_bytes = 0
-        self.hits = 0
-        self.misses = 0
+        self.hits = 0  # tests read it: a prompt computed once, then served from here
 
     def key(self, prefix_ids: np.ndarray) -> tuple[str, bytes]:
         return self.fingerprint, np.ascontiguousarray(prefix_ids, dtype=np.int64).tobytes()
@@ -33,7 +32,6 @@ class PrefixCache:
         recently used entry."""
         kv = self._entries.get(key)
         if kv is None:
-            self.misses += 1
             return None
         self._entries.move_to_end(key)
         self.hits += 1

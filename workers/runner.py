@@ -99,7 +99,7 @@ class BatchRunner:
             dims = body.dimensions or vectors.shape[1]
             queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
             results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [e.tokens for e in entries], forward_s, len(failures))
+        return BatchOutcome(results, [e.num_tokens for e in entries], forward_s, len(failures))
 
     def _invalid(self, body: Body) -> str | None:
         ids = body.token_ids

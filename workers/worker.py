@@ -73,7 +73,7 @@ class Worker:
         self.worker_id = worker_id or default_worker_id()
         self.observer = observer
         self.runner = BatchRunner(engine, observer=observer, exit=exit_process)
-        self.budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)
+        self.token_budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
         self.num_batches = 0
@@ -96,7 +96,7 @@ class Worker:
     async def run(self, *, burst: bool = False) -> None:
         await self._refresh_budget()
         start = time.perf_counter()
-        await asyncio.to_thread(self.engine.warmup, self.budget)
+        await asyncio.to_thread(self.engine.warmup, self.token_budget)
         self.hung_after_s = max(self.hung_after_s, HUNG_FACTOR * (time.perf_counter() - start))
         await self._subscribe()  # before the first claim, so no notice falls in between
         chores = [asyncio.create_task(c) for c in (self._renew_leases(), self._requeue_expired(),
@@ -137,7 +137,7 @@ class Worker:
             self._held.discard(claim.batch_id)
             self.num_batches += 1
             if self.observer:
-                self.observer.observe_batch(outcome.seqlens, budget_tokens=self.budget,
+                self.observer.observe_batch(outcome.seqlens, token_budget=self.token_budget,
                                             forward_s=outcome.forward_s)
                 for _ in range(outcome.num_failed):
                     self.observer.observe_error("item")
@@ -190,7 +190,7 @@ class Worker:
                 return None
         start = time.perf_counter()
         try:
-            claim = await self.queue.claim(self.budget)
+            claim = await self.queue.claim(self.token_budget)
         except _REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
             log.warning("claim failed: %s; retrying", exc)
             if self.observer:
@@ -243,7 +243,7 @@ class Worker:
 
         async def beat():
             status = {"worker": self.worker_id, "model": self.engine.info.name,
-                      "device": str(self.engine.device), "budget": self.budget,
+                      "device": str(self.engine.device), "token_budget": self.token_budget,
                       "batches": self.num_batches}
             async with self._beat_lock:
                 if not self.healthy:
@@ -253,7 +253,7 @@ class Worker:
                                            forget_after_ms=10 * period_ms)
             if self.observer:
                 self.observer.heartbeat()
-                self.observer.set_budget(self.budget)
+                self.observer.set_budget(self.token_budget)
         await self._every(period_ms / 1000, beat)
 
     async def _watch_forward(self) -> None:
@@ -286,9 +286,9 @@ class Worker:
         if self.config.token_budget:
             return
         published = await self.queue.get_budget()
-        if published and published != self.budget:
-            log.info("token budget %d -> %d (published)", self.budget, published)
-            self.budget = published
+        if published and published != self.token_budget:
+            log.info("token budget %d -> %d (published)", self.token_budget, published)
+            self.token_budget = published
 
     async def _watch_budget(self) -> None:
         await self._every(BUDGET_REFRESH_S, self._refresh_budget)

@@ -9,7 +9,7 @@ size), then `tokq bench --device cuda` with tokq at the profiled budget and at `
 defaults against sentence-transformers one request at a time on the same GPU (vectors checked
 against sentence-transformers first). The section gives the GPU's name, throughput against
 one-at-a-time at equal p99, and MFU at the profiled budget (model FLOP/s at that batch size over
-the GPU's dense 16-bit peak, tokq.metrics.device_peak_flops).
+the GPU's dense 16-bit peak, tokq.flops.device_peak_flops).
 
 Without a CUDA GPU it says so and exits 0, so CPU-only runs of `make bench` are unaffected.
 """
@@ -84,7 +84,7 @@ def mfu_at(profile: dict, budget: int | None, peak_flops: float | None) -> dict:
 
 
 def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> dict:
-    model_args = ["--model", str(model_dir), "--name", name] if model_dir else []
+    model_args = ["--model", str(model_dir), "--served-model-name", name] if model_dir else []
     profile_json = out_dir / f"gpu-profile-{name}.json"
     sweep = ["--time-per-point-s", "0.3", "--max-tokens", "8192"] if quick else []
     _tokq("profile", "--device", "cuda", *model_args, *sweep, "--out", str(profile_json),
@@ -94,8 +94,8 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> 
     bench_json = out_dir / f"gpu-bench-{name}.json"
     bench_model = ["--model", str(model_dir)] if model_dir else []
     systems = ["--system", "tokq-defaults", "--system", "one-at-a-time"]
-    if budget:  # "tokq" runs at the last of --budgets
-        systems = ["--system", "tokq", "--budgets", str(budget), *systems]
+    if budget:  # "tokq" runs at the last of --token-budgets
+        systems = ["--system", "tokq", "--token-budgets", str(budget), *systems]
     steps = ["--step-duration-s", "2", "--max-steps", "12"] if quick else []
     _tokq("bench", "--device", "cuda", *bench_model, *systems, *steps, "--profile-json", str(profile_json),
           "--out", str(bench_json), "--plots", str(out_dir / name), "--quiet")
@@ -107,7 +107,7 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
 
     lines = [SECTION_START, "## GPU benchmark", "", f"Command: `{command}`  ",
              f"Date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}  ",
-             f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.metrics table)  "
+             f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.flops table)  "
              if peak_flops else f"GPU: **{gpu}** (peak FLOP/s unknown: set TOKQ_DEVICE_PEAK_FLOPS for MFU)  ",
              "Each model: `tokq profile --device cuda`, then `tokq bench --device cuda` (tokq at the profiled "
              "budget and at `tokq up`'s defaults; sentence-transformers one request at a time on the same GPU).", "",
@@ -152,7 +152,7 @@ def main(results_md, out_dir, quick) -> None:
         click.echo("bench-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
                    "nothing measured, RESULTS.md unchanged.")
         return
-    from tokq.metrics import device_peak_flops
+    from tokq.flops import device_peak_flops
 
     gpu = torch.cuda.get_device_name(0)
     peak = device_peak_flops("cuda:0")

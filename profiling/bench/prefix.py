@@ -8,13 +8,13 @@ random: the instruction ``Instruct: Given a web search query, retrieve relevant 
 answer the query\\nQuery:`` is ``--prompt-tokens`` ids, each query's length comes from the
 project's workload generator (profiling/workload.py) or is fixed by the scenario.
 
-Each system serves the same queries in batches of at most ``--budget`` queued tokens, counted
+Each system serves the same queries in batches of at most ``--token-budget`` queued tokens, counted
 as the queue counts them: the full forward's batches by every token, the prefix path's by the
 tokens after the prompt (the prompt's K/V come from the worker's cache, filled before timing).
 Per round the systems run in turn; every figure is the median over rounds.
 
     python -m tokq.profiling.bench.prefix --write profiling/RESULTS.md          # CPU
-    python -m tokq.profiling.bench.prefix --device cuda --layers 28 --budget 8192 --queries 8192
+    python -m tokq.profiling.bench.prefix --device cuda --layers 28 --token-budget 8192 --queries 8192
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--budget", type=int, default=1024, help="queued tokens per batch")
+    ap.add_argument("--token-budget", type=int, default=1024, help="queued tokens per batch")
     ap.add_argument("--queries", type=int, default=96, help="queries per scenario")
     ap.add_argument("--prompt-tokens", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=7)
@@ -124,11 +124,11 @@ def main() -> None:
     rows = []
     for name, (seqs, prefix_lens) in scenarios.items():
         has_prompt = any(prefix_lens)
-        systems = {"full forward (today)": (plain, batches(seqs, prefix_lens, args.budget, False))}
+        systems = {"full forward (today)": (plain, batches(seqs, prefix_lens, args.token_budget, False))}
         if has_prompt:
-            systems["prompt computed once"] = (engine, batches(seqs, prefix_lens, args.budget, True))
+            systems["prompt computed once"] = (engine, batches(seqs, prefix_lens, args.token_budget, True))
         else:  # the engine with the prefix path, given no prompt: must cost what today's does
-            systems["prefix-capable engine"] = (engine, batches(seqs, prefix_lens, args.budget, False))
+            systems["prefix-capable engine"] = (engine, batches(seqs, prefix_lens, args.token_budget, False))
         computed = {}
         for label, (eng, packed) in systems.items():
             eng.embed(packed[0])  # warm-up; fills the prompt's cache entry
@@ -171,7 +171,7 @@ def main() -> None:
         f"{str(engine.dtype).removeprefix('torch.')}, attention {engine.attn_backend}, torch {torch.__version__}. "
         f"Model: random weights with Qwen3-Embedding-0.6B's shapes, {args.layers} of its 28 layers "
         f"(both paths scale with layers alike), vocabulary {VOCAB}. {args.queries} queries per scenario "
-        f"(lengths: profiling/workload.py, seed 1, or fixed), batches of at most {args.budget} queued "
+        f"(lengths: profiling/workload.py, seed 1, or fixed), batches of at most {args.token_budget} queued "
         f"tokens as the queue counts them (the prompt's tokens are not counted on the prefix path: its "
         f"K/V come from the worker's cache, filled by the warm-up). Rates: medians over {args.rounds} rounds; "
         f"ratio: the median of per-round ratios, the systems run back to back in each round, their "

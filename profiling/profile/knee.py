@@ -115,7 +115,7 @@ SATURATION_FRACTION = 0.95
 
 @dataclass(frozen=True)
 class Recommendation:
-    budget_tokens: int | None  # the token budget to serve at; None when no batch fits the goal
+    token_budget: int | None  # the token budget to serve at; None when no batch fits the goal
     slo_p99_ms: float  # the latency goal
     max_batch_ms: float  # the forward time the goal allows: slo_p99_ms / FORWARDS_PER_REQUEST
     latency_ms: float | None  # median forward time at the budget

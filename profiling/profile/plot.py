@@ -60,16 +60,16 @@ def plot_profile(report: dict, path: str | Path) -> Path:
         if report.get("knee_tokens"):
             ax.axvline(report["knee_tokens"], color="C3", ls="--",
                        label=f"knee ~{report['knee_tokens']:.0f} tokens" if ax is ax_ms else None)
-        if rec.get("budget_tokens"):
-            ax.axvline(rec["budget_tokens"], color="C4", ls="-", lw=2, alpha=0.7,
-                       label=(f"recommended budget {rec['budget_tokens']} tokens (limited by {rec['limited_by']})"
+        if rec.get("token_budget"):
+            ax.axvline(rec["token_budget"], color="C4", ls="-", lw=2, alpha=0.7,
+                       label=(f"recommended budget {rec['token_budget']} tokens (limited by {rec['limited_by']})"
                               if ax is ax_ms else None))
     sat = report.get("saturation")
     if sat:
         ax_tps.axvline(sat["tokens"], color="C2", ls=":",
                        label=f"{sat['fraction']:.0%} of peak throughput at {sat['tokens']} tokens")
-    if rec.get("budget_tokens"):
-        ax_tps.annotate(f"{rec['tokens_per_s']:,.0f} tokens/s", (rec["budget_tokens"], rec["tokens_per_s"] / 1000.0),
+    if rec.get("token_budget"):
+        ax_tps.annotate(f"{rec['tokens_per_s']:,.0f} tokens/s", (rec["token_budget"], rec["tokens_per_s"] / 1000.0),
                         textcoords="offset points", xytext=(6, -14), color="C4")
 
     ax_ms.set_xscale("log", base=2)
@@ -84,8 +84,8 @@ def plot_profile(report: dict, path: str | Path) -> Path:
         ax.legend(loc="upper left", fontsize=8)
     title = (f"tokq profile: {report['model']} on {report['device']} ({report['device_name']}), "
              f"{report['dtype']}")
-    if rec.get("budget_tokens"):
-        title += (f"\nbudget {rec['budget_tokens']} tokens for p99 <= {rec['slo_p99_ms']:.4g} ms, "
+    if rec.get("token_budget"):
+        title += (f"\nbudget {rec['token_budget']} tokens for p99 <= {rec['slo_p99_ms']:.4g} ms, "
                   f"limited by {rec['limited_by']}")
     elif rec:
         title += f"\nno budget meets p99 <= {rec['slo_p99_ms']:.4g} ms"

@@ -31,8 +31,8 @@ def device_name(device: object) -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    num_threads = torch.get_num_threads()
-    return f"{cpu}, {num_threads} thread{'' if num_threads == 1 else 's'}"
+    threads = torch.get_num_threads()
+    return f"{cpu}, {threads} thread{'' if threads == 1 else 's'}"
 
 
 def analyze(points: Sequence[Point], slo_p99_ms: float = DEFAULT_SLO_P99_MS
@@ -82,7 +82,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, slo_p9
         "dtype": str(engine.dtype).removeprefix("torch."),
         "attn_backend": engine.attn_backend,
         "torch_version": torch.__version__,
-        "num_threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(),
         # CPU timings depend on what else runs: the 1-minute load average before and after.
         "load_average": [load_before, _load_average()],
         "workload": {"source": workload_source, **summary,
@@ -101,7 +101,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, slo_p9
         # The goal, the forward time it allows, the budget and what limited it.
         "slo_p99_ms": slo_p99_ms,
         "max_batch_ms": slo_p99_ms / FORWARDS_PER_REQUEST,
-        "recommended_budget": rec.budget_tokens if rec else None,
+        "recommended_budget": rec.token_budget if rec else None,
         "limited_by": rec.limited_by if rec else None,
         "recommendation": rec.to_dict() if rec else None,
         "saturation": {"fraction": rec.saturation_fraction, "tokens": rec.throughput_cap_tokens,
@@ -139,9 +139,9 @@ def summarize(report: dict) -> str:
                if rec["latency_cap_tokens"] else "no batch measured is within it")
     parts.append(f"Throughput reaches {rec['saturation_fraction']:.0%} of its peak ({rec['peak_tokens_per_s']:,.0f} "
                  f"tokens/s) at {rec['throughput_cap_tokens']} tokens; {lat_cap}.")
-    if rec["budget_tokens"] is None:
+    if rec["token_budget"] is None:
         parts.append(rec["reason"][0].upper() + rec["reason"][1:] + ".")
     else:
-        parts.append(f"Recommended token budget: {rec['budget_tokens']} ({rec['tokens_per_s']:,.0f} tokens/s at "
+        parts.append(f"Recommended token budget: {rec['token_budget']} ({rec['tokens_per_s']:,.0f} tokens/s at "
                      f"{rec['latency_ms']:.3g} ms per batch), limited by {rec['limited_by']}: {rec['reason']}.")
     return " ".join(parts)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tokq.model_info import UnsupportedModel
-from tokq.workers.attention import AttendFn, Layout
+from tokq.workers.attention import AttendFn
+from tokq.workers.layout import Layout
 from tokq.workers.loader import moved, take
 from tokq.workers.models.layers import activation, linear_kernels
 

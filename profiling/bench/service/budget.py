@@ -19,7 +19,7 @@ PROFILE_PNG = "budget_check_profile.png"
 BOUND_FRACTION = 0.8  # batches this full of the smallest budget: the budget capped them
 
 
-def profile_budget(queries, *, device: str, torch_threads: int, slo_ms: float, max_tokens: int,
+def profile_budget(queries, *, device: str, threads: int, slo_ms: float, max_tokens: int,
                    model_dir: str | None = None, on_progress=None) -> dict:
     """`tokq profile` on the engine a worker would load (same device, same threads), on the
     workload the bench sends, with the bench's goal; returns the profile report."""
@@ -30,7 +30,7 @@ def profile_budget(queries, *, device: str, torch_threads: int, slo_ms: float, m
     from tokq.workers.engine import Engine
 
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(torch_threads)
+    torch.set_num_threads(threads)
     try:
         engine = Engine.load(model_dir, device=device)
         config = SweepConfig(min_tokens=16, max_tokens=max_tokens, points_per_doubling=2,
@@ -119,13 +119,13 @@ def markdown_section(report: dict, profile_png: str | None = None) -> str:
         f"Load: open loop, {o['arrivals']} arrivals, {o['step_duration_s']:g} s per step, x{o['step_factor']:g} "
         f"per step from {o['start_rate']:g} req/s, then {o['num_refinements']} bisections (resolution "
         f"~{(o['step_factor'] ** (0.5 ** o['num_refinements']) - 1) * 100:.0f}%); one query per request.", "",
-        f"Profile (same run, before any load; {prof['device_name']}, {prof['num_threads']} torch thread(s) like "
+        f"Profile (same run, before any load; {prof['device_name']}, {prof['threads']} torch thread(s) like "
         f"the worker, the bench's workload): {prof['summary']}", "",
         *rows, "",
         f"- **Profiled budget within {1 - MIN_RATIO:.0%} of the best fixed budget's sustainable rate at p99 <= "
         f"{slo_ms:g} ms**: {v['profiled_budget']} tokens sustains {_fmt(v['profiled_rps'])} req/s, the best fixed "
         f"budget ({v['best_fixed_budget']}) {_fmt(v['best_fixed_rps'])} req/s: {v['ratio']:.2f}x, {result}.",
-        f"- The profile chose {rec.get('budget_tokens')} tokens, limited by {rec.get('limited_by')}: "
+        f"- The profile chose {rec.get('token_budget')} tokens, limited by {rec.get('limited_by')}: "
         f"{rec.get('reason', '')}.",
     ]
     bound = _budget_bound(report)

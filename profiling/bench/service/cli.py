@@ -128,7 +128,7 @@ def reference_vectors(queries, n: int, *, model_dir: str | None = None, device: 
     return picks, want
 
 
-def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats: int = 5, *,
+def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int = 5, *,
                        model_dir: str | None = None, device: str = "cpu") -> dict[str, float]:
     """Median forward time of one full-budget batch packed from the workload mix (the worker's
     engine, this process, the same thread count as the systems)."""
@@ -141,8 +141,8 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
     from tokq.workers.engine import Engine
 
     threads_before = torch.get_num_threads()
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
+    if threads:
+        torch.set_num_threads(threads)
     try:
         engine = Engine.load(model_dir, device=device)
         make = BatchMaker(queries, token_ids_for(engine.info), engine.info.max_length)
@@ -180,7 +180,7 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.option("--max-steps", default=20, show_default=True)
 @click.option("--step-duration-s", default=4.0, show_default=True, help="Seconds of arrivals per step.")
 @click.option("--timeout-ms", default=3000, show_default=True, help="Client deadline of each request.")
-@click.option("--budgets", default="256,1024", show_default=True,
+@click.option("--token-budgets", default="256,1024", show_default=True,
               help="tokq token budgets, comma-separated; the last is the main one.")
 @click.option("--profile-json", type=click.Path(dir_okay=False), default="profiling/profile.json",
               show_default=True, help="`tokq profile --out` report whose budget is also measured, if present.")
@@ -192,7 +192,7 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.option("--infinity-bin", default=None, envvar="TOKQ_BENCH_INFINITY_BIN",
               help="infinity_emb executable [default: .venv-infinity/bin/infinity_emb, else on PATH; "
                    "none found: Infinity is left out and the report says why].")
-@click.option("--torch-threads", default=0, show_default=True,
+@click.option("--threads", default=0, show_default=True,
               help="Intra-op threads of each baseline's model process; 0 = what `tokq up` gives its one "
                    "worker (cores - 1, at least 1), so both sides compute on the same threads.")
 @click.option("--device", default="cpu", show_default=True,
@@ -207,7 +207,7 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
               help="Rewrite the 'Service benchmark' section of this markdown file (e.g. profiling/RESULTS.md).")
 @click.option("--budget-check", is_flag=True,
               help="Profile the worker's engine in this run (goal: --slo-ms), then measure tokq at the profiled "
-                   "budget beside each of --budgets; writes its own RESULTS.md section and, with --plots, "
+                   "budget beside each of --token-budgets; writes its own RESULTS.md section and, with --plots, "
                    "the profile figure (budget_check_profile.png).")
 @click.option("--refinements", type=int, default=None,
               help="Bisections after the step search [default: 1; 3 with --budget-check, ~3% resolution].")
@@ -216,8 +216,8 @@ def measure_forward_ms(queries, budgets: list[int], torch_threads: int, repeats:
 @click.option("--note", default="", help="Free text for the report (e.g. whether the machine was idle).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
-                  step_factor, max_steps, step_duration_s, timeout_ms, budgets, profile_json, profiled_budget,
-                  padded_max_batch, padded_max_wait_ms, infinity_bin, torch_threads, device, model_dir, out_path,
+                  step_factor, max_steps, step_duration_s, timeout_ms, token_budgets, profile_json, profiled_budget,
+                  padded_max_batch, padded_max_wait_ms, infinity_bin, threads, device, model_dir, out_path,
                   plots_dir, results_md, budget_check, refinements, profile_max_tokens, note, quiet) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     from rich.console import Console
@@ -233,9 +233,9 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        budget_list = [int(b) for b in budgets.split(",") if b.strip()]
+        budget_list = [int(b) for b in token_budgets.split(",") if b.strip()]
         if not budget_list or min(budget_list) < 1:
-            raise ValueError("--budgets needs positive integers")
+            raise ValueError("--token-budgets needs positive integers")
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     names = ["all"] if run_all else (list(systems) or ["tokq", "one-at-a-time"])
@@ -249,7 +249,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
 
         with console.status("profiling the worker's engine (tokq profile) under the goal"):
             profile = profile_budget(load_queries(workload_path, num_queries, seed)[0], device=device,
-                                     torch_threads=torch_threads or max(1, (os.cpu_count() or 2) - 1),
+                                     threads=threads or max(1, (os.cpu_count() or 2) - 1),
                                      slo_ms=slo_ms, max_tokens=profile_max_tokens, model_dir=model_dir)
         console.print(profile["summary"])
         if profile["recommended_budget"] is None:
@@ -284,16 +284,16 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
                          else f"not measured ({'not asked for' if infinity_bin else 'no infinity_emb found'}). "
                               f"{INFINITY_WHY}")
         queries, source = load_queries(workload_path, num_queries, seed)
-        torch_threads = torch_threads or max(1, (os.cpu_count() or 2) - 1)
+        threads = threads or max(1, (os.cpu_count() or 2) - 1)
         tokq_budgets = sorted({s.token_budget or default_budget for s in specs if s.kind == "tokq"})
         with console.status("timing single-batch forward passes"):
-            forward_ms = (measure_forward_ms(queries, tokq_budgets, torch_threads, model_dir=model_dir, device=device)
+            forward_ms = (measure_forward_ms(queries, tokq_budgets, threads, model_dir=model_dir, device=device)
                           if tokq_budgets else {})
         with console.status("sentence-transformers' own vectors of the probe queries"):
             probe = reference_vectors(queries, NUM_PROBES, model_dir=model_dir, device=device)
         options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
                                step_factor=step_factor, max_steps=max_steps, step_duration_s=step_duration_s,
-                               timeout_s=timeout_ms / 1000, torch_threads=torch_threads, seed=seed,
+                               timeout_s=timeout_ms / 1000, threads=threads, seed=seed,
                                num_refinements=refinements if refinements is not None else (3 if budget_check else 1))
         report = asyncio.run(run_bench(specs, queries, options, console=console, probe=probe))
     finally:

@@ -209,7 +209,7 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
         f"Load: open loop, {o['arrivals']} arrivals, {o['step_duration_s']:g} s per step, rate x{o['step_factor']:g} "
         f"per step from {o['start_rate']:g} req/s, then one bisection; latency counted from each request's "
         f"intended send time; client deadline {o['timeout_s']:g} s (p99 of an overloaded step is capped "
-        f"near it). Torch threads: {o['torch_threads']} per baseline model process, and `tokq up`'s own "
+        f"near it). Torch threads: {o['threads']} per baseline model process, and `tokq up`'s own "
         "choice for its worker (cores - 1), the same number.  ",
         f"Single-batch forward time (tokq engine, full budget packed from the workload): {forward or '–'}.",
         "", f"### Sustainable throughput at p99 <= {slo_ms:g} ms", "",

@@ -33,7 +33,7 @@ class BenchOptions:
     max_steps: int = 20
     step_duration_s: float = 4.0
     timeout_s: float = 3.0
-    torch_threads: int = 1
+    threads: int = 1
     seed: int = 1
     num_refinements: int = 1
 
@@ -164,7 +164,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
         for spec in specs:
             progress.update(overall, description=f"starting {spec.name}")
             log_path = log_dir / f"{spec.name.split()[0]}-{len(report['systems'])}.log"
-            system = await asyncio.to_thread(start_system, spec, torch_threads=options.torch_threads,
+            system = await asyncio.to_thread(start_system, spec, threads=options.threads,
                                              log_path=str(log_path))
             try:
                 vectors = await check_vectors(system, probe) if probe else None

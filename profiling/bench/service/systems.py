@@ -255,15 +255,15 @@ def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float, queue
         client.close()
 
 
-def start_system(spec: SystemSpec, *, torch_threads: int = 0, log_path: str | None = None) -> RunningSystem:
+def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = None) -> RunningSystem:
     """Start ``spec`` and return once it serves (for tokq: once its worker has warmed up).
-    ``torch_threads`` > 0 caps the model process's intra-op threads (OMP_NUM_THREADS)."""
+    ``threads`` > 0 caps the model process's intra-op threads (OMP_NUM_THREADS)."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    if torch_threads > 0:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(torch_threads)
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     redis_server = None
     metrics_port = 0
