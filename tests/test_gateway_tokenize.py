@@ -155,7 +155,7 @@ async def test_a_short_call_is_not_queued_behind_large_ones(words):
 
 
 async def test_tiny_requests_are_tokenized_on_the_loop_and_others_in_the_pools():
-    tok = Tokenizer(ModelInfo.load(), num_threads=1)
+    tok = Tokenizer(ModelInfo.load(), threads=1)
     small, medium = ["hello world"], ["hello world " * 30]  # 11 and 360 bytes
     assert sum(map(len, small)) <= INLINE_BYTES < sum(map(len, medium))
     pooled = await tok.encode(small + medium)  # 371 bytes: a pool's
