@@ -1,8 +1,9 @@
 -- enqueue.lua: put all items of one request on the queue atomically, in FIFO order, or none.
--- KEYS[1] pending   LIST   entries, head = oldest
--- KEYS[2] tokens    STRING sum of the tokens in pending
+-- KEYS[1] pending   LIST   light lane: entries of requests of <= light_tokens, head = oldest
+-- KEYS[2] tokens    STRING sum of the tokens in both lanes
 -- KEYS[3] counters  HASH   enqueued, rejected (items)
 -- KEYS[4] reply     HASH   reply:<request_id>, created here
+-- KEYS[5] heavy     LIST   heavy lane: entries of larger requests (tokq/claim_rule.py)
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] request_id (no ':')
 -- ARGV[3] timeout_ms, relative: deadline_ms = now_ms + timeout_ms
@@ -10,7 +11,8 @@
 -- ARGV[5] reply_ttl_ms: how long an uncollected reply outlives the deadline
 -- ARGV[6] shard channel the completion notice is published on
 -- ARGV[7] the queue's work shard channel: told when the queue stops being empty
--- ARGV[8..] (token_count, body) pairs, one per item
+-- ARGV[8] light_tokens: a request of at most this many tokens in all goes in the light lane
+-- ARGV[9..] (token_count, body) pairs, one per item
 -- Idempotent by request id, so a client may run it again after a lost answer: if the reply
 -- hash exists with the same item count, this is a repeat and gets the first run's answer
 -- (checked before the cap, so a repeat is never QUEUE_FULL). QUEUE_FULL queues nothing.
@@ -18,7 +20,7 @@
 --#include lib/common.lua
 --#include lib/entry.lua
 
-local num_items = (#ARGV - 7) / 2
+local num_items = (#ARGV - 8) / 2
 local first = redis.call('HMGET', KEYS[4], 'n', 't')
 if first[1] then
   if tonumber(first[1]) ~= num_items then
@@ -34,7 +36,7 @@ local timeout_ms = tonumber(ARGV[3])
 local deadline_ms = now + timeout_ms
 
 local request_tokens = 0
-for i = 8, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
   request_tokens = request_tokens + tonumber(ARGV[i])
 end
 -- An empty queue always takes one request, so no request is too big to ever be served.
@@ -45,11 +47,12 @@ if queued_tokens > 0 and queued_tokens + request_tokens > tonumber(ARGV[4]) then
 end
 
 local entries = {}
-for i = 8, #ARGV, 2 do
-  local index = (i - 8) / 2
+for i = 9, #ARGV, 2 do
+  local index = (i - 9) / 2
   entries[#entries + 1] = format_entry(tonumber(ARGV[i]), now, request_id, index, deadline_ms, 0, ARGV[i + 1])
 end
-push_values('RPUSH', KEYS[1], entries)
+local lane = request_tokens <= tonumber(ARGV[8]) and KEYS[1] or KEYS[5]
+push_values('RPUSH', lane, entries)
 add_to_count(KEYS[2], request_tokens)
 add_to_counter(KEYS[3], 'enqueued', num_items)
 redis.call('HSET', KEYS[4], 'n', num_items, 'ch', ARGV[6], 't', now .. ':' .. deadline_ms)

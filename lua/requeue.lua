@@ -1,8 +1,9 @@
 -- requeue.lua: put the items of expired leases (crashed or stuck workers) back at the FRONT
--- of the queue with attempt + 1; items that reach max_attempts get an error reply instead.
+-- of the heavy lane with attempt + 1 (so a crash's redo fills batches beside the light lane's
+-- small requests, never ahead of them); items that reach max_attempts get an error reply.
 -- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
--- KEYS[2] pending   LIST   entries, head = oldest
--- KEYS[3] tokens    STRING sum of the tokens in pending
+-- KEYS[2] heavy     LIST   heavy lane, head = oldest
+-- KEYS[3] tokens    STRING sum of the tokens in both lanes
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
 -- KEYS[5] counters  HASH   requeued, failed, orphaned
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
@@ -10,8 +11,13 @@
 -- ARGV[3] max_batches handled per call
 -- ARGV[4] reply key prefix, ARGV[5] lease key prefix (same hash tag)
 -- ARGV[6] the queue's work shard channel: idle workers are told when items come back
+-- ARGV[7] lease_ms, ARGV[8] owner channel prefix: a lease due within half a lease has missed
+--         a renewal (workers renew every third); if its owner's channel (owner prefix + the
+--         batch id up to its last '-') has no subscriber, the owner is dead: redone now
 -- Idempotent: a repeat finds the handled leases gone and does nothing.
--- Returns {items requeued, items failed}
+-- Returns {items requeued, items failed, ms until the next lease expires or is due a check (half
+-- a lease before its deadline); -1: no lease}: workers call again then, so a dead worker's
+-- batch is redone about half a lease after its last renewal, not a poll after its lease ends.
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
@@ -21,7 +27,17 @@ local max_attempts = tonumber(ARGV[2])
 local reply_prefix, lease_prefix = ARGV[4], ARGV[5]
 
 -- Oldest deadline first, so the longest-waiting batch ends up at the very front.
-local batch_ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
+local half_lease = math.floor(tonumber(ARGV[7]) / 2)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + half_lease, 'WITHSCORES',
+                       'LIMIT', 0, tonumber(ARGV[3]))
+local batch_ids = {}
+for i = 1, #due, 2 do
+  local batch_id, deadline = due[i], tonumber(due[i + 1])
+  local owner = string.match(batch_id, '^(.*)%-%d+$')
+  if deadline <= now or (owner and redis.call('SPUBLISH', ARGV[8] .. owner, 'alive?') == 0) then
+    batch_ids[#batch_ids + 1] = batch_id
+  end
+end
 local back, back_tokens, num_failed, num_orphaned, num_released = {}, 0, 0, 0, 0
 for _, batch_id in ipairs(batch_ids) do
   local lease = lease_prefix .. batch_id
@@ -53,4 +69,15 @@ add_to_count(KEYS[4], -num_released)
 add_to_counter(KEYS[5], 'requeued', #back)
 add_to_counter(KEYS[5], 'failed', num_failed)
 add_to_counter(KEYS[5], 'orphaned', num_orphaned)
-return {#back, num_failed}
+-- The next event: the earliest lease expiring, or the first one not yet due a check becoming due.
+local next_in_ms = -1
+local earliest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if #earliest > 0 then
+  next_in_ms = math.max(0, tonumber(earliest[2]) - now)
+  local later = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now + half_lease), '+inf',
+                           'WITHSCORES', 'LIMIT', 0, 1)
+  if #later > 0 then
+    next_in_ms = math.min(next_in_ms, tonumber(later[2]) - half_lease - now)
+  end
+end
+return {#back, num_failed, next_in_ms}

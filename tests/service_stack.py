@@ -3,11 +3,13 @@ worker processes, each started with `python -m tokq.cli ...` exactly as an opera
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 import redis
@@ -43,8 +45,13 @@ def read_until_serving(proc: subprocess.Popen, timeout_s: float = 180) -> list[s
 
 
 class ServiceStack:
-    def __init__(self, env: dict[str, str] | None = None, model: str | None = None, http: bool = False) -> None:
-        self.redis = EmbeddedRedis(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None).start()
+    def __init__(self, env: dict[str, str] | None = None, model: str | None = None, http: bool = False,
+                 cluster=None) -> None:
+        # Its own Redis server, or a node of ``cluster`` (a running tokq.redis_cluster.LocalCluster).
+        self.cluster = cluster
+        self.redis = None if cluster else EmbeddedRedis(
+            binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None).start()
+        self.redis_url = cluster.url if cluster else self.redis.url
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -59,7 +66,7 @@ class ServiceStack:
     def _spawn(self, *args: str, redis_url: str | None = None) -> subprocess.Popen:
         # The Redis URL (with its password) goes in the environment, as `tokq up` passes it.
         return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args, *self.model_args],
-                                env={**self.env, "TOKQ_REDIS_URL": redis_url or self.redis.url})
+                                env={**self.env, "TOKQ_REDIS_URL": redis_url or self.redis_url})
 
     def start_gateway(self, *extra: str, timeout_s: float = 90, redis_url: str | None = None) -> None:
         """Start the gateway (through ``redis_url``, e.g. a fault proxy, instead of the server) and
@@ -124,6 +131,8 @@ class ServiceStack:
         return proc.wait(timeout=timeout_s)
 
     def client(self) -> redis.Redis:
+        if self.cluster:
+            return redis.RedisCluster.from_url(self.redis_url)
         return redis.Redis.from_url(self.redis.url)
 
     def close(self) -> None:
@@ -132,4 +141,19 @@ class ServiceStack:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
         stop_all(procs, timeout_s=20)
-        self.redis.close()
+        if self.redis:
+            self.redis.close()
+
+
+@contextlib.contextmanager
+def gateway_and_worker(*, env: dict[str, str] | None = None, http: bool = False) -> Iterator[ServiceStack]:
+    """The stack most end-to-end tests want: one gateway and one worker ("w1"), serving (gRPC
+    health SERVING) when the block starts, every process and Redis stopped after it."""
+    stack = ServiceStack(env=env, http=http)
+    try:
+        stack.start_gateway()
+        stack.start_worker("w1")
+        stack.wait_ready()
+        yield stack
+    finally:
+        stack.close()

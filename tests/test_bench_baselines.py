@@ -21,16 +21,12 @@ from tokq.profiling.bench.service.cli import DEFAULT_INFINITY_BIN, optimum_cli_b
 
 @pytest.fixture(scope="module")
 def model():
-    import torch
+    from tokq.workers.device import use_threads
 
     # One thread, as `tokq bench` runs the baselines: two spin-waiting OpenMP threads on a
     # busy 2-core machine stall each other (10x slower here). The setting is process-wide.
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with use_threads(1):
         yield load_model()
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def texts_of_mixed_lengths(bundled_model_dir, n: int, seed: int) -> list[str]:

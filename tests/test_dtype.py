@@ -9,9 +9,10 @@ import torch
 from click.testing import CliRunner
 
 from tokq.batch import PackedBatch
+from tokq.host import cpu_flags
 from tokq.workers import device, pooling
-from tokq.workers.layout import build_layout
 from tokq.workers.engine import Engine
+from tokq.workers.layout import build_layout
 
 QUERIES = ["how do I reset my router", "cheap flights to lisbon in may", "a",
            "symptoms of vitamin d deficiency in adults", "python asyncio run blocking code in thread",
@@ -33,7 +34,7 @@ def test_cpu_auto_is_bf16_only_where_native(monkeypatch, native):
 
 
 def test_this_cpus_auto_dtype_follows_its_cpuinfo_flags():
-    flags = device.cpu_flags()
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags here")
     expected = torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32

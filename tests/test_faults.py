@@ -2,10 +2,14 @@
 and worker processes (tests/service_stack.py), the bundled model, real gRPC callers.
 
 The gateway and the first worker reach Redis through their own fault proxy (tests/fault_proxy.py),
-which can let a command run and lose its answer. Each scenario sends a bounded number of calls
-and checks that every call got exactly one answer: the right vectors (compared with the model run
-alone) or a retryable status the scenario explains; that no call hung (every wait is bounded);
-that nothing was queued twice; and that no request key is left in Redis afterwards.
+which can let a command run and lose its answer. The scenarios without a proxy or a Redis
+restart (kill -9 of a worker and of the gateway, the overload burst, the deadline storm) run again
+on the real 3+3 Redis Cluster, the queue in 3 shards over its nodes (a proxy in front of one node
+would not see the commands a cluster client sends straight to the others). Each scenario sends a
+bounded number of calls and checks that every call got exactly one answer: the right vectors
+(compared with the model run alone) or a retryable status the scenario explains; that no call
+hung (every wait is bounded); that nothing was queued twice; and that no request key is left in
+Redis afterwards.
 
 ``TOKQ_FAULTS_RESULTS=profiling/RESULTS.md`` makes the module rewrite that file's "Faults
 survived" table from what it measured.
@@ -27,7 +31,7 @@ import numpy as np
 import pytest
 
 from tokq import AsyncClient, TokqError
-from tokq.keys import QueueKeys
+from tokq.keys import QueueKeys, shard_queue_name
 from tokq.model_info import ModelInfo
 
 pytestmark = pytest.mark.slow
@@ -35,6 +39,7 @@ KEYS = QueueKeys(ModelInfo.load().queue_name)  # as the gateway and workers name
 LEASE_MS = 1500
 REPLY_TTL_MS = 2000  # so a killed gateway's uncollected replies go within seconds
 MAX_QUEUED_TOKENS = 6000
+CLUSTER_SHARDS = 3
 CALL_TIMEOUT_S = 20.0
 HANG_MARGIN_S = 30.0  # a call not finished this long after its deadline counts as hung
 RESULTS_ENV = "TOKQ_FAULTS_RESULTS"
@@ -73,29 +78,52 @@ def reference(texts, bundled_model_dir) -> np.ndarray:
     return model.encode(texts, batch_size=64, normalize_embeddings=True)
 
 
-@pytest.fixture(scope="module")
-def stack():
+@pytest.fixture(scope="module", params=["standalone", "cluster"])
+def stack(request):
     from fault_proxy import FaultProxy
     from service_stack import ServiceStack
 
-    s = ServiceStack(env={"TOKQ_LEASE_MS": str(LEASE_MS), "TOKQ_REPLY_TTL_MS": str(REPLY_TTL_MS),
-                          "TOKQ_MAX_QUEUED_TOKENS": str(MAX_QUEUED_TOKENS)})
-    s.gateway_proxy = FaultProxy(s.redis.url, seed=1).start()
-    s.worker_proxy = FaultProxy(s.redis.url, seed=2).start()
+    env = {"TOKQ_LEASE_MS": str(LEASE_MS), "TOKQ_REPLY_TTL_MS": str(REPLY_TTL_MS),
+           "TOKQ_MAX_QUEUED_TOKENS": str(MAX_QUEUED_TOKENS)}
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        for node in cluster.nodes:  # every node up (an earlier test may have killed one), flushed
+            if not node.running:
+                cluster.restart(node.port)
+        cluster.flushall()
+        # The cap is per shard: the same total as standalone, so the burst overloads it too.
+        s = ServiceStack(env={**env, "TOKQ_QUEUE_SHARDS": str(CLUSTER_SHARDS),
+                              "TOKQ_MAX_QUEUED_TOKENS": str(MAX_QUEUED_TOKENS // CLUSTER_SHARDS)},
+                         cluster=cluster)
+        s.gateway_proxy = s.worker_proxy = None
+        s.shards = CLUSTER_SHARDS
+    else:
+        s = ServiceStack(env=env)
+        s.gateway_proxy = FaultProxy(s.redis.url, seed=1).start()
+        s.worker_proxy = FaultProxy(s.redis.url, seed=2).start()
+        s.shards = 1
     try:
-        s.start_gateway(redis_url=s.gateway_proxy.url)
-        s.start_worker("w1", redis_url=s.worker_proxy.url)
+        s.start_gateway(redis_url=s.gateway_proxy and s.gateway_proxy.url)
+        s.start_worker("w1", redis_url=s.worker_proxy and s.worker_proxy.url)
         yield s
     finally:
         s.close()
-        s.gateway_proxy.close()
-        s.worker_proxy.close()
+        for proxy in (s.gateway_proxy, s.worker_proxy):
+            if proxy:
+                proxy.close()
         if os.environ.get(RESULTS_ENV) and TABLE:
             write_results(Path(os.environ[RESULTS_ENV]), TABLE)
 
 
+def needs_proxy(stack) -> None:
+    if stack.cluster:
+        pytest.skip("fault proxies and the Redis restart are standalone-only (see the module doc)")
+
+
 def enqueued_items(stack) -> int:
-    return int(stack.client().hget(KEYS.counters, "enqueued") or 0)
+    r = stack.client()
+    return sum(int(r.hget(QueueKeys(shard_queue_name(KEYS.queue, i)).counters, "enqueued") or 0)
+               for i in range(stack.shards))
 
 
 def keys_left(stack, settle_s: float = 30) -> list[bytes]:
@@ -106,7 +134,8 @@ def keys_left(stack, settle_s: float = 30) -> list[bytes]:
     keep = re.compile(rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|heartbeat:.*)$")
     deadline = time.monotonic() + settle_s
     while True:
-        left = [k for k in r.keys("*") if not keep.match(k)]
+        found = r.keys("*", target_nodes="primaries") if stack.cluster else r.keys("*")
+        left = [k for k in found if not keep.match(k)]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
@@ -172,12 +201,15 @@ async def run_calls(stack, tally: Tally, texts, reference, *, num_calls: int, co
 
 
 def record(tally: Tally, stack) -> None:
+    if stack.cluster:
+        tally.fault += f" (Redis Cluster, {stack.shards} shards)"
     TABLE.append(tally)
     tally.check()
     assert keys_left(stack) == []
 
 
 def test_answers_lost_on_the_gateways_link(stack, texts, reference):
+    needs_proxy(stack)
     stack.gateway_proxy.cut_rate(0.05)  # of enqueue, collect and cancel
     tally = Tally("answer lost after the command ran, gateway's link (5% of script calls)")
     try:
@@ -191,6 +223,7 @@ def test_answers_lost_on_the_gateways_link(stack, texts, reference):
 
 
 def test_an_enqueue_whose_every_answer_is_lost_is_unavailable_and_withdrawn(stack, texts, reference):
+    needs_proxy(stack)
     from fault_proxy import script_sha
 
     stack.gateway_proxy.cut_rate(1.0, script_sha("enqueue"))  # it runs; no answer ever comes
@@ -205,6 +238,7 @@ def test_an_enqueue_whose_every_answer_is_lost_is_unavailable_and_withdrawn(stac
 
 
 def test_answers_lost_on_the_workers_link(stack, texts, reference):
+    needs_proxy(stack)
     stack.worker_proxy.cut_rate(0.05)  # of claim, ack, renew and requeue
     tally = Tally("answer lost after the command ran, worker's link (5% of script calls)")
     try:
@@ -225,14 +259,16 @@ def test_kill_9_of_a_worker(stack, texts, reference):
         stack.workers.pop("w2").wait()
 
     tally = Tally("kill -9 of a worker under load")
-    asyncio.run(run_calls(stack, tally, texts, reference, num_calls=300, concurrency=16,
+    # Fewer calls on the cluster (its run counts toward make test's time); the kill comes 1 s in.
+    asyncio.run(run_calls(stack, tally, texts, reference, num_calls=150 if stack.cluster else 300,
+                          concurrency=16,
                           retryable=set(), during=kill))
     record(tally, stack)
 
 
 def test_10x_overload_burst(stack, texts, reference):
     # Each call is up to 4 inputs of ~5-35 tokens: 400 at once are ~10x the queue's token cap.
-    tally = Tally(f"10x overload burst (400 calls at once, cap {MAX_QUEUED_TOKENS} tokens)")
+    tally = Tally(f"10x overload burst (400 calls at once, cap {MAX_QUEUED_TOKENS} tokens in all)")
     asyncio.run(run_calls(stack, tally, texts, reference, num_calls=400, concurrency=400,
                           retryable={"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"},
                           timeout_s=lambda rng: 5.0))
@@ -250,6 +286,7 @@ def test_deadline_storm(stack, texts, reference):
 
 
 def test_redis_restart(stack, texts, reference):
+    needs_proxy(stack)
     def restart():
         stack.redis.stop()  # no persistence: queued work and replies are gone, as in a crash
         time.sleep(0.5)
@@ -264,7 +301,7 @@ def test_redis_restart(stack, texts, reference):
 def test_kill_9_of_the_gateway_mid_request(stack, texts, reference):
     def kill_and_restart():
         stack.kill_gateway()
-        stack.start_gateway(redis_url=stack.gateway_proxy.url)
+        stack.start_gateway(redis_url=stack.gateway_proxy and stack.gateway_proxy.url)
 
     tally = Tally("kill -9 of the gateway mid-request, then a new one")
     # Calls cut off by the kill, and those sent while no gateway listens, are UNAVAILABLE.
@@ -286,7 +323,8 @@ def write_results(path: Path, table: list[Tally]) -> None:
 
     body = [
         "One gateway and one worker (plus a second, killed, in the worker scenario), each behind "
-        f"its own fault proxy; lease {LEASE_MS} ms, queue cap {MAX_QUEUED_TOKENS} tokens; calls of "
+        "its own fault proxy on a standalone Redis; on the Redis Cluster (3 primaries + 3 "
+        f"replicas) without proxies, the queue in {CLUSTER_SHARDS} shards; lease {LEASE_MS} ms, queue cap {MAX_QUEUED_TOKENS} tokens; calls of "
         "1-4 inputs checked against the model run alone (cosine >= 0.9999). Lost = hung, or no "
         "answer by a deadline the scenario did not cause; wrong = wrong vectors or a status that "
         "is not retryable; duplicated = items queued beyond those sent. "

@@ -1,5 +1,6 @@
-"""claim.lua and the Python reference (tokq/claim_rule.py) agree on random queues, redone
-entries (attempt > 0) included."""
+"""claim.lua and the Python reference (tokq/claim_rule.py) agree on random queues of two
+lanes (light and heavy), redone entries (attempt > 0) included; then the rule's promises:
+FIFO within a lane, light requests never starved by heavy ones, heavy ones never by light."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ NOW_MS = 1_700_000_000_000
 REQUEST_IDS = ("a", "b", "c", "d")
 
 
-def _pending(spec) -> list:
+def _pending(spec, next_index=None) -> list:
     """Entries from (request_id, tokens, age_ms, deadline_in_ms, body[, attempt]) tuples,
     indexed per request."""
-    next_index = dict.fromkeys(REQUEST_IDS, 0)
+    next_index = dict.fromkeys(REQUEST_IDS, 0) if next_index is None else next_index
     pending = []
     for request_id, tokens, age_ms, deadline_in_ms, body, *attempt in spec:
         raw = format_entry(tokens, NOW_MS - age_ms, request_id, next_index[request_id],
@@ -29,9 +30,11 @@ def _pending(spec) -> list:
     return pending
 
 
-def _case(spec, *, token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
+def _case(spec, *, heavy=(), token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
           max_attempts=3):
-    return dict(pending=_pending(spec), live=set(live), token_budget=token_budget, lookahead=lookahead,
+    next_index = dict.fromkeys(REQUEST_IDS, 0)
+    return dict(pending=_pending(spec, next_index), heavy=_pending(heavy, next_index),
+                live=set(live), token_budget=token_budget, lookahead=lookahead,
                 max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts)
 
 
@@ -49,17 +52,17 @@ def claim_cases(draw):
     deadlines_in_ms = st.sampled_from((-1, 0, 1, 500, 500, 500, 500, 500, 500, 500))
     # Mostly first tries; redone ones on both sides of the isolation threshold.
     attempts = st.sampled_from((0, 0, 0, 0, 1, 1, 2, 3, 4))
-    spec = draw(st.lists(st.tuples(st.sampled_from(REQUEST_IDS), sizes, ages_ms,
-                                   deadlines_in_ms, st.binary(max_size=6),  # may hold ':'
-                                   attempts),
-                         min_size=3, max_size=40))
-    return _case(spec, token_budget=token_budget, lookahead=draw(st.integers(0, 3)),
+    entries = st.tuples(st.sampled_from(REQUEST_IDS), sizes, ages_ms, deadlines_in_ms,
+                        st.binary(max_size=6), attempts)  # a body may hold ':'
+    spec = draw(st.lists(entries, min_size=0, max_size=30))
+    heavy = draw(st.lists(entries, min_size=0, max_size=30))
+    return _case(spec, heavy=heavy, token_budget=token_budget, lookahead=draw(st.integers(0, 3)),
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.integers(1, 8)),
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
                  max_attempts=draw(st.sampled_from((2, 3, 5))))
 
 
-async def _compare(redis_url, pending, live, token_budget, lookahead, max_skip_age_ms, max_drop,
+async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max_skip_age_ms, max_drop,
                    max_attempts):
     """Run claim.lua once on `pending` and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
@@ -68,22 +71,26 @@ async def _compare(redis_url, pending, live, token_budget, lookahead, max_skip_a
         await q.redis.flushdb()
         for request_id in live:
             await q.redis.hset(k.reply(request_id), mapping={"n": 99, "ch": CHANNEL})
-        if pending:
-            await q.redis.rpush(k.pending, *[e.raw for e in pending])
-            await q.redis.set(k.tokens, sum(e.num_tokens for e in pending))
+        for lane, entries in ((k.pending, pending), (k.heavy, heavy)):
+            if entries:
+                await q.redis.rpush(lane, *[e.raw for e in entries])
+        if pending or heavy:
+            await q.redis.set(k.tokens, sum(e.num_tokens for e in [*pending, *heavy]))
 
         claim, num_expired, num_orphaned = await q.claim_step(
             token_budget, lookahead=lookahead, max_drop=max_drop)
-        plan = plan_claim(pending, now_ms=NOW_MS, token_budget=token_budget, lookahead=lookahead,
+        plan = plan_claim(pending, heavy, now_ms=NOW_MS, token_budget=token_budget, lookahead=lookahead,
                           max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
                           isolate_attempt=isolate_attempt_for(max_attempts),
                           is_live=live.__contains__)
 
         taken = [e.raw for e in claim.entries] if claim else []
         assert taken == [e.raw for e in plan.taken]
-        remaining = plan.remaining(pending)
+        remaining, remaining_heavy = plan.remaining(pending), plan.remaining_heavy(heavy)
         assert await q.redis.lrange(k.pending, 0, -1) == [e.raw for e in remaining]
-        assert int(await q.redis.get(k.tokens) or 0) == sum(e.num_tokens for e in remaining)
+        assert await q.redis.lrange(k.heavy, 0, -1) == [e.raw for e in remaining_heavy]
+        assert int(await q.redis.get(k.tokens) or 0) == sum(
+            e.num_tokens for e in [*remaining, *remaining_heavy])
         assert (num_expired, num_orphaned) == (len(plan.expired), len(plan.orphaned))
         for request_id in REQUEST_IDS:
             answered = await q.redis.hgetall(k.reply(request_id))
@@ -118,6 +125,15 @@ async def _compare(redis_url, pending, live, token_budget, lookahead, max_skip_a
 @example(case=_case([("a", 10, 0, 500, b"", 0), ("b", 10, 0, 500, b"", 2), ("a", 10, 0, 500, b"", 0)]))
 @example(case=_case([("a", 10, 0, 500, b"", 2), ("b", 10, 0, 500, b"", 0)]))
 @example(case=_case([("a", 10, 0, 500, b"", 1), ("b", 10, 0, 500, b"", 0)], max_attempts=2))
+# Two lanes: the light share (half, or what the heavy head leaves), each lane's first item over
+# its share, an isolated redo heading the heavy lane, max_drop reached in the light lane.
+@example(case=_case([("a", 30, 0, 500, b"")] * 3, heavy=[("b", 40, 0, 500, b"")] * 3))
+@example(case=_case([("a", 30, 0, 500, b"")] * 3, heavy=[("b", 90, 0, 500, b"")]))
+@example(case=_case([("a", 120, 0, 500, b"")], heavy=[("b", 150, 0, 500, b"")]))
+@example(case=_case([("a", 10, 0, 500, b"")], heavy=[("b", 10, 0, 500, b"", 2), ("b", 10, 0, 500, b"")]))
+@example(case=_case([("a", 10, 0, 500, b"")], heavy=[("b", 10, 0, -1, b"", 2), ("b", 10, 0, 500, b"", 2)]))
+@example(case=_case([("d", 10, 0, 500, b""), ("a", 10, 0, 500, b"")],
+                    heavy=[("b", 10, 0, 500, b"")], max_drop=1))
 def test_lua_claim_agrees_with_the_python_rule(redis_server, case):
     asyncio.run(_compare(redis_server.url, **case))
 
@@ -128,10 +144,10 @@ def _entries(*spec):
             for i, (t, age) in enumerate(spec)]
 
 
-def _plan(pending, **overrides):
+def _plan(pending, heavy=(), **overrides):
     rule = dict(now_ms=NOW_MS, token_budget=600, lookahead=2, max_skip_age_ms=50, max_drop=100,
                 isolate_attempt=2, is_live=lambda request_id: True)
-    return plan_claim(pending, **(rule | overrides))
+    return plan_claim(pending, heavy, **(rule | overrides))
 
 
 def test_strict_fifo_stops_at_the_first_item_that_does_not_fit():
@@ -165,3 +181,53 @@ def test_redone_items_are_isolated_only_after_failing_twice_or_on_their_last_try
     assert len(_plan(once).taken) == 3
     twice = [parse_entry(format_entry(10, NOW_MS, "a", i, NOW_MS + 10_000, 2, b"x")) for i in range(3)]
     assert len(_plan(twice).taken) == 1
+
+
+def test_the_light_lane_goes_first_within_its_share_and_the_heavy_head_always_fits():
+    light = _entries((50, 0), (50, 0), (50, 0), (50, 0), (50, 0), (50, 0), (50, 0))
+    heavy = _entries((200, 0), (200, 0))
+    plan = _plan(light, heavy, lookahead=0)
+    # Light gets half of 600, the heavy lane the rest: a one-word call is never behind them.
+    assert [e.num_tokens for e in plan.taken] == [50] * 6 + [200]
+    big = _entries((500, 0), (500, 0))
+    assert [e.num_tokens for e in _plan(light, big, lookahead=0).taken] == [50, 50, 500]
+    # No heavy work: the light lane gets the whole budget.
+    assert [e.num_tokens for e in _plan(light, [], lookahead=0).taken] == [50] * 7
+
+
+def test_each_lane_with_work_gets_an_item_per_batch_even_past_its_share():
+    light = _entries((40, 0), (40, 0))
+    oversized = _entries((900, 0), (900, 0))
+    assert [e.num_tokens for e in _plan(light, oversized).taken] == [40, 900]
+
+
+def _drain(light, heavy, arrivals, *, token_budget=600, claims=300):
+    """Run claims until both lanes are empty, appending ``arrivals(n)`` light entries after
+    claim n; returns each claim's taken entries as (lane, index) pairs."""
+    batches = []
+    for n in range(claims):
+        if not light and not heavy:
+            break
+        plan = _plan(light, heavy, token_budget=token_budget, lookahead=0)
+        batches.append([("heavy" if e.num_tokens == token_budget else "light", e.index) for e in plan.taken])
+        light, heavy = plan.remaining(light) + arrivals(n), plan.remaining_heavy(heavy)
+    assert not light and not heavy, "not drained"
+    return batches
+
+
+def _numbered(n, tokens, start=0):
+    return [parse_entry(format_entry(tokens, NOW_MS, "a", start + i, NOW_MS + 10_000, 0, b"x"))
+            for i in range(n)]
+
+
+def test_neither_lane_starves_the_other_and_each_stays_in_order():
+    # Light requests arriving faster than the budget serves them, beside heavy requests of a
+    # whole budget each: every claim serves both lanes while both hold work.
+    batches = _drain(_numbered(30, 30), _numbered(20, 600),
+                     lambda n: _numbered(30, 30, start=30 * (n + 1)) if n < 60 else [])
+    assert all(("heavy", i) in batches[i] for i in range(20))  # one heavy request per claim
+    assert all(any(lane == "light" for lane, _ in b) for b in batches)  # never a claim without
+    heavy_order = [i for b in batches for lane, i in b if lane == "heavy"]
+    light_order = [i for b in batches for lane, i in b if lane == "light"]
+    assert heavy_order == list(range(20))
+    assert light_order == list(range(30 * 61))  # FIFO among equals, all served

@@ -3,6 +3,8 @@ stopped, acks idempotent."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
@@ -19,6 +21,8 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
         pubsub = ShardedSubscriber(q.redis)
         await pubsub.subscribe(CHANNEL)  # confirmed when it returns
+        stalled = ShardedSubscriber(q.redis)
+        await stalled.subscribe(q.owner_channel)  # its process lives on: redone at expiry
         await q.enqueue("r", items(5, 5, 5), timeout_ms=60_000, channel=CHANNEL)
         crashed = await q.claim(10)  # items 0 and 1; this worker never acks
         await q.enqueue("later", items(5), timeout_ms=60_000, channel=CHANNEL)
@@ -27,8 +31,9 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
         clock.advance(1)
         assert await q.requeue_expired() == (2, 0)
 
-        # Back at the front, in order, ahead of everything queued since, in a normal batch.
-        for expected in ([("r", 0, 1), ("r", 1, 1), ("r", 2, 0)], [("later", 0, 0)]):
+        # Back at the front of the heavy lane, in order, ahead of everything queued since, in a
+        # normal batch (behind the light lane's share: item 2, still queued there).
+        for expected in ([("r", 2, 0), ("r", 0, 1), ("r", 1, 1)], [("later", 0, 0)]):
             redo = await q.claim(15)
             assert [(e.request_id, e.index, e.attempt) for e in redo.entries] == expected
             await q.ack(redo.batch_id, [(e, ok_result(e)) for e in redo.entries])
@@ -39,6 +44,7 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
         while (message := await pubsub.get_message(timeout=0.2)):
             published.append(parse_notice(message[1])[0])
         assert published == ["r", "later"]  # each request's completion, once
+        await stalled.aclose()
         results = await q.collect("r")
         assert [decode_result(results[i]).vector.tolist() for i in range(3)] == [
             [0.0, 1.0], [1.0, 1.0], [2.0, 0.0]]
@@ -99,6 +105,55 @@ async def test_renewed_lease_is_not_requeued(redis_url):
             assert await q.requeue_expired() == (0, 0)
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         assert not await q.renew(claim.batch_id)
+
+
+async def test_requeue_says_when_the_next_lease_expires_or_is_due_a_check(redis_url):
+    """Workers call requeue again at the next lease event: half a lease before a deadline (a
+    lease that missed a renewal is checked for a live owner), or the deadline itself."""
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        owner = ShardedSubscriber(q.redis)
+        await owner.subscribe(q.owner_channel)  # alive: leases go only at their deadline
+        assert await q.requeue_expired() == (0, 0)
+        assert q.next_expiry_ms is None  # no lease: the half-lease poll
+        await q.enqueue("r", items(5, 5), timeout_ms=60_000, channel=CHANNEL)
+        first = await q.claim(5)  # due at 1_000
+        clock.advance(300)
+        await q.claim(5)  # due at 1_300
+        await q.requeue_expired()
+        assert q.next_expiry_ms == 200  # the first lease is due a check at 500
+        clock.advance(300)
+        assert await q.requeue_expired() == (0, 0)  # checked: its owner lives
+        assert q.next_expiry_ms == 200  # the second's check (800) before the first's end (1_000)
+        await q.renew(first.batch_id)  # now due at 1_600
+        clock.advance(700)
+        assert await q.requeue_expired() == (1, 0)  # the second expired
+        assert q.next_expiry_ms == 300  # the first is due a check at 1_100
+        await owner.aclose()
+
+
+async def test_a_lease_that_missed_a_renewal_is_redone_at_once_when_its_owner_is_gone(redis_url):
+    """A worker killed -9 loses its connection, and with it its owner-channel subscription:
+    half a lease after its last renewal its batch is redone, without waiting for the deadline.
+    While the owner's subscription lives, the same lease waits for its deadline."""
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        owner = ShardedSubscriber(q.redis)
+        await owner.subscribe(q.owner_channel)
+        await q.enqueue("r", items(5), timeout_ms=60_000, channel=CHANNEL)
+        await q.claim(5)
+        clock.advance(499)
+        assert await q.requeue_expired() == (0, 0)  # renewed on time would be at 333: not due
+        clock.advance(1)
+        assert await q.requeue_expired() == (0, 0)  # due a check, but its owner lives
+        await owner.aclose()  # the process dies (Redis sees its connection close soon after)
+        for _ in range(200):
+            if (done := await q.requeue_expired()) != (0, 0):
+                break
+            await asyncio.sleep(0.01)
+        assert done == (1, 0)  # redone half a lease early
+        redo = await q.claim(5)
+        assert [(e.request_id, e.attempt) for e in redo.entries] == [("r", 1)]
 
 
 async def test_ack_is_idempotent(redis_url):

@@ -171,7 +171,7 @@ async def test_expired_deadlines_never_reach_a_model(redis_url):
 
 async def test_claim_clears_a_run_of_dead_entries_longer_than_one_step(redis_url):
     clock = ManualClock()
-    async with open_queue(redis_url, clock) as q:
+    async with open_queue(redis_url, clock, light_tokens=0) as q:  # one lane: dead ones first
         num_dead = MAX_DROPS_PER_CLAIM + 200
         await q.enqueue("late", items(*[1] * num_dead), timeout_ms=10, channel=CHANNEL)
         await q.enqueue("fine", items(2), timeout_ms=10_000, channel=CHANNEL)

@@ -56,8 +56,14 @@ class QueueKeys:
         return f"{self.base}:pending"
 
     @property
+    def heavy(self) -> str:
+        """LIST, as ``pending``: the heavy lane (requests over ``light_tokens``, redone items;
+        tokq/claim_rule.py). ``pending`` is the light lane."""
+        return f"{self.base}:heavy"
+
+    @property
     def tokens(self) -> str:
-        """STRING: sum of token counts in ``pending`` (kept by the scripts, for the cap)."""
+        """STRING: sum of token counts in both lanes (kept by the scripts, for the cap)."""
         return f"{self.base}:tokens"
 
     @property
@@ -104,6 +110,13 @@ class QueueKeys:
     def work_channel(self) -> str:
         """Shard channel idle workers listen on: told when the queue stops being empty."""
         return f"{self.base}:work"
+
+    @property
+    def owner_prefix(self) -> str:
+        """Shard channel ``<owner_prefix><batch prefix>`` a worker holds a subscription on while
+        it lives: requeue.lua SPUBLISHes to the owner of a lease that missed a renewal, and
+        nobody listening (the process died, its connection with it) redoes the batch at once."""
+        return f"{self.base}:owner:"
 
     @property
     def budget(self) -> str:

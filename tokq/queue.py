@@ -127,6 +127,8 @@ class Queue:
         # (tokq.shards puts the shard first: "<shard>.<random>", so an ack finds its shard.)
         self._batch_prefix = batch_prefix or secrets.token_hex(8)
         self._batch_numbers = itertools.count(1)
+        # Set by requeue_expired: ms until the earliest lease is due a check (None: no lease).
+        self.next_expiry_ms: int | None = None
 
     def _now_arg(self) -> int:
         return self._clock() if self._clock else 0  # 0 = the script reads Redis TIME
@@ -148,14 +150,15 @@ class Queue:
         if timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
         args: list = [self._now_arg(), request_id, timeout_ms, self.config.max_queued_tokens,
-                      self.config.reply_ttl_ms, channel, self.keys.work_channel]
+                      self.config.reply_ttl_ms, channel, self.keys.work_channel,
+                      self.config.light_tokens]
         for tokens, body in items:
             if tokens < 1:
                 raise ValueError(f"an item needs at least one token, got {tokens}")
             args += [int(tokens), body]
         k = self.keys
         reply = await self._run(
-            "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id)], args)
+            "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy], args)
         status = reply[0]
         if status == b"QUEUE_FULL":
             raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)
@@ -179,8 +182,9 @@ class Queue:
                 if field not in REPLY_META_FIELDS}
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None) -> Claim | None:
-        """The next batch of at most ``token_budget`` tokens (one longer item goes alone), leased
-        for ``config.lease_ms``; None when nothing is queued."""
+        """The next batch of at most ``token_budget`` tokens (tokq/claim_rule.py: small requests
+        first, within their share; a lane's first item goes even when longer), leased for
+        ``config.lease_ms``; None when nothing is queued."""
         num_expired = 0
         while True:
             claim, expired, orphaned = await self.claim_step(token_budget, lookahead=lookahead)
@@ -204,11 +208,17 @@ class Queue:
                 f"{self._batch_prefix}-{next(self._batch_numbers)}",
                 isolate_attempt_for(cfg.max_attempts)]
         batch_id, now_ms, expired, orphaned, raw = await self._run(
-            "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters], args)
+            "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy], args)
         claim = None
         if batch_id:
             claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired)
         return claim, int(expired), int(orphaned)
+
+    @property
+    def owner_channel(self) -> str:
+        """The channel this client's process subscribes to while it holds leases: requeue
+        redoes a lease that missed a renewal at once when nobody listens on it."""
+        return self.keys.owner_prefix + self._batch_prefix
 
     async def renew(self, batch_id: str) -> bool:
         """Extend a running batch's lease; False if it was already requeued or acknowledged."""
@@ -226,12 +236,16 @@ class Queue:
         await self._run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id)], args)
 
     async def requeue_expired(self) -> tuple[int, int]:
-        """Put the items of expired leases back at the front: (requeued, failed)."""
+        """Put the items of expired leases, and of leases whose owner is gone (see
+        ``owner_channel``), back at the front of the heavy lane: (requeued, failed). Sets
+        ``next_expiry_ms`` (when to call again to check the next lease)."""
         k = self.keys
         args = [self._now_arg(), self.config.max_attempts, MAX_BATCHES_PER_REQUEUE,
-                k.reply_prefix, k.lease_prefix, k.work_channel]
-        requeued, failed = await self._run(
-            "requeue", [k.leases, k.pending, k.tokens, k.inflight, k.counters], args)
+                k.reply_prefix, k.lease_prefix, k.work_channel, self.config.lease_ms,
+                k.owner_prefix]
+        requeued, failed, next_in_ms = await self._run(
+            "requeue", [k.leases, k.heavy, k.tokens, k.inflight, k.counters], args)
+        self.next_expiry_ms = None if int(next_in_ms) < 0 else int(next_in_ms)
         return int(requeued), int(failed)
 
     async def heartbeat(self, worker_id: str, status: dict, *, ttl_ms: int,
@@ -254,7 +268,8 @@ class Queue:
     async def stats(self) -> QueueStats:
         k = self.keys
         entries, tokens, age_ms, inflight, batches, counters = await self._run(
-            "stats", [k.pending, k.tokens, k.leases, k.inflight, k.counters], [self._now_arg()])
+            "stats", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy],
+            [self._now_arg()])
         return QueueStats(int(entries), int(tokens), int(age_ms), int(inflight), int(batches),
                           {f.decode(): int(v) for f, v in _pairs(counters)})
 

@@ -216,9 +216,20 @@ class ShardedQueue:
         await self.shard(self.shard_of_batch(batch_id)).ack(batch_id, results)
 
     async def requeue_expired(self) -> tuple[int, int]:
-        done = await asyncio.gather(*(self.shard(i).requeue_expired()
-                                      for i in range(self._claim_shards)))
+        shards = [self.shard(i) for i in range(self._claim_shards)]
+        done = await asyncio.gather(*(q.requeue_expired() for q in shards))
         return sum(r for r, _ in done), sum(f for _, f in done)
+
+    def owner_channels(self) -> list[str]:
+        """Every claimed shard's owner channel (Queue.owner_channel) of this process."""
+        return [self.shard(i).owner_channel for i in range(self._claim_shards)]
+
+    @property
+    def next_expiry_ms(self) -> int | None:
+        """Ms until the earliest lease on any shard is due a check, as the last requeue saw it."""
+        known = [q.next_expiry_ms for i in range(self._claim_shards)
+                 if (q := self.shard(i)).next_expiry_ms is not None]
+        return min(known, default=None)
 
     # -- both -------------------------------------------------------------------------------
     async def stats(self) -> QueueStats:

@@ -40,6 +40,8 @@ ACK_ATTEMPTS = 10
 # Any Redis failure, -READONLY after a failover or -OOM included: wait and retry, never exit.
 _REDIS_ERRORS = (redis.exceptions.RedisError, OSError)
 BUDGET_REFRESH_S = 1.0
+# The requeue chore calls this long after a lease's deadline (Redis and host clocks tick apart).
+EXPIRY_SLACK_S = 0.005
 # A forward is hung past max(hung_forward_ms, HUNG_FACTOR x the warm-up forward at the full
 # budget); the process then exits with EXIT_HUNG.
 HUNG_FACTOR = 20.0
@@ -157,7 +159,9 @@ class Worker:
 
     async def _subscribe(self) -> None:
         try:
-            await self._notices.subscribe(*self.queue.work_channels())  # every shard's
+            # Every shard's work channel, and this process's owner channels: while it lives,
+            # they tell requeue not to take its leases early (tokq.queue.Queue.owner_channel).
+            await self._notices.subscribe(*self.queue.work_channels(), *self.queue.owner_channels())
             self._subscribed = True
         except _REDIS_ERRORS as exc:  # claims still happen every IDLE_FALLBACK_S meanwhile
             log.warning("work-notice subscription failed: %s", exc)
@@ -236,7 +240,20 @@ class Worker:
         await self._every(self.queue_config.lease_ms / 3000, renew)
 
     async def _requeue_expired(self) -> None:
-        await self._every(self.queue_config.lease_ms / 2000, self.queue.requeue_expired)
+        """Every half lease, and as soon as the earliest lease is due a check (half a lease
+        before its deadline): a lease that missed a renewal is redone then if its owner's
+        process is gone (its owner channel has no subscriber), else when it expires."""
+        period_s = self.queue_config.lease_ms / 2000
+        while True:
+            try:
+                await self.queue.requeue_expired()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis blips must not kill the worker
+                log.warning("requeue_expired failed: %s", exc)
+            next_ms = self.queue.next_expiry_ms
+            wait_s = period_s if next_ms is None else min(period_s, next_ms / 1000 + EXPIRY_SLACK_S)
+            await asyncio.sleep(wait_s)
 
     async def _heartbeat(self) -> None:
         period_ms = self.config.heartbeat_ms
@@ -274,6 +291,8 @@ class Worker:
                 self.observer.observe_error("hung")
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.queue.forget_worker(self.worker_id), timeout=2.0)
+            with contextlib.suppress(Exception):  # its owner channels go: leases redone sooner
+                await asyncio.wait_for(self._notices.aclose(), timeout=2.0)
             self._exit_process(EXIT_HUNG)
             self.stop()  # only reached when exit_process returns (tests)
             return

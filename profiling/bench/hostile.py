@@ -216,7 +216,7 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
 def _drain(r: redis.Redis, keys: QueueKeys, timeout_s: float = 120) -> None:
     """Wait for the worker to finish what abusers left queued, so the next idle phase is idle."""
     deadline = time.monotonic() + timeout_s
-    while (r.llen(keys.pending) or int(r.get(keys.inflight) or 0)) and time.monotonic() < deadline:
+    while (int(r.get(keys.tokens) or 0) or int(r.get(keys.inflight) or 0)) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

@@ -23,22 +23,17 @@ def profile_budget(queries, *, device: str, threads: int, slo_ms: float, max_tok
                    model_dir: str | None = None, on_progress=None) -> dict:
     """`tokq profile` on the engine a worker would load (same device, same threads), on the
     workload the bench sends, with the bench's goal; returns the profile report."""
-    import torch
-
-    from tokq.profiling.profile.sweep import SweepConfig
     from tokq.profiling.profile.run import run_profile
+    from tokq.profiling.profile.sweep import SweepConfig
+    from tokq.workers.device import use_threads
     from tokq.workers.engine import Engine
 
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with use_threads(threads):
         engine = Engine.load(model_dir, device=device)
         config = SweepConfig(min_tokens=16, max_tokens=max_tokens, points_per_doubling=2,
                              target_s_per_point=0.5, stop_ms=2000.0)
         return run_profile(engine, queries, config, slo_p99_ms=slo_ms, workload_source="the bench workload",
                            on_progress=on_progress)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def verdict(report: dict) -> dict:

@@ -135,15 +135,12 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
     import time
 
     import numpy as np
-    import torch
 
     from tokq.profiling.profile.batches import BatchMaker, token_ids_for
+    from tokq.workers.device import use_threads
     from tokq.workers.engine import Engine
 
-    threads_before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    with use_threads(threads):
         engine = Engine.load(model_dir, device=device)
         make = BatchMaker(queries, token_ids_for(engine.info), engine.info.max_length)
         out = {}
@@ -157,8 +154,6 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
                 times.append((time.perf_counter() - start) * 1000)
             out[str(budget)] = round(float(np.median(times)), 2)
         return out
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 @click.command("bench")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tokq.host import cpu_name
 from tokq.profiling.bench import loadgen
 from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender, min_cosine,
                                           start_system)
@@ -111,14 +112,11 @@ def machine() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
         load = Path("/proc/loadavg").read_text().split()[:3]
     except OSError:
         load = []
-    return {"cpu": cpu, "num_cpus": os.cpu_count(), "platform": platform.platform(),
+    return {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
             "loadavg_at_start": load,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__,
