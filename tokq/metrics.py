@@ -213,6 +213,13 @@ class GatewayMetrics:
         self.model = model
         self._inflight = GATEWAY_INFLIGHT.labels(model)
         self._inflight.set(0)
+        # Each call's children looked up once, not per call (``labels`` locks and hashes).
+        self._tokenize = GATEWAY_TOKENIZE_DURATION.labels(model)
+        self._input_tokens = GATEWAY_INPUT_TOKENS.labels(model)
+        self._queue = GATEWAY_QUEUE_DURATION.labels(model)
+        self._inference = GATEWAY_INFERENCE_DURATION.labels(model)
+        self._requests: dict[tuple[str, str], object] = {}
+        self._durations: dict[str, object] = {}
 
     def request_started(self, rpc: str) -> None:
         self._inflight.inc()
@@ -220,16 +227,22 @@ class GatewayMetrics:
     def request_finished(self, rpc: str, code: str, duration_s: float) -> None:
         """``code`` is the gRPC status name ("OK", "INVALID_ARGUMENT", ...)."""
         self._inflight.dec()
-        GATEWAY_REQUESTS.labels(self.model, rpc, code).inc()
-        GATEWAY_REQUEST_DURATION.labels(self.model, rpc).observe(duration_s)
+        requests = self._requests.get((rpc, code))
+        if requests is None:
+            requests = self._requests[rpc, code] = GATEWAY_REQUESTS.labels(self.model, rpc, code)
+        requests.inc()
+        duration = self._durations.get(rpc)
+        if duration is None:
+            duration = self._durations[rpc] = GATEWAY_REQUEST_DURATION.labels(self.model, rpc)
+        duration.observe(duration_s)
 
     def embed_tokenized(self, tokenize_ms: float, num_tokens: int) -> None:
-        GATEWAY_TOKENIZE_DURATION.labels(self.model).observe(tokenize_ms / 1000.0)
-        GATEWAY_INPUT_TOKENS.labels(self.model).observe(num_tokens)
+        self._tokenize.observe(tokenize_ms / 1000.0)
+        self._input_tokens.observe(num_tokens)
 
     def embed_done(self, queue_ms: float, inference_ms: float) -> None:
-        GATEWAY_QUEUE_DURATION.labels(self.model).observe(queue_ms / 1000.0)
-        GATEWAY_INFERENCE_DURATION.labels(self.model).observe(inference_ms / 1000.0)
+        self._queue.observe(queue_ms / 1000.0)
+        self._inference.observe(inference_ms / 1000.0)
 
 
 class WorkerMetrics:
