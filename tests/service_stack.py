@@ -18,7 +18,16 @@ from tokq.health import health_status, wait_for_health
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo
 from tokq.processes import stop_all
+from tokq.queue import COLLECT_GRACE_MS, REPLY_META_FIELDS
 from tokq.redis_server import EmbeddedRedis, free_port
+
+
+def delivered_reply(r: redis.Redis, key: bytes) -> bool:
+    """A complete reply whose results went out in its completion notice: kept only a short grace
+    (tokq.queue.COLLECT_GRACE_MS) for a gateway that missed the notice, then gone by itself."""
+    n = r.hget(key, "n")
+    return (n is not None and r.hlen(key) == int(n) + len(REPLY_META_FIELDS)
+            and 0 < r.pttl(key) <= COLLECT_GRACE_MS)
 
 
 def read_until_serving(proc: subprocess.Popen, timeout_s: float = 180) -> list[str]:

@@ -201,7 +201,7 @@ def _worker_metrics(port: int) -> dict:
     out = dict.fromkeys(wanted.values(), 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in wanted:  # summed over labels (tokens_bucket, worker)
+            if sample.name in wanted:  # summed over workers
                 out[wanted[sample.name]] += sample.value
     return out
 
