@@ -1,5 +1,6 @@
-"""tokq.host reads /proc/cpuinfo in one place; workers.device.use_threads puts torch's
-process-wide thread count back, also when the block raises."""
+"""What this host is: tokq.host reads /proc/cpuinfo in one place; workers.device.use_threads
+puts torch's process-wide thread count back, also when the block raises; a worker's default id
+is its host and device."""
 
 from __future__ import annotations
 
@@ -46,3 +47,15 @@ def test_use_threads_sets_then_restores_even_on_error():
     assert torch.get_num_threads() == before
     with use_threads(0):  # 0: left as it is
         assert torch.get_num_threads() == before
+
+
+def test_default_worker_id_is_host_and_device_so_a_restart_keeps_it():
+    import socket
+
+    from tokq.workers.worker import default_worker_id
+
+    host = socket.gethostname()
+    assert default_worker_id(torch.device("cuda:1")) == f"{host}-cuda1"
+    assert default_worker_id(torch.device("cpu")) == f"{host}-cpu"
+    # --check --this-host finds default ids by this prefix
+    assert default_worker_id("cuda:0").startswith(f"{host}-")
