@@ -10,7 +10,9 @@ Prints tokens/s (real tokens, no padding counted; median over rounds) of:
   * (b) sentence-transformers batches of 32 in arrival order (padded);
   * each CPU attention backend at a 1,024-token budget;
   * the runtime with F.linear (MKL) instead of oneDNN, at a 1,024-token budget;
-  * one layer's attention alone per CPU backend;
+  * one layer's attention alone per CPU backend (in the runtime's dtype);
+  * in bf16/fp16, the packed runtime and its attention with SDPA's kernel for every run, i.e.
+    without the matmul path for short rows (workers/attention.py MATMUL_MAX_SEQLEN);
 as ratios to (a) and (b), and as fractions of the fp32 matmul peak measured in the same run,
 timed again just before every measurement, two ways: a large ``torch.mm`` (MKL, which takes
 its AVX2 path on AMD CPUs) and the same product through oneDNN (AVX-512, what the runtime
@@ -142,14 +144,27 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def sdpa_kernel_only():
+    """The sdpa backends without their matmul path for short rows (attention.MATMUL_MAX_SEQLEN):
+    what the forward was before it, for a comparison in the same run."""
+    saved, attention.MATMUL_MAX_SEQLEN = attention.MATMUL_MAX_SEQLEN, 0
+    try:
+        yield
+    finally:
+        attention.MATMUL_MAX_SEQLEN = saved
+
+
 def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: str,
                            repeats: int = 5) -> float:
     """Median ms one layer's attention takes per batch with ``backend`` (random q, k, v of the
     model's shape; layouts built once, as the engine does per batch)."""
     model = engine.model
     gen = torch.Generator().manual_seed(0)
-    layouts = [build_layout(b, engine.device, backend, causal=model.causal) for b in batches]
-    qkvs = [torch.randn(b.num_tokens, 3, model.num_heads, model.head_dim, generator=gen) for b in batches]
+    layouts = [build_layout(b, engine.device, backend, causal=model.causal, dtype=engine.dtype)
+               for b in batches]
+    qkvs = [torch.randn(b.num_tokens, 3, model.num_heads, model.head_dim, generator=gen).to(engine.dtype)
+            for b in batches]  # the dtype the forward runs attention in
     attend, scale = attention.attend_fn(backend), model.head_dim ** -0.5
 
     def run() -> None:
@@ -238,6 +253,12 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     for label, eng in engines.items():
         systems[f"packed 1024 {label}"] = lambda e=eng: [e.embed(x) for x in backend_batches]
         flops[f"packed 1024 {label}"] = sum(engine.batch_flops(x) for x in backend_batches)
+    if engine.device.type == "cpu" and engine.dtype != torch.float32 and engine.attn_backend.startswith("sdpa"):
+        def sdpa_only() -> None:
+            with sdpa_kernel_only():
+                [engine.embed(x) for x in backend_batches]
+        systems["packed 1024 SDPA kernel only"] = sdpa_only
+        flops["packed 1024 SDPA kernel only"] = sum(engine.batch_flops(x) for x in backend_batches)
 
     print(f"model {engine.info.name}, {str(engine.dtype).removeprefix('torch.')}, attention "
           f"{engine.attn_backend}, linear {engine.linear_backend}; "
@@ -274,6 +295,10 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     print(op_table(engine, backend_batches))
     attn_ms = {backend: attention_ms_per_layer(engine, backend_batches, backend)
                for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop")}
+    if engine.dtype != torch.float32:
+        with sdpa_kernel_only():
+            attn_ms["sdpa_packed, SDPA kernel only"] = attention_ms_per_layer(
+                engine, backend_batches, "sdpa_packed")
     print("\nattention alone, ms per layer per 1,024-token batch: "
           + ", ".join(f"{backend} {ms:.2f}" for backend, ms in attn_ms.items()))
 
