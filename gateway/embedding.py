@@ -205,11 +205,14 @@ class ServedModel:
                                      gateway_id=self.gateway_id)
             self.router.enqueued(request_id)
             try:
-                await asyncio.wait_for(done, timeout=timeout_ms / 1000)
+                raw = await asyncio.wait_for(done, timeout=timeout_ms / 1000)
             except TimeoutError:
                 raise DeadlineExceeded(f"no answer within the deadline ({timeout_ms} ms); "
                                        "the service is overloaded or no worker is running") from None
-            raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue
+            if raw is None:  # the notice did not carry the results (large, or a poll found them)
+                raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue
+            else:  # delivered in the notice: Redis drops the reply by itself after a short grace
+                self.queue.forget(request_id)
             collected = True
             if len(raw) < len(items):  # Redis restarted or flushed between notice and collect
                 raise Unavailable("the request's state vanished from Redis; retry it")

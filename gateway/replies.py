@@ -1,10 +1,12 @@
 """Waking the calls whose replies are complete.
 
-Workers (through ack.lua) SPUBLISH a request's id on its gateway's shard channel once every
+Workers (through ack.lua) SPUBLISH a notice on the request's gateway's shard channel once every
 input of it is answered (sharded pub/sub: Redis >= 7, and the only kind that stays on the queue's
-node on Redis Cluster). One subscription per gateway process serves all waiting calls, so thousands of
-concurrent requests hold no Redis connection each. A notice can be missed (a reconnect), so
-every ``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
+node on Redis Cluster); the notice carries the results themselves unless they are large
+(tokq.queue.parse_notice), and then the waiting call needs no second round trip to collect them.
+One subscription per gateway process serves all waiting calls, so thousands of concurrent
+requests hold no Redis connection each. A notice can be missed (a reconnect), so every
+``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
 complete replies wake their call, and a reply hash that has vanished (Redis restarted and lost
 it) fails the call UNAVAILABLE at once instead of leaving it to its deadline. If the
 subscription itself breaks, every waiting call fails UNAVAILABLE.
@@ -23,7 +25,7 @@ import redis.exceptions
 
 from tokq.connection import ShardedSubscriber
 from tokq.gateway.errors import Unavailable
-from tokq.queue import REPLY_META_FIELDS
+from tokq.queue import REPLY_META_FIELDS, parse_notice
 
 log = logging.getLogger(__name__)
 _NET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -65,7 +67,8 @@ class ReplyRouter:
                 await self._task
 
     def expect(self, request_id: str, num_items: int) -> asyncio.Future:
-        """Register before enqueueing, so a fast reply cannot be missed."""
+        """Register before enqueueing, so a fast reply cannot be missed. The future's result:
+        the results (index -> raw result) when the notice carried them, else None (collect)."""
         fut = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = _Waiter(fut, num_items)
         return fut
@@ -82,11 +85,12 @@ class ReplyRouter:
             # asyncio logs "exception was never retrieved" for every such call.
             waiter.future.exception()
 
-    def _settle(self, request_id: str, exc: Exception | None = None) -> None:
+    def _settle(self, request_id: str, exc: Exception | None = None,
+                results: dict[int, bytes] | None = None) -> None:
         waiter = self._waiting.get(request_id)
         if waiter and not waiter.future.done():
             if exc is None:
-                waiter.future.set_result(None)
+                waiter.future.set_result(results)
             else:
                 waiter.future.set_exception(exc)
 
@@ -106,7 +110,8 @@ class ReplyRouter:
                 while True:
                     msg = await subscriber.get_message(timeout=self._poll_every_s)
                     if msg is not None:
-                        self._settle(msg[1].decode())
+                        request_id, results = parse_notice(msg[1])
+                        self._settle(request_id, results=results)
                     if time.monotonic() >= next_poll:  # even while notices keep coming
                         await self._poll(min_age_s=self._poll_after_s)
                         next_poll = time.monotonic() + self._poll_every_s

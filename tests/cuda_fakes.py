@@ -93,46 +93,55 @@ def _check_cu(cu, q, max_len, name: str) -> None:
     assert max_len == int(lens.max()), (max_len, int(lens.max()))
 
 
-class FlashAttnVarlenFake:
+class _VarlenFake:
+    """One version of a varlen attention function: calls are bound to its ``signature`` (a
+    keyword it lacks raises TypeError, as the real call would), recorded in ``calls`` and
+    answered with ``reference_attention``."""
+
+    def __init__(self, version: str, sig: inspect.Signature) -> None:
+        self.version = version
+        self.signature = sig
+        self.__signature__ = sig  # what inspect.signature(fake) reports
+        self.calls: list[dict] = []
+
+    def _bind(self, args, kwargs) -> dict:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def _answer(self, q, k, v, cu_q, cu_k, causal: bool, scale: float | None) -> torch.Tensor:
+        assert isinstance(causal, bool)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        self.calls.append({"causal": causal, "heads": (q.shape[1], k.shape[1]), "scale": scale})
+        return reference_attention(q, k, v, cu_q, causal, scale, cu_seqlens_k=cu_k).to(q.dtype)
+
+
+class FlashAttnVarlenFake(_VarlenFake):
     """``flash_attn.flash_attn_varlen_func`` of one version."""
 
     def __init__(self, version: str = "flash-attn 2.6-2.8") -> None:
-        self.version = version
-        self.signature = signature(FLASH_ATTN_SIGNATURES[version])
-        self.__signature__ = self.signature  # what inspect.signature(fake) reports
-        self.calls: list[dict] = []
+        super().__init__(version, signature(FLASH_ATTN_SIGNATURES[version]))
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = self._bind(args, kwargs)
         q, k, v = a["q"], a["k"], a["v"]
         _check_qkv(q, k, v)
         _check_cu(a["cu_seqlens_q"], q, a["max_seqlen_q"], "cu_seqlens_q")
         _check_cu(a["cu_seqlens_k"], k, a["max_seqlen_k"], "cu_seqlens_k")
         assert a["dropout_p"] == 0.0 and tuple(a["window_size"]) == (-1, -1) and a["softcap"] == 0.0
         assert a["alibi_slopes"] is None and not a["return_attn_probs"] and a["block_table"] is None
-        assert isinstance(a["causal"], bool)
-        scale = q.shape[-1] ** -0.5 if a["softmax_scale"] is None else a["softmax_scale"]
-        self.calls.append({"causal": a["causal"], "heads": (q.shape[1], k.shape[1]), "scale": scale})
-        return reference_attention(q, k, v, a["cu_seqlens_q"], a["causal"], scale,
-                                   cu_seqlens_k=a["cu_seqlens_k"]).to(q.dtype)
+        return self._answer(q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], a["causal"], a["softmax_scale"])
 
 
-class TorchVarlenFake:
+class TorchVarlenFake(_VarlenFake):
     """``torch.nn.attention.varlen.varlen_attn`` of one version ("installed": this torch's)."""
 
     def __init__(self, version: str) -> None:
-        self.version = version
-        self.signature = (installed_torch_varlen_signature() if version == "installed"
-                          else signature(TORCH_VARLEN_SIGNATURES[version]))
-        self.__signature__ = self.signature  # what inspect.signature(fake) reports
-        self.calls: list[dict] = []
+        super().__init__(version, installed_torch_varlen_signature() if version == "installed"
+                         else signature(TORCH_VARLEN_SIGNATURES[version]))
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = self._bind(args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         _check_qkv(q, k, v)
         _check_cu(a["cu_seq_q"], q, a["max_q"], "cu_seq_q")
@@ -145,13 +154,9 @@ class TorchVarlenFake:
             causal = window == (-1, 0)
         else:
             causal = a["is_causal"]
-        assert isinstance(causal, bool)
         if q.shape[1] != k.shape[1]:
             # torch >= 2.12 raises ValueError without enable_gqa; earlier versions have no GQA
             assert a.get("enable_gqa", False), "GQA heads without enable_gqa=True"
         for unused in ("seqused_k", "block_table", "num_splits"):
             assert a.get(unused) is None, unused
-        scale = q.shape[-1] ** -0.5 if a.get("scale") is None else a["scale"]
-        self.calls.append({"causal": causal, "heads": (q.shape[1], k.shape[1]), "scale": scale})
-        return reference_attention(q, k, v, a["cu_seq_q"], causal, scale,
-                                   cu_seqlens_k=a["cu_seq_k"]).to(q.dtype)
+        return self._answer(q, k, v, a["cu_seq_q"], a["cu_seq_k"], causal, a.get("scale"))

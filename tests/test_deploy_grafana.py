@@ -59,7 +59,7 @@ REQUIRED_PANELS = {
     "tokq-overview.json": ["Request rate", "Error rate", "Embed latency", "Queue depth (tokens)",
                            "Oldest queued entry age", "Requeues and expirations"],
     "tokq-workers.json": ["Batch fill ratio", "Tokens/s per worker", "MFU",
-                          "Forward latency vs batch tokens"],
+                          "Forward time per 1,000 tokens"],
 }
 
 

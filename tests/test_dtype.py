@@ -9,9 +9,10 @@ import torch
 from click.testing import CliRunner
 
 from tokq.batch import PackedBatch
+from tokq.host import cpu_flags
 from tokq.workers import device, pooling
-from tokq.workers.layout import build_layout
 from tokq.workers.engine import Engine
+from tokq.workers.layout import build_layout
 
 QUERIES = ["how do I reset my router", "cheap flights to lisbon in may", "a",
            "symptoms of vitamin d deficiency in adults", "python asyncio run blocking code in thread",
@@ -33,7 +34,7 @@ def test_cpu_auto_is_bf16_only_where_native(monkeypatch, native):
 
 
 def test_this_cpus_auto_dtype_follows_its_cpuinfo_flags():
-    flags = device.cpu_flags()
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags here")
     expected = torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
@@ -132,7 +133,7 @@ def test_pooling_is_done_in_fp32(kind):
         torch.testing.assert_close(pooled[0], hidden[:3].float().mean(0))
 
 
-def test_accuracy_report_compares_with_fp32_and_rewrites_its_section(tmp_path):
+def test_accuracy_report_compares_with_fp32(tmp_path):
     from tokq.profiling.bench import dtypes as accuracy_dtype
 
     rng = np.random.default_rng(0)
@@ -141,10 +142,19 @@ def test_accuracy_report_compares_with_fp32_and_rewrites_its_section(tmp_path):
     assert same["cos_min"] == pytest.approx(1.0) and same["nn_mean"] == 1.0 and same["finite"]
     noisy = accuracy_dtype.compare(ref, ref + rng.normal(scale=0.5, size=ref.shape))
     assert noisy["cos_min"] < 0.99 and noisy["nn_mean"] < 1.0
+
+
+def test_tokq_bench_dtypes_rewrites_its_block_of_results_md(tmp_path):
+    from click.testing import CliRunner
+
+    from tokq.profiling.bench.dtypes import SECTION_START, dtypes_command
+
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\n## Other\nkept\n")
-    for body in ("first", "second"):
-        accuracy_dtype.write_section(results, f"{accuracy_dtype.SECTION_START}\n{body}\n{accuracy_dtype.SECTION_END}")
+    args = ["--num-queries", "16", "--rounds", "1", "--dtype", "bfloat16", "--threads", "1", "--results-md", str(results)]
+    for _ in range(2):
+        done = CliRunner().invoke(dtypes_command, args)
+        assert done.exit_code == 0, done.output
     text = results.read_text()
-    assert "kept" in text and "second" in text and "first" not in text
-    assert text.count(accuracy_dtype.SECTION_START) == 1
+    assert "kept" in text and text.count(SECTION_START) == 1
+    assert f"`tokq bench dtypes {' '.join(args)}`" in text and "| bfloat16 |" in text

@@ -115,8 +115,16 @@ def test_sequence_past_max_length_is_refused(engine):
         engine.embed(PackedBatch.pack([np.full(257, 1000)]))
 
 
-def test_warmup_runs_a_full_budget_batch(engine):
-    engine.warmup(600)  # two max-length sequences and a remainder
+def test_warmup_runs_a_full_budget_batch(engine, monkeypatch):
+    batches = []
+    embed = engine.embed
+    monkeypatch.setattr(engine, "embed", lambda batch: batches.append(batch) or embed(batch))
+    before = engine.tokens_computed
+    engine.warmup(600)
+    assert engine.info.max_length == 256
+    # one batch of the whole budget: max-length sequences, then the remainder
+    assert [b.seqlens.tolist() for b in batches] == [[256, 256, 88]]
+    assert engine.tokens_computed - before == 600
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):

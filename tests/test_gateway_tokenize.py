@@ -10,7 +10,7 @@ import random
 import pytest
 
 from tokq.gateway.errors import InvalidArgument
-from tokq.gateway.tokenize import Tokenizer, encode_truncated, surely_too_long
+from tokq.gateway.tokenize import INLINE_BYTES, Tokenizer, encode_truncated, surely_too_long
 from tokq.model_info import ModelInfo
 
 
@@ -152,3 +152,14 @@ async def test_a_short_call_is_not_queued_behind_large_ones(words):
         assert all(len(ids) == 250 for ids in await asyncio.gather(*large))
     finally:
         tok.close()
+
+
+async def test_tiny_requests_are_tokenized_on_the_loop_and_others_in_the_pools():
+    tok = Tokenizer(ModelInfo.load(), threads=1)
+    small, medium = ["hello world"], ["hello world " * 30]  # 11 and 360 bytes
+    assert sum(map(len, small)) <= INLINE_BYTES < sum(map(len, medium))
+    pooled = await tok.encode(small + medium)  # 371 bytes: a pool's
+    tok.close()  # from now on a call that still needs a pool thread fails
+    assert await tok.encode(small) == pooled[:1]  # no thread needed, same ids
+    with pytest.raises(RuntimeError, match="shutdown"):
+        await tok.encode(medium)

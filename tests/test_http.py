@@ -19,17 +19,11 @@ MAX_MESSAGE_BYTES = 200_000
 
 @pytest.fixture(scope="module")
 def stack():
-    from service_stack import ServiceStack
+    from service_stack import gateway_and_worker
 
-    s = ServiceStack(http=True, env={"TOKQ_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
-                                     "TOKQ_READY_CHECK_MS": "300"})
-    try:
-        s.start_gateway()
-        s.start_worker("w1")
-        s.wait_ready()
+    with gateway_and_worker(http=True, env={"TOKQ_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
+                                            "TOKQ_READY_CHECK_MS": "300"}) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

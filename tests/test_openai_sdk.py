@@ -20,18 +20,12 @@ TEXTS = ["a red running shoe", "blue suede shoes", "the quarterly earnings repor
 
 @pytest.fixture(scope="module")
 def stack():
-    from service_stack import ServiceStack
+    from service_stack import gateway_and_worker
 
     # Calls without a deadline of their own wait 3 s at most: a stopped worker gives a prompt 504.
-    s = ServiceStack(http=True, env={"TOKQ_DEFAULT_TIMEOUT_MS": "3000", "TOKQ_MAX_QUEUED_TOKENS": "2000",
-                                     "TOKQ_API_KEYS": API_KEY})
-    try:
-        s.start_gateway()
-        s.start_worker("w1")
-        s.wait_ready()
+    with gateway_and_worker(http=True, env={"TOKQ_DEFAULT_TIMEOUT_MS": "3000", "TOKQ_MAX_QUEUED_TOKENS": "2000",
+                                            "TOKQ_API_KEYS": API_KEY}) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

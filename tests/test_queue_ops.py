@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from queue_support import (CHANNEL, ManualClock, items, keys_left, ok_result, open_queue,
                            stored_entries)
 
 from tokq.connection import ShardedSubscriber
-from tokq.entry import decode_body, decode_result, parse_entry
-from tokq.queue import MAX_DROPS_PER_CLAIM, QueueFull
+from tokq.entry import decode_body, decode_result, encode_ok, parse_entry
+from tokq.queue import COLLECT_GRACE_MS, MAX_DROPS_PER_CLAIM, QueueFull, parse_notice
 
 # The same queue code against a standalone server and a node of a real Redis Cluster.
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
@@ -27,9 +28,10 @@ async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
 
         message = await pubsub.get_message(timeout=1.0)
-        assert message[1] == b"req1"
+        request_id, delivered = parse_notice(message[1])
+        assert request_id == "req1"  # the notice carries the results; collect gives the same
         results = await q.collect("req1")
-        assert sorted(results) == [0, 1, 2]
+        assert delivered == results and sorted(results) == [0, 1, 2]
         assert decode_result(results[1]).vector.tolist() == [1.0, 0.0]
         assert stored_entries(enq, req_items) == tuple(e.raw for e in claim.entries)
         # Drained: only the monotonically increasing totals and the batch sequence remain.
@@ -50,7 +52,38 @@ async def test_completion_is_published_once_when_the_last_item_is_answered(redis
         claim = await q.claim(4)
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         message = await pubsub.get_message(timeout=1.0)
-        assert message[1] == b"req1"
+        assert parse_notice(message[1])[0] == "req1"
+        await pubsub.aclose()
+
+
+async def test_a_complete_reply_travels_in_its_notice_and_is_kept_only_a_grace(redis_url):
+    async with open_queue(redis_url) as q:
+        pubsub = ShardedSubscriber(q.redis)
+        await pubsub.subscribe(CHANNEL)
+        await q.enqueue("small", items(3, 4), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        sent = {e.index: ok_result(e) for e in claim.entries}
+        await q.ack(claim.batch_id, [(e, sent[e.index]) for e in claim.entries])
+        assert parse_notice((await pubsub.get_message(timeout=1.0))[1]) == ("small", sent)
+        # Nobody needs to collect it: it goes by itself, long before the request's own TTL;
+        # a gateway that missed the notice still collects it within that grace.
+        assert 0 < await q.redis.pttl(q.keys.reply("small")) <= COLLECT_GRACE_MS
+        assert await q.collect("small") == sent
+        await pubsub.aclose()
+
+
+async def test_a_large_reply_is_notified_by_id_and_collected(redis_url):
+    async with open_queue(redis_url) as q:
+        pubsub = ShardedSubscriber(q.redis)
+        await pubsub.subscribe(CHANNEL)
+        await q.enqueue("large", items(3, 4), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        big = encode_ok(np.ones(10_000, np.float32), 1.0, 2.0)  # 2 x 40 kB: past the notice's cap
+        await q.ack(claim.batch_id, [(e, big) for e in claim.entries])
+        assert parse_notice((await pubsub.get_message(timeout=1.0))[1]) == ("large", None)
+        assert await q.redis.pttl(q.keys.reply("large")) > COLLECT_GRACE_MS  # waits for collect
+        assert await q.collect("large") == {0: big, 1: big}
+        assert await keys_left(q) == set()
         await pubsub.aclose()
 
 

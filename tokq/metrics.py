@@ -27,8 +27,8 @@ Worker (``WorkerMetrics``)
   tokq_worker_batch_tokens                        histogram tokens per batch (16..65536, x2)
   tokq_worker_batch_items                         histogram sequences per batch
   tokq_worker_batch_fill_ratio                    histogram batch tokens / token budget
-  tokq_worker_forward_duration_seconds{tokens_bucket}  histogram forward pass; tokens_bucket is
-      the batch's power-of-two size class, so latency can be drawn against batch size
+  tokq_worker_forward_duration_seconds            histogram forward pass (its tokens: batch_tokens
+      and forward_tokens_total; no size-class label, which would multiply every worker's series)
   tokq_worker_claim_duration_seconds              histogram one claim-script call
   tokq_worker_forward_tokens_total                counter   tokens forwarded
   tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (tokq.flops)
@@ -46,7 +46,6 @@ use rate() of the counters instead, which does not depend on when a scrape lands
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections import deque
@@ -120,9 +119,8 @@ WORKER_BATCH_ITEMS = Histogram("tokq_worker_batch_items", "Sequences per batch",
                                buckets=BATCH_ITEMS_BUCKETS)
 WORKER_FILL_RATIO = Histogram("tokq_worker_batch_fill_ratio", "Batch tokens / token budget", _W,
                               buckets=FILL_RATIO_BUCKETS)
-WORKER_FORWARD_DURATION = Histogram("tokq_worker_forward_duration_seconds",
-                                    "One forward pass, by the batch's power-of-two size class",
-                                    _W + ("tokens_bucket",), buckets=LATENCY_BUCKETS_S)
+WORKER_FORWARD_DURATION = Histogram("tokq_worker_forward_duration_seconds", "One forward pass",
+                                    _W, buckets=LATENCY_BUCKETS_S)
 WORKER_CLAIM_DURATION = Histogram("tokq_worker_claim_duration_seconds",
                                   "One call of the claim script", _W, buckets=LATENCY_BUCKETS_S)
 WORKER_TOKENS = Counter("tokq_worker_forward_tokens", "Tokens forwarded", _W)
@@ -215,6 +213,13 @@ class GatewayMetrics:
         self.model = model
         self._inflight = GATEWAY_INFLIGHT.labels(model)
         self._inflight.set(0)
+        # Each call's children looked up once, not per call (``labels`` locks and hashes).
+        self._tokenize = GATEWAY_TOKENIZE_DURATION.labels(model)
+        self._input_tokens = GATEWAY_INPUT_TOKENS.labels(model)
+        self._queue = GATEWAY_QUEUE_DURATION.labels(model)
+        self._inference = GATEWAY_INFERENCE_DURATION.labels(model)
+        self._requests: dict[tuple[str, str], object] = {}
+        self._durations: dict[str, object] = {}
 
     def request_started(self, rpc: str) -> None:
         self._inflight.inc()
@@ -222,22 +227,22 @@ class GatewayMetrics:
     def request_finished(self, rpc: str, code: str, duration_s: float) -> None:
         """``code`` is the gRPC status name ("OK", "INVALID_ARGUMENT", ...)."""
         self._inflight.dec()
-        GATEWAY_REQUESTS.labels(self.model, rpc, code).inc()
-        GATEWAY_REQUEST_DURATION.labels(self.model, rpc).observe(duration_s)
+        requests = self._requests.get((rpc, code))
+        if requests is None:
+            requests = self._requests[rpc, code] = GATEWAY_REQUESTS.labels(self.model, rpc, code)
+        requests.inc()
+        duration = self._durations.get(rpc)
+        if duration is None:
+            duration = self._durations[rpc] = GATEWAY_REQUEST_DURATION.labels(self.model, rpc)
+        duration.observe(duration_s)
 
     def embed_tokenized(self, tokenize_ms: float, num_tokens: int) -> None:
-        GATEWAY_TOKENIZE_DURATION.labels(self.model).observe(tokenize_ms / 1000.0)
-        GATEWAY_INPUT_TOKENS.labels(self.model).observe(num_tokens)
+        self._tokenize.observe(tokenize_ms / 1000.0)
+        self._input_tokens.observe(num_tokens)
 
     def embed_done(self, queue_ms: float, inference_ms: float) -> None:
-        GATEWAY_QUEUE_DURATION.labels(self.model).observe(queue_ms / 1000.0)
-        GATEWAY_INFERENCE_DURATION.labels(self.model).observe(inference_ms / 1000.0)
-
-
-def tokens_bucket(num_tokens: int) -> str:
-    """The power-of-two size class of a batch: the smallest BATCH_TOKENS_BUCKETS bound >= it."""
-    i = bisect.bisect_left(BATCH_TOKENS_BUCKETS, num_tokens)
-    return str(BATCH_TOKENS_BUCKETS[i]) if i < len(BATCH_TOKENS_BUCKETS) else "+Inf"
+        self._queue.observe(queue_ms / 1000.0)
+        self._inference.observe(inference_ms / 1000.0)
 
 
 class WorkerMetrics:
@@ -261,7 +266,6 @@ class WorkerMetrics:
             WORKER_PEAK_FLOPS.labels(*self.labels).set(peak_flops)
             WORKER_MFU.labels(*self.labels).set_function(lambda: self._window_rates()[1] / peak_flops)
         self._info_labels = (device, dtype)
-        self._tokens_buckets: set[str] = set()  # label values used, for close()
         self._error_kinds: set[str] = set()
 
     def observe_claim(self, duration_s: float) -> None:
@@ -281,9 +285,7 @@ class WorkerMetrics:
         if token_budget > 0:
             self.set_budget(token_budget)
             WORKER_FILL_RATIO.labels(*self.labels).observe(min(1.0, num_tokens / token_budget))
-        bucket = tokens_bucket(num_tokens)
-        self._tokens_buckets.add(bucket)
-        WORKER_FORWARD_DURATION.labels(*self.labels, bucket).observe(forward_s)
+        WORKER_FORWARD_DURATION.labels(*self.labels).observe(forward_s)
         WORKER_TOKENS.labels(*self.labels).inc(num_tokens)
         WORKER_FLOPS.labels(*self.labels).inc(flops)
         with self._lock:
@@ -313,12 +315,10 @@ class WorkerMetrics:
     def close(self) -> None:
         """Drop this worker's series (a worker stopped inside a process that goes on)."""
         for metric in (WORKER_BATCHES, WORKER_BATCH_TOKENS, WORKER_BATCH_ITEMS, WORKER_FILL_RATIO,
-                       WORKER_CLAIM_DURATION, WORKER_TOKENS, WORKER_FLOPS, WORKER_BUDGET,
+                       WORKER_FORWARD_DURATION, WORKER_CLAIM_DURATION, WORKER_TOKENS, WORKER_FLOPS, WORKER_BUDGET,
                        WORKER_THROUGHPUT, WORKER_PEAK_FLOPS, WORKER_MFU, WORKER_HEARTBEAT,
                        WORKER_NONFINITE):
             metric.remove(*self.labels)  # a no-op for a series never created
         WORKER_INFO.remove(*self.labels, *self._info_labels)
-        for bucket in self._tokens_buckets:
-            WORKER_FORWARD_DURATION.remove(*self.labels, bucket)
         for kind in self._error_kinds:
             WORKER_ERRORS.remove(*self.labels, kind)

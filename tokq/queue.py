@@ -35,10 +35,28 @@ MAX_DROPS_PER_CLAIM = 1000
 # Expired leases handled per requeue call.
 MAX_BATCHES_PER_REQUEUE = 100
 # How long a collected reply is kept for a repeated collect: longer than redis-py's reconnect
-# and retries (tokq.connection), short enough that nothing lingers.
+# and retries (tokq.connection), short enough that nothing lingers. A reply delivered in its
+# notice is kept as long (DELIVERED_TTL_MS in lua/lib/reply.lua).
 COLLECT_GRACE_MS = 5_000
 # Fields of a reply hash besides the answered items: n, ch, t (lua/lib/reply.lua).
 REPLY_META_FIELDS = (b"n", b"ch", b"t")
+
+
+def parse_notice(data: bytes) -> tuple[str, dict[int, bytes] | None]:
+    """A completion notice (lua/lib/reply.lua): the request id and, when the notice carries
+    them, its results (index -> raw result, as ``collect`` returns); None: collect them."""
+    request_id, sep, rest = data.partition(b"\0")
+    if not sep:
+        return request_id.decode(), None
+    results: dict[int, bytes] = {}
+    pos = 0
+    while pos < len(rest):
+        colon = rest.index(b":", pos)
+        start = rest.index(b":", colon + 1) + 1
+        end = start + int(rest[colon + 1:start - 1])
+        results[int(rest[pos:colon])] = rest[start:end]
+        pos = end
+    return request_id.decode(), results
 
 
 class LostAnswer(redis.exceptions.ConnectionError):

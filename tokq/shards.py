@@ -139,7 +139,8 @@ class ShardedQueue:
         return await self.shard(index).cancel(request_id)
 
     def forget(self, request_id: str) -> None:
-        """Drop a request's shard without touching Redis (it was rejected whole)."""
+        """Drop a request's shard without touching Redis (rejected whole, or its results came
+        in the completion notice: nothing left to collect)."""
         self._shard_of_request.pop(request_id, None)
 
     def _maybe_refresh_loads(self) -> None:

@@ -29,7 +29,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
                          revision=config.revision or None,
                          prefix_cache_bytes=config.prefix_cache_mb << 20)
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
-    worker_id = worker_id or default_worker_id()
+    worker_id = worker_id or default_worker_id(engine.device)
     observer = None
     if config.metrics_port:
         from tokq import metrics
@@ -57,7 +57,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
 
 def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = False) -> int:
     """Liveness: 0 when this worker's (or, without --worker-id, any worker's; with ``this_host``,
-    any worker's started on this host with the default id hostname-pid) heartbeat is fresh."""
+    any worker's started on this host with the default id hostname-device) heartbeat is fresh."""
     import redis
 
     from tokq.connection import connect_sync
@@ -91,7 +91,8 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = Fa
 
 @click.command("worker")
 @cfg.click_options(cfg.WorkerConfig, cfg.QueueConfig)
-@click.option("--worker-id", help="default: hostname-pid")
+@click.option("--worker-id", help="stable across restarts, names the worker's metrics "
+              "[default: hostname-device, e.g. node3-cuda0; workers sharing a device need their own]")
 @click.option("--burst", is_flag=True, help="drain the queue, then exit (tests, batch jobs)")
 @click.option("--check", is_flag=True, help="liveness probe: exit 0 if the heartbeat is fresh, else 1")
 @click.option("--this-host", is_flag=True, help="with --check: only workers started here with the default id")

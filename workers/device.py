@@ -11,13 +11,15 @@ Pooling and normalization always run in fp32 (workers/pooling.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
 
 from tokq.config import DTYPES
+from tokq.host import cpu_flags
 
 # The oldest torch tokq runs on: F.scaled_dot_product_attention(enable_gqa=) and F.rms_norm.
 # Tested on 2.13; torch.nn.attention.varlen (CUDA) is used from 2.10 on.
@@ -65,16 +67,6 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The CPU feature flags Linux reports (empty elsewhere)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return set(match[1].split()) if match else set()
-
-
 def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
     """AVX512_BF16 or AMX among ``flags``; without flags, this CPU's, asked of torch's own
     CPU probe, else read from /proc/cpuinfo."""
@@ -115,3 +107,16 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels, so a timer around a forward pass measures the pass."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def use_threads(threads: int | None) -> Iterator[None]:
+    """torch's CPU threads set to ``threads`` for the block (0 or None: left as they are), then
+    put back: the setting is process-wide, and a caller's later work should not inherit it."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -58,8 +58,11 @@ def _ewma(avg: float, value: float, weight: float = 0.2) -> float:
     return value if avg == 0.0 else (1 - weight) * avg + weight * value
 
 
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+def default_worker_id(device="cpu") -> str:
+    """hostname-device ("gpu-node-3-cuda0"): the same after a restart, so the worker's metric
+    series (label ``worker``) carry on instead of a new set per process. Workers sharing one
+    device on one host need their own --worker-id."""
+    return f"{socket.gethostname()}-{str(device).replace(':', '')}"
 
 
 class Worker:
@@ -72,7 +75,7 @@ class Worker:
         self.queue = queue
         self.config = config
         self.queue_config = queue_config
-        self.worker_id = worker_id or default_worker_id()
+        self.worker_id = worker_id or default_worker_id(engine.device)
         self.observer = observer
         self.runner = BatchRunner(engine, observer=observer, exit=exit_process)
         self.token_budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)

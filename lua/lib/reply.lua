@@ -2,11 +2,41 @@
 -- The hash holds `n` (item count), `ch` (the gateway's shard channel), `t` ("ts_ms:deadline_ms",
 -- for a repeated enqueue) and one field per answered item index. The first result for an
 -- index wins (HSETNX), so a redone or late ack is never seen twice; the write that completes
--- the request SPUBLISHes its id on `ch` (sharded pub/sub: the channel carries the queue's hash
--- tag, so on Redis Cluster the notice stays on the queue's node). A reply hash that no longer
--- exists (collected, cancelled or expired) gets nothing: a late ack must not resurrect it.
+-- the request SPUBLISHes its notice on `ch` (sharded pub/sub: the channel carries the queue's
+-- hash tag, so on Redis Cluster the notice stays on the queue's node). A reply hash that no
+-- longer exists (collected, cancelled or expired) gets nothing: a late ack must not resurrect it.
 -- Returns 1 when a new result was stored, else 0.
 local REPLY_META_FIELDS = 3 -- n, ch, t (tokq.queue.REPLY_META_FIELDS)
+-- A complete reply up to this many bytes of results travels in its notice, so the gateway
+-- needs no collect round trip (tokq.queue.parse_notice). Bigger ones notify by id only: a slow
+-- gateway's pub/sub output buffer must not fill up (Redis drops a subscriber past its limit).
+local MAX_NOTICE_BYTES = 65536
+-- A reply delivered in its notice is kept this long more, no longer, for a gateway that missed
+-- the notice: its poll finds the reply complete within ~1 s and collects it. Also the grace of
+-- a collected reply (tokq.queue.COLLECT_GRACE_MS).
+local DELIVERED_TTL_MS = 5000
+
+-- The notice for a complete reply: "<request_id>\0" then "<index>:<length>:<result bytes>" per
+-- item, or "<request_id>" alone when the results are too big to carry.
+local function reply_notice(reply, request_id)
+  local fields = redis.call('HGETALL', reply)
+  local parts, size = {request_id, '\0'}, 0
+  for i = 1, #fields, 2 do
+    local field = fields[i]
+    if field ~= 'n' and field ~= 'ch' and field ~= 't' then
+      local value = fields[i + 1]
+      size = size + #value
+      parts[#parts + 1] = field .. ':' .. #value .. ':'
+      parts[#parts + 1] = value
+    end
+  end
+  if size > MAX_NOTICE_BYTES then
+    return request_id
+  end
+  redis.call('PEXPIRE', reply, DELIVERED_TTL_MS, 'LT')
+  return table.concat(parts)
+end
+
 local function write_result(reply_prefix, request_id, index, result)
   local reply = reply_prefix .. request_id
   if redis.call('EXISTS', reply) == 0 or redis.call('HSETNX', reply, index, result) == 0 then
@@ -14,7 +44,7 @@ local function write_result(reply_prefix, request_id, index, result)
   end
   local fields = redis.call('HMGET', reply, 'n', 'ch')
   if redis.call('HLEN', reply) == tonumber(fields[1]) + REPLY_META_FIELDS then
-    redis.call('SPUBLISH', fields[2], request_id)
+    redis.call('SPUBLISH', fields[2], reply_notice(reply, request_id))
   end
   return 1
 end

@@ -18,17 +18,23 @@ DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.profile.knee.DEFAULT_SLO_P99_MS (no
 
 
 def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
-    """SET the queue's budget key (an integer string); running workers poll it. Returns the key."""
-    from tokq.connection import connect_sync
-    from tokq.keys import QueueKeys
+    """Publish the queue's budget with the queue's own writer (tokq.queue.Queue.set_budget);
+    running workers poll it. Returns the key."""
+    import asyncio
 
-    key = QueueKeys(queue_name).budget
-    client = connect_sync(redis_url)
-    try:
-        client.set(key, str(int(token_budget)))
-    finally:
-        client.close()
-    return key
+    from tokq.connection import connect
+    from tokq.queue import Queue
+
+    async def publish() -> str:
+        client = connect(redis_url, max_connections=1)
+        try:
+            queue = Queue(client, queue_name)
+            await queue.set_budget(token_budget)
+            return queue.keys.budget
+        finally:
+            await client.aclose()
+
+    return asyncio.run(publish())
 
 
 @click.command("profile")
@@ -92,15 +98,11 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
-    import torch
-
+    from tokq.workers.device import use_threads
     from tokq.workers.engine import Engine
 
     console = Console(stderr=True, quiet=quiet)
-    threads_before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    with use_threads(threads):  # process-wide: put back before the report is drawn
         with console.status("loading model"):
             try:
                 engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
@@ -110,8 +112,6 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
         report = _run_with_progress(console, lambda on_progress: run_profile(
             engine, queries, config, slo_p99_ms=slo_p99_ms, seed=seed, on_progress=on_progress,
             workload_source=str(workload_path) if workload_path else f"generated (n={num_queries}, seed={seed})"))
-    finally:
-        torch.set_num_threads(threads_before)  # the setting is process-wide
 
     Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
     if plot_path and report["points"]:

@@ -4,7 +4,6 @@ and say it all in one JSON document and one paragraph."""
 from __future__ import annotations
 
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -12,8 +11,9 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from tokq.profiling.profile.knee import (DEFAULT_SLO_P99_MS, FORWARDS_PER_REQUEST, KneeFit, Recommendation, fit_knee,
-                                 recommend_budget)
+from tokq.host import cpu_name
+from tokq.profiling.profile.knee import (DEFAULT_SLO_P99_MS, FORWARDS_PER_REQUEST, KneeFit, Recommendation,
+                                         fit_knee, recommend_budget)
 from tokq.profiling.profile.sweep import Point, SweepConfig, sweep, timer_for
 from tokq.profiling.profile.batches import BatchMaker, shared_prompt_ids, token_ids_for
 from tokq.profiling.workload import Query, describe
@@ -25,14 +25,8 @@ def device_name(device: object) -> str:
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     threads = torch.get_num_threads()
-    return f"{cpu}, {threads} thread{'' if threads == 1 else 's'}"
+    return f"{cpu_name()}, {threads} thread{'' if threads == 1 else 's'}"
 
 
 def analyze(points: Sequence[Point], slo_p99_ms: float = DEFAULT_SLO_P99_MS

@@ -7,16 +7,16 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
-import shlex
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tokq.host import cpu_name
 from tokq.profiling.bench import loadgen
-from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender, min_cosine,
-                                          start_system)
+from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender,
+                                                  min_cosine, start_system)
+from tokq.profiling.results_md import command_line
 
 WARMUP_S = 2.0
 MIN_COSINE = 0.9999  # a system's vectors against sentence-transformers', for its figure to count
@@ -111,14 +111,11 @@ def machine() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
         load = Path("/proc/loadavg").read_text().split()[:3]
     except OSError:
         load = []
-    return {"cpu": cpu, "num_cpus": os.cpu_count(), "platform": platform.platform(),
+    return {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
             "loadavg_at_start": load,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__,
@@ -151,7 +148,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
     from tokq.profiling.workload import describe
 
     started = datetime.now(timezone.utc)
-    report = {"meta": {"command": shlex.join(["tokq", *sys.argv[1:]]),
+    report = {"meta": {"command": command_line(),
                        "started_at": started.isoformat(timespec="seconds"),
                        "machine": machine(), "options": asdict(options), "workload": describe(list(queries))},
               "systems": []}

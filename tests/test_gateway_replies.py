@@ -1,0 +1,85 @@
+"""How a waiting call gets its results (gateway/replies.py, gateway/embedding.py): in the
+completion notice itself when they are small (no collect round trip), collected when the notice
+names the request only (large results), and collected by the poll when the notice was missed.
+Real Redis, the bundled model's tokenizer and the gateway's ServedModel in this process; the
+test answers the queued items itself with known vectors, as a worker would."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tokq.config import GatewayConfig, QueueConfig
+from tokq.connection import connect, connect_pubsub
+from tokq.entry import encode_ok
+from tokq.gateway.embedding import EmbedInput, ServedModel, Timer
+from tokq.gateway.replies import ReplyRouter
+from tokq.gateway.tokenize import Tokenizer
+from tokq.model_info import ModelInfo
+from tokq.shards import ShardedQueue
+
+GATEWAY = "gw-replies"
+
+
+@pytest.fixture(scope="module")
+def info(bundled_model_dir):
+    return ModelInfo.load(bundled_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(info):
+    tok = Tokenizer(info)
+    yield tok
+    tok.close()
+
+
+async def _call(redis_url, info, tokenizer, texts, vector_size: int, *, listen: bool = True):
+    """One Embed of ``texts`` answered with vectors of ``vector_size`` floats (input i: all i+1).
+    ``listen=False``: the router listens on another channel, so the notice never reaches it.
+    Returns (vectors, collect scripts run, reply keys left)."""
+    client, pubsub = connect(redis_url), connect_pubsub(redis_url)
+    queue = ShardedQueue(client, info.queue_name, QueueConfig())
+    channels = [k.done_channel(GATEWAY if listen else "elsewhere") for k in queue.shard_keys()]
+    router = ReplyRouter(pubsub, client, queue.reply_key, channels, poll_after_s=0.05, poll_every_s=0.05)
+    await router.start()
+    await router.subscribed.wait()
+    try:
+        served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), GATEWAY)
+        call = asyncio.create_task(served.embed(EmbedInput(texts=texts), Timer(30)))
+        claim = None
+        while claim is None:
+            assert not call.done(), call.exception()
+            claim = await queue.claim(4096)
+            await asyncio.sleep(0.01)
+        await queue.ack(claim.batch_id, [
+            (e, encode_ok(np.full(vector_size, e.index + 1, np.float32), 1.0, 2.0)) for e in claim.entries])
+        out = await asyncio.wait_for(call, 20)
+        collects = sum(queue.shard(i).scripts.calls["collect"] for i in range(queue.num_shards))
+        replies = [k async for k in client.scan_iter(match=queue.reply_key("*"))]
+        return [v.tolist() for v in out.vectors], collects, replies
+    finally:
+        await router.stop()
+        await client.aclose()
+        await pubsub.aclose()
+
+
+def test_small_results_come_in_the_notice_without_a_collect(redis_url, info, tokenizer):
+    vectors, collects, replies = asyncio.run(_call(redis_url, info, tokenizer, ["a", "bc"], 4))
+    assert vectors == [[1.0] * 4, [2.0] * 4]
+    assert collects == 0
+    assert len(replies) == 1  # kept a short grace for a gateway that missed the notice
+
+
+def test_large_results_are_collected_after_a_notice_naming_the_request(redis_url, info, tokenizer):
+    vectors, collects, replies = asyncio.run(_call(redis_url, info, tokenizer, ["a", "bc"], 10_000))
+    assert vectors == [[1.0] * 10_000, [2.0] * 10_000]
+    assert collects == 1 and replies == []
+
+
+def test_a_missed_notice_is_made_up_for_by_the_poll(redis_url, info, tokenizer):
+    vectors, collects, replies = asyncio.run(
+        _call(redis_url, info, tokenizer, ["a", "bc"], 4, listen=False))
+    assert vectors == [[1.0] * 4, [2.0] * 4]
+    assert collects == 1 and replies == []
