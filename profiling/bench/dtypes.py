@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
+from tokq.profiling.bench.runtime import load_engines, pack_in_order
 from tokq.profiling.profile.batches import token_ids_for
 from tokq.profiling.results_md import command_line, markers, write_block
 from tokq.profiling.workload import generate
@@ -37,17 +38,6 @@ BUDGET = 1024
 def workload_ids(engine: Engine, num_queries: int, seed: int) -> list[np.ndarray]:
     make = token_ids_for(engine.info, seed=seed)
     return [make(q, engine.info.max_length) for q in generate(num_queries, seed=seed)]
-
-
-def batches_of(ids: list[np.ndarray], budget: int = BUDGET) -> list[PackedBatch]:
-    out, current, num_tokens = [], [], 0
-    for seq in ids:
-        if current and num_tokens + len(seq) > budget:
-            out.append(PackedBatch.pack(current))
-            current, num_tokens = [], 0
-        current.append(seq)
-        num_tokens += len(seq)
-    return out + [PackedBatch.pack(current)] if current else out
 
 
 def embed_all(engine: Engine, batches: list[PackedBatch]) -> np.ndarray:
@@ -81,17 +71,11 @@ def run(*, num_queries: int, seed: int, rounds: int, dtypes: list[str], model: s
     if threads:
         torch.set_num_threads(threads)
     engines = {"float32": Engine.load(model, device="cpu", dtype="float32")}
-    skipped = {}
-    for dtype in dtypes:
-        try:
-            engines[dtype] = Engine.load(model, device="cpu", dtype=dtype)
-            engines[dtype].embed(PackedBatch.pack([[1, 2, 3]]))
-        except (RuntimeError, NotImplementedError, ValueError) as exc:
-            skipped[dtype] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            engines.pop(dtype, None)
+    others, skipped = load_engines(model, {dtype: {"dtype": dtype} for dtype in dtypes})
+    engines.update(others)
     ref_engine = engines["float32"]
     ids = workload_ids(ref_engine, num_queries, seed)
-    batches = batches_of(ids)
+    batches = pack_in_order(ids, BUDGET)
     num_tokens = sum(len(s) for s in ids)
     vectors = {name: embed_all(e, batches) for name, e in engines.items()}  # also warms up
     rates: dict[str, list[float]] = {name: [] for name in engines}

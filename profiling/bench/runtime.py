@@ -56,7 +56,21 @@ def block_name(dtype: str) -> str:
 ST_BATCH = 32
 
 
-def pack_in_order(ids: list[list[int]], budget: int) -> list[PackedBatch]:
+def load_engines(model: str | None, variants: dict[str, dict]) -> tuple[dict[str, Engine], dict[str, str]]:
+    """One CPU Engine per label, each loaded with its own ``Engine.load`` keyword arguments and run
+    once; a variant this machine cannot run (fp16 without the kernels, say) is left out, with why."""
+    engines, skipped = {}, {}
+    for label, kwargs in variants.items():
+        try:
+            engines[label] = Engine.load(model, device="cpu", **kwargs)
+            engines[label].embed(PackedBatch.pack([[1, 2, 3]]))
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            skipped[label] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            engines.pop(label, None)
+    return engines, skipped
+
+
+def pack_in_order(ids, budget: int) -> list[PackedBatch]:
     """Arrival order, a new batch whenever the next query would pass the budget."""
     batches, current, num_tokens = [], [], 0
     for seq in ids:
@@ -212,11 +226,14 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
 
     engine = Engine.load(model, device="cpu", dtype=dtype)  # what auto picks
     # the alternatives auto did not pick, each changing one thing
-    engines = {backend: Engine.load(model, device="cpu", dtype=dtype, attn_backend=backend)
-               for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop") if backend != engine.attn_backend}
-    engines["F.linear"] = Engine.load(model, device="cpu", dtype=dtype, linear="torch")
+    variants = {backend: {"dtype": dtype, "attn_backend": backend}
+                for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop") if backend != engine.attn_backend}
+    variants["F.linear"] = {"dtype": dtype, "linear": "torch"}
     if engine.dtype != torch.float32:
-        engines["fp32"] = Engine.load(model, device="cpu", dtype="float32")
+        variants["fp32"] = {"dtype": "float32"}
+    engines, skipped = load_engines(model, variants)
+    for label, why in skipped.items():
+        print(f"{label}: not measured ({why})")
     st = SentenceTransformer(str(engine.info.path), device="cpu")
     queries, source = load_queries(workload, num_queries, seed=1)
     texts = [q.text for q in queries[:num_queries]]

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 
+from tokq.profiling.bench.service.report import fmt, other_cpu, run_header
 from tokq.profiling.results_md import markers, write_block
 
 BLOCK = "tokq bench service --budget-check"
@@ -51,14 +52,6 @@ def verdict(report: dict) -> dict:
             "passes": ratio >= MIN_RATIO, "profiled_is_a_fixed_budget": profiled in fixed}
 
 
-def _other_cpu(meta: dict) -> str:
-    other = meta.get("other_processes_cpu")
-    if not other:
-        return ""
-    return (f"Processes outside this benchmark used {other['cpu_s']:.0f} CPU-seconds during it "
-            f"({other['share_of_machine']:.0%} of the machine).")
-
-
 def _budget_bound(report: dict) -> str | None:
     """Whether the budget capped any batch at the rates that decided the verdict: if every run's
     batches stayed well under the smallest budget, the rates differ by noise, not by budget."""
@@ -74,10 +67,6 @@ def _budget_bound(report: dict) -> str | None:
                 "budget. A verdict needs a run where the queue is deep enough to fill batches (a quieter "
                 "machine, or a GPU host).")
     return None
-
-
-def _fmt(value, digits: int = 0) -> str:
-    return "–" if value is None else f"{value:,.{digits}f}"
 
 
 def markdown_section(report: dict, profile_png: str | None = None) -> str:
@@ -98,19 +87,18 @@ def markdown_section(report: dict, profile_png: str | None = None) -> str:
         at = s.get("sustainable") or {}
         batches = at.get("batches") or {}
         vs_best = f"{s['sustainable_rps'] / v['best_fixed_rps']:.2f}x" if v["best_fixed_rps"] else "–"
-        rows.append(f"| {b} ({role}) | {_fmt(meta.get('forward_ms_by_budget', {}).get(str(b)))} "
-                    f"| {_fmt(s['sustainable_rps'])} | {_fmt((at.get('latency_ms') or {}).get('p99'))} "
-                    f"| {_fmt(batches.get('tokens_per_batch'))} | {vs_best} |")
+        rows.append(f"| {b} ({role}) | {fmt(meta.get('forward_ms_by_budget', {}).get(str(b)))} "
+                    f"| {fmt(s['sustainable_rps'])} | {fmt((at.get('latency_ms') or {}).get('p99'))} "
+                    f"| {fmt(batches.get('tokens_per_batch'))} | {vs_best} |")
     result = "**met**" if v["passes"] else "**not met**"
     lines = [
         SECTION_START, "## Budget check: the profiled budget against fixed budgets", "",
-        f"Command: `{meta['command']}`  ",
-        f"Date: {meta['started_at']} to {meta.get('finished_at', '?')} ({meta.get('duration_s', '?')} s)  ",
+        *run_header(meta),
         f"Machine: {m['cpu']}, {m['num_cpus']} CPUs; device `{check['device']}`; load average at start "
         f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} "
         "(this run's own processes included). **A shared 2-core machine: load generator, gateway, worker and "
         "Redis compete for the same cores, and other people's work runs beside them; rates move by 10-20% "
-        f"between runs.** {_other_cpu(meta)}  ",
+        f"between runs.** {other_cpu(meta)[:1].upper()}{other_cpu(meta)[1:]}.  ",
         f"Machine state: {meta.get('note') or 'not stated'}  ",
         f"Load: open loop, {o['arrivals']} arrivals, {o['step_duration_s']:g} s per step, x{o['step_factor']:g} "
         f"per step from {o['start_rate']:g} req/s, then {o['num_refinements']} bisections (resolution "
@@ -119,8 +107,8 @@ def markdown_section(report: dict, profile_png: str | None = None) -> str:
         f"the worker, the bench's workload): {prof['summary']}", "",
         *rows, "",
         f"- **Profiled budget within {1 - MIN_RATIO:.0%} of the best fixed budget's sustainable rate at p99 <= "
-        f"{slo_ms:g} ms**: {v['profiled_budget']} tokens sustains {_fmt(v['profiled_rps'])} req/s, the best fixed "
-        f"budget ({v['best_fixed_budget']}) {_fmt(v['best_fixed_rps'])} req/s: {v['ratio']:.2f}x, {result}.",
+        f"{slo_ms:g} ms**: {v['profiled_budget']} tokens sustains {fmt(v['profiled_rps'])} req/s, the best fixed "
+        f"budget ({v['best_fixed_budget']}) {fmt(v['best_fixed_rps'])} req/s: {v['ratio']:.2f}x, {result}.",
         f"- The profile chose {rec.get('token_budget')} tokens, limited by {rec.get('limited_by')}: "
         f"{rec.get('reason', '')}.",
     ]

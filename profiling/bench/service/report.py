@@ -65,7 +65,7 @@ def _vectors(system: dict) -> str:
     return f"{cos} (below 0.9999)" if system["kind"] == "tokq" else f"{cos} (**not counted**)"
 
 
-def _fmt(value, digits: int = 0) -> str:
+def fmt(value, digits: int = 0) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     return f"{value:,.{digits}f}"
@@ -85,9 +85,9 @@ def _headline_table(report: dict, slo_ms: float) -> list[str]:
         best = s.get("sustainable") or {}
         lat = best.get("latency_ms", {})
         at_least = ">= " if s.get("generator_limited") else ""  # the generator, not the server, gave out
-        rows.append(f"| {s['name']} | {at_least}{_fmt(s['sustainable_rps'])} | {_fmt(best.get('throughput_rps'))} "
-                    f"| {_fmt(best.get('tokens_per_s'))} | {_ratio(s['sustainable_rps'], ref_rps)} "
-                    f"| {_fmt(lat.get('p50'))} | {_fmt(lat.get('p90'))} | {_fmt(lat.get('p99'))} | {_vectors(s)} "
+        rows.append(f"| {s['name']} | {at_least}{fmt(s['sustainable_rps'])} | {fmt(best.get('throughput_rps'))} "
+                    f"| {fmt(best.get('tokens_per_s'))} | {_ratio(s['sustainable_rps'], ref_rps)} "
+                    f"| {fmt(lat.get('p50'))} | {fmt(lat.get('p90'))} | {fmt(lat.get('p99'))} | {_vectors(s)} "
                     f"| {s['limit']} |")
     return rows
 
@@ -96,7 +96,7 @@ def _bounds_table(report: dict) -> list[str]:
     rows = ["| system | " + " | ".join(f"p99 <= {b} ms" for b in P99_BOUNDS_MS) + " |",
             "|---|" + "---:|" * len(P99_BOUNDS_MS)]
     for s in report["systems"]:
-        rows.append(f"| {s['name']} | " + " | ".join(_fmt(sustainable_at(s["steps"], b)) for b in P99_BOUNDS_MS) + " |")
+        rows.append(f"| {s['name']} | " + " | ".join(fmt(sustainable_at(s["steps"], b)) for b in P99_BOUNDS_MS) + " |")
     return rows
 
 
@@ -159,10 +159,10 @@ def _batch_table(report: dict) -> list[str]:
                 continue
             b = run.get("batches") or {}
             q, inf = run["server_queue_ms"], run["server_inference_ms"]
-            rows.append(f"| {s['name']} ({label}) | {run['offered_rps']:.0f} | {_fmt(b.get('num_batches'))} "
-                        f"| {_fmt(b.get('items_per_batch'), 1)} | {_fmt(b.get('tokens_per_batch'))} "
-                        f"| {_fmt(b.get('fill_ratio'), 2)} | {_fmt(b.get('forward_ms'), 1)} "
-                        f"| {_fmt(q['p50'])} / {_fmt(q['p99'])} | {_fmt(inf['p50'], 1)} |")
+            rows.append(f"| {s['name']} ({label}) | {run['offered_rps']:.0f} | {fmt(b.get('num_batches'))} "
+                        f"| {fmt(b.get('items_per_batch'), 1)} | {fmt(b.get('tokens_per_batch'))} "
+                        f"| {fmt(b.get('fill_ratio'), 2)} | {fmt(b.get('forward_ms'), 1)} "
+                        f"| {fmt(q['p50'])} / {fmt(q['p99'])} | {fmt(inf['p50'], 1)} |")
     return rows
 
 
@@ -173,15 +173,21 @@ def _steps_table(report: dict) -> list[str]:
         for st in sorted(s["steps"], key=lambda x: x["offered_rps"]):
             lat = st["latency_ms"]
             errors = ", ".join(f"{k} {v}" for k, v in st["errors"].items()) or "0"
-            lag = _fmt(st["send_lag_ms"]["p99"], 1) + ("" if st["generator_kept_up"] else " (fell behind)")
-            rows.append(f"| {s['name']} | {st['offered_rps']:.1f} | {_fmt(st.get('scheduled_rps'), 1)} "
+            lag = fmt(st["send_lag_ms"]["p99"], 1) + ("" if st["generator_kept_up"] else " (fell behind)")
+            rows.append(f"| {s['name']} | {st['offered_rps']:.1f} | {fmt(st.get('scheduled_rps'), 1)} "
                         f"| {st['throughput_rps']:.1f} "
-                        f"| {_fmt(st['tokens_per_s'])} | {_fmt(lat['p50'])} | {_fmt(lat['p90'])} "
-                        f"| {_fmt(lat['p99'])} | {_fmt(lat['max'])} | {errors} | {lag} |")
+                        f"| {fmt(st['tokens_per_s'])} | {fmt(lat['p50'])} | {fmt(lat['p90'])} "
+                        f"| {fmt(lat['p99'])} | {fmt(lat['max'])} | {errors} | {lag} |")
     return rows
 
 
-def _other_cpu(meta: dict) -> str:
+def run_header(meta: dict) -> list[str]:
+    """The first lines of a block made from a `tokq bench service` JSON: its command and when."""
+    return [f"Command: `{meta['command']}`  ",
+            f"Date: {meta['started_at']} to {meta.get('finished_at', '?')} ({meta.get('duration_s', '?')} s)  "]
+
+
+def other_cpu(meta: dict) -> str:
     other = meta.get("other_processes_cpu")
     if not other:
         return "CPU used by other processes during the run: not measured"
@@ -197,13 +203,12 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
     forward = ", ".join(f"b{b}: {ms:.0f} ms" for b, ms in meta.get("forward_ms_by_budget", {}).items())
     lines = [
         SECTION_START, "## Service benchmark", "",
-        f"Command: `{meta['command']}`  ",
-        f"Date: {meta['started_at']} to {meta.get('finished_at', '?')} ({meta.get('duration_s', '?')} s)  ",
+        *run_header(meta),
         f"Machine: {m['cpu']}, {m['num_cpus']} CPUs, {m['platform']}; load average at start "
         f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} "
         "(1/5/15-minute load averages, this run's own processes included). Everything (load generator, gateway, worker, Redis, "
         "baselines) ran on this one machine.  ",
-        f"Machine state: {meta.get('note') or 'not stated'}; {_other_cpu(meta)}  ",
+        f"Machine state: {meta.get('note') or 'not stated'}; {other_cpu(meta)}  ",
         f"Versions: {versions}  ",
         f"Workload: {meta.get('workload_source', '?')}: {w['num_queries']} queries, tokens p50 "
         f"{w['p50_tokens']:.0f} / p90 {w['p90_tokens']:.0f} / p99 {w['p99_tokens']:.0f} / max {w['max_tokens']} "
