@@ -5,6 +5,7 @@
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
 -- KEYS[5] counters  HASH   claimed, batches, expired, orphaned
 -- KEYS[6] heavy     LIST   heavy lane: larger requests' entries and redone items
+-- KEYS[7] idle      SET    owner ids of idle workers (lib/wake.lua)
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] token_budget: max summed tokens (a lane's first item still goes; see tokq/claim_rule.py)
 -- ARGV[3] lease_ms: how long the worker has before the batch is requeued
@@ -16,11 +17,13 @@
 --         same claim after a lost answer finds the lease and gets the same batch back, instead
 --         of leasing a second one that nobody would ever process
 -- ARGV[10] isolate_attempt: an entry redone this many times or more is claimed alone
+-- ARGV[11] owner channel prefix: a claim that leaves work queued wakes one more idle worker
 -- The rule is tokq/claim_rule.py, entry for entry. Returns
 --   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}}
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
+--#include lib/wake.lua
 
 local pending, leases, counters, heavy = KEYS[1], KEYS[3], KEYS[5], KEYS[6]
 local now = now_ms(ARGV[1])
@@ -146,4 +149,7 @@ redis.call('ZADD', leases, now + tonumber(ARGV[3]), batch_id)
 add_to_count(KEYS[4], #taken)
 add_to_counter(counters, 'claimed', #taken)
 add_to_counter(counters, 'batches', 1)
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  wake_one(KEYS[7], ARGV[11], nil) -- work left: the next idle worker (a burst spreads)
+end
 return {batch_id, now, #expired, num_orphaned, taken}

@@ -4,23 +4,27 @@
 -- KEYS[3] counters  HASH   enqueued, rejected (items)
 -- KEYS[4] reply     HASH   reply:<request_id>, created here
 -- KEYS[5] heavy     LIST   heavy lane: entries of larger requests (tokq/claim_rule.py)
+-- KEYS[6] idle      SET    owner ids of idle workers (lib/wake.lua)
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] request_id (no ':')
 -- ARGV[3] timeout_ms, relative: deadline_ms = now_ms + timeout_ms
 -- ARGV[4] max_queued_tokens: the cap; a non-empty queue rejects a request that would pass it
 -- ARGV[5] reply_ttl_ms: how long an uncollected reply outlives the deadline
 -- ARGV[6] shard channel the completion notice is published on
--- ARGV[7] the queue's work shard channel: told when the queue stops being empty
+-- ARGV[7] the queue's work shard channel: told when the queue stops being empty and no idle
+--         worker is registered
 -- ARGV[8] light_tokens: a request of at most this many tokens in all goes in the light lane
--- ARGV[9..] (token_count, body) pairs, one per item
+-- ARGV[9] owner channel prefix: one idle worker is woken on its own channel
+-- ARGV[10..] (token_count, body) pairs, one per item
 -- Idempotent by request id, so a client may run it again after a lost answer: if the reply
 -- hash exists with the same item count, this is a repeat and gets the first run's answer
 -- (checked before the cap, so a repeat is never QUEUE_FULL). QUEUE_FULL queues nothing.
 -- Returns {'OK', ts_ms, deadline_ms} | {'QUEUE_FULL', queued_tokens} | {'DUPLICATE'}
 --#include lib/common.lua
 --#include lib/entry.lua
+--#include lib/wake.lua
 
-local num_items = (#ARGV - 8) / 2
+local num_items = (#ARGV - 9) / 2
 local first = redis.call('HMGET', KEYS[4], 'n', 't')
 if first[1] then
   if tonumber(first[1]) ~= num_items then
@@ -36,7 +40,7 @@ local timeout_ms = tonumber(ARGV[3])
 local deadline_ms = now + timeout_ms
 
 local request_tokens = 0
-for i = 9, #ARGV, 2 do
+for i = 10, #ARGV, 2 do
   request_tokens = request_tokens + tonumber(ARGV[i])
 end
 -- An empty queue always takes one request, so no request is too big to ever be served.
@@ -47,8 +51,8 @@ if queued_tokens > 0 and queued_tokens + request_tokens > tonumber(ARGV[4]) then
 end
 
 local entries = {}
-for i = 9, #ARGV, 2 do
-  local index = (i - 9) / 2
+for i = 10, #ARGV, 2 do
+  local index = (i - 10) / 2
   entries[#entries + 1] = format_entry(tonumber(ARGV[i]), now, request_id, index, deadline_ms, 0, ARGV[i + 1])
 end
 local lane = request_tokens <= tonumber(ARGV[8]) and KEYS[1] or KEYS[5]
@@ -58,7 +62,8 @@ add_to_counter(KEYS[3], 'enqueued', num_items)
 redis.call('HSET', KEYS[4], 'n', num_items, 'ch', ARGV[6], 't', now .. ':' .. deadline_ms)
 redis.call('PEXPIRE', KEYS[4], timeout_ms + tonumber(ARGV[5]))
 if queued_tokens == 0 then
-  -- Only the empty -> non-empty step wakes idle workers: a busy fleet gets no notices.
-  redis.call('SPUBLISH', ARGV[7], '1')
+  -- Only the empty -> non-empty step wakes an idle worker (one: its claim wakes the next if
+  -- work is left); a busy fleet gets no notices.
+  wake_one(KEYS[6], ARGV[9], ARGV[7])
 end
 return {'OK', now, deadline_ms}

@@ -6,11 +6,13 @@
 -- KEYS[3] tokens    STRING sum of the tokens in both lanes
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
 -- KEYS[5] counters  HASH   requeued, failed, orphaned
+-- KEYS[6] idle      SET    owner ids of idle workers (lib/wake.lua)
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] max_attempts
 -- ARGV[3] max_batches handled per call
 -- ARGV[4] reply key prefix, ARGV[5] lease key prefix (same hash tag)
--- ARGV[6] the queue's work shard channel: idle workers are told when items come back
+-- ARGV[6] the queue's work shard channel: told when items come back and no idle worker is
+--         registered (else one idle worker is woken on its owner channel)
 -- ARGV[7] lease_ms, ARGV[8] owner channel prefix: a lease due within half a lease has missed
 --         a renewal (workers renew every third); if its owner's channel (owner prefix + the
 --         batch id up to its last '-') has no subscriber, the owner is dead: redone now
@@ -21,6 +23,7 @@
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
+--#include lib/wake.lua
 
 local now = now_ms(ARGV[1])
 local max_attempts = tonumber(ARGV[2])
@@ -62,7 +65,7 @@ for _, batch_id in ipairs(batch_ids) do
 end
 push_front(KEYS[2], back)
 if #back > 0 then
-  redis.call('SPUBLISH', ARGV[6], '1')
+  wake_one(KEYS[6], ARGV[8], ARGV[6])
 end
 add_to_count(KEYS[3], back_tokens)
 add_to_count(KEYS[4], -num_released)

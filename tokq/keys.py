@@ -112,6 +112,11 @@ class QueueKeys:
         return f"{self.base}:work"
 
     @property
+    def idle(self) -> str:
+        """SET of the owner ids of idle workers: a work notice wakes one (lua/lib/wake.lua)."""
+        return f"{self.base}:idle"
+
+    @property
     def owner_prefix(self) -> str:
         """Shard channel ``<owner_prefix><batch prefix>`` a worker holds a subscription on while
         it lives: requeue.lua SPUBLISHes to the owner of a lease that missed a renewal, and

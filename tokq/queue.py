@@ -151,14 +151,15 @@ class Queue:
             raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
         args: list = [self._now_arg(), request_id, timeout_ms, self.config.max_queued_tokens,
                       self.config.reply_ttl_ms, channel, self.keys.work_channel,
-                      self.config.light_tokens]
+                      self.config.light_tokens, self.keys.owner_prefix]
         for tokens, body in items:
             if tokens < 1:
                 raise ValueError(f"an item needs at least one token, got {tokens}")
             args += [int(tokens), body]
         k = self.keys
         reply = await self._run(
-            "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy], args)
+            "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy, k.idle],
+            args)
         status = reply[0]
         if status == b"QUEUE_FULL":
             raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)
@@ -206,19 +207,33 @@ class Queue:
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
                 max_drop, k.reply_prefix, k.lease_prefix,
                 f"{self._batch_prefix}-{next(self._batch_numbers)}",
-                isolate_attempt_for(cfg.max_attempts)]
+                isolate_attempt_for(cfg.max_attempts), k.owner_prefix]
         batch_id, now_ms, expired, orphaned, raw = await self._run(
-            "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy], args)
+            "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
         claim = None
         if batch_id:
             claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired)
         return claim, int(expired), int(orphaned)
 
     @property
+    def owner_id(self) -> str:
+        """This client's id as a lease owner and idle worker (its batch ids' prefix)."""
+        return self._batch_prefix
+
+    @property
     def owner_channel(self) -> str:
-        """The channel this client's process subscribes to while it holds leases: requeue
-        redoes a lease that missed a renewal at once when nobody listens on it."""
+        """The channel this client's process subscribes to while it lives: requeue redoes a
+        lease that missed a renewal at once when nobody listens on it, and a work notice for
+        this idle worker comes on it (``mark_idle``)."""
         return self.keys.owner_prefix + self._batch_prefix
+
+    async def mark_idle(self, idle: bool) -> None:
+        """Register this client as an idle worker (before it waits for work), or not (it got
+        work, or stops): a notice wakes one registered worker, not all (lua/lib/wake.lua)."""
+        if idle:
+            await self.redis.sadd(self.keys.idle, self.owner_id)
+        else:
+            await self.redis.srem(self.keys.idle, self.owner_id)
 
     async def renew(self, batch_id: str) -> bool:
         """Extend a running batch's lease; False if it was already requeued or acknowledged."""
@@ -244,7 +259,7 @@ class Queue:
                 k.reply_prefix, k.lease_prefix, k.work_channel, self.config.lease_ms,
                 k.owner_prefix]
         requeued, failed, next_in_ms = await self._run(
-            "requeue", [k.leases, k.heavy, k.tokens, k.inflight, k.counters], args)
+            "requeue", [k.leases, k.heavy, k.tokens, k.inflight, k.counters, k.idle], args)
         self.next_expiry_ms = None if int(next_in_ms) < 0 else int(next_in_ms)
         return int(requeued), int(failed)
 
@@ -263,6 +278,7 @@ class Queue:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(k.heartbeat(worker_id))
             pipe.zrem(k.workers, worker_id)
+            pipe.srem(k.idle, self.owner_id)
             await pipe.execute()
 
     async def stats(self) -> QueueStats:

@@ -255,6 +255,11 @@ class ShardedQueue:
 
     async def forget_worker(self, worker_id: str) -> None:
         await self.shard(0).forget_worker(worker_id)
+        await asyncio.gather(*(self.shard(i).mark_idle(False) for i in range(1, self._claim_shards)))
+
+    async def mark_idle(self, idle: bool) -> None:
+        """Queue.mark_idle on every claimed shard."""
+        await asyncio.gather(*(self.shard(i).mark_idle(idle) for i in range(self._claim_shards)))
 
     async def get_budget(self) -> int | None:
         return await self.shard(0).get_budget()

@@ -4,9 +4,10 @@ The forward runs in a thread (torch releases the GIL), so while it runs the even
 the next batch, renews the leases in hand, requeues crashed workers' leases and beats the
 heartbeat: the device never waits on Redis, and Redis never waits on the device.
 
-An idle worker does not poll: it waits on the queue's work channel (enqueue and requeue
-SPUBLISH there when the queue stops being empty) and claims at least every IDLE_FALLBACK_S in
-case a notice was missed. A forward that runs far past its expected time (a hung device) makes
+An idle worker does not poll: it registers as idle and waits on its owner channel, where
+enqueue and requeue wake one idle worker when the queue stops being empty (and a claim that
+leaves work wakes the next, so a burst spreads); the queue's work channel gets the notice when no
+worker is registered. It claims at least every IDLE_FALLBACK_S in case a notice was missed. A forward that runs far past its expected time (a hung device) makes
 the worker give up: its heartbeat goes, its leases are no longer renewed (so its batches are
 redone elsewhere) and the process exits non-zero for its supervisor to restart it.
 """
@@ -91,6 +92,7 @@ class Worker:
         self._notices = ShardedSubscriber(queue.redis)
         self._subscribed = False
         self._beat_lock = asyncio.Lock()  # a beat in flight must not outlive a give-up
+        self._idle = False  # registered as idle: a work notice may pick this worker
 
     def stop(self) -> None:
         """Stop claiming; the batches in hand are finished and acknowledged."""
@@ -122,6 +124,8 @@ class Worker:
         while next_claim is not None:
             claim = await next_claim
             next_claim = None
+            if claim is not None and self._idle:
+                await self._mark_idle(False)
             if claim is None:
                 if self._stop.is_set() or (burst and await self._drained()):
                     break
@@ -178,6 +182,7 @@ class Worker:
         if not self._subscribed:
             await asyncio.sleep(IDLE_FALLBACK_S)
             return
+        await self._mark_idle(True)  # again each time: a notice that picked it took it out
         try:
             notice = await self._notices.get_message(timeout=IDLE_FALLBACK_S)
             while notice is not None:
@@ -185,6 +190,13 @@ class Worker:
         except _REDIS_ERRORS as exc:  # resubscribed on the next wait
             log.warning("work-notice subscription lost: %s", exc)
             self._subscribed = False
+
+    async def _mark_idle(self, idle: bool) -> None:
+        try:
+            await self.queue.mark_idle(idle)
+            self._idle = idle
+        except _REDIS_ERRORS as exc:  # notices then go to the work channel, or the poll claims
+            log.warning("idle registration failed: %s", exc)
 
     def _prefetch_delay_s(self) -> float:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)

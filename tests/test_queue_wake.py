@@ -1,0 +1,87 @@
+"""Work notices wake one idle worker, not the whole idle fleet (lua/lib/wake.lua): an idle
+worker registers its owner id and listens on its owner channel; enqueue wakes one registered
+worker, a claim that leaves work queued wakes the next, a dead one is skipped, and with nobody
+registered the notice goes to the shared work channel."""
+
+from __future__ import annotations
+
+
+import pytest
+from queue_support import CHANNEL, items, open_queue
+
+from tokq.connection import ShardedSubscriber
+from tokq.queue import Queue
+
+pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
+
+
+async def _listener(q: Queue, channel: str) -> ShardedSubscriber:
+    sub = ShardedSubscriber(q.redis)
+    await sub.subscribe(channel)
+    return sub
+
+
+async def _heard(sub: ShardedSubscriber) -> int:
+    """Messages the subscriber got (it waits a little for the first, then takes the rest)."""
+    n = 0
+    msg = await sub.get_message(timeout=0.3)
+    while msg is not None:
+        n += 1
+        msg = await sub.get_message(timeout=0.05)
+    return n
+
+
+async def test_an_enqueue_wakes_one_idle_worker_and_a_claim_that_leaves_work_the_next(redis_url):
+    async with open_queue(redis_url) as a, open_queue(redis_url) as b, open_queue(redis_url) as c:
+        workers = [a, b, c]
+        owners = [await _listener(q, q.owner_channel) for q in workers]
+        broadcast = await _listener(a, a.keys.work_channel)
+        for q in workers:
+            await q.mark_idle(True)
+
+        await a.enqueue("r", items(5, 5, 5), timeout_ms=60_000, channel=CHANNEL)
+        heard = [await _heard(s) for s in owners]
+        assert sorted(heard) == [0, 0, 1] and await _heard(broadcast) == 0
+        woken = workers[heard.index(1)]
+        await woken.mark_idle(False)
+        assert len((await woken.claim(5)).entries) == 1  # work is left: one more is woken
+        heard_next = [await _heard(s) for s in owners]
+        assert sorted(heard_next) == [0, 0, 1] and heard_next.index(1) != heard.index(1)
+        for s in [*owners, broadcast]:
+            await s.aclose()
+
+
+async def test_a_dead_registered_worker_is_skipped_and_nobody_registered_means_everyone(redis_url):
+    async with open_queue(redis_url) as dead, open_queue(redis_url) as live:
+        live_owner = await _listener(live, live.owner_channel)
+        broadcast = await _listener(live, live.keys.work_channel)
+
+        async def drain():
+            claim = await live.claim(5)
+            await live.ack(claim.batch_id, [])
+
+        await dead.mark_idle(True)  # registered, but nobody listens on its channel: skipped,
+        await live.enqueue("r", items(5), timeout_ms=60_000, channel=CHANNEL)  # then everyone
+        assert (await _heard(live_owner), await _heard(broadcast)) == (0, 1)
+        assert await live.redis.scard(live.keys.idle) == 0
+        await drain()
+
+        await dead.mark_idle(True)
+        await live.mark_idle(True)
+        await live.enqueue("s", items(5), timeout_ms=60_000, channel=CHANNEL)
+        assert (await _heard(live_owner), await _heard(broadcast)) == (1, 0)  # the live one
+        await drain()
+        for s in (live_owner, broadcast):
+            await s.aclose()
+
+
+async def test_a_worker_that_goes_busy_or_away_leaves_the_idle_set(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.mark_idle(True)
+        await q.mark_idle(True)  # again after each idle wait: the same single member
+        assert await q.redis.smembers(q.keys.idle) == {q.owner_id.encode()}
+        await q.mark_idle(False)
+        assert await q.redis.scard(q.keys.idle) == 0
+        await q.mark_idle(True)
+        await q.forget_worker("w")
+        assert await q.redis.scard(q.keys.idle) == 0
