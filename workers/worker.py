@@ -182,10 +182,13 @@ class Worker:
         if not self._subscribed:
             await asyncio.sleep(IDLE_FALLBACK_S)
             return
-        await self._mark_idle(True)  # again each time: a notice that picked it took it out
+        if not self._idle:
+            await self._mark_idle(True)
         try:
             notice = await self._notices.get_message(timeout=IDLE_FALLBACK_S)
             while notice is not None:
+                if notice[1] == b"work":  # picked out of the idle set (lua/lib/wake.lua)
+                    self._idle = False  # so it registers again before its next wait
                 notice = await self._notices.get_message(timeout=0)
         except _REDIS_ERRORS as exc:  # resubscribed on the next wait
             log.warning("work-notice subscription lost: %s", exc)
