@@ -45,7 +45,7 @@ def rejected(call, request) -> grpc.RpcError:
 
 def nothing_queued(redis_url: str) -> bool:
     r = redis.Redis.from_url(redis_url)
-    return not [k for k in r.scan_iter() if b":reply:" in k or b":pending" in k]
+    return not [k for k in r.scan_iter() if b":reply:" in k or b":pending" in k or b":heavy" in k]
 
 
 @pytest.mark.parametrize("inputs,needle", [
