@@ -11,10 +11,10 @@ import sys
 import time
 from collections.abc import Iterator
 
-import grpc
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
+from tokq.health import health_status, wait_for_health
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo
 from tokq.processes import stop_all
@@ -75,28 +75,15 @@ class ServiceStack:
         http_args = ["--http-port", str(self.http_port)] if self.http_port else []
         self.gateway = self._spawn("gateway", "--host", "127.0.0.1", "--port", str(self.port), *http_args, *extra,
                                    redis_url=redis_url)
-        self._wait_health({health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING},
-                          timeout_s)
+        wait_for_health(self.target, [self.gateway], timeout_s,
+                        wanted={health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING})
 
     def health(self) -> int:
         """The gateway's gRPC health status (health_pb2.HealthCheckResponse.SERVING, ...)."""
-        with grpc.insecure_channel(self.target) as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        return health_status(self.target)
 
     def wait_ready(self, timeout_s: float = 60) -> None:
-        self._wait_health({health_pb2.HealthCheckResponse.SERVING}, timeout_s)
-
-    def _wait_health(self, wanted: set[int], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.gateway.poll() is None, "gateway exited"
-            try:
-                if self.health() in wanted:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"gateway health not in {wanted} after {timeout_s} s")
+        wait_for_health(self.target, [self.gateway], timeout_s)
 
     def start_worker(self, worker_id: str, *extra: str, wait: bool = True, timeout_s: float = 90,
                      redis_url: str | None = None) -> None:

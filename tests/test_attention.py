@@ -71,6 +71,29 @@ def test_cpu_backends_match_reference(backend, causal, heads):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["sdpa_packed", "sdpa_grouped", "sdpa_loop"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+def test_cpu_backends_in_bf16_match_reference_with_short_rows_through_matmul(backend, causal, heads,
+                                                                             monkeypatch):
+    seen = []
+    matmul_attention = attention._matmul_attention
+
+    def spy(q, *args):
+        seen.append(q.shape[-2])
+        return matmul_attention(q, *args)
+
+    monkeypatch.setattr(attention, "_matmul_attention", spy)
+    batch = _batch()
+    q, k, v = _qkv(batch.num_tokens, *heads, dtype=torch.bfloat16)
+    scale = HEAD_DIM ** -0.5
+    out = _run(backend, q, k, v, batch, causal, scale)
+    ref = _reference(q, k, v, batch.cu_seqlens, causal, scale)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    # rows up to MATMUL_MAX_SEQLEN slots went through the matmul path, the 70-token ones not
+    assert seen and max(seen) <= attention.MATMUL_MAX_SEQLEN < max(SEQ_LENS)
+
+
 def test_grouped_layout_sorts_by_length_and_restores_batch_order():
     batch = _batch([5, 2, 5, 1])
     layout = build_layout(batch, torch.device("cpu"), "sdpa_grouped")

@@ -155,7 +155,8 @@ async def test_bench_vector_check_refuses_a_server_whose_vectors_are_not_the_mod
     server of bench_gateway_cpu), and against the real one-at-a-time baseline."""
     from tokq.profiling.bench.gateway_cpu import _this
     from tokq.profiling.bench.service.run import check_vectors
-    from tokq.profiling.bench.service.systems import RunningSystem, SystemSpec, _wait_healthy
+    from tokq.health import wait_for_health
+    from tokq.profiling.bench.service.systems import RunningSystem, SystemSpec
     from tokq.redis_server import free_port
 
     texts = texts_of_mixed_lengths(bundled_model_dir, 6, seed=7)
@@ -163,7 +164,7 @@ async def test_bench_vector_check_refuses_a_server_whose_vectors_are_not_the_mod
     port = free_port()
     proc = _this("echo-server", "--port", str(port))
     try:
-        await asyncio.to_thread(_wait_healthy, f"127.0.0.1:{port}", proc, 60)
+        await asyncio.to_thread(wait_for_health, f"127.0.0.1:{port}", [proc], 60)
         wrong = await check_vectors(RunningSystem(SystemSpec("echo", "one-at-a-time"), f"127.0.0.1:{port}", proc),
                                     probe)
     finally:

@@ -103,13 +103,13 @@ def test_budget_section_sits_beside_the_service_benchmark_section(tmp_path):
 
 @pytest.mark.slow
 def test_budget_check_runs_the_profile_and_the_budgets_end_to_end(tmp_path):
-    from tokq.profiling.bench.service.cli import bench_command
+    from tokq.profiling.bench.service.cli import service_command
 
     out, md = tmp_path / "bench.json", tmp_path / "RESULTS.md"
     args = ["--budget-check", "--token-budgets", "32", "--profile-max-tokens", "32", "--rate", "8",
             "--start-rate", "8", "--step-duration-s", "1.5", "--slo-ms", "20000", "--timeout-ms", "20000",
             "--out", str(out), "--plots", str(tmp_path), "--results-md", str(md), "--quiet"]
-    result = CliRunner().invoke(bench_command, args, catch_exceptions=False)
+    result = CliRunner().invoke(service_command, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     r = json.loads(out.read_text())
     check = r["budget_check"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tokq.profiling.bench.gateway_cpu import PySpy, _this, measure, proc_cpu_s, top_frames
-from tokq.profiling.bench.service.systems import _wait_healthy
+from tokq.health import wait_for_health
 from tokq.redis_server import free_port
 
 BURN = """
@@ -43,7 +43,7 @@ def echo_server():
     port = free_port()
     proc = _this("echo-server", "--port", str(port))
     try:
-        _wait_healthy(f"127.0.0.1:{port}", proc, 60)
+        wait_for_health(f"127.0.0.1:{port}", [proc], 60)
         yield f"127.0.0.1:{port}", proc
     finally:
         proc.terminate()
@@ -103,9 +103,9 @@ def _round(gateway_ms: float, echo_ms: float, errors: dict | None = None) -> dic
 def test_report_judges_the_target_on_medians_and_only_without_failed_calls(tmp_path):
     from click.testing import CliRunner
 
-    from tokq.profiling.bench.gateway_cpu import SECTION_START, main, markdown_section
+    from tokq.profiling.bench.gateway_cpu import SECTION_START, gateway_cpu_command, markdown_section
 
-    meta = {"command": "python -m tokq.profiling.bench.gateway_cpu run", "started_at": "t0", "finished_at": "t1",
+    meta = {"command": "tokq bench gateway-cpu", "started_at": "t0", "finished_at": "t1",
             "machine": {"cpu": "cpu", "num_cpus": 2, "platform": "linux"}, "loadavg_at_start": ["1"],
             "loadavg_at_end": ["2"], "calls": 100, "rate": 60, "rounds": 3}
     report = {"meta": meta, "rounds": [_round(0.5, 0.3), _round(0.7, 0.3), _round(0.55, 0.25)]}
@@ -119,7 +119,8 @@ def test_report_judges_the_target_on_medians_and_only_without_failed_calls(tmp_p
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n")
     for _ in range(2):
-        done = CliRunner().invoke(main, ["render", str(tmp_path / "r.json"), "--results-md", str(results)])
+        done = CliRunner().invoke(gateway_cpu_command, ["--from-json", str(tmp_path / "r.json"),
+                                                         "--results-md", str(results)])
         assert done.exit_code == 0, done.output
     text = results.read_text()
     assert text.startswith("# Results\n") and text.count(SECTION_START) == 1 and "**not met** (0.900 ms)" in text

@@ -17,7 +17,7 @@ from tokq.profiling.bench.gpu import SECTION_END, SECTION_START, build_qwen3_sha
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this is the CPU-only behaviour")
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     results = tmp_path / "RESULTS.md"
-    done = subprocess.run([sys.executable, "-m", "tokq.profiling.bench.gpu", "--results-md", str(results),
+    done = subprocess.run([sys.executable, "-m", "tokq.cli", "bench", "gpu", "--results-md", str(results),
                            "--out-dir", str(tmp_path / "gpu")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "no CUDA GPU" in done.stdout

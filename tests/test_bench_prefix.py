@@ -3,9 +3,8 @@ rewrites its own RESULTS.md section (per device) and leaves the rest of the file
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
+from click.testing import CliRunner
 
 from tokq.profiling.bench import prefix as bench_prefix
 
@@ -35,12 +34,14 @@ def test_run_writes_and_rewrites_its_section(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_prefix, "build_model", _tiny_model)
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nkept\n")
-    argv = ["bench_prefix", "--layers", "1", "--queries", "6", "--rounds", "1", "--threads", "1",
-            "--token-budget", "64", "--write", str(results)]
-    monkeypatch.setattr(sys, "argv", argv)
-    bench_prefix.main()
-    bench_prefix.main()
+    args = ["--layers", "1", "--token-budget", "64", "--queries", "6", "--rounds", "1", "--threads", "1",
+            "--results-md", str(results)]  # in the order the command lists its options
+    for _ in range(2):
+        done = CliRunner().invoke(bench_prefix.prefix_command, args, catch_exceptions=False)
+        assert done.exit_code == 0, done.output
     text = results.read_text()
     assert text.startswith("# Results\n\nkept\n")
-    assert text.count("<!-- bench_prefix cpu: start") == 1 and text.count("<!-- bench_prefix cpu: end -->") == 1
+    assert text.count("<!-- tokq bench prefix (cpu): start") == 1
+    assert text.count("<!-- tokq bench prefix (cpu): end -->") == 1
+    assert f"Command: `tokq bench prefix {' '.join(args)}`" in text
     assert "| instruction (20 tok) + 10-token queries | prompt computed once | 1 | 180 | 60 |" in text

@@ -140,15 +140,15 @@ def test_outputs_replace_only_their_own_section(report, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
-    from tokq.profiling.bench.service.cli import bench_command
+def test_service_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
+    from tokq.profiling.bench.service.cli import service_command
 
     out, md = tmp_path / "bench.json", tmp_path / "RESULTS.md"
     args = ["--system", "tokq", "--system", "one-at-a-time", "--token-budgets", "64", "--rate", "8",
             "--start-rate", "8", "--step-duration-s", "1.5", "--slo-ms", "20000", "--timeout-ms", "20000",
             "--profile-json", str(tmp_path / "none.json"), "--out", str(out), "--plots", str(tmp_path),
             "--results-md", str(md), "--quiet"]
-    result = CliRunner().invoke(bench_command, args, catch_exceptions=False)
+    result = CliRunner().invoke(service_command, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     names = [s["name"] for s in report["systems"]]
@@ -168,6 +168,7 @@ def test_bench_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
     for s in report["systems"]:  # each checked against sentence-transformers before measuring
         assert s["vectors"]["counts"] and s["vectors"]["min_cos"] >= 0.9999, s["vectors"]
     assert "## Service benchmark" in md.read_text()
+    assert "Command: `tokq bench service --system tokq --system one-at-a-time --rate 8" in md.read_text()
 
 
 def test_cpu_accounting_sees_a_waited_child_as_the_runs_own():

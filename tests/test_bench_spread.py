@@ -1,4 +1,4 @@
-"""`python -m tokq.profiling.bench.spread`: the figures it reports are taken from the numbers
+"""`tokq bench spread`: the figures it reports are taken from the numbers
 (medians over rounds, ratios within a round), and one real measurement against `--procs 2`."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_section_says_the_split_the_ratio_and_the_machine():
     text = bench_spread.markdown_section(report([
         result(0, "grpc", 1, 1, 1000, [1000]), result(0, "grpc", 2, 1, 1500, [760, 740]),
         result(0, "grpc", 1, 2, 1200, [1200]), result(0, "grpc", 2, 2, 1800, [900, 900]),
-    ]), "python -m tokq.profiling.bench.spread run")
+    ]), "tokq bench spread")
     assert text.startswith(bench_spread.SECTION_START) and text.rstrip().endswith(bench_spread.SECTION_END)
     assert "| grpc | 2 | 1 | 1,500 | 1.50x | 51% | 0.30 + 0.30 | 0.50 | 0.10 | 0.40 | 0.30 | 0 |" in text
     assert "One client against `--procs 2`: 1.50x" in text and "Two client processes: 1.50x" in text
@@ -49,7 +49,7 @@ def test_section_says_the_split_the_ratio_and_the_machine():
 @pytest.mark.slow
 def test_one_client_against_two_gateway_processes_end_to_end(tmp_path):
     out = tmp_path / "spread.json"
-    result_ = CliRunner().invoke(bench_spread.main, ["run", "--config", "grpc:2:1", "--rounds", "1", "--seconds",
+    result_ = CliRunner().invoke(bench_spread.spread_command, ["--config", "grpc:2:1", "--rounds", "1", "--seconds",
                                                       "1", "--concurrency", "4", "--json", str(out)],
                                  catch_exceptions=False)
     assert result_.exit_code == 0, result_.output
@@ -60,5 +60,5 @@ def test_one_client_against_two_gateway_processes_end_to_end(tmp_path):
 
 
 def test_bad_config_is_a_usage_error():
-    result_ = CliRunner().invoke(bench_spread.main, ["run", "--config", "grpc:two:1"])
+    result_ = CliRunner().invoke(bench_spread.spread_command, ["--config", "grpc:two:1"])
     assert result_.exit_code == 2 and "--config" in result_.output

@@ -133,7 +133,7 @@ def test_pooling_is_done_in_fp32(kind):
         torch.testing.assert_close(pooled[0], hidden[:3].float().mean(0))
 
 
-def test_accuracy_report_compares_with_fp32_and_rewrites_its_section(tmp_path):
+def test_accuracy_report_compares_with_fp32(tmp_path):
     from tokq.profiling.bench import dtypes as accuracy_dtype
 
     rng = np.random.default_rng(0)
@@ -142,10 +142,19 @@ def test_accuracy_report_compares_with_fp32_and_rewrites_its_section(tmp_path):
     assert same["cos_min"] == pytest.approx(1.0) and same["nn_mean"] == 1.0 and same["finite"]
     noisy = accuracy_dtype.compare(ref, ref + rng.normal(scale=0.5, size=ref.shape))
     assert noisy["cos_min"] < 0.99 and noisy["nn_mean"] < 1.0
+
+
+def test_tokq_bench_dtypes_rewrites_its_block_of_results_md(tmp_path):
+    from click.testing import CliRunner
+
+    from tokq.profiling.bench.dtypes import SECTION_START, dtypes_command
+
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\n## Other\nkept\n")
-    for body in ("first", "second"):
-        accuracy_dtype.write_section(results, f"{accuracy_dtype.SECTION_START}\n{body}\n{accuracy_dtype.SECTION_END}")
+    args = ["--num-queries", "16", "--rounds", "1", "--dtype", "bfloat16", "--threads", "1", "--results-md", str(results)]
+    for _ in range(2):
+        done = CliRunner().invoke(dtypes_command, args)
+        assert done.exit_code == 0, done.output
     text = results.read_text()
-    assert "kept" in text and "second" in text and "first" not in text
-    assert text.count(accuracy_dtype.SECTION_START) == 1
+    assert "kept" in text and text.count(SECTION_START) == 1
+    assert f"`tokq bench dtypes {' '.join(args)}`" in text and "| bfloat16 |" in text

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tokq.profiling import workload
 
-SHARED_WORKLOAD = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads" / "short_queries.jsonl"
 
 
 def test_lengths_are_seeded_and_clipped():
@@ -72,9 +70,9 @@ def test_empty_workload_file_is_an_error(tmp_path):
         workload.load_jsonl(path)
 
 
-@pytest.mark.skipif(not SHARED_WORKLOAD.is_file(), reason="../shared/workloads/short_queries.jsonl absent")
+@pytest.mark.skipif(not workload.SHARED_PATH.is_file(), reason="../shared/workloads/short_queries.jsonl absent")
 def test_generator_matches_the_shared_workload():
-    shared = workload.load_jsonl(SHARED_WORKLOAD)
+    shared = workload.load_jsonl(workload.SHARED_PATH)
     ours = workload.generate(len(shared), seed=1, rate_per_s=200.0)
     # Same seed, same draw order: identical lengths.
     assert [q.num_tokens for q in ours] == [q.num_tokens for q in shared]

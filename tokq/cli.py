@@ -14,18 +14,24 @@ COMMANDS = {
     "worker": "tokq.workers.cli:worker_command",
     "embed": "tokq.client_cli:embed_command",
     "profile": "tokq.profiling.profile.cli:profile_command",
-    "bench": "tokq.profiling.bench.service.cli:bench_command",
+    "bench": "tokq.profiling.bench.cli:bench_group",
 }
 
 
 class LazyGroup(click.Group):
+    """A group whose subcommands are named as "module:attribute" and imported when called."""
+
+    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = COMMANDS if lazy is None else lazy
+
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
+        return sorted(self.lazy)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in COMMANDS:
+        if name not in self.lazy:
             return None
-        module, attr = COMMANDS[name].split(":")
+        module, attr = self.lazy[name].split(":")
         return getattr(importlib.import_module(module), attr)
 
 

@@ -15,6 +15,7 @@ import time
 import click
 
 from tokq import config as cfg
+from tokq.health import ExitedDuringStartup, wait_for_health
 from tokq.processes import stop_all
 from tokq.redis_server import EmbeddedRedis, free_port, redact_url
 
@@ -36,21 +37,12 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 
 def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise click.ClickException("a tokq process exited during start-up (see its log above)")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.2)
-    raise click.ClickException(f"gateway at {target} not serving after {timeout_s:.0f} s")
+    try:
+        wait_for_health(target, procs, timeout_s)
+    except ExitedDuringStartup:
+        raise click.ClickException("a tokq process exited during start-up (see its log above)") from None
+    except TimeoutError:
+        raise click.ClickException(f"gateway at {target} not serving after {timeout_s:.0f} s") from None
 
 
 @click.command("up")

@@ -20,6 +20,8 @@ Backends (``auto`` picks the first that can run, in this order):
                           views as ``[B, L, H, D]`` without a copy: one SDPA call per distinct
                           length, no empty slot at all.
         ``sdpa_loop``     one SDPA call per sequence: the simplest, the slowest.
+  In bf16/fp16 on CPU, every run of at most ``MATMUL_MAX_SEQLEN`` slots attends through plain
+  matmul + softmax instead of SDPA's kernel (see there).
 """
 
 from __future__ import annotations
@@ -42,9 +44,35 @@ log = logging.getLogger("tokq.attention")
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
 
 
+# CPU, bf16/fp16: runs of at most this many slots per sequence (or row) attend through plain
+# matmul + softmax (as transformers' eager attention does), not SDPA's flash kernel, whose fixed
+# costs dominate such short rows: measured 20-30% less time per token at 16-64 slots, slower at
+# 128 and up, and no faster in fp32 (profiling/RESULTS.md).
+MATMUL_MAX_SEQLEN = 64
+
+
+def _matmul_attention(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
+    """Attention of ``[B, H, L, D]`` q and ``[B, Hkv, L, D]`` k, v; ``mask`` additive
+    ``[B, 1, L, L]`` or None. Scores in the input's dtype; softmax accumulates in fp32."""
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    if mask is not None:
+        scores = torch.add(mask, scores, alpha=scale)
+    else:
+        scores.mul_(scale)
+        if causal:
+            n = scores.shape[-1]
+            scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
 def _sdpa_runs(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     gqa = num_q_heads != num_kv_heads
+    matmul_up_to = (MATMUL_MAX_SEQLEN if q.device.type == "cpu"
+                    and q.dtype in (torch.bfloat16, torch.float16) else 0)
     out = q.new_empty(q.shape)
     for run in layout.runs:
         rows = slice(run.start, run.start + run.num_tokens)
@@ -59,9 +87,13 @@ def _sdpa_runs(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Ten
             qr, kr, vr = (x.index_select(0, run.gather).unflatten(0, shape).transpose(1, 2)
                           for x in (q, k, v))
         # a packed run's mask already holds the causal rule
-        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask,
-                                           is_causal=causal and run.mask is None, scale=scale,
-                                           enable_gqa=gqa).transpose(1, 2)
+        if run.seqlen <= matmul_up_to:
+            o = _matmul_attention(qr, kr, vr, run.mask, causal and run.mask is None, scale)
+        else:
+            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask,
+                                               is_causal=causal and run.mask is None, scale=scale,
+                                               enable_gqa=gqa)
+        o = o.transpose(1, 2)
         if run.gather is None:
             out[rows].unflatten(0, shape).copy_(o)
         else:

@@ -1,7 +1,7 @@
 """Redo without a storm: a worker holding ~600 short items is killed (-9) under steady load.
 
-    .venv/bin/python -m tokq.profiling.bench.crash_recovery [--rate 10] [--burst 600] [--lease-ms 2000]
-        [--results profiling/RESULTS.md]
+    tokq bench crash-recovery [--rate 10] [--burst 600] [--lease-ms 2000]
+        [--results-md profiling/RESULTS.md]
 
 Starts its own embedded Valkey and two real ``tokq worker`` processes (the bundled model, one
 torch thread each): a survivor (the default budget) and a victim whose budget holds the whole
@@ -23,27 +23,24 @@ load average is printed, and both workers compete with the load generator and Re
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import time
 
+import click
 import redis
 
 from tokq.connection import ShardedSubscriber, connect
 from tokq.entry import encode_body
 from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
-from tokq.profiling.results_md import shared_machine_note, write_section
+from tokq.profiling.bench.workers import QUEUE, start_worker, wait_heartbeats
+from tokq.profiling.results_md import command_line, shared_machine_note, write_section
 from tokq.queue import Queue, QueueFull
 from tokq.redis_server import EmbeddedRedis
 
-QUEUE = ModelInfo.load().queue_name  # the bundled model's, as its workers name it
 ITEM = [101, 7592, 2088, 102]  # 4 tokens
 WINDOW_S = 1.0
 PRE_S = 5.0
@@ -106,28 +103,11 @@ class Load:
             await asyncio.sleep(max(0.0, start + n / rate - time.perf_counter()))
 
 
-def start_worker(url: str, worker_id: str, budget: int, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker",
-                             "--model", str(bundled_model_path()), "--worker-id", worker_id,
-                             "--token-budget", str(budget), "--threads", "1"],
-                            env={**env, "TOKQ_REDIS_URL": url},  # the password stays off argv
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def wait_heartbeats(client: redis.Redis, procs: dict[str, subprocess.Popen]) -> None:
-    keys = QueueKeys(QUEUE)
-    deadline = time.monotonic() + 300
-    while not all(client.exists(keys.heartbeat(w)) for w in procs):
-        assert all(p.poll() is None for p in procs.values()), "a worker exited during start-up"
-        assert time.monotonic() < deadline, "workers did not start"
-        time.sleep(0.2)
-
-
-async def one_round(url: str, client: redis.Redis, args, max_attempts: int) -> dict:
-    env = {**os.environ, "TOKQ_LEASE_MS": str(args.lease_ms), "TOKQ_MAX_ATTEMPTS": str(max_attempts),
-           "PYTHONUNBUFFERED": "1"}
-    procs = {"survivor": start_worker(url, "survivor", 1024, env),
-             "victim": start_worker(url, "victim", len(ITEM) * args.burst, env)}
+async def one_round(url: str, client: redis.Redis, *, rate: float, burst: int, lease_ms: int,
+                    max_attempts: int) -> dict:
+    env = {**os.environ, "TOKQ_LEASE_MS": str(lease_ms), "TOKQ_MAX_ATTEMPTS": str(max_attempts)}
+    procs = {"survivor": start_worker(url, "survivor", token_budget=1024, env=env),
+             "victim": start_worker(url, "victim", token_budget=len(ITEM) * burst, env=env)}
     keys = QueueKeys(QUEUE)
     try:
         await asyncio.to_thread(wait_heartbeats, client, procs)
@@ -135,16 +115,16 @@ async def one_round(url: str, client: redis.Redis, args, max_attempts: int) -> d
         ready, stop = asyncio.Event(), asyncio.Event()
         listener = asyncio.create_task(load.listen(ready))
         await ready.wait()
-        steady = asyncio.create_task(load.steady(args.rate, stop))
+        steady = asyncio.create_task(load.steady(rate, stop))
         await asyncio.sleep(PRE_S)
         pre_from = time.perf_counter() - (PRE_S - 1.0)
         killed_at = burst = None
         for _ in range(20):  # until the victim, not the survivor, leases the burst
-            burst = await load.send("b", args.burst)
+            burst = await load.send("b", burst)
             deadline = time.perf_counter() + 10
             while killed_at is None and time.perf_counter() < deadline:
                 for batch_id in client.zrange(keys.leases, 0, -1):
-                    if client.llen(keys.lease(batch_id.decode())) >= 0.9 * args.burst:
+                    if client.llen(keys.lease(batch_id.decode())) >= 0.9 * burst:
                         procs["victim"].send_signal(signal.SIGKILL)
                         killed_at = time.perf_counter()
                         break
@@ -154,7 +134,7 @@ async def one_round(url: str, client: redis.Redis, args, max_attempts: int) -> d
         assert killed_at is not None, "the victim never leased the burst"
         requeued_before = int(client.hget(keys.counters, "requeued") or 0)
         detected_at = None
-        observe_until = killed_at + OBSERVE_LEASES * args.lease_ms / 1000
+        observe_until = killed_at + OBSERVE_LEASES * lease_ms / 1000
         while time.perf_counter() < observe_until:  # when the dead worker's batch came back
             if detected_at is None and int(client.hget(keys.counters, "requeued") or 0) > requeued_before:
                 detected_at = time.perf_counter()
@@ -182,7 +162,7 @@ async def one_round(url: str, client: redis.Redis, args, max_attempts: int) -> d
         if window and p99(window) > pre_p99:
             end = t + WINDOW_S
         t += WINDOW_S
-    lease_s = args.lease_ms / 1000
+    lease_s = lease_ms / 1000
     series = []  # each window's p99 after the kill, ms: where the time goes
     t = killed_at
     while t < killed_at + OBSERVE_LEASES * lease_s:
@@ -196,7 +176,7 @@ async def one_round(url: str, client: redis.Redis, args, max_attempts: int) -> d
     # Throughput of the steady traffic (what callers other than the crashed batch's get).
     pre_rate = len([1 for rid, done in load.done.items()
                     if rid.startswith("s") and pre_from <= done < killed_at]) / (killed_at - pre_from)
-    span = max(end - killed_at, args.lease_ms / 1000)
+    span = max(end - killed_at, lease_ms / 1000)
     items_in_recovery = sum(1 for rid, done in load.done.items()
                             if rid.startswith("s") and killed_at <= done < killed_at + span)
     detected = (detected_at - killed_at) / lease_s if detected_at else float("nan")
@@ -207,24 +187,25 @@ async def one_round(url: str, client: redis.Redis, args, max_attempts: int) -> d
             "unanswered": len(load.sent) - len(load.done)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=10.0, help="steady requests per second")
-    parser.add_argument("--burst", type=int, default=600, help="items the victim holds")
-    parser.add_argument("--lease-ms", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--results", help="rewrite this file's crash-recovery section")
-    args = parser.parse_args()
-
+@click.command("crash-recovery")
+@click.option("--rate", default=10.0, show_default=True, help="Steady requests per second.")
+@click.option("--burst", default=600, show_default=True, help="Items the victim holds.")
+@click.option("--lease-ms", default=2000, show_default=True)
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
+              help="Rewrite this file's crash-recovery block (e.g. profiling/RESULTS.md).")
+def crash_recovery_command(rate, burst, lease_ms, rounds, results_md) -> None:
+    """A worker holding a burst of short items is killed (-9) under steady load: how fast is it redone?"""
     server = EmbeddedRedis().start()
     client = redis.Redis.from_url(server.url)
     rules = {"old: every redone item alone": 2, "new: redone in batches": 3}
     results: dict[str, list[dict]] = {name: [] for name in rules}
     try:
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, max_attempts in rules.items():
                 client.flushall()
-                results[name].append(asyncio.run(one_round(server.url, client, args, max_attempts)))
+                results[name].append(asyncio.run(one_round(server.url, client, rate=rate, burst=burst,
+                                                            lease_ms=lease_ms, max_attempts=max_attempts)))
     finally:
         client.close()
         server.close()
@@ -232,9 +213,9 @@ def main() -> None:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
     old, new = med["old: every redone item alone"], med["new: redone in batches"]
     lines = [
-        f"kill -9 of a worker holding {args.burst} items of {len(ITEM)} tokens under steady load "
-        f"({args.rate:.0f} single-item requests/s), lease {args.lease_ms} ms; medians of "
-        f"{args.rounds} rounds per rule; L = lease periods.",
+        f"kill -9 of a worker holding {burst} items of {len(ITEM)} tokens under steady load "
+        f"({rate:.0f} single-item requests/s), lease {lease_ms} ms; medians of "
+        f"{rounds} rounds per rule; L = lease periods.",
         "",
         "| redo rule | recovery to pre-crash p99 | redo began (lease expired) | burst redone | "
         "pre-crash p99 | throughput during recovery / before | unanswered |",
@@ -249,12 +230,6 @@ def main() -> None:
               f"{new['recovery_leases'] / max(old['recovery_leases'], 1e-9):.2f}x. "
               + shared_machine_note()]
     print("\n".join(lines))
-    if args.results:
-        write_section(args.results, "bench_crash_recovery", "Crash recovery: redo without a storm",
-                      ".venv/bin/python -m tokq.profiling.bench.crash_recovery " + " ".join(
-                          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                          if k != "results") + f" --results {args.results}", lines)
-
-
-if __name__ == "__main__":
-    main()
+    if results_md:
+        write_section(results_md, "tokq bench crash-recovery", "Crash recovery: redo without a storm",
+                      command_line(), lines)

@@ -1,7 +1,7 @@
 """What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item.
 
-    .venv/bin/python -m tokq.profiling.bench.idle_workers [--workers 16] [--idle-s 10] [--items 200]
-        [--results profiling/RESULTS.md]
+    tokq bench idle-workers [--workers 16] [--idle-s 10] [--items 200]
+        [--results-md profiling/RESULTS.md]
 
 Starts its own embedded Valkey and ``--workers`` real ``tokq worker`` processes (the bundled
 model, one torch thread each), waits until all have beaten their heartbeat, then:
@@ -17,22 +17,18 @@ with each other and with whatever else runs).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import statistics
-import subprocess
-import sys
 import time
 
+import click
 import redis
 
 from tokq.connection import connect
 from tokq.entry import decode_result, encode_body
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
-from tokq.profiling.results_md import shared_machine_note, write_section
+from tokq.profiling.bench.workers import QUEUE, start_worker, wait_heartbeats
+from tokq.profiling.results_md import command_line, shared_machine_note, write_section
 from tokq.queue import REPLY_META_FIELDS, Queue
 from tokq.redis_server import EmbeddedRedis
 
@@ -72,46 +68,34 @@ async def wake_ups(url: str, queue_name: str, num_items: int, gap_s: float) -> t
     return wake_ms, ping_ms
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=16)
-    parser.add_argument("--idle-s", type=float, default=10.0)
-    parser.add_argument("--items", type=int, default=200)
-    parser.add_argument("--gap-s", type=float, default=0.05, help="pause between wake-up items")
-    parser.add_argument("--results", help="rewrite this file's idle-fleet section")
-    args = parser.parse_args()
-
+@click.command("idle-workers")
+@click.option("--workers", default=16, show_default=True)
+@click.option("--idle-s", default=10.0, show_default=True)
+@click.option("--items", default=200, show_default=True)
+@click.option("--gap-s", default=0.05, show_default=True, help="Pause between wake-up items.")
+@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
+              help="Rewrite this file's idle-fleet block (e.g. profiling/RESULTS.md).")
+def idle_workers_command(workers, idle_s, items, gap_s, results_md) -> None:
+    """What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item."""
     server = EmbeddedRedis().start()
     client = redis.Redis.from_url(server.url)
-    model = bundled_model_path()
-    queue_name = ModelInfo.load(model).queue_name
-    keys = QueueKeys(queue_name)
-    env = {**os.environ, "TOKQ_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TOKQ_REDIS_URL": server.url}  # the password stays off argv
-    procs = [subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker",
-                               "--model", str(model), "--worker-id", f"idle{i}"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for i in range(args.workers)]
+    procs = {f"idle{i}": start_worker(server.url, f"idle{i}") for i in range(workers)}
     try:
-        deadline = time.monotonic() + 600
-        while sum(client.exists(keys.heartbeat(f"idle{i}")) for i in range(args.workers)) < args.workers:
-            assert all(p.poll() is None for p in procs), "a worker exited during start-up"
-            assert time.monotonic() < deadline, "workers did not start"
-            time.sleep(0.5)
+        wait_heartbeats(client, procs, timeout_s=600)
         time.sleep(2.0)  # every worker past its first claims
         before, t0 = command_calls(client), time.monotonic()
-        time.sleep(args.idle_s)
+        time.sleep(idle_s)
         calls, elapsed = command_calls(client) - before, time.monotonic() - t0
-        per_worker = calls / elapsed / args.workers
-        wake_ms, ping_ms = asyncio.run(wake_ups(server.url, queue_name, args.items, args.gap_s))
+        per_worker = calls / elapsed / workers
+        wake_ms, ping_ms = asyncio.run(wake_ups(server.url, QUEUE, items, gap_s))
     finally:
-        stop_all(procs, timeout_s=30)
+        stop_all(procs.values(), timeout_s=30)
         client.close()
         server.close()
 
     lines = [
-        f"{args.workers} idle `tokq worker` processes (one torch thread each), {args.idle_s:.0f} s "
-        f"with nothing queued; then {args.items} single-item requests, each to an empty queue.",
+        f"{workers} idle `tokq worker` processes (one torch thread each), {idle_s:.0f} s "
+        f"with nothing queued; then {items} single-item requests, each to an empty queue.",
         "",
         "| measure | value | against |",
         "|---|---:|---|",
@@ -129,12 +113,6 @@ def main() -> None:
         + shared_machine_note(),
     ]
     print("\n".join(lines))
-    if args.results:
-        write_section(args.results, "bench_idle_workers", "Idle fleet: waiting on Redis, not polling",
-                      ".venv/bin/python -m tokq.profiling.bench.idle_workers " + " ".join(
-                          f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                          if k != "results") + f" --results {args.results}", lines)
-
-
-if __name__ == "__main__":
-    main()
+    if results_md:
+        write_section(results_md, "tokq bench idle-workers", "Idle fleet: waiting on Redis, not polling",
+                      command_line(), lines)

