@@ -38,7 +38,7 @@ from tokq.keys import QueueKeys
 from tokq.processes import stop_all
 from tokq.profiling.bench.workers import QUEUE, start_worker, wait_heartbeats
 from tokq.profiling.results_md import command_line, shared_machine_note, write_section
-from tokq.queue import Queue, QueueFull
+from tokq.queue import Queue, QueueFull, parse_notice
 from tokq.redis_server import EmbeddedRedis
 
 ITEM = [101, 7592, 2088, 102]  # 4 tokens
@@ -72,9 +72,10 @@ class Load:
             while True:
                 msg = await subscriber.get_message(timeout=0.1)
                 if msg is not None:
-                    rid = msg[1].decode()
+                    rid, results = parse_notice(msg[1])
                     self.done[rid] = time.perf_counter()
-                    self._spawn(self.queue.collect(rid))
+                    if results is None:  # not carried in the notice: collect them
+                        self._spawn(self.queue.collect(rid))
         finally:
             await subscriber.aclose()
 
@@ -118,9 +119,9 @@ async def one_round(url: str, client: redis.Redis, *, rate: float, burst: int, l
         steady = asyncio.create_task(load.steady(rate, stop))
         await asyncio.sleep(PRE_S)
         pre_from = time.perf_counter() - (PRE_S - 1.0)
-        killed_at = burst = None
+        killed_at = burst_id = None
         for _ in range(20):  # until the victim, not the survivor, leases the burst
-            burst = await load.send("b", burst)
+            burst_id = await load.send("b", burst)
             deadline = time.perf_counter() + 10
             while killed_at is None and time.perf_counter() < deadline:
                 for batch_id in client.zrange(keys.leases, 0, -1):
@@ -172,7 +173,7 @@ async def one_round(url: str, client: redis.Redis, *, rate: float, burst: int, l
     print(f"  max_attempts={max_attempts}: pre-crash p99 {pre_p99 * 1000:.0f} ms, detected "
           f"{((detected_at or float('nan')) - killed_at) / lease_s:.2f} L, window p99s (ms) {series}",
           flush=True)
-    redone_s = load.done[burst] - killed_at if burst in load.done else float("nan")
+    redone_s = load.done[burst_id] - killed_at if burst_id in load.done else float("nan")
     # Throughput of the steady traffic (what callers other than the crashed batch's get).
     pre_rate = len([1 for rid, done in load.done.items()
                     if rid.startswith("s") and pre_from <= done < killed_at]) / (killed_at - pre_from)
