@@ -46,11 +46,13 @@ dashboards: install
 	.venv-infinity/bin/pip install -q "$(TORCH_SPEC)" 'infinity-emb[server,torch,optimum]==0.0.78'
 
 # Regenerates profiling/RESULTS.md's CPU blocks and plots (about an hour on 2 cores): each
-# `tokq bench NAME --results-md` rewrites its own block, under the command that made it.
+# `tokq profile` / `tokq bench NAME` with --results-md rewrites its own block, under the command that made it.
 RESULTS := profiling/RESULTS.md
 bench: install
 	-$(MAKE) .venv-infinity/bin/infinity_emb
 	$(BIN)/tokq bench queue --json /tmp/bench_queue.json --results-md $(RESULTS)
+	$(BIN)/tokq profile --device cpu --out minilm.json --plot profiling/profile-minilm-cpu.png --threads 1 \
+		--results-md $(RESULTS)
 	$(BIN)/tokq bench runtime --dtype float32 --results-md $(RESULTS)
 	$(BIN)/tokq bench runtime --num-queries 300 --rounds 3 --token-budgets 1024 --threads 1 --results-md $(RESULTS)
 	$(BIN)/tokq bench dtypes --num-queries 400 --rounds 2 --threads 1 --results-md $(RESULTS)

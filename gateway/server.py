@@ -17,6 +17,7 @@ import socket
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from redis.exceptions import LockNotOwnedError
 
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
@@ -41,14 +42,37 @@ QUEUE_STATS_PERIOD_S = 2.0
 
 
 async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
-    """The queue's depth and event totals (every shard in use, summed), for Prometheus."""
-    while True:
-        try:
-            await queue.refresh_shard_count()  # shards other gateways still use count too
-            metrics.observe_queue_stats(await queue.stats(), model=model)
-        except Exception as exc:  # Redis down: the gauges keep their last value
-            log.debug("queue stats failed: %s", exc)
-        await asyncio.sleep(QUEUE_STATS_PERIOD_S)
+    """The queue's depth and event totals (every shard in use, summed), for Prometheus, from
+    one gateway process per model: the holder of a Redis lock it renews every period. The
+    queue is one shared state, so if every gateway exported it, sum() over them would count
+    it N times; an elected exporter needs no extra process to deploy, and another gateway
+    takes over within 3 periods of the holder's death (at once after a clean stop)."""
+    lock = queue.redis.lock(queue.keys.metrics_exporter, timeout=3 * QUEUE_STATS_PERIOD_S,
+                            thread_local=False)
+    holding = False
+    try:
+        while True:
+            try:
+                if holding:
+                    try:
+                        await lock.reacquire()
+                    except LockNotOwnedError:  # expired while this process could not renew it
+                        holding = False
+                if not holding:
+                    holding = await lock.acquire(blocking=False)
+                await queue.refresh_shard_count()  # shards other gateways still use count too
+                if holding:
+                    metrics.observe_queue_stats(await queue.stats(), model=model)
+                else:
+                    metrics.forget_queue_stats(model)
+            except Exception as exc:  # Redis down: stale figures would add to the next exporter's
+                metrics.forget_queue_stats(model)
+                log.debug("queue stats failed: %s", exc)
+            await asyncio.sleep(QUEUE_STATS_PERIOD_S)
+    finally:
+        if holding:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(lock.release())
 
 
 def gateway_id() -> str:

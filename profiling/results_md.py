@@ -42,15 +42,17 @@ def write_block(path: str | Path, name: str, new_block: str) -> None:
     path.write_text(replace_block(text, name, new_block.rstrip("\n")))
 
 
-def command_line(ctx: click.Context | None = None) -> str:
-    """The ``tokq bench`` command now running, with the options it was given (defaults left
-    out): what a block says made it, and what rewrites it."""
+def command_line(ctx: click.Context | None = None, group: str = "tokq bench") -> str:
+    """The ``tokq bench`` (or other ``group``) command now running, with the options it was given
+    (defaults left out, in the order the command declares them): what a block says made it, and
+    what rewrites it."""
     ctx = ctx or click.get_current_context(silent=True)
     if ctx is None:  # called outside a command (a test driving the functions directly)
         return shlex.join(["tokq", *sys.argv[1:]])
-    words = ["tokq", "bench", ctx.info_name]
+    words = [*group.split(), ctx.info_name]
     for param in ctx.command.params:
-        if ctx.get_parameter_source(param.name) in (None, ParameterSource.DEFAULT):
+        # what was typed: not defaults, nor values from the environment (a Redis URL may hold a password)
+        if ctx.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE:
             continue
         value = ctx.params[param.name]
         values = list(value) if param.multiple else [value]

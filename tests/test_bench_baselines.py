@@ -6,6 +6,7 @@ server whose vectors are not the model's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import grpc
@@ -13,10 +14,12 @@ import numpy as np
 import pytest
 
 from tokq import AsyncClient, TokqError
+from tokq.processes import stop_all
 from tokq.profiling.bench.baselines.onnx_model import OnnxSentenceEncoder, export
 from tokq.profiling.bench.baselines.runners import make_runner
 from tokq.profiling.bench.baselines.server import load_model, serve
 from tokq.profiling.bench.service.cli import DEFAULT_INFINITY_BIN, optimum_cli_beside
+from tokq.profiling.bench.service.systems import min_cosine
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +39,17 @@ def texts_of_mixed_lengths(bundled_model_dir, n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.choice([1, 3, 8, 20, 60, 300]))) for _ in range(n)]
 
 
-def min_cosine(got: np.ndarray, want: np.ndarray) -> float:
-    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-    return float(cos.min())
-
-
-async def serve_in_background(runner, model):
+@contextlib.asynccontextmanager
+async def serving(runner, model):
+    """The baseline's gRPC server on a free loopback port for the block; yields its target."""
     stop = asyncio.Event()
     ready: asyncio.Future = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(runner, model, port=0, stop=stop, on_ready=ready.set_result))
-    port = await asyncio.wait_for(ready, 30)
-    return f"127.0.0.1:{port}", stop, task
+    try:
+        yield f"127.0.0.1:{await asyncio.wait_for(ready, 30)}"
+    finally:
+        stop.set()
+        await task
 
 
 @pytest.mark.parametrize("kind", ["one-at-a-time", "padded-batching"])
@@ -54,16 +57,12 @@ async def test_baseline_embeddings_match_sentence_transformers(model, bundled_mo
     texts = texts_of_mixed_lengths(bundled_model_dir, 24, seed=11)  # some over 256 tokens: truncated
     want = np.stack([model.encode([t], normalize_embeddings=True)[0] for t in texts])
     runner = make_runner(kind, model, max_batch_size=8, max_wait_ms=50)
-    target, stop, task = await serve_in_background(runner, model)
-    try:
+    async with serving(runner, model) as target:
         async with AsyncClient(target) as client:
             # One request per input, all at once: the padded baseline batches them together.
             singles = await asyncio.gather(*(client.embed([t], truncate=True) for t in texts))
             together = await client.embed(texts[:5], truncate=True)
             info = await client.info()
-    finally:
-        stop.set()
-        await task
     got = np.concatenate(singles)
     assert got.shape == want.shape and got.dtype == np.float32
     assert min_cosine(got, want) >= 0.9999
@@ -75,19 +74,15 @@ async def test_baseline_embeddings_match_sentence_transformers(model, bundled_mo
 
 async def test_baseline_refuses_what_tokq_refuses(model, bundled_model_dir):
     runner = make_runner("one-at-a-time", model)
-    target, stop, task = await serve_in_background(runner, model)
     long_text = texts_of_mixed_lengths(bundled_model_dir, 40, seed=2)
     long_text = max(long_text, key=len)
-    try:
+    async with serving(runner, model) as target:
         async with AsyncClient(target) as client:
             with pytest.raises(TokqError) as too_long:
                 await client.embed([long_text])  # over 256 tokens without truncate
             with pytest.raises(TokqError) as empty:
                 await client.embed([""])
             short = await client.embed(["red shoes"], dimensions=64)
-    finally:
-        stop.set()
-        await task
     assert too_long.value.code == grpc.StatusCode.INVALID_ARGUMENT and "256" in too_long.value.message
     assert empty.value.code == grpc.StatusCode.INVALID_ARGUMENT
     full = model.encode(["red shoes"])[0][:64]
@@ -122,16 +117,12 @@ async def test_onnx_runtime_baseline_matches_sentence_transformers(model, bundle
     texts = texts_of_mixed_lengths(bundled_model_dir, 16, seed=5)  # some over 256 tokens: truncated
     want = np.stack([model.encode([t], normalize_embeddings=True)[0] for t in texts])
     runner = make_runner("onnx-one-at-a-time", encoder)
-    target, stop, task = await serve_in_background(runner, encoder)
-    try:
+    async with serving(runner, encoder) as target:
         async with AsyncClient(target) as client:
             singles = await asyncio.gather(*(client.embed([t], truncate=True) for t in texts))
             info = await client.info()
             with pytest.raises(TokqError) as too_long:
                 await client.embed([max(texts, key=len)])  # over 256 tokens without truncate
-    finally:
-        stop.set()
-        await task
     got = np.concatenate(singles)
     assert got.shape == want.shape and got.dtype == np.float32
     assert min_cosine(got, want) >= 0.9999
@@ -168,14 +159,9 @@ async def test_bench_vector_check_refuses_a_server_whose_vectors_are_not_the_mod
         wrong = await check_vectors(RunningSystem(SystemSpec("echo", "one-at-a-time"), f"127.0.0.1:{port}", proc),
                                     probe)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_all([proc], timeout_s=30)
     assert not wrong["counts"] and wrong["min_cos"] < 0.9 and "differ from sentence-transformers" in wrong["why"]
 
-    target, stop, task = await serve_in_background(make_runner("one-at-a-time", model), model)
-    try:
+    async with serving(make_runner("one-at-a-time", model), model) as target:
         right = await check_vectors(RunningSystem(SystemSpec("st", "one-at-a-time"), target, None), probe)
-    finally:
-        stop.set()
-        await task
     assert right["counts"] and right["min_cos"] >= 0.9999 and right["num_probes"] == 6

@@ -255,3 +255,28 @@ def test_a_replaced_connection_closes_only_after_its_calls_finish():
 def test_connections_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError, match="connections"):
         Client("127.0.0.1:9", connections=bad)
+
+
+def queue_series(metrics_ports: list[int]) -> list[list[str]]:
+    """Per gateway process, the tokq_queue_* series names its metrics page shows."""
+    out = []
+    for port in metrics_ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        out.append(sorted(s.name for family in text_string_to_metric_families(text)
+                          for s in family.samples if s.name.startswith("tokq_queue_")))
+    return out
+
+
+def test_one_gateway_process_exports_the_queue_metrics(stack):
+    """The queue is one shared state: one process exports it (a Redis lock elects it), so a
+    sum() over every process's scrape counts each figure once."""
+    deadline = time.monotonic() + 30
+    while not any(series := queue_series(stack.metrics_ports)):
+        assert time.monotonic() < deadline, "no gateway process exported the queue metrics"
+        time.sleep(0.5)
+    time.sleep(5)  # past two export periods: had the other process been elected too, it shows now
+    series = queue_series(stack.metrics_ports)
+    exporting = [names for names in series if names]
+    assert len(exporting) == 1, series
+    assert "tokq_queue_queued_tokens" in exporting[0] and "tokq_queue_acked_total" in exporting[0]
+    assert stack.client().exists(stack.keys.metrics_exporter)

@@ -149,13 +149,15 @@ def test_prometheus_scrapes_tokq_metrics_and_runs_rules_and_dashboards(tmp_path)
     model = "scrape-test"
     server = metrics.start_metrics_server(0, addr="127.0.0.1")
     target = f"127.0.0.1:{server.server_port}"
-    config = loopback_config({"tokq-gateway": [target], "tokq-worker": [target]}, tmp_path)
+    # One page holds every metric here: scraped once, as in a deployment each series comes
+    # from one process (sum() in the rules would count a page scraped twice twice).
+    config = loopback_config({"tokq-gateway": [target], "tokq-worker": []}, tmp_path)
     try:
         with synthetic_traffic(model), prometheus(config, tmp_path) as url:
             mfu = _wait_until(lambda: query(url, "model_worker:tokq_worker_mfu:ratio_rate1m"
                                                  f'{{model="{model}"}}'), 60)
             assert 0 < float(mfu[0]["value"][1]) < 1
-            depth = query(url, f'model:tokq_queue_queued_tokens:max{{model="{model}"}}')
+            depth = query(url, f'model:tokq_queue_queued_tokens:sum{{model="{model}"}}')
             assert float(depth[0]["value"][1]) == 3000
             errors = query(url, f'model:tokq_gateway_request_errors:ratio_rate5m{{model="{model}"}}')
             assert 0.05 < float(errors[0]["value"][1]) < 0.2  # one request in ten fails

@@ -128,10 +128,10 @@ def enqueued_items(stack) -> int:
 
 def keys_left(stack, settle_s: float = 30) -> list[bytes]:
     """Keys of requests still in Redis once in-flight work and grace periods are over (waits
-    up to ``settle_s``); the counters, budget, shard counts and worker registry are not request
-    keys."""
+    up to ``settle_s``); the counters, budget, shard counts, worker registry and the metrics
+    exporter's lock are not request keys."""
     r = stack.client()
-    keep = re.compile(rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|heartbeat:.*)$")
+    keep = re.compile(rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|heartbeat:.*|metrics-exporter)$")
     deadline = time.monotonic() + settle_s
     while True:
         found = r.keys("*", target_nodes="primaries") if stack.cluster else r.keys("*")

@@ -12,22 +12,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_models import randomize
 
 from tokq.batch import PackedBatch
 from tokq.workers.engine import Engine
 from tokq.workers.prefix_cache import PrefixCache
 
 VOCAB = 211
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """Weights far from transformers' init so attention is sharp and positions matter."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            is_norm = "norm" in name.lower() and name.endswith("weight")
-            param.copy_(1 + 0.2 * noise if is_norm else 0.15 * noise)
 
 
 CONFIGS = {
@@ -52,7 +43,7 @@ def engine(request, tmp_path_factory) -> Engine:
     config = CONFIGS[request.param]()
     model = (transformers.Qwen2Model if request.param == "qwen2" else transformers.Qwen3Model)(config)
     if request.param != "qwen3_0.6b_shaped":  # large random weights blow up at 1024 wide
-        _randomize(model)
+        randomize(model)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return Engine.load(path, device="cpu", dtype="float32")

@@ -117,3 +117,20 @@ def test_cuda_on_a_machine_without_one_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(profile_command, ["--device", "cuda", "--out", str(tmp_path / "p.json")])
     assert result.exit_code == 1 and "CUDA is not available" in result.output
     assert not (tmp_path / "p.json").exists()
+
+
+def test_results_md_gets_one_block_per_model_and_device_with_its_command(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nkept\n")
+    args = ["--device", "cpu", "--min-tokens", "4", "--max-tokens", "16", "--points-per-doubling", "1",
+            "--time-per-point-s", "0.05", "--min-repeats", "1", "--out", str(tmp_path / "p.json"),
+            "--threads", "1", "--results-md", str(results), "--quiet"]
+    for _ in range(2):
+        result = invoke(args)
+        assert result.exit_code == 0, result.output
+    text = results.read_text()
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert text.startswith("# Results\n\nkept\n")
+    assert text.count(f"<!-- tokq profile ({report['model']}, cpu): start") == 1
+    assert f"Command: `tokq profile {' '.join(args)}`" in text and report["summary"] in text
+    assert f"**{report['recommended_budget']} tokens**" in text

@@ -14,7 +14,7 @@ MAX_POSITIONS = 64
 SEQ_LENS = [17, 1, 5, 64, 5, 2, 33, 17, 9, 17, 3]
 
 
-def _randomize(model: torch.nn.Module) -> None:
+def randomize(model: torch.nn.Module) -> None:
     """Weights far from transformers' init (std 0.02, unit norms) so attention is sharp and
     every norm weight and bias matters."""
     gen = torch.Generator().manual_seed(1)
@@ -67,7 +67,7 @@ def build(name: str, path) -> tuple[torch.nn.Module, str]:
     config = make_config()
     config._attn_implementation = "eager"
     model = model_cls(config).eval()
-    _randomize(model)
+    randomize(model)
     model.save_pretrained(path, **save_kwargs)
     if pooling == "cls":
         _write_cls_pooling(path)

@@ -124,6 +124,12 @@ class QueueKeys:
         return f"{self.base}:budget"
 
     @property
+    def metrics_exporter(self) -> str:
+        """STRING (a redis-py Lock, with a TTL): held by the one gateway process that exports
+        this model's queue metrics, so a sum() over every gateway's scrape counts them once."""
+        return f"{self.base}:metrics-exporter"
+
+    @property
     def shard_counts(self) -> str:
         """ZSET shard count -> last time (ms) a gateway enqueued with that many shards (kept
         on shard 0's keys; workers claim from the most shards seen lately)."""

@@ -13,7 +13,8 @@ Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/embedding.py)
   tokq_gateway_request_input_tokens               histogram tokens in one Embed request
   tokq_gateway_inflight_requests                  gauge     RPCs being served now
 
-Queue (``observe_queue_stats``; exported by whichever process calls it, so dashboards take max)
+Queue (``observe_queue_stats``; exported by one gateway process per model, elected by a Redis
+lock (gateway/server.py), so each series exists once and sum() over processes adds up)
   tokq_queue_queued_entries / tokq_queue_queued_tokens       gauge   waiting to be claimed
   tokq_queue_oldest_age_seconds                              gauge   age of the head entry
   tokq_queue_inflight_items / tokq_queue_inflight_batches    gauge   claimed, not yet acked
@@ -152,6 +153,10 @@ class _QueueCounterCollector:
         with self._lock:
             self._totals[model] = {k: float(counters.get(k, 0)) for k in QUEUE_COUNTERS}
 
+    def forget(self, model: str) -> None:
+        with self._lock:
+            self._totals.pop(model, None)
+
     def describe(self) -> Iterable[CounterMetricFamily]:
         return self._families({})
 
@@ -194,6 +199,14 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0"):
     (``.server_port`` is the bound port, useful with port 0; ``.shutdown()`` stops it)."""
     server, _thread = start_http_server(port, addr=addr)
     return server
+
+
+def forget_queue_stats(model: str) -> None:
+    """Stop exporting ``model``'s queue metrics (this process is not its exporter)."""
+    for gauge in (QUEUE_ENTRIES, QUEUE_TOKENS, QUEUE_OLDEST_AGE, QUEUE_INFLIGHT_ITEMS,
+                  QUEUE_INFLIGHT_BATCHES):
+        gauge.remove(model)  # a no-op for a series never created
+    QUEUE_COUNTER_COLLECTOR.forget(model)
 
 
 def observe_queue_stats(stats, *, model: str) -> None:

@@ -71,13 +71,13 @@ class EmbeddedRedis:
                 f.write(f"requirepass {self.password}\n")
         return path
 
-    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [self.binary, self._write_config(), "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
                 "--loglevel", "warning"]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       start_new_session=True)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout_s
         client = redis.Redis(host=self.host, port=self.port, password=self.password or None,
                              socket_connect_timeout=0.2)
         try:

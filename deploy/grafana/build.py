@@ -6,8 +6,8 @@
 Every query reads only metrics that tokq.metrics defines (tests/test_deploy_grafana.py checks
 it). Panels pick their Prometheus through the ``datasource`` variable and filter by ``model``,
 so the same JSON works provisioned (deploy/grafana/provisioning) or imported by hand.
-Queue gauges are exported by every process that reads the queue stats: they are combined
-with max, never summed.
+Queue metrics are exported once per model (by one elected gateway process), so they add up
+like every other metric: sum over processes; only the oldest-entry age takes max.
 """
 
 from __future__ import annotations
@@ -122,15 +122,15 @@ def overview() -> gd.Dashboard:
                           [query(f"sum(tokq_gateway_inflight_requests{{{M}}})", "in flight")],
                           span=8))
         .with_panel(panel("Queue flow", "Items entering the queue and answered per second.",
-                          "cps", [query(f"max by (model) (rate(tokq_queue_{c}_total{{{M}}}"
+                          "cps", [query(f"sum by (model) (rate(tokq_queue_{c}_total{{{M}}}"
                                         f"[{RATE}]))", f"{{{{model}}}} {c}", ref)
                                   for c, ref in (("enqueued", "A"), ("acked", "B"))], span=8))
         .with_row(gd.Row("Queue"))
         .with_panel(panel("Queue depth (tokens)", "Tokens waiting to be claimed, and claimed "
                           "items not yet answered.", "none",
-                          [query(f"max by (model) (tokq_queue_queued_tokens{{{M}}})",
+                          [query(f"sum by (model) (tokq_queue_queued_tokens{{{M}}})",
                                  "{{model}} queued tokens"),
-                           query(f"max by (model) (tokq_queue_inflight_items{{{M}}})",
+                           query(f"sum by (model) (tokq_queue_inflight_items{{{M}}})",
                                  "{{model}} in-flight items", "B")]))
         .with_panel(panel("Oldest queued entry age", "Age of the head of the queue. Rising "
                           "towards the clients' deadline means too few workers.", "s",
@@ -140,7 +140,7 @@ def overview() -> gd.Dashboard:
             "Requeues and expirations", "Requeued: a worker's lease ran out (crash or a "
             "forward longer than the lease). Expired: dropped at the deadline before running. "
             "Rejected: refused at the queue's token cap. Failed: answered with an error.", "cps",
-            [query(f"max by (model) (rate(tokq_queue_{c}_total{{{M}}}[{RATE}]))",
+            [query(f"sum by (model) (rate(tokq_queue_{c}_total{{{M}}}[{RATE}]))",
                    f"{{{{model}}}} {c}", ref)
              for c, ref in (("requeued", "A"), ("expired", "B"), ("rejected", "C"),
                             ("failed", "D"))], span=24))

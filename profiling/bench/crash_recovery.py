@@ -7,13 +7,14 @@ Starts its own embedded Valkey and two real ``tokq worker`` processes (the bundl
 torch thread each): a survivor (the default budget) and a victim whose budget holds the whole
 burst. Steady load: single-item requests of 4 tokens at ``--rate`` per second. Then a burst of
 ``--burst`` such items; once the victim has leased (nearly) all of them it is killed with
-SIGKILL. Its lease expires, the items come back (attempt 1), and the survivor redoes them while
-the steady load goes on. Measured, for the redo rule (redone items in normal batches; only a
+SIGKILL. Its lease misses a renewal and its owner channel has no listener (tokq.queue), so the
+items come back (attempt 1), and the survivor redoes them while the steady load goes on. Measured, for the redo rule (redone items in normal batches; only a
 third try is claimed alone) against the old rule in the same run (every redone item alone:
 ``max_attempts=2`` makes the first redo a last try, which goes alone):
   * recovery: from the kill until the steady requests' p99 (1 s windows, by send time) is
-    back at its pre-crash value, in lease periods;
-  * redo began: from the kill until the dead worker's items were requeued (its lease expired);
+    back at its pre-crash value (the first of three windows in a row within it), in lease
+    periods; also the end of the last window above it in the 8 leases observed (noise-prone);
+  * redo began: from the kill until the dead worker's items were requeued;
   * redone: from the kill until the last burst item is answered, in lease periods;
   * throughput during recovery: steady requests answered per second from the kill to the end
     of recovery (at least one lease), against the pre-crash rate.
@@ -43,7 +44,8 @@ from tokq.redis_server import EmbeddedRedis
 
 ITEM = [101, 7592, 2088, 102]  # 4 tokens
 WINDOW_S = 1.0
-PRE_S = 5.0
+PRE_S = 10.0
+SETTLED_WINDOWS = 3
 OBSERVE_LEASES = 8  # steady load goes on this long after the kill
 
 
@@ -119,9 +121,9 @@ async def one_round(url: str, client: redis.Redis, *, rate: float, burst: int, l
         steady = asyncio.create_task(load.steady(rate, stop))
         await asyncio.sleep(PRE_S)
         pre_from = time.perf_counter() - (PRE_S - 1.0)
-        killed_at = burst_id = None
+        killed_at = burst_rid = None
         for _ in range(20):  # until the victim, not the survivor, leases the burst
-            burst_id = await load.send("b", burst)
+            burst_rid = await load.send("b", burst)
             deadline = time.perf_counter() + 10
             while killed_at is None and time.perf_counter() < deadline:
                 for batch_id in client.zrange(keys.leases, 0, -1):
@@ -155,25 +157,25 @@ async def one_round(url: str, client: redis.Redis, *, rate: float, burst: int, l
                   if kind == "s" and rid in load.done]
     pre = [lat for t, lat in steady_lat if pre_from <= t < killed_at]
     pre_p99 = p99(pre)
-    # Recovery ends with the last window (after the kill) whose p99 is above the pre-crash one.
-    end = killed_at
-    t = killed_at
-    while t < max(s for s, _ in steady_lat):
-        window = [lat for s, lat in steady_lat if t <= s < t + WINDOW_S]
-        if window and p99(window) > pre_p99:
-            end = t + WINDOW_S
-        t += WINDOW_S
     lease_s = lease_ms / 1000
     series = []  # each window's p99 after the kill, ms: where the time goes
     t = killed_at
     while t < killed_at + OBSERVE_LEASES * lease_s:
         window = [lat for s, lat in steady_lat if t <= s < t + WINDOW_S]
-        series.append(round(p99(window) * 1000) if window else None)
+        series.append(p99(window) if window else 0.0)
         t += WINDOW_S
-    print(f"  max_attempts={max_attempts}: pre-crash p99 {pre_p99 * 1000:.0f} ms, detected "
-          f"{((detected_at or float('nan')) - killed_at) / lease_s:.2f} L, window p99s (ms) {series}",
-          flush=True)
-    redone_s = load.done[burst_id] - killed_at if burst_id in load.done else float("nan")
+    # Recovered: the first of SETTLED_WINDOWS windows in a row within the pre-crash p99. The
+    # last window above it anywhere in the observation is reported too: at 10 requests/s a
+    # window's p99 is its slowest request, so one unrelated stall on this shared machine moves it.
+    above = [i for i, v in enumerate(series) if v > pre_p99]
+    settled = next((i for i in range(len(series) - SETTLED_WINDOWS + 1)
+                     if all(v <= pre_p99 for v in series[i:i + SETTLED_WINDOWS])), len(series))
+    end = killed_at + settled * WINDOW_S
+    last_above = (above[-1] + 1) * WINDOW_S if above else 0.0
+    print(f"  max_attempts={max_attempts}: pre-crash p99 {pre_p99 * 1000:.0f} ms, redo began "
+          f"{((detected_at or float('nan')) - killed_at) / lease_s:.2f} L, window p99s (ms) "
+          f"{[round(v * 1000) for v in series]}", flush=True)
+    redone_s = load.done[burst_rid] - killed_at if burst_rid in load.done else float("nan")
     # Throughput of the steady traffic (what callers other than the crashed batch's get).
     pre_rate = len([1 for rid, done in load.done.items()
                     if rid.startswith("s") and pre_from <= done < killed_at]) / (killed_at - pre_from)
@@ -182,6 +184,7 @@ async def one_round(url: str, client: redis.Redis, *, rate: float, burst: int, l
                             if rid.startswith("s") and killed_at <= done < killed_at + span)
     detected = (detected_at - killed_at) / lease_s if detected_at else float("nan")
     return {"recovery_leases": (end - killed_at) / lease_s, "detected_leases": detected,
+            "last_above_leases": last_above / lease_s,
             "redone_leases": redone_s / lease_s,
             "pre_p99_ms": pre_p99 * 1000, "pre_items_per_s": pre_rate,
             "recovery_items_per_s": items_in_recovery / span,
@@ -218,12 +221,13 @@ def crash_recovery_command(rate, burst, lease_ms, rounds, results_md) -> None:
         f"({rate:.0f} single-item requests/s), lease {lease_ms} ms; medians of "
         f"{rounds} rounds per rule; L = lease periods.",
         "",
-        "| redo rule | recovery to pre-crash p99 | redo began (lease expired) | burst redone | "
-        "pre-crash p99 | throughput during recovery / before | unanswered |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| redo rule | recovery to pre-crash p99 | last window above it | redo began | "
+        "burst redone | pre-crash p99 | throughput during recovery / before | unanswered |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in med.items():
-        lines.append(f"| {name} | {m['recovery_leases']:.2f} L | {m['detected_leases']:.2f} L | "
+        lines.append(f"| {name} | {m['recovery_leases']:.2f} L | {m['last_above_leases']:.2f} L | "
+                     f"{m['detected_leases']:.2f} L | "
                      f"{m['redone_leases']:.2f} L | "
                      f"{m['pre_p99_ms']:.0f} ms | "
                      f"{m['recovery_items_per_s'] / m['pre_items_per_s']:.2f}x | {m['unanswered']:.0f} |")

@@ -137,10 +137,9 @@ class Stack:
     def __init__(self, log_path: Path) -> None:
         import redis
 
-        from tokq.keys import QueueKeys
-        from tokq.model_info import ModelInfo
-        from tokq.redis_server import EmbeddedRedis, free_port
         from tokq.health import wait_for_health
+        from tokq.profiling.bench.workers import start_worker, wait_heartbeats
+        from tokq.redis_server import EmbeddedRedis, free_port
 
         self.log = open(log_path, "ab")
         self.redis = EmbeddedRedis().start()
@@ -150,19 +149,13 @@ class Stack:
         self.echo_target = f"127.0.0.1:{free_port()}"
         self.gateway = _tokq("gateway", "--host", "127.0.0.1", "--port", self.gateway_target.rsplit(":", 1)[1],
                              redis_url=self.redis.url, log=self.log)
-        self.worker = _tokq("worker", "--device", "cpu", "--threads", "1", "--worker-id", "cpu-bench",
-                            redis_url=self.redis.url, log=self.log)
+        self.worker = start_worker(self.redis.url, "cpu-bench", env=_env(), log=self.log)
         self.echo = _this("echo-server", "--port", self.echo_target.rsplit(":", 1)[1],
                           stdout=self.log, stderr=self.log)
         try:
             wait_for_health(self.echo_target, [self.echo], START_TIMEOUT_S)
             wait_for_health(self.gateway_target, [self.gateway], START_TIMEOUT_S)
-            heartbeat = QueueKeys(ModelInfo.load(None).queue_name).heartbeat("cpu-bench")
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not client.exists(heartbeat):  # the worker has warmed up
-                if self.worker.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the worker sent no heartbeat")
-                time.sleep(0.2)
+            wait_heartbeats(client, {"cpu-bench": self.worker}, START_TIMEOUT_S)  # the worker has warmed up
         except BaseException:
             self.close()
             raise

@@ -31,6 +31,7 @@ import redis
 from tokq import config as cfg
 from tokq.gateway.validate import Limits
 from tokq.health import wait_for_health
+from tokq.profiling.bench.workers import start_worker, wait_heartbeats
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
@@ -143,16 +144,13 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
     env = {**os.environ, "TOKQ_REDIS_URL": server.url, "PYTHONUNBUFFERED": "1"}
     gateway = subprocess.Popen([sys.executable, "-m", "tokq.cli", "gateway", "--host", "127.0.0.1",
                                 "--port", str(port)], env=env)
-    worker = subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker", "--device", "cpu",
-                               "--threads", "1", "--worker-id", "bench"], env=env)
+    worker = start_worker(server.url, "bench", env=env, log=None)  # its output shows on this console
     procs = {"gateway": gateway.pid, "worker": worker.pid, "redis": server._proc.pid}
     keys = QueueKeys(info.queue_name)
     r = redis.Redis.from_url(server.url)
     try:
         deadline = time.monotonic() + 180
-        while not r.exists(keys.heartbeat("bench")):
-            assert time.monotonic() < deadline and worker.poll() is None, "worker did not start"
-            time.sleep(0.2)
+        wait_heartbeats(r, {"bench": worker}, 180)
         # ready: Redis answers and the worker's heartbeat is seen
         wait_for_health(target, [gateway], max(1.0, deadline - time.monotonic()))
         channel = grpc.insecure_channel(target, OPTIONS)

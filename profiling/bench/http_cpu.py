@@ -114,6 +114,7 @@ def run(calls: int, concurrency: int, rounds: int, seed: int) -> dict:
     import redis
 
     from tokq.processes import stop_all
+    from tokq.profiling.bench.workers import start_worker
     from tokq.redis_server import EmbeddedRedis, free_port
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -127,7 +128,7 @@ def run(calls: int, concurrency: int, rounds: int, seed: int) -> dict:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     gateway = spawn("gateway", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port))
-    worker = spawn("worker", "--device", "cpu", "--threads", "1", "--worker-id", "http-cpu")
+    worker = start_worker(server.url, "http-cpu", env=env)
     try:
         import httpx
 

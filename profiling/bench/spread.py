@@ -159,14 +159,13 @@ def run(*, seconds: float, concurrency: int, rounds: int, configs=CONFIGS) -> di
     import redis
 
     from tokq.processes import stop_all
+    from tokq.profiling.bench.workers import start_worker
     from tokq.redis_server import EmbeddedRedis
 
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / "tokq-bench-spread.log", "ab")
     server = EmbeddedRedis().start()
     client = redis.Redis.from_url(server.url)
-    worker = subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker", "--device", "cpu", "--threads", "1",
-                               "--worker-id", "spread"], env={**_env(), "TOKQ_REDIS_URL": server.url},
-                              stdout=log, stderr=log)
+    worker = start_worker(server.url, "spread", env=_env(), log=log)
     gateways = {n: Gateway(n, server.url, log) for n in sorted({procs for _, procs, _ in configs})}
     try:
         for g in gateways.values():

@@ -1,6 +1,7 @@
 """`tokq profile`: measure a model's latency knee on this device and publish the token budget.
 
-Parses flags and delegates: the sweep in ``sweep.py``, the fit in ``knee.py``, both run by ``run.py``, the figure in ``plot.py``.
+Parses flags and delegates: the sweep in ``sweep.py``, the fit in ``knee.py``, both run by
+``run.py``, the figure in ``plot.py``; ``--results-md`` writes the run's block of RESULTS.md.
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
 @click.option("--threads", "threads", type=click.IntRange(min=1), default=None, envvar="TOKQ_THREADS",
               help="CPU threads for torch [default: torch's own choice]. Fewer than the cores "
                    "helps on a shared machine: busy cores make multi-threaded ops wait on each other.")
+@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
+              help="Rewrite this model and device's block of this file (e.g. profiling/RESULTS.md).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile_command(model_path, revision, served_model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
                     min_tokens, max_tokens, points_per_doubling, time_per_point_s, min_repeats, max_repeats,
                     stop_ms, slo_p99_ms, out_path, plot_path, apply_budget, redis_url, threads,
-                    quiet) -> None:
+                    results_md, quiet) -> None:
     """Find the token count where forward latency stops being flat, and the budget to serve at."""
     from rich.console import Console
 
@@ -122,6 +125,13 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
     if report["recommendation"]:
         Console().print(budget_table(report))
     click.echo(f"wrote {out_path}" + (f" and {plot_path}" if plot_path and report["points"] else ""))
+    if results_md:
+        from tokq.profiling.results_md import command_line, write_block
+
+        name = block_name(report)
+        plot = os.path.relpath(plot_path, Path(results_md).parent) if plot_path and report["points"] else None
+        write_block(results_md, name, markdown_block(report, command_line(group="tokq"), plot))
+        click.echo(f"rewrote its block of {results_md}")
 
     if apply_budget:
         budget = report["recommended_budget"]
@@ -129,6 +139,45 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
             raise click.ClickException("no budget to apply: " + report["summary"])
         key = publish_budget(redis_url, engine.info.queue_name, budget)
         click.echo(f"published token budget {budget} to {key} at {redis_url}")
+
+
+def block_name(report: dict) -> str:
+    """One RESULTS.md block per model and device type."""
+    return f"tokq profile ({report['model']}, {report['device'].split(':')[0]})"
+
+
+def markdown_block(report: dict, command: str, plot: str | None = None) -> str:
+    from tokq.profiling.results_md import block
+
+    sweep, w, rec = report["sweep"], report["workload"], report["recommendation"] or {}
+    points = report["points"]
+    peak = max(points, key=lambda p: p["tokens_per_s"]) if points else None
+    fmt = lambda v, unit="": "–" if v is None else f"{v:,.4g}{unit}"  # noqa: E731
+    lines = [
+        f"## Profile (`tokq profile`): {report['model']} on {report['device_name']}", "",
+        f"Command: `{command}`  ",
+        f"Date: {report['started_at']} ({report['duration_s']:.0f} s); {report['dtype']}, attention "
+        f"{report['attn_backend']}, torch {report['torch_version']}, {report['threads']} thread(s); load average "
+        f"{' / '.join(fmt(x) for x in report['load_average'])} before / after. **A shared 2-core machine: "
+        "other processes' load moves every latency; repeats are interleaved across batch sizes so it lands "
+        "on every size alike.**  ",
+        f"Workload: {w['source']}: {w['num_queries']} queries, tokens p50 {w['p50_tokens']:.0f} / p90 "
+        f"{w['p90_tokens']:.0f} / max {w['max_tokens']}; token ids {w['token_ids']}.  ",
+        f"Grid: {sweep['min_tokens']}-{sweep['max_tokens']} tokens, {len(points)} sizes measured"
+        + (f" (stopped: {report['stopped_reason']})" if report.get("stopped_reason") else "") + ".", "",
+        report["summary"], "",
+        "| knee (fit) | flat latency (fit) | slope | goal p99 | forward time it allows | largest batch within it "
+        "| saturation | recommended budget | limited by | peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {fmt(report['knee_tokens'], ' tokens')} | {fmt(report['flat_ms'], ' ms')} "
+        f"| {fmt(report['slope_ms_per_token'], ' ms/token')} | {fmt(rec.get('slo_p99_ms'), ' ms')} "
+        f"| {fmt(rec.get('max_batch_ms'), ' ms')} | {fmt(rec.get('latency_cap_tokens'), ' tokens')} "
+        f"| {fmt(rec.get('throughput_cap_tokens'), ' tokens')} | **{fmt(rec.get('token_budget'), ' tokens')}** "
+        f"| {rec.get('limited_by') or '–'} "
+        f"| {fmt(peak and peak['tokens_per_s'], ' tokens/s')} at {fmt(peak and peak['num_tokens'])} |", ""]
+    if plot:
+        lines += [f"![profile]({plot})", ""]
+    return block(block_name(report), lines, generated_by="tokq profile")
 
 
 def budget_table(report: dict):
