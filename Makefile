@@ -37,7 +37,7 @@ proto: install
 dashboards: install
 	$(BIN)/python deploy/grafana/build.py
 
-# Infinity (a baseline of `tokq bench`) lives in its own venv: its extras would downgrade
+# Infinity (a baseline of `tokq bench service`) lives in its own venv: its extras would downgrade
 # packages tokq needs (transformers 4, numpy 1). Its optimum extra also does the ONNX export
 # of the ONNX Runtime baselines (optimum needs transformers < 4.58). Best effort: without it
 # the benchmark says Infinity was left out, and exports the ONNX model with torch.onnx.

@@ -26,7 +26,7 @@ from tokq.profiling.bench.service.systems import min_cosine
 def model():
     from tokq.workers.device import use_threads
 
-    # One thread, as `tokq bench` runs the baselines: two spin-waiting OpenMP threads on a
+    # One thread, as `tokq bench service` runs the baselines: two spin-waiting OpenMP threads on a
     # busy 2-core machine stall each other (10x slower here). The setting is process-wide.
     with use_threads(1):
         yield load_model()

@@ -48,11 +48,13 @@ def test_section_says_the_split_the_ratio_and_the_machine():
 
 @pytest.mark.slow
 def test_one_client_against_two_gateway_processes_end_to_end(tmp_path):
-    out = tmp_path / "spread.json"
-    result_ = CliRunner().invoke(bench_spread.spread_command, ["--config", "grpc:2:1", "--rounds", "1", "--seconds",
-                                                      "1", "--concurrency", "4", "--json", str(out)],
-                                 catch_exceptions=False)
+    out, results = tmp_path / "spread.json", tmp_path / "RESULTS.md"
+    args = ["--seconds", "1.0", "--concurrency", "4", "--rounds", "1", "--config", "grpc:2:1", "--json", str(out),
+            "--results-md", str(results)]
+    result_ = CliRunner().invoke(bench_spread.spread_command, args, catch_exceptions=False)
     assert result_.exit_code == 0, result_.output
+    text = results.read_text()
+    assert text.count(bench_spread.SECTION_START) == 1 and f"`tokq bench spread {' '.join(args)}`" in text
     (only,) = json.loads(out.read_text())["results"]
     assert len(only["split"]) == 2 and min(only["split"]) > 0 and only["client_errors"] == 0
     assert set(only["cores"]) == {"worker", "redis", "gateway process 1", "gateway process 2", "client 1"}

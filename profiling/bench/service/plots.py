@@ -1,4 +1,4 @@
-"""The two `tokq bench` figures. Each names the machine and the SLO in its title, carries units
+"""The two `tokq bench service` figures. Each names the machine and the SLO in its title, carries units
 on its axes and a legend, so it reads without the JSON."""
 
 from __future__ import annotations

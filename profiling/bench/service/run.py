@@ -1,4 +1,4 @@
-"""One `tokq bench` run: for each system, start it, warm it up, drive it open-loop (a step
+"""One `tokq bench service` run: for each system, start it, warm it up, drive it open-loop (a step
 search to the SLO, or one fixed rate), read its batch figures, stop it; a rich progress display
 shows which system and rate are running and how many requests came back."""
 

@@ -1,4 +1,4 @@
-"""The systems `tokq bench` measures, each started as its own processes exactly as an operator
+"""The systems `tokq bench service` measures, each started as its own processes exactly as an operator
 would (`tokq up` for tokq, `python -m tokq.profiling.bench.baselines` for a baseline), the gRPC
 sender the load generator drives them with, and the per-batch figures read from tokq's worker
 (its Prometheus page) and queue (Redis counters) around each run."""
