@@ -89,3 +89,13 @@ def bundled_model_dir():
     from tokq.model_info import bundled_model_path
 
     return bundled_model_path()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(info):
+    """The gateway's tokenizer for the module's ``info`` fixture (each module says which model)."""
+    from tokq.gateway.tokenize import Tokenizer
+
+    tok = Tokenizer(info)
+    yield tok
+    tok.close()

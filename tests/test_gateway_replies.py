@@ -16,7 +16,6 @@ from tokq.connection import connect, connect_pubsub
 from tokq.entry import encode_ok
 from tokq.gateway.embedding import EmbedInput, ServedModel, Timer
 from tokq.gateway.replies import ReplyRouter
-from tokq.gateway.tokenize import Tokenizer
 from tokq.model_info import ModelInfo
 from tokq.shards import ShardedQueue
 
@@ -26,13 +25,6 @@ GATEWAY = "gw-replies"
 @pytest.fixture(scope="module")
 def info(bundled_model_dir):
     return ModelInfo.load(bundled_model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(info):
-    tok = Tokenizer(info)
-    yield tok
-    tok.close()
 
 
 async def _call(redis_url, info, tokenizer, texts, vector_size: int, *, listen: bool = True):

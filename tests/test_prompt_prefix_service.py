@@ -38,13 +38,6 @@ def info(model_dir):
     return ModelInfo.load(model_dir)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(info):
-    tok = Tokenizer(info)
-    yield tok
-    tok.close()
-
-
 def _prompt_ids(tokenizer, prompt):
     return tokenizer.encode_sync([""], prompt=prompt)[0]
 
