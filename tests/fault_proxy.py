@@ -40,11 +40,9 @@ class FaultProxy:
         self._cut_next: list[bytes] = []  # cut the next command holding each of these
         self._rate, self._rate_match = 0.0, b""  # and this fraction of those holding this
         self._rng = random.Random(seed)
-        self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
         self.cuts = 0  # answers dropped so far
-        self.matched = 0  # commands seen that matched the rate's pattern
 
     @property
     def url(self) -> str:
@@ -89,13 +87,6 @@ class FaultProxy:
             self._cut_next.clear()
             self._rate = 0.0
 
-    def drop_all(self) -> None:
-        """Close every connection now, answers in flight included (a network blip)."""
-        def close_all():
-            for writer in list(self._writers):
-                writer.close()
-        self._loop.call_soon_threadsafe(close_all)
-
     def _should_cut(self, data: bytes) -> bool:
         with self._lock:
             for i, match in enumerate(self._cut_next):
@@ -104,7 +95,6 @@ class FaultProxy:
                     self.cuts += 1
                     return True
             if self._rate and self._rate_match in data:
-                self.matched += 1
                 if self._rng.random() < self._rate:
                     self.cuts += 1
                     return True
@@ -122,7 +112,6 @@ class FaultProxy:
         except OSError:  # Redis down: the client sees its connection closed
             client_w.close()
             return
-        self._writers |= {client_w, upstream_w}
         drop_answer = asyncio.Event()
 
         async def to_redis():
@@ -147,5 +136,4 @@ class FaultProxy:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for writer in (client_w, upstream_w):
-                self._writers.discard(writer)
                 writer.close()
