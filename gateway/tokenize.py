@@ -143,19 +143,20 @@ class Tokenizer:
                 out.append(backend.post_process(enc).ids)
             return out
         if (i := first_surely_too_long(backend, texts, max_len)) is not None:
-            raise InvalidArgument(
-                f"input {i} is more than {max_len} tokens long; {self.info.name} takes at most "
-                f"{max_len} tokens per input (special tokens included). Shorten it or set "
-                f"truncate=true to cut it to {max_len}.", param="input")
+            raise self._too_long(i, f"more than {max_len}")
         encs = backend.encode_batch(texts, add_special_tokens=True)
         ids = [enc.ids for enc in encs]
         for i, seq in enumerate(ids):
             if len(seq) > max_len:
-                raise InvalidArgument(
-                    f"input {i} is {len(seq)} tokens long; {self.info.name} takes at most "
-                    f"{max_len} tokens per input (special tokens included). Shorten it or set "
-                    f"truncate=true to cut it to {max_len}.", param="input")
+                raise self._too_long(i, str(len(seq)))
         return ids
+
+    def _too_long(self, index: int, length: str) -> InvalidArgument:
+        max_len = self.info.max_length
+        return InvalidArgument(
+            f"input {index} is {length} tokens long; {self.info.name} takes at most {max_len} "
+            f"tokens per input (special tokens included). Shorten it or set truncate=true to cut "
+            f"it to {max_len}.", param="input")
 
     async def encode(self, texts: list[str], *, prompt: str = "", truncate: bool = False,
                      cost_bytes: int | None = None) -> list[list[int]]:
