@@ -7,9 +7,11 @@ heartbeat: the device never waits on Redis, and Redis never waits on the device.
 An idle worker does not poll: it registers as idle and waits on its owner channel, where
 enqueue and requeue wake one idle worker when the queue stops being empty (and a claim that
 leaves work wakes the next, so a burst spreads); the queue's work channel gets the notice when no
-worker is registered. It claims at least every IDLE_FALLBACK_S in case a notice was missed. A forward that runs far past its expected time (a hung device) makes
-the worker give up: its heartbeat goes, its leases are no longer renewed (so its batches are
-redone elsewhere) and the process exits non-zero for its supervisor to restart it.
+worker is registered. It claims at least every IDLE_FALLBACK_S in case a notice was missed.
+
+A forward that runs far past its expected time (a hung device) makes the worker give up: its
+heartbeat goes, its leases are no longer renewed (so its batches are redone elsewhere) and the
+process exits non-zero for its supervisor to restart it.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ torch thread each): a survivor (the default budget) and a victim whose budget ho
 burst. Steady load: single-item requests of 4 tokens at ``--rate`` per second. Then a burst of
 ``--burst`` such items; once the victim has leased (nearly) all of them it is killed with
 SIGKILL. Its lease misses a renewal and its owner channel has no listener (tokq.queue), so the
-items come back (attempt 1), and the survivor redoes them while the steady load goes on. Measured, for the redo rule (redone items in normal batches; only a
-third try is claimed alone) against the old rule in the same run (every redone item alone:
-``max_attempts=2`` makes the first redo a last try, which goes alone):
+items come back (attempt 1), and the survivor redoes them while the steady load goes on.
+Measured, for the redo rule (redone items in normal batches; only a third try is claimed
+alone) against the old rule in the same run (every redone item alone: ``max_attempts=2`` makes
+the first redo a last try, which goes alone):
   * recovery: from the kill until the steady requests' p99 (1 s windows, by send time) is
     back at its pre-crash value (the first of three windows in a row within it), in lease
     periods; also the end of the last window above it in the 8 leases observed (noise-prone);
