@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from service_stack import free_port_pair
 
 from tokq import metrics
 from tokq.processes import stop_all
@@ -168,20 +168,6 @@ def test_prometheus_scrapes_tokq_metrics_and_runs_rules_and_dashboards(tmp_path)
             assert set(empty) <= {"Worker errors", "Requeues and expirations"}, empty
     finally:
         server.shutdown()
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 free as well: tokq up gives its worker the gateway's metrics port + 1,
-    and a random neighbour (a cluster node's bus port, say) must not be taken for it."""
-    while True:
-        port = free_port()
-        try:
-            for candidate in (port, port + 1):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", candidate))
-            return port
-        except OSError:
-            continue
 
 
 @pytest.mark.slow
