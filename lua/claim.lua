@@ -18,6 +18,9 @@
 --         of leasing a second one that nobody would ever process
 -- ARGV[10] isolate_attempt: an entry redone this many times or more is claimed alone
 -- ARGV[11] owner channel prefix: a claim that leaves work queued wakes one more idle worker
+-- ARGV[12] light_only: "1" = a pre-empting claim (a worker in a heavy forward runs it nested,
+--          workers/preempt.py): light-lane entries only, up to all of token_budget; the heavy
+--          lane is not touched. "" or "0" = the usual claim of both lanes
 -- The rule is tokq/claim_rule.py, entry for entry. Returns
 --   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}}
 --#include lib/common.lua
@@ -37,6 +40,7 @@ local max_skip_age_ms = tonumber(ARGV[5])
 local max_drop = tonumber(ARGV[6])
 local reply_prefix = ARGV[7]
 local isolate_attempt = tonumber(ARGV[10])
+local light_only = ARGV[12] == '1'
 local EXPIRED = '-DEADLINE_EXCEEDED:deadline passed while queued'
 
 -- One EXISTS per request, not per item: a request's items sit together.
@@ -110,7 +114,7 @@ end
 -- The light lane first, within its share (tokq.claim_rule.light_share); not at all when the
 -- heavy lane's head is a redo to isolate (it goes alone now).
 local light_skipped, light_scanned, heavy_skipped, heavy_scanned = {}, 0, {}, 0
-local heavy_head = redis.call('LINDEX', heavy, 0)
+local heavy_head = (not light_only) and redis.call('LINDEX', heavy, 0)
 local share = token_budget
 local isolated_head = false
 if heavy_head then

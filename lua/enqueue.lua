@@ -5,6 +5,9 @@
 -- KEYS[4] reply     HASH   reply:<request_id>, created here
 -- KEYS[5] heavy     LIST   heavy lane: entries of larger requests (tokq/claim_rule.py)
 -- KEYS[6] idle      SET    owner ids of idle workers (lib/wake.lua)
+-- KEYS[7] preemptible SET  owner ids of workers running a heavy forward (lib/wake.lua): one
+--                          is told 'light' when the light lane stops being empty and no idle
+--                          worker was woken
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] request_id (no ':')
 -- ARGV[3] timeout_ms, relative: deadline_ms = now_ms + timeout_ms
@@ -55,15 +58,24 @@ for i = 10, #ARGV, 2 do
   local index = (i - 10) / 2
   entries[#entries + 1] = format_entry(tonumber(ARGV[i]), now, request_id, index, deadline_ms, 0, ARGV[i + 1])
 end
-local lane = request_tokens <= tonumber(ARGV[8]) and KEYS[1] or KEYS[5]
-push_values('RPUSH', lane, entries)
+local light = request_tokens <= tonumber(ARGV[8])
+local light_was_empty = light and redis.call('LLEN', KEYS[1]) == 0
+push_values('RPUSH', light and KEYS[1] or KEYS[5], entries)
 add_to_count(KEYS[2], request_tokens)
 add_to_counter(KEYS[3], 'enqueued', num_items)
 redis.call('HSET', KEYS[4], 'n', num_items, 'ch', ARGV[6], 't', now .. ':' .. deadline_ms)
 redis.call('PEXPIRE', KEYS[4], timeout_ms + tonumber(ARGV[5]))
-if queued_tokens == 0 then
-  -- Only the empty -> non-empty step wakes an idle worker (one: its claim wakes the next if
-  -- work is left); a busy fleet gets no notices.
-  wake_one(KEYS[6], ARGV[9], ARGV[7])
+-- Only the empty -> non-empty step of the queue, or of its light lane, wakes an idle worker
+-- (one: its claim wakes the next if work is left); a busy fleet gets no work notices. Light
+-- work that no idle worker takes goes to a worker in a heavy forward, to run nested.
+local woken = 0
+if queued_tokens == 0 or light_was_empty then
+  woken = wake_one(KEYS[6], ARGV[9], nil)
+end
+if woken == 0 and light_was_empty then
+  woken = wake_one(KEYS[7], ARGV[9], nil, 'light')
+end
+if woken == 0 and queued_tokens == 0 then
+  redis.call('SPUBLISH', ARGV[7], '1')
 end
 return {'OK', now, deadline_ms}

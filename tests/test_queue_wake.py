@@ -85,3 +85,56 @@ async def test_a_worker_that_goes_busy_or_away_leaves_the_idle_set(redis_url):
         await q.mark_idle(True)
         await q.forget_worker("w")
         assert await q.redis.scard(q.keys.idle) == 0
+
+
+async def _said(sub: ShardedSubscriber) -> list[bytes]:
+    """The messages' data the subscriber got (waiting a little for the first)."""
+    said = []
+    msg = await sub.get_message(timeout=0.3)
+    while msg is not None:
+        said.append(msg[1])
+        msg = await sub.get_message(timeout=0.05)
+    return said
+
+
+async def test_light_work_tells_one_worker_in_a_heavy_forward_only_as_the_light_lane_fills(redis_url):
+    async with open_queue(redis_url) as a, open_queue(redis_url) as b:
+        owners = [await _listener(q, q.owner_channel) for q in (a, b)]
+        broadcast = await _listener(a, a.keys.work_channel)
+        await a.enqueue("h1", items(200), timeout_ms=60_000, channel=CHANNEL)  # heavy, queued
+        assert await _said(broadcast) == [b"1"]  # (nobody idle, nobody pre-emptible)
+        for q in (a, b):
+            await q.mark_preemptible(True)
+        await a.enqueue("h2", items(200), timeout_ms=60_000, channel=CHANNEL)
+        assert [await _said(s) for s in owners] == [[], []]  # heavy work: nobody is told
+
+        await a.enqueue("l1", items(5), timeout_ms=60_000, channel=CHANNEL)  # light lane: empty -> 1
+        said = [await _said(s) for s in owners]
+        assert sorted(said) == [[], [b"light"]] and await _said(broadcast) == []
+        told = (a, b)[said.index([b"light"])]
+        assert await a.redis.smembers(a.keys.preemptible) == {({a, b} - {told}).pop().owner_id.encode()}
+        await a.enqueue("l2", items(5), timeout_ms=60_000, channel=CHANNEL)  # lane not empty: silent
+        assert [await _said(s) for s in owners] == [[], []]
+
+        claim = await told.claim(128, light_only=True)  # both light requests, no heavy one
+        assert sorted(e.request_id for e in claim.entries) == ["l1", "l2"]
+        await told.mark_preemptible(True)
+        await a.enqueue("l3", items(5), timeout_ms=60_000, channel=CHANNEL)  # empty again: told
+        assert sorted([await _said(s) for s in owners]) == [[], [b"light"]]
+        for s in [*owners, broadcast]:
+            await s.aclose()
+
+
+async def test_an_idle_worker_takes_light_work_before_a_worker_in_a_heavy_forward_is_told(redis_url):
+    async with open_queue(redis_url) as idle, open_queue(redis_url) as busy:
+        idle_owner, busy_owner = [await _listener(q, q.owner_channel) for q in (idle, busy)]
+        await busy.enqueue("h", items(200), timeout_ms=60_000, channel=CHANNEL)
+        await busy.mark_preemptible(True)
+        await idle.mark_idle(True)
+        await busy.enqueue("l", items(5), timeout_ms=60_000, channel=CHANNEL)
+        assert (await _said(idle_owner), await _said(busy_owner)) == ([b"work"], [])
+        assert await busy.redis.smembers(busy.keys.preemptible) == {busy.owner_id.encode()}
+        await busy.forget_worker("w")  # a worker that stops leaves the set
+        assert await busy.redis.scard(busy.keys.preemptible) == 0
+        for s in (idle_owner, busy_owner):
+            await s.aclose()

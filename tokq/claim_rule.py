@@ -10,6 +10,10 @@ gets at most half the budget (less when the heavy head needs more room), and eac
 work gets at least one item per batch: a flood of heavy requests cannot starve a one-word call
 (it waits for the forward in flight and its own), and a flood of light ones cannot starve
 heavy requests. Within a lane the rule is FIFO with bounded lookahead.
+
+A *light-only* claim (``light_only=True``) takes light-lane entries alone, up to all of its
+(small) budget: a worker running a heavy forward runs that batch nested between two of its
+layers' blocks (workers/preempt.py), so a one-word call need not wait for the forward in flight.
 """
 
 from __future__ import annotations
@@ -61,9 +65,17 @@ def light_share(token_budget: int, heavy_head: Entry | None) -> int:
     return max(0, min(token_budget // 2, token_budget - heavy_head.num_tokens))
 
 
+def preempt_budget(token_budget: int, light_tokens: int) -> int:
+    """The budget of a light-only claim, and the size past which a batch is *heavy* (worth
+    pre-empting): at least one light request, at most an eighth of the full budget, so the
+    nested forward is short beside the one it interrupts."""
+    return max(1, min(token_budget, max(light_tokens, token_budget // 8)))
+
+
 def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms: int,
                token_budget: int, lookahead: int, max_skip_age_ms: int, max_drop: int,
-               isolate_attempt: int, is_live: Callable[[str], bool]) -> ClaimPlan:
+               isolate_attempt: int, is_live: Callable[[str], bool],
+               light_only: bool = False) -> ClaimPlan:
     """Decide the next batch from the heads of the light lane ``pending`` and the ``heavy``
     lane (each oldest first).
 
@@ -74,6 +86,7 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
     ``max_skip_age_ms``: then that lane's part ends and it goes first next time, so nothing
     starves. An item redone ``isolate_attempt`` times or more (see ``isolate_attempt_for``) is
     claimed alone; when it heads the heavy lane, the light lane waits this one claim.
+    ``light_only``: the light lane alone, within all of ``token_budget``; ``heavy`` is not read.
     """
     taken: list[Entry] = []
     expired: list[Entry] = []
@@ -114,6 +127,8 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
                 break
         return skipped, num_scanned
 
+    if light_only:
+        heavy = ()
     heavy_head = heavy[0] if heavy else None
     skipped: list[Entry] = []
     num_scanned = 0

@@ -182,20 +182,39 @@ def _check_connections(connections: int) -> int:
     return connections
 
 
-class Client:
-    """A blocking client, safe to share between threads; ``connections`` connections to
-    ``target``, calls spread over the gateway processes they reach."""
+class _ClientBase:
+    """What both clients share: ``connections`` channels to ``target``, the model asked for,
+    and the call metadata. ``grpc_module`` is ``grpc`` or ``grpc.aio``."""
 
-    def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
-                 model: str = "", connections: int = DEFAULT_CONNECTIONS, api_key: str | None = None) -> None:
+    def __init__(self, grpc_module, target: str, credentials: grpc.ChannelCredentials | None,
+                 model: str, connections: int, api_key: str | None) -> None:
         def open_channel():
-            return (grpc.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
-                    else grpc.insecure_channel(target, _CHANNEL_OPTIONS))
+            return (grpc_module.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
+                    else grpc_module.insecure_channel(target, _CHANNEL_OPTIONS))
 
         self._pool = _Pool(open_channel, _check_connections(connections))
         self.model = model
         # a gateway started with --api-key checks this on every call
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    def _tokenize_request(self, texts: Sequence[str], truncate: bool, prompt_name: str | None):
+        req = pb.TokenizeRequest(inputs=list(texts), truncate=truncate, model=self.model)
+        if prompt_name is not None:
+            req.prompt_name = prompt_name
+        return req
+
+    def processes(self) -> dict[str | None, int]:
+        """Connections per gateway process reached (None: not identified yet)."""
+        return self._pool.processes()
+
+
+class Client(_ClientBase):
+    """A blocking client, safe to share between threads; ``connections`` connections to
+    ``target``, calls spread over the gateway processes they reach."""
+
+    def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
+                 model: str = "", connections: int = DEFAULT_CONNECTIONS, api_key: str | None = None) -> None:
+        super().__init__(grpc, target, credentials, model, connections, api_key)
 
     def _call(self, method: str, request, timeout: float | None):
         conn = self._pool.acquire()
@@ -229,14 +248,8 @@ class Client:
 
     def tokenize(self, texts: Sequence[str], *, truncate: bool = False, prompt_name: str | None = None,
                  timeout: float | None = None) -> list[list[int]]:
-        req = pb.TokenizeRequest(inputs=list(texts), truncate=truncate, model=self.model)
-        if prompt_name is not None:
-            req.prompt_name = prompt_name
+        req = self._tokenize_request(texts, truncate, prompt_name)
         return [list(t.ids) for t in self._call("Tokenize", req, timeout).inputs]
-
-    def processes(self) -> dict[str | None, int]:
-        """Connections per gateway process reached (None: not identified yet)."""
-        return self._pool.processes()
 
     def close(self) -> None:
         for channel in self._pool.channels():
@@ -249,19 +262,12 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """The asyncio variant (grpc.aio); create it inside a running event loop."""
 
     def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
                  model: str = "", connections: int = DEFAULT_CONNECTIONS, api_key: str | None = None) -> None:
-        def open_channel():
-            return (grpc.aio.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
-                    else grpc.aio.insecure_channel(target, _CHANNEL_OPTIONS))
-
-        self._pool = _Pool(open_channel, _check_connections(connections))
-        self.model = model
-        # a gateway started with --api-key checks this on every call
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        super().__init__(grpc.aio, target, credentials, model, connections, api_key)
 
     async def _call(self, method: str, request, timeout: float | None):
         conn = self._pool.acquire()
@@ -297,14 +303,8 @@ class AsyncClient:
 
     async def tokenize(self, texts: Sequence[str], *, truncate: bool = False, prompt_name: str | None = None,
                        timeout: float | None = None) -> list[list[int]]:
-        req = pb.TokenizeRequest(inputs=list(texts), truncate=truncate, model=self.model)
-        if prompt_name is not None:
-            req.prompt_name = prompt_name
+        req = self._tokenize_request(texts, truncate, prompt_name)
         return [list(t.ids) for t in (await self._call("Tokenize", req, timeout)).inputs]
-
-    def processes(self) -> dict[str | None, int]:
-        """Connections per gateway process reached (None: not identified yet)."""
-        return self._pool.processes()
 
     async def close(self) -> None:
         for channel in self._pool.channels():

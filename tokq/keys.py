@@ -117,6 +117,13 @@ class QueueKeys:
         return f"{self.base}:idle"
 
     @property
+    def preemptible(self) -> str:
+        """SET of the owner ids of workers running a heavy forward: light work arriving in an
+        empty light lane, with no idle worker, tells one 'light' (lua/enqueue.lua), and it runs
+        that work nested in its forward (workers/preempt.py)."""
+        return f"{self.base}:preemptible"
+
+    @property
     def owner_prefix(self) -> str:
         """Shard channel ``<owner_prefix><batch prefix>`` a worker holds a subscription on while
         it lives: requeue.lua SPUBLISHes to the owner of a lease that missed a renewal, and

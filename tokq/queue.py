@@ -164,8 +164,8 @@ class Queue:
             args += [int(tokens), body]
         k = self.keys
         reply = await self._run(
-            "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy, k.idle],
-            args, pipelined=True)
+            "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy, k.idle,
+                        k.preemptible], args, pipelined=True)
         status = reply[0]
         if status == b"QUEUE_FULL":
             raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)
@@ -188,13 +188,16 @@ class Queue:
         return {int(field): value for field, value in _pairs(flat)
                 if field not in REPLY_META_FIELDS}
 
-    async def claim(self, token_budget: int, *, lookahead: int | None = None) -> Claim | None:
+    async def claim(self, token_budget: int, *, lookahead: int | None = None,
+                    light_only: bool = False) -> Claim | None:
         """The next batch of at most ``token_budget`` tokens (tokq/claim_rule.py: small requests
         first, within their share; a lane's first item goes even when longer), leased for
-        ``config.lease_ms``; None when nothing is queued."""
+        ``config.lease_ms``; None when nothing is queued. ``light_only``: from the light lane
+        alone (a pre-empting claim, tokq.claim_rule.preempt_budget)."""
         num_expired = 0
         while True:
-            claim, expired, orphaned = await self.claim_step(token_budget, lookahead=lookahead)
+            claim, expired, orphaned = await self.claim_step(token_budget, lookahead=lookahead,
+                                                             light_only=light_only)
             num_expired += expired
             if claim is not None:
                 return replace(claim, num_expired=num_expired)
@@ -202,7 +205,8 @@ class Queue:
                 return None  # the queue is empty, not just a long run of dead entries
 
     async def claim_step(self, token_budget: int, *, lookahead: int | None = None,
-                         max_drop: int = MAX_DROPS_PER_CLAIM) -> tuple[Claim | None, int, int]:
+                         max_drop: int = MAX_DROPS_PER_CLAIM,
+                         light_only: bool = False) -> tuple[Claim | None, int, int]:
         """One run of claim.lua: (the batch or None, entries dropped as expired, entries
         dropped because their request is gone). It stops after ``max_drop`` drops. The batch
         id is picked here, so a run repeated after a lost answer returns the same batch."""
@@ -213,7 +217,7 @@ class Queue:
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
                 max_drop, k.reply_prefix, k.lease_prefix,
                 f"{self._batch_prefix}-{next(self._batch_numbers)}",
-                isolate_attempt_for(cfg.max_attempts), k.owner_prefix]
+                isolate_attempt_for(cfg.max_attempts), k.owner_prefix, "1" if light_only else "0"]
         batch_id, now_ms, expired, orphaned, raw = await self._run(
             "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
         claim = None
@@ -240,6 +244,14 @@ class Queue:
             await self.redis.sadd(self.keys.idle, self.owner_id)
         else:
             await self.redis.srem(self.keys.idle, self.owner_id)
+
+    async def mark_preemptible(self, preemptible: bool) -> None:
+        """Register this client as a worker running a heavy forward (light work arriving then
+        tells it 'light' on its owner channel, lua/enqueue.lua), or not (the forward ended)."""
+        if preemptible:
+            await self.redis.sadd(self.keys.preemptible, self.owner_id)
+        else:
+            await self.redis.srem(self.keys.preemptible, self.owner_id)
 
     async def renew(self, batch_id: str) -> bool:
         """Extend a running batch's lease; False if it was already requeued or acknowledged."""
@@ -285,6 +297,7 @@ class Queue:
             pipe.delete(k.heartbeat(worker_id))
             pipe.zrem(k.workers, worker_id)
             pipe.srem(k.idle, self.owner_id)
+            pipe.srem(k.preemptible, self.owner_id)
             await pipe.execute()
 
     async def stats(self) -> QueueStats:

@@ -196,7 +196,8 @@ class ShardedQueue:
     def claim_shards(self) -> int:
         return self._claim_shards
 
-    async def claim(self, token_budget: int, *, lookahead: int | None = None) -> Claim | None:
+    async def claim(self, token_budget: int, *, lookahead: int | None = None,
+                    light_only: bool = False) -> Claim | None:
         """One batch from the next non-empty shard in rotation; None when all are empty. A
         shard whose node is down (failing over) is passed over, so the others keep being
         served; a claim that may have run there is redone when its lease expires. Raises
@@ -206,7 +207,8 @@ class ShardedQueue:
         for step in range(n):
             index = (self._next_claim + step) % n
             try:
-                claim = await self.shard(index).claim(token_budget, lookahead=lookahead)
+                claim = await self.shard(index).claim(token_budget, lookahead=lookahead,
+                                                      light_only=light_only)
             except redis.exceptions.RedisError as exc:
                 errors.append(exc)
                 continue
@@ -263,11 +265,17 @@ class ShardedQueue:
 
     async def forget_worker(self, worker_id: str) -> None:
         await self.shard(0).forget_worker(worker_id)
-        await asyncio.gather(*(self.shard(i).mark_idle(False) for i in range(1, self._claim_shards)))
+        await asyncio.gather(*(self.shard(i).mark_idle(False) for i in range(1, self._claim_shards)),
+                             *(self.shard(i).mark_preemptible(False) for i in range(1, self._claim_shards)))
 
     async def mark_idle(self, idle: bool) -> None:
         """Queue.mark_idle on every claimed shard."""
         await asyncio.gather(*(self.shard(i).mark_idle(idle) for i in range(self._claim_shards)))
+
+    async def mark_preemptible(self, preemptible: bool) -> None:
+        """Queue.mark_preemptible on every claimed shard."""
+        await asyncio.gather(*(self.shard(i).mark_preemptible(preemptible)
+                               for i in range(self._claim_shards)))
 
     async def get_budget(self) -> int | None:
         return await self.shard(0).get_budget()
