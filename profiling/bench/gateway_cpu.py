@@ -1,22 +1,23 @@
 """CPU time per single-input Embed call, per process, against a bare grpc.aio server measured
 in the same run.
 
-    tokq bench gateway-cpu [--calls 2000] [--rates 60,200] [--rounds 3]
+    tokq bench gateway-cpu [--calls 2000] [--rates 60,200] [--concurrency 64] [--rounds 3]
         [--profile-dir DIR] [--results-md profiling/RESULTS.md]
 
 Starts, as separate processes: an embedded Redis, one gateway and one worker (`tokq gateway`,
 `tokq worker --threads 1`, their defaults otherwise), and a bare grpc.aio server (`echo-server`
-below: the same Embed RPC answering a fixed 384-float vector, no work). For each offered load
-in ``--rates`` and each round, a load client (its own process, `load-client`) warms up, then
-sends ``--calls`` single-input Embed calls open loop at that rate to the echo server, then to the
-gateway. Each process's CPU time (utime + stime of all its threads, from /proc/<pid>/stat) is
+below: the same Embed RPC answering a fixed 384-float vector, no work). For each load (each
+rate of ``--rates``: open loop, Poisson arrivals; each level of ``--concurrency``: closed loop,
+that many calls in flight, as fast as the system answers) and each round, a load client (its own
+process, `load-client`) warms up, then sends ``--calls`` single-input Embed calls at that load to
+the echo server, then to the gateway. Each process's CPU time (utime + stime of all its threads, from /proc/<pid>/stat) is
 read right before and after the measured calls, so start-up and warm-up are not counted.
 Per-call figures are medians over a load's rounds; the gateway/echo ratio is taken within each
 round. The CPU a call costs depends on the load: at a low rate every call wakes the event loop
 and gRPC's poller on its own, at a higher one calls share wake-ups (and the gateway's Redis
 round trips, see tokq.shards), so each load is judged on its own.
 
-With ``--profile-dir``, one more gateway run at the highest rate is sampled by py-spy (its own
+With ``--profile-dir``, one more gateway run at the last load is sampled by py-spy (its own
 process, outside the gateway) and the hottest frames are printed and written to the report.
 """
 
@@ -96,23 +97,56 @@ async def serve_echo(port: int) -> None:
 
 # -- the load client -----------------------------------------------------------------------------
 
-async def drive(target: str, rate: float, calls: int, warmup_calls: int, seed: int, workload: str | None) -> None:
-    """Warm up, say "ready", wait for "go" on stdin, send ``calls`` single-input calls open loop,
-    print their summary as one JSON line, then wait for stdin to close (so the parent can read
-    this process's CPU time while it still exists)."""
+async def run_closed_loop(send, arrivals, concurrency: int) -> list:
+    """Send ``arrivals`` (their times ignored) with ``concurrency`` calls in flight, each lane
+    sending its next call when its last one is answered; the samples, as run_open_loop's."""
+    from tokq.profiling.bench import loadgen
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    pending = iter(arrivals)
+    samples = []
+
+    async def lane() -> None:
+        for arrival in pending:
+            sent = loop.time() - start
+            try:
+                reply = await send(arrival.texts)
+            except Exception as exc:  # a sender bug must show as an error, not kill the run
+                reply = loadgen.Reply(f"CLIENT_{type(exc).__name__}")
+            samples.append(loadgen.Sample(sent, sent, loop.time() - start, reply.status, arrival.num_tokens,
+                                          reply.queue_ms, reply.inference_ms))
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return samples
+
+
+async def drive(target: str, rate: float | None, concurrency: int | None, calls: int, warmup_calls: int, seed: int,
+                workload: str | None) -> None:
+    """Warm up, say "ready", wait for "go" on stdin, send ``calls`` single-input calls (open loop
+    at ``rate``, or closed loop with ``concurrency`` in flight), print their summary as one JSON
+    line, then wait for stdin to close (so the parent can read this process's CPU time while it
+    still exists)."""
     from tokq.profiling.bench import loadgen
     from tokq.profiling.bench.service.systems import GrpcSender
 
     queries, _ = loadgen.load_queries(workload, 4000, seed)
     sender = GrpcSender(target, timeout_s=10.0)
     loop = asyncio.get_running_loop()
-    warm = loadgen.poisson_schedule(queries[::-1], rate, warmup_calls / rate, seed=seed + 1)
-    await loadgen.run_open_loop(sender, warm)
-    arrivals = loadgen.poisson_schedule(queries, rate, 10 * calls / rate, seed=seed)[:calls]
+    schedule_rate = rate or 100.0  # closed loop: only the schedule's queries are used
+    warm = loadgen.poisson_schedule(queries[::-1], schedule_rate, warmup_calls / schedule_rate, seed=seed + 1)
+    arrivals = loadgen.poisson_schedule(queries, schedule_rate, 10 * calls / schedule_rate, seed=seed)[:calls]
+    if concurrency:
+        await run_closed_loop(sender, warm, concurrency)
+    else:
+        await loadgen.run_open_loop(sender, warm)
     print("ready", flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)
-    samples = await loadgen.run_open_loop(sender, arrivals)
-    summary = loadgen.summarize(samples, rate, arrivals[-1].t_s)
+    if concurrency:
+        samples = await run_closed_loop(sender, arrivals, concurrency)
+        summary = loadgen.summarize(samples, 0.0)
+    else:
+        samples = await loadgen.run_open_loop(sender, arrivals)
+        summary = loadgen.summarize(samples, rate, arrivals[-1].t_s)
     print(json.dumps(summary), flush=True)
     await loop.run_in_executor(None, sys.stdin.read)
     await sender.close()
@@ -187,12 +221,13 @@ class Stack:
         self.log.close()
 
 
-def measure(target: str, pids: dict[str, int], *, rate: float, calls: int, warmup_calls: int, seed: int,
+def measure(target: str, pids: dict[str, int], *, load: dict, calls: int, warmup_calls: int, seed: int,
             workload: str | None, while_running=None, counters=None) -> dict:
     """One measured run of the load client against ``target``: CPU-seconds per process
     (``pids`` and the client itself) over exactly the measured calls, the client's summary, and
     how much each of ``counters()`` (name -> number) grew over the same calls."""
-    client = _this("load-client", "--target", target, "--rate", str(rate), "--calls", str(calls),
+    how = ["--concurrency", str(load["concurrency"])] if "concurrency" in load else ["--rate", str(load["rate"])]
+    client = _this("load-client", "--target", target, *how, "--calls", str(calls),
                    "--warmup-calls", str(warmup_calls), "--seed", str(seed),
                    *(["--workload", workload] if workload else []),
                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -306,29 +341,34 @@ def machine() -> dict:
     return {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform()}
 
 
-def run_all(*, calls: int, rates: list[float], rounds: int, warmup_calls: int, seed: int, workload: str | None,
-            profile_dir: Path | None, console) -> dict:
+def load_name(load: dict) -> str:
+    return f"{load['concurrency']} in flight" if "concurrency" in load else f"{load['rate']:g} req/s"
+
+
+def run_all(*, calls: int, rates: list[float], concurrency: list[int], rounds: int, warmup_calls: int, seed: int,
+            workload: str | None, profile_dir: Path | None, console) -> dict:
     import tempfile
 
     log_path = Path(tempfile.mkdtemp(prefix="tokq-gateway-cpu-")) / "stack.log"
     report = {"meta": {"command": command_line(),
                        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "machine": machine(), "loadavg_at_start": loadavg(), "log": str(log_path),
-                       "calls": calls, "rates": rates, "rounds": rounds, "workload": workload or "default"},
+                       "calls": calls, "rates": rates, "concurrency": concurrency, "rounds": rounds,
+                       "workload": workload or "default"},
               "loads": []}
     stack = Stack(log_path)
     try:
         tokq_pids = {"gateway": stack.gateway.pid, "worker": stack.worker.pid, "redis": stack.redis_pid}
-        for rate in rates:
-            kw = dict(rate=rate, calls=calls, warmup_calls=warmup_calls, workload=workload)
-            load = {"rate": rate, "rounds": []}
+        for spec in [{"rate": r} for r in rates] + [{"concurrency": c} for c in concurrency]:
+            kw = dict(load=spec, calls=calls, warmup_calls=warmup_calls, workload=workload)
+            load = {**spec, "rounds": []}
             report["loads"].append(load)
             for r in range(rounds):
                 echo = measure(stack.echo_target, {"echo server": stack.echo.pid}, seed=seed + r, **kw)
                 tokq = measure(stack.gateway_target, tokq_pids, seed=seed + r, counters=stack.enqueue_round_trips, **kw)
                 ratio = tokq["cpu_ms_per_call"]["gateway"] / max(echo["cpu_ms_per_call"]["echo server"], 1e-9)
                 load["rounds"].append({"echo": echo, "tokq": tokq, "gateway_vs_echo": round(ratio, 2)})
-                console.print(f"{rate:g} req/s, round {r + 1}: gateway {tokq['cpu_ms_per_call']['gateway']:.3f} ms/call, "
+                console.print(f"{load_name(spec)}, round {r + 1}: gateway {tokq['cpu_ms_per_call']['gateway']:.3f} ms/call, "
                               f"echo {echo['cpu_ms_per_call']['echo server']:.3f} ms/call ({ratio:.2f}x); "
                               f"worker {tokq['cpu_ms_per_call']['worker']:.3f}, redis {tokq['cpu_ms_per_call']['redis']:.3f}, "
                               f"client {tokq['cpu_ms_per_call']['load client']:.3f}; "
@@ -336,11 +376,11 @@ def run_all(*, calls: int, rates: list[float], rounds: int, warmup_calls: int, s
         if profile_dir:
             profile_dir.mkdir(parents=True, exist_ok=True)
             out = profile_dir / "gateway-pyspy.txt"
-            rate = max(rates)
-            profiled = measure(stack.gateway_target, tokq_pids, seed=seed, rate=rate, calls=calls,
+            spec = {k: v for k, v in report["loads"][-1].items() if k != "rounds"}
+            profiled = measure(stack.gateway_target, tokq_pids, seed=seed, load=spec, calls=calls,
                                warmup_calls=warmup_calls, workload=workload,
                                while_running=lambda: PySpy(stack.gateway.pid, out))
-            report["profile"] = {"path": str(out), "rate": rate,
+            report["profile"] = {"path": str(out), "load": load_name(spec),
                                  "gateway_cpu_ms_per_call": profiled["cpu_ms_per_call"]["gateway"],
                                  **top_frames(out.read_text())}
     finally:
@@ -386,19 +426,23 @@ def verdict(rounds: list[dict]) -> str:
 def markdown_section(report: dict) -> str:
     meta = report["meta"]
     per_load = loads(report)
-    rates = ", ".join(f"{load['rate']:g}" for load in per_load)
+    rates = [f"{load['rate']:g}" for load in per_load if "rate" in load]
+    levels = [str(load["concurrency"]) for load in per_load if "concurrency" in load]
+    how = " and ".join(filter(None, [
+        f"open loop (Poisson) at each of {', '.join(rates)} req/s" if rates else "",
+        f"closed loop with each of {', '.join(levels)} calls in flight" if levels else ""]))
     lines = [SECTION_START, "## Gateway CPU per call", "",
              f"Command: `{meta['command']}`  ",
              f"Date: {meta['started_at']} to {meta['finished_at']}  ",
              f"Machine: {meta['machine']['cpu']}, {meta['machine']['num_cpus']} CPUs, {meta['machine']['platform']}; "
              f"**shared with other people's builds and tests**: load average {' '.join(meta['loadavg_at_start'])} "
              f"at start, {' '.join(meta['loadavg_at_end'])} at end, so figures are noisy.  ",
-             f"Load: {meta['calls']} single-input Embed calls per run, open loop (Poisson) at each of {rates} req/s "
+             f"Load: {meta['calls']} single-input Embed calls per run, {how} "
              f"from a separate client process, after a warm-up; {meta['rounds']} rounds per load, each measuring the "
-             "bare echo server, then tokq (gateway + worker `--threads 1` + Redis), at the same rate. CPU = utime + "
+             "bare echo server, then tokq (gateway + worker `--threads 1` + Redis), at the same load. CPU = utime + "
              "stime of every thread of each process (/proc/<pid>/stat) over the measured calls only; medians over "
              "a load's rounds.", "",
-             f"| offered req/s | gateway ms/call | bare grpc.aio server ms/call | gateway / bare (within rounds) "
+             f"| load | gateway ms/call | bare grpc.aio server ms/call | gateway / bare (within rounds) "
              f"| target <= {TARGET_MS_PER_CALL} ms | enqueues per Redis round trip | tokq p99 ms per round "
              "| failed calls per round (tokq, echo) |",
              "|---:|---:|---:|---:|---|---:|---|---|"]
@@ -407,22 +451,22 @@ def markdown_section(report: dict) -> str:
         p99 = ", ".join(f"{r['tokq']['summary']['latency_ms']['p99']:.0f}" for r in rounds)
         errors = ", ".join(f"{sum(r['tokq']['summary']['errors'].values())}/{sum(r['echo']['summary']['errors'].values())}"
                            for r in rounds)
-        lines.append(f"| {load['rate']:g} | {med['tokq']['gateway']:.3f} | {med['echo']['echo server']:.3f} "
+        lines.append(f"| {load_name(load)} | {med['tokq']['gateway']:.3f} | {med['echo']['echo server']:.3f} "
                      f"| **{med['gateway_vs_echo']:.2f}x** ({', '.join(str(r['gateway_vs_echo']) for r in rounds)}) "
                      f"| **{verdict(rounds)}** | {enqueues_per_round_trip(rounds)} | {p99} | {errors} |")
     lines += ["", "Every process, CPU ms per call (median over the rounds; per round):", "",
-              "| offered req/s | process | median | per round |", "|---:|---|---:|---|"]
+              "| load | process | median | per round |", "|---:|---|---:|---|"]
     for load in per_load:
         rounds, med = load["rounds"], medians(load["rounds"])
         for system in ("tokq", "echo"):
             for name, value in med[system].items():
                 per_round = ", ".join(f"{r[system]['cpu_ms_per_call'][name]:.3f}" for r in rounds)
-                lines.append(f"| {load['rate']:g} | {name} ({'tokq run' if system == 'tokq' else 'echo run'}) "
+                lines.append(f"| {load_name(load)} | {name} ({'tokq run' if system == 'tokq' else 'echo run'}) "
                              f"| {value:.3f} | {per_round} |")
     lines.append("")
     prof = report.get("profile")
     if prof:
-        at = f" at {prof['rate']:g} req/s" if "rate" in prof else ""
+        at = f" at {prof['load']}" if "load" in prof else ""
         lines += [f"### Where the gateway's CPU goes (py-spy --native, {prof['busy_samples']} busy of "
                   f"{prof['samples']} samples of one more run{at}; "
                   f"gateway {prof['gateway_cpu_ms_per_call']:.3f} ms/call while sampled)", "",
@@ -435,16 +479,18 @@ def markdown_section(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_rates(value: str) -> list[float]:
-    """``--rates`` as given ("60,200"), kept a string for the command line the report shows."""
+def parse_levels(value: str, option: str, kind=float) -> list:
+    """A comma-separated option (``--rates 60,200``), kept a string for the command line the
+    report shows; "" or "0" = none."""
     try:
-        rates = [float(v) for v in value.split(",") if v.strip()]
+        levels = [kind(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise click.BadParameter(f"{value!r}: give offered loads in req/s, comma-separated (60,200)",
-                                 param_hint="'--rates'") from None
-    if not rates or any(r <= 0 for r in rates):
-        raise click.BadParameter(f"{value!r}: give at least one positive rate in req/s", param_hint="'--rates'")
-    return rates
+        raise click.BadParameter(f"{value!r}: give numbers, comma-separated (60,200)", param_hint=f"'{option}'") from None
+    if levels == [0]:
+        return []
+    if any(v <= 0 for v in levels):
+        raise click.BadParameter(f"{value!r}: every level must be positive", param_hint=f"'{option}'")
+    return levels
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -452,8 +498,10 @@ def parse_rates(value: str) -> list[float]:
 @click.command("gateway-cpu")
 @click.option("--calls", default=2000, show_default=True, help="Measured single-input calls per run.")
 @click.option("--rates", default="60,200", show_default=True,
-              help="Offered loads in req/s (open loop), comma-separated; each measured on its own. The highest "
-                   "should stay within what one worker thread keeps up with on a busy 2-core machine.")
+              help="Offered loads in req/s (open loop), comma-separated, 0 = none; each measured on its own. The "
+                   "highest should stay within what one worker thread keeps up with on a busy 2-core machine.")
+@click.option("--concurrency", default="64", show_default=True,
+              help="Closed-loop loads: calls in flight, comma-separated, 0 = none; each measured on its own.")
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--warmup-calls", default=300, show_default=True)
 @click.option("--seed", default=1, show_default=True)
@@ -466,17 +514,20 @@ def parse_rates(value: str) -> list[float]:
               help="Rewrite the 'Gateway CPU per call' block of this markdown file.")
 @click.option("--from-json", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Render this earlier --json report instead of measuring.")
-def gateway_cpu_command(calls, rates, rounds, warmup_calls, seed, workload, profile_dir, json_path, results_md,
+def gateway_cpu_command(calls, rates, concurrency, rounds, warmup_calls, seed, workload, profile_dir, json_path, results_md,
                         from_json) -> None:
     """Gateway CPU per single-input call (gateway, worker, Redis, load client) against a bare gRPC server."""
     from rich.console import Console
 
     console = Console(stderr=True)
-    rates = parse_rates(rates)
+    rates = parse_levels(rates, "--rates")
+    concurrency = parse_levels(concurrency, "--concurrency", int)
+    if not rates and not concurrency:
+        raise click.UsageError("nothing to measure: give --rates or --concurrency")
     if from_json:
         report = json.loads(Path(from_json).read_text())
     else:
-        report = run_all(calls=calls, rates=rates, rounds=rounds, warmup_calls=warmup_calls, seed=seed,
+        report = run_all(calls=calls, rates=rates, concurrency=concurrency, rounds=rounds, warmup_calls=warmup_calls, seed=seed,
                          workload=workload, profile_dir=Path(profile_dir) if profile_dir else None, console=console)
         for load in report["loads"]:
             load["medians"] = medians(load["rounds"])
@@ -501,13 +552,16 @@ def echo_command(port) -> None:
 
 @main.command("load-client")
 @click.option("--target", required=True)
-@click.option("--rate", type=float, required=True)
+@click.option("--rate", type=float, default=None)
+@click.option("--concurrency", type=int, default=None)
 @click.option("--calls", type=int, required=True)
 @click.option("--warmup-calls", type=int, default=300)
 @click.option("--seed", type=int, default=1)
 @click.option("--workload", default=None)
-def client_command(target, rate, calls, warmup_calls, seed, workload) -> None:
-    asyncio.run(drive(target, rate, calls, warmup_calls, seed, workload))
+def client_command(target, rate, concurrency, calls, warmup_calls, seed, workload) -> None:
+    if (rate is None) == (concurrency is None):
+        raise click.UsageError("give --rate or --concurrency")
+    asyncio.run(drive(target, rate, concurrency, calls, warmup_calls, seed, workload))
 
 
 if __name__ == "__main__":
