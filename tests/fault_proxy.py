@@ -8,7 +8,9 @@ CLIENT KILL does to a client. redis-py then reconnects and sends the command aga
 
 Commands are recognised by bytes in the chunk the client sent (e.g. a script's SHA1, or
 b"EVALSHA" for every script call), which is enough for redis-py's one-command-per-round-trip
-traffic.
+traffic. On a Redis Cluster, one proxy stands in front of each node (tokq.redis_cluster's
+``announce_port``), so gateways and workers share them: their links are told apart by the
+scripts each side runs.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ class FaultProxy:
                                         daemon=True)
         self._lock = threading.Lock()
         self._cut_next: list[bytes] = []  # cut the next command holding each of these
-        self._rate, self._rate_match = 0.0, b""  # and this fraction of those holding this
+        self._rate, self._rate_match = 0.0, (b"",)  # and this fraction of those holding one of these
         self._rng = random.Random(seed)
         self._server: asyncio.base_events.Server | None = None
+        # Open connections (by their handler task): the first 64 KiB each client sent.
+        self._connections: dict[asyncio.Task, bytearray] = {}
         self.port = 0
         self.cuts = 0  # answers dropped so far
 
@@ -77,15 +81,28 @@ class FaultProxy:
         with self._lock:
             self._cut_next += [match] * times
 
-    def cut_rate(self, fraction: float, match: bytes = b"EVALSHA") -> None:
-        """Lose the answer of this fraction of the commands containing ``match`` (0 = none)."""
+    def cut_rate(self, fraction: float, match: bytes | tuple[bytes, ...] = b"EVALSHA") -> None:
+        """Lose the answer of this fraction of the commands containing ``match`` (or any of
+        them; 0 = none)."""
         with self._lock:
-            self._rate, self._rate_match = fraction, match
+            self._rate = fraction
+            self._rate_match = match if isinstance(match, tuple) else (match,)
 
     def reset(self) -> None:
         with self._lock:
             self._cut_next.clear()
             self._rate = 0.0
+
+    def drop_connections(self, match: bytes) -> int:
+        """Reset every open connection whose client has sent ``match`` (e.g. b"SSUBSCRIBE": a
+        subscriber's link), as a network reset would; Redis sees it close. Returns how many."""
+        async def drop():
+            dropped = [task for task, sent in self._connections.items() if match in sent]
+            for task in dropped:
+                task.cancel()
+            await asyncio.gather(*dropped, return_exceptions=True)
+            return len(dropped)
+        return asyncio.run_coroutine_threadsafe(drop(), self._loop).result(10)
 
     def _should_cut(self, data: bytes) -> bool:
         with self._lock:
@@ -94,7 +111,7 @@ class FaultProxy:
                     del self._cut_next[i]
                     self.cuts += 1
                     return True
-            if self._rate and self._rate_match in data:
+            if self._rate and any(m in data for m in self._rate_match):
                 if self._rng.random() < self._rate:
                     self.cuts += 1
                     return True
@@ -113,9 +130,12 @@ class FaultProxy:
             client_w.close()
             return
         drop_answer = asyncio.Event()
+        sent = self._connections[asyncio.current_task()] = bytearray()
 
         async def to_redis():
             while data := await client_r.read(65536):
+                if len(sent) < 65536:
+                    sent.extend(data[:65536 - len(sent)])
                 if self._should_cut(data):
                     drop_answer.set()  # before the command leaves, so its answer is caught
                 upstream_w.write(data)
@@ -132,6 +152,7 @@ class FaultProxy:
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._connections.pop(asyncio.current_task(), None)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.workers import attention
+from tokq.workers import attention, matmul_attention
 from tokq.workers.layout import build_layout
 
 SEQ_LENS = [3, 1, 7, 3, 12, 1, 7, 20, 7, 2, 40, 70, 33, 70, 16]  # every bucket, and past them
@@ -74,24 +74,61 @@ def test_cpu_backends_match_reference(backend, causal, heads):
 @pytest.mark.parametrize("backend", ["sdpa_packed", "sdpa_grouped", "sdpa_loop"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("max_seqlen", [attention.MATMUL_MAX_SEQLEN, 64], ids=["default", "cap64"])
 def test_cpu_backends_in_bf16_match_reference_with_short_rows_through_matmul(backend, causal, heads,
-                                                                             monkeypatch):
-    seen = []
-    matmul_attention = attention._matmul_attention
-
-    def spy(q, *args):
-        seen.append(q.shape[-2])
-        return matmul_attention(q, *args)
-
-    monkeypatch.setattr(attention, "_matmul_attention", spy)
+                                                                             max_seqlen, monkeypatch):
+    monkeypatch.setattr(attention, "MATMUL_MAX_SEQLEN", max_seqlen)
+    plans = _spy_plans(monkeypatch)
     batch = _batch()
     q, k, v = _qkv(batch.num_tokens, *heads, dtype=torch.bfloat16)
     scale = HEAD_DIM ** -0.5
     out = _run(backend, q, k, v, batch, causal, scale)
     ref = _reference(q, k, v, batch.cu_seqlens, causal, scale)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
-    # rows up to MATMUL_MAX_SEQLEN slots went through the matmul path, the 70-token ones not
-    assert seen and max(seen) <= attention.MATMUL_MAX_SEQLEN < max(SEQ_LENS)
+    # runs up to max_seqlen slots went through the matmuls; with the cap at 64 the 70-token
+    # sequences went to SDPA (outputs of both put together), by default none did
+    [plan] = plans
+    assert plan.blocks and max(b.seqlen for b in plan.blocks) <= max_seqlen
+    assert sorted({r.seqlen for r in plan.rest}) == ([70] if max_seqlen == 64 else [])
+
+
+def _spy_plans(monkeypatch) -> list:
+    plans, build = [], matmul_attention.build_plan
+
+    def spy(*args):
+        plans.append(build(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(matmul_attention, "build_plan", spy)
+    return plans
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+def test_matmul_attention_reads_fused_qkv_views_and_plans_once_per_batch(causal, heads, monkeypatch):
+    """q, k, v as the models pass them: views of one fused projection (BERT) or q, k fresh and
+    v a view (Qwen after RoPE); every layer after the first reuses the first one's plan."""
+    plans = _spy_plans(monkeypatch)
+    batch = _batch()
+    num_heads, num_kv_heads = heads
+    width = num_heads + 2 * num_kv_heads
+    fused = torch.randn(batch.num_tokens, width, HEAD_DIM,
+                        generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q, k, v = fused.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    layout = build_layout(batch, q.device, "sdpa_packed", causal=causal, dtype=q.dtype)
+    attend = attention.attend_fn("sdpa_packed")
+    order = layout.restore.argsort().numpy() if layout.restore is not None else np.arange(len(SEQ_LENS))
+    rows = torch.from_numpy(np.concatenate([np.arange(batch.cu_seqlens[i], batch.cu_seqlens[i + 1])
+                                            for i in order]))
+    fused_sorted = fused[rows]  # the layout's token order, still one fused tensor
+    qs, ks, vs = fused_sorted.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    cu_sorted = np.concatenate([[0], np.cumsum(batch.seqlens[order])])
+    ref = _reference(qs, ks, vs, cu_sorted, causal, 0.25)
+    for q_in, k_in in ((qs, ks), (qs.contiguous(), ks.contiguous()), (qs, ks)):
+        out = attend(q_in, k_in, vs, layout, causal, 0.25)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    assert len(plans) == 2  # one per memory layout of q, k, v; the third call reused the first
+    assert len(layout.plans) == 2
 
 
 def test_grouped_layout_sorts_by_length_and_restores_batch_order():

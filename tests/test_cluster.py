@@ -79,6 +79,31 @@ async def test_a_bounded_cluster_client_queues_commands_beyond_its_connections(r
         await client.aclose()
 
 
+async def test_a_command_whose_connection_is_closed_just_before_its_send_is_retried(redis_cluster_url):
+    """The race redis-py's cluster client has after a connection error: it closes a node's
+    free connections in tasks that run later, and a command may take one of them in between.
+    The close is injected at that moment (the health check just before the send): the command
+    must be sent again on a new connection, not fail with AttributeError."""
+    client = connect(redis_cluster_url)
+    try:
+        await client.set("k", "1")  # a free connection to k's node, then taken again below
+        node = client.get_node_from_key("k")
+        [connection] = node._free
+        closed = []
+
+        async def closed_under_it(*args, **kwargs):
+            connection.check_health = check_health
+            closed.append(True)
+            await connection.disconnect()
+
+        check_health = connection.check_health
+        connection.check_health = closed_under_it
+        assert await client.get("k") == b"1"
+        assert closed == [True]
+    finally:
+        await client.aclose()
+
+
 async def test_concurrent_first_calls_go_straight_to_the_slot_owner(redis_cluster, redis_cluster_url):
     """redis-py routes calls made before its slot map is read to one node: they drew MOVED, and
     the slot-map reset after 5 MOVEDs cut other calls' connections mid-flight (a script then

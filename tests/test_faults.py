@@ -1,15 +1,18 @@
 """Faults production inflicts, injected into a real deployment: a real Redis, a gateway process
 and worker processes (tests/service_stack.py), the bundled model, real gRPC callers.
 
-The gateway and the first worker reach Redis through their own fault proxy (tests/fault_proxy.py),
-which can let a command run and lose its answer. The scenarios without a proxy or a Redis
-restart (kill -9 of a worker and of the gateway, the overload burst, the deadline storm) run again
-on the real 3+3 Redis Cluster, the queue in 3 shards over its nodes (a proxy in front of one node
-would not see the commands a cluster client sends straight to the others). Each scenario sends a
-bounded number of calls and checks that every call got exactly one answer: the right vectors
-(compared with the model run alone) or a retryable status the scenario explains; that no call
-hung (every wait is bounded); that nothing was queued twice; and that no request key is left in
-Redis afterwards.
+On a standalone Redis, the gateway and the first worker reach Redis through their own fault
+proxy (tests/fault_proxy.py), which can let a command run and lose its answer. Every scenario
+runs again on a real 3+3 Redis Cluster of this module's own, the queue in 3 shards over its
+nodes: each node announces the port of a fault proxy in front of it, so the gateway's and
+workers' cluster clients (which find the nodes through CLUSTER SLOTS and MOVED) reach every node
+only through a proxy; there the two links share the proxies and are told apart by the scripts
+each side runs. The cluster's "Redis restart" is a kill -9 of a primary holding a queue shard:
+its replica takes over, then the killed node starts again and rejoins as a replica. Each
+scenario sends a bounded number of calls and checks that every call got exactly one answer: the
+right vectors (compared with the model run alone) or a retryable status the scenario explains;
+that no call hung (every wait is bounded); that nothing was queued twice; and that no request
+key is left in Redis afterwards.
 
 ``TOKQ_FAULTS_RESULTS=profiling/RESULTS.md`` makes the module rewrite that file's "Faults
 survived" table from what it measured.
@@ -44,6 +47,9 @@ CALL_TIMEOUT_S = 20.0
 HANG_MARGIN_S = 30.0  # a call not finished this long after its deadline counts as hung
 RESULTS_ENV = "TOKQ_FAULTS_RESULTS"
 TABLE: list[Tally] = []
+# The scripts each side runs: on the cluster, what tells the gateway's link from the workers'.
+GATEWAY_SCRIPTS = ("enqueue", "collect", "cancel")
+WORKER_SCRIPTS = ("claim", "ack", "renew", "requeue", "heartbeat")
 
 
 @dataclass
@@ -78,29 +84,54 @@ def reference(texts, bundled_model_dir) -> np.ndarray:
     return model.encode(texts, batch_size=64, normalize_embeddings=True)
 
 
+@pytest.fixture(scope="module")
+def proxied_cluster():
+    """A 3+3 Redis Cluster whose every node announces a fault proxy's port in place of its own
+    (its cluster bus stays direct, so gossip and failover are untouched)."""
+    from fault_proxy import FaultProxy
+    from tokq.redis_cluster import LocalCluster
+
+    proxies: list[FaultProxy] = []
+
+    def announce(port: int) -> int:
+        proxies.append(FaultProxy(f"redis://127.0.0.1:{port}/0", seed=len(proxies)).start())
+        return proxies[-1].port
+
+    cluster = LocalCluster(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None,
+                           announce_port=announce)
+    try:
+        cluster.start()
+        cluster.proxies = proxies
+        yield cluster
+    finally:
+        cluster.close()
+        for proxy in proxies:
+            proxy.close()
+
+
 @pytest.fixture(scope="module", params=["standalone", "cluster"])
 def stack(request):
-    from fault_proxy import FaultProxy
+    from fault_proxy import FaultProxy, script_sha
     from service_stack import ServiceStack
 
     env = {"TOKQ_LEASE_MS": str(LEASE_MS), "TOKQ_REPLY_TTL_MS": str(REPLY_TTL_MS),
            "TOKQ_MAX_QUEUED_TOKENS": str(MAX_QUEUED_TOKENS)}
     if request.param == "cluster":
-        cluster = request.getfixturevalue("redis_cluster")
-        for node in cluster.nodes:  # every node up (an earlier test may have killed one), flushed
-            if not node.running:
-                cluster.restart(node.port)
-        cluster.flushall()
+        cluster = request.getfixturevalue("proxied_cluster")
         # The cap is per shard: the same total as standalone, so the burst overloads it too.
         s = ServiceStack(env={**env, "TOKQ_QUEUE_SHARDS": str(CLUSTER_SHARDS),
                               "TOKQ_MAX_QUEUED_TOKENS": str(MAX_QUEUED_TOKENS // CLUSTER_SHARDS)},
                          cluster=cluster)
         s.gateway_proxy = s.worker_proxy = None
+        s.links = {"gateway": (cluster.proxies, tuple(script_sha(n) for n in GATEWAY_SCRIPTS)),
+                   "worker": (cluster.proxies, tuple(script_sha(n) for n in WORKER_SCRIPTS))}
         s.shards = CLUSTER_SHARDS
     else:
         s = ServiceStack(env=env)
         s.gateway_proxy = FaultProxy(s.redis.url, seed=1).start()
         s.worker_proxy = FaultProxy(s.redis.url, seed=2).start()
+        s.links = {"gateway": ([s.gateway_proxy], b"EVALSHA"),
+                   "worker": ([s.worker_proxy], b"EVALSHA")}
         s.shards = 1
     try:
         s.start_gateway(redis_url=s.gateway_proxy and s.gateway_proxy.url)
@@ -115,9 +146,16 @@ def stack(request):
             write_results(Path(os.environ[RESULTS_ENV]), TABLE)
 
 
-def needs_proxy(stack) -> None:
-    if stack.cluster:
-        pytest.skip("fault proxies and the Redis restart are standalone-only (see the module doc)")
+def cut_link(stack, link: str, fraction: float, only: bytes | None = None) -> int:
+    """Lose the answers of ``fraction`` of the script calls on the gateway's or the workers'
+    link (0: stop); ``only``: just those of one script. Returns the answers cut so far there."""
+    proxies, match = stack.links[link]
+    for proxy in proxies:
+        if fraction:
+            proxy.cut_rate(fraction, only or match)
+        else:
+            proxy.reset()
+    return sum(proxy.cuts for proxy in proxies)
 
 
 def enqueued_items(stack) -> int:
@@ -174,26 +212,35 @@ async def one_call(client, tally: Tally, texts, reference, rng: random.Random, *
 
 async def run_calls(stack, tally: Tally, texts, reference, *, num_calls: int, concurrency: int,
                     retryable: set[str], timeout_s=lambda rng: CALL_TIMEOUT_S, seed: int = 0,
-                    during=None, counters_survive: bool = True) -> None:
+                    during=None, calls_outlast_during: bool = False,
+                    counters_survive: bool = True) -> None:
     """``num_calls`` calls from ``concurrency`` callers; ``during`` (a function) runs in a thread
-    once the first calls are under way. Counts duplicates from the queue's counters."""
+    once the first calls are under way (with ``calls_outlast_during``, calls go on until it has
+    returned, however many that takes, each caller pausing 0.1 s after a failed call as a
+    client backs off). Counts duplicates from the queue's counters."""
     before = enqueued_items(stack) if counters_survive else 0
     sent = 0
     rng = random.Random(seed)
-    remaining = iter(range(num_calls))
+    started = 0
+    during_done = during is None or not calls_outlast_during
 
     async with AsyncClient(stack.target) as client:
         async def caller():
-            nonlocal sent
-            for _ in remaining:
+            nonlocal sent, started
+            while started < num_calls or not during_done:
+                started += 1
+                correct = tally.correct
                 n = await one_call(client, tally, texts, reference, rng, retryable=retryable,
                                    timeout_s=timeout_s(rng))
                 sent += n  # not `sent += await ...`: that reads `sent` before the await
+                if not during_done and tally.correct == correct:
+                    await asyncio.sleep(0.1)
 
         callers = [asyncio.create_task(caller()) for _ in range(concurrency)]
         if during is not None:
             await asyncio.sleep(1.0)
             await asyncio.to_thread(during)
+            during_done = True
         await asyncio.gather(*callers)
     if counters_survive:
         tally.duplicated = max(0, enqueued_items(stack) - before - sent)
@@ -210,45 +257,42 @@ def record(tally: Tally, stack) -> None:
 
 
 def test_answers_lost_on_the_gateways_link(stack, texts, reference):
-    needs_proxy(stack)
-    stack.gateway_proxy.cut_rate(0.05)  # of enqueue, collect and cancel
+    before = cut_link(stack, "gateway", 0.05)  # of enqueue, collect and cancel
     tally = Tally("answer lost after the command ran, gateway's link (5% of script calls)")
     try:
         asyncio.run(run_calls(stack, tally, texts, reference, num_calls=200, concurrency=16,
                               retryable={"UNAVAILABLE", "ABORTED"}))
     finally:
-        stack.gateway_proxy.reset()
-    assert stack.gateway_proxy.cuts > 0
-    tally.fault += f": {stack.gateway_proxy.cuts} answers cut"
+        cuts = cut_link(stack, "gateway", 0) - before
+    assert cuts > 0
+    tally.fault += f": {cuts} answers cut"
     record(tally, stack)
 
 
 def test_an_enqueue_whose_every_answer_is_lost_is_unavailable_and_withdrawn(stack, texts, reference):
-    needs_proxy(stack)
     from fault_proxy import script_sha
 
-    stack.gateway_proxy.cut_rate(1.0, script_sha("enqueue"))  # it runs; no answer ever comes
+    cut_link(stack, "gateway", 1.0, only=script_sha("enqueue"))  # it runs; no answer ever comes
     tally = Tally("every answer to enqueue lost (after redis-py's retries)")
     try:
         asyncio.run(run_calls(stack, tally, texts, reference, num_calls=10, concurrency=2,
                               retryable={"UNAVAILABLE"}))
     finally:
-        stack.gateway_proxy.reset()
+        cut_link(stack, "gateway", 0)
     assert tally.codes == {"UNAVAILABLE": 10}
     record(tally, stack)  # each was withdrawn: nothing computed for nobody, no key left
 
 
 def test_answers_lost_on_the_workers_link(stack, texts, reference):
-    needs_proxy(stack)
-    stack.worker_proxy.cut_rate(0.05)  # of claim, ack, renew and requeue
+    before = cut_link(stack, "worker", 0.05)  # of claim, ack, renew, requeue and heartbeat
     tally = Tally("answer lost after the command ran, worker's link (5% of script calls)")
     try:
         asyncio.run(run_calls(stack, tally, texts, reference, num_calls=200, concurrency=16,
                               retryable=set()))
     finally:
-        stack.worker_proxy.reset()
-    assert stack.worker_proxy.cuts > 0
-    tally.fault += f": {stack.worker_proxy.cuts} answers cut"
+        cuts = cut_link(stack, "worker", 0) - before
+    assert cuts > 0
+    tally.fault += f": {cuts} answers cut"
     record(tally, stack)
 
 
@@ -287,7 +331,9 @@ def test_deadline_storm(stack, texts, reference):
 
 
 def test_redis_restart(stack, texts, reference):
-    needs_proxy(stack)
+    if stack.cluster:
+        pytest.skip("the cluster's restart is test_kill_9_of_a_primary_then_it_rejoins")
+
     def restart():
         stack.redis.stop()  # no persistence: queued work and replies are gone, as in a crash
         time.sleep(0.5)
@@ -297,6 +343,37 @@ def test_redis_restart(stack, texts, reference):
     asyncio.run(run_calls(stack, tally, texts, reference, num_calls=200, concurrency=16,
                           retryable={"UNAVAILABLE"}, during=restart, counters_survive=False))
     record(tally, stack)
+
+
+def test_kill_9_of_a_primary_then_it_rejoins(stack, texts, reference):
+    """The cluster's Redis restart: the primary holding a queue shard dies (writes it had not
+    yet sent its replica are lost), the replica takes over, the dead node starts again and
+    rejoins as the new primary's replica. Calls go on throughout."""
+    if not stack.cluster:
+        pytest.skip("a cluster failover (the standalone restart is test_redis_restart)")
+    cluster = stack.cluster
+    shard_key = QueueKeys(shard_queue_name(KEYS.queue, 1)).pending
+    victim = cluster.owner_port(shard_key)
+    roles = {}
+
+    def kill_fail_over_rejoin():
+        cluster.kill(victim)
+        cluster.wait_ok(timeout_s=60)  # the replica took over its slots
+        roles["new primary"] = cluster.owner_port(shard_key)
+        time.sleep(2.0)  # calls run on the new primary
+        cluster.restart(victim, timeout_s=60)  # back, and a replica once wait_ok passes
+        roles["replicas"] = cluster.replica_ports_of(roles["new primary"])
+
+    tally = Tally("kill -9 of a primary holding a queue shard, failover, it rejoins as a replica")
+    asyncio.run(run_calls(stack, tally, texts, reference, num_calls=200, concurrency=16,
+                          retryable={"UNAVAILABLE", "ABORTED"}, during=kill_fail_over_rejoin,
+                          calls_outlast_during=True))
+    assert roles["new primary"] != victim and victim in roles["replicas"], roles
+    record(tally, stack)
+    after = Tally("after")
+    asyncio.run(run_calls(stack, after, texts, reference, num_calls=20, concurrency=4,
+                          retryable=set()))
+    assert after.correct == 20
 
 
 def test_kill_9_of_the_gateway_mid_request(stack, texts, reference):
@@ -325,7 +402,9 @@ def write_results(path: Path, table: list[Tally]) -> None:
     body = [
         "One gateway and one worker (plus a second, killed, in the worker scenario), each behind "
         "its own fault proxy on a standalone Redis; on the Redis Cluster (3 primaries + 3 "
-        f"replicas) without proxies, the queue in {CLUSTER_SHARDS} shards; lease {LEASE_MS} ms, queue cap {MAX_QUEUED_TOKENS} tokens; calls of "
+        "replicas), every node announcing a fault proxy in front of it (the gateway's and "
+        "workers' links told apart by the scripts each runs), the queue in "
+        f"{CLUSTER_SHARDS} shards; lease {LEASE_MS} ms, queue cap {MAX_QUEUED_TOKENS} tokens; calls of "
         "1-4 inputs checked against the model run alone (cosine >= 0.9999). Lost = hung, or no "
         "answer by a deadline the scenario did not cause; wrong = wrong vectors or a status that "
         "is not retryable; duplicated = items queued beyond those sent. "

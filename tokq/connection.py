@@ -64,14 +64,38 @@ def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
     return _cluster_by_url[url]
 
 
+def _send_guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
+    """``base`` whose send fails with a ConnectionError on a connection closed under it.
+
+    After a connection error on a node, redis-py's cluster client closes that node's free
+    connections in tasks that run later; a command that took one of them from the pool in
+    between finds it closed mid-send and raised AttributeError (``_writer`` is None), which
+    reached callers as INTERNAL. As a ConnectionError the command (never sent) is retried."""
+
+    class SendGuarded(base):
+        async def _send_packed_command(self, command: Any) -> None:
+            if self._writer is None:
+                raise redis.exceptions.ConnectionError("connection closed before the send")
+            await super()._send_packed_command(command)
+
+    return SendGuarded
+
+
 class BoundedRedisCluster(RedisCluster):
     """redis-py's cluster client raises MaxConnectionsError when a node's pool is used up; the
     gateway runs thousands of concurrent calls, so commands wait for one of
-    ``max_connections`` slots instead (as the standalone BlockingConnectionPool does)."""
+    ``max_connections`` slots instead (as the standalone BlockingConnectionPool does). Its
+    connections are send-guarded (``_send_guarded``)."""
 
     def __init__(self, *args: Any, max_connections: int = 32, **kwargs: Any) -> None:
         super().__init__(*args, max_connections=max_connections, **kwargs)
         self._bound = asyncio.Semaphore(max_connections)
+        # redis-py takes no connection class for a cluster: set it where nodes get theirs.
+        guarded = _send_guarded(self.connection_kwargs["connection_class"])
+        for node_kwargs in (self.connection_kwargs, self.nodes_manager.connection_kwargs):
+            node_kwargs["connection_class"] = guarded
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = guarded
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self._bound:

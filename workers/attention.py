@@ -21,7 +21,8 @@ Backends (``auto`` picks the first that can run, in this order):
                           length, no empty slot at all.
         ``sdpa_loop``     one SDPA call per sequence: the simplest, the slowest.
   In bf16/fp16 on CPU, every run of at most ``MATMUL_MAX_SEQLEN`` slots attends through plain
-  matmul + softmax instead of SDPA's kernel (see there).
+  batched matmuls + softmax instead of SDPA's kernel, all such runs of a layer together
+  (workers/matmul_attention.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tokq.workers import matmul_attention
 from tokq.workers.layout import Layout
 
 log = logging.getLogger("tokq.attention")
@@ -45,36 +47,20 @@ BACKENDS = ("flash_attn", "torch_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_l
 
 
 # CPU, bf16/fp16: runs of at most this many slots per sequence (or row) attend through plain
-# matmul + softmax (as transformers' eager attention does), not SDPA's flash kernel, whose fixed
-# costs dominate such short rows: measured 20-30% less time per token at 16-64 slots, slower at
-# 128 and up, and no faster in fp32 (profiling/RESULTS.md).
-MATMUL_MAX_SEQLEN = 64
-
-
-def _matmul_attention(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
-    """Attention of ``[B, H, L, D]`` q and ``[B, Hkv, L, D]`` k, v; ``mask`` additive
-    ``[B, 1, L, L]`` or None. Scores in the input's dtype; softmax accumulates in fp32."""
-    if k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2))
-    if mask is not None:
-        scores = torch.add(mask, scores, alpha=scale)
-    else:
-        scores.mul_(scale)
-        if causal:
-            n = scores.shape[-1]
-            scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.softmax(scores, -1) @ v
+# batched matmuls + softmax (workers/matmul_attention.py), not SDPA's flash kernel, whose fixed
+# costs dominate short rows: measured 20-40% less time up to ~192 slots, slower from 256, and
+# no faster in fp32 (profiling/RESULTS.md). Longer runs keep SDPA (and its O(L) memory).
+MATMUL_MAX_SEQLEN = 192
 
 
 def _sdpa_runs(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     gqa = num_q_heads != num_kv_heads
-    matmul_up_to = (MATMUL_MAX_SEQLEN if q.device.type == "cpu"
-                    and q.dtype in (torch.bfloat16, torch.float16) else 0)
     out = q.new_empty(q.shape)
-    for run in layout.runs:
+    runs = layout.runs
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and MATMUL_MAX_SEQLEN:
+        runs = matmul_attention.attend(q, k, v, layout, causal, scale, MATMUL_MAX_SEQLEN, out)
+    for run in runs:
         rows = slice(run.start, run.start + run.num_tokens)
         shape = (run.num_seqs, run.seqlen)
         if run.gather is None and run.seqlen == 1:  # softmax over one key is 1: out = its value
@@ -87,12 +73,9 @@ def _sdpa_runs(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Ten
             qr, kr, vr = (x.index_select(0, run.gather).unflatten(0, shape).transpose(1, 2)
                           for x in (q, k, v))
         # a packed run's mask already holds the causal rule
-        if run.seqlen <= matmul_up_to:
-            o = _matmul_attention(qr, kr, vr, run.mask, causal and run.mask is None, scale)
-        else:
-            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask,
-                                               is_causal=causal and run.mask is None, scale=scale,
-                                               enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask,
+                                           is_causal=causal and run.mask is None, scale=scale,
+                                           enable_gqa=gqa)
         o = o.transpose(1, 2)
         if run.gather is None:
             out[rows].unflatten(0, shape).copy_(o)

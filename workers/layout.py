@@ -5,7 +5,7 @@ the sequences are sorted by length and cut into ``SeqRun``s those backends loop 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ class Layout:
     seq_index: torch.Tensor  # int64 [T]: which sequence each token row belongs to
     runs: tuple[SeqRun, ...]  # what the sdpa backends loop over
     restore: torch.Tensor | None  # rows of pooled output -> batch order (None: already)
+    # what an attention backend derives from the batch once and every layer reuses
+    # (workers/matmul_attention.py), keyed by the backend
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def build_layout(batch: PackedBatch, device: torch.device, backend: str, *, causal: bool = False,
