@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn
 from tokq.workers.layout import Layout
-from tokq.workers.loader import moved, take
+from tokq.workers.loader import moved, packed, take
 from tokq.workers.models.layers import activation, linear_kernels
 from tokq.workers.preempt import no_checkpoint
 
@@ -83,6 +83,7 @@ class Bert:
         self.layers = [moved(BertLayer.from_weights(weights, f"encoder.layer.{i}."), device)
                        for i in range(int(config["num_hidden_layers"]))]
         self.linear = linear_kernels(self.word_embeddings.device, self.word_embeddings.dtype, linear_kind)
+        self.layers = [packed(layer, self.linear.pack) for layer in self.layers]
 
     @property
     def num_linear_params(self) -> int:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn
 from tokq.workers.layout import Layout
-from tokq.workers.loader import moved, take
+from tokq.workers.loader import moved, packed, take
 from tokq.workers.models.layers import (Rotary, activation, apply_rope, linear_kernels, rms_norm,
                                         rope_theta)
 from tokq.workers.preempt import no_checkpoint
@@ -74,6 +74,7 @@ class Qwen:
         self.layers = [moved(QwenLayer.from_weights(weights, f"layers.{i}.", qk_norm=family == "qwen3"),
                              device) for i in range(int(config["num_hidden_layers"]))]
         self.linear = linear_kernels(self.embed_tokens.device, self.embed_tokens.dtype, linear_kind)
+        self.layers = [packed(layer, self.linear.pack) for layer in self.layers]
         self.rotary = Rotary(self.head_dim, rope_theta(config), self.embed_tokens.device,
                              self.embed_tokens.dtype, num_positions=max_length)
 
