@@ -38,6 +38,39 @@ def test_onednn_linear_and_residual_add_match_torch(bias):
     torch.testing.assert_close(ours(wide, w, b), F.linear(wide, w, b), atol=1e-5, rtol=1e-5)
 
 
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_packed_weights_give_the_plain_weights_results(dtype):
+    """``pack`` (oneDNN's blocked layout, done once at load) changes speed only: every call
+    the models make gives the plain weight's values (up to summation order), at any row count."""
+    if not layers._onednn_works(dtype):
+        pytest.skip(f"torch built without oneDNN {dtype} linear")
+    ours, tol = layers.OneDnnLinear(), 1e-5 if dtype == torch.float32 else 1e-2
+    for rows in (1, 37, 300):
+        x, w, b, residual = (t.to(dtype) for t in _inputs(rows))
+        packed = ours.pack(w)
+        assert packed.is_mkldnn and packed.shape == w.shape
+        for out, ref in ((ours(x, packed, b), ours(x, w, b)),
+                         (ours.act(x, packed, b, "gelu"), ours.act(x, w, b, "gelu")),
+                         (ours.add(x, packed, b, residual), ours.add(x, w, b, residual))):
+            torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    assert layers.TorchLinear().pack(w) is w
+
+
+def test_models_hold_weights_packed_for_their_linear_kernel(tmp_path):
+    from tiny_models import build
+    from tokq.workers.engine import Engine
+
+    build("bert", tmp_path)
+    for kind in ("auto", "torch"):
+        engine = Engine.load(tmp_path, device="cpu", dtype="float32", linear=kind)
+        layer = engine.model.layers[0]
+        expect_packed = engine.linear_backend == "onednn"
+        assert all(w.is_mkldnn == expect_packed for w in (layer.qkv_weight, layer.out_weight,
+                                                          layer.up_weight, layer.down_weight))
+        assert not layer.attn_norm_weight.is_mkldnn  # not a linear weight
+
+
 def test_linear_kernel_choice():
     cpu = torch.device("cpu")
     assert layers.linear_kernels(cpu, torch.float32, "torch").name == "torch"

@@ -42,6 +42,8 @@ Worker (``WorkerMetrics``)
   tokq_worker_heartbeat_timestamp_seconds         gauge     unix time of the last heartbeat
   tokq_worker_errors_total{kind}                  counter   failed batches, Redis errors, ...
   tokq_worker_nonfinite_vectors_total             counter   NaN/inf vectors refused (INTERNAL)
+  tokq_worker_preemptions_total                   counter   light batches run nested in a heavy
+      forward (workers/preempt.py; each is also one of batches_total)
   tokq_worker_device_info{device,dtype}           gauge     always 1; carries the labels
 The gauges over a window show a worker's state on its own /metrics page; dashboards and rules
 use rate() of the counters instead, which does not depend on when a scrape lands.
@@ -143,6 +145,8 @@ WORKER_HEARTBEAT = Gauge("tokq_worker_heartbeat_timestamp_seconds",
 WORKER_ERRORS = Counter("tokq_worker_errors", "Worker errors by kind", _W + ("kind",))
 WORKER_NONFINITE = Counter("tokq_worker_nonfinite_vectors",
                            "Vectors refused because they held NaN or inf (answered INTERNAL)", _W)
+WORKER_PREEMPTIONS = Counter("tokq_worker_preemptions",
+                             "Light batches run nested inside a heavy forward", _W)
 WORKER_INFO = Gauge("tokq_worker_device_info", "Always 1; labels describe the worker's device",
                     _W + ("device", "dtype"))
 
@@ -322,6 +326,9 @@ class WorkerMetrics:
     def observe_nonfinite(self, num_vectors: int) -> None:
         WORKER_NONFINITE.labels(*self.labels).inc(num_vectors)
 
+    def observe_preemption(self) -> None:
+        WORKER_PREEMPTIONS.labels(*self.labels).inc()
+
     def heartbeat(self) -> None:
         WORKER_HEARTBEAT.labels(*self.labels).set_to_current_time()
 
@@ -341,7 +348,7 @@ class WorkerMetrics:
         for metric in (WORKER_BATCHES, WORKER_BATCH_TOKENS, WORKER_BATCH_ITEMS, WORKER_FILL_RATIO,
                        WORKER_FORWARD_DURATION, WORKER_CLAIM_DURATION, WORKER_TOKENS, WORKER_FLOPS, WORKER_BUDGET,
                        WORKER_THROUGHPUT, WORKER_PEAK_FLOPS, WORKER_MFU, WORKER_HEARTBEAT,
-                       WORKER_NONFINITE):
+                       WORKER_NONFINITE, WORKER_PREEMPTIONS):
             metric.remove(*self.labels)  # a no-op for a series never created
         WORKER_INFO.remove(*self.labels, *self._info_labels)
         for kind in self._error_kinds:

@@ -11,7 +11,7 @@ import torch
 from tokq.batch import PackedBatch
 from tokq.flops import forward_flops
 from tokq.model_info import ModelInfo
-from tokq.workers import attention, pooling, prefix_attention
+from tokq.workers import attention, pooling, prefix_attention, preempt
 from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
 from tokq.workers.layout import build_layout
 from tokq.workers.loader import load_weights
@@ -79,7 +79,8 @@ class Engine:
             return pooling.finish(pooled, batch.normalize, batch.dimensions)
         layout = build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
                               dtype=self.dtype)
-        hidden = self.model.forward(layout, self._attend)
+        # A heavy batch's forward may run light work between its layers' blocks (workers/preempt.py).
+        hidden = self.model.forward(layout, self._attend, checkpoint=preempt.current_checkpoint())
         self.tokens_computed += batch.num_tokens
         pooled = pooling.pool(hidden, layout, self.info.pooling)
         return pooling.finish(pooled, batch.normalize, batch.dimensions)

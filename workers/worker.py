@@ -9,6 +9,12 @@ enqueue and requeue wake one idle worker when the queue stops being empty (and a
 leaves work wakes the next, so a burst spreads); the queue's work channel gets the notice when no
 worker is registered. It claims at least every IDLE_FALLBACK_S in case a notice was missed.
 
+Heavy work cannot hold light work back: while a heavy batch's forward runs (more tokens than
+``tokq.claim_rule.preempt_budget``) the worker is registered as pre-emptible; light work that
+arrives tells it 'light', it claims that work light-only and the forward thread runs it nested
+between two of the heavy forward's blocks (workers/preempt.py). Either batch is leased, renewed
+and acknowledged like any other: a crash redoes both.
+
 A forward that runs far past its expected time (a hung device) makes the worker give up: its
 heartbeat goes, its leases are no longer renewed (so its batches are redone elsewhere) and the
 process exits non-zero for its supervisor to restart it.
@@ -26,10 +32,12 @@ from collections.abc import Callable
 
 import redis.exceptions
 
+from tokq.claim_rule import preempt_budget
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.connection import ShardedSubscriber
 from tokq.queue import Claim, Queue
 from tokq.shards import ShardedQueue
+from tokq.workers.preempt import Preemption
 from tokq.workers.runner import BatchOutcome, BatchRunner
 
 log = logging.getLogger("tokq.worker")
@@ -95,6 +103,12 @@ class Worker:
         self._subscribed = False
         self._beat_lock = asyncio.Lock()  # a beat in flight must not outlive a give-up
         self._idle = False  # registered as idle: a work notice may pick this worker
+        self._reader: asyncio.Task | None = None  # _read_notices, the subscription's one reader
+        self._preemptible = False  # registered as running a heavy forward: 'light' may pick it
+        self._work_notice = asyncio.Event()  # a notice came (read by _read_notices only)
+        self._light_notice = asyncio.Event()  # a 'light' notice came
+        self.preemption = Preemption(lambda claim: self.run_batch(claim))
+        self.num_preemptions = 0
 
     def stop(self) -> None:
         """Stop claiming; the batches in hand are finished and acknowledged."""
@@ -110,7 +124,8 @@ class Worker:
         await self._subscribe()  # before the first claim, so no notice falls in between
         chores = [asyncio.create_task(c) for c in (self._renew_leases(), self._requeue_expired(),
                                                    self._heartbeat(), self._watch_budget(),
-                                                   self._watch_forward())]
+                                                   self._watch_forward(), self._read_notices())]
+        self._reader = chores[-1]
         try:
             await self._loop(burst)
         finally:
@@ -135,23 +150,66 @@ class Worker:
                 next_claim = asyncio.create_task(self._claim())
                 continue
             self._forward_since = time.monotonic()
-            forward = asyncio.create_task(asyncio.to_thread(self.run_batch, claim))
+            heavy = claim.num_tokens > self.preempt_budget
+            run = self.run_heavy if heavy else self.run_batch
+            forward = asyncio.create_task(asyncio.to_thread(run, claim))
+            preempting = asyncio.create_task(self._preempt_while(forward)) if heavy else None
             if not self._stop.is_set():
                 # Overlap the next claim with the end of this forward: late enough that it
                 # takes what arrived meanwhile (fuller batches), early enough that the device
                 # does not wait on Redis.
                 next_claim = asyncio.create_task(self._claim(delay_s=self._prefetch_delay_s()))
-            outcome = await forward
+            try:
+                outcome = await forward
+            finally:
+                if preempting is not None:  # its light batches are acknowledged first
+                    await preempting
             self._forward_since = None
             self._forward_s_avg = _ewma(self._forward_s_avg, outcome.forward_s)
-            await self._ack(claim, outcome)
-            self._held.discard(claim.batch_id)
-            self.num_batches += 1
-            if self.observer:
-                self.observer.observe_batch(outcome.seqlens, token_budget=self.token_budget,
-                                            forward_s=outcome.forward_s)
-                for _ in range(outcome.num_failed):
-                    self.observer.observe_error("item")
+            await self._finish(claim, outcome)
+
+    async def _finish(self, claim: Claim, outcome: BatchOutcome) -> None:
+        await self._ack(claim, outcome)
+        self._held.discard(claim.batch_id)
+        self.num_batches += 1
+        if self.observer:
+            self.observer.observe_batch(outcome.seqlens, token_budget=self.token_budget,
+                                        forward_s=outcome.forward_s)
+            for _ in range(outcome.num_failed):
+                self.observer.observe_error("item")
+
+    @property
+    def preempt_budget(self) -> int:
+        """Tokens of a pre-empting (light-only) claim; a batch of more is heavy."""
+        return preempt_budget(self.token_budget, self.queue_config.light_tokens)
+
+    async def _preempt_while(self, forward: asyncio.Task) -> None:
+        """While a heavy forward runs: registered as pre-emptible, claim light work on each
+        'light' notice and hand it to the forward thread, which runs it nested; acknowledge it."""
+        loop = asyncio.get_running_loop()
+        try:
+            while not forward.done() and self.healthy:
+                if not self._preemptible:  # registered before the claim: no notice falls between
+                    await self._mark_preemptible(True)
+                self._light_notice.clear()
+                claim = await self._claim(self.preempt_budget, light_only=True)
+                if claim is None:
+                    notice = asyncio.create_task(self._light_notice.wait())
+                    await asyncio.wait({forward, notice}, return_when=asyncio.FIRST_COMPLETED)
+                    notice.cancel()
+                    continue
+                future = self.preemption.offer(claim, loop)
+                if future is None:  # the heavy forward ended meanwhile: an ordinary batch
+                    outcome = await asyncio.to_thread(self.run_batch, claim)
+                else:
+                    outcome = await future
+                    self.num_preemptions += 1
+                    if self.observer:
+                        self.observer.observe_preemption()
+                await self._finish(claim, outcome)
+        finally:
+            if self._preemptible:
+                await self._mark_preemptible(False)
 
     async def _ack(self, claim: Claim, outcome: BatchOutcome) -> None:
         for attempt in range(ACK_ATTEMPTS):
@@ -176,25 +234,43 @@ class Worker:
             log.warning("work-notice subscription failed: %s", exc)
             self._subscribed = False
 
+    async def _read_notices(self) -> None:
+        """The one reader of the subscription, busy or idle: a notice wakes the idle wait, a
+        'light' one also the pre-empting claim of a heavy forward."""
+        while self.healthy:  # a worker that gave up stays off its owner channels
+            if not self._subscribed:
+                await self._subscribe()
+                if not self._subscribed:
+                    await asyncio.sleep(IDLE_FALLBACK_S)
+                    continue
+            try:
+                notice = await self._notices.get_message(timeout=IDLE_FALLBACK_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a lost or closed subscription: subscribe again
+                log.warning("work-notice subscription lost: %s", exc)
+                self._subscribed = False
+                continue
+            if notice is None:
+                continue
+            # Picked out of the idle or pre-emptible set (lua/lib/wake.lua): it registers
+            # again before its next wait.
+            if notice[1] == b"work":
+                self._idle = False
+            elif notice[1] == b"light":
+                self._preemptible = False
+                self._light_notice.set()
+            self._work_notice.set()
+
     async def _wait_for_work(self) -> None:
-        """Until a work notice arrives or IDLE_FALLBACK_S pass. Notices that came while busy
-        are read at once: one claim answers all of them."""
-        if not self._subscribed:
-            await self._subscribe()
-        if not self._subscribed:
-            await asyncio.sleep(IDLE_FALLBACK_S)
-            return
+        """Until a notice arrives or IDLE_FALLBACK_S pass. Notices that came while busy are
+        taken at once: one claim answers all of them."""
         if not self._idle:
             await self._mark_idle(True)
-        try:
-            notice = await self._notices.get_message(timeout=IDLE_FALLBACK_S)
-            while notice is not None:
-                if notice[1] == b"work":  # picked out of the idle set (lua/lib/wake.lua)
-                    self._idle = False  # so it registers again before its next wait
-                notice = await self._notices.get_message(timeout=0)
-        except _REDIS_ERRORS as exc:  # resubscribed on the next wait
-            log.warning("work-notice subscription lost: %s", exc)
-            self._subscribed = False
+        if not self._work_notice.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._work_notice.wait(), timeout=IDLE_FALLBACK_S)
+        self._work_notice.clear()
 
     async def _mark_idle(self, idle: bool) -> None:
         try:
@@ -203,10 +279,18 @@ class Worker:
         except _REDIS_ERRORS as exc:  # notices then go to the work channel, or the poll claims
             log.warning("idle registration failed: %s", exc)
 
+    async def _mark_preemptible(self, preemptible: bool) -> None:
+        try:
+            await self.queue.mark_preemptible(preemptible)
+            self._preemptible = preemptible
+        except _REDIS_ERRORS as exc:  # light work then waits for the next claim
+            log.warning("pre-emptible registration failed: %s", exc)
+
     def _prefetch_delay_s(self) -> float:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
 
-    async def _claim(self, delay_s: float = 0.0) -> Claim | None:
+    async def _claim(self, token_budget: int | None = None, *, delay_s: float = 0.0,
+                     light_only: bool = False) -> Claim | None:
         if delay_s > 0:
             with contextlib.suppress(TimeoutError):  # SIGTERM: stop waiting, claim nothing new
                 await asyncio.wait_for(self._stop.wait(), timeout=delay_s)
@@ -214,7 +298,7 @@ class Worker:
                 return None
         start = time.perf_counter()
         try:
-            claim = await self.queue.claim(self.token_budget)
+            claim = await self.queue.claim(token_budget or self.token_budget, light_only=light_only)
         except _REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
             log.warning("claim failed: %s; retrying", exc)
             if self.observer:
@@ -237,6 +321,10 @@ class Worker:
 
     def run_batch(self, claim: Claim) -> BatchOutcome:
         return self.runner.run(claim)  # failures, retries, device errors: workers/runner.py
+
+    def run_heavy(self, claim: Claim) -> BatchOutcome:
+        """run_batch, with light batches offered meanwhile run between its blocks."""
+        return self.preemption.heavy(lambda: self.run_batch(claim))
 
     # -- chores -------------------------------------------------------------------------------
 
@@ -311,6 +399,9 @@ class Worker:
                 self.observer.observe_error("hung")
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.queue.forget_worker(self.worker_id), timeout=2.0)
+            if self._reader is not None:  # no read may be in flight on a connection closed under it
+                self._reader.cancel()
+                await asyncio.gather(self._reader, return_exceptions=True)
             with contextlib.suppress(Exception):  # its owner channels go: leases redone sooner
                 await asyncio.wait_for(self._notices.aclose(), timeout=2.0)
             self._exit_process(EXIT_HUNG)

@@ -7,6 +7,7 @@ token-type-0 tables are summed once at load, so embedding is two lookups.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +16,9 @@ import torch.nn.functional as F
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn
 from tokq.workers.layout import Layout
-from tokq.workers.loader import moved, take
+from tokq.workers.loader import moved, packed, take
 from tokq.workers.models.layers import activation, linear_kernels
+from tokq.workers.preempt import no_checkpoint
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Bert:
         self.layers = [moved(BertLayer.from_weights(weights, f"encoder.layer.{i}."), device)
                        for i in range(int(config["num_hidden_layers"]))]
         self.linear = linear_kernels(self.word_embeddings.device, self.word_embeddings.dtype, linear_kind)
+        self.layers = [packed(layer, self.linear.pack) for layer in self.layers]
 
     @property
     def num_linear_params(self) -> int:
@@ -91,8 +94,10 @@ class Bert:
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    def forward(self, layout: Layout, attend: AttendFn) -> torch.Tensor:
-        """Last hidden state ``[T, hidden]`` of the packed batch."""
+    def forward(self, layout: Layout, attend: AttendFn,
+                checkpoint: Callable[[], None] = no_checkpoint) -> torch.Tensor:
+        """Last hidden state ``[T, hidden]`` of the packed batch. ``checkpoint`` is called after
+        each attention and MLP block (workers/preempt.py: light work may run there)."""
         shape = (self.hidden_size,)
         x = F.embedding(layout.input_ids, self.word_embeddings)
         x += F.embedding(layout.positions, self.position_embeddings)
@@ -106,7 +111,9 @@ class Bert:
             attn = attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], layout, False, scale)
             h = linear.add(attn.reshape(num_tokens, self.hidden_size), layer.out_weight, layer.out_bias, x)
             x = F.layer_norm(h, shape, layer.attn_norm_weight, layer.attn_norm_bias, self.eps)
+            checkpoint()
             h = linear.act(x, layer.up_weight, layer.up_bias, self.act_name)
             h = linear.add(h, layer.down_weight, layer.down_bias, x)
             x = F.layer_norm(h, shape, layer.mlp_norm_weight, layer.mlp_norm_bias, self.eps)
+            checkpoint()
         return x

@@ -7,6 +7,7 @@ gathered once and shared by every layer. The LM head is never loaded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +16,10 @@ import torch.nn.functional as F
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn
 from tokq.workers.layout import Layout
-from tokq.workers.loader import moved, take
+from tokq.workers.loader import moved, packed, take
 from tokq.workers.models.layers import (Rotary, activation, apply_rope, linear_kernels, rms_norm,
                                         rope_theta)
+from tokq.workers.preempt import no_checkpoint
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Qwen:
         self.layers = [moved(QwenLayer.from_weights(weights, f"layers.{i}.", qk_norm=family == "qwen3"),
                              device) for i in range(int(config["num_hidden_layers"]))]
         self.linear = linear_kernels(self.embed_tokens.device, self.embed_tokens.dtype, linear_kind)
+        self.layers = [packed(layer, self.linear.pack) for layer in self.layers]
         self.rotary = Rotary(self.head_dim, rope_theta(config), self.embed_tokens.device,
                              self.embed_tokens.dtype, num_positions=max_length)
 
@@ -84,10 +87,12 @@ class Qwen:
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    def forward(self, layout: Layout, attend: AttendFn | None, prefix=None) -> torch.Tensor:
+    def forward(self, layout: Layout, attend: AttendFn | None, prefix=None,
+                checkpoint: Callable[[], None] = no_checkpoint) -> torch.Tensor:
         """Last hidden state ``[T, hidden]`` (after the final norm) of the packed batch.
         ``prefix`` (workers/prefix_attention.PrefixPass): the batch holds only the tokens after
-        shared prefixes, at their true positions, and attends through it instead."""
+        shared prefixes, at their true positions, and attends through it instead.
+        ``checkpoint`` is called after each attention and MLP block (workers/preempt.py)."""
         num_tokens = layout.input_ids.shape[0]
         q_size, kv_size = self.q_dim, self.num_kv_heads * self.head_dim
         cos, sin = self.rotary.tables(layout.positions, layout.max_seqlen - 1)
@@ -107,6 +112,8 @@ class Qwen:
             else:
                 attn = prefix.attend(index, q, k, v, scale)
             x = linear.add(attn.reshape(num_tokens, q_size), layer.out_weight, None, x)
+            checkpoint()
             gate, up = linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up_weight).chunk(2, -1)
             x = linear.add(self.act(gate) * up, layer.down_weight, None, x)
+            checkpoint()
         return rms_norm(x, self.final_norm, self.eps)

@@ -1,0 +1,130 @@
+"""Light work pre-empts a heavy forward (workers/preempt.py), in process with a real Redis and
+the real bundled model: a one-word request that arrives while a heavy batch is in its forward is
+run nested between two of that forward's blocks and answered before the heavy batch is, and
+both batches' vectors are those of the model run alone. The order is forced with events in
+front of the real engine, never by timing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+from queue_support import QUEUE, open_queue
+
+from tokq.batch import PackedBatch
+from tokq.config import QueueConfig, WorkerConfig
+from tokq.entry import decode_result, encode_body
+from tokq.metrics import WorkerMetrics
+from tokq.workers.worker import Worker
+
+pytestmark = pytest.mark.slow
+
+HEAVY_TOKENS = 128  # a batch of more is heavy (preempt_budget(512, light_tokens=128))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from tokq.workers.engine import Engine
+
+    return Engine.load(None, device="cpu", name=QUEUE)
+
+
+class GatedEngine:
+    """The real engine; a heavy batch's forward waits for ``go`` before it starts and for
+    ``finish`` before it returns, and every forward's start and end is logged."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.go = threading.Event()
+        self.finish = threading.Event()
+        self.heavy_entered = threading.Event()
+        self.log: list[tuple[str, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def embed(self, batch):
+        heavy = batch.num_tokens > HEAVY_TOKENS
+        if heavy:
+            self.heavy_entered.set()
+            assert self.go.wait(60)
+        self.log.append(("start", batch.num_tokens))
+        vectors = self._engine.embed(batch)
+        self.log.append(("end", batch.num_tokens))
+        if heavy:
+            assert self.finish.wait(60)
+        return vectors
+
+
+async def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first(redis_url, engine):
+    gated = GatedEngine(engine)
+    rng = np.random.default_rng(7)
+    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 98), [102]]) for _ in range(2)]
+    light_ids = [np.array([101, 7592, 2088, 102])]
+    name = engine.info.queue_name
+    metrics = WorkerMetrics(name, "preempt")
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="preempt",
+                        observer=metrics)
+        assert worker.preempt_budget == HEAVY_TOKENS
+        run = asyncio.create_task(worker.run())
+        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("preempt")), 60, "the first heartbeat")
+
+        async def enqueue(request_id, seqs):
+            await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
+                                 timeout_ms=60_000, channel=client.keys.done_channel("test"))
+
+        async def answered(request_id, n):
+            return await q.redis.hlen(q.keys.reply(request_id)) >= n + 3  # + n, ch, t
+
+        await enqueue("heavy", heavy_ids)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+
+        async def registered():
+            return await q.redis.sismember(q.keys.preemptible, q.owner_id)
+        await _wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
+        await enqueue("light", light_ids)
+        assert not await registered()  # told 'light' (and taken out of the set)
+
+        async def offered():
+            return worker.preemption.waiting is not None
+        await _wait_for(offered, 30, "the light batch to be claimed and offered to the forward")
+        gated.go.set()  # the heavy forward starts; its first block's checkpoint runs the light one
+        await _wait_for(lambda: answered("light", 1), 60, "the light request's answer")
+        assert not await q.redis.hexists(q.keys.reply("heavy"), "0")  # heavy still unanswered
+        gated.finish.set()
+        await _wait_for(lambda: answered("heavy", 2), 60, "the heavy request's answer")
+        heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
+        assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
+
+        for request_id, seqs in (("light", light_ids), ("heavy", heavy_ids)):
+            results = await client.collect(request_id)
+            got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
+            alone = engine.embed(PackedBatch.pack(seqs))
+            assert _cosines(got, alone).min() >= 0.9999, request_id
+            np.testing.assert_allclose(got, alone, atol=1e-5)
+
+        assert worker.num_preemptions == 1 and worker.num_batches == 2
+        assert REGISTRY.get_sample_value("tokq_worker_preemptions_total",
+                                         {"model": name, "worker": "preempt"}) == 1
+        stats = await q.stats()
+        assert (stats.inflight_items, stats.queued_entries, stats.counters["acked"]) == (0, 0, 3)
+        assert await q.redis.scard(q.keys.preemptible) == 0  # the heavy forward is over
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+        metrics.close()

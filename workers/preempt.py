@@ -1,0 +1,106 @@
+"""Light work pre-empts a heavy forward between two of its layers' blocks.
+
+While a worker runs a heavy batch (more tokens than ``tokq.claim_rule.preempt_budget``) it is
+registered as pre-emptible; light work arriving then tells it 'light' (lua/enqueue.lua), and its
+event loop claims that work light-only and leaves it in this slot. The forward thread looks at
+the slot after each layer's attention block and after its MLP block (the models call
+``checkpoint``) and runs a waiting batch to completion right there, nested, then goes on: a
+one-word call waits for one block of the heavy forward, not for all of it. On CUDA the nested
+kernels queue behind the heavy ones already launched, in stream order, so this holds there too.
+The nested forward shares no tensor with the heavy one: both batches' vectors are as if run alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_local = threading.local()  # the forward thread's checkpoint while it runs a heavy batch
+
+
+def no_checkpoint() -> None:
+    """The models' checkpoint when nothing may pre-empt them."""
+
+
+def current_checkpoint() -> Callable[[], None]:
+    """The checkpoint the models call between blocks in this thread (Engine.embed passes it)."""
+    return getattr(_local, "checkpoint", no_checkpoint)
+
+
+def _resolve(future: asyncio.Future, outcome: Any, exc: BaseException | None) -> None:
+    if future.done():  # the waiter was cancelled (the worker stopped)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(outcome)
+
+
+class Preemption:
+    """The slot between a worker's event loop (``offer``) and its forward thread (``heavy``,
+    ``checkpoint``). ``run(claim)`` runs one batch (BatchRunner.run)."""
+
+    def __init__(self, run: Callable[[Any], Any]) -> None:
+        self._run = run
+        self._lock = threading.Lock()
+        self._armed = False  # a heavy forward runs and has not reached its end
+        self._waiting: tuple[Any, asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._inside = False  # a nested batch runs: no pre-emption inside it
+
+    @property
+    def waiting(self) -> Any:
+        """The claim left in the slot, not yet taken by the forward thread (None: none)."""
+        waiting = self._waiting
+        return waiting[0] if waiting else None
+
+    def heavy(self, run_heavy: Callable[[], T]) -> T:
+        """In the forward thread: ``run_heavy()`` with pre-emption on. A batch offered too late
+        to nest (the heavy forward had passed its last block) runs right after it, here."""
+        with self._lock:
+            self._armed = True
+        _local.checkpoint = self.checkpoint
+        try:
+            return run_heavy()
+        finally:
+            _local.checkpoint = no_checkpoint
+            with self._lock:
+                self._armed = False
+                waiting, self._waiting = self._waiting, None
+            if waiting:
+                self._serve(waiting)
+
+    def offer(self, claim: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future | None:
+        """From the event loop: leave ``claim`` for the heavy forward to run; its outcome comes
+        in the future. None when no heavy forward is running (the caller runs it itself)."""
+        with self._lock:
+            if not self._armed or self._waiting is not None:
+                return None
+            future = loop.create_future()
+            self._waiting = (claim, loop, future)
+            return future
+
+    def checkpoint(self) -> None:
+        """In the forward thread, between blocks: run the batch waiting in the slot, if any."""
+        if self._waiting is None or self._inside:  # the usual case: one attribute read
+            return
+        with self._lock:
+            waiting, self._waiting = self._waiting, None
+        if waiting:
+            self._serve(waiting)
+
+    def _serve(self, waiting: tuple[Any, asyncio.AbstractEventLoop, asyncio.Future]) -> None:
+        claim, loop, future = waiting
+        self._inside = True
+        try:
+            outcome, exc = self._run(claim), None
+        except BaseException as error:  # noqa: BLE001 - the light batch's failure is its own
+            outcome, exc = None, error
+        finally:
+            self._inside = False
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(_resolve, future, outcome, exc)
