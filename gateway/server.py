@@ -98,9 +98,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         queue = ShardedQueue(client, info.queue_name, queue_config)
         router = ReplyRouter(pubsub_client, client, queue.reply_key,
                              [k.done_channel(gid) for k in queue.shard_keys()])
+        observer = metrics.GatewayMetrics(info.name)
+        queue.observe_enqueues = observer.enqueues_sent
         models[info.name] = ServedModel(info, Tokenizer(info, threads=config.tokenize_threads),
-                                        queue, router, config, gid,
-                                        observer=metrics.GatewayMetrics(info.name))
+                                        queue, router, config, gid, observer=observer)
     embedder = Embedder(models)
     max_message_bytes = max(m.limits.max_message_bytes for m in models.values())
     service = EmbedderService(embedder, gid)

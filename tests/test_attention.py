@@ -148,23 +148,39 @@ def test_packed_layout_puts_short_sequences_side_by_side_in_rows():
     layout = build_layout(batch, torch.device("cpu"), "sdpa_packed")
     assert layout.input_ids.shape[0] == batch.num_tokens  # no pad outside attention
     runs = [(r.start, r.num_seqs, r.seqlen, r.num_tokens, r.gather is not None) for r in layout.runs]
-    # sorted lengths 2, 3, 5 | 30 | 40 | 70: rows of 32 slots hold [2, 3, 5] and [30]; a row of 64
-    # holds [40]; 70 is past the rows and attends on its own
+    # sorted lengths 2, 3, 5 | 30 | 40 | 70 (rows 0-1, 2-4, 5-9, 10-39, ...): best fit, longest
+    # first, fills rows of 32 slots as [30, 2] and [5, 3]; a row of 64 holds [40]; 70 is past
+    # the rows and attends on its own
     assert runs == [(0, 2, 32, 40, True), (40, 1, 64, 40, True), (80, 1, 70, 70, False)]
     rows = layout.runs[0]
     gather, allowed = rows.gather.view(2, 32), rows.mask[:, 0] == 0
-    assert gather[0, :10].tolist() == list(range(10)) and gather[1, :30].tolist() == list(range(10, 40))
-    # block diagonal: the 3-token sequence at slots 2..4 sees exactly slots 2..4
-    assert allowed[0, 3].nonzero().flatten().tolist() == [2, 3, 4]
-    assert allowed[0, 20].nonzero().flatten().tolist() == [20]  # an empty slot sees only itself
+    assert gather[0].tolist() == list(range(10, 40)) + [0, 1]
+    assert gather[1, :8].tolist() == [5, 6, 7, 8, 9, 2, 3, 4]
+    # block diagonal: the 3-token sequence at slots 5..7 of row 1 sees exactly slots 5..7
+    assert allowed[1, 6].nonzero().flatten().tolist() == [5, 6, 7]
+    assert allowed[0, 31].nonzero().flatten().tolist() == [30, 31]
+    assert allowed[1, 20].nonzero().flatten().tolist() == [20]  # an empty slot sees only itself
     assert (rows.gather[rows.scatter] == torch.arange(40)).all()
+
+
+def test_best_fit_packing_fills_rows_next_fit_would_leave_half_empty():
+    # sorted: 10 x 3, then 17 x 3; next fit: [10 10 10] then one 17 per row (4 rows); best fit
+    # longest first: [17 10] x 3, then [17]
+    layout = build_layout(_batch([17, 10, 17, 10, 17, 10]), torch.device("cpu"), "sdpa_packed")
+    [run] = layout.runs
+    assert (run.num_seqs, run.seqlen, run.num_tokens) == (3, 32, 81)
+    # sorted token rows: the 10s at 0, 10, 20, the 17s at 30, 47, 64
+    gather = run.gather.view(3, 32)[:, :27].tolist()
+    assert gather == [list(range(30, 47)) + list(range(20, 30)), list(range(47, 64)) + list(range(10, 20)),
+                      list(range(64, 81)) + list(range(0, 10))]
+    assert (run.gather[run.scatter] == torch.arange(81)).all()
 
 
 def test_packed_causal_mask_stays_inside_each_sequence():
     layout = build_layout(_batch([3, 2]), torch.device("cpu"), "sdpa_packed", causal=True)
-    allowed = layout.runs[0].mask[0, 0] == 0  # slots: [2-token seq][3-token seq]
-    assert allowed[:5, :5].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
-                                               [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    allowed = layout.runs[0].mask[0, 0] == 0  # slots: [3-token seq][2-token seq]
+    assert allowed[:5, :5].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0],
+                                               [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
 
 
 def test_already_sorted_batch_is_not_copied():

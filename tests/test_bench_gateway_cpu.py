@@ -53,7 +53,8 @@ def echo_server():
 def test_measure_counts_cpu_of_each_process_over_the_measured_calls(echo_server):
     target, proc = echo_server
     before = proc_cpu_s(proc.pid)
-    run = measure(target, {"echo server": proc.pid}, rate=100, calls=60, warmup_calls=20, seed=3, workload=None)
+    run = measure(target, {"echo server": proc.pid}, load={"rate": 100}, calls=60, warmup_calls=20, seed=3,
+                  workload=None)
     used_overall = proc_cpu_s(proc.pid) - before
     summary = run["summary"]
     assert summary["num_requests"] == summary["num_ok"] == 60
@@ -65,10 +66,21 @@ def test_measure_counts_cpu_of_each_process_over_the_measured_calls(echo_server)
     assert run["cpu_ms_per_call"]["echo server"] == pytest.approx(1000 * run["cpu_s"]["echo server"] / 60, abs=1e-3)
 
 
+def test_a_closed_loop_run_keeps_its_calls_in_flight_and_counts_them_all(echo_server):
+    target, proc = echo_server
+    ticks = iter(range(100))
+    run = measure(target, {"echo server": proc.pid}, load={"concurrency": 8}, calls=200, warmup_calls=20, seed=5,
+                  workload=None, counters=lambda: {"probe": next(ticks)})
+    summary = run["summary"]
+    assert summary["num_requests"] == summary["num_ok"] == 200
+    assert run["cpu_s"]["echo server"] > 0
+    assert run["counters"] == {"probe": 1}  # read right before and right after the measured calls
+
+
 def test_py_spy_profile_of_a_run_shows_the_servers_handler(echo_server, tmp_path):
     target, proc = echo_server
     out = tmp_path / "echo.txt"
-    measure(target, {"echo server": proc.pid}, rate=200, calls=400, warmup_calls=20, seed=4, workload=None,
+    measure(target, {"echo server": proc.pid}, load={"rate": 200}, calls=400, warmup_calls=20, seed=4, workload=None,
             while_running=lambda: PySpy(proc.pid, out))
     frames = top_frames(out.read_text(), n=100)
     assert frames["busy_samples"] > 0
@@ -93,29 +105,44 @@ def test_top_frames_leaves_out_waits_and_merges_lines_of_a_function():
     json.dumps(frames)  # goes into the report as is
 
 
-def _round(gateway_ms: float, echo_ms: float, errors: dict | None = None) -> dict:
+def _round(gateway_ms: float, echo_ms: float, errors: dict | None = None, counters: dict | None = None) -> dict:
     summary = {"latency_ms": {"p99": 40.0}, "errors": errors or {}}
     return {"tokq": {"cpu_ms_per_call": {"gateway": gateway_ms, "worker": 3.0, "redis": 0.2, "load client": 0.5},
-                     "summary": summary},
+                     "summary": summary, **({"counters": counters} if counters else {})},
             "echo": {"cpu_ms_per_call": {"echo server": echo_ms, "load client": 0.5}, "summary": {"errors": {}}},
             "gateway_vs_echo": round(gateway_ms / echo_ms, 2)}
 
 
-def test_report_judges_the_target_on_medians_and_only_without_failed_calls(tmp_path):
+def _meta(**extra) -> dict:
+    return {"command": "tokq bench gateway-cpu", "started_at": "t0", "finished_at": "t1",
+            "machine": {"cpu": "cpu", "num_cpus": 2, "platform": "linux"}, "loadavg_at_start": ["1"],
+            "loadavg_at_end": ["2"], "calls": 100, "rounds": 3, **extra}
+
+
+def test_report_judges_the_target_per_load_on_medians_and_only_without_failed_calls(tmp_path):
     from click.testing import CliRunner
 
     from tokq.profiling.bench.gateway_cpu import SECTION_START, gateway_cpu_command, markdown_section
 
-    meta = {"command": "tokq bench gateway-cpu", "started_at": "t0", "finished_at": "t1",
-            "machine": {"cpu": "cpu", "num_cpus": 2, "platform": "linux"}, "loadavg_at_start": ["1"],
-            "loadavg_at_end": ["2"], "calls": 100, "rate": 60, "rounds": 3}
-    report = {"meta": meta, "rounds": [_round(0.5, 0.3), _round(0.7, 0.3), _round(0.55, 0.25)]}
+    report = {"meta": _meta(rates=[60, 200], concurrency=[64]), "loads": [
+        {"rate": 60, "rounds": [_round(0.9, 0.6), _round(1.1, 0.5), _round(0.8, 0.5)]},
+        {"concurrency": 64, "rounds": [_round(0.4, 0.3)] * 3},
+        {"rate": 200, "rounds": [_round(0.5, 0.3, counters={"enqueues": 100, "round_trips": 80}),
+                                 _round(0.7, 0.3, counters={"enqueues": 100, "round_trips": 40}),
+                                 _round(0.55, 0.25, counters={"enqueues": 100, "round_trips": 30})]}]}
     md = markdown_section(report)
-    assert "| gateway (tokq run) | 0.550 | 0.500, 0.700, 0.550 |" in md
-    assert "**met** (0.550 ms)" in md and "**2.20x**" in md  # median of 1.67, 2.33, 2.2
-    report["rounds"][1] = _round(0.5, 0.3, errors={"DEADLINE_EXCEEDED": 4})
-    assert "**not judged: some calls failed" in markdown_section(report)
-    report["rounds"] = [_round(0.9, 0.3)] * 3
+    # per load: gateway median, bare median, median of the within-round ratios (1.67, 2.33, 2.2),
+    # verdict, enqueues per round trip over all rounds (300 / 150)
+    assert "| 200 req/s | 0.550 | 0.300 | **2.20x** (1.67, 2.33, 2.2) | **met** | 2.00 |" in md
+    assert "| 60 req/s | 0.900 | 0.500 | **1.60x** (1.5, 2.2, 1.6) | **not met** | - |" in md
+    assert "| 64 in flight | 0.400 | 0.300 | **1.33x** (1.33, 1.33, 1.33) | **met** | - |" in md
+    assert "| 200 req/s | gateway (tokq run) | 0.550 | 0.500, 0.700, 0.550 |" in md
+    assert "open loop (Poisson) at each of 60, 200 req/s and closed loop with each of 64 calls in flight" in md
+    report["loads"][2]["rounds"][1] = _round(0.5, 0.3, errors={"DEADLINE_EXCEEDED": 4})
+    md = markdown_section(report)
+    assert "| **not judged: some calls failed** | 1.82 | 40, 40, 40 | 0/0, 4/0, 0/0 |" in md
+    assert "| 60 req/s | 0.900 | 0.500 | **1.60x** (1.5, 2.2, 1.6) | **not met** | - |" in md  # the others as before
+    report["loads"] = [{"rate": 60, "rounds": [_round(0.9, 0.3)] * 3}]
     (tmp_path / "r.json").write_text(json.dumps(report))
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n")
@@ -124,4 +151,27 @@ def test_report_judges_the_target_on_medians_and_only_without_failed_calls(tmp_p
                                                          "--results-md", str(results)])
         assert done.exit_code == 0, done.output
     text = results.read_text()
-    assert text.startswith("# Results\n") and text.count(SECTION_START) == 1 and "**not met** (0.900 ms)" in text
+    assert text.startswith("# Results\n") and text.count(SECTION_START) == 1
+    assert "| 60 req/s | 0.900 | 0.300 | **3.00x** (3.0, 3.0, 3.0) | **not met** |" in text
+
+
+def test_a_report_from_before_rates_renders_as_its_one_load():
+    from tokq.profiling.bench.gateway_cpu import markdown_section
+
+    report = {"meta": _meta(rate=60), "rounds": [_round(0.5, 0.25)] * 3}
+    assert "| 60 req/s | 0.500 | 0.250 | **2.00x** (2.0, 2.0, 2.0) | **met** |" in markdown_section(report)
+
+
+def test_loads_are_parsed_and_bad_ones_refused():
+    from click.testing import CliRunner
+
+    from tokq.profiling.bench.gateway_cpu import gateway_cpu_command, parse_levels
+
+    assert parse_levels("60, 200,400", "--rates") == [60.0, 200.0, 400.0]
+    assert parse_levels("8,64", "--concurrency", int) == [8, 64]
+    assert parse_levels("0", "--rates") == []
+    for option, bad in (("--rates", "60,x"), ("--rates", "-5"), ("--concurrency", "2.5"), ("--concurrency", "-1")):
+        done = CliRunner().invoke(gateway_cpu_command, [option, bad, "--from-json", __file__])
+        assert done.exit_code == 2 and option in done.output, (bad, done.output)
+    done = CliRunner().invoke(gateway_cpu_command, ["--rates", "0", "--concurrency", "0"])
+    assert done.exit_code == 2 and "nothing to measure" in done.output

@@ -112,6 +112,11 @@ def test_gateway_observer_counts_requests_by_rpc_and_code():
     # 12 ms lands in the 25 ms bucket, not the 10 ms one: the histogram is in seconds
     assert _value("tokq_gateway_queue_duration_seconds_bucket", model=model, le="0.01") == 0
     assert _value("tokq_gateway_queue_duration_seconds_bucket", model=model, le="0.025") == 1
+    gw.enqueues_sent(1)
+    gw.enqueues_sent(7)
+    assert _value("tokq_gateway_enqueue_batch_requests_count", model=model) == 2  # round trips
+    assert _value("tokq_gateway_enqueue_batch_requests_sum", model=model) == 8  # enqueues
+    assert _value("tokq_gateway_enqueue_batch_requests_bucket", model=model, le="4.0") == 1
 
 
 BERT_TINY = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,

@@ -11,6 +11,8 @@ Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/embedding.py)
   tokq_gateway_queue_duration_seconds             histogram queue wait of a request (its slowest item)
   tokq_gateway_inference_duration_seconds         histogram forward time of a request (its slowest item)
   tokq_gateway_request_input_tokens               histogram tokens in one Embed request
+  tokq_gateway_enqueue_batch_requests             histogram enqueues sent to Redis in one round trip
+      (tokq.pipeliner: under load concurrent calls' enqueues share one; _count is round trips)
   tokq_gateway_inflight_requests                  gauge     RPCs being served now
 
 Queue (``observe_queue_stats``; exported by one gateway process per model, elected by a Redis
@@ -108,6 +110,9 @@ GATEWAY_INPUT_TOKENS = Histogram("tokq_gateway_request_input_tokens",
                                  "Tokens in one Embed request, all inputs together", _M,
                                  buckets=REQUEST_TOKENS_BUCKETS)
 GATEWAY_INFLIGHT = Gauge("tokq_gateway_inflight_requests", "RPCs being served now", _M)
+GATEWAY_ENQUEUE_BATCH = Histogram("tokq_gateway_enqueue_batch_requests",
+                                  "Enqueues sent to Redis in one round trip", _M,
+                                  buckets=tuple(2**k for k in range(11)))  # 1 .. 1024
 
 QUEUE_ENTRIES = Gauge("tokq_queue_queued_entries", "Entries waiting to be claimed", _M)
 QUEUE_TOKENS = Gauge("tokq_queue_queued_tokens", "Tokens waiting to be claimed", _M)
@@ -224,7 +229,8 @@ def observe_queue_stats(stats, *, model: str) -> None:
 
 
 class GatewayMetrics:
-    """The gateway's observer: gateway/embedding.py calls these four hooks."""
+    """The gateway's observer: gateway/embedding.py calls these hooks (``enqueues_sent``: the
+    queue's pipeliner, wired in gateway/server.py)."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -235,6 +241,7 @@ class GatewayMetrics:
         self._input_tokens = GATEWAY_INPUT_TOKENS.labels(model)
         self._queue = GATEWAY_QUEUE_DURATION.labels(model)
         self._inference = GATEWAY_INFERENCE_DURATION.labels(model)
+        self._enqueue_batch = GATEWAY_ENQUEUE_BATCH.labels(model)
         self._requests: dict[tuple[str, str], object] = {}
         self._durations: dict[str, object] = {}
 
@@ -260,6 +267,10 @@ class GatewayMetrics:
     def embed_done(self, queue_ms: float, inference_ms: float) -> None:
         self._queue.observe(queue_ms / 1000.0)
         self._inference.observe(inference_ms / 1000.0)
+
+    def enqueues_sent(self, num_requests: int) -> None:
+        """One Redis round trip carried ``num_requests`` enqueues (tokq.pipeliner)."""
+        self._enqueue_batch.observe(num_requests)
 
 
 class WorkerMetrics:

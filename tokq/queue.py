@@ -1,5 +1,6 @@
 """The async queue client: enqueue, claim, renew, ack, requeue, cancel, collect and stats,
-each one Lua script run (one round trip) on a ``redis.asyncio`` client.
+each one Lua script run (one round trip) on a ``redis.asyncio`` client; enqueues started while
+one is in flight share the next round trip (tokq.pipeliner).
 
 Use a client made with ``decode_responses=False`` (``tokq.connection.connect``): entry bodies
 and results are binary.
@@ -27,6 +28,7 @@ from tokq.claim_rule import isolate_attempt_for
 from tokq.config import QueueConfig
 from tokq.entry import Entry, parse_entry
 from tokq.keys import QueueKeys
+from tokq.pipeliner import ScriptPipeliner
 from tokq.scripts import Scripts
 
 # Expired or orphaned entries one claim may drop before it answers; the client calls again,
@@ -121,6 +123,8 @@ class Queue:
         self.keys = QueueKeys(queue)
         self.config = config
         self.scripts = Scripts(redis)
+        # Enqueues started while one is in flight share the next round trip (tokq.pipeliner).
+        self.pipeliner = ScriptPipeliner(redis, self.scripts)
         self._clock = clock
         # Batch ids are <random prefix>-<local counter>, chosen here so that a repeated claim
         # finds its own lease; the prefix keeps them unique across clients and restarts.
@@ -133,8 +137,10 @@ class Queue:
     def _now_arg(self) -> int:
         return self._clock() if self._clock else 0  # 0 = the script reads Redis TIME
 
-    async def _run(self, script: str, keys: Sequence[str], args: Sequence) -> object:
+    async def _run(self, script: str, keys: Sequence[str], args: Sequence, *, pipelined: bool = False) -> object:
         try:
+            if pipelined:
+                return await self.pipeliner.run(script, keys, args)
             return await self.scripts.run(script, keys, args)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
             raise LostAnswer(script, exc) from exc
@@ -159,7 +165,7 @@ class Queue:
         k = self.keys
         reply = await self._run(
             "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy, k.idle,
-                        k.preemptible], args)
+                        k.preemptible], args, pipelined=True)
         status = reply[0]
         if status == b"QUEUE_FULL":
             raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)

@@ -51,6 +51,10 @@ class Scripts:
     def names(self) -> tuple[str, ...]:
         return tuple(self._scripts)
 
+    def sha(self, name: str) -> str:
+        """The script's SHA1, what EVALSHA names it by."""
+        return self._scripts[name].sha
+
     async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         self.calls[name] += 1
         return await self._scripts[name](keys=keys, args=args)

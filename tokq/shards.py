@@ -26,7 +26,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import redis.exceptions
@@ -54,6 +54,8 @@ class ShardedQueue:
         self._clock = clock
         self._rng = rng or random.Random()
         self._shards: dict[int, Queue] = {}
+        # Called with the number of enqueues each round trip to a shard carries (metrics).
+        self.observe_enqueues: Callable[[int], None] | None = None
         self.num_shards = config.queue_shards  # gateways enqueue to these
         self._claim_shards = config.queue_shards  # workers claim from these (see refresh)
         self._next_claim = self._rng.randrange(self.num_shards)
@@ -70,9 +72,15 @@ class ShardedQueue:
         """The Queue of shard ``index`` (made on first use: any index a batch id names)."""
         if index not in self._shards:
             # Batch ids name their shard; the token keeps them unique across processes.
-            self._shards[index] = Queue(self.redis, shard_queue_name(self.name, index), self.config,
-                                        clock=self._clock, batch_prefix=f"{index}.{self._batch_token}")
+            queue = Queue(self.redis, shard_queue_name(self.name, index), self.config,
+                          clock=self._clock, batch_prefix=f"{index}.{self._batch_token}")
+            queue.pipeliner.observe = self._observe_enqueues
+            self._shards[index] = queue
         return self._shards[index]
+
+    def _observe_enqueues(self, num_requests: int) -> None:
+        if self.observe_enqueues is not None:
+            self.observe_enqueues(num_requests)
 
     @property
     def keys(self) -> QueueKeys:

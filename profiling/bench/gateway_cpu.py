@@ -1,20 +1,24 @@
 """CPU time per single-input Embed call, per process, against a bare grpc.aio server measured
 in the same run.
 
-    tokq bench gateway-cpu [--calls 2000] [--rate 60] [--rounds 3]
+    tokq bench gateway-cpu [--calls 2000] [--rates 60,200] [--concurrency 64] [--rounds 3]
         [--profile-dir DIR] [--results-md profiling/RESULTS.md]
 
 Starts, as separate processes: an embedded Redis, one gateway and one worker (`tokq gateway`,
 `tokq worker --threads 1`, their defaults otherwise), and a bare grpc.aio server (`echo-server`
-below: the same Embed RPC answering a fixed 384-float vector, no work). For each round, a load
-client (its own process, `load-client`) warms up, then sends ``--calls`` single-input Embed calls
-open loop at ``--rate`` to the echo server, then to the gateway. Each process's CPU time
-(utime + stime of all its threads, from /proc/<pid>/stat) is read right before and after the
-measured calls, so start-up and warm-up are not counted. Per-call figures are medians over the
-rounds; the gateway/echo ratio is taken within each round.
+below: the same Embed RPC answering a fixed 384-float vector, no work). For each load (each
+rate of ``--rates``: open loop, Poisson arrivals; each level of ``--concurrency``: closed loop,
+that many calls in flight, as fast as the system answers) and each round, a load client (its own
+process, `load-client`) warms up, then sends ``--calls`` single-input Embed calls at that load to
+the echo server, then to the gateway. Each process's CPU time (utime + stime of all its threads, from /proc/<pid>/stat) is
+read right before and after the measured calls, so start-up and warm-up are not counted.
+Per-call figures are medians over a load's rounds; the gateway/echo ratio is taken within each
+round. The CPU a call costs depends on the load: at a low rate every call wakes the event loop
+and gRPC's poller on its own, at a higher one calls share wake-ups (and the gateway's Redis
+round trips, see tokq.shards), so each load is judged on its own.
 
-With ``--profile-dir``, one more gateway run is sampled by py-spy (its own process, outside the
-gateway) and the hottest frames are printed and written to the report.
+With ``--profile-dir``, one more gateway run at the last load is sampled by py-spy (its own
+process, outside the gateway) and the hottest frames are printed and written to the report.
 """
 
 from __future__ import annotations
@@ -93,23 +97,56 @@ async def serve_echo(port: int) -> None:
 
 # -- the load client -----------------------------------------------------------------------------
 
-async def drive(target: str, rate: float, calls: int, warmup_calls: int, seed: int, workload: str | None) -> None:
-    """Warm up, say "ready", wait for "go" on stdin, send ``calls`` single-input calls open loop,
-    print their summary as one JSON line, then wait for stdin to close (so the parent can read
-    this process's CPU time while it still exists)."""
+async def run_closed_loop(send, arrivals, concurrency: int) -> list:
+    """Send ``arrivals`` (their times ignored) with ``concurrency`` calls in flight, each lane
+    sending its next call when its last one is answered; the samples, as run_open_loop's."""
+    from tokq.profiling.bench import loadgen
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    pending = iter(arrivals)
+    samples = []
+
+    async def lane() -> None:
+        for arrival in pending:
+            sent = loop.time() - start
+            try:
+                reply = await send(arrival.texts)
+            except Exception as exc:  # a sender bug must show as an error, not kill the run
+                reply = loadgen.Reply(f"CLIENT_{type(exc).__name__}")
+            samples.append(loadgen.Sample(sent, sent, loop.time() - start, reply.status, arrival.num_tokens,
+                                          reply.queue_ms, reply.inference_ms))
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return samples
+
+
+async def drive(target: str, rate: float | None, concurrency: int | None, calls: int, warmup_calls: int, seed: int,
+                workload: str | None) -> None:
+    """Warm up, say "ready", wait for "go" on stdin, send ``calls`` single-input calls (open loop
+    at ``rate``, or closed loop with ``concurrency`` in flight), print their summary as one JSON
+    line, then wait for stdin to close (so the parent can read this process's CPU time while it
+    still exists)."""
     from tokq.profiling.bench import loadgen
     from tokq.profiling.bench.service.systems import GrpcSender
 
     queries, _ = loadgen.load_queries(workload, 4000, seed)
     sender = GrpcSender(target, timeout_s=10.0)
     loop = asyncio.get_running_loop()
-    warm = loadgen.poisson_schedule(queries[::-1], rate, warmup_calls / rate, seed=seed + 1)
-    await loadgen.run_open_loop(sender, warm)
-    arrivals = loadgen.poisson_schedule(queries, rate, 10 * calls / rate, seed=seed)[:calls]
+    schedule_rate = rate or 100.0  # closed loop: only the schedule's queries are used
+    warm = loadgen.poisson_schedule(queries[::-1], schedule_rate, warmup_calls / schedule_rate, seed=seed + 1)
+    arrivals = loadgen.poisson_schedule(queries, schedule_rate, 10 * calls / schedule_rate, seed=seed)[:calls]
+    if concurrency:
+        await run_closed_loop(sender, warm, concurrency)
+    else:
+        await loadgen.run_open_loop(sender, warm)
     print("ready", flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)
-    samples = await loadgen.run_open_loop(sender, arrivals)
-    summary = loadgen.summarize(samples, rate, arrivals[-1].t_s)
+    if concurrency:
+        samples = await run_closed_loop(sender, arrivals, concurrency)
+        summary = loadgen.summarize(samples, 0.0)
+    else:
+        samples = await loadgen.run_open_loop(sender, arrivals)
+        summary = loadgen.summarize(samples, rate, arrivals[-1].t_s)
     print(json.dumps(summary), flush=True)
     await loop.run_in_executor(None, sys.stdin.read)
     await sender.close()
@@ -147,7 +184,9 @@ class Stack:
         self.redis_pid = int(client.info("server")["process_id"])
         self.gateway_target = f"127.0.0.1:{free_port()}"
         self.echo_target = f"127.0.0.1:{free_port()}"
+        self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
         self.gateway = _tokq("gateway", "--host", "127.0.0.1", "--port", self.gateway_target.rsplit(":", 1)[1],
+                             "--metrics-port", self.metrics_url.rsplit(":", 1)[1].split("/")[0],
                              redis_url=self.redis.url, log=self.log)
         self.worker = start_worker(self.redis.url, "cpu-bench", env=_env(), log=self.log)
         self.echo = _this("echo-server", "--port", self.echo_target.rsplit(":", 1)[1],
@@ -162,6 +201,18 @@ class Stack:
         finally:
             client.close()
 
+    def enqueue_round_trips(self) -> dict[str, float]:
+        """The gateway's own count of enqueues and of the Redis round trips that carried them."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        found = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name.startswith("tokq_gateway_enqueue_batch_requests")}
+        return {"round_trips": found.get("tokq_gateway_enqueue_batch_requests_count", 0.0),
+                "enqueues": found.get("tokq_gateway_enqueue_batch_requests_sum", 0.0)}
+
     def close(self) -> None:
         from tokq.processes import stop_all
 
@@ -170,11 +221,13 @@ class Stack:
         self.log.close()
 
 
-def measure(target: str, pids: dict[str, int], *, rate: float, calls: int, warmup_calls: int, seed: int,
-            workload: str | None, while_running=None) -> dict:
+def measure(target: str, pids: dict[str, int], *, load: dict, calls: int, warmup_calls: int, seed: int,
+            workload: str | None, while_running=None, counters=None) -> dict:
     """One measured run of the load client against ``target``: CPU-seconds per process
-    (``pids`` and the client itself) over exactly the measured calls, and the client's summary."""
-    client = _this("load-client", "--target", target, "--rate", str(rate), "--calls", str(calls),
+    (``pids`` and the client itself) over exactly the measured calls, the client's summary, and
+    how much each of ``counters()`` (name -> number) grew over the same calls."""
+    how = ["--concurrency", str(load["concurrency"])] if "concurrency" in load else ["--rate", str(load["rate"])]
+    client = _this("load-client", "--target", target, *how, "--calls", str(calls),
                    "--warmup-calls", str(warmup_calls), "--seed", str(seed),
                    *(["--workload", workload] if workload else []),
                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -182,6 +235,7 @@ def measure(target: str, pids: dict[str, int], *, rate: float, calls: int, warmu
         if client.stdout.readline().strip() != "ready":
             raise RuntimeError("the load client failed during warm-up")
         pids = {**pids, "load client": client.pid}
+        counted = counters() if counters else {}
         before = {name: proc_cpu_s(pid) for name, pid in pids.items()}
         started = time.perf_counter()
         client.stdin.write("go\n")
@@ -190,6 +244,8 @@ def measure(target: str, pids: dict[str, int], *, rate: float, calls: int, warmu
         line = client.stdout.readline()
         wall_s = time.perf_counter() - started
         after = {name: proc_cpu_s(pid) for name, pid in pids.items()}
+        if counters:
+            counted = {name: value - counted[name] for name, value in counters().items()}
         if extra is not None:
             extra.finish()
         summary = json.loads(line)
@@ -201,7 +257,7 @@ def measure(target: str, pids: dict[str, int], *, rate: float, calls: int, warmu
     n = max(summary["num_requests"], 1)
     return {"cpu_ms_per_call": {name: round(1000 * (after[name] - before[name]) / n, 4) for name in pids},
             "cpu_s": {name: round(after[name] - before[name], 3) for name in pids},
-            "wall_s": round(wall_s, 2), "summary": summary}
+            "wall_s": round(wall_s, 2), "summary": summary, "counters": counted}
 
 
 class PySpy:
@@ -285,36 +341,47 @@ def machine() -> dict:
     return {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform()}
 
 
-def run_all(*, calls: int, rate: float, rounds: int, warmup_calls: int, seed: int, workload: str | None,
-            profile_dir: Path | None, console) -> dict:
+def load_name(load: dict) -> str:
+    return f"{load['concurrency']} in flight" if "concurrency" in load else f"{load['rate']:g} req/s"
+
+
+def run_all(*, calls: int, rates: list[float], concurrency: list[int], rounds: int, warmup_calls: int, seed: int,
+            workload: str | None, profile_dir: Path | None, console) -> dict:
     import tempfile
 
     log_path = Path(tempfile.mkdtemp(prefix="tokq-gateway-cpu-")) / "stack.log"
     report = {"meta": {"command": command_line(),
                        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "machine": machine(), "loadavg_at_start": loadavg(), "log": str(log_path),
-                       "calls": calls, "rate": rate, "rounds": rounds, "workload": workload or "default"},
-              "rounds": []}
+                       "calls": calls, "rates": rates, "concurrency": concurrency, "rounds": rounds,
+                       "workload": workload or "default"},
+              "loads": []}
     stack = Stack(log_path)
     try:
         tokq_pids = {"gateway": stack.gateway.pid, "worker": stack.worker.pid, "redis": stack.redis_pid}
-        kw = dict(rate=rate, calls=calls, warmup_calls=warmup_calls, workload=workload)
-        for r in range(rounds):
-            echo = measure(stack.echo_target, {"echo server": stack.echo.pid}, seed=seed + r, **kw)
-            tokq = measure(stack.gateway_target, tokq_pids, seed=seed + r, **kw)
-            ratio = tokq["cpu_ms_per_call"]["gateway"] / max(echo["cpu_ms_per_call"]["echo server"], 1e-9)
-            report["rounds"].append({"echo": echo, "tokq": tokq, "gateway_vs_echo": round(ratio, 2)})
-            console.print(f"round {r + 1}: gateway {tokq['cpu_ms_per_call']['gateway']:.3f} ms/call, "
-                          f"echo {echo['cpu_ms_per_call']['echo server']:.3f} ms/call ({ratio:.2f}x); "
-                          f"worker {tokq['cpu_ms_per_call']['worker']:.3f}, redis {tokq['cpu_ms_per_call']['redis']:.3f}, "
-                          f"client {tokq['cpu_ms_per_call']['load client']:.3f}; "
-                          f"p99 {tokq['summary']['latency_ms']['p99']:.0f} ms")
+        for spec in [{"rate": r} for r in rates] + [{"concurrency": c} for c in concurrency]:
+            kw = dict(load=spec, calls=calls, warmup_calls=warmup_calls, workload=workload)
+            load = {**spec, "rounds": []}
+            report["loads"].append(load)
+            for r in range(rounds):
+                echo = measure(stack.echo_target, {"echo server": stack.echo.pid}, seed=seed + r, **kw)
+                tokq = measure(stack.gateway_target, tokq_pids, seed=seed + r, counters=stack.enqueue_round_trips, **kw)
+                ratio = tokq["cpu_ms_per_call"]["gateway"] / max(echo["cpu_ms_per_call"]["echo server"], 1e-9)
+                load["rounds"].append({"echo": echo, "tokq": tokq, "gateway_vs_echo": round(ratio, 2)})
+                console.print(f"{load_name(spec)}, round {r + 1}: gateway {tokq['cpu_ms_per_call']['gateway']:.3f} ms/call, "
+                              f"echo {echo['cpu_ms_per_call']['echo server']:.3f} ms/call ({ratio:.2f}x); "
+                              f"worker {tokq['cpu_ms_per_call']['worker']:.3f}, redis {tokq['cpu_ms_per_call']['redis']:.3f}, "
+                              f"client {tokq['cpu_ms_per_call']['load client']:.3f}; "
+                              f"p99 {tokq['summary']['latency_ms']['p99']:.0f} ms")
         if profile_dir:
             profile_dir.mkdir(parents=True, exist_ok=True)
             out = profile_dir / "gateway-pyspy.txt"
-            profiled = measure(stack.gateway_target, tokq_pids, seed=seed, **kw,
+            spec = {k: v for k, v in report["loads"][-1].items() if k != "rounds"}
+            profiled = measure(stack.gateway_target, tokq_pids, seed=seed, load=spec, calls=calls,
+                               warmup_calls=warmup_calls, workload=workload,
                                while_running=lambda: PySpy(stack.gateway.pid, out))
-            report["profile"] = {"path": str(out), "gateway_cpu_ms_per_call": profiled["cpu_ms_per_call"]["gateway"],
+            report["profile"] = {"path": str(out), "load": load_name(spec),
+                                 "gateway_cpu_ms_per_call": profiled["cpu_ms_per_call"]["gateway"],
                                  **top_frames(out.read_text())}
     finally:
         stack.close()
@@ -323,49 +390,85 @@ def run_all(*, calls: int, rate: float, rounds: int, warmup_calls: int, seed: in
     return report
 
 
-def medians(report: dict) -> dict:
-    """Median CPU ms per call of each process over the rounds, and of the within-round ratio."""
+def loads(report: dict) -> list[dict]:
+    """The report's loads; a report from before ``--rates`` (one rate, its rounds at the top) as one."""
+    if "loads" in report:
+        return report["loads"]
+    return [{"rate": report["meta"]["rate"], "rounds": report["rounds"]}]
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Median CPU ms per call of each process over one load's rounds, and of the within-round ratio."""
     out = {}
     for system in ("echo", "tokq"):
-        names = report["rounds"][0][system]["cpu_ms_per_call"]
-        out[system] = {n: round(statistics.median(r[system]["cpu_ms_per_call"][n] for r in report["rounds"]), 4)
+        names = rounds[0][system]["cpu_ms_per_call"]
+        out[system] = {n: round(statistics.median(r[system]["cpu_ms_per_call"][n] for r in rounds), 4)
                        for n in names}
-    out["gateway_vs_echo"] = round(statistics.median(r["gateway_vs_echo"] for r in report["rounds"]), 2)
+    out["gateway_vs_echo"] = round(statistics.median(r["gateway_vs_echo"] for r in rounds), 2)
     return out
 
 
+def enqueues_per_round_trip(rounds: list[dict]) -> str:
+    """Over a load's measured calls: enqueues / Redis round trips carrying them (tokq.pipeliner:
+    above 1 where concurrent calls shared one); "-" for reports from before it was counted."""
+    counted = [r["tokq"].get("counters") or {} for r in rounds]
+    trips = sum(c.get("round_trips", 0) for c in counted)
+    return f"{sum(c.get('enqueues', 0) for c in counted) / trips:.2f}" if trips else "-"
+
+
+def verdict(rounds: list[dict]) -> str:
+    """The target, judged on one load's median gateway CPU per call, only if no call failed."""
+    if any(sum(r[s]["summary"]["errors"].values()) for r in rounds for s in ("tokq", "echo")):
+        return "not judged: some calls failed"
+    return "met" if medians(rounds)["tokq"]["gateway"] <= TARGET_MS_PER_CALL else "not met"
+
+
 def markdown_section(report: dict) -> str:
-    meta, med = report["meta"], medians(report)
-    gw = med["tokq"]["gateway"]
+    meta = report["meta"]
+    per_load = loads(report)
+    rates = [f"{load['rate']:g}" for load in per_load if "rate" in load]
+    levels = [str(load["concurrency"]) for load in per_load if "concurrency" in load]
+    how = " and ".join(filter(None, [
+        f"open loop (Poisson) at each of {', '.join(rates)} req/s" if rates else "",
+        f"closed loop with each of {', '.join(levels)} calls in flight" if levels else ""]))
     lines = [SECTION_START, "## Gateway CPU per call", "",
              f"Command: `{meta['command']}`  ",
              f"Date: {meta['started_at']} to {meta['finished_at']}  ",
              f"Machine: {meta['machine']['cpu']}, {meta['machine']['num_cpus']} CPUs, {meta['machine']['platform']}; "
              f"**shared with other people's builds and tests**: load average {' '.join(meta['loadavg_at_start'])} "
              f"at start, {' '.join(meta['loadavg_at_end'])} at end, so figures are noisy.  ",
-             f"Load: {meta['calls']} single-input Embed calls per run, open loop (Poisson) at {meta['rate']:g} req/s "
-             f"from a separate client process, after a warm-up; {meta['rounds']} rounds, each measuring the bare "
-             "echo server, then tokq (gateway + worker `--threads 1` + Redis). CPU = utime + stime of every thread "
-             "of each process (/proc/<pid>/stat) over the measured calls only; medians over the rounds.", "",
-             "| process | CPU ms per call (median) | per round |", "|---|---:|---|"]
-    for system in ("tokq", "echo"):
-        for name, value in med[system].items():
-            per_round = ", ".join(f"{r[system]['cpu_ms_per_call'][name]:.3f}" for r in report["rounds"])
-            lines.append(f"| {name} ({'tokq run' if system == 'tokq' else 'echo run'}) | {value:.3f} | {per_round} |")
-    p99 = ", ".join(f"{r['tokq']['summary']['latency_ms']['p99']:.0f}" for r in report["rounds"])
-    errors = [sum(r[s]["summary"]["errors"].values()) for r in report["rounds"] for s in ("tokq", "echo")]
-    verdict = ("not judged: some calls failed (the worker fell behind on this busy machine)" if any(errors)
-               else "met" if gw <= TARGET_MS_PER_CALL else "not met")
-    lines += ["", f"Gateway / bare grpc.aio server, within each round: **{med['gateway_vs_echo']:.2f}x** "
-                  f"(rounds: {', '.join(str(r['gateway_vs_echo']) for r in report['rounds'])}). "
-                  f"tokq p99 latency per round: {p99} ms; failed calls per round (tokq, echo): "
-                  f"{', '.join(map(str, errors))}.  ",
-              f"Target: gateway <= {TARGET_MS_PER_CALL} ms of CPU per single-input call: "
-              f"**{verdict}** ({gw:.3f} ms).", ""]
+             f"Load: {meta['calls']} single-input Embed calls per run, {how} "
+             f"from a separate client process, after a warm-up; {meta['rounds']} rounds per load, each measuring the "
+             "bare echo server, then tokq (gateway + worker `--threads 1` + Redis), at the same load. CPU = utime + "
+             "stime of every thread of each process (/proc/<pid>/stat) over the measured calls only; medians over "
+             "a load's rounds.", "",
+             f"| load | gateway ms/call | bare grpc.aio server ms/call | gateway / bare (within rounds) "
+             f"| target <= {TARGET_MS_PER_CALL} ms | enqueues per Redis round trip | tokq p99 ms per round "
+             "| failed calls per round (tokq, echo) |",
+             "|---:|---:|---:|---:|---|---:|---|---|"]
+    for load in per_load:
+        rounds, med = load["rounds"], medians(load["rounds"])
+        p99 = ", ".join(f"{r['tokq']['summary']['latency_ms']['p99']:.0f}" for r in rounds)
+        errors = ", ".join(f"{sum(r['tokq']['summary']['errors'].values())}/{sum(r['echo']['summary']['errors'].values())}"
+                           for r in rounds)
+        lines.append(f"| {load_name(load)} | {med['tokq']['gateway']:.3f} | {med['echo']['echo server']:.3f} "
+                     f"| **{med['gateway_vs_echo']:.2f}x** ({', '.join(str(r['gateway_vs_echo']) for r in rounds)}) "
+                     f"| **{verdict(rounds)}** | {enqueues_per_round_trip(rounds)} | {p99} | {errors} |")
+    lines += ["", "Every process, CPU ms per call (median over the rounds; per round):", "",
+              "| load | process | median | per round |", "|---:|---|---:|---|"]
+    for load in per_load:
+        rounds, med = load["rounds"], medians(load["rounds"])
+        for system in ("tokq", "echo"):
+            for name, value in med[system].items():
+                per_round = ", ".join(f"{r[system]['cpu_ms_per_call'][name]:.3f}" for r in rounds)
+                lines.append(f"| {load_name(load)} | {name} ({'tokq run' if system == 'tokq' else 'echo run'}) "
+                             f"| {value:.3f} | {per_round} |")
+    lines.append("")
     prof = report.get("profile")
     if prof:
+        at = f" at {prof['load']}" if "load" in prof else ""
         lines += [f"### Where the gateway's CPU goes (py-spy --native, {prof['busy_samples']} busy of "
-                  f"{prof['samples']} samples of one more run; "
+                  f"{prof['samples']} samples of one more run{at}; "
                   f"gateway {prof['gateway_cpu_ms_per_call']:.3f} ms/call while sampled)", "",
                   f"Collapsed stacks: `{prof['path']}`. Shares are of the busy samples (those not blocked in a wait).", ""]
         for key, title in (("threads", "thread"), ("python", "Python function running (with the native code it called)"),
@@ -376,12 +479,29 @@ def markdown_section(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_levels(value: str, option: str, kind=float) -> list:
+    """A comma-separated option (``--rates 60,200``), kept a string for the command line the
+    report shows; "" or "0" = none."""
+    try:
+        levels = [kind(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give numbers, comma-separated (60,200)", param_hint=f"'{option}'") from None
+    if levels == [0]:
+        return []
+    if any(v <= 0 for v in levels):
+        raise click.BadParameter(f"{value!r}: every level must be positive", param_hint=f"'{option}'")
+    return levels
+
+
 # -- command line --------------------------------------------------------------------------------
 
 @click.command("gateway-cpu")
 @click.option("--calls", default=2000, show_default=True, help="Measured single-input calls per run.")
-@click.option("--rate", default=60.0, show_default=True,
-              help="Offered req/s (open loop); low enough that one worker thread keeps up on a busy 2-core machine.")
+@click.option("--rates", default="60,200", show_default=True,
+              help="Offered loads in req/s (open loop), comma-separated, 0 = none; each measured on its own. The "
+                   "highest should stay within what one worker thread keeps up with on a busy 2-core machine.")
+@click.option("--concurrency", default="64", show_default=True,
+              help="Closed-loop loads: calls in flight, comma-separated, 0 = none; each measured on its own.")
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--warmup-calls", default=300, show_default=True)
 @click.option("--seed", default=1, show_default=True)
@@ -394,18 +514,23 @@ def markdown_section(report: dict) -> str:
               help="Rewrite the 'Gateway CPU per call' block of this markdown file.")
 @click.option("--from-json", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Render this earlier --json report instead of measuring.")
-def gateway_cpu_command(calls, rate, rounds, warmup_calls, seed, workload, profile_dir, json_path, results_md,
+def gateway_cpu_command(calls, rates, concurrency, rounds, warmup_calls, seed, workload, profile_dir, json_path, results_md,
                         from_json) -> None:
     """Gateway CPU per single-input call (gateway, worker, Redis, load client) against a bare gRPC server."""
     from rich.console import Console
 
     console = Console(stderr=True)
+    rates = parse_levels(rates, "--rates")
+    concurrency = parse_levels(concurrency, "--concurrency", int)
+    if not rates and not concurrency:
+        raise click.UsageError("nothing to measure: give --rates or --concurrency")
     if from_json:
         report = json.loads(Path(from_json).read_text())
     else:
-        report = run_all(calls=calls, rate=rate, rounds=rounds, warmup_calls=warmup_calls, seed=seed,
+        report = run_all(calls=calls, rates=rates, concurrency=concurrency, rounds=rounds, warmup_calls=warmup_calls, seed=seed,
                          workload=workload, profile_dir=Path(profile_dir) if profile_dir else None, console=console)
-        report["medians"] = medians(report)
+        for load in report["loads"]:
+            load["medians"] = medians(load["rounds"])
     section = markdown_section(report)
     console.print(section, markup=False, highlight=False)
     if json_path:
@@ -427,13 +552,16 @@ def echo_command(port) -> None:
 
 @main.command("load-client")
 @click.option("--target", required=True)
-@click.option("--rate", type=float, required=True)
+@click.option("--rate", type=float, default=None)
+@click.option("--concurrency", type=int, default=None)
 @click.option("--calls", type=int, required=True)
 @click.option("--warmup-calls", type=int, default=300)
 @click.option("--seed", type=int, default=1)
 @click.option("--workload", default=None)
-def client_command(target, rate, calls, warmup_calls, seed, workload) -> None:
-    asyncio.run(drive(target, rate, calls, warmup_calls, seed, workload))
+def client_command(target, rate, concurrency, calls, warmup_calls, seed, workload) -> None:
+    if (rate is None) == (concurrency is None):
+        raise click.UsageError("give --rate or --concurrency")
+    asyncio.run(drive(target, rate, concurrency, calls, warmup_calls, seed, workload))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""Enqueues started while one is in flight go to Redis together as one pipeline (tokq.pipeliner),
+and each caller still gets its own answer or error, on a standalone server and on a cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from fault_proxy import FaultProxy, script_sha
+from queue_support import CHANNEL, items, open_queue, stored_entries
+
+from tokq.config import QueueConfig
+from tokq.connection import connect
+from tokq.queue import Enqueued, LostAnswer, QueueFull
+from tokq.shards import ShardedQueue
+
+pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
+
+
+async def _evalsha_calls(client) -> int:
+    """EVALSHA commands Redis ran, summed over every node of a cluster."""
+    if isinstance(client, RedisCluster):
+        per_node = await client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+        return sum(v.get("cmdstat_evalsha", {}).get("calls", 0) for v in per_node.values())
+    return (await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+
+
+async def test_concurrent_enqueues_share_one_pipeline_and_each_gets_its_own_answer(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)  # scripts loaded
+        pipelines, commands = q.pipeliner.pipelines, q.pipeliner.commands
+        requests = {f"r{i}": items(*range(1, i + 2)) for i in range(8)}
+        results = await asyncio.gather(*(q.enqueue(rid, its, timeout_ms=60_000, channel=CHANNEL)
+                                         for rid, its in requests.items()))
+        # the first went alone at once; the seven started while it was in flight, together
+        assert q.pipeliner.pipelines - pipelines == 2
+        assert q.pipeliner.commands - commands == 8
+        for (rid, its), enqueued in zip(requests.items(), results):
+            assert isinstance(enqueued, Enqueued) and enqueued.request_id == rid
+            # every request's own entries, queued whole
+            expected = set(stored_entries(enqueued, its))
+            assert expected <= set(await q.redis.lrange(q.keys.pending, 0, -1)) | set(
+                await q.redis.lrange(q.keys.heavy, 0, -1))
+        # the answers are those of one run each: running them again (idempotent) returns the same
+        again = [await q.enqueue(rid, its, timeout_ms=60_000, channel=CHANNEL) for rid, its in requests.items()]
+        assert again == results
+
+
+async def test_a_queue_full_in_a_pipeline_fails_only_its_own_call(redis_url):
+    async with open_queue(redis_url, max_queued_tokens=20) as q:
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        pipelines = q.pipeliner.pipelines
+        calls = [q.enqueue("first", items(1), timeout_ms=60_000, channel=CHANNEL),
+                 q.enqueue("small-1", items(3), timeout_ms=60_000, channel=CHANNEL),
+                 q.enqueue("too-big", items(30), timeout_ms=60_000, channel=CHANNEL),
+                 q.enqueue("small-2", items(4), timeout_ms=60_000, channel=CHANNEL),
+                 q.enqueue("bad id:", items(4), timeout_ms=60_000, channel=CHANNEL)]
+        first, small1, full, small2, bad = await asyncio.gather(*calls, return_exceptions=True)
+        # "first" alone, then the three valid ones in one pipeline (the bad id never left)
+        assert q.pipeliner.pipelines - pipelines == 2 and isinstance(first, Enqueued)
+        assert isinstance(small1, Enqueued) and isinstance(small2, Enqueued)
+        assert isinstance(full, QueueFull) and full.request_tokens == 30
+        assert isinstance(bad, ValueError)
+        assert not await q.redis.exists(q.keys.reply("too-big"))
+
+
+async def test_a_script_redis_forgot_is_loaded_and_every_call_answered(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        await q.redis.script_flush()  # on a cluster: every node
+        pipelines = q.pipeliner.pipelines
+        results = await asyncio.gather(*(q.enqueue(f"r{i}", items(2), timeout_ms=60_000, channel=CHANNEL)
+                                         for i in range(5)))
+        # r0 alone (loads the script), then 4 in a pipeline: each known by then, or run again alone
+        assert q.pipeliner.pipelines - pipelines == 2
+        assert [r.request_id for r in results] == [f"r{i}" for i in range(5)]
+        assert len(await q.redis.lrange(q.keys.pending, 0, -1)) == 6  # each queued once
+
+
+async def test_a_cancelled_call_withdrawn_by_its_caller_leaves_nothing_and_others_go_on(redis_url):
+    """However the cancel falls (before its pipeline left, or after), once the caller sees it
+    the enqueue is answered or never sent: the caller's cancel script leaves no reply behind."""
+    async with open_queue(redis_url) as q:
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        for n, (yields, dropped) in enumerate((y, d) for y in range(4) for d in range(3)):
+            # call 0 goes alone at once; 1 and 2 wait for it and then go together
+            calls = [asyncio.ensure_future(q.enqueue(f"c{n}.{i}", items(2), timeout_ms=60_000, channel=CHANNEL))
+                     for i in range(3)]
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            calls[dropped].cancel()
+            # (redis-py lets a command already sent finish: a lone call may still return)
+            with contextlib.suppress(asyncio.CancelledError):
+                await calls[dropped]
+            await q.cancel(f"c{n}.{dropped}")  # what the gateway does next
+            assert not await q.redis.exists(q.keys.reply(f"c{n}.{dropped}"))
+            for i, call in enumerate(calls):
+                if i != dropped:
+                    assert (await call).request_id == f"c{n}.{i}"
+                    assert await q.redis.exists(q.keys.reply(f"c{n}.{i}"))
+
+
+async def test_a_call_cancelled_while_its_pipeline_is_in_flight_returns_after_the_answer(redis_url):
+    """A cancel script sent by the caller's clean-up must not overtake its enqueue."""
+    async with open_queue(redis_url) as q:
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        pipelines = q.pipeliner.pipelines
+        tasks = [asyncio.ensure_future(q.enqueue(f"r{i}", items(2), timeout_ms=60_000, channel=CHANNEL))
+                 for i in range(3)]
+        while q.pipeliner.pipelines - pipelines < 2:  # r0 alone, then r1 and r2 sent together
+            await asyncio.sleep(0)
+        tasks[1].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[1]
+        assert await q.redis.exists(q.keys.reply("r1"))  # it ran before the caller went on
+        assert await q.cancel("r1")
+        assert not await q.redis.exists(q.keys.reply("r1"))
+        assert [(await tasks[i]).request_id for i in (0, 2)] == ["r0", "r2"]
+
+
+async def test_each_shard_pipelines_its_own_enqueues(redis_url):
+    client = connect(redis_url)
+    try:
+        queue = ShardedQueue(client, "m", QueueConfig(queue_shards=4))
+        carried = []
+        queue.observe_enqueues = carried.append
+        await asyncio.gather(*(queue.shard(i).enqueue(f"w{i}", items(1), timeout_ms=60_000, channel=CHANNEL)
+                               for i in range(4)))  # scripts loaded on every node
+        carried.clear()
+        results = await asyncio.gather(*(queue.enqueue(f"r{i}", items(i + 1), timeout_ms=60_000, gateway_id="g")
+                                         for i in range(40)))
+        assert sum(carried) == 40 and len(carried) < 40  # some round trips carried several
+        shards = {queue.shard_of_request(f"r{i}") for i in range(40)}
+        assert len(carried) <= 2 * len(shards)  # per shard: one alone, then the rest together
+        for i, r in enumerate(results):
+            shard = queue.shard(queue.shard_of_request(f"r{i}"))
+            assert r.request_id == f"r{i}" and await client.exists(shard.keys.reply(f"r{i}"))
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.redis_kinds("standalone")  # the fault proxy stands before one server
+async def test_an_answer_lost_for_a_pipeline_is_retried_and_each_call_gets_its_one_run(redis_url):
+    proxy = FaultProxy(redis_url).start()
+    try:
+        async with open_queue(redis_url) as direct, open_queue(proxy.url) as q:
+            await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+            proxy.cut_next(b"pipelined-2")  # the pipeline holding it loses its answers
+            pipelines = q.pipeliner.pipelines
+            results = await asyncio.gather(*(q.enqueue(f"pipelined-{i}", items(i + 1), timeout_ms=60_000,
+                                                       channel=CHANNEL) for i in range(4)))
+            assert proxy.cuts == 1 and q.pipeliner.pipelines - pipelines == 2  # 0 alone; 1-3 together
+            assert [r.request_id for r in results] == [f"pipelined-{i}" for i in range(4)]
+            # 1-3 ran twice (the lost answers, redis-py's retry), each queued once
+            stats = await direct.stats()
+            assert stats.queued_entries == 5 and stats.queued_tokens == 1 + 1 + 2 + 3 + 4
+            again = await asyncio.gather(*(direct.enqueue(f"pipelined-{i}", items(i + 1), timeout_ms=60_000,
+                                                          channel=CHANNEL) for i in range(4)))
+            assert again == results  # the answers the callers got are those of the first runs
+    finally:
+        proxy.close()
+
+
+@pytest.mark.redis_kinds("standalone")
+async def test_a_pipeline_whose_every_answer_is_lost_raises_lost_answer_to_each_call(redis_url):
+    proxy = FaultProxy(redis_url).start()
+    try:
+        async with open_queue(proxy.url) as q:
+            await q.stats()  # scripts loaded, connection warm
+            proxy.cut_rate(1.0, script_sha("enqueue"))
+            pipelines = q.pipeliner.pipelines
+            outcomes = await asyncio.gather(*(q.enqueue(f"r{i}", items(1), timeout_ms=5_000, channel=CHANNEL)
+                                              for i in range(3)), return_exceptions=True)
+            assert q.pipeliner.pipelines - pipelines == 2  # r0 alone, then r1 and r2 together
+            assert all(isinstance(o, LostAnswer) and "enqueue" in str(o) for o in outcomes), outcomes
+            proxy.reset()
+            assert (await q.stats()).queued_entries == 3  # they did run; the callers withdraw them
+            assert all([await q.cancel(f"r{i}") for i in range(3)])
+    finally:
+        proxy.close()

@@ -1,0 +1,143 @@
+"""Script runs started while one is in flight, sent to Redis together as one pipeline.
+
+Under load a gateway starts many enqueues at nearly the same time, one per call. Each on its own
+costs a write, a read and a wake-up of the event loop, in the gateway and in Redis, and redis-py's
+~100 us of Python around each command. Here a run goes at once when none is in flight (so a lone
+call waits for nothing and costs what it did before); the runs started while one is in flight
+wait for it and then go together, as one pipeline of EVALSHA commands (one write, one read), and
+so on: under load every round trip carries what arrived during the last one. Each caller gets
+its own command's answer or error, exactly as if it had run alone.
+
+Failures keep each script's meaning: a command's own error (-BUSY, -READONLY; QUEUE_FULL is an
+answer, not an error) goes to its caller only; a script Redis does not know (restart, SCRIPT
+FLUSH) is run again alone through ``Scripts``, which loads it; a lost connection is retried by
+redis-py as for one command (tokq.connection) and then fails every caller of the pipeline, each
+of whose scripts is safe to run twice (tokq.queue). One pipeliner serves one queue shard, which
+is one hash slot, so one node: a shard whose node fails over holds up no other shard's calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.exceptions
+
+from tokq.scripts import Scripts
+
+
+class _Run:
+    __slots__ = ("name", "keys", "args", "future", "sent")
+
+    def __init__(self, name: str, keys: Sequence[str], args: Sequence[Any], future: asyncio.Future) -> None:
+        self.name = name
+        self.keys = keys
+        self.args = args
+        self.future = future
+        self.sent: asyncio.Task | None = None  # the pipeline carrying it, once it left
+
+
+class ScriptPipeliner:
+    """Runs ``scripts`` (registered on ``client``) with ``run``; see the module doc. ``observe``,
+    if set, is called with the number of runs each round trip carries (metrics)."""
+
+    def __init__(self, client, scripts: Scripts, observe: Callable[[int], None] | None = None) -> None:
+        self.observe = observe
+        self._client = client
+        self._scripts = scripts
+        self._waiting: list[_Run] = []
+        self._in_flight = False
+        # What was sent: runs and round trips (tests and benchmarks read them).
+        self.commands = 0
+        self.pipelines = 0
+
+    async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        if self._in_flight:
+            return await self._follow(name, keys, args)
+        self._in_flight = True
+        self._count(1)
+        try:
+            return await self._scripts.run(name, keys, args)  # alone: exactly as without a pipeliner
+        finally:
+            self._next()
+
+    def _count(self, n: int) -> None:
+        self.commands += n
+        self.pipelines += 1
+        if self.observe is not None:
+            self.observe(n)
+
+    def _next(self) -> None:
+        """The round trip in flight is over: send what arrived meanwhile, if anything."""
+        runs, self._waiting = self._waiting, []
+        if not runs:
+            self._in_flight = False
+            return
+        self._count(len(runs))
+        # Its own task: one caller cancelled must not cut the pipeline the others wait on.
+        task = asyncio.get_running_loop().create_task(self._send(runs))
+        for r in runs:
+            r.sent = task
+
+    async def _follow(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        item = _Run(name, keys, args, asyncio.get_running_loop().create_future())
+        self._waiting.append(item)
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            if item.sent is not None:
+                # It may run in Redis yet: the caller's clean-up (a cancel script) must not
+                # overtake it on another connection, so give back control once it answered.
+                await asyncio.wait([item.sent])
+            else:  # never sent: it will not be
+                self._waiting.remove(item)
+            raise
+
+    async def _send(self, runs: list[_Run]) -> None:
+        try:
+            await self._pipeline(runs)
+        finally:
+            self._next()
+
+    async def _pipeline(self, runs: list[_Run]) -> None:
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for r in runs:
+                    self._scripts.calls[r.name] += 1
+                    pipe.execute_command("EVALSHA", self._scripts.sha(r.name), len(r.keys), *r.keys, *r.args)
+                replies = await pipe.execute(raise_on_error=False)
+        except Exception as exc:  # a lost connection (after redis-py's retries): every run shares it
+            for r in runs:
+                _settle(r, exc=exc)
+            return
+        except BaseException:  # cancelled (the loop is shutting down): nobody waits in vain
+            for r in runs:
+                r.future.cancel()
+            raise
+        unknown = []
+        for r, reply in zip(runs, replies):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                unknown.append(r)
+            elif isinstance(reply, Exception):
+                _settle(r, exc=reply)
+            else:
+                _settle(r, reply)
+        # Redis lost its scripts (restart, SCRIPT FLUSH): each runs again alone, loading it.
+        if unknown:
+            await asyncio.gather(*(self._run_alone(r) for r in unknown))
+
+    async def _run_alone(self, r: _Run) -> None:
+        try:
+            _settle(r, await self._scripts.run(r.name, r.keys, r.args))
+        except Exception as exc:
+            _settle(r, exc=exc)
+
+
+def _settle(r: _Run, result: Any = None, exc: Exception | None = None) -> None:
+    if r.future.done():  # its caller was cancelled
+        return
+    if exc is None:
+        r.future.set_result(result)
+    else:
+        r.future.set_exception(exc)
