@@ -19,5 +19,13 @@ def test_linear_limit_runs_every_linear_weight_in_the_engines_dtype(tmp_path, mo
     assert sum(w.numel() for _, w, _ in calls) == engine.model.num_linear_params
     assert all(x.dtype == engine.dtype and x.shape == (8, w.shape[1]) for x, w, _ in calls)
     assert bench_runtime.linear_only_tokens_per_s(engine, num_tokens=8, repeats=1) > 0
+    # the forward's own linear calls, epilogues included: the same weights, every one once
+    fused = bench_runtime.forward_linear_calls(engine, num_tokens=8)
+    assert sum(args[1].numel() for _, args in fused) == engine.model.num_linear_params
+    kinds = {fn.__name__ for fn, _ in fused if hasattr(fn, "__name__")}
+    assert {"add"} <= kinds and (("act" in kinds) == (model == "bert"))  # Qwen: SwiGLU outside
+    assert all(args[0].shape == (8, args[1].shape[1]) for _, args in fused)
+    assert engine.model.linear is not None and type(engine.model.linear).__name__ != "Recorder"
+    assert bench_runtime.forward_linears_tokens_per_s(engine, num_tokens=8, repeats=1) > 0
     table = bench_runtime.op_table(engine, [PackedBatch.pack([[1, 2, 3], [4, 5]])])
     assert "Self CPU" in table and ("linear" in table or "addmm" in table or "mm" in table)

@@ -48,8 +48,8 @@ BACKENDS = ("flash_attn", "torch_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_l
 
 # CPU, bf16/fp16: runs of at most this many slots per sequence (or row) attend through plain
 # batched matmuls + softmax (workers/matmul_attention.py), not SDPA's flash kernel, whose fixed
-# costs dominate short rows: measured 20-40% less time up to ~192 slots, slower from 256, and
-# no faster in fp32 (profiling/RESULTS.md). Longer runs keep SDPA (and its O(L) memory).
+# costs dominate short rows: faster up to ~192 slots, slower from 256 (measured there), and no
+# faster in fp32 (profiling/RESULTS.md). Longer runs keep SDPA (and its O(L) memory).
 MATMUL_MAX_SEQLEN = 192
 
 

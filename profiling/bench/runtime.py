@@ -22,8 +22,10 @@ included, / peak.
 The target's own ceiling, in whatever dtype the runtime uses (``--dtype``, default auto): the
 model's linear layers alone, through the same kernels in the same dtype, on the same 1,024-token
 batch shapes (``linear_only_tokens_per_s``), timed again before every measurement; the forward's
-fraction of it is what is left for everything else. A torch profiler table of the packed
-forward, by op, shows where that rest goes.
+fraction of it is what is left for everything else. Part of that rest runs inside the linear
+kernels: the activations and residual adds fused into them, measured by replaying the forward's
+own linear calls (``forward_linear_calls``). A torch profiler table of the packed forward, by
+op, shows where the rest goes.
 """
 
 from __future__ import annotations
@@ -121,6 +123,54 @@ def linear_only_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: in
     def run() -> None:
         for x, weight, bias in calls:
             linear(x, weight, bias)
+
+    run()
+    return num_tokens / statistics.median(timed(run) for _ in range(repeats))
+
+
+def forward_linear_calls(engine: Engine, num_tokens: int = 1024) -> list[tuple[Callable, tuple]]:
+    """The forward's own linear calls, in order and through its own kernel methods, i.e. with
+    the epilogues it fuses into them (activation, residual add), recorded over one small batch
+    and given ``num_tokens``-row random inputs in the engine's dtype."""
+    model, gen = engine.model, torch.Generator().manual_seed(0)
+    kernel, recorded = model.linear, []
+
+    def rand(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen).to(engine.dtype)
+
+    class Recorder:
+        name = kernel.name
+
+        def __call__(self, x, weight, bias=None):
+            recorded.append((kernel, (rand(num_tokens, weight.shape[1]), weight, bias)))
+            return kernel(x, weight, bias)
+
+        def act(self, x, weight, bias, act_name):
+            recorded.append((kernel.act, (rand(num_tokens, weight.shape[1]), weight, bias, act_name)))
+            return kernel.act(x, weight, bias, act_name)
+
+        def add(self, x, weight, bias, residual):
+            recorded.append((kernel.add, (rand(num_tokens, weight.shape[1]), weight, bias,
+                                          rand(num_tokens, weight.shape[0]))))
+            return kernel.add(x, weight, bias, residual)
+
+    model.linear = Recorder()
+    try:
+        engine.embed(PackedBatch.pack([[1, 2, 3]]))
+    finally:
+        model.linear = kernel
+    return recorded
+
+
+def forward_linears_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: int = 5) -> float:
+    """Tokens/s of ``forward_linear_calls``: the linear layers with the forward's fused
+    epilogues, what the forward would reach if nothing else took any time."""
+    calls = forward_linear_calls(engine, num_tokens)
+
+    @torch.inference_mode()
+    def run() -> None:
+        for fn, args in calls:
+            fn(*args)
 
     run()
     return num_tokens / statistics.median(timed(run) for _ in range(repeats))
@@ -276,16 +326,21 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     rates: dict[str, list[float]] = {name: [] for name in systems}
     peaks: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
     limits: dict[str, list[float]] = {name: [] for name in systems}  # linear layers alone
+    epilogue_shares: list[float] = []  # linear layers with the forward's fused epilogues / alone
     for round_index in range(rounds):
         for name, fn in systems.items():
             peaks[name].append(matmul_peak_flops())
             limits[name].append(linear_only_tokens_per_s(engine))
             rates[name].append(num_tokens / timed(fn))
+        epilogue_shares.append(forward_linears_tokens_per_s(engine) / linear_only_tokens_per_s(engine))
         print(f"round {round_index + 1}/{rounds} done, load average {os.getloadavg()[0]:.1f}")
     report(rates, peaks, flops, num_tokens, linear_flops_per_token(engine.info.config))
     dtype = str(engine.dtype).removeprefix("torch.")
     print(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 "
           f"tokens): {statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")
+    print(f"the same linear layers with the epilogues the forward fuses into them (activation, "
+          f"residual add): {100 * statistics.median(epilogue_shares):.0f}% of that limit, the most the "
+          "forward can reach even if nothing else took any time")
     print(f"\n| system | % of the {dtype} linear-layer limit (same kernels, same run) |\n|---|---:|")
     for name, rate in rates.items():
         if name.startswith("packed"):
