@@ -98,8 +98,8 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         async def registered():
             return await q.redis.sismember(q.keys.preemptible, q.owner_id)
         await _wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
-        await enqueue("light", light_ids)
-        assert not await registered()  # told 'light' (and taken out of the set)
+        await enqueue("light", light_ids)  # claimed on its 'light' notice (or by the first
+        # light-only claim, if that ran after this enqueue: it follows the registration)
 
         async def offered():
             return worker.preemption.waiting is not None
@@ -128,3 +128,60 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         worker.stop()
         await asyncio.wait_for(run, 30)
         metrics.close()
+
+
+async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_has_both_redone(
+        redis_url, engine):
+    # The worker is stopped dead (its task cancelled, its subscription closed: a crash as Redis
+    # sees it) holding a heavy batch in its forward and a light batch offered to it.
+    gated = GatedEngine(engine)
+    rng = np.random.default_rng(8)
+    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    light_ids = [np.array([101, 2204, 2851, 102]), np.array([101, 7592, 102])]
+    name = engine.info.queue_name
+    qcfg = QueueConfig(lease_ms=1_000)
+    async with open_queue(redis_url, lease_ms=1_000, queue=name) as q, \
+            open_queue(redis_url, lease_ms=1_000, queue=name) as q2:
+        exits: list[int] = []
+        lost = Worker(gated, q, WorkerConfig(token_budget=512), qcfg, worker_id="lost",
+                      exit_process=exits.append)
+        lost_run = asyncio.create_task(lost.run())
+        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("lost")), 60, "the first heartbeat")
+        for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
+            await q2.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
+                             channel=q2.keys.done_channel("test"))
+            if request_id == "heavy":
+                assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+
+        async def offered():
+            return lost.preemption.waiting is not None
+        await _wait_for(offered, 30, "the light batch to be offered to the heavy forward")
+        assert (await q.stats()).inflight_items == 3  # both batches leased to the lost worker
+        lost_run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await lost_run
+
+        redo = Worker(engine, q2, WorkerConfig(token_budget=512), qcfg, worker_id="redo",
+                      exit_process=exits.append)
+        redo_run = asyncio.create_task(redo.run())
+        for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
+            async def answered(request_id=request_id, n=len(seqs)):
+                return await q.redis.hlen(q.keys.reply(request_id)) >= n + 3
+            await _wait_for(answered, 60, f"the redo of {request_id}")
+            results = await q2.collect(request_id)
+            got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
+            np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
+        stats = await q2.stats()
+        assert stats.counters["requeued"] == 3 and stats.counters["acked"] == 3
+        assert stats.inflight_items == 0
+
+        gated.go.set()  # the lost forward thread runs on to its end, both batches, for nobody
+        gated.finish.set()
+
+        async def lost_thread_done():
+            return len(gated.log) == 4
+        await _wait_for(lost_thread_done, 60, "the lost worker's forward thread to end")
+        redo.stop()
+        await asyncio.wait_for(redo_run, 30)
+        assert (await q2.stats()).counters["acked"] == 3  # the lost worker acknowledged nothing
+        assert exits == []

@@ -161,9 +161,12 @@ class Worker:
                 next_claim = asyncio.create_task(self._claim(delay_s=self._prefetch_delay_s()))
             try:
                 outcome = await forward
-            finally:
-                if preempting is not None:  # its light batches are acknowledged first
-                    await preempting
+            except BaseException:  # cancelled or failed: the leases in hand are left to expire
+                if preempting is not None:
+                    preempting.cancel()
+                raise
+            if preempting is not None:
+                await preempting  # its light batches are acknowledged first
             self._forward_since = None
             self._forward_s_avg = _ewma(self._forward_s_avg, outcome.forward_s)
             await self._finish(claim, outcome)
