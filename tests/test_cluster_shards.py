@@ -148,3 +148,31 @@ async def test_lowering_the_shard_count_keeps_draining_the_retired_shards(redis_
             await gw1.record_shard_count()
         assert await worker.refresh_shard_count() == 4
         assert sum(len(c.entries) for c in await _drain(worker)) == 12
+
+
+async def test_a_worker_in_a_heavy_forward_hears_light_work_on_any_shard_and_claims_it_alone(redis_url):
+    from tokq.connection import ShardedSubscriber
+
+    async with open_sharded(redis_url, 3) as worker, open_sharded(redis_url, 3, seed=2) as gateway:
+        sub = ShardedSubscriber(worker.redis)
+        await sub.subscribe(*worker.owner_channels())
+        await worker.mark_preemptible(True)  # on every shard it claims from
+        for r in range(6):  # heavy requests on every shard, light ones after them
+            await gateway.enqueue(f"h{r}", items(100, 100), timeout_ms=60_000, gateway_id=GW)
+        for r in range(6):
+            await gateway.enqueue(f"l{r}", items(5), timeout_ms=60_000, gateway_id=GW)
+        light_shards = {gateway.shard_of_request(f"l{r}") for r in range(6)}
+        heard = []
+        while (msg := await sub.get_message(timeout=0.3)) is not None:
+            heard.append(msg)
+        # One 'light' per shard whose light lane filled, each on that shard's owner channel.
+        assert sorted(channel for channel, _ in heard) == sorted(
+            worker.shard(s).owner_channel.encode() for s in light_shards)
+        assert {data for _, data in heard} == {b"light"}
+        taken = []
+        while (claim := await worker.claim(128, light_only=True)) is not None:
+            taken += [e.request_id for e in claim.entries]
+            await worker.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        assert sorted(taken) == [f"l{r}" for r in range(6)]  # every light request, no heavy one
+        assert (await worker.stats()).queued_entries == 12
+        await sub.aclose()

@@ -8,8 +8,8 @@ A queue has two lanes (two Redis lists): ``pending`` holds requests of at most
 redone item. A claim serves the light lane first, but while heavy work waits the light lane
 gets at most half the budget (less when the heavy head needs more room), and each lane with
 work gets at least one item per batch: a flood of heavy requests cannot starve a one-word call
-(it waits for the forward in flight and its own), and a flood of light ones cannot starve
-heavy requests. Within a lane the rule is FIFO with bounded lookahead.
+(it waits for its own forward and the one in flight, or one block of it: see below), and a flood
+of light ones cannot starve heavy requests. Within a lane the rule is FIFO with bounded lookahead.
 
 A *light-only* claim (``light_only=True``) takes light-lane entries alone, up to all of its
 (small) budget: a worker running a heavy forward runs that batch nested between two of its
