@@ -5,8 +5,9 @@ in the same run.
         [--profile-dir DIR] [--results-md profiling/RESULTS.md]
 
 Starts, as separate processes: an embedded Redis, one gateway and one worker (`tokq gateway`,
-`tokq worker --threads 1`, their defaults otherwise), and a bare grpc.aio server (`echo-server`
-below: the same Embed RPC answering a fixed 384-float vector, no work). For each load (each
+`tokq worker --threads 1`, their defaults otherwise; the gateway with a metrics port, as `tokq up`
+runs it), and a bare grpc.aio server (`echo-server` below: the same Embed RPC answering a fixed
+384-float vector, no work). For each load (each
 rate of ``--rates``: open loop, Poisson arrivals; each level of ``--concurrency``: closed loop,
 that many calls in flight, as fast as the system answers) and each round, a load client (its own
 process, `load-client`) warms up, then sends ``--calls`` single-input Embed calls at that load to
@@ -439,7 +440,9 @@ def markdown_section(report: dict) -> str:
              f"at start, {' '.join(meta['loadavg_at_end'])} at end, so figures are noisy.  ",
              f"Load: {meta['calls']} single-input Embed calls per run, {how} "
              f"from a separate client process, after a warm-up; {meta['rounds']} rounds per load, each measuring the "
-             "bare echo server, then tokq (gateway + worker `--threads 1` + Redis), at the same load. CPU = utime + "
+             "bare echo server, then tokq (gateway + worker `--threads 1` + Redis), at the same load. The gateway "
+             "serves metrics (`--metrics-port`, on as `tokq up` runs it; read for the enqueues per round trip), so its "
+             "queue-stats export every 2 s is counted too. CPU = utime + "
              "stime of every thread of each process (/proc/<pid>/stat) over the measured calls only; medians over "
              "a load's rounds.", "",
              f"| load | gateway ms/call | bare grpc.aio server ms/call | gateway / bare (within rounds) "
