@@ -198,7 +198,7 @@ class Worker:
         'light' notice and hand it to the forward thread, which runs it nested; acknowledge it."""
         loop = asyncio.get_running_loop()
         try:
-            while not forward.done() and self.healthy:
+            while not forward.done() and self.healthy and not self._stop.is_set():
                 if not self._preemptible:  # registered before the claim: no notice falls between
                     await self._mark_preemptible(True)
                 self._light_notice.clear()
