@@ -18,9 +18,10 @@
 --         of leasing a second one that nobody would ever process
 -- ARGV[10] isolate_attempt: an entry redone this many times or more is claimed alone
 -- ARGV[11] owner channel prefix: a claim that leaves work queued wakes one more idle worker
--- ARGV[12] light_only: "1" = a pre-empting claim (a worker in a heavy forward runs it nested,
---          workers/preempt.py): light-lane entries only, up to all of token_budget; the heavy
---          lane is not touched. "" or "0" = the usual claim of both lanes
+-- ARGV[12] lanes: "light" = a pre-empting claim (a worker in a heavy forward runs it nested,
+--          workers/preempt.py): light-lane entries only, up to all of token_budget; "heavy" =
+--          the heavy lane only (the next batch of a worker in a heavy forward: light work that
+--          arrives meanwhile goes to its light-only claims); "" or "both" = the usual claim
 -- The rule is tokq/claim_rule.py, entry for entry. Returns
 --   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}}
 --#include lib/common.lua
@@ -40,7 +41,8 @@ local max_skip_age_ms = tonumber(ARGV[5])
 local max_drop = tonumber(ARGV[6])
 local reply_prefix = ARGV[7]
 local isolate_attempt = tonumber(ARGV[10])
-local light_only = ARGV[12] == '1'
+local lanes = ARGV[12]
+local light_only = lanes == 'light'
 local EXPIRED = '-DEADLINE_EXCEEDED:deadline passed while queued'
 
 -- One EXISTS per request, not per item: a request's items sit together.
@@ -122,7 +124,7 @@ if heavy_head then
   share = math.max(0, math.min(math.floor(token_budget / 2), token_budget - head_tokens))
   isolated_head = tonumber(head_attempt) >= isolate_attempt
 end
-if not isolated_head then
+if not isolated_head and lanes ~= 'heavy' then
   light_skipped, light_scanned = scan(pending, share)
 end
 if heavy_head and not done then -- an empty heavy lane costs no LRANGE (idle workers claim often)

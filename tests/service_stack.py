@@ -40,10 +40,12 @@ def free_port_pair() -> int:
 
 def delivered_reply(r: redis.Redis, key: bytes) -> bool:
     """A complete reply whose results went out in its completion notice: kept only a short grace
-    (tokq.queue.COLLECT_GRACE_MS) for a gateway that missed the notice, then gone by itself."""
+    (tokq.queue.COLLECT_GRACE_MS) for a gateway that missed the notice, then gone by itself. A
+    key whose grace ends while it is being looked at (it was listed, then expired) counts too."""
     n = r.hget(key, "n")
-    return (n is not None and r.hlen(key) == int(n) + len(REPLY_META_FIELDS)
-            and 0 < r.pttl(key) <= COLLECT_GRACE_MS)
+    complete = n is not None and r.hlen(key) == int(n) + len(REPLY_META_FIELDS)
+    pttl = r.pttl(key)  # read last: -2 = gone meanwhile
+    return pttl == -2 or (complete and 0 < pttl <= COLLECT_GRACE_MS)
 
 
 def read_until_serving(proc: subprocess.Popen, timeout_s: float = 180) -> list[str]:

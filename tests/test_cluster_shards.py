@@ -170,7 +170,7 @@ async def test_a_worker_in_a_heavy_forward_hears_light_work_on_any_shard_and_cla
             worker.shard(s).owner_channel.encode() for s in light_shards)
         assert {data for _, data in heard} == {b"light"}
         taken = []
-        while (claim := await worker.claim(128, light_only=True)) is not None:
+        while (claim := await worker.claim(128, lanes="light")) is not None:
             taken += [e.request_id for e in claim.entries]
             await worker.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         assert sorted(taken) == [f"l{r}" for r in range(6)]  # every light request, no heavy one

@@ -31,12 +31,12 @@ def _pending(spec, next_index=None) -> list:
 
 
 def _case(spec, *, heavy=(), token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
-          max_attempts=3, light_only=False):
+          max_attempts=3, lanes="both"):
     next_index = dict.fromkeys(REQUEST_IDS, 0)
     return dict(pending=_pending(spec, next_index), heavy=_pending(heavy, next_index),
                 live=set(live), token_budget=token_budget, lookahead=lookahead,
                 max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts,
-                light_only=light_only)
+                lanes=lanes)
 
 
 @st.composite
@@ -61,11 +61,11 @@ def claim_cases(draw):
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.integers(1, 8)),
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
                  max_attempts=draw(st.sampled_from((2, 3, 5))),
-                 light_only=draw(st.sampled_from((False, False, True))))
+                 lanes=draw(st.sampled_from(("both", "both", "light", "heavy"))))
 
 
 async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max_skip_age_ms, max_drop,
-                   max_attempts, light_only):
+                   max_attempts, lanes):
     """Run claim.lua once on `pending` and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
                           max_skip_age_ms=max_skip_age_ms, max_attempts=max_attempts) as q:
@@ -80,11 +80,11 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
             await q.redis.set(k.tokens, sum(e.num_tokens for e in [*pending, *heavy]))
 
         claim, num_expired, num_orphaned = await q.claim_step(
-            token_budget, lookahead=lookahead, max_drop=max_drop, light_only=light_only)
+            token_budget, lookahead=lookahead, max_drop=max_drop, lanes=lanes)
         plan = plan_claim(pending, heavy, now_ms=NOW_MS, token_budget=token_budget, lookahead=lookahead,
                           max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
                           isolate_attempt=isolate_attempt_for(max_attempts),
-                          is_live=live.__contains__, light_only=light_only)
+                          is_live=live.__contains__, lanes=lanes)
 
         taken = [e.raw for e in claim.entries] if claim else []
         assert taken == [e.raw for e in plan.taken]
@@ -138,9 +138,12 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
                     heavy=[("b", 10, 0, 500, b"")], max_drop=1))
 # Light-only (pre-empting) claims: the whole budget for the light lane, the heavy lane untouched
 # even when its head is an isolated redo or expired.
-@example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 40, 0, 500, b"")] * 3, light_only=True))
-@example(case=_case([("a", 10, 0, 500, b"")], heavy=[("b", 10, 0, -1, b"", 2)], light_only=True))
-@example(case=_case([], heavy=[("b", 10, 0, 500, b"")], light_only=True))
+@example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 40, 0, 500, b"")] * 3, lanes="light"))
+@example(case=_case([("a", 10, 0, 500, b"")], heavy=[("b", 10, 0, -1, b"", 2)], lanes="light"))
+@example(case=_case([], heavy=[("b", 10, 0, 500, b"")], lanes="light"))
+# Heavy-only (the next batch of a worker in a heavy forward): the light lane untouched.
+@example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 40, 0, 500, b"")] * 3, lanes="heavy"))
+@example(case=_case([("a", 10, 0, 500, b"")], heavy=[], lanes="heavy"))
 def test_lua_claim_agrees_with_the_python_rule(redis_server, case):
     asyncio.run(_compare(redis_server.url, **case))
 
@@ -211,11 +214,20 @@ def test_each_lane_with_work_gets_an_item_per_batch_even_past_its_share():
 def test_a_light_only_claim_takes_the_light_lane_alone_within_its_whole_budget():
     light = _entries((50, 0), (50, 0), (50, 0))
     heavy = _entries((200, 0), (200, 0))
-    plan = _plan(light, heavy, token_budget=128, light_only=True, lookahead=0)
+    plan = _plan(light, heavy, token_budget=128, lanes="light", lookahead=0)
     assert [e.num_tokens for e in plan.taken] == [50, 50]  # not half: the heavy lane waits
     assert plan.remaining_heavy(heavy) == heavy and plan.heavy_scanned == 0
-    assert _plan([], heavy, light_only=True).taken == ()
+    assert _plan([], heavy, lanes="light").taken == ()
     assert [preempt_budget(b, 128) for b in (64, 1024, 4096, 16384)] == [64, 128, 512, 2048]
+
+
+def test_a_heavy_only_claim_leaves_the_light_lane_to_light_only_claims():
+    light = _entries((50, 0), (50, 0))
+    heavy = _entries((200, 0), (200, 0), (300, 0))
+    plan = _plan(light, heavy, lanes="heavy", lookahead=0)
+    assert [e.num_tokens for e in plan.taken] == [200, 200]  # the whole budget, no light share
+    assert plan.remaining(light) == light and plan.num_scanned == 0
+    assert _plan(light, [], lanes="heavy").taken == ()
 
 
 def _drain(light, heavy, arrivals, *, token_budget=600, claims=300):

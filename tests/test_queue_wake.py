@@ -116,7 +116,7 @@ async def test_light_work_tells_one_worker_in_a_heavy_forward_only_as_the_light_
         await a.enqueue("l2", items(5), timeout_ms=60_000, channel=CHANNEL)  # lane not empty: silent
         assert [await _said(s) for s in owners] == [[], []]
 
-        claim = await told.claim(128, light_only=True)  # both light requests, no heavy one
+        claim = await told.claim(128, lanes="light")  # both light requests, no heavy one
         assert sorted(e.request_id for e in claim.entries) == ["l1", "l2"]
         await told.mark_preemptible(True)
         await a.enqueue("l3", items(5), timeout_ms=60_000, channel=CHANNEL)  # empty again: told

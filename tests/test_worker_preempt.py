@@ -23,6 +23,7 @@ from tokq.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
+LEASE_MS = 3_000
 HEAVY_TOKENS = 128  # a batch of more is heavy (preempt_budget(512, light_tokens=128))
 
 
@@ -139,9 +140,9 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
     heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
     light_ids = [np.array([101, 2204, 2851, 102]), np.array([101, 7592, 102])]
     name = engine.info.queue_name
-    qcfg = QueueConfig(lease_ms=1_000)
-    async with open_queue(redis_url, lease_ms=1_000, queue=name) as q, \
-            open_queue(redis_url, lease_ms=1_000, queue=name) as q2:
+    qcfg = QueueConfig(lease_ms=LEASE_MS)  # long enough that a busy machine misses no renewal
+    async with open_queue(redis_url, lease_ms=LEASE_MS, queue=name) as q, \
+            open_queue(redis_url, lease_ms=LEASE_MS, queue=name) as q2:
         exits: list[int] = []
         lost = Worker(gated, q, WorkerConfig(token_budget=512), qcfg, worker_id="lost",
                       exit_process=exits.append)

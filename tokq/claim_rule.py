@@ -11,18 +11,22 @@ work gets at least one item per batch: a flood of heavy requests cannot starve a
 (it waits for its own forward and the one in flight, or one block of it: see below), and a flood
 of light ones cannot starve heavy requests. Within a lane the rule is FIFO with bounded lookahead.
 
-A *light-only* claim (``light_only=True``) takes light-lane entries alone, up to all of its
+A *light-only* claim (``lanes="light"``) takes light-lane entries alone, up to all of its
 (small) budget: a worker running a heavy forward runs that batch nested between two of its
 layers' blocks (workers/preempt.py), so a one-word call need not wait for the forward in flight.
+Such a worker claims its next batch ``lanes="heavy"``: light work is left to its light-only
+claims, so none rides in a heavy batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from tokq.entry import Entry
 
+Lanes = Literal["both", "light", "heavy"]  # which lanes a claim reads (see the module doc)
 DEADLINE_EXCEEDED = b"-DEADLINE_EXCEEDED:deadline passed while queued"
 
 
@@ -75,7 +79,7 @@ def preempt_budget(token_budget: int, light_tokens: int) -> int:
 def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms: int,
                token_budget: int, lookahead: int, max_skip_age_ms: int, max_drop: int,
                isolate_attempt: int, is_live: Callable[[str], bool],
-               light_only: bool = False) -> ClaimPlan:
+               lanes: Lanes = "both") -> ClaimPlan:
     """Decide the next batch from the heads of the light lane ``pending`` and the ``heavy``
     lane (each oldest first).
 
@@ -86,7 +90,8 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
     ``max_skip_age_ms``: then that lane's part ends and it goes first next time, so nothing
     starves. An item redone ``isolate_attempt`` times or more (see ``isolate_attempt_for``) is
     claimed alone; when it heads the heavy lane, the light lane waits this one claim.
-    ``light_only``: the light lane alone, within all of ``token_budget``; ``heavy`` is not read.
+    ``lanes``: "light" = the light lane alone, within all of ``token_budget`` (``heavy`` is not
+    read); "heavy" = the heavy lane alone; "both" = the rule above.
     """
     taken: list[Entry] = []
     expired: list[Entry] = []
@@ -127,12 +132,12 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
                 break
         return skipped, num_scanned
 
-    if light_only:
+    if lanes == "light":
         heavy = ()
     heavy_head = heavy[0] if heavy else None
     skipped: list[Entry] = []
     num_scanned = 0
-    if heavy_head is None or heavy_head.attempt < isolate_attempt:
+    if lanes != "heavy" and (heavy_head is None or heavy_head.attempt < isolate_attempt):
         skipped, num_scanned = scan(pending, light_share(token_budget, heavy_head))
     heavy_skipped: list[Entry] = []
     heavy_scanned = 0

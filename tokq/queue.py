@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from tokq.claim_rule import isolate_attempt_for
+from tokq.claim_rule import Lanes, isolate_attempt_for
 from tokq.config import QueueConfig
 from tokq.entry import Entry, parse_entry
 from tokq.keys import QueueKeys
@@ -189,15 +189,15 @@ class Queue:
                 if field not in REPLY_META_FIELDS}
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
-                    light_only: bool = False) -> Claim | None:
+                    lanes: Lanes = "both") -> Claim | None:
         """The next batch of at most ``token_budget`` tokens (tokq/claim_rule.py: small requests
         first, within their share; a lane's first item goes even when longer), leased for
-        ``config.lease_ms``; None when nothing is queued. ``light_only``: from the light lane
-        alone (a pre-empting claim, tokq.claim_rule.preempt_budget)."""
+        ``config.lease_ms``; None when nothing is queued. ``lanes``: "light" or "heavy" to claim
+        from that lane alone (a worker in a heavy forward: tokq/claim_rule.py)."""
         num_expired = 0
         while True:
             claim, expired, orphaned = await self.claim_step(token_budget, lookahead=lookahead,
-                                                             light_only=light_only)
+                                                             lanes=lanes)
             num_expired += expired
             if claim is not None:
                 return replace(claim, num_expired=num_expired)
@@ -206,7 +206,7 @@ class Queue:
 
     async def claim_step(self, token_budget: int, *, lookahead: int | None = None,
                          max_drop: int = MAX_DROPS_PER_CLAIM,
-                         light_only: bool = False) -> tuple[Claim | None, int, int]:
+                         lanes: Lanes = "both") -> tuple[Claim | None, int, int]:
         """One run of claim.lua: (the batch or None, entries dropped as expired, entries
         dropped because their request is gone). It stops after ``max_drop`` drops. The batch
         id is picked here, so a run repeated after a lost answer returns the same batch."""
@@ -217,7 +217,7 @@ class Queue:
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
                 max_drop, k.reply_prefix, k.lease_prefix,
                 f"{self._batch_prefix}-{next(self._batch_numbers)}",
-                isolate_attempt_for(cfg.max_attempts), k.owner_prefix, "1" if light_only else "0"]
+                isolate_attempt_for(cfg.max_attempts), k.owner_prefix, lanes]
         batch_id, now_ms, expired, orphaned, raw = await self._run(
             "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
         claim = None

@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import redis.exceptions
 
+from tokq.claim_rule import Lanes
 from tokq.config import QueueConfig
 from tokq.entry import Entry
 from tokq.keys import MAX_SHARDS, QueueKeys, shard_queue_name
@@ -197,7 +198,7 @@ class ShardedQueue:
         return self._claim_shards
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
-                    light_only: bool = False) -> Claim | None:
+                    lanes: Lanes = "both") -> Claim | None:
         """One batch from the next non-empty shard in rotation; None when all are empty. A
         shard whose node is down (failing over) is passed over, so the others keep being
         served; a claim that may have run there is redone when its lease expires. Raises
@@ -208,7 +209,7 @@ class ShardedQueue:
             index = (self._next_claim + step) % n
             try:
                 claim = await self.shard(index).claim(token_budget, lookahead=lookahead,
-                                                      light_only=light_only)
+                                                      lanes=lanes)
             except redis.exceptions.RedisError as exc:
                 errors.append(exc)
                 continue

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import redis.exceptions
 
-from tokq.claim_rule import preempt_budget
+from tokq.claim_rule import Lanes, preempt_budget
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.connection import ShardedSubscriber
 from tokq.queue import Claim, Queue
@@ -138,6 +138,7 @@ class Worker:
 
     async def _loop(self, burst: bool) -> None:
         next_claim: asyncio.Task | None = asyncio.create_task(self._claim())
+        heavy = False  # the last batch was heavy: the claim after it read the heavy lane only
         while next_claim is not None:
             claim = await next_claim
             next_claim = None
@@ -146,6 +147,10 @@ class Worker:
             if claim is None:
                 if self._stop.is_set() or (burst and await self._drained()):
                     break
+                if heavy:  # light work may wait, left to the light-only claims: claim it now
+                    heavy = False
+                    next_claim = asyncio.create_task(self._claim())
+                    continue
                 await self._wait_for_work()
                 next_claim = asyncio.create_task(self._claim())
                 continue
@@ -157,8 +162,10 @@ class Worker:
             if not self._stop.is_set():
                 # Overlap the next claim with the end of this forward: late enough that it
                 # takes what arrived meanwhile (fuller batches), early enough that the device
-                # does not wait on Redis.
-                next_claim = asyncio.create_task(self._claim(delay_s=self._prefetch_delay_s()))
+                # does not wait on Redis. Beside a heavy forward, from the heavy lane only: light
+                # work arriving meanwhile runs inside it, rather than ride in the next one.
+                next_claim = asyncio.create_task(self._claim(
+                    delay_s=self._prefetch_delay_s(), lanes="heavy" if heavy else "both"))
             try:
                 outcome = await forward
             except BaseException:  # cancelled or failed: the leases in hand are left to expire
@@ -191,11 +198,11 @@ class Worker:
         'light' notice and hand it to the forward thread, which runs it nested; acknowledge it."""
         loop = asyncio.get_running_loop()
         try:
-            while not forward.done() and self.healthy:
+            while not forward.done() and self.healthy and not self._stop.is_set():
                 if not self._preemptible:  # registered before the claim: no notice falls between
                     await self._mark_preemptible(True)
                 self._light_notice.clear()
-                claim = await self._claim(self.preempt_budget, light_only=True)
+                claim = await self._claim(self.preempt_budget, lanes="light")
                 if claim is None:
                     notice = asyncio.create_task(self._light_notice.wait())
                     await asyncio.wait({forward, notice}, return_when=asyncio.FIRST_COMPLETED)
@@ -293,7 +300,7 @@ class Worker:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
 
     async def _claim(self, token_budget: int | None = None, *, delay_s: float = 0.0,
-                     light_only: bool = False) -> Claim | None:
+                     lanes: Lanes = "both") -> Claim | None:
         if delay_s > 0:
             with contextlib.suppress(TimeoutError):  # SIGTERM: stop waiting, claim nothing new
                 await asyncio.wait_for(self._stop.wait(), timeout=delay_s)
@@ -301,7 +308,7 @@ class Worker:
                 return None
         start = time.perf_counter()
         try:
-            claim = await self.queue.claim(token_budget or self.token_budget, light_only=light_only)
+            claim = await self.queue.claim(token_budget or self.token_budget, lanes=lanes)
         except _REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
             log.warning("claim failed: %s; retrying", exc)
             if self.observer:
