@@ -1,0 +1,39 @@
+"""The hostile-input benchmark's report: both p99 ratios, from the figures it was given."""
+
+import subprocess
+import sys
+
+from tokq.profiling.bench import hostile
+
+
+def _report() -> dict:
+    scenario = {"calls": 100, "idle_calls": 100, "idle_p50_ms": 10.0, "idle_p99_ms": 40.0,
+                "abused_p50_ms": 12.0, "abused_p99_ms": 60.0, "p99_ratio": 1.5,
+                "cpu_cores": {"gateway": 0.1, "worker": 0.9, "redis": 0.0, "abusers": 0.1, "probe": 0.0},
+                "abuser_replies": {"OK": 5}, "probe_errors": {}}
+    return {"limits": {"max_input_bytes": 65536, "max_request_bytes": 2097152},
+            "load_average": (1.0, 1.0, 1.0), "rounds": 1, "phase_s": 1.0, "pace_s": 0.02,
+            "scenarios": {"big": scenario}, "idle_p99_ms_all": 20.0}
+
+
+def test_render_gives_the_ratio_to_its_own_idle_phases_and_to_all_of_them():
+    text = hostile.render(_report(), "tokq bench hostile")
+    row = next(line for line in text.splitlines() if line.startswith("| big |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4] == "**1.50x**"  # 60 / 40, its own idle phases
+    assert cells[5] == "3.00x"  # 60 / 20, all idle phases pooled
+    assert "(20.0 ms)" in text
+
+
+def test_settle_waits_for_a_busy_process_to_go_quiet(tmp_path):
+    done = tmp_path / "done"
+    busy = subprocess.Popen([sys.executable, "-c", "import sys, time\nend = time.time() + 1.5\n"
+                             "while time.time() < end: pass\nopen(sys.argv[1], 'w').close()\n"
+                             "time.sleep(60)", str(done)])
+    try:
+        hostile._settle(busy.pid, timeout_s=30)
+        assert done.exists()  # it returned only once the process stopped spinning
+        assert busy.poll() is None
+    finally:
+        busy.kill()
+        busy.wait()
