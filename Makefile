@@ -57,8 +57,8 @@ bench: install
 	$(BIN)/tokq bench runtime --num-queries 300 --rounds 3 --token-budgets 1024 --threads 1 --results-md $(RESULTS)
 	$(BIN)/tokq bench dtypes --num-queries 400 --rounds 2 --threads 1 --results-md $(RESULTS)
 	$(BIN)/tokq bench prefix --threads 1 --results-md $(RESULTS)
-	$(BIN)/tokq bench gateway-cpu --calls 1000 --rounds 2 --profile-dir profiling/gateway-profile \
-		--json profiling/gateway_cpu.json --results-md $(RESULTS)
+	$(BIN)/tokq bench gateway-cpu --calls 1000 --rates 60,200 --concurrency 8,64 --rounds 3 \
+		--profile-dir profiling/gateway-profile --json profiling/gateway_cpu.json --results-md $(RESULTS)
 	$(BIN)/tokq bench http-cpu --calls 600 --rounds 3 --results-md $(RESULTS)
 	$(BIN)/tokq bench spread --seconds 6 --concurrency 32 --rounds 3 --json profiling/spread.json --results-md $(RESULTS)
 	$(BIN)/tokq bench hostile --rounds 2 --phase-s 10 --json /tmp/bench_hostile.json --results-md $(RESULTS)
