@@ -23,7 +23,9 @@
 --          the heavy lane only (the next batch of a worker in a heavy forward: light work that
 --          arrives meanwhile goes to its light-only claims); "" or "both" = the usual claim
 -- The rule is tokq/claim_rule.py, entry for entry. Returns
---   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}}
+--   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}, num_heavy}
+-- num_heavy: how many of the taken entries (the last ones) came from the heavy lane; -1 on a
+-- repeat (unknown): a worker pre-empts only a forward holding heavy work (workers/preempt.py)
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
@@ -33,7 +35,7 @@ local pending, leases, counters, heavy = KEYS[1], KEYS[3], KEYS[5], KEYS[6]
 local now = now_ms(ARGV[1])
 local batch_id, lease = ARGV[9], ARGV[8] .. ARGV[9]
 if redis.call('ZSCORE', leases, batch_id) then
-  return {batch_id, now, 0, 0, redis.call('LRANGE', lease, 0, -1)} -- a repeat
+  return {batch_id, now, 0, 0, redis.call('LRANGE', lease, 0, -1), -1} -- a repeat
 end
 local token_budget = tonumber(ARGV[2])
 local lookahead = tonumber(ARGV[4])
@@ -127,6 +129,7 @@ end
 if not isolated_head and lanes ~= 'heavy' then
   light_skipped, light_scanned = scan(pending, share)
 end
+local num_light = #taken
 if heavy_head and not done then -- an empty heavy lane costs no LRANGE (idle workers claim often)
   heavy_skipped, heavy_scanned = scan(heavy, token_budget)
 end
@@ -148,7 +151,7 @@ add_to_count(KEYS[2], -(taken_tokens + dropped_tokens))
 add_to_counter(counters, 'expired', #expired)
 add_to_counter(counters, 'orphaned', num_orphaned)
 if #taken == 0 then
-  return {'', now, #expired, num_orphaned, {}}
+  return {'', now, #expired, num_orphaned, {}, 0}
 end
 push_values('RPUSH', lease, taken)
 redis.call('ZADD', leases, now + tonumber(ARGV[3]), batch_id)
@@ -158,4 +161,4 @@ add_to_counter(counters, 'batches', 1)
 if redis.call('EXISTS', KEYS[2]) == 1 then
   wake_one(KEYS[7], ARGV[11], nil) -- work left: the next idle worker (a burst spreads)
 end
-return {batch_id, now, #expired, num_orphaned, taken}
+return {batch_id, now, #expired, num_orphaned, taken, #taken - num_light}

@@ -88,6 +88,8 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
 
         taken = [e.raw for e in claim.entries] if claim else []
         assert taken == [e.raw for e in plan.taken]
+        if claim:
+            assert claim.num_heavy == plan.num_heavy
         remaining, remaining_heavy = plan.remaining(pending), plan.remaining_heavy(heavy)
         assert await q.redis.lrange(k.pending, 0, -1) == [e.raw for e in remaining]
         assert await q.redis.lrange(k.heavy, 0, -1) == [e.raw for e in remaining_heavy]

@@ -19,7 +19,7 @@ from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.entry import decode_result, encode_body
 from tokq.metrics import WorkerMetrics
-from tokq.workers.worker import Worker
+from tokq.workers.worker import Worker, is_heavy
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +70,26 @@ async def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+async def test_only_a_batch_holding_heavy_lane_work_is_pre_empted(redis_url):
+    """Light work alone is never pre-empted, however many tokens its batch holds: under
+    all-light traffic, light work arriving during a forward waits for the next full batch."""
+    async with open_queue(redis_url) as q:
+        def body(n):
+            return n, encode_body(np.arange(1, n + 1))
+
+        for i in range(3):  # 3 light requests of 60 tokens: a 180-token batch, all light lane
+            await q.enqueue(f"light{i}", [body(60)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
+        light = await q.claim(512)
+        assert light.num_tokens == 180 and light.num_heavy == 0
+        assert not is_heavy(light, HEAVY_TOKENS)
+        await q.enqueue("small", [body(10)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
+        await q.enqueue("big", [body(100), body(100)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
+        mixed = await q.claim(512)
+        assert mixed.num_tokens == 210 and mixed.num_heavy == 2  # the light item first, then the heavy ones
+        assert is_heavy(mixed, HEAVY_TOKENS)
+        assert not is_heavy(mixed, 210)  # no more tokens than a light-only claim: not worth it
 
 
 async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first(redis_url, engine):

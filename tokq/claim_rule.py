@@ -39,6 +39,7 @@ class ClaimPlan:
     num_scanned: int  # light-lane head entries consumed (taken + dropped + skipped)
     heavy_skipped: tuple[Entry, ...] = ()  # the same for the heavy lane
     heavy_scanned: int = 0
+    num_heavy: int = 0  # entries of `taken` from the heavy lane (the last ones)
 
     def remaining(self, pending: Sequence[Entry]) -> list[Entry]:
         """The light lane after the claim."""
@@ -141,7 +142,8 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
         skipped, num_scanned = scan(pending, light_share(token_budget, heavy_head))
     heavy_skipped: list[Entry] = []
     heavy_scanned = 0
+    num_light = len(taken)
     if not done:
         heavy_skipped, heavy_scanned = scan(heavy, token_budget)
     return ClaimPlan(tuple(taken), tuple(expired), tuple(orphaned), tuple(skipped), num_scanned,
-                     tuple(heavy_skipped), heavy_scanned)
+                     tuple(heavy_skipped), heavy_scanned, len(taken) - num_light)

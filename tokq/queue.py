@@ -96,6 +96,7 @@ class Claim:
     now_ms: int
     entries: tuple[Entry, ...]
     num_expired: int = 0  # entries dropped for their deadline while claiming
+    num_heavy: int = -1  # entries from the heavy lane, the last ones (-1: unknown, a repeated claim)
 
     @property
     def num_tokens(self) -> int:
@@ -218,11 +219,12 @@ class Queue:
                 max_drop, k.reply_prefix, k.lease_prefix,
                 f"{self._batch_prefix}-{next(self._batch_numbers)}",
                 isolate_attempt_for(cfg.max_attempts), k.owner_prefix, lanes]
-        batch_id, now_ms, expired, orphaned, raw = await self._run(
+        batch_id, now_ms, expired, orphaned, raw, num_heavy = await self._run(
             "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
         claim = None
         if batch_id:
-            claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired)
+            claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired,
+                          int(num_heavy))
         return claim, int(expired), int(orphaned)
 
     @property

@@ -9,8 +9,8 @@ enqueue and requeue wake one idle worker when the queue stops being empty (and a
 leaves work wakes the next, so a burst spreads); the queue's work channel gets the notice when no
 worker is registered. It claims at least every IDLE_FALLBACK_S in case a notice was missed.
 
-Heavy work cannot hold light work back: while a heavy batch's forward runs (more tokens than
-``tokq.claim_rule.preempt_budget``) the worker is registered as pre-emptible; light work that
+Heavy work cannot hold light work back: while a heavy batch's forward runs (``is_heavy``: more tokens
+than ``tokq.claim_rule.preempt_budget``, some from the heavy lane) the worker is registered as pre-emptible; light work that
 arrives tells it 'light', it claims that work light-only and the forward thread runs it nested
 between two of the heavy forward's blocks (workers/preempt.py). Either batch is leased, renewed
 and acknowledged like any other: a crash redoes both.
@@ -67,6 +67,14 @@ PREFETCH_CLAIMS = 2.0
 
 def _ewma(avg: float, value: float, weight: float = 0.2) -> float:
     return value if avg == 0.0 else (1 - weight) * avg + weight * value
+
+
+def is_heavy(claim: Claim, preempt_budget: int) -> bool:
+    """A forward worth pre-empting: more tokens than a light-only claim, some of them from the
+    heavy lane. A batch of light work only is never pre-empted: light work arriving meanwhile
+    waits for the next batch, so under all-light traffic batches stay full (pre-empting them
+    cut the service's batches from ~38 items to ~5 and its throughput by 40%)."""
+    return claim.num_tokens > preempt_budget and claim.num_heavy != 0
 
 
 def default_worker_id(device="cpu") -> str:
@@ -155,7 +163,7 @@ class Worker:
                 next_claim = asyncio.create_task(self._claim())
                 continue
             self._forward_since = time.monotonic()
-            heavy = claim.num_tokens > self.preempt_budget
+            heavy = is_heavy(claim, self.preempt_budget)
             run = self.run_heavy if heavy else self.run_batch
             forward = asyncio.create_task(asyncio.to_thread(run, claim))
             preempting = asyncio.create_task(self._preempt_while(forward)) if heavy else None
