@@ -73,8 +73,8 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 async def test_only_a_batch_holding_heavy_lane_work_is_pre_empted(redis_url):
-    """Light work alone is never pre-empted, however many tokens its batch holds: under
-    all-light traffic, light work arriving during a forward waits for the next full batch."""
+    """Light work is not pre-empted, however many tokens its batch holds, nor a batch mostly of
+    light work: light work arriving during such a forward waits for the next full batch."""
     async with open_queue(redis_url) as q:
         def body(n):
             return n, encode_body(np.arange(1, n + 1))
@@ -90,6 +90,12 @@ async def test_only_a_batch_holding_heavy_lane_work_is_pre_empted(redis_url):
         assert mixed.num_tokens == 210 and mixed.num_heavy == 2  # the light item first, then the heavy ones
         assert is_heavy(mixed, HEAVY_TOKENS)
         assert not is_heavy(mixed, 210)  # no more tokens than a light-only claim: not worth it
+        for i in range(4):
+            await q.enqueue(f"light-{i}", [body(60)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
+        await q.enqueue("big2", [body(200)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
+        mostly_light = await q.claim(512)
+        assert mostly_light.num_tokens == 440 and mostly_light.num_heavy == 1
+        assert not is_heavy(mostly_light, HEAVY_TOKENS)  # 200 of 440 tokens heavy: under half
 
 
 async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first(redis_url, engine):
