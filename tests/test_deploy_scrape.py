@@ -129,6 +129,8 @@ def synthetic_traffic(model: str):
             gateway.embed_tokenized(1.0, 120)
             worker.observe_claim(0.001)
             worker.observe_batch([100, 120, 200], token_budget=512, forward_s=0.02)
+            if n % 4 == 0:  # a light batch run inside a heavy forward now and then
+                worker.observe_preemption()
             worker.heartbeat()
             gateway.embed_done(15.0, 20.0)
             gateway.request_finished("Embed", "OK" if n % 10 else "INTERNAL", 0.04)
