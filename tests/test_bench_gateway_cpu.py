@@ -175,3 +175,15 @@ def test_loads_are_parsed_and_bad_ones_refused():
         assert done.exit_code == 2 and option in done.output, (bad, done.output)
     done = CliRunner().invoke(gateway_cpu_command, ["--rates", "0", "--concurrency", "0"])
     assert done.exit_code == 2 and "nothing to measure" in done.output
+
+
+def test_the_profile_is_kept_gzipped(tmp_path):
+    import gzip
+
+    from tokq.profiling.bench.gateway_cpu import gzip_file
+
+    stacks = tmp_path / "gateway-pyspy.txt"
+    stacks.write_text("main;loop;run 7\nmain;loop;poll 3\n")
+    packed = gzip_file(stacks)
+    assert packed.name == "gateway-pyspy.txt.gz" and not stacks.exists()
+    assert gzip.decompress(packed.read_bytes()).decode() == "main;loop;run 7\nmain;loop;poll 3\n"

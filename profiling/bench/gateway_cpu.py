@@ -25,6 +25,7 @@ process, outside the gateway) and the hottest frames are printed and written to 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import platform
@@ -381,14 +382,24 @@ def run_all(*, calls: int, rates: list[float], concurrency: list[int], rounds: i
             profiled = measure(stack.gateway_target, tokq_pids, seed=seed, load=spec, calls=calls,
                                warmup_calls=warmup_calls, workload=workload,
                                while_running=lambda: PySpy(stack.gateway.pid, out))
-            report["profile"] = {"path": str(out), "load": load_name(spec),
+            frames = top_frames(out.read_text())
+            report["profile"] = {"path": str(gzip_file(out)), "load": load_name(spec),
                                  "gateway_cpu_ms_per_call": profiled["cpu_ms_per_call"]["gateway"],
-                                 **top_frames(out.read_text())}
+                                 **frames}
     finally:
         stack.close()
     report["meta"]["loadavg_at_end"] = loadavg()
     report["meta"]["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return report
+
+
+def gzip_file(path: Path) -> Path:
+    """``path`` gzipped beside it (the original removed): collapsed stacks of a long run are
+    megabytes of repeated frame names, kept in the repository for anyone to re-read."""
+    packed = path.with_name(path.name + ".gz")
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    path.unlink()
+    return packed
 
 
 def loads(report: dict) -> list[dict]:
