@@ -12,7 +12,7 @@ worker is registered. It claims at least every IDLE_FALLBACK_S in case a notice 
 Heavy work cannot hold light work back: while a heavy batch's forward runs (``is_heavy``: more tokens
 than ``tokq.claim_rule.preempt_budget``, half of them from the heavy lane or more) the worker is registered as pre-emptible; light work that
 arrives tells it 'light', it claims that work light-only and the forward thread runs it nested
-between two of the heavy forward's blocks (workers/preempt.py). Either batch is leased, renewed
+between two steps of the heavy forward's layers (workers/preempt.py). Either batch is leased, renewed
 and acknowledged like any other: a crash redoes both.
 
 A forward that runs far past its expected time (a hung device) makes the worker give up: its
@@ -351,7 +351,7 @@ class Worker:
         return self.runner.run(claim)  # failures, retries, device errors: workers/runner.py
 
     def run_heavy(self, claim: Claim) -> BatchOutcome:
-        """run_batch, with light batches offered meanwhile run between its blocks."""
+        """run_batch, with light batches offered meanwhile run between its steps."""
         return self.preemption.heavy(lambda: self.run_batch(claim))
 
     # -- chores -------------------------------------------------------------------------------
