@@ -37,3 +37,27 @@ def test_settle_waits_for_a_busy_process_to_go_quiet(tmp_path):
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_drain_waits_for_an_empty_queue_and_an_idle_worker(redis_url):
+    """An idle phase starts only once nothing is queued or in flight and the worker has
+    registered as idle (a worker still finishing claimed work would be measured otherwise)."""
+    import redis
+
+    from tokq.keys import QueueKeys
+
+    keys = QueueKeys("hostile-drain")
+    r = redis.Redis.from_url(redis_url)
+    try:
+        r.set(keys.tokens, 0)
+        r.set(keys.inflight, 3)
+        r.sadd(keys.idle, "w1")
+        assert not hostile._drain(r, keys, timeout_s=0.5)  # work in flight
+        r.set(keys.inflight, 0)
+        r.srem(keys.idle, "w1")
+        assert not hostile._drain(r, keys, timeout_s=0.5)  # queue empty, but the worker is busy
+        r.sadd(keys.idle, "w1")
+        assert hostile._drain(r, keys, timeout_s=5)
+    finally:
+        r.delete(keys.tokens, keys.inflight, keys.idle)
+        r.close()

@@ -12,8 +12,8 @@ work gets at least one item per batch: a flood of heavy requests cannot starve a
 of light ones cannot starve heavy requests. Within a lane the rule is FIFO with bounded lookahead.
 
 A *light-only* claim (``lanes="light"``) takes light-lane entries alone, up to all of its
-(small) budget: a worker running a heavy forward runs that batch nested between two of its
-layers' blocks (workers/preempt.py), so a one-word call need not wait for the forward in flight.
+(small) budget: a worker running a heavy forward runs that batch nested between two steps of
+its layers (workers/preempt.py), so a one-word call need not wait for the forward in flight.
 Such a worker claims its next batch ``lanes="heavy"``: light work is left to its light-only
 claims, so none rides in a heavy batch.
 """

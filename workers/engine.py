@@ -72,15 +72,17 @@ class Engine:
         if batch.max_seqlen > self.info.max_length:
             raise ValueError(f"sequence of {batch.max_seqlen} tokens exceeds the model's "
                              f"max length {self.info.max_length}")
+        # A heavy batch's forward may run light work between its layers' steps (workers/preempt.py).
+        checkpoint = preempt.current_checkpoint()
         if batch.prefix_lens is not None and self.prefix_cache is not None:
             pooled, computed = prefix_attention.forward_pooled(
-                self.model, batch, self.prefix_cache, self.attn_backend, self.device, self.dtype)
+                self.model, batch, self.prefix_cache, self.attn_backend, self.device, self.dtype,
+                checkpoint)
             self.tokens_computed += computed
             return pooling.finish(pooled, batch.normalize, batch.dimensions)
         layout = build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
                               dtype=self.dtype)
-        # A heavy batch's forward may run light work between its layers' blocks (workers/preempt.py).
-        hidden = self.model.forward(layout, self._attend, checkpoint=preempt.current_checkpoint())
+        hidden = self.model.forward(layout, self._attend, checkpoint=checkpoint)
         self.tokens_computed += batch.num_tokens
         pooled = pooling.pool(hidden, layout, self.info.pooling)
         return pooling.finish(pooled, batch.normalize, batch.dimensions)

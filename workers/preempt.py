@@ -1,11 +1,11 @@
-"""Light work pre-empts a heavy forward between two of its layers' blocks.
+"""Light work pre-empts a heavy forward between two steps of its layers.
 
 While a worker runs a heavy batch (more tokens than ``tokq.claim_rule.preempt_budget``) it is
 registered as pre-emptible; light work arriving then tells it 'light' (lua/enqueue.lua), and its
 event loop claims that work light-only and leaves it in this slot. The forward thread looks at
-the slot after each layer's attention block and after its MLP block (the models call
-``checkpoint``) and runs a waiting batch to completion right there, nested, then goes on: a
-one-word call waits for one block of the heavy forward, not for all of it. On CUDA the nested
+the slot after each step of each layer (qkv, attention, out-proj, MLP up, MLP down: the models
+call ``checkpoint``) and runs a waiting batch to completion right there, nested, then goes on: a
+one-word call waits for one step of the heavy forward (one linear layer), not for all of it. On CUDA the nested
 kernels queue behind the heavy ones already launched, in stream order, so this holds there too.
 The nested forward shares no tensor with the heavy one: both batches' vectors are as if run alone.
 """
@@ -28,7 +28,7 @@ def no_checkpoint() -> None:
 
 
 def current_checkpoint() -> Callable[[], None]:
-    """The checkpoint the models call between blocks in this thread (Engine.embed passes it)."""
+    """The checkpoint the models call between steps in this thread (Engine.embed passes it)."""
     return getattr(_local, "checkpoint", no_checkpoint)
 
 
@@ -85,7 +85,7 @@ class Preemption:
             return future
 
     def checkpoint(self) -> None:
-        """In the forward thread, between blocks: run the batch waiting in the slot, if any."""
+        """In the forward thread, between steps: run the batch waiting in the slot, if any."""
         if self._waiting is None or self._inside:  # the usual case: one attribute read
             return
         with self._lock:

@@ -22,6 +22,7 @@ Attention per layer over ``kv = [cached prefix K/V rows ; this batch's K/V rows]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from tokq.batch import PackedBatch
 from tokq.workers.layout import Layout, to_device
+from tokq.workers.preempt import no_checkpoint
 from tokq.workers.prefix_cache import PrefixCache
 
 
@@ -242,10 +244,13 @@ def _sdpa_buckets(q, k_all, v_all, buckets: tuple[_Bucket, ...], scale: float) -
 
 
 def forward_pooled(model, batch: PackedBatch, cache: PrefixCache, backend: str,
-                   device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+                   device: torch.device, dtype: torch.dtype,
+                   checkpoint: Callable[[], None] = no_checkpoint) -> tuple[torch.Tensor, int]:
     """fp32 ``[N, hidden]`` last-token states of ``batch`` through the prefix path, and the
-    number of tokens computed; new prefixes enter ``cache``."""
+    number of tokens computed; new prefixes enter ``cache``. ``checkpoint``: as the model's
+    (workers/preempt.py); a light batch nested there may use the cache too: this pass already
+    holds the cached K/V it reads, and stores its new prefixes after its forward."""
     run = plan(batch, cache, device, dtype, backend)
-    hidden = model.forward(run.layout, None, prefix=run)
+    hidden = model.forward(run.layout, None, prefix=run, checkpoint=checkpoint)
     run.store_new_prefixes(cache)
     return hidden.index_select(0, run.last_token_rows()).float(), run.num_tokens

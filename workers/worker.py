@@ -12,7 +12,7 @@ worker is registered. It claims at least every IDLE_FALLBACK_S in case a notice 
 Heavy work cannot hold light work back: while a heavy batch's forward runs (``is_heavy``: more tokens
 than ``tokq.claim_rule.preempt_budget``, half of them from the heavy lane or more) the worker is registered as pre-emptible; light work that
 arrives tells it 'light', it claims that work light-only and the forward thread runs it nested
-between two of the heavy forward's blocks (workers/preempt.py). Either batch is leased, renewed
+between two steps of the heavy forward's layers (workers/preempt.py). Either batch is leased, renewed
 and acknowledged like any other: a crash redoes both.
 
 A forward that runs far past its expected time (a hung device) makes the worker give up: its
@@ -175,7 +175,7 @@ class Worker:
                 # does not wait on Redis. Beside a heavy forward, from the heavy lane only: light
                 # work arriving meanwhile runs inside it, rather than ride in the next one.
                 next_claim = asyncio.create_task(self._claim(
-                    delay_s=self._prefetch_delay_s(), lanes="heavy" if heavy else "both"))
+                    delay_s=self._prefetch_delay_s(), until=forward, lanes="heavy" if heavy else "both"))
             try:
                 outcome = await forward
             except BaseException:  # cancelled or failed: the leases in hand are left to expire
@@ -310,10 +310,18 @@ class Worker:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
 
     async def _claim(self, token_budget: int | None = None, *, delay_s: float = 0.0,
-                     lanes: Lanes = "both") -> Claim | None:
+                     until: asyncio.Future | None = None, lanes: Lanes = "both") -> Claim | None:
+        """A batch of up to ``token_budget`` tokens (None: nothing queued), claimed after
+        ``delay_s`` or as soon as ``until`` (the forward in flight) ends, whichever is first:
+        the delay comes from the average forward, and a short batch after long ones (a one-word
+        call after heavy work) must not wait out the long ones' delay (it measured ~60 ms)."""
         if delay_s > 0:
-            with contextlib.suppress(TimeoutError):  # SIGTERM: stop waiting, claim nothing new
-                await asyncio.wait_for(self._stop.wait(), timeout=delay_s)
+            stopped = asyncio.ensure_future(self._stop.wait())
+            try:  # SIGTERM: stop waiting, claim nothing new
+                await asyncio.wait({stopped} | ({until} if until is not None else set()),
+                                   timeout=delay_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()
             if self._stop.is_set():
                 return None
         start = time.perf_counter()
@@ -343,7 +351,7 @@ class Worker:
         return self.runner.run(claim)  # failures, retries, device errors: workers/runner.py
 
     def run_heavy(self, claim: Claim) -> BatchOutcome:
-        """run_batch, with light batches offered meanwhile run between its blocks."""
+        """run_batch, with light batches offered meanwhile run between its steps."""
         return self.preemption.heavy(lambda: self.run_batch(claim))
 
     # -- chores -------------------------------------------------------------------------------

@@ -179,7 +179,9 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
                 abuser.join(60)
                 for i, code in enumerate(_CODES + ["other"]):
                     res["codes"][code] = res["codes"].get(code, 0) + counts[i]
-                _drain(r, keys)
+                if not _drain(r, keys):
+                    print("warning: the worker was not idle 120 s after the abusers stopped",
+                          file=sys.stderr)
                 _settle(gateway.pid)
             print(f"round {rnd + 1}/{rounds} done", file=sys.stderr)
         channel.close()
@@ -204,11 +206,17 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
     return out
 
 
-def _drain(r: redis.Redis, keys: QueueKeys, timeout_s: float = 120) -> None:
-    """Wait for the worker to finish what abusers left queued, so the next idle phase is idle."""
+def _drain(r: redis.Redis, keys: QueueKeys, timeout_s: float = 120) -> bool:
+    """Wait for the worker to finish what abusers left queued and to register as idle (it
+    found nothing to claim and waits for a notice), so the next idle phase is idle. False if
+    that did not happen within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while (int(r.get(keys.tokens) or 0) or int(r.get(keys.inflight) or 0)) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if (not int(r.get(keys.tokens) or 0) and not int(r.get(keys.inflight) or 0)
+                and r.scard(keys.idle) > 0):
+            return True
         time.sleep(0.2)
+    return False
 
 
 def _settle(pid: int, timeout_s: float = 30.0, window_s: float = 0.5, busy: float = 0.1) -> None:

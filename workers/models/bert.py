@@ -97,7 +97,8 @@ class Bert:
     def forward(self, layout: Layout, attend: AttendFn,
                 checkpoint: Callable[[], None] = no_checkpoint) -> torch.Tensor:
         """Last hidden state ``[T, hidden]`` of the packed batch. ``checkpoint`` is called after
-        each attention and MLP block (workers/preempt.py: light work may run there)."""
+        each step of a layer (qkv, attention, out-proj, MLP up, MLP down; workers/preempt.py:
+        light work may run there, so it waits for one such step, not a layer)."""
         shape = (self.hidden_size,)
         x = F.embedding(layout.input_ids, self.word_embeddings)
         x += F.embedding(layout.positions, self.position_embeddings)
@@ -108,11 +109,14 @@ class Bert:
         for layer in self.layers:
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias).view(num_tokens, 3, self.num_heads,
                                                                    self.head_dim)
+            checkpoint()
             attn = attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], layout, False, scale)
+            checkpoint()
             h = linear.add(attn.reshape(num_tokens, self.hidden_size), layer.out_weight, layer.out_bias, x)
             x = F.layer_norm(h, shape, layer.attn_norm_weight, layer.attn_norm_bias, self.eps)
             checkpoint()
             h = linear.act(x, layer.up_weight, layer.up_bias, self.act_name)
+            checkpoint()
             h = linear.add(h, layer.down_weight, layer.down_bias, x)
             x = F.layer_norm(h, shape, layer.mlp_norm_weight, layer.mlp_norm_bias, self.eps)
             checkpoint()

@@ -92,7 +92,8 @@ class Qwen:
         """Last hidden state ``[T, hidden]`` (after the final norm) of the packed batch.
         ``prefix`` (workers/prefix_attention.PrefixPass): the batch holds only the tokens after
         shared prefixes, at their true positions, and attends through it instead.
-        ``checkpoint`` is called after each attention and MLP block (workers/preempt.py)."""
+        ``checkpoint`` is called after each step of a layer (qkv, attention, out-proj, MLP
+        gate/up, MLP down; workers/preempt.py)."""
         num_tokens = layout.input_ids.shape[0]
         q_size, kv_size = self.q_dim, self.num_kv_heads * self.head_dim
         cos, sin = self.rotary.tables(layout.positions, layout.max_seqlen - 1)
@@ -107,13 +108,16 @@ class Qwen:
             if layer.q_norm is not None:
                 q, k = rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            checkpoint()
             if prefix is None:
                 attn = attend(q, k, v, layout, True, scale)
             else:
                 attn = prefix.attend(index, q, k, v, scale)
+            checkpoint()
             x = linear.add(attn.reshape(num_tokens, q_size), layer.out_weight, None, x)
             checkpoint()
             gate, up = linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up_weight).chunk(2, -1)
+            checkpoint()
             x = linear.add(self.act(gate) * up, layer.down_weight, None, x)
             checkpoint()
         return rms_norm(x, self.final_norm, self.eps)
