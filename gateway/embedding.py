@@ -204,11 +204,13 @@ class ServedModel:
             await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
                                      gateway_id=self.gateway_id)
             self.router.enqueued(request_id)
+            # A timer on the reply's own future, not asyncio.wait_for (a waiter future, a
+            # callback and a handle more per call).
+            timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, _time_out, done, timeout_ms)
             try:
-                raw = await asyncio.wait_for(done, timeout=timeout_ms / 1000)
-            except TimeoutError:
-                raise DeadlineExceeded(f"no answer within the deadline ({timeout_ms} ms); "
-                                       "the service is overloaded or no worker is running") from None
+                raw = await done
+            finally:
+                timer.cancel()
             if raw is None:  # the notice did not carry the results (large, or a poll found them)
                 raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue
             else:  # delivered in the notice: Redis drops the reply by itself after a short grace
@@ -248,6 +250,12 @@ class ServedModel:
                 "max_inputs": self.config.max_inputs, "prompt_names": sorted(self.info.prompts),
                 "default_prompt_name": self.info.default_prompt_name or "",
                 "pooling": self.info.pooling, "version": __version__}
+
+
+def _time_out(done: asyncio.Future, timeout_ms: int) -> None:
+    if not done.done():
+        done.set_exception(DeadlineExceeded(f"no answer within the deadline ({timeout_ms} ms); "
+                                            "the service is overloaded or no worker is running"))
 
 
 class Embedder:

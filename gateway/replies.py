@@ -2,8 +2,9 @@
 
 Workers (through ack.lua) SPUBLISH a notice on the request's gateway's shard channel once every
 input of it is answered (sharded pub/sub: Redis >= 7, and the only kind that stays on the queue's
-node on Redis Cluster); the notice carries the results themselves unless they are large
-(tokq.queue.parse_notice), and then the waiting call needs no second round trip to collect them.
+node on Redis Cluster), one message per gateway for all the requests a batch completes; the
+notice carries the results themselves unless they are large (tokq.queue.parse_notices), and then
+the waiting call needs no second round trip to collect them.
 One subscription per gateway process serves all waiting calls, so thousands of concurrent
 requests hold no Redis connection each. A notice can be missed (a reconnect), so every
 ``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
@@ -25,7 +26,7 @@ import redis.exceptions
 
 from tokq.connection import ShardedSubscriber
 from tokq.gateway.errors import Unavailable
-from tokq.queue import REPLY_META_FIELDS, parse_notice
+from tokq.queue import REPLY_META_FIELDS, parse_notices
 
 log = logging.getLogger(__name__)
 _NET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -110,8 +111,8 @@ class ReplyRouter:
                 while True:
                     msg = await subscriber.get_message(timeout=self._poll_every_s)
                     if msg is not None:
-                        request_id, results = parse_notice(msg[1])
-                        self._settle(request_id, results=results)
+                        for request_id, results in parse_notices(msg[1]):
+                            self._settle(request_id, results=results)
                     if time.monotonic() >= next_poll:  # even while notices keep coming
                         await self._poll(min_age_s=self._poll_after_s)
                         next_poll = time.monotonic() + self._poll_every_s

@@ -15,8 +15,9 @@
 
 local reply_prefix = ARGV[1]
 local num_stored = 0
+local notices = {} -- one message per waiting gateway for the whole batch (lib/reply.lua)
 for i = 3, #ARGV, 3 do
-  num_stored = num_stored + write_result(reply_prefix, ARGV[i], ARGV[i + 1], ARGV[i + 2])
+  num_stored = num_stored + write_result(reply_prefix, ARGV[i], ARGV[i + 1], ARGV[i + 2], notices)
 end
 
 local entries = redis.call('LRANGE', KEYS[4], 0, -1)
@@ -27,9 +28,10 @@ if #entries > (#ARGV - 2) / 3 then
   for _, raw in ipairs(entries) do
     local _, _, request_id, index = parse_entry(raw)
     num_missing = num_missing + write_result(reply_prefix, request_id, index,
-      '-INTERNAL:the worker acknowledged the batch without a result for this item')
+      '-INTERNAL:the worker acknowledged the batch without a result for this item', notices)
   end
 end
+publish_notices(notices)
 if #entries > 0 then
   redis.call('DEL', KEYS[4])
   redis.call('ZREM', KEYS[1], ARGV[2])

@@ -135,9 +135,11 @@ if heavy_head and not done then -- an empty heavy lane costs no LRANGE (idle wor
 end
 
 -- Write phase.
+local notices = {} -- one message per waiting gateway (lib/reply.lua)
 for _, item in ipairs(expired) do
-  write_result(reply_prefix, item[1], item[2], EXPIRED)
+  write_result(reply_prefix, item[1], item[2], EXPIRED, notices)
 end
+publish_notices(notices)
 -- Drop each lane's scanned head, then put its passed-over entries back in front, in order.
 if light_scanned > 0 then
   redis.call('LTRIM', pending, light_scanned, -1)

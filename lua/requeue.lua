@@ -42,6 +42,7 @@ for i = 1, #due, 2 do
   end
 end
 local back, back_tokens, num_failed, num_orphaned, num_released = {}, 0, 0, 0, 0
+local notices = {} -- one message per waiting gateway (lib/reply.lua)
 for _, batch_id in ipairs(batch_ids) do
   local lease = lease_prefix .. batch_id
   local entries = redis.call('LRANGE', lease, 0, -1)
@@ -53,7 +54,7 @@ for _, batch_id in ipairs(batch_ids) do
       num_orphaned = num_orphaned + 1
     elseif attempt + 1 >= max_attempts then
       write_result(reply_prefix, request_id, index, string.format(
-        '-INTERNAL:item failed %d times (worker crashed or timed out)', attempt + 1))
+        '-INTERNAL:item failed %d times (worker crashed or timed out)', attempt + 1), notices)
       num_failed = num_failed + 1
     else
       back[#back + 1] = with_attempt(raw, attempt + 1)
@@ -63,6 +64,7 @@ for _, batch_id in ipairs(batch_ids) do
   redis.call('DEL', lease)
   redis.call('ZREM', KEYS[1], batch_id)
 end
+publish_notices(notices)
 push_front(KEYS[2], back)
 if #back > 0 then
   wake_one(KEYS[6], ARGV[8], ARGV[6])

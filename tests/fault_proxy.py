@@ -42,6 +42,7 @@ class FaultProxy:
         self._cut_next: list[bytes] = []  # cut the next command holding each of these
         self._rate, self._rate_match = 0.0, (b"",)  # and this fraction of those holding one of these
         self._rng = random.Random(seed)
+        self._stalled = False  # withhold every answer, connections left open
         self._server: asyncio.base_events.Server | None = None
         # Open connections (by their handler task): the first 64 KiB each client sent.
         self._connections: dict[asyncio.Task, bytearray] = {}
@@ -88,10 +89,17 @@ class FaultProxy:
             self._rate = fraction
             self._rate_match = match if isinstance(match, tuple) else (match,)
 
+    def stall(self, stalled: bool = True) -> None:
+        """Withhold every answer while ``stalled``, connections left open: a Redis gone silent
+        (what a client's socket timeout is for). The withheld answers are lost."""
+        with self._lock:
+            self._stalled = stalled
+
     def reset(self) -> None:
         with self._lock:
             self._cut_next.clear()
             self._rate = 0.0
+            self._stalled = False
 
     def drop_connections(self, match: bytes) -> int:
         """Reset every open connection whose client has sent ``match`` (e.g. b"SSUBSCRIBE": a
@@ -145,6 +153,8 @@ class FaultProxy:
             while data := await upstream_r.read(65536):
                 if drop_answer.is_set():
                     return  # the command ran (Redis answered); the answer is lost
+                if self._stalled:
+                    continue
                 client_w.write(data)
                 await client_w.drain()
 

@@ -29,3 +29,19 @@ def test_linear_limit_runs_every_linear_weight_in_the_engines_dtype(tmp_path, mo
     assert bench_runtime.forward_linears_tokens_per_s(engine, num_tokens=8, repeats=1) > 0
     table = bench_runtime.op_table(engine, [PackedBatch.pack([[1, 2, 3], [4, 5]])])
     assert "Self CPU" in table and ("linear" in table or "addmm" in table or "mm" in table)
+
+
+@pytest.mark.parametrize("model,dtype", [("bert", "bfloat16"), ("qwen3_model", "float32")])
+def test_time_split_clocks_the_forwards_own_linear_and_attention_calls_and_restores_them(tmp_path, model, dtype):
+    build(model, tmp_path)
+    engine = Engine.load(tmp_path, device="cpu", dtype=dtype)
+    kernel, attend = engine.model.linear, engine._attend
+    batch = PackedBatch.pack([[1, 2, 3], [4, 5], [6]])
+    before = engine.embed(batch)
+    split = bench_runtime.time_split(engine, [batch, batch])
+    assert list(split) == ["linear layers (epilogues included)", "attention",
+                           "everything else (embedding, norms, layout, pooling)"]
+    assert split["linear layers (epilogues included)"] > 0 and split["attention"] > 0
+    assert split["everything else (embedding, norms, layout, pooling)"] >= 0
+    assert engine.model.linear is kernel and engine._attend is attend
+    assert (engine.embed(batch) == before).all()

@@ -10,7 +10,7 @@ from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, ope
 
 from tokq.connection import ShardedSubscriber
 from tokq.entry import decode_result, encode_error
-from tokq.queue import parse_notice
+from tokq.queue import parse_notices
 
 # The same queue code against a standalone server and a node of a real Redis Cluster.
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
@@ -42,7 +42,7 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
 
         published = []
         while (message := await pubsub.get_message(timeout=0.2)):
-            published.append(parse_notice(message[1])[0])
+            published += [rid for rid, _ in parse_notices(message[1])]
         assert published == ["r", "later"]  # each request's completion, once
         await stalled.aclose()
         results = await q.collect("r")

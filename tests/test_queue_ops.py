@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from unittest.mock import ANY
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from queue_support import (CHANNEL, ManualClock, items, keys_left, ok_result, op
 
 from tokq.connection import ShardedSubscriber
 from tokq.entry import decode_body, decode_result, encode_ok, parse_entry
-from tokq.queue import COLLECT_GRACE_MS, MAX_DROPS_PER_CLAIM, QueueFull, parse_notice
+from tokq.queue import COLLECT_GRACE_MS, MAX_DROPS_PER_CLAIM, QueueFull, parse_notices
 
 # The same queue code against a standalone server and a node of a real Redis Cluster.
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
@@ -28,7 +29,7 @@ async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
 
         message = await pubsub.get_message(timeout=1.0)
-        request_id, delivered = parse_notice(message[1])
+        [(request_id, delivered)] = parse_notices(message[1])
         assert request_id == "req1"  # the notice carries the results; collect gives the same
         results = await q.collect("req1")
         assert delivered == results and sorted(results) == [0, 1, 2]
@@ -52,7 +53,7 @@ async def test_completion_is_published_once_when_the_last_item_is_answered(redis
         claim = await q.claim(4)
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         message = await pubsub.get_message(timeout=1.0)
-        assert parse_notice(message[1])[0] == "req1"
+        assert parse_notices(message[1]) == [("req1", ANY)]
         await pubsub.aclose()
 
 
@@ -64,7 +65,7 @@ async def test_a_complete_reply_travels_in_its_notice_and_is_kept_only_a_grace(r
         claim = await q.claim(600)
         sent = {e.index: ok_result(e) for e in claim.entries}
         await q.ack(claim.batch_id, [(e, sent[e.index]) for e in claim.entries])
-        assert parse_notice((await pubsub.get_message(timeout=1.0))[1]) == ("small", sent)
+        assert parse_notices((await pubsub.get_message(timeout=1.0))[1]) == [("small", sent)]
         # Nobody needs to collect it: it goes by itself, long before the request's own TTL;
         # a gateway that missed the notice still collects it within that grace.
         assert 0 < await q.redis.pttl(q.keys.reply("small")) <= COLLECT_GRACE_MS
@@ -80,11 +81,61 @@ async def test_a_large_reply_is_notified_by_id_and_collected(redis_url):
         claim = await q.claim(600)
         big = encode_ok(np.ones(10_000, np.float32), 1.0, 2.0)  # 2 x 40 kB: past the notice's cap
         await q.ack(claim.batch_id, [(e, big) for e in claim.entries])
-        assert parse_notice((await pubsub.get_message(timeout=1.0))[1]) == ("large", None)
+        assert parse_notices((await pubsub.get_message(timeout=1.0))[1]) == [("large", None)]
         assert await q.redis.pttl(q.keys.reply("large")) > COLLECT_GRACE_MS  # waits for collect
         assert await q.collect("large") == {0: big, 1: big}
         assert await keys_left(q) == set()
         await pubsub.aclose()
+
+
+async def test_a_batch_wakes_each_waiting_gateway_once_with_all_its_replies(redis_url):
+    other = CHANNEL.replace("gw-test", "gw-other")  # a second gateway on the same queue
+    async with open_queue(redis_url) as q:
+        pubsub = ShardedSubscriber(q.redis)
+        await pubsub.subscribe(CHANNEL, other)
+        for rid, channel in (("a", CHANNEL), ("b", other), ("c", CHANNEL), ("d", CHANNEL)):
+            await q.enqueue(rid, items(3, 2) if rid == "c" else items(3), timeout_ms=60_000,
+                            channel=channel)
+        claim = await q.claim(600)
+        sent = {(e.request_id, e.index): ok_result(e) for e in claim.entries}
+        # "d" is left out of the ack: ack.lua answers it INTERNAL, in the same message.
+        await q.ack(claim.batch_id, [(e, sent[e.request_id, e.index]) for e in claim.entries
+                                     if e.request_id != "d"])
+        messages = []
+        while (message := await pubsub.get_message(timeout=0.3)):
+            messages.append((message[0].decode(), parse_notices(message[1])))
+        assert [(channel, [rid for rid, _ in notices]) for channel, notices in messages] == [
+            (CHANNEL, ["a", "c", "d"]), (other, ["b"])]
+        delivered = dict(messages[0][1] + messages[1][1])
+        for rid in "abc":
+            assert delivered[rid] == await q.collect(rid)
+            assert delivered[rid] == {i: sent[rid, i] for i in delivered[rid]}
+        assert sorted(delivered["c"]) == [0, 1]
+        assert decode_result(delivered["d"][0]).code == "INTERNAL"
+        await pubsub.aclose()
+
+
+async def test_one_message_carries_at_most_the_notice_cap_of_results(redis_url):
+    async with open_queue(redis_url) as q:
+        pubsub = ShardedSubscriber(q.redis)
+        await pubsub.subscribe(CHANNEL)
+        for rid in ("r0", "r1", "r2"):
+            await q.enqueue(rid, items(3), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        mid = encode_ok(np.ones(7_000, np.float32), 1.0, 2.0)  # 28 kB each, 2 fit in 64 kB
+        await q.ack(claim.batch_id, [(e, mid) for e in claim.entries])
+        messages = []
+        while (message := await pubsub.get_message(timeout=0.3)):
+            messages.append(parse_notices(message[1]))
+        assert messages == [[("r0", {0: mid}), ("r1", {0: mid})], [("r2", {0: mid})]]
+        await pubsub.aclose()
+
+
+def test_a_truncated_notice_is_refused_not_misread():
+    whole = b"8:r1\x000:1:x" + b"2:r2"
+    assert parse_notices(whole) == [("r1", {0: b"x"}), ("r2", None)]
+    with pytest.raises(ValueError, match="truncated"):
+        parse_notices(whole[:-1])
 
 
 async def test_items_are_queued_in_order_with_their_token_ids(redis_url):

@@ -7,13 +7,14 @@ import asyncio
 import contextlib
 
 import pytest
+import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from fault_proxy import FaultProxy, script_sha
-from queue_support import CHANNEL, items, open_queue, stored_entries
+from queue_support import CHANNEL, QUEUE, items, open_queue, stored_entries
 
 from tokq.config import QueueConfig
 from tokq.connection import connect
-from tokq.queue import Enqueued, LostAnswer, QueueFull
+from tokq.queue import Enqueued, LostAnswer, Queue, QueueFull
 from tokq.shards import ShardedQueue
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
@@ -179,4 +180,28 @@ async def test_a_pipeline_whose_every_answer_is_lost_raises_lost_answer_to_each_
             assert (await q.stats()).queued_entries == 3  # they did run; the callers withdraw them
             assert all([await q.cancel(f"r{i}") for i in range(3)])
     finally:
+        proxy.close()
+
+
+@pytest.mark.redis_kinds("standalone")
+async def test_a_silent_redis_fails_the_round_trip_by_the_socket_timeout_and_the_next_one_works(redis_url):
+    # The pipeliner's held connection has no timeout of its own: its round trip's does the job.
+    proxy = FaultProxy(redis_url).start()
+    client = aioredis.Redis.from_url(proxy.url, socket_timeout=0.5, decode_responses=False)
+    try:
+        q = Queue(client, QUEUE)
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        proxy.stall()
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            *(q.enqueue(f"r{i}", items(1), timeout_ms=60_000, channel=CHANNEL) for i in range(3)),
+            return_exceptions=True), timeout=60)
+        assert all(isinstance(o, LostAnswer) for o in outcomes), outcomes
+        proxy.stall(False)
+        # They ran, unanswered. A fresh connection reads no withheld answer as the next call's:
+        # r0 again with two items is refused as a duplicate, where a stale OK would pass.
+        with pytest.raises(ValueError, match="already used"):
+            await q.enqueue("r0", items(1, 1), timeout_ms=60_000, channel=CHANNEL)
+        assert isinstance(await q.enqueue("after", items(2), timeout_ms=60_000, channel=CHANNEL), Enqueued)
+    finally:
+        await client.aclose()
         proxy.close()

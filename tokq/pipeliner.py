@@ -14,6 +14,13 @@ FLUSH) is run again alone through ``Scripts``, which loads it; a lost connection
 redis-py as for one command (tokq.connection) and then fails every caller of the pipeline, each
 of whose scripts is safe to run twice (tokq.queue). One pipeliner serves one queue shard, which
 is one hash slot, so one node: a shard whose node fails over holds up no other shard's calls.
+
+On a standalone Redis every round trip goes over one connection the pipeliner holds (taken from
+the client's pool for good, so closing the client closes it): one round trip is in flight at a
+time, so it needs no pool checkout, and redis-py's per-command machinery (a pool checkout, a
+Task for each timed send, a timeout per reply read) is paid once per round trip as one
+``asyncio.timeout`` (the client's socket timeout) around the whole exchange. On Redis Cluster
+the runs go through the cluster client's pipeline, which follows MOVED and failovers.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis.asyncio as aioredis
 import redis.exceptions
 
 from tokq.scripts import Scripts
@@ -30,7 +38,7 @@ from tokq.scripts import Scripts
 class _Run:
     __slots__ = ("name", "keys", "args", "future", "sent")
 
-    def __init__(self, name: str, keys: Sequence[str], args: Sequence[Any], future: asyncio.Future) -> None:
+    def __init__(self, name: str, keys: Sequence[str], args: Sequence[Any], future: asyncio.Future | None) -> None:
         self.name = name
         self.keys = keys
         self.args = args
@@ -48,6 +56,9 @@ class ScriptPipeliner:
         self._scripts = scripts
         self._waiting: list[_Run] = []
         self._in_flight = False
+        # Standalone: the connection every round trip uses (see the module doc), once taken.
+        self._direct = isinstance(client, aioredis.Redis)
+        self._conn = None
         # What was sent: runs and round trips (tests and benchmarks read them).
         self.commands = 0
         self.pipelines = 0
@@ -58,9 +69,51 @@ class ScriptPipeliner:
         self._in_flight = True
         self._count(1)
         try:
-            return await self._scripts.run(name, keys, args)  # alone: exactly as without a pipeliner
+            if not self._direct:
+                return await self._scripts.run(name, keys, args)  # alone: as without a pipeliner
+            run = _Run(name, keys, args, None)
+            [reply] = await self._round_trip([run])
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                return await self._scripts.run(name, keys, args)  # loads it
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
         finally:
             self._next()
+
+    async def _round_trip(self, runs: list[_Run]) -> list[Any]:
+        """Send the runs as one write on the held connection, read their replies (a command's
+        error as its reply); a lost connection is retried as the client retries a command."""
+        if self._conn is None:
+            self._conn = await self._client.connection_pool.get_connection()
+            # Reads and writes are bounded by the timeout around the round trip instead.
+            self._timeout_s = self._conn.socket_timeout
+            self._conn.socket_timeout = None
+        conn = self._conn
+        for r in runs:
+            self._scripts.calls[r.name] += 1
+        packed = conn.pack_commands([("EVALSHA", self._scripts.sha(r.name), len(r.keys), *r.keys, *r.args)
+                                     for r in runs])
+
+        async def exchange() -> list[Any]:
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await conn.send_packed_command(packed, check_health=False)
+                    replies = []
+                    for _ in runs:
+                        try:
+                            replies.append(await conn.read_response())
+                        except redis.exceptions.ResponseError as exc:
+                            replies.append(exc)
+                    return replies
+            except TimeoutError:
+                await conn.disconnect(nowait=True)
+                raise redis.exceptions.TimeoutError("Timeout talking to Redis") from None
+            except BaseException:  # a reply may be left unread: never reuse the connection as is
+                await conn.disconnect(nowait=True)
+                raise
+
+        return await conn.retry.call_with_retry(exchange, lambda error: conn.disconnect())
 
     def _count(self, n: int) -> None:
         self.commands += n
@@ -102,11 +155,14 @@ class ScriptPipeliner:
 
     async def _pipeline(self, runs: list[_Run]) -> None:
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for r in runs:
-                    self._scripts.calls[r.name] += 1
-                    pipe.execute_command("EVALSHA", self._scripts.sha(r.name), len(r.keys), *r.keys, *r.args)
-                replies = await pipe.execute(raise_on_error=False)
+            if self._direct:
+                replies = await self._round_trip(runs)
+            else:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for r in runs:
+                        self._scripts.calls[r.name] += 1
+                        pipe.execute_command("EVALSHA", self._scripts.sha(r.name), len(r.keys), *r.keys, *r.args)
+                    replies = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # a lost connection (after redis-py's retries): every run shares it
             for r in runs:
                 _settle(r, exc=exc)

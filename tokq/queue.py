@@ -44,10 +44,25 @@ COLLECT_GRACE_MS = 5_000
 REPLY_META_FIELDS = (b"n", b"ch", b"t")
 
 
-def parse_notice(data: bytes) -> tuple[str, dict[int, bytes] | None]:
-    """A completion notice (lua/lib/reply.lua): the request id and, when the notice carries
-    them, its results (index -> raw result, as ``collect`` returns); None: collect them."""
-    request_id, sep, rest = data.partition(b"\0")
+def parse_notices(data: bytes) -> list[tuple[str, dict[int, bytes] | None]]:
+    """A completion message (lua/lib/reply.lua): every request it completes, each with its
+    results (index -> raw result, as ``collect`` returns) when the message carries them, else
+    None (collect them). One message carries the requests of one gateway a script completed."""
+    notices = []
+    pos, end = 0, len(data)
+    while pos < end:
+        colon = data.index(b":", pos)
+        start = colon + 1
+        stop = start + int(data[pos:colon])
+        if stop > end:
+            raise ValueError(f"truncated completion notice ({end} bytes, a record ends at {stop})")
+        notices.append(_parse_notice(data[start:stop]))
+        pos = stop
+    return notices
+
+
+def _parse_notice(record: bytes) -> tuple[str, dict[int, bytes] | None]:
+    request_id, sep, rest = record.partition(b"\0")
     if not sep:
         return request_id.decode(), None
     results: dict[int, bytes] = {}

@@ -40,7 +40,7 @@ from tokq.keys import QueueKeys
 from tokq.processes import stop_all
 from tokq.profiling.bench.workers import QUEUE, start_worker, wait_heartbeats
 from tokq.profiling.results_md import command_line, shared_machine_note, write_section
-from tokq.queue import Queue, QueueFull, parse_notice
+from tokq.queue import Queue, QueueFull, parse_notices
 from tokq.redis_server import EmbeddedRedis
 
 ITEM = [101, 7592, 2088, 102]  # 4 tokens
@@ -75,10 +75,11 @@ class Load:
             while True:
                 msg = await subscriber.get_message(timeout=0.1)
                 if msg is not None:
-                    rid, results = parse_notice(msg[1])
-                    self.done[rid] = time.perf_counter()
-                    if results is None:  # not carried in the notice: collect them
-                        self._spawn(self.queue.collect(rid))
+                    now = time.perf_counter()
+                    for rid, results in parse_notices(msg[1]):
+                        self.done[rid] = now
+                        if results is None:  # not carried in the notice: collect them
+                            self._spawn(self.queue.collect(rid))
         finally:
             await subscriber.aclose()
 

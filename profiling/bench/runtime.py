@@ -24,8 +24,8 @@ model's linear layers alone, through the same kernels in the same dtype, on the 
 batch shapes (``linear_only_tokens_per_s``), timed again before every measurement; the forward's
 fraction of it is what is left for everything else. Part of that rest runs inside the linear
 kernels: the activations and residual adds fused into them, measured by replaying the forward's
-own linear calls (``forward_linear_calls``). A torch profiler table of the packed forward, by
-op, shows where the rest goes.
+own linear calls (``forward_linear_calls``). Where the packed forward's time goes: by part
+(linear calls, attention, the rest; ``time_split``) and by op (a torch profiler table).
 """
 
 from __future__ import annotations
@@ -174,6 +174,37 @@ def forward_linears_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats
 
     run()
     return num_tokens / statistics.median(timed(run) for _ in range(repeats))
+
+
+def time_split(engine: Engine, batches: list[PackedBatch]) -> dict[str, float]:
+    """Seconds the forwards over ``batches`` spend in the linear calls (their fused epilogues
+    included), in attention (plans built at the first layer included), and in everything else
+    (embedding, norms, layout, pooling), timed by wrapping the engine's own linear kernel and
+    attention function: the forward's time by part, without the profiler's overhead."""
+    model, kernel, attend = engine.model, engine.model.linear, engine._attend
+    spent = {"linear layers (epilogues included)": 0.0, "attention": 0.0}
+
+    def clocked(part: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return run
+
+    class ClockedLinear:
+        name = kernel.name
+        __call__ = staticmethod(clocked("linear layers (epilogues included)", kernel))
+        act = staticmethod(clocked("linear layers (epilogues included)", kernel.act))
+        add = staticmethod(clocked("linear layers (epilogues included)", kernel.add))
+
+    model.linear, engine._attend = ClockedLinear(), clocked("attention", attend)
+    try:
+        total = timed(lambda: [engine.embed(batch) for batch in batches])
+    finally:
+        model.linear, engine._attend = kernel, attend
+    return {**spent, "everything else (embedding, norms, layout, pooling)": total - sum(spent.values())}
 
 
 def op_table(engine: Engine, batches: list[PackedBatch], row_limit: int = 14) -> str:
@@ -327,12 +358,16 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     peaks: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
     limits: dict[str, list[float]] = {name: [] for name in systems}  # linear layers alone
     epilogue_shares: list[float] = []  # linear layers with the forward's fused epilogues / alone
+    splits: list[dict[str, float]] = []  # packed 1024's time by part, over the limit's time
+    num_backend_tokens = sum(batch.num_tokens for batch in backend_batches)
     for round_index in range(rounds):
         for name, fn in systems.items():
             peaks[name].append(matmul_peak_flops())
             limits[name].append(linear_only_tokens_per_s(engine))
             rates[name].append(num_tokens / timed(fn))
         epilogue_shares.append(forward_linears_tokens_per_s(engine) / linear_only_tokens_per_s(engine))
+        limit_s = num_backend_tokens / linear_only_tokens_per_s(engine)
+        splits.append({part: seconds / limit_s for part, seconds in time_split(engine, backend_batches).items()})
         print(f"round {round_index + 1}/{rounds} done, load average {os.getloadavg()[0]:.1f}")
     report(rates, peaks, flops, num_tokens, linear_flops_per_token(engine.info.config))
     dtype = str(engine.dtype).removeprefix("torch.")
@@ -346,7 +381,12 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
         if name.startswith("packed"):
             share = statistics.median(r / lim for r, lim in zip(rate, limits[name]))
             print(f"| {name} | {100 * share:.0f}% |")
-    print(f"\nwhere the packed 1024 forward's time goes ({dtype}, torch profiler, self CPU time):\n")
+    parts = {part: statistics.median(split[part] for split in splits) for part in splits[0]}
+    print(f"\nwhere the packed 1024 forward's time goes, in units of its linear layers' time at the "
+          f"limit (1.00; each part timed in the forward, medians over rounds): "
+          + ", ".join(f"{part} {share:.2f}" for part, share in parts.items())
+          + f"; in all {sum(parts.values()):.2f}, i.e. {100 / sum(parts.values()):.0f}% of the limit")
+    print(f"\nthe same by op ({dtype}, torch profiler, self CPU time):\n")
     print(op_table(engine, backend_batches))
     attn_ms = {backend: attention_ms_per_layer(engine, backend_batches, backend)
                for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop")}
