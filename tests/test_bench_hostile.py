@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 from tokq.profiling.bench import hostile
 
@@ -26,11 +27,15 @@ def test_render_gives_the_ratio_to_its_own_idle_phases_and_to_all_of_them():
 
 
 def test_settle_waits_for_a_busy_process_to_go_quiet(tmp_path):
-    done = tmp_path / "done"
-    busy = subprocess.Popen([sys.executable, "-c", "import sys, time\nend = time.time() + 1.5\n"
-                             "while time.time() < end: pass\nopen(sys.argv[1], 'w').close()\n"
-                             "time.sleep(60)", str(done)])
+    started, done = tmp_path / "started", tmp_path / "done"
+    busy = subprocess.Popen([sys.executable, "-c", "import sys, time\nopen(sys.argv[1], 'w').close()\n"
+                             "end = time.time() + 1.5\nwhile time.time() < end: pass\n"
+                             "open(sys.argv[2], 'w').close()\ntime.sleep(60)", str(started), str(done)])
     try:
+        deadline = time.monotonic() + 60
+        while not started.exists():  # its start-up (idle while it reads files) is not the test
+            assert time.monotonic() < deadline and busy.poll() is None
+            time.sleep(0.01)
         hostile._settle(busy.pid, timeout_s=30)
         assert done.exists()  # it returned only once the process stopped spinning
         assert busy.poll() is None

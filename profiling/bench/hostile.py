@@ -166,7 +166,8 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
                 ready, stop, counts = ctx.Event(), ctx.Event(), ctx.Array("l", len(_CODES) + 1)
                 abuser = ctx.Process(target=_abuse, args=(target, spec, ready, stop, counts), daemon=True)
                 abuser.start()
-                ready.wait(300)  # its texts are built
+                if not ready.wait(300):  # its texts are built
+                    raise RuntimeError(f"the abuser process did not start (exit code {abuser.exitcode})")
                 time.sleep(2.0)  # abusers at full pressure before probing
                 pids = {**procs, "abusers": abuser.pid, "probe": os.getpid()}
                 cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
