@@ -100,6 +100,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
                              [k.done_channel(gid) for k in queue.shard_keys()])
         observer = metrics.GatewayMetrics(info.name)
         queue.observe_enqueues = observer.enqueues_sent
+        queue.enqueue_hold_s = config.enqueue_hold_us / 1e6
         models[info.name] = ServedModel(info, Tokenizer(info, threads=config.tokenize_threads),
                                         queue, router, config, gid, observer=observer)
     embedder = Embedder(models)

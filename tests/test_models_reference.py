@@ -87,3 +87,15 @@ def test_torch_linear_kernels_give_the_same_embeddings(tiny):
     assert plain.linear_backend == "torch"
     batch = PackedBatch.pack(_sequences(seed=7))
     np.testing.assert_allclose(plain.embed(batch), engine.embed(batch), atol=1e-5)
+
+
+def test_bf16_pooled_embeddings_match_transformers_fp32(tiny):
+    """bf16 runs attention through the matmul path (workers/matmul_attention.py): packed rows
+    of 32 and 64 slots here, causal for the Qwen models; its vectors keep fp32's meaning."""
+    engine, base, pooling = tiny
+    bf16 = Engine.load(engine.info.path, device="cpu", dtype="bfloat16")
+    seqs = _sequences(seed=11)
+    ours = bf16.embed(PackedBatch.pack(seqs, normalize=False))
+    ref = _reference(base, seqs, pooling, left_pad=False)
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() > 0.999, cos

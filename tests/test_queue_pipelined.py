@@ -49,6 +49,23 @@ async def test_concurrent_enqueues_share_one_pipeline_and_each_gets_its_own_answ
         assert again == results
 
 
+async def test_with_a_hold_a_burst_right_behind_a_round_trip_goes_in_one_and_a_lone_call_at_once(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)  # scripts loaded
+        q.pipeliner.hold_s = 2.0  # long, so that a slow machine still starts the burst within it
+        pipelines, commands = q.pipeliner.pipelines, q.pipeliner.commands
+        first = await q.enqueue("first", items(1), timeout_ms=60_000, channel=CHANNEL)
+        assert (q.pipeliner.pipelines - pipelines, q.pipeliner.commands - commands) == (1, 1)  # at once
+        results = await asyncio.gather(*(q.enqueue(f"r{i}", items(i + 1), timeout_ms=60_000,
+                                                   channel=CHANNEL) for i in range(5)))
+        # started within the hold of the last round trip: r0 waited for the rest, all went together
+        # (without a hold: r0 alone, then r1-r4)
+        assert (q.pipeliner.pipelines - pipelines, q.pipeliner.commands - commands) == (2, 6)
+        assert [r.request_id for r in results] == [f"r{i}" for i in range(5)]
+        stats = await q.stats()
+        assert isinstance(first, Enqueued) and (stats.queued_entries, stats.queued_tokens) == (7, 1 + 1 + 15)
+
+
 async def test_a_queue_full_in_a_pipeline_fails_only_its_own_call(redis_url):
     async with open_queue(redis_url, max_queued_tokens=20) as q:
         await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
@@ -138,6 +155,19 @@ async def test_each_shard_pipelines_its_own_enqueues(redis_url):
         for i, r in enumerate(results):
             shard = queue.shard(queue.shard_of_request(f"r{i}"))
             assert r.request_id == f"r{i}" and await client.exists(shard.keys.reply(f"r{i}"))
+    finally:
+        await client.aclose()
+
+
+async def test_the_gateway_s_enqueue_hold_reaches_every_shard_made_before_or_after_it_is_set(redis_url):
+    client = connect(redis_url)
+    try:
+        queue = ShardedQueue(client, "m", QueueConfig(queue_shards=4))
+        before = queue.shard(0)
+        assert before.pipeliner.hold_s == 0  # workers and tests: never hold
+        queue.enqueue_hold_s = 0.002
+        assert [queue.shard(i).pipeliner.hold_s for i in range(4)] == [0.002] * 4
+        assert queue.shard(0) is before
     finally:
         await client.aclose()
 

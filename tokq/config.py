@@ -162,6 +162,10 @@ class GatewayConfig(_Validated):
                                       max=86_400_000)
     redis_max_connections: int = setting(32, "Redis connections per gateway process", min=1,
                                          max=10_000)
+    # Calls arriving faster than one per hold share round trips (tokq.pipeliner); 0 = never hold.
+    enqueue_hold_us: int = setting(2000, "most microseconds an enqueue waits for the ones right "
+                                   "behind it, when calls arrive faster than that", min=0,
+                                   max=100_000)
     # gRPC core starts cancelling calls at random once this many wait to be picked up.
     max_pending_rpcs: int = setting(20_000, "calls accepted but not yet picked up before gRPC "
                                     "rejects more", min=1, max=10_000_000)

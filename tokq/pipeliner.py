@@ -6,7 +6,11 @@ costs a write, a read and a wake-up of the event loop, in the gateway and in Red
 call waits for nothing and costs what it did before); the runs started while one is in flight
 wait for it and then go together, as one pipeline of EVALSHA commands (one write, one read), and
 so on: under load every round trip carries what arrived during the last one. Each caller gets
-its own command's answer or error, exactly as if it had run alone.
+its own command's answer or error, exactly as if it had run alone. With ``hold_s`` set (the
+gateway sets it), a run that starts within ``hold_s`` of the last round trip's start (calls are
+arriving faster than that) is held up to ``hold_s`` for the runs right behind it: a burst of
+calls (a batch's callers all answered at once send their next calls together) goes in a few
+round trips instead of one or two runs each, while a call arriving on its own still goes at once.
 
 Failures keep each script's meaning: a command's own error (-BUSY, -READONLY; QUEUE_FULL is an
 answer, not an error) goes to its caller only; a script Redis does not know (restart, SCRIPT
@@ -50,8 +54,11 @@ class ScriptPipeliner:
     """Runs ``scripts`` (registered on ``client``) with ``run``; see the module doc. ``observe``,
     if set, is called with the number of runs each round trip carries (metrics)."""
 
-    def __init__(self, client, scripts: Scripts, observe: Callable[[int], None] | None = None) -> None:
+    def __init__(self, client, scripts: Scripts, observe: Callable[[int], None] | None = None,
+                 hold_s: float = 0.0) -> None:
         self.observe = observe
+        self.hold_s = hold_s
+        self._last_start = float("-inf")  # loop time the last round trip started
         self._client = client
         self._scripts = scripts
         self._waiting: list[_Run] = []
@@ -67,6 +74,13 @@ class ScriptPipeliner:
         if self._in_flight:
             return await self._follow(name, keys, args)
         self._in_flight = True
+        if self.hold_s:
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            if now - self._last_start < self.hold_s:
+                loop.call_at(self._last_start + self.hold_s, self._next)  # sends what is waiting then
+                return await self._follow(name, keys, args)
+            self._last_start = now
         self._count(1)
         try:
             if not self._direct:
@@ -128,6 +142,8 @@ class ScriptPipeliner:
             self._in_flight = False
             return
         self._count(len(runs))
+        if self.hold_s:
+            self._last_start = asyncio.get_running_loop().time()
         # Its own task: one caller cancelled must not cut the pipeline the others wait on.
         task = asyncio.get_running_loop().create_task(self._send(runs))
         for r in runs:

@@ -57,6 +57,7 @@ class ShardedQueue:
         self._shards: dict[int, Queue] = {}
         # Called with the number of enqueues each round trip to a shard carries (metrics).
         self.observe_enqueues: Callable[[int], None] | None = None
+        self._enqueue_hold_s = 0.0
         self.num_shards = config.queue_shards  # gateways enqueue to these
         self._claim_shards = config.queue_shards  # workers claim from these (see refresh)
         self._next_claim = self._rng.randrange(self.num_shards)
@@ -76,8 +77,20 @@ class ShardedQueue:
             queue = Queue(self.redis, shard_queue_name(self.name, index), self.config,
                           clock=self._clock, batch_prefix=f"{index}.{self._batch_token}")
             queue.pipeliner.observe = self._observe_enqueues
+            queue.pipeliner.hold_s = self._enqueue_hold_s
             self._shards[index] = queue
         return self._shards[index]
+
+    @property
+    def enqueue_hold_s(self) -> float:
+        """tokq.pipeliner's ``hold_s`` on every shard (the gateway sets it; 0: never hold)."""
+        return self._enqueue_hold_s
+
+    @enqueue_hold_s.setter
+    def enqueue_hold_s(self, seconds: float) -> None:
+        self._enqueue_hold_s = seconds
+        for queue in self._shards.values():
+            queue.pipeliner.hold_s = seconds
 
     def _observe_enqueues(self, num_requests: int) -> None:
         if self.observe_enqueues is not None:

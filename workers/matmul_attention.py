@@ -1,7 +1,7 @@
 """CPU attention in bf16/fp16 for the short runs of a sorted layout (``SeqRun``s of at most
 ``max_seqlen`` slots): plain batched matmuls + softmax, as transformers' eager attention does,
 not SDPA's CPU flash kernel, whose fixed costs dominate such short rows (``tokq bench runtime``
-"attention alone": 2.4 against 2.9 ms per layer per 1,024-token batch of short queries; one
+"attention alone": 2.2 against 2.8 ms per layer per 1,024-token batch of short queries; one
 12-head sequence, 1 thread: 0.6x SDPA's time at 128 tokens, 0.8x at 192, 1.3x at 256).
 
 Per layer, every such run at once: one ``index_select`` each for q, k and v puts the rows of
