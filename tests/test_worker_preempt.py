@@ -44,6 +44,7 @@ class GatedEngine:
         self.finish = threading.Event()
         self.heavy_entered = threading.Event()
         self.log: list[tuple[str, int]] = []
+        self.depth = 0  # forwards running: 2 while a light batch runs nested in a heavy one
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -54,7 +55,11 @@ class GatedEngine:
             self.heavy_entered.set()
             assert self.go.wait(60)
         self.log.append(("start", batch.num_tokens))
-        vectors = self._engine.embed(batch)
+        self.depth += 1
+        try:
+            vectors = self._engine.embed(batch)
+        finally:
+            self.depth -= 1
         self.log.append(("end", batch.num_tokens))
         if heavy:
             assert self.finish.wait(60)
@@ -212,3 +217,78 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
         await asyncio.wait_for(redo_run, 30)
         assert (await q2.stats()).counters["acked"] == 3  # the lost worker acknowledged nothing
         assert exits == []
+
+
+async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_forward(
+        redis_url, engine, monkeypatch):
+    """After a light batch ran nested, the worker registers again: the next light request, on
+    its own notice, runs nested in the same heavy forward. The heavy forward holds at its second
+    checkpoint until that request is offered (events, not timing)."""
+    from tokq.workers import preempt
+
+    gated = GatedEngine(engine)
+    rng = np.random.default_rng(9)
+    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    light_ids = {"light1": [np.array([101, 7592, 102])], "light2": [np.array([101, 2088, 2003, 102])]}
+    name = engine.info.queue_name
+    real_checkpoint = preempt.current_checkpoint
+    calls = 0
+
+    def held_checkpoint():
+        inner = real_checkpoint()
+        if inner is preempt.no_checkpoint:
+            return inner
+
+        def checkpoint():
+            nonlocal calls
+            if gated.depth == 1:  # the heavy forward's own checkpoints
+                calls += 1
+                if calls == 2:
+                    deadline = time.monotonic() + 60
+                    while worker.preemption.waiting is None:
+                        assert time.monotonic() < deadline, "light2 was never offered"
+                        time.sleep(0.005)
+            inner()
+        return checkpoint
+
+    monkeypatch.setattr(preempt, "current_checkpoint", held_checkpoint)
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="twice")
+        run = asyncio.create_task(worker.run())
+        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("twice")), 60, "the first heartbeat")
+
+        async def enqueue(request_id, seqs):
+            await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
+                                 timeout_ms=60_000, channel=client.keys.done_channel("test"))
+
+        async def registered():
+            return await q.redis.sismember(q.keys.preemptible, q.owner_id)
+
+        await enqueue("heavy", heavy_ids)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        await _wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
+        await enqueue("light1", light_ids["light1"])
+
+        async def offered():
+            return worker.preemption.waiting is not None
+        await _wait_for(offered, 30, "light1 to be offered to the forward")
+        gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
+        await _wait_for(lambda: q.redis.hexists(q.keys.reply("light1"), "0"), 60, "light1's answer")
+        await _wait_for(registered, 30, "the worker to register again after light1")
+        await enqueue("light2", light_ids["light2"])
+        await _wait_for(lambda: q.redis.hexists(q.keys.reply("light2"), "0"), 60, "light2's answer")
+        assert not await q.redis.hexists(q.keys.reply("heavy"), "0")
+        gated.finish.set()
+        await _wait_for(lambda: q.redis.hexists(q.keys.reply("heavy"), "0"), 60, "the heavy answer")
+        n1, n2, heavy_n = (sum(map(len, light_ids["light1"])), sum(map(len, light_ids["light2"])),
+                           sum(map(len, heavy_ids)))
+        assert gated.log == [("start", heavy_n), ("start", n1), ("end", n1), ("start", n2),
+                             ("end", n2), ("end", heavy_n)]
+        assert worker.num_preemptions == 2
+        for request_id, seqs in (*light_ids.items(), ("heavy", heavy_ids)):
+            results = await client.collect(request_id)
+            got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
+            np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+        assert await q.redis.scard(q.keys.preemptible) == 0

@@ -207,15 +207,23 @@ class Worker:
         """While a heavy forward runs: registered as pre-emptible, claim light work on each
         'light' notice and hand it to the forward thread, which runs it nested; acknowledge it."""
         loop = asyncio.get_running_loop()
+        noticed = False  # woken by a 'light' notice: claim at once, register again after
         try:
             while not forward.done() and self.healthy and not self._stop.is_set():
-                if not self._preemptible:  # registered before the claim: no notice falls between
+                if not self._preemptible and not noticed:
+                    # Registered before the claim: no notice falls between. After a notice
+                    # (which took this worker out of the set) the claim goes first, one round
+                    # trip sooner; registering and this claim follow it, so nothing is missed.
                     await self._mark_preemptible(True)
+                after_notice, noticed = noticed, False
                 self._light_notice.clear()
                 claim = await self._claim(self.preempt_budget, lanes="light")
                 if claim is None:
+                    if after_notice:  # its work went elsewhere: register, claim again, wait
+                        continue
                     notice = asyncio.create_task(self._light_notice.wait())
                     await asyncio.wait({forward, notice}, return_when=asyncio.FIRST_COMPLETED)
+                    noticed = notice.done()
                     notice.cancel()
                     continue
                 future = self.preemption.offer(claim, loop)
