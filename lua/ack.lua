@@ -8,6 +8,8 @@
 -- ARGV[3..] (request_id, index, result) triples; result is tokq.entry's ok or error bytes
 -- Idempotent: results are first-write-wins; a late ack (the lease was already requeued)
 -- still delivers its results but leaves inflight alone.
+-- Each gateway waiting on requests this ack completes gets one completion message for all of
+-- them on its shard channel (lib/reply.lua), not one per request.
 -- Returns {results stored, items released from the lease}
 --#include lib/common.lua
 --#include lib/entry.lua

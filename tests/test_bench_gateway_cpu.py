@@ -80,7 +80,8 @@ def test_a_closed_loop_run_keeps_its_calls_in_flight_and_counts_them_all(echo_se
 def test_py_spy_profile_of_a_run_shows_the_servers_handler(echo_server, tmp_path):
     target, proc = echo_server
     out = tmp_path / "echo.txt"
-    measure(target, {"echo server": proc.pid}, load={"rate": 200}, calls=400, warmup_calls=20, seed=4, workload=None,
+    # 1000 calls (~5 s): on a busy machine 400 sometimes left the tiny handler unsampled.
+    measure(target, {"echo server": proc.pid}, load={"rate": 200}, calls=1000, warmup_calls=20, seed=4, workload=None,
             while_running=lambda: PySpy(proc.pid, out))
     frames = top_frames(out.read_text(), n=100)
     assert frames["busy_samples"] > 0
