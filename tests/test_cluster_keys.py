@@ -27,14 +27,16 @@ async def test_every_script_call_stays_in_its_first_key_slot(redis_url):
     clock = ManualClock()
     q = ShardedQueue(client, "model-x", QueueConfig(queue_shards=3, lease_ms=1_000), clock=clock)
     for s in range(3):
-        scripts = q.shard(s).scripts
-        run = scripts.run
+        # Every script run goes through one of these (enqueues through the pipeliner, which on a
+        # standalone server sends its round trips itself).
+        for runner in (q.shard(s).scripts, q.shard(s).pipeliner):
+            run = runner.run
 
-        async def recording(name, keys, args, _run=run):
-            calls.append((name, list(keys), list(args)))
-            return await _run(name, keys, args)
+            async def recording(name, keys, args, _run=run):
+                calls.append((name, list(keys), list(args)))
+                return await _run(name, keys, args)
 
-        scripts.run = recording
+            runner.run = recording
     try:
         for r in range(6):
             await q.enqueue(f"r{r}", items(3, 4), timeout_ms=60_000, gateway_id="gw")

@@ -172,6 +172,24 @@ async def test_the_gateway_s_enqueue_hold_reaches_every_shard_made_before_or_aft
         await client.aclose()
 
 
+@pytest.mark.redis_kinds("standalone")
+async def test_an_idle_pipeliner_holds_no_connection_of_the_pool(redis_url):
+    # One connection in all: every shard's pipeliner and every other command share it, which
+    # only works if a pipeliner gives its connection back once it has nothing left to send.
+    client = connect(redis_url, max_connections=1, pool_timeout_s=2.0)
+    try:
+        queue = ShardedQueue(client, "m", QueueConfig(queue_shards=3))
+        for round_ in range(2):
+            for i in range(3):
+                shard = queue.shard(i)
+                results = await asyncio.gather(*(shard.enqueue(f"r{round_}-{i}-{j}", items(1), timeout_ms=60_000,
+                                                               channel=CHANNEL) for j in range(3)))
+                assert [r.request_id for r in results] == [f"r{round_}-{i}-{j}" for j in range(3)]
+                assert (await shard.stats()).queued_entries == 3 * (round_ + 1)  # not through the pipeliner
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.redis_kinds("standalone")  # the fault proxy stands before one server
 async def test_an_answer_lost_for_a_pipeline_is_retried_and_each_call_gets_its_one_run(redis_url):
     proxy = FaultProxy(redis_url).start()

@@ -19,9 +19,10 @@ redis-py as for one command (tokq.connection) and then fails every caller of the
 of whose scripts is safe to run twice (tokq.queue). One pipeliner serves one queue shard, which
 is one hash slot, so one node: a shard whose node fails over holds up no other shard's calls.
 
-On a standalone Redis every round trip goes over one connection the pipeliner holds (taken from
-the client's pool for good, so closing the client closes it): one round trip is in flight at a
-time, so it needs no pool checkout, and redis-py's per-command machinery (a pool checkout, a
+On a standalone Redis the round trips go over one connection the pipeliner takes from the
+client's pool when a run starts and gives back when nothing is left to send (so it holds one
+connection at most, and only while busy, as before): one round trip is in flight at a time,
+so while busy it needs no pool checkout per round trip, and redis-py's per-command machinery (a
 Task for each timed send, a timeout per reply read) is paid once per round trip as one
 ``asyncio.timeout`` (the client's socket timeout) around the whole exchange. On Redis Cluster
 the runs go through the cluster client's pipeline, which follows MOVED and failovers.
@@ -88,19 +89,33 @@ class ScriptPipeliner:
             run = _Run(name, keys, args, None)
             [reply] = await self._round_trip([run])
             if isinstance(reply, redis.exceptions.NoScriptError):
+                await self._give_back()  # the pool may have no other connection for it
                 return await self._scripts.run(name, keys, args)  # loads it
             if isinstance(reply, Exception):
                 raise reply
             return reply
         finally:
-            self._next()
+            await self._next_or_release()
+
+    async def _next_or_release(self) -> None:
+        self._next()
+        if not self._in_flight:  # idle
+            await self._give_back()
+
+    async def _give_back(self) -> None:
+        """Return the held connection (if any) to the pool, its own timeout restored."""
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.socket_timeout = self._timeout_s
+            await self._client.connection_pool.release(conn)
 
     async def _round_trip(self, runs: list[_Run]) -> list[Any]:
         """Send the runs as one write on the held connection, read their replies (a command's
         error as its reply); a lost connection is retried as the client retries a command."""
         if self._conn is None:
             self._conn = await self._client.connection_pool.get_connection()
-            # Reads and writes are bounded by the timeout around the round trip instead.
+            # Reads and writes are bounded by the timeout around the round trip instead (and
+            # the connection's own is put back before the pool gets it back).
             self._timeout_s = self._conn.socket_timeout
             self._conn.socket_timeout = None
         conn = self._conn
@@ -167,7 +182,7 @@ class ScriptPipeliner:
         try:
             await self._pipeline(runs)
         finally:
-            self._next()
+            await self._next_or_release()
 
     async def _pipeline(self, runs: list[_Run]) -> None:
         try:
@@ -197,6 +212,8 @@ class ScriptPipeliner:
                 _settle(r, reply)
         # Redis lost its scripts (restart, SCRIPT FLUSH): each runs again alone, loading it.
         if unknown:
+            if self._direct:
+                await self._give_back()
             await asyncio.gather(*(self._run_alone(r) for r in unknown))
 
     async def _run_alone(self, r: _Run) -> None:
