@@ -253,7 +253,8 @@ def render(report: dict, command: str) -> str:
              f"then sleeps {report['pace_s'] * 1000:.0f} ms; six abuser threads (one process) send "
              f"back to back. {report['rounds']} rounds x {report['phase_s']:.0f} s per phase; each "
              "scenario's idle figures are the idle phases just before its abused phases (each "
-             "starts once the queue is empty and the gateway is quiet); the last ratio is against "
+             "starts once the queue is empty, the worker has registered as idle and the gateway is quiet); "
+             "the last ratio is against "
              f"the p99 of all idle phases pooled ({report['idle_p99_ms_all']:.1f} ms). Caps "
              f"(defaults from max_length 256): {lim['max_input_bytes']:,} bytes per input, "
              f"{lim['max_request_bytes']:,} per request.", "",
