@@ -219,11 +219,15 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
         assert exits == []
 
 
+@pytest.mark.parametrize("race", [False, True], ids=["notice_after_registering", "notice_while_registering"])
 async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_forward(
-        redis_url, engine, monkeypatch):
+        redis_url, engine, monkeypatch, race):
     """After a light batch ran nested, the worker registers again: the next light request, on
     its own notice, runs nested in the same heavy forward. The heavy forward holds at its second
-    checkpoint until that request is offered (events, not timing)."""
+    checkpoint until that request is offered (events, not timing). ``race``: the first light
+    request lands, and its notice is read, while the worker's registration is in flight: that
+    notice took it out of the set, so it must not believe itself registered (it would then get
+    no notice for the second request, which would wait for the whole heavy forward)."""
     from tokq.workers import preempt
 
     gated = GatedEngine(engine)
@@ -244,7 +248,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
             if gated.depth == 1:  # the heavy forward's own checkpoints
                 calls += 1
                 if calls == 2:
-                    deadline = time.monotonic() + 60
+                    deadline = time.monotonic() + 20
                     while worker.preemption.waiting is None:
                         assert time.monotonic() < deadline, "light2 was never offered"
                         time.sleep(0.005)
@@ -264,10 +268,24 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
         async def registered():
             return await q.redis.sismember(q.keys.preemptible, q.owner_id)
 
+        if race:
+            real_mark = worker.queue.mark_preemptible
+
+            async def mark_then_notice(preemptible: bool) -> None:
+                await real_mark(preemptible)
+                if preemptible and not await q.redis.exists(q.keys.reply("light1")):
+                    await enqueue("light1", light_ids["light1"])  # pops this worker: 'light'
+
+                    async def notice_read():
+                        return worker._notices_read["light"] == 1
+                    await _wait_for(notice_read, 30, "the worker to read light1's notice")
+            monkeypatch.setattr(worker.queue, "mark_preemptible", mark_then_notice)
+
         await enqueue("heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-        await _wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
-        await enqueue("light1", light_ids["light1"])
+        if not race:
+            await _wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
+            await enqueue("light1", light_ids["light1"])
 
         async def offered():
             return worker.preemption.waiting is not None

@@ -117,6 +117,7 @@ class Worker:
         self._preemptible = False  # registered as running a heavy forward: 'light' may pick it
         self._work_notice = asyncio.Event()  # a notice came (read by _read_notices only)
         self._light_notice = asyncio.Event()  # a 'light' notice came
+        self._notices_read = {"work": 0, "light": 0}  # by _read_notices: registrations check them
         self.preemption = Preemption(lambda claim: self.run_batch(claim))
         self.num_preemptions = 0
 
@@ -285,8 +286,10 @@ class Worker:
             # again before its next wait.
             if notice[1] == b"work":
                 self._idle = False
+                self._notices_read["work"] += 1
             elif notice[1] == b"light":
                 self._preemptible = False
+                self._notices_read["light"] += 1
                 self._light_notice.set()
             self._work_notice.set()
 
@@ -301,16 +304,22 @@ class Worker:
         self._work_notice.clear()
 
     async def _mark_idle(self, idle: bool) -> None:
+        read = self._notices_read["work"]
         try:
             await self.queue.mark_idle(idle)
-            self._idle = idle
+            # A notice read meanwhile took this worker out of the set: not registered.
+            self._idle = idle and self._notices_read["work"] == read
         except _REDIS_ERRORS as exc:  # notices then go to the work channel, or the poll claims
             log.warning("idle registration failed: %s", exc)
 
     async def _mark_preemptible(self, preemptible: bool) -> None:
+        read = self._notices_read["light"]
         try:
             await self.queue.mark_preemptible(preemptible)
-            self._preemptible = preemptible
+            # A notice read while registering took this worker out of the set again: believing
+            # it registered, it would get no notice for the rest of the forward (enqueue.lua
+            # tells only registered workers), and a light call would wait for all of it.
+            self._preemptible = preemptible and self._notices_read["light"] == read
         except _REDIS_ERRORS as exc:  # light work then waits for the next claim
             log.warning("pre-emptible registration failed: %s", exc)
 

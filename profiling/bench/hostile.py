@@ -112,16 +112,22 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _probe(stub, duration_s: float, pace_s: float, errors: dict | None = None) -> list[float]:
+def _probe(stub, duration_s: float, pace_s: float, errors: dict | None = None,
+           timings: list | None = None) -> list[float]:
     """Latencies (ms) of one-input calls; a failed call counts in ``errors`` and, as the worst
-    case, as infinitely slow (a probe must never fail)."""
+    case, as infinitely slow (a probe must never fail). ``timings`` gets each answered call's
+    (latency, then the gateway's tokenize, queue, inference and total ms): where a slow call's
+    time went."""
     latencies = []
     end = time.monotonic() + duration_s
     while time.monotonic() < end:
         start = time.perf_counter()
         try:
-            stub.Embed(pb.EmbedRequest(inputs=[PROBE_TEXT]), timeout=30)
+            reply = stub.Embed(pb.EmbedRequest(inputs=[PROBE_TEXT]), timeout=30)
             latencies.append((time.perf_counter() - start) * 1000)
+            if timings is not None:
+                t = reply.timing
+                timings.append((latencies[-1], t.tokenize_ms, t.queue_ms, t.inference_ms, t.total_ms))
         except grpc.RpcError as exc:
             latencies.append(float("inf"))
             if errors is not None:
@@ -156,13 +162,14 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
         channel = grpc.insecure_channel(target, OPTIONS)
         stub = pb_grpc.EmbedderStub(channel)
         _probe(stub, 3.0, pace_s)  # warm-up
-        results = {name: {"abused": [], "idle": [], "cpu_s": {}, "codes": {}, "probe_errors": {}}
+        results = {name: {"abused": [], "idle": [], "cpu_s": {}, "codes": {}, "probe_errors": {},
+                          "idle_timings": [], "abused_timings": []}
                    for name in scenarios(limits)}
         ctx = multiprocessing.get_context("spawn")
         for rnd in range(rounds):
             for name, spec in scenarios(limits).items():
                 res = results[name]
-                res["idle"] += _probe(stub, phase_s, pace_s, res["probe_errors"])
+                res["idle"] += _probe(stub, phase_s, pace_s, res["probe_errors"], res["idle_timings"])
                 ready, stop, counts = ctx.Event(), ctx.Event(), ctx.Array("l", len(_CODES) + 1)
                 abuser = ctx.Process(target=_abuse, args=(target, spec, ready, stop, counts), daemon=True)
                 abuser.start()
@@ -172,7 +179,7 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
                 pids = {**procs, "abusers": abuser.pid, "probe": os.getpid()}
                 cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
                 t0 = time.monotonic()
-                res["abused"] += _probe(stub, phase_s, pace_s, res["probe_errors"])
+                res["abused"] += _probe(stub, phase_s, pace_s, res["probe_errors"], res["abused_timings"])
                 wall = time.monotonic() - t0
                 for k, p in pids.items():
                     res["cpu_s"].setdefault(k, []).append((_cpu_s(p) - cpu0[k]) / wall)
@@ -199,6 +206,10 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
             "idle_p50_ms": statistics.median(idle), "idle_p99_ms": _pct(idle, 0.99),
             "abused_p50_ms": statistics.median(abused), "abused_p99_ms": _pct(abused, 0.99),
             "p99_ratio": _pct(abused, 0.99) / _pct(idle, 0.99),
+            # the tails behind each p99 (a p99 of ~500 calls is their 5th-6th slowest): latency,
+            # then the gateway's tokenize / queue (enqueue to claim) / inference / total ms
+            "idle_slowest_ms": sorted(res["idle_timings"])[-10:],
+            "abused_slowest_ms": sorted(res["abused_timings"])[-10:],
             "cpu_cores": {k: statistics.median(v) for k, v in res["cpu_s"].items()},
             "abuser_replies": {k: v for k, v in res["codes"].items() if v},
             "probe_errors": res["probe_errors"],
@@ -242,7 +253,8 @@ def render(report: dict, command: str) -> str:
              f"then sleeps {report['pace_s'] * 1000:.0f} ms; six abuser threads (one process) send "
              f"back to back. {report['rounds']} rounds x {report['phase_s']:.0f} s per phase; each "
              "scenario's idle figures are the idle phases just before its abused phases (each "
-             "starts once the queue is empty and the gateway is quiet); the last ratio is against "
+             "starts once the queue is empty, the worker has registered as idle and the gateway is quiet); "
+             "the last ratio is against "
              f"the p99 of all idle phases pooled ({report['idle_p99_ms_all']:.1f} ms). Caps "
              f"(defaults from max_length 256): {lim['max_input_bytes']:,} bytes per input, "
              f"{lim['max_request_bytes']:,} per request.", "",
