@@ -10,7 +10,8 @@ import random
 import pytest
 
 from tokq.gateway.errors import InvalidArgument
-from tokq.gateway.tokenize import INLINE_BYTES, Tokenizer, encode_truncated, surely_too_long
+from tokq.gateway.tokenize import (INLINE_BYTES, Tokenizer, encode_truncated, first_surely_too_long,
+                                   surely_too_long)
 from tokq.model_info import ModelInfo
 
 
@@ -128,6 +129,34 @@ def test_a_long_input_is_refused_from_its_prefix_only_when_surely_too_long(famil
             if surely_too_long(backend, text, max_length):
                 assert len(hf(text)["input_ids"]) > max_length, (family, name, max_length)
     assert surely_too_long(backend, texts["prose"], 256)  # the shortcut does apply
+
+
+class _CountingBackend:
+    """A tokenizer backend that counts the characters it is given to tokenize."""
+
+    def __init__(self, backend):
+        self.backend, self.chars = backend, 0
+
+    def num_special_tokens_to_add(self, is_pair):
+        return self.backend.num_special_tokens_to_add(is_pair)
+
+    def encode_batch(self, texts, **kwargs):
+        self.chars += sum(map(len, texts))
+        return self.backend.encode_batch(texts, **kwargs)
+
+
+def test_a_request_of_long_inputs_is_refused_for_one_prefix(tokenizer, words):
+    # 32 inputs at the byte cap, sent without truncate=true: the first settles it, so one prefix
+    # is tokenized, not 32 (each would cost as much again on the gateway).
+    rng = random.Random(5)
+    long = " ".join(rng.choice(words) for _ in range(20_000))[:65_536]
+    backend = copy.deepcopy(tokenizer._backend)
+    counting = _CountingBackend(backend)
+    assert first_surely_too_long(counting, ["hello", *[long] * 32], 256) == 1
+    assert 0 < counting.chars < 2 * 8 * 256  # one prefix of ~8 characters a token
+    counting.chars = 0
+    assert first_surely_too_long(counting, ["hello", "short query", long[:300]], 256) is None
+    assert counting.chars == 0  # short inputs are never tokenized here
 
 
 def test_over_long_input_without_truncate_names_the_limit_from_a_prefix(tokenizer):
