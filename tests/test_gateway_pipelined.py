@@ -18,6 +18,7 @@ from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 MAX_QUEUED_TOKENS = 1000
+HOLD_US = 100_000  # far above the default (2,000), so the flag's effect is unmistakable
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def stack():
     s = ServiceStack(env={"TOKQ_MAX_QUEUED_TOKENS": str(MAX_QUEUED_TOKENS)})
     s.metrics_port = free_port_pair()
     try:
-        s.start_gateway("--metrics-port", str(s.metrics_port))
+        s.start_gateway("--metrics-port", str(s.metrics_port), "--enqueue-hold-us", str(HOLD_US))
         s.start_worker("w1")
         s.wait_ready()
         yield s
@@ -72,6 +73,26 @@ def test_concurrent_calls_share_round_trips_and_each_gets_its_own_vector(stack):
         want = vector(asyncio.run(concurrently(stack, [request(ids)]))[0])
         assert float(vector(got) @ want) >= 0.9999
     assert len({vector(r).tobytes() for r in together}) == 200  # distinct inputs, distinct answers
+
+
+def test_the_enqueue_hold_flag_reaches_the_gateway_s_queue(stack):
+    """Calls 5 ms apart: with the default hold (2 ms) each would go in its own round trip; with
+    the flag's 100 ms, those right behind one wait for each other and share a few."""
+    async def spaced() -> list:
+        async with grpc.aio.insecure_channel(stack.target) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            await channel.channel_ready()
+            calls = []
+            for i in range(20):
+                calls.append(asyncio.ensure_future(stub.Embed(request([5000 + i]), timeout=60)))
+                await asyncio.sleep(0.005)
+            return await asyncio.gather(*calls)
+
+    before = enqueue_batches(stack)
+    answers = asyncio.run(spaced())
+    trips, sent = (a - b for a, b in zip(enqueue_batches(stack), before))
+    assert sent == 20 and len(answers) == 20
+    assert trips <= 10, f"{trips:.0f} round trips for 20 calls 5 ms apart: the hold was not applied"
 
 
 def test_a_refused_enqueue_fails_only_its_own_call(stack):
