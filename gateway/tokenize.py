@@ -93,8 +93,11 @@ def first_surely_too_long(backend: RustTokenizer, texts: list[str], max_length: 
     keep = max_length - backend.num_special_tokens_to_add(False)
     cut = max(64, keep * PREFIX_CHARS_PER_TOKEN)
     for i, text in enumerate(texts):
+        if len(text) <= cut:
+            continue
         # encode_batch, not encode: it releases the GIL
-        if len(text) > cut and _prefix_is_settled(backend.encode_batch([text[:cut]], add_special_tokens=False)[0], keep):
+        [enc] = backend.encode_batch([text[:cut]], add_special_tokens=False)
+        if _prefix_is_settled(enc, keep):
             return i
     return None
 
