@@ -3,10 +3,13 @@
 Under load a gateway starts many enqueues at nearly the same time, one per call. Each on its own
 costs a write, a read and a wake-up of the event loop, in the gateway and in Redis, and redis-py's
 ~100 us of Python around each command. Here a run goes at once when none is in flight (so a lone
-call waits for nothing and costs what it did before); the runs started while one is in flight
+call waits for nothing); the runs started while one is in flight
 wait for it and then go together, as one pipeline of EVALSHA commands (one write, one read), and
 so on: under load every round trip carries what arrived during the last one. Each caller gets
-its own command's answer or error, exactly as if it had run alone. With ``hold_s`` set (the
+its own command's answer or error, exactly as if it had run alone. Every round trip, a lone run's
+too, is a task of its own: a caller cancelled while its command is out returns once that command
+has answered, so its clean-up (the gateway's cancel script, on another connection) cannot
+overtake it and leave a reply behind. With ``hold_s`` set (the
 gateway sets it), a run that starts within ``hold_s`` of the last round trip's start (calls are
 arriving faster than that) is held up to ``hold_s`` for the runs right behind it: a burst of
 calls (a batch's callers all answered at once send their next calls together) goes in a few
@@ -72,30 +75,25 @@ class ScriptPipeliner:
         self.pipelines = 0
 
     async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        if self._in_flight:
-            return await self._follow(name, keys, args)
-        self._in_flight = True
-        if self.hold_s:
-            loop = asyncio.get_running_loop()
-            now = loop.time()
-            if now - self._last_start < self.hold_s:
+        loop = asyncio.get_running_loop()
+        item = _Run(name, keys, args, loop.create_future())
+        self._waiting.append(item)
+        if not self._in_flight:
+            self._in_flight = True
+            if self.hold_s and loop.time() - self._last_start < self.hold_s:
                 loop.call_at(self._last_start + self.hold_s, self._next)  # sends what is waiting then
-                return await self._follow(name, keys, args)
-            self._last_start = now
-        self._count(1)
+            else:
+                self._next()  # alone, at once
         try:
-            if not self._direct:
-                return await self._scripts.run(name, keys, args)  # alone: as without a pipeliner
-            run = _Run(name, keys, args, None)
-            [reply] = await self._round_trip([run])
-            if isinstance(reply, redis.exceptions.NoScriptError):
-                await self._give_back()  # the pool may have no other connection for it
-                return await self._scripts.run(name, keys, args)  # loads it
-            if isinstance(reply, Exception):
-                raise reply
-            return reply
-        finally:
-            await self._next_or_release()
+            return await item.future
+        except asyncio.CancelledError:
+            if item.sent is not None:
+                # It may run in Redis yet: the caller's clean-up (a cancel script) must not
+                # overtake it on another connection, so give back control once it answered.
+                await asyncio.wait([item.sent])
+            else:  # never sent: it will not be
+                self._waiting.remove(item)
+            raise
 
     async def _next_or_release(self) -> None:
         self._next()
@@ -164,20 +162,6 @@ class ScriptPipeliner:
         for r in runs:
             r.sent = task
 
-    async def _follow(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        item = _Run(name, keys, args, asyncio.get_running_loop().create_future())
-        self._waiting.append(item)
-        try:
-            return await item.future
-        except asyncio.CancelledError:
-            if item.sent is not None:
-                # It may run in Redis yet: the caller's clean-up (a cancel script) must not
-                # overtake it on another connection, so give back control once it answered.
-                await asyncio.wait([item.sent])
-            else:  # never sent: it will not be
-                self._waiting.remove(item)
-            raise
-
     async def _send(self, runs: list[_Run]) -> None:
         try:
             await self._pipeline(runs)
@@ -185,6 +169,8 @@ class ScriptPipeliner:
             await self._next_or_release()
 
     async def _pipeline(self, runs: list[_Run]) -> None:
+        if len(runs) == 1 and not self._direct:  # the cluster client's own path: no pipeline
+            return await self._run_alone(runs[0])
         try:
             if self._direct:
                 replies = await self._round_trip(runs)
@@ -214,13 +200,21 @@ class ScriptPipeliner:
         if unknown:
             if self._direct:
                 await self._give_back()
-            await asyncio.gather(*(self._run_alone(r) for r in unknown))
+            if len(unknown) == 1:  # in this task: settled before the round trip counts as over
+                await self._run_alone(unknown[0])
+            else:
+                await asyncio.gather(*(self._run_alone(r) for r in unknown))
 
     async def _run_alone(self, r: _Run) -> None:
+        """Through ``Scripts`` (which loads a script Redis does not know) and the client's own
+        retries."""
         try:
             _settle(r, await self._scripts.run(r.name, r.keys, r.args))
         except Exception as exc:
             _settle(r, exc=exc)
+        except BaseException:  # cancelled (the loop is shutting down): nobody waits in vain
+            r.future.cancel()
+            raise
 
 
 def _settle(r: _Run, result: Any = None, exc: Exception | None = None) -> None:
