@@ -51,7 +51,7 @@ class Timer:
 class EmbedInput:
     """One embedding request, whatever it came over. Exactly one of ``texts``/``token_ids``."""
 
-    texts: list[str] = field(default_factory=list)
+    texts: list[str] | list[bytes] = field(default_factory=list)  # bytes: UTF-8 (gateway/wire.py)
     token_ids: list[list[int]] = field(default_factory=list)
     model: str = ""
     truncate: bool = False
@@ -101,7 +101,7 @@ class ServedModel:
             raise InvalidArgument(f"{num_inputs} inputs in one request; the limit is "
                                   f"{self.config.max_inputs}: split the request", param="input")
 
-    def _check_texts(self, inputs) -> list[str]:
+    def _check_texts(self, inputs) -> list[str] | list[bytes]:
         texts = list(inputs)
         self._check_count(len(texts))
         for i, text in enumerate(texts):
@@ -164,7 +164,7 @@ class ServedModel:
             self._timeout_ms(context)
         else:
             texts = self._check_texts(request.texts)
-            sizes = check_text_sizes(texts, self.limits)
+            sizes = check_text_sizes(texts, self.limits)  # bytes (gRPC) are decoded by the tokenizer
             prompt = self._prompt(request.prompt_name)
             self._timeout_ms(context)  # a call already past its deadline is not tokenized
             ids = await self.tokenizer.encode(

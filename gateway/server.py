@@ -26,12 +26,13 @@ from tokq.gateway.readiness import Readiness
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
+from tokq.gateway.wire import add_embedder_service
 from tokq import config as cfg
 from tokq import metrics
 from tokq.connection import connect, connect_pubsub
 from tokq.model_info import ModelInfo
 from tokq.shards import ShardedQueue
-from tokq.v1 import embedder_pb2, embedder_pb2_grpc
+from tokq.v1 import embedder_pb2
 
 log = logging.getLogger("tokq.gateway")
 SERVICE_NAME = embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name
@@ -118,7 +119,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
     ])
-    embedder_pb2_grpc.add_EmbedderServicer_to_server(service, server)
+    add_embedder_service(service, server)  # Embed's inputs read as UTF-8 bytes
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:

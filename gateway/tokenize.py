@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import copy
 import os
 import threading
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from transformers import AutoTokenizer
 
 from tokq.gateway.errors import InvalidArgument
+from tokq.gateway.validate import decode_texts, not_utf8
 from tokq.model_info import ModelInfo
 
 # Our pools are the parallelism; the Rust tokenizer's own (rayon) would let one large batch
@@ -34,6 +36,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # query (tens of microseconds) costs less than the hop to a pool thread and back (a submit, two
 # wake-ups; ~5% of the gateway's CPU per call by py-spy), and holds the loop no longer.
 INLINE_BYTES = 256
+
+# How much lower the large lane's threads run (``_yield_cpu``): nice 10 has ~1/10 the CPU weight
+# of nice 0 when cores are contended, and everything when they are not.
+LARGE_NICE = 10
 
 # First prefix tried for truncate=true, in characters per token kept: ordinary text runs 3-5
 # characters a token, so one tokenization of a prefix this long nearly always suffices.
@@ -77,29 +83,66 @@ def encode_truncated_batch(backend: RustTokenizer, texts: list[str], max_length:
 
 
 def surely_too_long(backend: RustTokenizer, text: str, max_length: int) -> bool:
-    """True when ``text`` has more than ``max_length`` tokens for certain, read from a prefix: the
-    prefix's first tokens are settled (as in ``encode_truncated``) and more follow. A long text
+    """True when ``text`` has more than ``max_length`` tokens for certain, read from a prefix (or
+    from ever longer ones, short of the whole text): the prefix's first tokens are settled (as in ``encode_truncated``) and more follow. A long text
     sent without truncate=true is then refused for the price of a max-length one. False means
     "not known from the prefix": the full tokenization decides."""
     return first_surely_too_long(backend, [text], max_length) == 0
 
 
-def first_surely_too_long(backend: RustTokenizer, texts: list[str], max_length: int) -> int | None:
-    """The index of the first text ``surely_too_long`` says is, else None.
+def first_surely_too_long(backend: RustTokenizer, texts: list[str] | list[bytes],
+                          max_length: int) -> int | None:
+    """The index of the first text ``surely_too_long`` says is, else None. Texts may be UTF-8
+    bytes (gRPC's inputs): only the prefixes read are decoded, so a request refused here never
+    decodes the rest of its megabytes.
 
-    One prefix at a time, stopping at the first that settles it: a request of 32 inputs at the
-    byte cap is refused for one prefix's tokenizing, not 32 (bench hostile's gateway-bound row
-    spent 85% of the gateway's CPU here)."""
+    One text at a time, its prefix doubling until it settles the question or is the whole text
+    (then the full tokenization decides), stopping at the first text found too long: a request of
+    32 inputs at the byte cap is refused for one input's prefixes, not 32 (bench hostile's
+    gateway-bound row spent 85% of the gateway's CPU here). Text of long words (~9 characters a
+    token) takes a second, doubled prefix rather than moving on to the next input's first."""
     keep = max_length - backend.num_special_tokens_to_add(False)
     cut = max(64, keep * PREFIX_CHARS_PER_TOKEN)
     for i, text in enumerate(texts):
-        if len(text) <= cut:
-            continue
-        # encode_batch, not encode: it releases the GIL
-        [enc] = backend.encode_batch([text[:cut]], add_special_tokens=False)
-        if _prefix_is_settled(enc, keep):
-            return i
+        try:
+            head = _head(text, cut)
+            while head is not None:
+                # encode_batch, not encode: it releases the GIL
+                [enc] = backend.encode_batch([head], add_special_tokens=False)
+                if _prefix_is_settled(enc, keep):
+                    return i
+                head = _head(text, 2 * len(head))
+        except UnicodeDecodeError as exc:
+            raise not_utf8(i, exc) from None
     return None
+
+
+def _head(text: str | bytes, chars: int) -> str | None:
+    """``text``'s first ``chars`` characters when it has more, else None. UTF-8 bytes are decoded
+    only as far as that takes (at most 4 bytes a character)."""
+    if isinstance(text, str):
+        return text[:chars] if len(text) > chars else None
+    if len(text) <= chars:  # no more bytes than that, so no more characters
+        return None
+    span = 4 * (chars + 1)  # holds chars + 1 whole characters, if the text has them
+    head = codecs.getincrementaldecoder("utf-8")().decode(text[:span], final=len(text) <= span)
+    return head[:chars] if len(head) > chars else None
+
+
+def _yield_cpu() -> None:
+    """Lowers the calling thread's CPU priority (Linux: nice is per thread) by ``LARGE_NICE``.
+
+    For the large lane's threads: when the cores are contended (a worker's forward, the event
+    loop answering small calls), the scheduler serves them first, so large requests use what is
+    spare rather than an equal share. Their callers wait longer; nothing waits behind them. A
+    caller sending large requests back to back is slowed down with them (bench hostile's
+    gateway-bound row: the refusals, and so the 2 MiB messages received, come no faster than
+    spare CPU allows)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + LARGE_NICE)
+    except (AttributeError, OSError):  # not Linux: the lanes still keep large requests apart
+        pass
 
 
 def _prefix_is_settled(enc: Encoding, keep: int) -> bool:
@@ -123,7 +166,8 @@ class Tokenizer:
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
         light = threads or os.cpu_count() or 2
         self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize")
-        self._heavy = ThreadPoolExecutor(max(1, light // 2), thread_name_prefix="tokenize-large")
+        self._heavy = ThreadPoolExecutor(max(1, light // 2), thread_name_prefix="tokenize-large",
+                                         initializer=_yield_cpu)
         # Large: more than ~16 max-length inputs of ordinary text (4 bytes a token) to read, i.e.
         # a few milliseconds of one core. A search query (a few short inputs) is never large.
         self.heavy_bytes = heavy_bytes or 64 * info.max_length
@@ -135,11 +179,18 @@ class Tokenizer:
             tok = self._local.tok = copy.deepcopy(self._backend)
         return tok
 
-    def encode_sync(self, texts: list[str], *, prompt: str = "", truncate: bool = False) -> list[list[int]]:
+    def encode_sync(self, texts: list[str] | list[bytes], *, prompt: str = "",
+                    truncate: bool = False) -> list[list[int]]:
+        """Ids per text; texts may be UTF-8 bytes (``validate.decode_texts``), decoded here."""
         max_len = self.info.max_length
+        backend = self._backend_copy()
+        if not truncate and not prompt:
+            # before decoding: a request refused here decodes only the prefixes it read
+            if (i := first_surely_too_long(backend, texts, max_len)) is not None:
+                raise self._too_long(i, f"more than {max_len}")
+        texts = decode_texts(texts)
         if prompt:
             texts = [prompt + t for t in texts]
-        backend = self._backend_copy()
         if truncate and self._cut_prefix:
             return encode_truncated_batch(backend, texts, max_len)
         if truncate:  # left-side truncation keeps a suffix: the exact path on the whole text
@@ -149,7 +200,7 @@ class Tokenizer:
                 enc.truncate(keep, direction="left")
                 out.append(backend.post_process(enc).ids)
             return out
-        if (i := first_surely_too_long(backend, texts, max_len)) is not None:
+        if prompt and (i := first_surely_too_long(backend, texts, max_len)) is not None:
             raise self._too_long(i, f"more than {max_len}")
         encs = backend.encode_batch(texts, add_special_tokens=True)
         ids = [enc.ids for enc in encs]
@@ -170,7 +221,7 @@ class Tokenizer:
         """``cost_bytes``: the bytes this call will tokenize (after any cut); it picks the lane:
         the event loop itself for tiny requests (``INLINE_BYTES``), else one of the pools."""
         if cost_bytes is None:
-            cost_bytes = sum(len(t) for t in texts)
+            cost_bytes = sum(len(t) for t in texts)  # characters or bytes: about the same
         if cost_bytes <= INLINE_BYTES:
             return self.encode_sync(texts, prompt=prompt, truncate=truncate)
         pool = self._heavy if cost_bytes > self.heavy_bytes else self._light

@@ -49,14 +49,17 @@ class Limits:
         return cls(per_input, per_request, message)
 
 
-def utf8_len(text: str) -> int:
-    # isascii() is O(1) on CPython's compact strings: the common case costs no encoding.
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+def utf8_len(text: str | bytes) -> int:
+    # bytes are UTF-8 already (gRPC's inputs: gateway/wire.py). isascii() is O(1) on CPython's
+    # compact strings: the common str case costs no encoding.
+    if isinstance(text, bytes) or text.isascii():
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
-def check_text_sizes(texts: Sequence[str], limits: Limits) -> list[int]:
+def check_text_sizes(texts: Sequence[str | bytes], limits: Limits) -> list[int]:
     """Each input's UTF-8 size, after checking both caps; an 8 MB string is measured, never
-    tokenized."""
+    tokenized. Inputs are str, or bytes holding UTF-8 not yet decoded (``decode_texts``)."""
     sizes = []
     total = 0
     for i, text in enumerate(texts):
@@ -75,6 +78,26 @@ def check_text_sizes(texts: Sequence[str], limits: Limits) -> list[int]:
             "bytes per request (max_request_bytes: --max-request-bytes / TOKQ_MAX_REQUEST_BYTES): "
             "split the request", param="input")
     return sizes
+
+
+def decode_texts(texts: Sequence[str | bytes]) -> list[str]:
+    """Inputs as str: UTF-8 bytes decoded (after the caps: ``check_text_sizes``; the tokenizer
+    decodes, once a long input without truncate=true has had its chance to be refused from a
+    prefix), bad UTF-8 refused naming the input and the byte."""
+    out = []
+    for i, text in enumerate(texts):
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise not_utf8(i, exc) from None
+        out.append(text)
+    return out
+
+
+def not_utf8(index: int, exc: UnicodeDecodeError) -> InvalidArgument:
+    return InvalidArgument(f"input {index} is not valid UTF-8 (byte {exc.start:,}): text inputs "
+                           "must be UTF-8", param="input")
 
 
 def check_token_ids(seqs: Sequence[Sequence[int]], info: ModelInfo) -> None:

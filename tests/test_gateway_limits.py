@@ -18,6 +18,7 @@ import redis
 from gateway_support import running_gateway
 from tokq import config as cfg
 from tokq.gateway.validate import Limits
+from tokq.gateway.wire import EmbedRequestUtf8
 from tokq.model_info import ModelInfo
 from tokq.redis_server import free_port
 from tokq.v1 import embedder_pb2 as pb
@@ -61,6 +62,30 @@ def test_over_a_cap_is_invalid_argument_naming_it_and_nothing_is_queued(small_ca
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.details()
     http = httpx.post(f"http://127.0.0.1:{HTTP_PORT}/v1/embeddings", json={"input": inputs}, timeout=30)
     assert http.status_code == 413 and needle in http.json()["error"]["message"]
+    assert nothing_queued(redis_url)
+
+
+def _embed_raw(channel, **fields):
+    """Embed with inputs given as raw bytes: what a client whose strings are not UTF-8 sends."""
+    embed = channel.unary_unary("/tokq.v1.Embedder/Embed", request_serializer=EmbedRequestUtf8.SerializeToString,
+                                response_deserializer=pb.EmbedResponse.FromString)
+    return rejected(embed, EmbedRequestUtf8(**fields))
+
+
+def test_inputs_that_are_not_utf8_are_invalid_argument_naming_input_and_byte(redis_url):
+    long_text = b"word " * 4000  # 4,000 tokens: refused without truncate=true from a prefix
+    with running_gateway(redis_url, max_input_bytes=100_000) as port, \
+            grpc.insecure_channel(f"127.0.0.1:{port}", OPTIONS) as channel:
+        for fields, needle in [
+            ({"inputs": [b"ok", b"caf\xc3"]}, "input 1 is not valid UTF-8 (byte 3)"),  # cut short
+            ({"inputs": [b"ok", b"\xff" + long_text]}, "input 1 is not valid UTF-8 (byte 0)"),
+            ({"inputs": [long_text + b"\xed\xa0\x80"], "truncate": True},  # a surrogate, at the end
+             "input 0 is not valid UTF-8 (byte 20,000)"),
+            # too long from a prefix, before the rest is read: its bad byte is never reached
+            ({"inputs": [long_text + b"\xff"]}, "input 0 is more than 256 tokens long"),
+        ]:
+            err = _embed_raw(channel, **fields)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.details(), err.details()
     assert nothing_queued(redis_url)
 
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import random
+import sys
+import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokq.gateway.errors import InvalidArgument
-from tokq.gateway.tokenize import (INLINE_BYTES, Tokenizer, encode_truncated, first_surely_too_long,
-                                   surely_too_long)
+from tokq.gateway.tokenize import (INLINE_BYTES, LARGE_NICE, Tokenizer, _head, encode_truncated,
+                                   first_surely_too_long, surely_too_long)
 from tokq.model_info import ModelInfo
 
 
@@ -159,6 +164,42 @@ def test_a_request_of_long_inputs_is_refused_for_one_prefix(tokenizer, words):
     assert counting.chars == 0  # short inputs are never tokenized here
 
 
+def test_text_of_long_words_is_refused_from_the_first_input_alone(tokenizer, words):
+    # ~9 characters a token (bench hostile's text: words of 3+ letters): the first prefix holds
+    # too few tokens to settle anything, so that input's prefix doubles; the other 31 inputs are
+    # never read (before, each got one unsettling prefix: 32 tokenizations per refusal).
+    rng = random.Random(7)
+    long_words = [w for w in words if len(w) > 7]
+    inputs = [" ".join(rng.choice(long_words) for _ in range(8_000))[:65_536] for _ in range(32)]
+    backend = copy.deepcopy(tokenizer._backend)
+    [first] = backend.encode_batch([inputs[0][:8 * 254]], add_special_tokens=False)
+    assert len(first.ids) <= 254  # the first prefix alone does not settle it
+    counting = _CountingBackend(backend)
+    assert first_surely_too_long(counting, inputs, 256) == 0
+    assert counting.chars <= (1 + 2 + 4) * 8 * 254  # that input's prefixes, doubling
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=60), st.integers(0, 70))
+def test_a_prefix_read_from_utf8_bytes_is_the_prefix_of_the_text(text, chars):
+    # 1- to 4-byte characters, cut anywhere: the bytes give the characters the string gives
+    assert _head(text.encode("utf-8"), chars) == _head(text, chars)
+
+
+@pytest.mark.parametrize("truncate,prompt", [(False, ""), (True, ""), (False, "query: "), (True, "query: ")])
+def test_inputs_as_utf8_bytes_get_the_ids_of_the_same_text(tokenizer, words, truncate, prompt):
+    rng = random.Random(3)
+    texts = ["hello", "café 東京 naïve 🙂", " ".join(rng.choice(words) for _ in range(100)),
+             " ".join(rng.choice(words) + " ñ" for _ in range(3000))[:30_000]]
+    if not truncate:
+        texts = texts[:3]
+    assert tokenizer.encode_sync([t.encode() for t in texts], prompt=prompt, truncate=truncate) == \
+        tokenizer.encode_sync(texts, prompt=prompt, truncate=truncate)
+    if not truncate:
+        with pytest.raises(InvalidArgument, match="input 1 is more than 256 tokens"):
+            tokenizer.encode_sync([b"ok", "ñ word ".encode() * 2000], prompt=prompt)
+
+
 def test_over_long_input_without_truncate_names_the_limit_from_a_prefix(tokenizer):
     with pytest.raises(InvalidArgument, match="input 0 is more than 256 tokens long.*truncate=true"):
         tokenizer.encode_sync(["word " * 1_000_000])
@@ -192,3 +233,15 @@ async def test_tiny_requests_are_tokenized_on_the_loop_and_others_in_the_pools()
     assert await tok.encode(small) == pooled[:1]  # no thread needed, same ids
     with pytest.raises(RuntimeError, match="shutdown"):
         await tok.encode(medium)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_large_lane_yields_the_cpu_to_everything_else(tokenizer):
+    # Its threads run at a lower priority (nice is per thread on Linux): under contention the
+    # event loop, the small-request lane and the workers are served first.
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    light = tokenizer._light.submit(nice).result()
+    assert light == nice()  # the small-request lane: as the process
+    assert tokenizer._heavy.submit(nice).result() == min(19, light + LARGE_NICE)
