@@ -13,6 +13,7 @@ so load from other processes lands on every phase alike). CPU seconds per proces
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -106,6 +107,100 @@ def _abuse(target: str, spec: dict, ready, stop, counts) -> None:
 _CODES = ["OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE"]
 
 
+@contextlib.contextmanager
+def _abusers(ctx, target: str, spec: dict):
+    """The abuser process, at full pressure; yields it and its reply counts by code."""
+    ready, stop, counts = ctx.Event(), ctx.Event(), ctx.Array("l", len(_CODES) + 1)
+    abuser = ctx.Process(target=_abuse, args=(target, spec, ready, stop, counts), daemon=True)
+    abuser.start()
+    try:
+        if not ready.wait(300):  # its texts are built
+            raise RuntimeError(f"the abuser process did not start (exit code {abuser.exitcode})")
+        time.sleep(2.0)  # abusers at full pressure before probing
+        yield abuser, counts
+    finally:
+        stop.set()
+        abuser.join(60)
+
+
+def _bare_server(port: int, ready) -> None:
+    """The reference server: grpc.aio with no tokq in it, and the gateway's message limit. It
+    refuses every Embed as soon as gRPC has received it (never parsed) and answers Info with an
+    empty message: what gRPC's Python server costs by itself."""
+    import asyncio
+
+    async def embed(request: bytes, context) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused unread")
+
+    async def info(request: bytes, context) -> bytes:
+        return b""
+
+    async def serve() -> None:
+        handler = grpc.method_handlers_generic_handler("tokq.v1.Embedder", {
+            "Embed": grpc.unary_unary_rpc_method_handler(embed),
+            "Info": grpc.unary_unary_rpc_method_handler(info)})
+        server = grpc.aio.server(handlers=[handler], options=OPTIONS)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _probe_noop(stub, duration_s: float, pace_s: float) -> list[float]:
+    """Latencies (ms) of Info calls, paced like ``_probe``'s: a call with no model work."""
+    latencies = []
+    end = time.monotonic() + duration_s
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        try:
+            stub.Info(pb.InfoRequest(), timeout=30)
+            latencies.append((time.perf_counter() - start) * 1000)
+        except grpc.RpcError:
+            latencies.append(float("inf"))
+        time.sleep(pace_s)
+    return latencies
+
+
+def _reference(ctx, gateway_target: str, gateway_stub, gateway_pid: int, specs: dict[str, dict], phase_s: float,
+               pace_s: float) -> dict:
+    """For the scenario whose requests are all refused (the gateway's work alone): a no-op call
+    (Info) on the gateway and on a bare grpc.aio server, idle, then beside the same abusers.
+    How much of the probe's slow-down gRPC's Python server causes by itself, in the same run."""
+    name = next(n for n, spec in specs.items() if not spec["truncate"] and len(spec["sizes"]) > 1)
+    port = free_port()
+    ready = ctx.Event()
+    bare = ctx.Process(target=_bare_server, args=(port, ready), daemon=True)
+    bare.start()
+    try:
+        if not ready.wait(120):
+            raise RuntimeError("the reference gRPC server did not start")
+        bare_channel = grpc.insecure_channel(f"127.0.0.1:{port}", OPTIONS)
+        servers = {"tokq gateway": (gateway_target, gateway_stub, gateway_pid),
+                   "bare grpc.aio server": (f"127.0.0.1:{port}", pb_grpc.EmbedderStub(bare_channel), bare.pid)}
+        rows = {}
+        for label, (target, stub, pid) in servers.items():
+            _probe_noop(stub, 1.0, pace_s)  # warm-up
+            idle = _probe_noop(stub, phase_s, pace_s)
+            with _abusers(ctx, target, specs[name]) as (_, counts):
+                cpu0, t0, replies0 = _cpu_s(pid), time.monotonic(), sum(counts[:])
+                abused = _probe_noop(stub, phase_s, pace_s)
+                cpu_s, wall = _cpu_s(pid) - cpu0, time.monotonic() - t0
+                replies = sum(counts[:]) - replies0  # during the probe's window
+            _settle(pid)
+            rows[label] = {"idle_p50_ms": statistics.median(idle), "idle_p99_ms": _pct(idle, 0.99),
+                           "abused_p50_ms": statistics.median(abused), "abused_p99_ms": _pct(abused, 0.99),
+                           "p99_ratio": _pct(abused, 0.99) / _pct(idle, 0.99), "calls": len(abused),
+                           "abuser_replies": replies, "server_cores": cpu_s / wall,
+                           "cpu_ms_per_reply": 1000 * cpu_s / max(1, replies)}
+        bare_channel.close()
+    finally:
+        bare.kill()
+        bare.join(10)
+    return {"scenario": name, "servers": rows}
+
+
 def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -170,21 +265,14 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
             for name, spec in scenarios(limits).items():
                 res = results[name]
                 res["idle"] += _probe(stub, phase_s, pace_s, res["probe_errors"], res["idle_timings"])
-                ready, stop, counts = ctx.Event(), ctx.Event(), ctx.Array("l", len(_CODES) + 1)
-                abuser = ctx.Process(target=_abuse, args=(target, spec, ready, stop, counts), daemon=True)
-                abuser.start()
-                if not ready.wait(300):  # its texts are built
-                    raise RuntimeError(f"the abuser process did not start (exit code {abuser.exitcode})")
-                time.sleep(2.0)  # abusers at full pressure before probing
-                pids = {**procs, "abusers": abuser.pid, "probe": os.getpid()}
-                cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
-                t0 = time.monotonic()
-                res["abused"] += _probe(stub, phase_s, pace_s, res["probe_errors"], res["abused_timings"])
-                wall = time.monotonic() - t0
-                for k, p in pids.items():
-                    res["cpu_s"].setdefault(k, []).append((_cpu_s(p) - cpu0[k]) / wall)
-                stop.set()
-                abuser.join(60)
+                with _abusers(ctx, target, spec) as (abuser, counts):
+                    pids = {**procs, "abusers": abuser.pid, "probe": os.getpid()}
+                    cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
+                    t0 = time.monotonic()
+                    res["abused"] += _probe(stub, phase_s, pace_s, res["probe_errors"], res["abused_timings"])
+                    wall = time.monotonic() - t0
+                    for k, p in pids.items():
+                        res["cpu_s"].setdefault(k, []).append((_cpu_s(p) - cpu0[k]) / wall)
                 for i, code in enumerate(_CODES + ["other"]):
                     res["codes"][code] = res["codes"].get(code, 0) + counts[i]
                 if not _drain(r, keys):
@@ -192,6 +280,7 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
                           file=sys.stderr)
                 _settle(gateway.pid)
             print(f"round {rnd + 1}/{rounds} done", file=sys.stderr)
+        reference = _reference(ctx, target, stub, gateway.pid, scenarios(limits), phase_s, pace_s)
         channel.close()
     finally:
         stop_all([gateway, worker])
@@ -215,6 +304,7 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
             "probe_errors": res["probe_errors"],
         }
     out["idle_p99_ms_all"] = _pct(idle_all, 0.99)
+    out["reference"] = reference
     return out
 
 
@@ -272,7 +362,31 @@ def render(report: dict, command: str) -> str:
             f"{replies} | {cpu['gateway']:.2f} / {cpu['worker']:.2f} / {cpu['redis']:.2f} / "
             f"{cpu['abusers']:.2f} / {cpu['probe']:.2f} |")
     lines.append("")
+    if report.get("reference"):
+        lines += _render_reference(report["reference"], report["phase_s"])
     return block(BLOCK, lines)
+
+
+def _render_reference(ref: dict, phase_s: float) -> list[str]:
+    rows = ref["servers"]
+    lines = [f"Reference, same run: a call with no model work (`Info`) on the gateway and on a bare "
+             f"grpc.aio server (no tokq: it refuses every Embed as soon as gRPC has received it, "
+             f"unparsed, with the gateway's message limit), {phase_s:.0f} s idle, then {phase_s:.0f} s "
+             f"beside the abusers of \"{ref['scenario']}\":", "",
+             "| server | idle p50 / p99 ms | abused p50 / p99 ms | p99 ratio | abusers' replies "
+             "in the window | server CPU cores |", "|---|---|---|---|---|---|"]
+    for label, r in rows.items():
+        lines.append(f"| {label} | {r['idle_p50_ms']:.2f} / {r['idle_p99_ms']:.2f} | "
+                     f"{r['abused_p50_ms']:.2f} / {r['abused_p99_ms']:.2f} | {r['p99_ratio']:.2f}x | "
+                     f"{r['abuser_replies']:,} | {r['server_cores']:.2f} |")
+    bare, ours = rows["bare grpc.aio server"], rows["tokq gateway"]
+    lines += ["", f"Reading (generated from the figures above): six callers sending requests of this "
+              f"size back to back raise a no-op call's p99 {bare['p99_ratio']:.1f}x on a gRPC Python "
+              f"server that does nothing with them, {ours['p99_ratio']:.1f}x on the gateway; "
+              f"receiving them costs the bare server {bare['cpu_ms_per_reply']:.1f} ms of CPU each "
+              f"({bare['server_cores']:.2f} cores), the gateway {ours['cpu_ms_per_reply']:.1f} ms "
+              f"(refusing them included; {ours['server_cores']:.2f} cores).", ""]
+    return lines
 
 
 @click.command("hostile")
