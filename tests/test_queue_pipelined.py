@@ -231,19 +231,29 @@ async def test_a_pipeline_whose_every_answer_is_lost_raises_lost_answer_to_each_
         proxy.close()
 
 
+@contextlib.asynccontextmanager
+async def _through_proxy(redis_url: str, socket_timeout: float):
+    """A queue whose client talks to Redis through a fault proxy, its scripts loaded."""
+    proxy = FaultProxy(redis_url).start()
+    client = aioredis.Redis.from_url(proxy.url, socket_timeout=socket_timeout, decode_responses=False)
+    try:
+        q = Queue(client, QUEUE)
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        yield proxy, q
+    finally:
+        await client.aclose()
+        proxy.close()
+
+
 @pytest.mark.redis_kinds("standalone")
 async def test_a_lone_call_cancelled_while_out_returns_after_its_answer(redis_url):
     # As for a pipeline's calls (above), for a call that went alone: its answer is withheld, it
     # is cancelled meanwhile, and it returns only once the answer came, its connection kept.
-    proxy = FaultProxy(redis_url).start()
-    client = aioredis.Redis.from_url(proxy.url, socket_timeout=30, decode_responses=False)
-    try:
-        q = Queue(client, QUEUE)
-        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+    async with _through_proxy(redis_url, socket_timeout=30) as (proxy, q), \
+            contextlib.aclosing(aioredis.Redis.from_url(redis_url)) as direct:
         pipelines = q.pipeliner.pipelines
         proxy.stall()
         task = asyncio.ensure_future(q.enqueue("r0", items(2), timeout_ms=60_000, channel=CHANNEL))
-        direct = aioredis.Redis.from_url(redis_url)
         while not await direct.exists(q.keys.reply("r0")):  # it ran; its answer is held
             await asyncio.sleep(0.01)
         assert q.pipeliner.pipelines - pipelines == 1
@@ -256,20 +266,12 @@ async def test_a_lone_call_cancelled_while_out_returns_after_its_answer(redis_ur
         assert await q.cancel("r0")  # the caller's clean-up, after its enqueue
         assert not await direct.exists(q.keys.reply("r0"))
         assert isinstance(await q.enqueue("after", items(1), timeout_ms=60_000, channel=CHANNEL), Enqueued)
-        await direct.aclose()
-    finally:
-        await client.aclose()
-        proxy.close()
 
 
 @pytest.mark.redis_kinds("standalone")
 async def test_a_silent_redis_fails_the_round_trip_by_the_socket_timeout_and_the_next_one_works(redis_url):
     # The pipeliner's held connection has no timeout of its own: its round trip's does the job.
-    proxy = FaultProxy(redis_url).start()
-    client = aioredis.Redis.from_url(proxy.url, socket_timeout=0.5, decode_responses=False)
-    try:
-        q = Queue(client, QUEUE)
-        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+    async with _through_proxy(redis_url, socket_timeout=0.5) as (proxy, q):
         proxy.stall()
         outcomes = await asyncio.wait_for(asyncio.gather(
             *(q.enqueue(f"r{i}", items(1), timeout_ms=60_000, channel=CHANNEL) for i in range(3)),
@@ -281,6 +283,3 @@ async def test_a_silent_redis_fails_the_round_trip_by_the_socket_timeout_and_the
         with pytest.raises(ValueError, match="already used"):
             await q.enqueue("r0", items(1, 1), timeout_ms=60_000, channel=CHANNEL)
         assert isinstance(await q.enqueue("after", items(2), timeout_ms=60_000, channel=CHANNEL), Enqueued)
-    finally:
-        await client.aclose()
-        proxy.close()
