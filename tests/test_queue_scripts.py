@@ -3,6 +3,7 @@ recovering from a SCRIPT FLUSH or a Redis restart mid-run."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,15 @@ def test_every_lua_file_is_a_registered_script_with_its_includes_expanded():
     # The shared result writer exists once, in lib/, and reaches every script that answers.
     for name in ("ack", "claim", "requeue"):
         assert "local function write_result" in script_source(name)
+
+
+def test_a_reply_delivered_in_its_notice_is_kept_the_grace_of_a_collected_one():
+    # One grace written twice (a script cannot import Python's constant): lua/lib/reply.lua keeps
+    # a delivered reply, and collect.lua a collected one, for a repeat after a lost answer.
+    from tokq.queue import COLLECT_GRACE_MS
+
+    found = re.search(r"^local DELIVERED_TTL_MS = (\d+)$", (LUA_DIR / "lib" / "reply.lua").read_text(), re.M)
+    assert found and int(found.group(1)) == COLLECT_GRACE_MS
 
 
 async def test_every_script_is_exercised(redis_url):
