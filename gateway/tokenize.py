@@ -183,13 +183,12 @@ class Tokenizer:
         """Ids per text; texts may be UTF-8 bytes (``validate.decode_texts``), decoded here."""
         max_len = self.info.max_length
         backend = self._backend_copy()
-        if not truncate and not prompt:
-            # before decoding: a request refused here decodes only the prefixes it read
-            if (i := first_surely_too_long(backend, texts, max_len)) is not None:
-                raise self._too_long(i, f"more than {max_len}")
-        texts = decode_texts(texts)
         if prompt:
-            texts = [prompt + t for t in texts]
+            texts = [prompt + t for t in decode_texts(texts)]
+        # Before decoding the rest: a request refused here decodes only the prefixes it read.
+        if not truncate and (i := first_surely_too_long(backend, texts, max_len)) is not None:
+            raise self._too_long(i, f"more than {max_len}")
+        texts = decode_texts(texts)
         if truncate and self._cut_prefix:
             return encode_truncated_batch(backend, texts, max_len)
         if truncate:  # left-side truncation keeps a suffix: the exact path on the whole text
@@ -199,8 +198,6 @@ class Tokenizer:
                 enc.truncate(keep, direction="left")
                 out.append(backend.post_process(enc).ids)
             return out
-        if prompt and (i := first_surely_too_long(backend, texts, max_len)) is not None:
-            raise self._too_long(i, f"more than {max_len}")
         encs = backend.encode_batch(texts, add_special_tokens=True)
         ids = [enc.ids for enc in encs]
         for i, seq in enumerate(ids):

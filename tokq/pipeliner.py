@@ -3,17 +3,17 @@
 Under load a gateway starts many enqueues at nearly the same time, one per call. Each on its own
 costs a write, a read and a wake-up of the event loop, in the gateway and in Redis, and redis-py's
 ~100 us of Python around each command. Here a run goes at once when none is in flight (so a lone
-call waits for nothing); the runs started while one is in flight
-wait for it and then go together, as one pipeline of EVALSHA commands (one write, one read), and
-so on: under load every round trip carries what arrived during the last one. Each caller gets
-its own command's answer or error, exactly as if it had run alone. Every round trip, a lone run's
-too, is a task of its own: a caller cancelled while its command is out returns once that command
-has answered, so its clean-up (the gateway's cancel script, on another connection) cannot
-overtake it and leave a reply behind. With ``hold_s`` set (the
-gateway sets it), a run that starts within ``hold_s`` of the last round trip's start (calls are
-arriving faster than that) is held up to ``hold_s`` for the runs right behind it: a burst of
-calls (a batch's callers all answered at once send their next calls together) goes in a few
-round trips instead of one or two runs each, while a call arriving on its own still goes at once.
+call waits for nothing); the runs started while one is in flight wait for it and then go
+together, as one pipeline of EVALSHA commands (one write, one read), and so on: under load every
+round trip carries what arrived during the last one. Each caller gets its own command's answer or
+error, exactly as if it had run alone. Every round trip, a lone run's too, is a task of its own:
+a caller cancelled while its command is out returns once that command has answered, so its
+clean-up (the gateway's cancel script, on another connection) cannot overtake it and leave a
+reply behind. With ``hold_s`` set (the gateway sets it), a run that starts within ``hold_s`` of
+the last round trip's start (calls are arriving faster than that) is held up to ``hold_s`` for
+the runs right behind it: a burst of calls (a batch's callers all answered at once send their
+next calls together) goes in a few round trips instead of one or two runs each, while a call
+arriving on its own still goes at once.
 
 Failures keep each script's meaning: a command's own error (-BUSY, -READONLY; QUEUE_FULL is an
 answer, not an error) goes to its caller only; a script Redis does not know (restart, SCRIPT
@@ -196,14 +196,13 @@ class ScriptPipeliner:
                 _settle(r, exc=reply)
             else:
                 _settle(r, reply)
-        # Redis lost its scripts (restart, SCRIPT FLUSH): each runs again alone, loading it.
+        # Redis lost its scripts (restart, SCRIPT FLUSH): each runs again alone, loading it, in
+        # this task, so the round trip is over only once they answered (rare: one by one).
         if unknown:
             if self._direct:
                 await self._give_back()
-            if len(unknown) == 1:  # in this task: settled before the round trip counts as over
-                await self._run_alone(unknown[0])
-            else:
-                await asyncio.gather(*(self._run_alone(r) for r in unknown))
+            for r in unknown:
+                await self._run_alone(r)
 
     async def _run_alone(self, r: _Run) -> None:
         """Through ``Scripts`` (which loads a script Redis does not know) and the client's own
