@@ -150,17 +150,7 @@ def _bare_server(port: int, ready) -> None:
 
 def _probe_noop(stub, duration_s: float, pace_s: float) -> list[float]:
     """Latencies (ms) of Info calls, paced like ``_probe``'s: a call with no model work."""
-    latencies = []
-    end = time.monotonic() + duration_s
-    while time.monotonic() < end:
-        start = time.perf_counter()
-        try:
-            stub.Info(pb.InfoRequest(), timeout=30)
-            latencies.append((time.perf_counter() - start) * 1000)
-        except grpc.RpcError:
-            latencies.append(float("inf"))
-        time.sleep(pace_s)
-    return latencies
+    return _probe(stub, duration_s, pace_s, call=lambda: stub.Info(pb.InfoRequest(), timeout=30))
 
 
 def _reference(ctx, gateway_target: str, gateway_stub, gateway_pid: int, specs: dict[str, dict], phase_s: float,
@@ -208,17 +198,18 @@ def _cpu_s(pid: int) -> float:
 
 
 def _probe(stub, duration_s: float, pace_s: float, errors: dict | None = None,
-           timings: list | None = None) -> list[float]:
-    """Latencies (ms) of one-input calls; a failed call counts in ``errors`` and, as the worst
-    case, as infinitely slow (a probe must never fail). ``timings`` gets each answered call's
-    (latency, then the gateway's tokenize, queue, inference and total ms): where a slow call's
-    time went."""
+           timings: list | None = None, call=None) -> list[float]:
+    """Latencies (ms) of one-input calls (or of ``call()``); a failed call counts in ``errors``
+    and, as the worst case, as infinitely slow (a probe must never fail). ``timings`` gets each
+    answered Embed's (latency, then the gateway's tokenize, queue, inference and total ms): where
+    a slow call's time went."""
+    call = call or (lambda: stub.Embed(pb.EmbedRequest(inputs=[PROBE_TEXT]), timeout=30))
     latencies = []
     end = time.monotonic() + duration_s
     while time.monotonic() < end:
         start = time.perf_counter()
         try:
-            reply = stub.Embed(pb.EmbedRequest(inputs=[PROBE_TEXT]), timeout=30)
+            reply = call()
             latencies.append((time.perf_counter() - start) * 1000)
             if timings is not None:
                 t = reply.timing
