@@ -179,9 +179,7 @@ def _reference(ctx, gateway_target: str, gateway_stub, gateway_pid: int, specs: 
                 cpu_s, wall = _cpu_s(pid) - cpu0, time.monotonic() - t0
                 replies = sum(counts[:]) - replies0  # during the probe's window
             _settle(pid)
-            rows[label] = {"idle_p50_ms": statistics.median(idle), "idle_p99_ms": _pct(idle, 0.99),
-                           "abused_p50_ms": statistics.median(abused), "abused_p99_ms": _pct(abused, 0.99),
-                           "p99_ratio": _pct(abused, 0.99) / _pct(idle, 0.99), "calls": len(abused),
+            rows[label] = {**_compared(idle, abused), "calls": len(abused),
                            "abuser_replies": replies, "server_cores": cpu_s / wall,
                            "cpu_ms_per_reply": 1000 * cpu_s / max(1, replies)}
         bare_channel.close()
@@ -220,6 +218,13 @@ def _probe(stub, duration_s: float, pace_s: float, errors: dict | None = None,
                 errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
         time.sleep(pace_s)
     return latencies
+
+
+def _compared(idle: list[float], abused: list[float]) -> dict[str, float]:
+    """p50 and p99 of each phase's latencies, and the p99 ratio abused / idle."""
+    return {"idle_p50_ms": statistics.median(idle), "idle_p99_ms": _pct(idle, 0.99),
+            "abused_p50_ms": statistics.median(abused), "abused_p99_ms": _pct(abused, 0.99),
+            "p99_ratio": _pct(abused, 0.99) / _pct(idle, 0.99)}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -282,10 +287,7 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
     for name, res in results.items():
         idle, abused = res["idle"], res["abused"]
         out["scenarios"][name] = {
-            "calls": len(abused), "idle_calls": len(idle),
-            "idle_p50_ms": statistics.median(idle), "idle_p99_ms": _pct(idle, 0.99),
-            "abused_p50_ms": statistics.median(abused), "abused_p99_ms": _pct(abused, 0.99),
-            "p99_ratio": _pct(abused, 0.99) / _pct(idle, 0.99),
+            "calls": len(abused), "idle_calls": len(idle), **_compared(idle, abused),
             # the tails behind each p99 (a p99 of ~500 calls is their 5th-6th slowest): latency,
             # then the gateway's tokenize / queue (enqueue to claim) / inference / total ms
             "idle_slowest_ms": sorted(res["idle_timings"])[-10:],
