@@ -102,7 +102,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         observer = metrics.GatewayMetrics(info.name)
         queue.observe_enqueues = observer.enqueues_sent
         queue.enqueue_hold_s = config.enqueue_hold_us / 1e6
-        models[info.name] = ServedModel(info, Tokenizer(info, threads=config.tokenize_threads),
+        models[info.name] = ServedModel(info, Tokenizer(info, threads=config.tokenize_threads,
+                                                            large_share=config.large_share),
                                         queue, router, config, gid, observer=observer)
     embedder = Embedder(models)
     max_message_bytes = max(m.limits.max_message_bytes for m in models.values())

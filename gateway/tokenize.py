@@ -5,7 +5,8 @@
 - Two thread pools: ordinary requests on one sized to the cores, large ones (by bytes to tokenize)
   on a second pool with half as many threads. Large requests then wait for each other and
   never take every core or every thread: a one-word query behind six 8 MB callers still finds a
-  free thread in its own lane and a core to run on.
+  free thread in its own lane and a core to run on. The large lane (``large_lane``) runs at a
+  lower CPU priority and, while light calls are being served, takes at most its share of time.
 - truncate=true tokenizes a prefix, not the whole string (``encode_truncated``): an 8 MB input
   costs about what a max-length one does, and the ids are those of tokenizing it all (see there).
   Without truncate=true, a long input is refused from its prefix too (``surely_too_long``).
@@ -25,6 +26,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from transformers import AutoTokenizer
 
 from tokq.gateway.errors import InvalidArgument
+from tokq.gateway.large_lane import LargeLane
 from tokq.gateway.validate import decode_texts, not_utf8
 from tokq.model_info import ModelInfo
 
@@ -36,10 +38,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # query (tens of microseconds) costs less than the hop to a pool thread and back (a submit, two
 # wake-ups; ~5% of the gateway's CPU per call by py-spy), and holds the loop no longer.
 INLINE_BYTES = 256
-
-# How much lower the large lane's threads run (``_yield_cpu``): nice 10 has ~1/10 the CPU weight
-# of nice 0 when cores are contended, and everything when they are not.
-LARGE_NICE = 10
 
 # First prefix tried for truncate=true, in characters per token kept: ordinary text runs 3-5
 # characters a token, so one tokenization of a prefix this long nearly always suffices.
@@ -130,20 +128,6 @@ def _head(text: str | bytes, chars: int) -> str | None:
     return head[:chars] if len(head) > chars else None
 
 
-def _yield_cpu() -> None:
-    """Lowers the calling thread's CPU priority (Linux: nice is per thread) by ``LARGE_NICE``.
-
-    For the large lane's threads: when the cores are contended (a worker's forward, the event
-    loop answering small calls), the scheduler serves those first, so large requests take what is
-    spare rather than an equal share; their callers wait longer. In bench hostile's gateway-bound
-    row (2 MiB requests refused back to back) it lowered the probe's p50 from ~26 to ~20 ms."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + LARGE_NICE)
-    except (AttributeError, OSError):  # not Linux: the lanes still keep large requests apart
-        pass
-
-
 def _prefix_is_settled(enc: Encoding, keep: int) -> bool:
     words = enc.word_ids
     if len(words) <= keep:
@@ -153,7 +137,8 @@ def _prefix_is_settled(enc: Encoding, keep: int) -> bool:
 
 
 class Tokenizer:
-    def __init__(self, info: ModelInfo, threads: int = 0, heavy_bytes: int = 0) -> None:
+    def __init__(self, info: ModelInfo, threads: int = 0, heavy_bytes: int = 0,
+                 large_share: float = 1.0) -> None:
         self.info = info
         self._tok = AutoTokenizer.from_pretrained(str(info.path))
         # Our own copy, never truncating or padding by itself: the HF wrapper sets those on its
@@ -165,8 +150,7 @@ class Tokenizer:
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
         light = threads or os.cpu_count() or 2
         self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize")
-        self._heavy = ThreadPoolExecutor(max(1, light // 2), thread_name_prefix="tokenize-large",
-                                         initializer=_yield_cpu)
+        self._large = LargeLane(max(1, light // 2), large_share)
         # Large: more than ~16 max-length inputs of ordinary text (4 bytes a token) to read, i.e.
         # a few milliseconds of one core. A search query (a few short inputs) is never large.
         self.heavy_bytes = heavy_bytes or 64 * info.max_length
@@ -218,12 +202,14 @@ class Tokenizer:
         the event loop itself for tiny requests (``INLINE_BYTES``), else one of the pools."""
         if cost_bytes is None:
             cost_bytes = sum(len(t) for t in texts)  # characters or bytes: about the same
+        if cost_bytes > self.heavy_bytes:
+            return await self._large.run(
+                lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
+        self._large.light_seen()
         if cost_bytes <= INLINE_BYTES:
             return self.encode_sync(texts, prompt=prompt, truncate=truncate)
-        pool = self._heavy if cost_bytes > self.heavy_bytes else self._light
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            pool, lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._light, lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
 
     def cost_bytes(self, sizes: list[int], truncate: bool) -> int:
         """About the bytes tokenizing inputs of these UTF-8 sizes reads: a long input costs about
@@ -237,4 +223,4 @@ class Tokenizer:
 
     def close(self) -> None:
         self._light.shutdown(wait=False, cancel_futures=True)
-        self._heavy.shutdown(wait=False, cancel_futures=True)
+        self._large.close()

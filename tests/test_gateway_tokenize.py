@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokq.gateway.errors import InvalidArgument
-from tokq.gateway.tokenize import (INLINE_BYTES, LARGE_NICE, Tokenizer, _head, encode_truncated,
+from tokq.gateway.large_lane import LARGE_NICE
+from tokq.gateway.tokenize import (INLINE_BYTES, Tokenizer, _head, encode_truncated,
                                    first_surely_too_long, surely_too_long)
 from tokq.model_info import ModelInfo
 
@@ -224,6 +225,27 @@ async def test_a_short_call_is_not_queued_behind_large_ones(words):
         tok.close()
 
 
+async def test_large_calls_are_paced_only_while_light_calls_are_served(words):
+    # A refused large request right after a light call holds the large lane's slot for its rest
+    # (gateway/large_lane.py); the same request with no light call around does not.
+    tok = Tokenizer(ModelInfo.load(), threads=2, large_share=0.25)
+    try:
+        rng = random.Random(2)
+        long_text = " ".join(rng.choice(words) for _ in range(2000))
+        big = [long_text] * 32
+        cost = tok.cost_bytes([len(t) for t in big], truncate=False)
+        assert cost > tok.heavy_bytes
+        with pytest.raises(InvalidArgument, match="more than 256"):
+            await tok.encode(big, cost_bytes=cost)
+        assert not tok._large._slots.locked()  # no light call seen yet
+        assert await tok.encode(["hello"]) == [[101, 7592, 102]]  # a light call...
+        with pytest.raises(InvalidArgument, match="more than 256"):
+            await tok.encode(big, cost_bytes=cost)
+        assert tok._large._slots.locked()  # ...so the refused one rests the lane's one slot
+    finally:
+        tok.close()
+
+
 async def test_tiny_requests_are_tokenized_on_the_loop_and_others_in_the_pools():
     tok = Tokenizer(ModelInfo.load(), threads=1)
     small, medium = ["hello world"], ["hello world " * 30]  # 11 and 360 bytes
@@ -244,4 +266,4 @@ def test_the_large_lane_yields_the_cpu_to_everything_else(tokenizer):
 
     light = tokenizer._light.submit(nice).result()
     assert light == nice()  # the small-request lane: as the process
-    assert tokenizer._heavy.submit(nice).result() == min(19, light + LARGE_NICE)
+    assert tokenizer._large.pool.submit(nice).result() == min(19, light + LARGE_NICE)

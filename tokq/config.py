@@ -158,6 +158,11 @@ class GatewayConfig(_Validated):
     tokenize_threads: int = setting(0, "tokenizer threads for ordinary requests (large ones get "
                                     "their own, smaller pool)", min=0, max=1024,
                                     default_text="0 = CPU cores")
+    # Closed-loop senders of large requests send as fast as they are answered; a share bounds
+    # their rate, so a one-word call does not queue behind their receiving (gateway/large_lane.py).
+    large_share: float = setting(0.25, "while light calls are being served, the most of the "
+                                 "large-request lane's time large requests take (1 = no pacing)",
+                                 min=0.01, max=1)
     default_timeout_ms: int = setting(30_000, "deadline for calls that set none", min=1,
                                       max=86_400_000)
     redis_max_connections: int = setting(32, "Redis connections per gateway process", min=1,

@@ -1,0 +1,85 @@
+"""The large-request lane's pacing (gateway/large_lane.py): while light calls are being served, a
+large request's turn keeps its slot for a rest proportional to the turn; the caller is answered at
+once; with no light calls around, turns follow each other with no rest."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tokq.gateway.errors import InvalidArgument
+from tokq.gateway.large_lane import LIGHT_RECENT_S, LargeLane
+
+TURN_S = 0.05
+
+
+def _turn() -> float:
+    time.sleep(TURN_S)
+    return time.monotonic()
+
+
+def _refused() -> None:
+    time.sleep(TURN_S)
+    raise InvalidArgument("too long")
+
+
+async def test_with_light_calls_around_a_turn_rests_its_slot_after_answering():
+    lane = LargeLane(threads=1, share=0.5)  # rest one second per second of turn
+    try:
+        lane.light_seen()
+        first_done = await lane.run(_turn)
+        answered = time.monotonic()
+        assert answered - first_done < TURN_S  # the caller was not held for the rest
+        assert lane._slots.locked()  # ...the slot is
+        lane.light_seen()
+        started = time.monotonic()
+        second_done = await lane.run(_turn)
+        # the second turn started only after the first's rest: ~TURN_S after it ended
+        assert second_done - TURN_S - first_done >= 0.9 * TURN_S
+        assert second_done - started >= TURN_S
+    finally:
+        lane.close()
+
+
+async def test_a_refused_request_rests_its_slot_too():
+    lane = LargeLane(threads=1, share=0.5)
+    try:
+        lane.light_seen()
+        with pytest.raises(InvalidArgument):
+            await lane.run(_refused)
+        assert lane._slots.locked()
+        await asyncio.sleep(1.5 * TURN_S)
+        assert not lane._slots.locked()
+    finally:
+        lane.close()
+
+
+async def test_without_light_calls_turns_follow_each_other():
+    lane = LargeLane(threads=1, share=0.25)
+    try:
+        await lane.run(_turn)
+        assert not lane._slots.locked()  # never seen a light call
+        lane.light_seen()
+        await asyncio.sleep(LIGHT_RECENT_S * 1.2)  # ...seen, but longer ago than "being served"
+        await lane.run(_turn)
+        assert not lane._slots.locked()
+    finally:
+        lane.close()
+
+
+async def test_share_one_never_rests():
+    lane = LargeLane(threads=2, share=1.0)
+    try:
+        lane.light_seen()
+        await asyncio.gather(lane.run(_turn), lane.run(_turn))
+        assert lane._slots._value == 2
+    finally:
+        lane.close()
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_share_outside_0_to_1_is_refused(share):
+    with pytest.raises(ValueError, match="share"):
+        LargeLane(threads=1, share=share)
