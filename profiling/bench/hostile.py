@@ -330,8 +330,9 @@ def render(report: dict, command: str) -> str:
     lim = report["limits"]
     lines = ["", "## Hostile input: a one-input call beside six abusive callers", "",
              "Command:", "", f"    {command}", "",
-             f"Shared 2-core VM (other helpers' builds and tests ran meanwhile), load average "
-             f"{', '.join(f'{x:.1f}' for x in report['load_average'])} at the end. One gateway, one "
+             f"A 2-core machine, load average "
+             f"{', '.join(f'{x:.1f}' for x in report['load_average'])} at the end (this bench's own "
+             "processes included; anything else running shows here too). One gateway, one "
              f"worker (1 torch thread), an embedded Redis; the probe sends `{PROBE_TEXT!r}` alone, "
              f"then sleeps {report['pace_s'] * 1000:.0f} ms; six abuser threads (one process) send "
              f"back to back. {report['rounds']} rounds x {report['phase_s']:.0f} s per phase; each "
