@@ -50,7 +50,13 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             raise
         except Exception as exc:  # mapped once, in gateway.errors
             code, message = to_status(exc)
-        await context.abort(code, message)
+        # Not context.abort(): gRPC keeps the AbortError it raises, whose traceback holds these
+        # frames and so the request, a cycle only the GC frees (a flood of refused 2 MiB
+        # requests then stalled the loop in GC passes). A status set and no message is the same
+        # answer on the wire.
+        context.set_code(code)
+        context.set_details(message)
+        return None
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         params = EmbedInput(

@@ -133,3 +133,28 @@ def test_an_8mb_truncated_input_gets_the_vector_of_the_whole_string(redis_server
     finally:
         worker.terminate()
         worker.wait(60)
+
+
+def test_a_refused_request_is_freed_at_once_not_by_the_garbage_collector(small_caps):
+    # Aborting with context.abort() made a reference cycle (gRPC keeps the AbortError, whose
+    # traceback holds the handler's frames and so the request): each refused request's megabytes
+    # lived until a GC pass, and under a flood of them those passes stalled the event loop
+    # (bench hostile's refused row). The servicer now sets the status and returns instead.
+    import gc
+
+    rejected(small_caps.Embed, pb.EmbedRequest(inputs=["word " * 300]))  # warm-up
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(3):
+            assert rejected(small_caps.Embed, pb.EmbedRequest(inputs=["word " * 300])).code() \
+                == grpc.StatusCode.INVALID_ARGUMENT
+        gc.collect()
+        # The gateway's side only: this process's client keeps its own (pytest's raises).
+        kept = [o for o in gc.garbage if isinstance(o, EmbedRequestUtf8)
+                or type(o).__name__ in ("AbortError", "InvalidArgument")
+                or (type(o).__name__ == "frame" and "/gateway/" in o.f_code.co_filename)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert kept == []
