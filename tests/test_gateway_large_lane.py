@@ -25,58 +25,56 @@ def _refused() -> None:
     raise InvalidArgument("too long")
 
 
-async def test_with_light_calls_around_a_turn_rests_its_slot_after_answering():
-    lane = LargeLane(threads=1, share=0.5)  # rest one second per second of turn
-    try:
-        lane.light_seen()
-        first_done = await lane.run(_turn)
-        answered = time.monotonic()
-        assert answered - first_done < TURN_S  # the caller was not held for the rest
-        assert lane._slots.locked()  # ...the slot is
-        lane.light_seen()
-        started = time.monotonic()
-        second_done = await lane.run(_turn)
-        # the second turn started only after the first's rest: ~TURN_S after it ended
-        assert second_done - TURN_S - first_done >= 0.9 * TURN_S
-        assert second_done - started >= TURN_S
-    finally:
+@pytest.fixture
+def make_lane():
+    lanes = []
+
+    def make(threads: int, share: float) -> LargeLane:
+        lanes.append(LargeLane(threads, share))
+        return lanes[-1]
+    yield make
+    for lane in lanes:
         lane.close()
 
 
-async def test_a_refused_request_rests_its_slot_too():
-    lane = LargeLane(threads=1, share=0.5)
-    try:
-        lane.light_seen()
-        with pytest.raises(InvalidArgument):
-            await lane.run(_refused)
-        assert lane._slots.locked()
-        await asyncio.sleep(1.5 * TURN_S)
-        assert not lane._slots.locked()
-    finally:
-        lane.close()
+async def test_with_light_calls_around_a_turn_rests_its_slot_after_answering(make_lane):
+    lane = make_lane(1, 0.5)  # rest one second per second of turn
+    lane.light_seen()
+    first_done = await lane.run(_turn)
+    assert lane._slots.locked()  # the caller is answered; its slot rests on
+    lane.light_seen()
+    started = time.monotonic()
+    second_done = await lane.run(_turn)
+    # the second turn started only after the first's rest: ~TURN_S after it ended
+    assert second_done - TURN_S - first_done >= 0.9 * TURN_S
+    assert second_done - started >= TURN_S
 
 
-async def test_without_light_calls_turns_follow_each_other():
-    lane = LargeLane(threads=1, share=0.25)
-    try:
-        await lane.run(_turn)
-        assert not lane._slots.locked()  # never seen a light call
-        lane.light_seen()
-        await asyncio.sleep(LIGHT_RECENT_S * 1.2)  # ...seen, but longer ago than "being served"
-        await lane.run(_turn)
-        assert not lane._slots.locked()
-    finally:
-        lane.close()
+async def test_a_refused_request_rests_its_slot_too(make_lane):
+    lane = make_lane(1, 0.5)
+    lane.light_seen()
+    with pytest.raises(InvalidArgument):
+        await lane.run(_refused)
+    assert lane._slots.locked()
+    await asyncio.sleep(1.5 * TURN_S)
+    assert not lane._slots.locked()
 
 
-async def test_share_one_never_rests():
-    lane = LargeLane(threads=2, share=1.0)
-    try:
-        lane.light_seen()
-        await asyncio.gather(lane.run(_turn), lane.run(_turn))
-        assert lane._slots._value == 2
-    finally:
-        lane.close()
+async def test_without_light_calls_turns_follow_each_other(make_lane):
+    lane = make_lane(1, 0.25)
+    await lane.run(_turn)
+    assert not lane._slots.locked()  # never seen a light call
+    lane.light_seen()
+    await asyncio.sleep(LIGHT_RECENT_S * 1.2)  # ...seen, but longer ago than "being served"
+    await lane.run(_turn)
+    assert not lane._slots.locked()
+
+
+async def test_share_one_never_rests(make_lane):
+    lane = make_lane(2, 1.0)
+    lane.light_seen()
+    await asyncio.gather(lane.run(_turn), lane.run(_turn))
+    assert lane._slots._value == 2
 
 
 @pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
