@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from tokq.config import ConfigError, GatewayConfig
-from tokq.gateway.errors import Unauthenticated
+from tokq.gateway.errors import Unauthenticated, refuse
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
@@ -81,10 +81,11 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def streaming(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        refuse(context, grpc.StatusCode.UNAUTHENTICATED, message)
+        return
         yield  # pragma: no cover (makes this an async generator, as streaming handlers are)
 
     kwargs = dict(request_deserializer=handler.request_deserializer,

@@ -2,7 +2,8 @@
 mapped.
 
 Handlers raise ``ServiceError`` (or let queue/Redis exceptions through); ``to_status`` turns any
-exception into (gRPC code, message) so the servicer aborts the call exactly once, the same way, and
+exception into (gRPC code, message) so the servicer refuses the call exactly once, the same way
+(``refuse``), and
 ``to_http`` turns the same exception into the HTTP status and OpenAI-style error object.
 
 What a caller reads never holds internal detail (a Redis host:port, exception text, a worker's
@@ -172,6 +173,17 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return code, f"{UNAVAILABLE_MESSAGE} [{cid}]"
     log.error("internal error [%s]: %s: %s", cid, type(exc).__name__, exc, exc_info=exc)
     return code, _internal_message(cid)
+
+
+def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """Ends a gRPC call with ``code``: the handler sets it and returns (no response message).
+
+    Not ``context.abort()``: gRPC keeps the AbortError that raises on the call's state, and its
+    traceback holds the handler's frames and so the request: a cycle only the GC frees. A flood
+    of refused 2 MiB requests then stalled the event loop in 14-30 ms GC passes (bench hostile).
+    The answer on the wire is the same."""
+    context.set_code(code)
+    context.set_details(message)
 
 
 def status_name(exc: BaseException) -> str:

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 
 from tokq.gateway.embedding import EmbedInput, Embedder
-from tokq.gateway.errors import to_status
+from tokq.gateway.errors import refuse, to_status
 from tokq.client import GATEWAY_ID_METADATA
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -50,12 +50,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             raise
         except Exception as exc:  # mapped once, in gateway.errors
             code, message = to_status(exc)
-        # Not context.abort(): gRPC keeps the AbortError it raises, whose traceback holds these
-        # frames and so the request, a cycle only the GC frees (a flood of refused 2 MiB
-        # requests then stalled the loop in GC passes). A status set and no message is the same
-        # answer on the wire.
-        context.set_code(code)
-        context.set_details(message)
+        refuse(context, code, message)
         return None
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:

@@ -45,3 +45,25 @@ def running_gateway(redis_url: str, **settings):
         loop.call_soon_threadsafe(state["stop"].set)
         thread.join(30)
         loop.close()
+
+
+def left_for_the_gc(calls) -> list:
+    """What ``calls()`` (refused calls to an in-process gateway) leaves on the gateway's side
+    for the garbage collector: its requests, errors and frames. Expected: nothing (a refused
+    call's request must be freed at once, not by a GC pass; see ``gateway.errors.refuse``)."""
+    import gc
+
+    from tokq.gateway.wire import EmbedRequestUtf8
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        calls()
+        gc.collect()
+        # The gateway's side only: a client in this process keeps its own (pytest's raises).
+        return [o for o in gc.garbage if isinstance(o, EmbedRequestUtf8)
+                or type(o).__name__ in ("AbortError", "InvalidArgument", "Unauthenticated")
+                or (type(o).__name__ == "frame" and "/gateway/" in o.f_code.co_filename)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 
-from gateway_support import running_gateway
+from gateway_support import left_for_the_gc, running_gateway
 from tokq import config as cfg
 from tokq.gateway.validate import Limits
 from tokq.gateway.wire import EmbedRequestUtf8
@@ -140,21 +140,9 @@ def test_a_refused_request_is_freed_at_once_not_by_the_garbage_collector(small_c
     # traceback holds the handler's frames and so the request): each refused request's megabytes
     # lived until a GC pass, and under a flood of them those passes stalled the event loop
     # (bench hostile's refused row). The servicer now sets the status and returns instead.
-    import gc
-
-    rejected(small_caps.Embed, pb.EmbedRequest(inputs=["word " * 300]))  # warm-up
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    def refused():
         for _ in range(3):
             assert rejected(small_caps.Embed, pb.EmbedRequest(inputs=["word " * 300])).code() \
                 == grpc.StatusCode.INVALID_ARGUMENT
-        gc.collect()
-        # The gateway's side only: this process's client keeps its own (pytest's raises).
-        kept = [o for o in gc.garbage if isinstance(o, EmbedRequestUtf8)
-                or type(o).__name__ in ("AbortError", "InvalidArgument")
-                or (type(o).__name__ == "frame" and "/gateway/" in o.f_code.co_filename)]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-    assert kept == []
+    refused()  # warm-up
+    assert left_for_the_gc(refused) == []

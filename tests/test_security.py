@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gateway_support import running_gateway
+from gateway_support import left_for_the_gc, running_gateway
 from tokq import Client, TokqError
 from tokq.redis_server import free_port
 
@@ -121,6 +121,11 @@ def test_api_keys_are_required_except_for_health(redis_url, tmp_path):
             with Client(target, api_key=key) as client, pytest.raises(TokqError) as err:
                 client.embed(["no entry"], timeout=10)
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and needle in err.value.message
+
+        def refused():
+            with Client(target, api_key="wrong") as client, pytest.raises(TokqError):
+                client.embed(["no entry"], timeout=10)
+        assert left_for_the_gc(refused) == []  # gateway.errors.refuse, not context.abort()
         with grpc.insecure_channel(target) as channel:
             assert _health(channel) in ANSWERED  # probes carry no key
             with pytest.raises(grpc.RpcError) as err:  # reflection describes the API: keyed too
