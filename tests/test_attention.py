@@ -3,18 +3,22 @@ sees a neighbour's tokens, causal masks stay inside a sequence, GQA shares kv he
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.workers import attention, matmul_attention
+from tokq.workers import attention, cpu_attention, matmul_attention
 from tokq.workers.layout import build_layout
 
 SEQ_LENS = [3, 1, 7, 3, 12, 1, 7, 20, 7, 2, 40, 70, 33, 70, 16]  # every bucket, and past them
 HEAD_DIM = 16
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NO_CPU_VARLEN = attention.unavailable_reason("cpu_varlen", torch.device("cpu"), torch.float32)
+needs_cpu_varlen = pytest.mark.skipif(bool(NO_CPU_VARLEN), reason=f"cpu_varlen: {NO_CPU_VARLEN}")
 
 
 def _batch(lens=SEQ_LENS) -> PackedBatch:
@@ -90,6 +94,47 @@ def test_cpu_backends_in_bf16_match_reference_with_short_rows_through_matmul(bac
     [plan] = plans
     assert plan.blocks and max(b.seqlen for b in plan.blocks) <= max_seqlen
     assert sorted({r.seqlen for r in plan.rest}) == ([70] if max_seqlen == 64 else [])
+
+
+def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype):
+    """q, k, v as the model has them: strided views of one fused projection's output."""
+    gen = torch.Generator().manual_seed(1)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=gen).to(dtype)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    return (qkv[:, :q_end].unflatten(1, (num_heads, head_dim)),
+            qkv[:, q_end:k_end].unflatten(1, (num_kv_heads, head_dim)),
+            qkv[:, k_end:].unflatten(1, (num_kv_heads, head_dim)))
+
+
+@needs_cpu_varlen
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa2", "mqa"])
+@pytest.mark.parametrize("head_dim", [32, 24], ids=["d32", "d24"])  # vector path, generic path
+def test_cpu_varlen_matches_reference(dtype, causal, heads, head_dim):
+    batch = _batch(SEQ_LENS + [200])  # 200: keys over many 16-key blocks
+    q, k, v = _fused_qkv(batch.num_tokens, *heads, head_dim, dtype)
+    scale = head_dim ** -0.5
+    out = _run("cpu_varlen", q, k, v, batch, causal, scale)
+    ref = _reference(q, k, v, batch.cu_seqlens, causal, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@needs_cpu_varlen
+def test_cpu_varlen_gives_the_same_bits_on_any_number_of_threads():
+    batch = _batch()
+    q, k, v = _fused_qkv(batch.num_tokens, 4, 2, 32, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run("cpu_varlen", q, k, v, batch, True, 0.2)
+        torch.set_num_threads(3)  # the sequences split three ways, each computed the same
+        assert torch.equal(_run("cpu_varlen", q, k, v, batch, True, 0.2), one)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _spy_plans(monkeypatch) -> list:
@@ -189,8 +234,17 @@ def test_already_sorted_batch_is_not_copied():
     assert [(r.num_seqs, r.seqlen) for r in layout.runs] == [(1, 1), (2, 2), (1, 9)]
 
 
-def test_auto_backend_on_cpu_is_packed_sdpa():
-    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_packed"
+def test_auto_backend_on_cpu_is_the_c_kernel_else_packed_sdpa(monkeypatch):
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = "sdpa_packed" if NO_CPU_VARLEN else "cpu_varlen"
+        assert attention.choose_backend("auto", cpu, dtype) == expected
+    # no compiler: auto falls back, and asking for the kernel says why not
+    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_attention, "_library", functools.cache(cpu_attention._library.__wrapped__))
+    assert attention.choose_backend("auto", cpu, torch.float32) == "sdpa_packed"
+    with pytest.raises(ValueError, match="no C compiler"):
+        attention.choose_backend("cpu_varlen", cpu, torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])

@@ -12,6 +12,7 @@ import torch
 
 from tokq.batch import PackedBatch
 from tokq.model_info import UnsupportedModel
+from tokq.workers import attention
 from tokq.workers.engine import Engine
 
 TEXTS = [
@@ -51,7 +52,8 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def test_defaults_are_bundled_model_on_cpu(engine):
     assert engine.info.name == "all-MiniLM-L6-v2"
     assert engine.device == torch.device("cpu") and engine.dtype == torch.float32
-    assert engine.attn_backend == "sdpa_packed"
+    assert engine.attn_backend == attention.choose_backend("auto", engine.device, engine.dtype)
+    assert engine.attn_backend in ("cpu_varlen", "sdpa_packed")  # the C kernel where it builds
     assert engine.linear_backend == "onednn"
     assert engine.info.pooling == "mean" and engine.info.max_length == 256
 

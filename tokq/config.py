@@ -120,7 +120,8 @@ class WorkerConfig(_Validated):
     dtype: str = setting("auto", "weights and activations dtype; auto = bf16 where the device "
                          "runs it natively (sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on "
                          "sm70-75 GPUs, else fp32", choices=DTYPES)
-    attn_backend: str = setting("auto", "auto | flash_attn | torch_varlen | sdpa ...")
+    attn_backend: str = setting("auto", "auto | flash_attn | torch_varlen | cpu_varlen | "
+                                "sdpa_packed | sdpa_grouped | sdpa_loop")
     token_budget: int = setting(0, "tokens per batch; 0 = the published budget (tokq profile "
                                 "--apply), else a per-device default", min=0, max=10_000_000)
     # Workers sharing a host with each other or with a gateway want fewer: oversubscribed

@@ -7,6 +7,9 @@ Backends (``auto`` picks the first that can run, in this order):
                           imports (one built for another torch is skipped, with a log line)
         ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16;
                           its keywords differ per version, checked one by one)
+  CPU:  ``cpu_varlen``    a small C kernel (workers/cpu_attention.c, built on first use with the
+                          machine's compiler): each sequence read in place, fp32 math; float32
+                          and bfloat16. Skipped, with the reason, when it cannot be built.
   CPU (and CUDA fallback: k, v heads repeated, since enable_gqa would drop CUDA SDPA to its
   math kernel), sequences sorted by length once per batch:
         ``sdpa_packed``   sequences of <= 32 (33-64) tokens packed side by side into rows of 32
@@ -38,12 +41,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokq.workers import matmul_attention
+from tokq.workers import cpu_attention, matmul_attention
 from tokq.workers.layout import Layout
 
 log = logging.getLogger("tokq.attention")
 
-BACKENDS = ("flash_attn", "torch_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
+BACKENDS = ("flash_attn", "torch_varlen", "cpu_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
 
 
 # CPU, bf16/fp16: runs of at most this many slots per sequence (or row) attend through plain
@@ -151,6 +154,9 @@ def attend_fn(backend: str, device: torch.device | str = "cpu") -> AttendFn:
         return _flash_attn_attend()
     if backend == "torch_varlen":
         return _torch_varlen_attend()
+    if backend == "cpu_varlen":
+        return lambda q, k, v, layout, causal, scale: cpu_attention.attend(
+            q, k, v, layout.cu_seqlens, causal, scale)
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}")
     return _sdpa_attend(expand_kv=torch.device(device).type == "cuda")
@@ -177,6 +183,8 @@ def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype) -
         return f"unknown attention backend {backend!r}; known: auto, {', '.join(BACKENDS)}"
     if backend.startswith("sdpa_"):
         return None
+    if backend == "cpu_varlen":
+        return cpu_attention.unavailable_reason(device, dtype)
     if device.type != "cuda":
         return f"{backend} needs a CUDA device (have {device})"
     if dtype not in (torch.float16, torch.bfloat16):

@@ -225,6 +225,10 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+# the CPU attention backends, each measured (the one auto did not pick as a variant)
+CPU_BACKENDS = ("cpu_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
+
+
 @contextlib.contextmanager
 def sdpa_kernel_only():
     """The sdpa backends without their matmul path for short rows (attention.MATMUL_MAX_SEQLEN):
@@ -308,7 +312,7 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     engine = Engine.load(model, device="cpu", dtype=dtype)  # what auto picks
     # the alternatives auto did not pick, each changing one thing
     variants = {backend: {"dtype": dtype, "attn_backend": backend}
-                for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop") if backend != engine.attn_backend}
+                for backend in CPU_BACKENDS if backend != engine.attn_backend}
     variants["F.linear"] = {"dtype": dtype, "linear": "torch"}
     if engine.dtype != torch.float32:
         variants["fp32"] = {"dtype": "float32"}
@@ -389,7 +393,8 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     print(f"\nthe same by op ({dtype}, torch profiler, self CPU time):\n")
     print(op_table(engine, backend_batches))
     attn_ms = {backend: attention_ms_per_layer(engine, backend_batches, backend)
-               for backend in ("sdpa_packed", "sdpa_grouped", "sdpa_loop")}
+               for backend in CPU_BACKENDS if attention.unavailable_reason(
+                   backend, engine.device, engine.dtype) is None}
     if engine.dtype != torch.float32:
         with sdpa_kernel_only():
             attn_ms["sdpa_packed, SDPA kernel only"] = attention_ms_per_layer(

@@ -1,0 +1,227 @@
+/* Varlen attention for CPU: every sequence of a packed batch attends to itself, read in place
+ * from q/k/v of [T, H, D] (any row strides, D contiguous), bf16 or fp32 in, fp32 math, written
+ * to a contiguous [T, Hq, D] out of the same dtype. Built by workers/cpu_attention.py with the
+ * machine's own compiler flags (-O3 -march=native) on first use; torch has no CPU varlen kernel.
+ *
+ * Why it is faster than batched matmuls over padded rows (workers/matmul_attention.py): a
+ * short-query batch's attention is ~20 MFLOP per layer, so the cost there is gathers, empty
+ * slots and per-op overhead, none of which this has. Per (sequence, head): K transposed and V
+ * converted to fp32 once, then per query row: scores for all keys (a vector over keys, D
+ * multiply-adds), softmax, and the weighted sum of V rows (a vector over D).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+
+#define KEYS 16 /* keys per block: one 512-bit vector of floats */
+
+/* GCC/clang vector extensions: the compiler picks the machine's instructions (one AVX-512
+ * register, two AVX2 ones, ...); written out because auto-vectorizing these short loops chose
+ * the wrong loop to vectorize (scalar gathers across K^T's rows). */
+typedef float v16 __attribute__((vector_size(KEYS * sizeof(float))));
+
+static inline v16 load16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+typedef int32_t v16i __attribute__((vector_size(KEYS * sizeof(int32_t))));
+typedef uint32_t v16u __attribute__((vector_size(KEYS * sizeof(uint32_t))));
+typedef uint16_t v16h __attribute__((vector_size(KEYS * sizeof(uint16_t))));
+
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits; /* no NaN branch: finite inputs give finite outputs, and it vectorizes */
+    memcpy(&bits, &f, 4);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline void load_row(const void *base, int dtype, int64_t offset, int d, float *dst) {
+    if (dtype == DTYPE_BF16 && d % 16 == 0) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int c = 0; c < d; c += 16) {
+            v16h half;
+            memcpy(&half, src + c, sizeof half);
+            v16u bits = __builtin_convertvector(half, v16u) << 16;
+            memcpy(dst + c, &bits, sizeof bits);
+        }
+    } else if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)d * sizeof(float));
+    }
+}
+
+static void *alloc_floats(size_t n) { /* 64-byte aligned, size a multiple of 64 (C11) */
+    return aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63);
+}
+
+/* e^x for x <= 0 (scores minus their max), ~1 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by
+ * Cephes' degree-6 polynomial, times 2^n through the exponent bits. libm's expf is scalar
+ * here and was ~15% of the kernel's time. */
+static inline v16 exp16_nonpositive(v16 x) {
+    const v16 lo = x - x - 87.0f; /* below this e^x is under float's normal range: 0 */
+    v16i under = x < lo;
+    x = (v16)(((v16i)x & ~under) | ((v16i)lo & under));
+    v16i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i); /* round, x <= 0 */
+    v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v16 p = r * 0.0f + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16 scale = (v16)((n + 127) << 23);
+    return (v16)((v16i)(p * scale) & ~under);
+}
+
+/* One (sequence, kv head group): ``d`` is a compile-time constant where inlined below. */
+static inline void attend_one(const void *q, const void *k, const void *v, void *out, int dtype,
+                              int64_t start, int len, int hk, int group, int num_q_heads,
+                              const int d, int64_t q_stride_t, int64_t q_stride_h,
+                              int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
+                              int64_t v_stride_h, int causal, float scale, float *kt, float *vf,
+                              float *scores, float *qrow, float *acc) {
+    const int width = (len + KEYS - 1) / KEYS * KEYS;
+    /* K^T [d, width] (zero past len) and V [len, d], in fp32 */
+    for (int j = 0; j < len; j++) {
+        load_row(k, dtype, (start + j) * k_stride_t + hk * k_stride_h, d, qrow);
+        for (int i = 0; i < d; i++) kt[(size_t)i * width + j] = qrow[i];
+        load_row(v, dtype, (start + j) * v_stride_t + hk * v_stride_h, d, vf + (size_t)j * d);
+    }
+    for (int i = 0; i < d; i++)
+        for (int j = len; j < width; j++) kt[(size_t)i * width + j] = 0.0f;
+    for (int g = 0; g < group; g++) {
+        const int h = hk * group + g;
+        for (int t = 0; t < len; t++) {
+            load_row(q, dtype, (start + t) * q_stride_t + h * q_stride_h, d, qrow);
+            const int keys = causal ? t + 1 : len;
+            const int blocks = (keys + KEYS - 1) / KEYS;
+            for (int i = 0; i < d; i++) qrow[i] *= scale;
+            for (int b = 0; b < blocks; b++) {
+                /* four chains, not one: a chain of d dependent FMAs waits on their latency */
+                v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+                const float *kb = kt + b * KEYS;
+                int i = 0;
+                for (; i + 4 <= d; i += 4) {
+                    s0 += qrow[i] * load16(kb + (size_t)i * width);
+                    s1 += qrow[i + 1] * load16(kb + (size_t)(i + 1) * width);
+                    s2 += qrow[i + 2] * load16(kb + (size_t)(i + 2) * width);
+                    s3 += qrow[i + 3] * load16(kb + (size_t)(i + 3) * width);
+                }
+                for (; i < d; i++) s0 += qrow[i] * load16(kb + (size_t)i * width);
+                store16(scores + b * KEYS, (s0 + s1) + (s2 + s3));
+            }
+            float m = scores[0]; /* built with -ffast-math: no infinities */
+            for (int j = 1; j < keys; j++) m = scores[j] > m ? scores[j] : m;
+            /* exp over whole blocks (vectorized, no scalar tail); the keys past the last
+             * allowed one (padding, or ahead of a causal query) weigh nothing */
+            const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            v16 total = {0};
+            for (int b = 0; b < blocks; b++) {
+                v16 e = exp16_nonpositive(load16(scores + b * KEYS) - m);
+                e = (v16)((v16i)e & (lane < keys - b * KEYS)); /* keys past the last: 0 */
+                store16(scores + b * KEYS, e);
+                total += e;
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < KEYS; j++) sum += total[j];
+            if (d % KEYS == 0) {
+                for (int c = 0; c < d; c += KEYS) {
+                    v16 a0 = {0}, a1 = {0}; /* two chains over the keys */
+                    const float *vc = vf + c;
+                    int j = 0;
+                    for (; j + 2 <= keys; j += 2) {
+                        a0 += scores[j] * load16(vc + (size_t)j * d);
+                        a1 += scores[j + 1] * load16(vc + (size_t)(j + 1) * d);
+                    }
+                    if (j < keys) a0 += scores[j] * load16(vc + (size_t)j * d);
+                    store16(acc + c, a0 + a1);
+                }
+            } else {
+                for (int i = 0; i < d; i++) acc[i] = 0.0f;
+                for (int j = 0; j < keys; j++)
+                    for (int i = 0; i < d; i++) acc[i] += scores[j] * vf[(size_t)j * d + i];
+            }
+            const float inv = 1.0f / sum;
+            const int64_t o = ((start + t) * num_q_heads + h) * (int64_t)d;
+            if (dtype == DTYPE_BF16 && d % KEYS == 0) {
+                for (int c = 0; c < d; c += KEYS) {
+                    v16i bits = (v16i)(load16(acc + c) * inv); /* round to nearest even */
+                    bits += 0x7fff + ((bits >> 16) & 1);
+                    v16h half = __builtin_convertvector((v16u)bits >> 16, v16h);
+                    memcpy((uint16_t *)out + o + c, &half, sizeof half);
+                }
+            } else if (dtype == DTYPE_BF16) {
+                uint16_t *dst = (uint16_t *)out + o;
+                for (int i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[i] * inv);
+            } else {
+                float *dst = (float *)out + o;
+                for (int i = 0; i < d; i++) dst[i] = acc[i] * inv;
+            }
+        }
+    }
+}
+
+/* Sequences [first_seq, last_seq) of the batch. Returns 0, or -1 when scratch memory could not
+ * be had. Strides are in elements. */
+int tokq_varlen_attention(const void *q, const void *k, const void *v, void *out, int dtype,
+                          const int64_t *cu_seqlens, int first_seq, int last_seq, int num_q_heads,
+                          int num_kv_heads, int head_dim, int64_t q_stride_t, int64_t q_stride_h,
+                          int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
+                          int64_t v_stride_h, int causal, float scale) {
+    int max_len = 0;
+    for (int b = first_seq; b < last_seq; b++) {
+        int len = (int)(cu_seqlens[b + 1] - cu_seqlens[b]);
+        if (len > max_len) max_len = len;
+    }
+    const int padded = (max_len + KEYS - 1) / KEYS * KEYS;
+    const int d = head_dim;
+    const int group = num_q_heads / num_kv_heads;
+    float *kt = alloc_floats((size_t)d * padded);
+    float *vf = alloc_floats((size_t)padded * d);
+    float *scores = alloc_floats((size_t)padded);
+    float *qrow = alloc_floats((size_t)d);
+    float *acc = alloc_floats((size_t)d);
+    if (!kt || !vf || !scores || !qrow || !acc) {
+        free(kt); free(vf); free(scores); free(qrow); free(acc);
+        return -1;
+    }
+    for (int b = first_seq; b < last_seq; b++) {
+        const int64_t start = cu_seqlens[b];
+        const int len = (int)(cu_seqlens[b + 1] - start);
+        if (len == 0) continue;
+        for (int hk = 0; hk < num_kv_heads; hk++) {
+#define ATTEND(D) attend_one(q, k, v, out, dtype, start, len, hk, group, num_q_heads, D, \
+                             q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, \
+                             v_stride_h, causal, scale, kt, vf, scores, qrow, acc)
+            /* the common head sizes get loops of a known trip count */
+            switch (d) {
+                case 32: ATTEND(32); break;
+                case 64: ATTEND(64); break;
+                case 128: ATTEND(128); break;
+                default: ATTEND(d);
+            }
+#undef ATTEND
+        }
+    }
+    free(kt); free(vf); free(scores); free(qrow); free(acc);
+    return 0;
+}
