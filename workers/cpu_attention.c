@@ -180,10 +180,12 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
     }
 }
 
-/* Sequences [first_seq, last_seq) of the batch. Returns 0, or -1 when scratch memory could not
+/* Sequences [first_seq, last_seq) of the batch, kv heads [first_kv_head, last_kv_head) (and the
+ * query heads that share them). Returns 0, or -1 when scratch memory could not
  * be had. Strides are in elements. */
 int tokq_varlen_attention(const void *q, const void *k, const void *v, void *out, int dtype,
-                          const int64_t *cu_seqlens, int first_seq, int last_seq, int num_q_heads,
+                          const int64_t *cu_seqlens, int first_seq, int last_seq,
+                          int first_kv_head, int last_kv_head, int num_q_heads,
                           int num_kv_heads, int head_dim, int64_t q_stride_t, int64_t q_stride_h,
                           int64_t k_stride_t, int64_t k_stride_h, int64_t v_stride_t,
                           int64_t v_stride_h, int causal, float scale) {
@@ -208,7 +210,7 @@ int tokq_varlen_attention(const void *q, const void *k, const void *v, void *out
         const int64_t start = cu_seqlens[b];
         const int len = (int)(cu_seqlens[b + 1] - start);
         if (len == 0) continue;
-        for (int hk = 0; hk < num_kv_heads; hk++) {
+        for (int hk = first_kv_head; hk < last_kv_head; hk++) {
 #define ATTEND(D) attend_one(q, k, v, out, dtype, start, len, hk, group, num_q_heads, D, \
                              q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, \
                              v_stride_h, causal, scale, kt, vf, scores, qrow, acc)

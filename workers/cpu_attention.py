@@ -8,8 +8,8 @@ the packed ``[T, H, D]`` views and writes ``[T, Hq, D]``. When no compiler is at
 build fails) the worker keeps the torch backends; ``unavailable_reason`` says why.
 
 Threads: the C call releases the GIL (ctypes), so with torch set to N threads the batch's
-sequences are split into N chunks of about equal work, run on a pool of N - 1 threads and the
-caller's.
+kv heads (then, past their number, the sequences) are split into N parts of about equal work,
+run on a pool of N - 1 threads and the caller's.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"loading {path} failed: {exc}"
     fn = lib.tokq_varlen_attention
     i64, c_int = ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [c_int, ctypes.c_void_p, c_int, c_int, c_int, c_int,
-                                           c_int] + [i64] * 6 + [c_int, ctypes.c_float]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [c_int, ctypes.c_void_p] + [c_int] * 7 + [i64] * 6 + [
+        c_int, ctypes.c_float]
     fn.restype = c_int
     return lib, None
 
@@ -103,13 +103,27 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="cpu-attention")
 
 
-def _chunks(cu: np.ndarray, num_heads: int, parts: int) -> list[tuple[int, int]]:
-    """[first, last) sequence ranges of about equal work (sum of length^2 over heads)."""
-    lengths = np.diff(cu)
-    work = np.cumsum(lengths.astype(np.float64) ** 2 + lengths)  # scores + the rest
-    bounds = np.searchsorted(work, work[-1] * np.arange(1, parts) / parts)
-    edges = [0, *sorted(set(int(b) + 1 for b in bounds)), len(lengths)]
+def _even(n: int, parts: int) -> list[tuple[int, int]]:
+    edges = [n * i // parts for i in range(parts + 1)]
     return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
+
+
+def _seq_chunks(cu: np.ndarray, parts: int) -> list[tuple[int, int]]:
+    """[first, last) sequence ranges of about equal work (length^2 + length each); a sequence is
+    never split, so one long one can leave a range heavier than the rest."""
+    lengths = np.diff(cu).astype(np.float64)
+    work = np.cumsum(lengths ** 2 + lengths)
+    bounds = np.searchsorted(work, work[-1] * np.arange(1, parts) / parts, side="right")
+    edges = [0, *sorted(set(int(b) for b in bounds) - {0, len(lengths)}), len(lengths)]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
+
+
+def _parts(cu: np.ndarray, num_kv_heads: int, threads: int) -> list[tuple[int, int, int, int]]:
+    """(first seq, last seq, first kv head, last kv head) per thread: kv heads split first
+    (equal work whatever the lengths), sequences too when there are more threads than heads."""
+    heads = _even(num_kv_heads, min(threads, num_kv_heads))
+    seqs = _seq_chunks(cu, max(1, threads // len(heads)))
+    return [(a, b, h0, h1) for a, b in seqs for h0, h1 in heads]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -132,8 +146,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
             k.stride(1), v.stride(0), v.stride(1), int(causal), scale)
     fn = lib.tokq_varlen_attention
     threads = torch.get_num_threads()
-    parts = _chunks(cu_np, q.shape[1], threads) if threads > 1 and num_seqs > 1 else [(0, num_seqs)]
-    futures = [_pool(threads).submit(fn, *args, a, b, *rest) for a, b in parts[1:]]
+    parts = _parts(cu_np, k.shape[1], threads) if threads > 1 else [(0, num_seqs, 0, k.shape[1])]
+    futures = [_pool(threads).submit(fn, *args, *part, *rest) for part in parts[1:]]
     codes = [fn(*args, *parts[0], *rest)] + [f.result() for f in futures]
     if any(codes):
         raise MemoryError("cpu_varlen: no memory for its scratch rows")
