@@ -5,7 +5,9 @@ torch has no CPU varlen attention (``varlen_attn`` is CUDA-only), and on short-q
 the padded-row matmuls of ``matmul_attention`` spend their time on gathers, empty slots and
 per-op overhead rather than arithmetic. The kernel reads each sequence's q, k, v in place from
 the packed ``[T, H, D]`` views and writes ``[T, Hq, D]``. When no compiler is at hand (or the
-build fails) the worker keeps the torch backends; ``unavailable_reason`` says why.
+build fails, or the cache directory is not writable: ``$TOKQ_CACHE_DIR``, else
+``$XDG_CACHE_HOME/tokq``, else ``~/.cache/tokq``) the worker keeps the torch backends;
+``unavailable_reason`` says why.
 
 Threads: the C call releases the GIL (ctypes), so with torch set to N threads the batch's
 kv heads (then, past their number, the sequences) are split into N parts of about equal work,
