@@ -274,3 +274,15 @@ def test_cuda_backends_match_reference_in_bf16(backend, causal):
     out = _run(backend, q, k, v, batch, causal, scale)
     ref = _reference(q, k, v, batch.cu_seqlens, causal, scale)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_cpu_varlen
+def test_cpu_varlen_takes_empty_sequences_and_an_empty_batch():
+    q, k, v = _qkv(7, 2, 2)
+    cu = torch.tensor([0, 0, 3, 3, 7], dtype=torch.int32)  # two empty sequences among them
+    out = cpu_attention.attend(q, k, v, cu, False, 0.25)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, cu.tolist(), False, 0.25),
+                               atol=1e-5, rtol=1e-5)
+    none = cpu_attention.attend(q[:0], k[:0], v[:0], torch.tensor([0, 0], dtype=torch.int32),
+                                False, 0.25)
+    assert none.shape == (0, 2, HEAD_DIM)

@@ -194,7 +194,8 @@ int tokq_varlen_attention(const void *q, const void *k, const void *v, void *out
         int len = (int)(cu_seqlens[b + 1] - cu_seqlens[b]);
         if (len > max_len) max_len = len;
     }
-    const int padded = (max_len + KEYS - 1) / KEYS * KEYS;
+    /* at least one block: aligned_alloc may return NULL for 0 bytes (a range of empty ones) */
+    const int padded = (max_len > 0 ? max_len + KEYS - 1 : KEYS) / KEYS * KEYS;
     const int d = head_dim;
     const int group = num_q_heads / num_kv_heads;
     float *kt = alloc_floats((size_t)d * padded);
