@@ -114,6 +114,8 @@ def _seq_chunks(cu: np.ndarray, parts: int) -> list[tuple[int, int]]:
     """[first, last) sequence ranges of about equal work (length^2 + length each); a sequence is
     never split, so one long one can leave a range heavier than the rest."""
     lengths = np.diff(cu).astype(np.float64)
+    if parts <= 1 or len(lengths) <= 1:
+        return [(0, len(lengths))]
     work = np.cumsum(lengths ** 2 + lengths)
     bounds = np.searchsorted(work, work[-1] * np.arange(1, parts) / parts, side="right")
     edges = [0, *sorted(set(int(b) for b in bounds) - {0, len(lengths)}), len(lengths)]
