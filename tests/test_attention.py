@@ -286,3 +286,25 @@ def test_cpu_varlen_takes_empty_sequences_and_an_empty_batch():
     none = cpu_attention.attend(q[:0], k[:0], v[:0], torch.tensor([0, 0], dtype=torch.int32),
                                 False, 0.25)
     assert none.shape == (0, 2, HEAD_DIM)
+
+
+@needs_cpu_varlen
+def test_cpu_varlen_builds_into_tokq_cache_dir_and_falls_back_when_it_cannot(monkeypatch, tmp_path):
+    def fresh_library():  # the build as a new worker process would do it
+        monkeypatch.setattr(cpu_attention, "_library",
+                            functools.cache(cpu_attention._library.__wrapped__))
+
+    monkeypatch.setenv("TOKQ_CACHE_DIR", str(tmp_path / "cache"))
+    fresh_library()
+    assert attention.unavailable_reason("cpu_varlen", torch.device("cpu"), torch.float32) is None
+    [built] = (tmp_path / "cache").glob("cpu_attention-*.so")
+    q, k, v = _qkv(5, 2, 2)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    torch.testing.assert_close(cpu_attention.attend(q, k, v, cu, False, 0.3).double(),
+                               _reference(q, k, v, cu.tolist(), False, 0.3), atol=1e-5, rtol=1e-5)
+    # a cache that cannot be written (a file where the directory would go): the torch backends
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TOKQ_CACHE_DIR", str(tmp_path / "file"))
+    fresh_library()
+    assert attention.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_packed"
+    assert "failed" in attention.unavailable_reason("cpu_varlen", torch.device("cpu"), torch.float32)

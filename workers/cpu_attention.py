@@ -45,8 +45,9 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("TOKQ_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(base).expanduser() / "tokq"
+    if os.environ.get("TOKQ_CACHE_DIR"):
+        return Path(os.environ["TOKQ_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "tokq"
 
 
 def _cpu_flags() -> str:
