@@ -51,20 +51,19 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 }
 
 static inline void load_row(const void *base, int dtype, int64_t offset, int d, float *dst) {
-    if (dtype == DTYPE_BF16 && d % 16 == 0) {
-        const uint16_t *src = (const uint16_t *)base + offset;
-        for (int c = 0; c < d; c += 16) {
-            v16h half;
-            memcpy(&half, src + c, sizeof half);
-            v16u bits = __builtin_convertvector(half, v16u) << 16;
-            memcpy(dst + c, &bits, sizeof bits);
-        }
-    } else if (dtype == DTYPE_BF16) {
-        const uint16_t *src = (const uint16_t *)base + offset;
-        for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
-    } else {
+    if (dtype != DTYPE_BF16) {
         memcpy(dst, (const float *)base + offset, (size_t)d * sizeof(float));
+        return;
     }
+    const uint16_t *src = (const uint16_t *)base + offset;
+    int i = 0;
+    for (; i + KEYS <= d; i += KEYS) { /* whole vectors, then the rest one by one */
+        v16h half;
+        memcpy(&half, src + i, sizeof half);
+        v16u bits = __builtin_convertvector(half, v16u) << 16;
+        memcpy(dst + i, &bits, sizeof bits);
+    }
+    for (; i < d; i++) dst[i] = bf16_to_f32(src[i]);
 }
 
 static void *alloc_floats(size_t n) { /* 64-byte aligned, size a multiple of 64 (C11) */
@@ -143,35 +142,35 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
             }
             float sum = 0.0f;
             for (int j = 0; j < KEYS; j++) sum += total[j];
-            if (d % KEYS == 0) {
-                for (int c = 0; c < d; c += KEYS) {
-                    v16 a0 = {0}, a1 = {0}; /* two chains over the keys */
-                    const float *vc = vf + c;
-                    int j = 0;
-                    for (; j + 2 <= keys; j += 2) {
-                        a0 += scores[j] * load16(vc + (size_t)j * d);
-                        a1 += scores[j + 1] * load16(vc + (size_t)(j + 1) * d);
-                    }
-                    if (j < keys) a0 += scores[j] * load16(vc + (size_t)j * d);
-                    store16(acc + c, a0 + a1);
+            int c = 0;
+            for (; c + KEYS <= d; c += KEYS) { /* whole vectors of d, then the rest */
+                v16 a0 = {0}, a1 = {0}; /* two chains over the keys */
+                const float *vc = vf + c;
+                int j = 0;
+                for (; j + 2 <= keys; j += 2) {
+                    a0 += scores[j] * load16(vc + (size_t)j * d);
+                    a1 += scores[j + 1] * load16(vc + (size_t)(j + 1) * d);
                 }
-            } else {
-                for (int i = 0; i < d; i++) acc[i] = 0.0f;
-                for (int j = 0; j < keys; j++)
-                    for (int i = 0; i < d; i++) acc[i] += scores[j] * vf[(size_t)j * d + i];
+                if (j < keys) a0 += scores[j] * load16(vc + (size_t)j * d);
+                store16(acc + c, a0 + a1);
+            }
+            for (; c < d; c++) {
+                float a = 0.0f;
+                for (int j = 0; j < keys; j++) a += scores[j] * vf[(size_t)j * d + c];
+                acc[c] = a;
             }
             const float inv = 1.0f / sum;
             const int64_t o = ((start + t) * num_q_heads + h) * (int64_t)d;
-            if (dtype == DTYPE_BF16 && d % KEYS == 0) {
-                for (int c = 0; c < d; c += KEYS) {
-                    v16i bits = (v16i)(load16(acc + c) * inv); /* round to nearest even */
-                    bits += 0x7fff + ((bits >> 16) & 1);
-                    v16h half = __builtin_convertvector((v16u)bits >> 16, v16h);
-                    memcpy((uint16_t *)out + o + c, &half, sizeof half);
-                }
-            } else if (dtype == DTYPE_BF16) {
+            if (dtype == DTYPE_BF16) {
                 uint16_t *dst = (uint16_t *)out + o;
-                for (int i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[i] * inv);
+                int i = 0;
+                for (; i + KEYS <= d; i += KEYS) { /* whole vectors, then the rest */
+                    v16i bits = (v16i)(load16(acc + i) * inv);
+                    bits += 0x7fff + ((bits >> 16) & 1); /* as f32_to_bf16 */
+                    v16h half = __builtin_convertvector((v16u)bits >> 16, v16h);
+                    memcpy(dst + i, &half, sizeof half);
+                }
+                for (; i < d; i++) dst[i] = f32_to_bf16(acc[i] * inv);
             } else {
                 float *dst = (float *)out + o;
                 for (int i = 0; i < d; i++) dst[i] = acc[i] * inv;
@@ -181,8 +180,8 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
 }
 
 /* Sequences [first_seq, last_seq) of the batch, kv heads [first_kv_head, last_kv_head) (and the
- * query heads that share them). Returns 0, or -1 when scratch memory could not
- * be had. Strides are in elements. */
+ * query heads that share them). Returns 0, or -1 when scratch memory could not be had. Strides
+ * are in elements. */
 int tokq_varlen_attention(const void *q, const void *k, const void *v, void *out, int dtype,
                           const int64_t *cu_seqlens, int first_seq, int last_seq,
                           int first_kv_head, int last_kv_head, int num_q_heads,
