@@ -11,7 +11,7 @@ import torch
 from tokq.batch import PackedBatch
 from tokq.flops import forward_flops
 from tokq.model_info import ModelInfo
-from tokq.workers import attention, pooling, prefix_attention, preempt
+from tokq.workers import attention, cpu_memory, pooling, prefix_attention, preempt
 from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
 from tokq.workers.layout import build_layout
 from tokq.workers.loader import load_weights
@@ -56,6 +56,8 @@ class Engine:
         info = ModelInfo.load(path, name, revision)
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
+        if resolved_device.type == "cpu":
+            cpu_memory.keep_freed_memory()  # no page faults on each forward's activations
         backend = attention.choose_backend(attn_backend, resolved_device, resolved_dtype)
         model_cls = Bert if info.family == "bert" else Qwen
         weights = load_weights(info.path, model_cls.ANCHOR, dtype=resolved_dtype)  # on the host
