@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.workers import attention, cpu_attention, matmul_attention
+from tokq.workers import attention, cpu_attention, cpu_build, matmul_attention
 from tokq.workers.layout import build_layout
 
 SEQ_LENS = [3, 1, 7, 3, 12, 1, 7, 20, 7, 2, 40, 70, 33, 70, 16]  # every bucket, and past them
@@ -241,8 +241,8 @@ def test_auto_backend_on_cpu_is_the_c_kernel_else_packed_sdpa(monkeypatch):
         expected = "sdpa_packed" if NO_CPU_VARLEN else "cpu_varlen"
         assert attention.choose_backend("auto", cpu, dtype) == expected
     # no compiler: auto falls back, and asking for the kernel says why not
-    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
-    monkeypatch.setattr(cpu_attention, "_library", functools.cache(cpu_attention._library.__wrapped__))
+    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "library", functools.cache(cpu_build.library.__wrapped__))
     assert attention.choose_backend("auto", cpu, torch.float32) == "sdpa_packed"
     with pytest.raises(ValueError, match="no C compiler"):
         attention.choose_backend("cpu_varlen", cpu, torch.float32)
@@ -291,8 +291,7 @@ def test_cpu_varlen_takes_empty_sequences_and_an_empty_batch():
 @needs_cpu_varlen
 def test_cpu_varlen_builds_into_tokq_cache_dir_and_falls_back_when_it_cannot(monkeypatch, tmp_path):
     def fresh_library():  # the build as a new worker process would do it
-        monkeypatch.setattr(cpu_attention, "_library",
-                            functools.cache(cpu_attention._library.__wrapped__))
+        monkeypatch.setattr(cpu_build, "library", functools.cache(cpu_build.library.__wrapped__))
 
     monkeypatch.setenv("TOKQ_CACHE_DIR", str(tmp_path / "cache"))
     fresh_library()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tokq.model_info import UnsupportedModel
 from tokq.workers.attention import AttendFn
+from tokq.workers.cpu_norm import norm_kernels
 from tokq.workers.layout import Layout
 from tokq.workers.loader import moved, packed, take
 from tokq.workers.models.layers import activation, linear_kernels
@@ -83,6 +84,7 @@ class Bert:
         self.layers = [moved(BertLayer.from_weights(weights, f"encoder.layer.{i}."), device)
                        for i in range(int(config["num_hidden_layers"]))]
         self.linear = linear_kernels(self.word_embeddings.device, self.word_embeddings.dtype, linear_kind)
+        self.norm = norm_kernels(self.word_embeddings.device, self.word_embeddings.dtype)
         self.layers = [packed(layer, self.linear.pack) for layer in self.layers]
 
     @property
@@ -99,10 +101,9 @@ class Bert:
         """Last hidden state ``[T, hidden]`` of the packed batch. ``checkpoint`` is called after
         each step of a layer (qkv, attention, out-proj, MLP up, MLP down; workers/preempt.py:
         light work may run there, so it waits for one such step, not a layer)."""
-        shape = (self.hidden_size,)
         x = F.embedding(layout.input_ids, self.word_embeddings)
         x += F.embedding(layout.positions, self.position_embeddings)
-        x = F.layer_norm(x, shape, self.embed_norm_weight, self.embed_norm_bias, self.eps)
+        x = self.norm(x, self.embed_norm_weight, self.embed_norm_bias, self.eps)
         num_tokens = x.shape[0]
         scale = self.head_dim ** -0.5
         linear = self.linear
@@ -112,12 +113,13 @@ class Bert:
             checkpoint()
             attn = attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], layout, False, scale)
             checkpoint()
-            h = linear.add(attn.reshape(num_tokens, self.hidden_size), layer.out_weight, layer.out_bias, x)
-            x = F.layer_norm(h, shape, layer.attn_norm_weight, layer.attn_norm_bias, self.eps)
+            x = self.norm.linear_add_norm(linear, attn.reshape(num_tokens, self.hidden_size),
+                                          layer.out_weight, layer.out_bias, x,
+                                          layer.attn_norm_weight, layer.attn_norm_bias, self.eps)
             checkpoint()
             h = linear.act(x, layer.up_weight, layer.up_bias, self.act_name)
             checkpoint()
-            h = linear.add(h, layer.down_weight, layer.down_bias, x)
-            x = F.layer_norm(h, shape, layer.mlp_norm_weight, layer.mlp_norm_bias, self.eps)
+            x = self.norm.linear_add_norm(linear, h, layer.down_weight, layer.down_bias, x,
+                                          layer.mlp_norm_weight, layer.mlp_norm_bias, self.eps)
             checkpoint()
         return x

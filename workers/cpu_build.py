@@ -1,0 +1,111 @@
+"""The CPU kernels written in C (``workers/*.c``): compiled with this machine's C compiler on
+first use, cached, loaded through ctypes, and run on torch's number of threads.
+
+torch lacks a CPU varlen attention and its bf16 LayerNorm is slow (workers/cpu_attention.c,
+workers/cpu_norm.c say more). Each source is built with ``-O3 -march=native`` (so for this CPU's
+vector instructions) in well under a second, into ``$TOKQ_CACHE_DIR``, else
+``$XDG_CACHE_HOME/tokq``, else ``~/.cache/tokq``, keyed by the source, flags, compiler and CPU.
+When there is no compiler, the build fails, or the cache cannot be written, ``library`` says why
+and the worker keeps torch's ops. The C calls release the GIL (ctypes), so a kernel's work split
+in N parts runs on a pool of N - 1 threads and the caller's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from tokq.host import cpu_flags
+
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype codes the kernels take
+
+
+def compiler() -> str | None:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc) or shutil.which("cc") or shutil.which("gcc")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("TOKQ_CACHE_DIR"):
+        return Path(os.environ["TOKQ_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "tokq"
+
+
+@functools.cache
+def library(name: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the loaded ``workers/<name>.c``, None) or (None, why not). Built once per source,
+    flags, compiler and CPU (-march=native builds for its feature flags, so a home shared by
+    different machines gets one build per CPU kind)."""
+    source = Path(__file__).with_name(f"{name}.c")
+    cc = compiler()
+    if cc is None:
+        return None, "no C compiler found (cc/gcc)"
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + cc.encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}-{key}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                subprocess.run([cc, *FLAGS, "-o", str(built), str(source), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                os.replace(built, path)  # atomic: concurrent workers never load half a file
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = (getattr(exc, "stderr", "") or str(exc)).strip().splitlines()
+            first_error = next((line for line in detail if "error" in line), detail[-1:] or "")
+            return None, f"building {source.name} failed: {first_error}"
+    try:
+        return ctypes.CDLL(str(path)), None
+    except OSError as exc:
+        return None, f"loading {path} failed: {exc}"
+
+
+def unavailable_reason(name: str, what: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``what`` (the kernel in ``workers/<name>.c``) cannot run here, or None."""
+    if device.type != "cpu":
+        return f"{what} runs on CPU (have {device})"
+    if dtype not in DTYPES:
+        return f"{what} takes float32 or bfloat16 (have {dtype})"
+    return library(name)[1]
+
+
+def function(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr:
+    """``symbol`` of the built ``name``, typed; raises with the reason when it cannot be had."""
+    lib, reason = library(name)
+    if lib is None:
+        raise RuntimeError(reason)
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="cpu-kernel")
+
+
+def run_parts(fn, args_of_part: list[tuple]) -> list[int]:
+    """``fn(*args)`` for each part: the first on the caller's thread, the rest on the pool
+    meanwhile. Returns their return codes (none for no parts)."""
+    if not args_of_part:
+        return []
+    futures = [_pool(torch.get_num_threads()).submit(fn, *args) for args in args_of_part[1:]]
+    return [fn(*args_of_part[0])] + [f.result() for f in futures]
+
+
+def even(n: int, parts: int) -> list[tuple[int, int]]:
+    """[first, last) ranges splitting ``n`` into ``parts`` about equal ones (none empty)."""
+    edges = [n * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
