@@ -1,7 +1,9 @@
 /* Varlen attention for CPU: every sequence of a packed batch attends to itself, read in place
  * from q/k/v of [T, H, D] (any row strides, D contiguous), bf16 or fp32 in, fp32 math, written
- * to a contiguous [T, Hq, D] out of the same dtype. Built by workers/cpu_attention.py with the
+ * to a contiguous [T, Hq, D] out of the same dtype. Built by workers/cpu_build.py with the
  * machine's own compiler flags (-O3 -march=native) on first use; torch has no CPU varlen kernel.
+ * Vectors are written out (workers/cpu_vec.h) because auto-vectorizing these short loops chose
+ * the wrong loop to vectorize (scalar gathers across K^T's rows).
  *
  * Why it is faster than batched matmuls over padded rows (workers/matmul_attention.py): a
  * short-query batch's attention is ~20 MFLOP per layer, so the cost there is gathers, empty
@@ -9,47 +11,14 @@
  * converted to fp32 once, then per group of ROWS query rows: scores for all keys (a vector over
  * keys, D multiply-adds), softmax, and the weighted sum of V rows (a vector over D).
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
+#include "cpu_vec.h"
 
-#define KEYS 16 /* keys per block: one 512-bit vector of floats */
+#define KEYS LANES /* keys per block: one vector of floats */
 #define ROWS 8 /* query rows per pass through K and V (bf16, 1,034 tokens: 1.45x one row, 1.15x 4) */
 
-/* GCC/clang vector extensions: the compiler picks the machine's instructions (one AVX-512
- * register, two AVX2 ones, ...); written out because auto-vectorizing these short loops chose
- * the wrong loop to vectorize (scalar gathers across K^T's rows). */
-typedef float v16 __attribute__((vector_size(KEYS * sizeof(float))));
-
-static inline v16 load16(const float *p) {
-    v16 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-typedef int32_t v16i __attribute__((vector_size(KEYS * sizeof(int32_t))));
-typedef uint32_t v16u __attribute__((vector_size(KEYS * sizeof(uint32_t))));
-typedef uint16_t v16h __attribute__((vector_size(KEYS * sizeof(uint16_t))));
-
-static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits; /* no NaN branch: finite inputs give finite outputs, and it vectorizes */
-    memcpy(&bits, &f, 4);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+typedef uint16_t v16h __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 static inline void load_row(const void *base, int dtype, int64_t offset, int d, float *dst) {
     if (dtype != DTYPE_BF16) {
@@ -179,9 +148,7 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
                     uint16_t *dst = (uint16_t *)out + o;
                     int i = 0;
                     for (; i + KEYS <= d; i += KEYS) { /* whole vectors, then the rest */
-                        v16i bits = (v16i)load16(ar + i);
-                        bits += 0x7fff + ((bits >> 16) & 1); /* as f32_to_bf16 */
-                        v16h half = __builtin_convertvector((v16u)bits >> 16, v16h);
+                        v16h half = __builtin_convertvector(round_bf16(load16(ar + i)) >> 16, v16h);
                         memcpy(dst + i, &half, sizeof half);
                     }
                     for (; i < d; i++) dst[i] = f32_to_bf16(ar[i]);

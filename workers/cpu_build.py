@@ -42,18 +42,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "tokq"
 
 
+def build_key(source: Path, cc: str) -> str:
+    """What a build depends on: the source and the headers beside it (cpu_vec.h), the flags,
+    the compiler and the CPU's feature flags."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    return hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode() + cc.encode()
+                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+
+
 @functools.cache
 def library(name: str) -> tuple[ctypes.CDLL | None, str | None]:
-    """(the loaded ``workers/<name>.c``, None) or (None, why not). Built once per source,
-    flags, compiler and CPU (-march=native builds for its feature flags, so a home shared by
+    """(the loaded ``workers/<name>.c``, None) or (None, why not). Built once per
+    ``build_key`` (-march=native builds for the CPU's feature flags, so a home shared by
     different machines gets one build per CPU kind)."""
     source = Path(__file__).with_name(f"{name}.c")
     cc = compiler()
     if cc is None:
         return None, "no C compiler found (cc/gcc)"
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + cc.encode()
-                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}-{key}.so"
+    path = cache_dir() / f"{name}-{build_key(source, cc)}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

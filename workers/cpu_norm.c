@@ -4,86 +4,10 @@
  * Built by workers/cpu_build.py with the machine's own compiler flags on first use.
  *
  * Why: torch 2.13's CPU LayerNorm takes ~0.6 ns per bf16 element (~0.25 ms per norm of a
- * 1,024-token MiniLM batch, 13 norms per forward); this takes under half that. The bf16 loads
- * need no shuffles: 32 values read as 16 words give the even ones (low halves) and the odd
- * ones (high halves) as two float vectors, and a row's sums and its scaling do not care which
- * order the values come in, as long as w and b come in the same one.
+ * 1,024-token MiniLM batch, 13 norms per forward); this takes under half that. bf16 rows are
+ * read as workers/cpu_vec.h says (even values, then odd ones: no shuffles).
  */
-#include <stdint.h>
-#include <string.h>
-
-#define DTYPE_F32 0
-#define DTYPE_BF16 1
-
-#define LANES 16 /* floats per vector: one 512-bit register, or two AVX2 ones */
-#define STEP (2 * LANES) /* values per load: two vectors */
-
-typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));
-typedef uint32_t v16u __attribute__((vector_size(LANES * sizeof(uint32_t))));
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline v16u round_bf16(v16 x) { /* to nearest even, as torch; in the high halves */
-    v16u bits = (v16u)x;
-    return bits + 0x7fffu + ((bits >> 16) & 1u);
-}
-
-/* STEP values from p as two float vectors, in an order that depends only on the dtype */
-static inline void load_step(const void *p, int dtype, v16 *a, v16 *b) {
-    if (dtype == DTYPE_BF16) {
-        v16u words;
-        memcpy(&words, p, sizeof words);
-        *a = (v16)(words << 16);          /* the even elements */
-        *b = (v16)(words & 0xffff0000u);  /* the odd ones */
-    } else {
-        memcpy(a, p, sizeof *a);
-        memcpy(b, (const float *)p + LANES, sizeof *b);
-    }
-}
-
-static inline void store_step(void *p, int dtype, v16 a, v16 b) { /* the inverse of load_step */
-    if (dtype == DTYPE_BF16) {
-        v16u words = (round_bf16(a) >> 16) | (round_bf16(b) & 0xffff0000u);
-        memcpy(p, &words, sizeof words);
-    } else {
-        memcpy(p, &a, sizeof a);
-        memcpy((float *)p + LANES, &b, sizeof b);
-    }
-}
-
-static inline float load_one(const void *p, int dtype, int i) {
-    return dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void store_one(void *p, int dtype, int i, float x) {
-    if (dtype == DTYPE_BF16) {
-        uint32_t bits;
-        memcpy(&bits, &x, 4);
-        bits += 0x7fffu + ((bits >> 16) & 1u);
-        ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-    } else {
-        ((float *)p)[i] = x;
-    }
-}
-
-static inline v16 load16(const float *p) {
-    v16 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
-
-static inline float hsum(v16 x) {
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += x[l];
-    return s;
-}
+#include "cpu_vec.h"
 
 /* One row's STEP values from i: x's, plus the residual's where there is one, rounded to the
  * dtype as torch's add would give them (so the norm sees what the unfused ops would). */
@@ -109,7 +33,7 @@ static inline float load_input_one(const char *x, const char *res, int dtype, in
         if (dtype == DTYPE_BF16) {
             uint32_t bits;
             memcpy(&bits, &v, 4);
-            bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+            bits = round_bf16_bits(bits) & 0xffff0000u;
             memcpy(&v, &bits, 4);
         }
     }
