@@ -26,6 +26,11 @@ def test_linear_limit_runs_every_linear_weight_in_the_engines_dtype(tmp_path, mo
     assert ("act" in kinds) == (model == "bert")  # Qwen: SwiGLU outside
     # the residual add: fused into the linear, unless BERT's C norms add it in their own pass
     assert ("add" in kinds) == (model != "bert" or engine.model.norm.name == "torch")
+    if model == "bert":
+        expected = "activation" if engine.model.norm.name == "c" else "activation, residual add"
+    else:
+        expected = "residual add"
+    assert bench_runtime.fused_epilogues(engine) == expected
     assert all(args[0].shape == (8, args[1].shape[1]) for _, args in fused)
     assert engine.model.linear is not None and type(engine.model.linear).__name__ != "Recorder"
     assert bench_runtime.forward_linears_tokens_per_s(engine, num_tokens=8, repeats=1) > 0

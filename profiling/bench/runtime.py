@@ -130,7 +130,8 @@ def linear_only_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: in
 
 def forward_linear_calls(engine: Engine, num_tokens: int = 1024) -> list[tuple[Callable, tuple]]:
     """The forward's own linear calls, in order and through its own kernel methods, i.e. with
-    the epilogues it fuses into them (activation, residual add), recorded over one small batch
+    the epilogues it fuses into them (activation; the residual add, unless the model's C norms
+    do it: workers/cpu_norm.py), recorded over one small batch
     and given ``num_tokens``-row random inputs in the engine's dtype."""
     model, gen = engine.model, torch.Generator().manual_seed(0)
     kernel, recorded = model.linear, []
@@ -160,6 +161,13 @@ def forward_linear_calls(engine: Engine, num_tokens: int = 1024) -> list[tuple[C
     finally:
         model.linear = kernel
     return recorded
+
+
+def fused_epilogues(engine: Engine) -> str:
+    """What the forward fuses into its linear layers, in words ("activation, residual add")."""
+    kinds = {getattr(fn, "__name__", "") for fn, _ in forward_linear_calls(engine, num_tokens=1)}
+    words = [word for kind, word in (("act", "activation"), ("add", "residual add")) if kind in kinds]
+    return ", ".join(words) or "none"
 
 
 def forward_linears_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: int = 5) -> float:
@@ -377,9 +385,9 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     dtype = str(engine.dtype).removeprefix("torch.")
     print(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 "
           f"tokens): {statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")
-    print(f"the same linear layers with the epilogues the forward fuses into them (activation, "
-          f"residual add): {100 * statistics.median(epilogue_shares):.0f}% of that limit, the most the "
-          "forward can reach even if nothing else took any time")
+    print(f"the same linear layers with the epilogues the forward fuses into them "
+          f"({fused_epilogues(engine)}): {100 * statistics.median(epilogue_shares):.0f}% of that "
+          "limit, the most the forward can reach even if nothing else took any time")
     print(f"\n| system | % of the {dtype} linear-layer limit (same kernels, same run) |\n|---|---:|")
     for name, rate in rates.items():
         if name.startswith("packed"):
