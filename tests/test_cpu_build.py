@@ -1,0 +1,62 @@
+"""How the C kernels are built (workers/cpu_build.py): rebuilt when their sources change, and
+correct when built for older x86 CPUs than this one (SSE4.2 only, AVX2), as a worker on such a
+machine builds them with -march=native."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokq.workers import cpu_attention, cpu_build, cpu_norm
+
+WORKERS = Path(cpu_build.__file__).parent
+
+
+def test_a_kernel_is_rebuilt_when_its_source_or_a_shared_header_changes(tmp_path):
+    for name in ("cpu_norm.c", "cpu_vec.h"):
+        (tmp_path / name).write_bytes((WORKERS / name).read_bytes())
+    source = tmp_path / "cpu_norm.c"
+    first = cpu_build.build_key(source, "cc")
+    assert cpu_build.build_key(source, "cc") == first and cpu_build.build_key(source, "gcc") != first
+    (tmp_path / "cpu_vec.h").write_text((tmp_path / "cpu_vec.h").read_text() + "\n/* changed */\n")
+    second = cpu_build.build_key(source, "cc")
+    assert second != first
+    source.write_text(source.read_text() + "\n/* changed */\n")
+    assert cpu_build.build_key(source, "cc") not in (first, second)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or cpu_build.compiler() is None,
+                    reason="x86-64 levels, with a C compiler")
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
+def test_the_kernels_built_for_an_older_cpu_give_the_same_results(march, tmp_path, monkeypatch):
+    flags = [f for f in cpu_build.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
+    libs = {}
+    for name in ("cpu_attention", "cpu_norm"):
+        built = tmp_path / f"{name}.so"
+        subprocess.run([cpu_build.compiler(), *flags, "-o", str(built), str(WORKERS / f"{name}.c"),
+                        "-lm"], check=True, capture_output=True, timeout=120)
+        libs[name] = ctypes.CDLL(str(built))
+    monkeypatch.setattr(cpu_build, "library", lambda name: (libs[name], None))
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 5, 13, 31, 70]
+    cu = torch.tensor([0, *np.cumsum(lens)])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q, k, v = (torch.randn(sum(lens), 4, 32, generator=gen).to(dtype) for _ in range(3))
+        out = cpu_attention.attend(q, k, v, cu, True, 0.2)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            ref = F.scaled_dot_product_attention(*(x[a:b].double().transpose(0, 1) for x in (q, k, v)),
+                                                 is_causal=True, scale=0.2).transpose(0, 1)
+            torch.testing.assert_close(out[a:b].double(), ref, atol=tol, rtol=tol)
+        x, residual = (torch.randn(20, 100, generator=gen).to(dtype) for _ in range(2))
+        weight, bias = (torch.randn(100, generator=gen).to(dtype) for _ in range(2))
+        torch.testing.assert_close(
+            cpu_norm.layer_norm(x, weight, bias, 1e-5, residual=residual).double(),
+            F.layer_norm((x + residual).double(), (100,), weight.double(), bias.double(), 1e-5),
+            atol=5 * tol, rtol=tol)
