@@ -395,7 +395,7 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
             print(f"| {name} | {100 * share:.0f}% |")
     parts = {part: statistics.median(split[part] for split in splits) for part in splits[0]}
     print("\nwhere the packed 1024 forward's time goes, in units of its linear layers' time at the "
-          f"limit (1.00; each part timed in the forward, medians over rounds): "
+          "limit (1.00; each part timed in the forward, medians over rounds): "
           + ", ".join(f"{part} {share:.2f}" for part, share in parts.items())
           + f"; in all {sum(parts.values()):.2f}, i.e. {100 / sum(parts.values()):.0f}% of the limit")
     print(f"\nthe same by op ({dtype}, torch profiler, self CPU time):\n")
