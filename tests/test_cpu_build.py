@@ -1,12 +1,15 @@
-"""How the C kernels are built (workers/cpu_build.py): rebuilt when their sources change, and
+"""How the C kernels are built (workers/cpu_build.py): rebuilt when their sources change,
 correct when built for older x86 CPUs than this one (SSE4.2 only, AVX2), as a worker on such a
-machine builds them with -march=native."""
+machine builds them with -march=native, and loaded without changing how the rest of the process
+does floating point."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +43,7 @@ def test_the_kernels_built_for_an_older_cpu_give_the_same_results(march, tmp_pat
     libs = {}
     for name in ("cpu_attention", "cpu_norm"):
         built = tmp_path / f"{name}.so"
-        subprocess.run([cpu_build.compiler(), *flags, "-o", str(built), str(WORKERS / f"{name}.c"),
-                        "-lm"], check=True, capture_output=True, timeout=120)
+        cpu_build.compile_library(cpu_build.compiler(), flags, WORKERS / f"{name}.c", built)
         libs[name] = ctypes.CDLL(str(built))
     monkeypatch.setattr(cpu_build, "library", lambda name: (libs[name], None))
     gen = torch.Generator().manual_seed(0)
@@ -60,3 +62,24 @@ def test_the_kernels_built_for_an_older_cpu_give_the_same_results(march, tmp_pat
             cpu_norm.layer_norm(x, weight, bias, 1e-5, residual=residual).double(),
             F.layer_norm((x + residual).double(), (100,), weight.double(), bias.double(), 1e-5),
             atol=5 * tol, rtol=tol)
+
+
+# Loads both kernels as a worker does, then multiplies a subnormal float in numpy and in torch.
+SUBNORMALS = """
+import numpy as np, torch
+from tokq.workers import cpu_build
+for name in ("cpu_attention", "cpu_norm"):
+    lib, reason = cpu_build.library(name)
+    assert lib is not None, reason
+tiny = np.float32(1e-40)  # subnormal: float32's smallest normal is ~1.2e-38
+print(float((np.array([tiny]) * np.float32(1.0))[0]),
+      float(torch.tensor([1e-40]) * 1.0))
+"""
+
+
+@pytest.mark.skipif(cpu_build.compiler() is None, reason="needs a C compiler")
+def test_loading_the_kernels_keeps_subnormal_floats_in_the_rest_of_the_process(tmp_path):
+    run = subprocess.run([sys.executable, "-c", SUBNORMALS], capture_output=True, text=True,
+                         timeout=300, check=True, env={**os.environ, "TOKQ_CACHE_DIR": str(tmp_path)})
+    flushed_to_zero = [float(x) == 0.0 for x in run.stdout.split()]
+    assert flushed_to_zero == [False, False]  # numpy's, torch's

@@ -27,7 +27,7 @@ import torch
 
 from tokq.host import cpu_flags
 
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")  # compiling; linking: -shared
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the dtype codes the kernels take
 
 
@@ -40,6 +40,18 @@ def cache_dir() -> Path:
     if os.environ.get("TOKQ_CACHE_DIR"):
         return Path(os.environ["TOKQ_CACHE_DIR"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "tokq"
+
+
+def compile_library(cc: str, flags, source: Path, out: Path) -> None:
+    """Compile ``source`` with ``flags``, then link it into the shared library ``out`` without
+    them. Why apart: linking with -ffast-math adds crtfastmath.o, whose start-up code sets the CPU
+    to flush subnormal floats to zero in the whole process that loads the library (torch, numpy,
+    everything), not just in the kernel."""
+    obj = out.with_suffix(".o")
+    subprocess.run([cc, *flags, "-c", "-o", str(obj), str(source)], check=True,
+                   capture_output=True, text=True, timeout=120)
+    subprocess.run([cc, "-shared", "-o", str(out), str(obj), "-lm"], check=True,
+                   capture_output=True, text=True, timeout=120)
 
 
 def build_key(source: Path, cc: str) -> str:
@@ -65,8 +77,7 @@ def library(name: str) -> tuple[ctypes.CDLL | None, str | None]:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 built = Path(tmp) / path.name
-                subprocess.run([cc, *FLAGS, "-o", str(built), str(source), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
+                compile_library(cc, FLAGS, source, built)
                 os.replace(built, path)  # atomic: concurrent workers never load half a file
         except (OSError, subprocess.SubprocessError) as exc:
             detail = (getattr(exc, "stderr", "") or str(exc)).strip().splitlines()
