@@ -50,6 +50,13 @@ def delivered_reply(r: redis.Redis, key: bytes) -> bool:
     return pttl in (-2, 0) or (complete and 0 < pttl <= COLLECT_GRACE_MS)
 
 
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` for a child the test stops as Ctrl-C would: SIGINT's default action, even
+    when the suite itself runs where it is ignored (a background job of a non-interactive shell:
+    `tokq up` then rightly ignores Ctrl-C, as any such job does)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def read_until_serving(proc: subprocess.Popen, timeout_s: float = 180) -> list[str]:
     """The lines `tokq up` (started with stdout=PIPE, text=True) prints up to the one saying it
     serves; fails with its output if it exits first."""

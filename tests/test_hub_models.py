@@ -14,7 +14,7 @@ import pytest
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.model_source import resolve
-from service_stack import read_until_serving
+from service_stack import ctrl_c_reaches_it, read_until_serving
 
 REPO = "acme/mini-lm"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -120,7 +120,7 @@ def test_tokq_up_serves_a_repo_id_from_the_cache_under_its_name(tmp_path, bundle
                              "--http-port", str(http_port), "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-                                 "PYTHONUNBUFFERED": "1"})
+                                 "PYTHONUNBUFFERED": "1"}, preexec_fn=ctrl_c_reaches_it)
     lines = []
     try:
         lines += read_until_serving(proc)

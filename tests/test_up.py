@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from tokq.redis_server import free_port
-from service_stack import read_until_serving
+from service_stack import ctrl_c_reaches_it, read_until_serving
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--workers", "2",
                              "--metrics-port", "0", "--http-port", str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=ctrl_c_reaches_it)
     lines = []
     try:
         lines += read_until_serving(proc)
