@@ -120,9 +120,7 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
                     store16(sr + b * KEYS, e);
                     total += e;
                 }
-                float sum = 0.0f;
-                for (int j = 0; j < KEYS; j++) sum += total[j];
-                inv[r] = 1.0f / sum;
+                inv[r] = 1.0f / hsum(total);
             }
             int c = 0;
             for (; c + KEYS <= d; c += KEYS) { /* whole vectors of d, then the rest */

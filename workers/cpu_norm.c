@@ -30,12 +30,7 @@ static inline float load_input_one(const char *x, const char *res, int dtype, in
     float v = load_one(x, dtype, i);
     if (res) {
         v += load_one(res, dtype, i);
-        if (dtype == DTYPE_BF16) {
-            uint32_t bits;
-            memcpy(&bits, &v, 4);
-            bits = round_bf16_bits(bits) & 0xffff0000u;
-            memcpy(&v, &bits, 4);
-        }
+        if (dtype == DTYPE_BF16) v = bf16_to_f32(f32_to_bf16(v));
     }
     return v;
 }

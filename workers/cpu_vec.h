@@ -44,14 +44,10 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-static inline uint32_t round_bf16_bits(uint32_t bits) { /* to nearest even, as torch */
-    return bits + 0x7fffu + ((bits >> 16) & 1u);         /* (no NaN branch: vectorizes) */
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
+static inline uint16_t f32_to_bf16(float f) { /* to nearest even, as torch (no NaN branch: */
+    uint32_t bits;                                /* it vectorizes) */
     memcpy(&bits, &f, 4);
-    return (uint16_t)(round_bf16_bits(bits) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 static inline v16u round_bf16(v16 x) { /* the rounded values, in each word's high half */
