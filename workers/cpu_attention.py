@@ -26,10 +26,13 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return cpu_build.unavailable_reason("cpu_attention", "cpu_varlen", device, dtype)
 
 
+# tokq_varlen_attention's parameters (workers/cpu_attention.c)
+ARGTYPES = ((ctypes.c_void_p,) * 4 + (ctypes.c_int, ctypes.c_void_p) + (ctypes.c_int,) * 7
+            + (ctypes.c_int64,) * 6 + (ctypes.c_int, ctypes.c_float))
+
+
 def _kernel():
-    i64, c_int = ctypes.c_int64, ctypes.c_int
-    return cpu_build.function("cpu_attention", "tokq_varlen_attention", [ctypes.c_void_p] * 4 + [
-        c_int, ctypes.c_void_p] + [c_int] * 7 + [i64] * 6 + [c_int, ctypes.c_float])
+    return cpu_build.function("cpu_attention", "tokq_varlen_attention", ARGTYPES)
 
 
 def _seq_chunks(cu: np.ndarray, parts: int) -> list[tuple[int, int]]:

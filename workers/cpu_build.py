@@ -98,11 +98,17 @@ def unavailable_reason(name: str, what: str, device: torch.device, dtype: torch.
     return library(name)[1]
 
 
-def function(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr:
+def function(name: str, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr:
     """``symbol`` of the built ``name``, typed; raises with the reason when it cannot be had."""
     lib, reason = library(name)
     if lib is None:
         raise RuntimeError(reason)
+    return _typed(lib, symbol, argtypes)
+
+
+@functools.cache
+def _typed(lib: ctypes.CDLL, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr:
+    """Typed once per loaded library, not on every call (a kernel runs ~20 times a forward)."""
     fn = getattr(lib, symbol)
     fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn

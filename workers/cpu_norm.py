@@ -18,6 +18,9 @@ from tokq.workers import cpu_build
 from tokq.workers.cpu_build import DTYPES
 
 ROWS_PER_PART = 128  # fewer rows than this a thread: not worth handing to another thread
+# tokq_layer_norm's parameters (workers/cpu_norm.c)
+ARGTYPES = ((ctypes.c_void_p,) * 5 + (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_float))
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -38,9 +41,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
                          "values contiguous")
     if in_place and not x.is_contiguous():
         raise ValueError("cpu_norm writes in place only over contiguous rows")
-    fn = cpu_build.function("cpu_norm", "tokq_layer_norm", [ctypes.c_void_p] * 5 + [
-        ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_float])
+    fn = cpu_build.function("cpu_norm", "tokq_layer_norm", ARGTYPES)
     rows, n = x.shape
     out = x if in_place else torch.empty((rows, n), dtype=x.dtype)
     head = (x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
