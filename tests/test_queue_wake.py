@@ -5,6 +5,7 @@ registered the notice goes to the shared work channel."""
 
 from __future__ import annotations
 
+import logging
 
 import pytest
 from queue_support import CHANNEL, items, open_queue
@@ -138,3 +139,26 @@ async def test_an_idle_worker_takes_light_work_before_a_worker_in_a_heavy_forwar
         assert await busy.redis.scard(busy.keys.preemptible) == 0
         for s in (idle_owner, busy_owner):
             await s.aclose()
+
+
+async def test_a_published_message_is_handed_over_without_being_formatted_for_a_log(redis_url):
+    # redis-py's own handler for RESP3 pushes builds "Push response: " + str(message) for a
+    # DEBUG log line on every message, the repr of all its bytes (a batch's results, for a
+    # gateway), even with DEBUG off. Here DEBUG is on, so that line would show.
+    logger = logging.getLogger("push_response")
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        async with open_queue(redis_url) as q:
+            sub = await _listener(q, "results")
+            await q.redis.spublish("results", b"\x00\x01" * 1000)
+            assert await _said(sub) == [b"\x00\x01" * 1000]
+            await sub.aclose()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert [r.getMessage()[:40] for r in records] == []

@@ -174,6 +174,13 @@ def connect_sync(url: str, cluster: ClusterMode = "auto") -> redis.Redis | redis
     return redis.Redis.from_url(url, **kwargs)
 
 
+async def _pass_message(message):
+    """A published message, handed on as is. redis-py's default handler for RESP3 pushes logs
+    each at DEBUG, building ``"..." + str(message)`` first even with DEBUG off: the repr of every
+    completion message's bytes (a batch's results) on the gateway's loop."""
+    return message
+
+
 class ShardedSubscriber:
     """SSUBSCRIBE to shard channels through either client, with one interface: a standalone
     ``Redis`` reads them with ``get_message``; a ``RedisCluster`` opens one connection per
@@ -191,7 +198,7 @@ class ShardedSubscriber:
         if self._cluster:
             await self._client.initialize()
             await self._client.nodes_manager.initialize()
-        self._pubsub = self._client.pubsub()
+        self._pubsub = self._client.pubsub(push_handler_func=_pass_message)
         await self._pubsub.ssubscribe(*channels)
         for _ in channels:  # the confirmations
             await self._read(timeout=1.0, ignore_subscribe_messages=False)
