@@ -20,6 +20,8 @@ prompt, which a causal model computes once (the ids stay complete, so a worker m
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,24 +31,44 @@ FLAG_PREFIX = 2
 _BODY_HEAD = struct.Struct("<BBH")
 _PREFIX_LEN = struct.Struct("<H")
 _RESULT_HEAD = struct.Struct("<ff")
+# (width in bytes, array typecode); "H"/"I" are 2 and 4 bytes wherever CPython runs.
+_ID_ARRAYS = ((2, "H"), (4, "I"))
+assert all(array(code).itemsize == width for width, code in _ID_ARRAYS)
 
 
 def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0, prefix_len: int = 0) -> bytes:
     """Pack one item's token ids and options into an entry body."""
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1 or ids.size == 0:
-        raise ValueError("an item needs at least one token id")
+    width, packed = _pack_ids(token_ids)
     if not 0 <= dimensions <= 0xFFFF:
         raise ValueError(f"dimensions {dimensions} out of range")
-    width = 2 if int(ids.max()) < 0x10000 else 4
-    dtype = "<u2" if width == 2 else "<u4"
-    if not 0 <= prefix_len < ids.size:
-        raise ValueError(f"prefix_len {prefix_len} must leave at least one of {ids.size} tokens")
+    size = len(packed) // width
+    if not 0 <= prefix_len < size:
+        raise ValueError(f"prefix_len {prefix_len} must leave at least one of {size} tokens")
     flags = (FLAG_NORMALIZE if normalize else 0) | (FLAG_PREFIX if prefix_len else 0)
     head = _BODY_HEAD.pack(width, flags, dimensions)
     if prefix_len:
         head += _PREFIX_LEN.pack(prefix_len)
-    return head + ids.astype(dtype).tobytes()
+    return head + packed
+
+
+def _pack_ids(token_ids) -> tuple[int, bytes]:
+    """(width, little-endian ids): uint16 when every id fits, else uint32. With ``array``, not
+    numpy: a query's few ids cost the gateway ~1 us this way, ~10 us through numpy."""
+    if not isinstance(token_ids, (list, tuple, np.ndarray)):
+        token_ids = list(token_ids)  # read twice if the first width is too narrow
+    for width, code in _ID_ARRAYS:
+        try:
+            ids = array(code, token_ids)
+        except OverflowError:  # an id past this width (or negative): try the next
+            continue
+        except TypeError:
+            raise ValueError("token ids must be integers") from None
+        if not ids:
+            raise ValueError("an item needs at least one token id")
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return width, ids.tobytes()
+    raise ValueError("token ids must be integers in 0..2**32-1")
 
 
 @dataclass(frozen=True)
