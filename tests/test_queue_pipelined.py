@@ -8,12 +8,14 @@ import contextlib
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 from fault_proxy import FaultProxy, script_sha
 from queue_support import CHANNEL, QUEUE, items, open_queue, stored_entries
 
 from tokq.config import QueueConfig
 from tokq.connection import connect
+from tokq.pipeliner import RELEASE_AFTER_S, pack_command
 from tokq.queue import Enqueued, LostAnswer, Queue, QueueFull
 from tokq.shards import ShardedQueue
 
@@ -190,6 +192,35 @@ async def test_an_idle_pipeliner_holds_no_connection_of_the_pool(redis_url):
         await client.aclose()
 
 
+@pytest.mark.redis_kinds("standalone")
+async def test_round_trips_in_quick_succession_keep_one_connection_given_back_once_idle(redis_url):
+    # Under load a round trip follows the last within milliseconds: the pipeliner keeps its
+    # connection between them instead of a pool checkout each, and gives it back once idle.
+    client = connect(redis_url, max_connections=1, pool_timeout_s=0.5)
+    pool = client.connection_pool
+    taken = 0
+    get_connection = pool.get_connection
+
+    async def counted(*args, **kwargs):
+        nonlocal taken
+        taken += 1
+        return await get_connection(*args, **kwargs)
+
+    try:
+        q = Queue(client, QUEUE)
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)  # scripts loaded
+        await asyncio.sleep(4 * RELEASE_AFTER_S)
+        pool.get_connection = counted
+        pipelines = q.pipeliner.pipelines
+        for i in range(10):  # one after another: each its own round trip
+            await q.enqueue(f"r{i}", items(1), timeout_ms=60_000, channel=CHANNEL)
+        assert (q.pipeliner.pipelines - pipelines, taken) == (10, 1)
+        await asyncio.sleep(4 * RELEASE_AFTER_S)
+        assert (await q.stats()).queued_entries == 11  # the pool's one connection, back in it
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.redis_kinds("standalone")  # the fault proxy stands before one server
 async def test_an_answer_lost_for_a_pipeline_is_retried_and_each_call_gets_its_one_run(redis_url):
     proxy = FaultProxy(redis_url).start()
@@ -283,3 +314,14 @@ async def test_a_silent_redis_fails_the_round_trip_by_the_socket_timeout_and_the
         with pytest.raises(ValueError, match="already used"):
             await q.enqueue("r0", items(1, 1), timeout_ms=60_000, channel=CHANNEL)
         assert isinstance(await q.enqueue("after", items(2), timeout_ms=60_000, channel=CHANNEL), Enqueued)
+
+
+@pytest.mark.redis_kinds("standalone")
+def test_commands_are_packed_as_redis_py_packs_them(redis_url):
+    from redis.asyncio.connection import Connection
+
+    args = ("EVALSHA", "ab" * 20, 3, "k1", "{q}:é", b"\x00\r\n\xff", 0, -5, 2 ** 40, 1.5, "", b"")
+    assert pack_command(*args) == b"".join(Connection().pack_command(*args))
+    for bad in (True, None, [1]):
+        with pytest.raises(redis.exceptions.DataError):
+            pack_command("EVALSHA", bad)
