@@ -1,7 +1,8 @@
 """Tokenization off the event loop, in two lanes, with truncation that costs what the model reads.
 
 - Each thread has its own copy of the model's fast (Rust) tokenizer; calls release the GIL.
-- Tiny requests (a search query) are tokenized on the event loop: cheaper than any thread hop.
+- Tiny requests (a search query) are tokenized on the event loop: cheaper than any thread hop;
+  one ``encode`` call per text, and ASCII text without the normalizer (gateway/ascii_text.py).
 - Two thread pools: ordinary requests on one sized to the cores, large ones (by bytes to tokenize)
   on a second pool with half as many threads. Large requests then wait for each other and
   never take every core or every thread: a one-word query behind six 8 MB callers still finds a
@@ -25,6 +26,7 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 from transformers import AutoTokenizer
 
+from tokq.gateway.ascii_text import AsciiPath
 from tokq.gateway.errors import InvalidArgument
 from tokq.gateway.large_lane import LargeLane
 from tokq.gateway.validate import decode_texts, not_utf8
@@ -147,6 +149,7 @@ class Tokenizer:
         backend.no_truncation()
         backend.no_padding()
         self._backend = backend
+        self._ascii = AsciiPath(backend)  # used on the event loop's thread only
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
         light = threads or os.cpu_count() or 2
         self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize")
@@ -189,6 +192,26 @@ class Tokenizer:
                 raise self._too_long(i, str(len(seq)))
         return ids
 
+    def _encode_small(self, texts: list[str] | list[bytes], prompt: str) -> list[list[int]] | None:
+        """A tiny request's ids, one ``encode`` call per text (no truncation to set up, no GIL
+        to give up and take back), ASCII text through ``AsciiPath``; None when a text needs
+        ``encode_sync`` instead (it is too long, or not UTF-8: that path says which byte)."""
+        out = []
+        for text in texts:
+            if isinstance(text, bytes):
+                try:
+                    text = text.decode("utf-8")
+                except UnicodeDecodeError:
+                    return None
+            text = prompt + text
+            ids = self._ascii.encode(text)
+            if ids is None:
+                ids = self._backend_copy().encode(text).ids
+            if len(ids) > self.info.max_length:  # truncate, or refuse: encode_sync decides
+                return None
+            out.append(ids)
+        return out
+
     def _too_long(self, index: int, length: str) -> InvalidArgument:
         max_len = self.info.max_length
         return InvalidArgument(
@@ -207,7 +230,8 @@ class Tokenizer:
                 lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
         self._large.light_seen()
         if cost_bytes <= INLINE_BYTES:
-            return self.encode_sync(texts, prompt=prompt, truncate=truncate)
+            ids = self._encode_small(texts, prompt)
+            return ids if ids is not None else self.encode_sync(texts, prompt=prompt, truncate=truncate)
         return await asyncio.get_running_loop().run_in_executor(
             self._light, lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
 

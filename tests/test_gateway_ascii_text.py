@@ -1,0 +1,117 @@
+"""ASCII text tokenized without the normalizer (gateway/ascii_text.py) gets exactly the ids the
+tokenizer's own path gives, for every normalizer it claims to know, and the gateway's small-request
+path (Tokenizer.encode on the loop) equals the general one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import normalizers
+
+from tokq.gateway.ascii_text import AsciiPath, ascii_normalizer
+from tokq.gateway.tokenize import Tokenizer
+from tokq.model_info import ModelInfo
+
+# ASCII of every kind (controls, tabs, brackets of "[SEP]", "<|endoftext|>"), a few other letters.
+TEXT = st.text(alphabet=st.one_of(st.characters(max_codepoint=127), st.sampled_from("éÉßı東🙂\u0301")),
+               max_size=80)
+PIECES = st.lists(st.sampled_from(["[SEP]", "[sep]", "[CLS]", "<|endoftext|>", "Hello", "WORLD", "café",
+                                   "\t", "\n", "\x00", "\x0b", " ", "?!", "don't", "x" * 30]), max_size=12)
+
+
+@pytest.fixture(scope="module")
+def backend(bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    b = copy.deepcopy(AutoTokenizer.from_pretrained(str(bundled_model_dir)).backend_tokenizer)
+    b.no_truncation()
+    b.no_padding()
+    return b
+
+
+@pytest.fixture(scope="module")
+def paths(backend):
+    """name -> (tokenizer with that normalizer, its AsciiPath), built once."""
+    out = {}
+    for name, normalizer in VARIANTS.items():
+        variant = backend if normalizer is None else _with(backend, None if normalizer == "none" else normalizer)
+        out[name] = (variant, AsciiPath(variant))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(ModelInfo.load(), threads=1)
+    yield tok
+    tok.close()
+
+
+def _with(backend, normalizer):
+    variant = copy.deepcopy(backend)
+    variant.normalizer = normalizer
+    return variant
+
+
+# Normalizers the module knows (it must give their ids) and one it does not (it must step aside).
+VARIANTS = {
+    "bert (MiniLM's)": None,
+    "bert, cased": normalizers.BertNormalizer(lowercase=False),
+    "bert, no clean-up": normalizers.BertNormalizer(clean_text=False),
+    "nfd + lowercase + strip accents": normalizers.Sequence(
+        [normalizers.NFD(), normalizers.Lowercase(), normalizers.StripAccents()]),
+    "nfc (Qwen's)": normalizers.NFC(),
+    "nfkc": normalizers.NFKC(),
+    "lowercase": normalizers.Lowercase(),
+    "none": "none",
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@settings(deadline=None, max_examples=150)
+@given(text=TEXT, pieces=PIECES)
+def test_ascii_text_gets_the_ids_of_the_tokenizer_s_own_path(paths, name, text, pieces):
+    variant, path = paths[name]
+    for t in (text, " ".join(pieces), text + "".join(pieces)):
+        ids = path.encode(t)
+        assert ids is None or ids == variant.encode(t).ids, (name, t)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_plain_queries_do_take_the_ascii_path(paths, name):
+    variant, path = paths[name]
+    for text in ("How do I reset my Router's password?", "tabs\tand\nlines\r", "x" * 300, "a-b_c.d/e:f"):
+        assert path.encode(text) == variant.encode(text).ids
+
+
+def test_what_the_tokenizer_matches_before_normalizing_keeps_its_own_path(backend):
+    # "[SEP]" is an added token matched in the raw text: lowercased first, it would be lost.
+    path = AsciiPath(backend)
+    for text in ("[SEP] hello", "a [sep]", "x\x00y", "caf\u00e9", "\x7f"):
+        assert path.encode(text) is None, text
+
+
+def test_normalizers_it_does_not_know_keep_their_own_path(backend):
+    assert ascii_normalizer({"type": "Replace", "pattern": {"String": "a"}, "content": "b"}) is None
+    assert ascii_normalizer({"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Precompiled"}]}) is None
+    replaced = _with(backend, normalizers.Replace("a", "b"))
+    assert AsciiPath(replaced).encode("banana") is None
+    assert ascii_normalizer({"type": "BertNormalizer", "clean_text": True, "lowercase": True})("A\tB") == "a b"
+
+
+@settings(deadline=None, max_examples=200)
+@given(texts=st.lists(TEXT.filter(bool), min_size=1, max_size=3), prompt=st.sampled_from(["", "query: "]),
+       truncate=st.booleans())
+def test_the_small_request_path_gives_the_general_path_s_ids(tokenizer, texts, prompt, truncate):
+    raw = [t.encode("utf-8", "surrogatepass") for t in texts]
+    small = tokenizer._encode_small(raw, prompt)
+    if small is not None:
+        assert small == tokenizer.encode_sync(raw, prompt=prompt, truncate=truncate)
+
+
+def test_the_small_request_path_leaves_long_and_bad_inputs_to_the_general_path(tokenizer):
+    assert tokenizer._encode_small([b"hello", b"!" * 255], "") is None  # 257 tokens: cut or refused there
+    assert tokenizer._encode_small([b"ok", b"\xff"], "") is None  # not UTF-8: named there
+    assert tokenizer._encode_small([b"hello world"], "") == [[101, 7592, 2088, 102]]
