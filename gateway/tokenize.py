@@ -158,6 +158,19 @@ class Tokenizer:
         # a few milliseconds of one core. A search query (a few short inputs) is never large.
         self.heavy_bytes = heavy_bytes or 64 * info.max_length
         self._local = threading.local()
+        self._start_light_threads(light)
+
+    def _start_light_threads(self, n: int) -> None:
+        """Start the ordinary pool's threads now, each with its tokenizer copy: made on a
+        thread's first call instead (~25 ms for MiniLM's, far more for a 150k vocabulary), it
+        would hold up that call and, under load, the event loop (deepcopy holds the GIL)."""
+        started = threading.Barrier(n)
+
+        def start() -> None:
+            self._backend_copy()
+            started.wait(timeout=60)  # each task on its own thread: the pool starts all n
+        for future in [self._light.submit(start) for _ in range(n)]:
+            future.result()
 
     def _backend_copy(self) -> RustTokenizer:
         tok = getattr(self._local, "tok", None)

@@ -267,3 +267,13 @@ def test_the_large_lane_yields_the_cpu_to_everything_else(tokenizer):
     light = tokenizer._light.submit(nice).result()
     assert light == nice()  # the small-request lane: as the process
     assert tokenizer._large.pool.submit(nice).result() == min(19, light + LARGE_NICE)
+
+
+def test_the_pool_threads_start_with_their_tokenizer_copies():
+    tok = Tokenizer(ModelInfo.load(), threads=2)
+    try:
+        assert len(tok._light._threads) == 2  # started before any call
+        copies = [tok._light.submit(lambda: getattr(tok._local, "tok", None)) for _ in range(20)]
+        assert all(f.result() is not None for f in copies)  # no call makes one
+    finally:
+        tok.close()
