@@ -66,22 +66,32 @@ class AsciiPath:
     text is ASCII and the normalizer is one ``ascii_normalizer`` knows, else None.
 
     Text that may hold an added token ("[SEP]", "<|endoftext|>") takes the tokenizer's own path
-    too: those are matched before normalizing (or after, by their ``normalized`` flag), so
-    lowercasing first would hide "[SEP]". Any character an added token starts with, in either
-    case, sends the text there."""
+    too: those are matched before normalizing, or after it (``normalized=True``) against their
+    own normalized form, so lowercasing first would hide "[SEP]". Any character an added token,
+    or its normalized form, starts with, in either case, sends the text there."""
 
     def __init__(self, backend: RustTokenizer) -> None:
-        self.normalize = ascii_normalizer(json.loads(backend.to_str()).get("normalizer"))
+        spec = json.loads(backend.to_str()).get("normalizer")
+        self.normalize = ascii_normalizer(spec)
         self._backend = None
         if self.normalize is not None:
-            self._backend = copy.deepcopy(backend)
-            self._backend.normalizer = None
-        starts = {c for t in backend.get_added_tokens_decoder().values() if t.content
-                  for c in (t.content[0].lower(), t.content[0].upper())}
+            self._backend = backend
+            if spec is not None:
+                self._backend = copy.deepcopy(backend)
+                self._backend.normalizer = None
+        starts = set()
+        for token in backend.get_added_tokens_decoder().values():
+            forms = [token.content]
+            if token.normalized and backend.normalizer is not None:
+                forms.append(backend.normalizer.normalize_str(token.content))
+            starts.update(c for form in forms if form for c in (form[0].lower(), form[0].upper()))
         self._added = re.compile("[" + "".join(re.escape(c) for c in sorted(starts)) + "]") if starts else None
 
     def encode(self, text: str) -> list[int] | None:
-        if (self._backend is None or not text.isascii() or _CONTROL.search(text)
-                or (self._added is not None and self._added.search(text))):
+        if self._backend is None or not text.isascii() or _CONTROL.search(text):
             return None
-        return self._backend.encode(self.normalize(text)).ids
+        normalized = self.normalize(text)
+        # raw text for tokens matched before normalizing, normalized text for the others
+        if self._added is not None and (self._added.search(text) or self._added.search(normalized)):
+            return None
+        return self._backend.encode(normalized).ids

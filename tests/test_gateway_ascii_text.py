@@ -93,6 +93,26 @@ def test_what_the_tokenizer_matches_before_normalizing_keeps_its_own_path(backen
         assert path.encode(text) is None, text
 
 
+def test_added_tokens_matched_in_their_normalized_form_keep_their_own_path(backend):
+    # normalized=True tokens are matched, in the normalized text, in their normalized form,
+    # whose first character may differ from their own ("\uff41" is "a" under NFKC) or come
+    # from a character the text holds in another form (BERT's clean-up makes a tab a space).
+    from tokenizers import AddedToken
+
+    cases = [(normalizers.NFKC(), "\uff41bcxyz", ["x abcxyz y", "ABCXYZ"]),
+             (None, "\tzebra", ["a zebra", "a\tzebra", "zebra"])]
+    for normalizer, content, texts in cases:
+        variant = copy.deepcopy(backend)
+        if normalizer is not None:
+            variant.normalizer = normalizer
+        variant.add_tokens([AddedToken(content, normalized=True)])
+        path = AsciiPath(variant)
+        for text in texts:
+            ids = path.encode(text)
+            assert ids is None or ids == variant.encode(text).ids, (content, text)
+        assert variant.token_to_id(content) in variant.encode(texts[0]).ids  # the case is real
+
+
 def test_normalizers_it_does_not_know_keep_their_own_path(backend):
     assert ascii_normalizer({"type": "Replace", "pattern": {"String": "a"}, "content": "b"}) is None
     assert ascii_normalizer({"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Precompiled"}]}) is None
