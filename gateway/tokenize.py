@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import concurrent.futures
 import copy
 import os
 import threading
@@ -40,6 +41,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # query (tens of microseconds) costs less than the hop to a pool thread and back (a submit, two
 # wake-ups; ~5% of the gateway's CPU per call by py-spy), and holds the loop no longer.
 INLINE_BYTES = 256
+
+# Pool threads started, with their tokenizer copies, when a Tokenizer is made.
+STARTED_THREADS = 4
 
 # First prefix tried for truncate=true, in characters per token kept: ordinary text runs 3-5
 # characters a token, so one tokenization of a prefix this long nearly always suffices.
@@ -158,19 +162,34 @@ class Tokenizer:
         # a few milliseconds of one core. A search query (a few short inputs) is never large.
         self.heavy_bytes = heavy_bytes or 64 * info.max_length
         self._local = threading.local()
-        self._start_light_threads(light)
+        try:
+            self._start_light_threads(light)
+        except BaseException:
+            self.close()
+            raise
 
     def _start_light_threads(self, n: int) -> None:
-        """Start the ordinary pool's threads now, each with its tokenizer copy: made on a
-        thread's first call instead (~25 ms for MiniLM's, far more for a 150k vocabulary), it
-        would hold up that call and, under load, the event loop (deepcopy holds the GIL)."""
+        """Start the ordinary pool's first threads now, each with its tokenizer copy, and this
+        thread's (the event loop's, in a gateway): made on a thread's first call instead (~25 ms
+        for MiniLM's, far more for a 150k vocabulary), a copy would hold up that call and, under
+        load, the event loop (deepcopy holds the GIL). At most ``STARTED_THREADS``: on a host of
+        many cores the rest start as calls need them."""
+        self._backend_copy()
+        n = min(n, STARTED_THREADS)
         started = threading.Barrier(n)
 
         def start() -> None:
-            self._backend_copy()
-            started.wait(timeout=60)  # each task on its own thread: the pool starts all n
-        for future in [self._light.submit(start) for _ in range(n)]:
-            future.result()
+            try:
+                self._backend_copy()
+            except BaseException:
+                started.abort()  # the others stop waiting; this error is the one raised
+                raise
+            started.wait(timeout=60)  # each task on its own thread: the pool starts n of them
+        futures = [self._light.submit(start) for _ in range(n)]
+        concurrent.futures.wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
 
     def _backend_copy(self) -> RustTokenizer:
         tok = getattr(self._local, "tok", None)

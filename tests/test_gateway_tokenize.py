@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tokq.gateway.errors import InvalidArgument
 from tokq.gateway.large_lane import LARGE_NICE
-from tokq.gateway.tokenize import (INLINE_BYTES, Tokenizer, _head, encode_truncated,
+from tokq.gateway.tokenize import (INLINE_BYTES, STARTED_THREADS, Tokenizer, _head, encode_truncated,
                                    first_surely_too_long, surely_too_long)
 from tokq.model_info import ModelInfo
 
@@ -273,7 +273,28 @@ def test_the_pool_threads_start_with_their_tokenizer_copies():
     tok = Tokenizer(ModelInfo.load(), threads=2)
     try:
         assert len(tok._light._threads) == 2  # started before any call
+        assert getattr(tok._local, "tok", None) is not None  # and this thread's (a gateway's loop)
         copies = [tok._light.submit(lambda: getattr(tok._local, "tok", None)) for _ in range(20)]
         assert all(f.result() is not None for f in copies)  # no call makes one
     finally:
         tok.close()
+    many = Tokenizer(ModelInfo.load(), threads=STARTED_THREADS + 3)
+    try:  # a host of many cores: the rest start as calls need them
+        assert len(many._light._threads) == STARTED_THREADS
+    finally:
+        many.close()
+
+
+def test_a_copy_that_fails_at_start_is_the_error_raised(monkeypatch):
+    import tokq.gateway.tokenize as tokenize
+
+    real = copy.deepcopy
+
+    def deepcopy(obj, *args):
+        if threading.current_thread().name.startswith("tokenize_1"):
+            raise MemoryError("no room for a tokenizer copy")
+        return real(obj, *args)
+
+    monkeypatch.setattr(tokenize.copy, "deepcopy", deepcopy)
+    with pytest.raises(MemoryError, match="no room"):
+        Tokenizer(ModelInfo.load(), threads=3)
