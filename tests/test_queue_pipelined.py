@@ -177,7 +177,8 @@ async def test_the_gateway_s_enqueue_hold_reaches_every_shard_made_before_or_aft
 @pytest.mark.redis_kinds("standalone")
 async def test_an_idle_pipeliner_holds_no_connection_of_the_pool(redis_url):
     # One connection in all: every shard's pipeliner and every other command share it, which
-    # only works if a pipeliner gives its connection back once it has nothing left to send.
+    # only works if a pipeliner gives its connection back once it has had nothing to send for
+    # RELEASE_AFTER_S (the other commands wait that long in the pool's queue).
     client = connect(redis_url, max_connections=1, pool_timeout_s=2.0)
     try:
         queue = ShardedQueue(client, "m", QueueConfig(queue_shards=3))
@@ -219,6 +220,44 @@ async def test_round_trips_in_quick_succession_keep_one_connection_given_back_on
         assert (await q.stats()).queued_entries == 11  # the pool's one connection, back in it
     finally:
         await client.aclose()
+
+
+@pytest.mark.redis_kinds("standalone")
+async def test_a_held_connection_goes_back_when_a_hold_ends_with_nothing_to_send_or_on_close(redis_url):
+    client = connect(redis_url, max_connections=1, pool_timeout_s=0.1)
+    try:
+        q = Queue(client, QUEUE)
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        q.pipeliner.hold_s = 4 * RELEASE_AFTER_S  # longer than the linger: its timer fires meanwhile
+        await q.enqueue("first", items(1), timeout_ms=60_000, channel=CHANNEL)
+        held = asyncio.ensure_future(q.enqueue("held", items(1), timeout_ms=60_000, channel=CHANNEL))
+        await asyncio.sleep(0)
+        held.cancel()  # the hold then ends with nothing to send
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+        await asyncio.sleep(8 * RELEASE_AFTER_S)
+        assert (await q.stats()).queued_entries == 2  # the pool's one connection, back in it
+        await q.enqueue("again", items(1), timeout_ms=60_000, channel=CHANNEL)
+        await q.pipeliner.aclose()  # at once, not after the linger
+        assert (await q.stats()).queued_entries == 3
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.redis_kinds("standalone")
+async def test_a_run_whose_arguments_cannot_be_sent_fails_alone(redis_url):
+    async with open_queue(redis_url) as q:
+        await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+        first = asyncio.ensure_future(q.enqueue("r0", items(1), timeout_ms=60_000, channel=CHANNEL))
+        await asyncio.sleep(0)  # out alone: the next ones share the round trip after it
+        bad = asyncio.ensure_future(q.pipeliner.run("cancel", [q.keys.reply("x"), q.keys.counters], [object()]))
+        rest = [asyncio.ensure_future(q.enqueue(f"r{i}", items(1), timeout_ms=60_000, channel=CHANNEL))
+                for i in (1, 2)]
+        pipelines = q.pipeliner.pipelines
+        with pytest.raises(redis.exceptions.DataError):
+            await bad
+        assert [e.request_id for e in await asyncio.gather(first, *rest)] == ["r0", "r1", "r2"]
+        assert q.pipeliner.pipelines - pipelines == 1  # the three behind r0 went together
 
 
 @pytest.mark.redis_kinds("standalone")  # the fault proxy stands before one server
@@ -316,12 +355,12 @@ async def test_a_silent_redis_fails_the_round_trip_by_the_socket_timeout_and_the
         assert isinstance(await q.enqueue("after", items(2), timeout_ms=60_000, channel=CHANNEL), Enqueued)
 
 
-@pytest.mark.redis_kinds("standalone")
-def test_commands_are_packed_as_redis_py_packs_them(redis_url):
+def test_commands_are_packed_as_redis_py_packs_them():
     from redis.asyncio.connection import Connection
 
-    args = ("EVALSHA", "ab" * 20, 3, "k1", "{q}:é", b"\x00\r\n\xff", 0, -5, 2 ** 40, 1.5, "", b"")
+    args = ("EVALSHA", "ab" * 20, 3, "k1", "{q}:é", b"\x00\r\n\xff", 0, -5, 2 ** 40, 1.5, "", b"",
+            memoryview(b"mv"))
     assert pack_command(*args) == b"".join(Connection().pack_command(*args))
-    for bad in (True, None, [1]):
+    for bad in (True, None, [1], bytearray(b"x")):
         with pytest.raises(redis.exceptions.DataError):
             pack_command("EVALSHA", bad)

@@ -24,8 +24,8 @@ is one hash slot, so one node: a shard whose node fails over holds up no other s
 
 On a standalone Redis the round trips go over one connection the pipeliner takes from the
 client's pool when a run starts and gives back once nothing has been sent for ``RELEASE_AFTER_S``
-(so it holds one connection at most, and only while busy): one round trip is in flight at a
-time, so while busy it needs no pool checkout per round trip (~25 us each, and under load a
+(so it holds one connection at most, and only while busy or just after): one round trip is in
+flight at a time, so while busy it needs no pool checkout per round trip (~25 us each, and under load a
 round trip follows the last within milliseconds), and redis-py's per-command machinery (a Task
 for each timed send, a timeout per reply read) is paid once per round trip as one
 ``asyncio.timeout`` (the client's socket timeout) around the whole exchange. Its EVALSHA
@@ -50,8 +50,9 @@ RELEASE_AFTER_S = 0.05
 
 
 def pack_command(*args: Any) -> bytes:
-    """One command in the Redis protocol (RESP), its arguments encoded as redis-py encodes them
-    (bytes as they are, str as UTF-8, int and float as their decimal text)."""
+    """One command in the Redis protocol (RESP), its arguments encoded as redis-py's encoder does
+    with its default UTF-8 (bytes and memoryviews as they are, str as UTF-8, int and float as
+    their decimal text; anything else is a DataError)."""
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
         if isinstance(arg, bytes):
@@ -62,8 +63,8 @@ def pack_command(*args: Any) -> bytes:
             data = b"%d" % arg
         elif isinstance(arg, float):
             data = repr(arg).encode()
-        elif isinstance(arg, (bytearray, memoryview)):
-            data = bytes(arg)
+        elif isinstance(arg, memoryview):
+            data = arg.tobytes()
         else:
             raise redis.exceptions.DataError(f"cannot send {type(arg).__name__} {arg!r} to Redis")
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
@@ -125,9 +126,9 @@ class ScriptPipeliner:
                 self._waiting.remove(item)
             raise
 
-    def _next_or_linger(self) -> None:
-        self._next()
-        if not self._in_flight and self._conn is not None:  # idle: give the connection back soon
+    def _linger(self) -> None:
+        """Idle: give the held connection (if any) back after RELEASE_AFTER_S more of it."""
+        if self._conn is not None:
             loop = asyncio.get_running_loop()
             self._idle_since = loop.time()
             if self._release_timer is None:  # one timer per RELEASE_AFTER_S, not per round trip
@@ -146,6 +147,13 @@ class ScriptPipeliner:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
+    async def aclose(self) -> None:
+        """Give the held connection back now (the owner is closing)."""
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        await self._give_back()
+
     async def _give_back(self) -> None:
         """Return the held connection (if any) to the pool, its own timeout restored."""
         if self._conn is not None:
@@ -153,9 +161,10 @@ class ScriptPipeliner:
             conn.socket_timeout = self._timeout_s
             await self._client.connection_pool.release(conn)
 
-    async def _round_trip(self, runs: list[_Run]) -> list[Any]:
-        """Send the runs as one write on the held connection, read their replies (a command's
-        error as its reply); a lost connection is retried as the client retries a command."""
+    async def _round_trip(self, runs: list[_Run], packed: bytes) -> list[Any]:
+        """Send the runs (``packed``: their commands) as one write on the held connection, read
+        their replies (a command's error as its reply); a lost connection is retried as the
+        client retries a command."""
         if self._conn is None:
             self._conn = await self._client.connection_pool.get_connection()
             # Reads and writes are bounded by the timeout around the round trip instead (and
@@ -163,10 +172,6 @@ class ScriptPipeliner:
             self._timeout_s = self._conn.socket_timeout
             self._conn.socket_timeout = None
         conn = self._conn
-        for r in runs:
-            self._scripts.calls[r.name] += 1
-        packed = b"".join([pack_command("EVALSHA", self._scripts.sha(r.name), len(r.keys), *r.keys, *r.args)
-                           for r in runs])
 
         async def exchange() -> list[Any]:
             try:
@@ -199,6 +204,7 @@ class ScriptPipeliner:
         runs, self._waiting = self._waiting, []
         if not runs:
             self._in_flight = False
+            self._linger()
             return
         self._count(len(runs))
         if self.hold_s:
@@ -212,19 +218,30 @@ class ScriptPipeliner:
         try:
             await self._pipeline(runs)
         finally:
-            self._next_or_linger()
+            self._next()
+
+    def _evalsha(self, r: _Run) -> tuple:
+        return ("EVALSHA", self._scripts.sha(r.name), len(r.keys), *r.keys, *r.args)
 
     async def _pipeline(self, runs: list[_Run]) -> None:
         if len(runs) == 1 and not self._direct:  # the cluster client's own path: no pipeline
             return await self._run_alone(runs[0])
+        for r in runs:
+            self._scripts.calls[r.name] += 1
         try:
             if self._direct:
-                replies = await self._round_trip(runs)
+                packed = []
+                for r in list(runs):
+                    try:
+                        packed.append(pack_command(*self._evalsha(r)))
+                    except (redis.exceptions.DataError, UnicodeEncodeError) as exc:  # its own arguments
+                        _settle(r, exc=exc)
+                        runs.remove(r)
+                replies = await self._round_trip(runs, b"".join(packed)) if runs else []
             else:
                 async with self._client.pipeline(transaction=False) as pipe:
                     for r in runs:
-                        self._scripts.calls[r.name] += 1
-                        pipe.execute_command("EVALSHA", self._scripts.sha(r.name), len(r.keys), *r.keys, *r.args)
+                        pipe.execute_command(*self._evalsha(r))
                     replies = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # a lost connection (after redis-py's retries): every run shares it
             for r in runs:

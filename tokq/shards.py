@@ -193,6 +193,8 @@ class ShardedQueue:
             self._load_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._load_task
+        for queue in self._shards.values():  # their pipeliners' held connections, back now
+            await queue.pipeliner.aclose()
 
     # -- worker side ------------------------------------------------------------------------
     async def refresh_shard_count(self) -> int:
