@@ -33,7 +33,8 @@ _PREFIX_LEN = struct.Struct("<H")
 _RESULT_HEAD = struct.Struct("<ff")
 # (width in bytes, array typecode); "H"/"I" are 2 and 4 bytes wherever CPython runs.
 _ID_ARRAYS = ((2, "H"), (4, "I"))
-assert all(array(code).itemsize == width for width, code in _ID_ARRAYS)
+if any(array(code).itemsize != width for width, code in _ID_ARRAYS):
+    raise ImportError("array's 'H'/'I' are not 2/4 bytes here: entry bodies need them so")
 
 
 def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0, prefix_len: int = 0) -> bytes:
@@ -54,7 +55,17 @@ def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0, prefi
 def _pack_ids(token_ids) -> tuple[int, bytes]:
     """(width, little-endian ids): uint16 when every id fits, else uint32. With ``array``, not
     numpy: a query's few ids cost the gateway ~1 us this way, ~10 us through numpy."""
-    if not isinstance(token_ids, (list, tuple, np.ndarray)):
+    if isinstance(token_ids, np.ndarray):  # whole-array checks: ~2 us for 1,000 ids, not ~75
+        if token_ids.dtype.kind not in "iu" or token_ids.ndim != 1:
+            raise ValueError("token ids must be integers")
+        if not token_ids.size:
+            raise ValueError("an item needs at least one token id")
+        top = int(token_ids.max())
+        if int(token_ids.min()) < 0 or top > 0xFFFFFFFF:
+            raise ValueError("token ids must be integers in 0..2**32-1")
+        width = 2 if top <= 0xFFFF else 4
+        return width, token_ids.astype("<u2" if width == 2 else "<u4").tobytes()
+    if not isinstance(token_ids, (list, tuple)):
         token_ids = list(token_ids)  # read twice if the first width is too narrow
     for width, code in _ID_ARRAYS:
         try:
