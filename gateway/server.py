@@ -205,6 +205,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             await http_task
         for task in stats_tasks:
             task.cancel()
+        # Awaited: each releases its exporter lock on the way out (on the client closed below).
+        await asyncio.gather(*stats_tasks, return_exceptions=True)
         for model in models.values():
             await model.router.stop()
             await model.queue.close()

@@ -4,10 +4,13 @@ of what the gateway alone decides (limits, TLS, API keys), without starting a pr
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from contextlib import contextmanager
 
 from tokq import config as cfg
+
+_collector = {"gateways": 0, "threshold": None}  # in-process gateways running, the threshold before
 
 
 @contextmanager
@@ -34,17 +37,25 @@ def running_gateway(redis_url: str, **settings):
             state["error"] = exc
             ready.set()
 
+    if not _collector["gateways"]:  # serve() tunes the process's collector: put back after the last
+        _collector["threshold"] = gc.get_threshold()
+    _collector["gateways"] += 1
     thread = threading.Thread(target=run, daemon=True, name="test-gateway")
-    thread.start()
-    assert ready.wait(120), "gateway did not start"
-    if "error" in state:
-        raise state["error"]
     try:
+        thread.start()
+        assert ready.wait(120), "gateway did not start"
+        if "error" in state:
+            raise state["error"]
         yield state["port"]
     finally:
-        loop.call_soon_threadsafe(state["stop"].set)
+        if "stop" in state:
+            loop.call_soon_threadsafe(state["stop"].set)
         thread.join(30)
         loop.close()
+        _collector["gateways"] -= 1
+        if not _collector["gateways"]:
+            gc.unfreeze()
+            gc.set_threshold(*_collector["threshold"])
 
 
 def left_for_the_gc(calls) -> list:
