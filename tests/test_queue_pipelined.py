@@ -174,13 +174,22 @@ async def test_the_gateway_s_enqueue_hold_reaches_every_shard_made_before_or_aft
         await client.aclose()
 
 
+@contextlib.asynccontextmanager
+async def _one_connection(redis_url: str, pool_timeout_s: float):
+    """A client whose pool holds one connection: what a pipeliner keeps shows as others waiting."""
+    client = connect(redis_url, max_connections=1, pool_timeout_s=pool_timeout_s)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.redis_kinds("standalone")
 async def test_an_idle_pipeliner_holds_no_connection_of_the_pool(redis_url):
     # One connection in all: every shard's pipeliner and every other command share it, which
     # only works if a pipeliner gives its connection back once it has had nothing to send for
     # RELEASE_AFTER_S (the other commands wait that long in the pool's queue).
-    client = connect(redis_url, max_connections=1, pool_timeout_s=2.0)
-    try:
+    async with _one_connection(redis_url, 2.0) as client:
         queue = ShardedQueue(client, "m", QueueConfig(queue_shards=3))
         for round_ in range(2):
             for i in range(3):
@@ -189,25 +198,22 @@ async def test_an_idle_pipeliner_holds_no_connection_of_the_pool(redis_url):
                                                                channel=CHANNEL) for j in range(3)))
                 assert [r.request_id for r in results] == [f"r{round_}-{i}-{j}" for j in range(3)]
                 assert (await shard.stats()).queued_entries == 3 * (round_ + 1)  # not through the pipeliner
-    finally:
-        await client.aclose()
 
 
 @pytest.mark.redis_kinds("standalone")
 async def test_round_trips_in_quick_succession_keep_one_connection_given_back_once_idle(redis_url):
     # Under load a round trip follows the last within milliseconds: the pipeliner keeps its
     # connection between them instead of a pool checkout each, and gives it back once idle.
-    client = connect(redis_url, max_connections=1, pool_timeout_s=0.5)
-    pool = client.connection_pool
-    taken = 0
-    get_connection = pool.get_connection
+    async with _one_connection(redis_url, 0.5) as client:
+        pool = client.connection_pool
+        get_connection = pool.get_connection
+        taken = 0
 
-    async def counted(*args, **kwargs):
-        nonlocal taken
-        taken += 1
-        return await get_connection(*args, **kwargs)
+        async def counted(*args, **kwargs):
+            nonlocal taken
+            taken += 1
+            return await get_connection(*args, **kwargs)
 
-    try:
         q = Queue(client, QUEUE)
         await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)  # scripts loaded
         await asyncio.sleep(4 * RELEASE_AFTER_S)
@@ -218,14 +224,11 @@ async def test_round_trips_in_quick_succession_keep_one_connection_given_back_on
         assert (q.pipeliner.pipelines - pipelines, taken) == (10, 1)
         await asyncio.sleep(4 * RELEASE_AFTER_S)
         assert (await q.stats()).queued_entries == 11  # the pool's one connection, back in it
-    finally:
-        await client.aclose()
 
 
 @pytest.mark.redis_kinds("standalone")
 async def test_a_held_connection_goes_back_when_a_hold_ends_with_nothing_to_send_or_on_close(redis_url):
-    client = connect(redis_url, max_connections=1, pool_timeout_s=0.1)
-    try:
+    async with _one_connection(redis_url, 0.1) as client:
         q = Queue(client, QUEUE)
         await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
         q.pipeliner.hold_s = 4 * RELEASE_AFTER_S  # longer than the linger: its timer fires meanwhile
@@ -240,8 +243,6 @@ async def test_a_held_connection_goes_back_when_a_hold_ends_with_nothing_to_send
         await q.enqueue("again", items(1), timeout_ms=60_000, channel=CHANNEL)
         await q.pipeliner.aclose()  # at once, not after the linger
         assert (await q.stats()).queued_entries == 3
-    finally:
-        await client.aclose()
 
 
 @pytest.mark.redis_kinds("standalone")
