@@ -42,6 +42,8 @@ MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 QUEUE_STATS_PERIOD_S = 2.0
 # Allocations (net, of container objects) between two young-generation collections.
 GC_YOUNG_THRESHOLD = 10_000
+# Seconds a stopping gateway waits for its background tasks' clean-up.
+STOP_WAIT_S = 2.0
 
 
 async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
@@ -205,8 +207,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             await http_task
         for task in stats_tasks:
             task.cancel()
-        # Awaited: each releases its exporter lock on the way out (on the client closed below).
-        await asyncio.gather(*stats_tasks, return_exceptions=True)
+        # Waited for (a little): each releases its exporter lock on the way out, on the client
+        # closed below; a Redis that does not answer does not hold up the stop.
+        if stats_tasks:
+            await asyncio.wait(stats_tasks, timeout=STOP_WAIT_S)
         for model in models.values():
             await model.router.stop()
             await model.queue.close()

@@ -48,14 +48,19 @@ def running_gateway(redis_url: str, **settings):
             raise state["error"]
         yield state["port"]
     finally:
-        if "stop" in state:
-            loop.call_soon_threadsafe(state["stop"].set)
-        thread.join(30)
-        loop.close()
-        _collector["gateways"] -= 1
-        if not _collector["gateways"]:
-            gc.unfreeze()
-            gc.set_threshold(*_collector["threshold"])
+        try:
+            if "stop" in state:
+                loop.call_soon_threadsafe(state["stop"].set)
+            thread.join(60)
+            if thread.is_alive():  # say what it is still doing (loop.close() would say "running")
+                stuck = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                raise AssertionError(f"the gateway did not stop within 60 s; its tasks: {stuck!r}")
+            loop.close()
+        finally:
+            _collector["gateways"] -= 1
+            if not _collector["gateways"]:
+                gc.unfreeze()
+                gc.set_threshold(*_collector["threshold"])
 
 
 def left_for_the_gc(calls) -> list:
