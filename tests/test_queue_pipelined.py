@@ -254,11 +254,12 @@ async def test_a_run_whose_arguments_cannot_be_sent_fails_alone(redis_url):
         bad = asyncio.ensure_future(q.pipeliner.run("cancel", [q.keys.reply("x"), q.keys.counters], [object()]))
         rest = [asyncio.ensure_future(q.enqueue(f"r{i}", items(1), timeout_ms=60_000, channel=CHANNEL))
                 for i in (1, 2)]
-        pipelines = q.pipeliner.pipelines
+        pipelines, cancels = q.pipeliner.pipelines, q.scripts.calls["cancel"]
         with pytest.raises(redis.exceptions.DataError):
             await bad
         assert [e.request_id for e in await asyncio.gather(first, *rest)] == ["r0", "r1", "r2"]
         assert q.pipeliner.pipelines - pipelines == 1  # the three behind r0 went together
+        assert q.scripts.calls["cancel"] == cancels  # and the one not sent is not counted as run
 
 
 @pytest.mark.redis_kinds("standalone")  # the fault proxy stands before one server

@@ -226,8 +226,6 @@ class ScriptPipeliner:
     async def _pipeline(self, runs: list[_Run]) -> None:
         if len(runs) == 1 and not self._direct:  # the cluster client's own path: no pipeline
             return await self._run_alone(runs[0])
-        for r in runs:
-            self._scripts.calls[r.name] += 1
         try:
             if self._direct:
                 packed = []
@@ -237,8 +235,10 @@ class ScriptPipeliner:
                     except (redis.exceptions.DataError, UnicodeEncodeError) as exc:  # its own arguments
                         _settle(r, exc=exc)
                         runs.remove(r)
+                self._scripts.calls.update(r.name for r in runs)
                 replies = await self._round_trip(runs, b"".join(packed)) if runs else []
             else:
+                self._scripts.calls.update(r.name for r in runs)
                 async with self._client.pipeline(transaction=False) as pipe:
                     for r in runs:
                         pipe.execute_command(*self._evalsha(r))
