@@ -341,6 +341,25 @@ async def test_a_lone_call_cancelled_while_out_returns_after_its_answer(redis_ur
 
 
 @pytest.mark.redis_kinds("standalone")
+async def test_closing_waits_for_the_round_trip_in_flight_before_giving_its_connection_back(redis_url):
+    # The connection goes back to the pool only once the round trip on it is over: given back
+    # before, another command could take it and read this round trip's answer as its own.
+    async with _through_proxy(redis_url, socket_timeout=1.0) as (proxy, q), \
+            contextlib.aclosing(aioredis.Redis.from_url(redis_url)) as direct:
+        proxy.stall()  # its answer withheld: the round trip ends by its timeout
+        task = asyncio.ensure_future(q.enqueue("r0", items(2), timeout_ms=60_000, channel=CHANNEL))
+        while not await direct.exists(q.keys.reply("r0")):  # it ran; its answer is held
+            await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(q.pipeliner.aclose())
+        await asyncio.sleep(0.2)
+        assert not closing.done()
+        await closing
+        assert task.done()  # the round trip was over before its connection went back
+        with pytest.raises(LostAnswer):
+            await task
+
+
+@pytest.mark.redis_kinds("standalone")
 async def test_a_silent_redis_fails_the_round_trip_by_the_socket_timeout_and_the_next_one_works(redis_url):
     # The pipeliner's held connection has no timeout of its own: its round trip's does the job.
     async with _through_proxy(redis_url, socket_timeout=0.5) as (proxy, q):

@@ -101,6 +101,7 @@ class ScriptPipeliner:
         self._idle_since = 0.0  # loop time the last round trip ended with nothing left to send
         self._release_timer: asyncio.TimerHandle | None = None
         self._releases: set[asyncio.Task] = set()
+        self._sending: asyncio.Task | None = None  # the round trip in flight, if any
         # What was sent: runs and round trips (tests and benchmarks read them).
         self.commands = 0
         self.pipelines = 0
@@ -148,10 +149,13 @@ class ScriptPipeliner:
         task.add_done_callback(self._releases.discard)
 
     async def aclose(self) -> None:
-        """Give the held connection back now (the owner is closing)."""
+        """Give the held connection back now (the owner is closing), once the round trips in
+        flight have answered: their replies are read on that connection."""
         if self._release_timer is not None:
             self._release_timer.cancel()
             self._release_timer = None
+        while self._sending is not None and not self._sending.done():
+            await asyncio.wait([self._sending])
         await self._give_back()
 
     async def _give_back(self) -> None:
@@ -210,7 +214,7 @@ class ScriptPipeliner:
         if self.hold_s:
             self._last_start = asyncio.get_running_loop().time()
         # Its own task: one caller cancelled must not cut the pipeline the others wait on.
-        task = asyncio.get_running_loop().create_task(self._send(runs))
+        task = self._sending = asyncio.get_running_loop().create_task(self._send(runs))
         for r in runs:
             r.sent = task
 
