@@ -14,11 +14,15 @@ from tokq import config as cfg
 
 
 def _run_one(gateway_values: dict, queue_values: dict) -> None:
+    from tokq.gateway.helper_threads import yield_to_loop_thread
     from tokq.gateway.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Once serving, gRPC's threads exist: from then on they yield to the loop's thread. Here,
+    # not in serve(): it changes the whole process, and in-process users own theirs.
     asyncio.run(serve(cfg.load(cfg.GatewayConfig, gateway_values),
-                      cfg.load(cfg.QueueConfig, queue_values)))
+                      cfg.load(cfg.QueueConfig, queue_values),
+                      on_ready=lambda port: yield_to_loop_thread()))
 
 
 @click.command("gateway")

@@ -4,6 +4,7 @@ all-MiniLM-L6-v2. Tests run in file order against one deployment (starting it is
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import threading
@@ -82,6 +83,22 @@ def test_embeddings_match_sentence_transformers_one_worker(client, reference, bu
     texts = make_texts(n, seed=n, bundled_model_dir=bundled_model_dir)
     assert_close(client.embed(texts, timeout=60), reference(texts))
 
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_gateway_process_runs_its_helper_threads_as_batch_threads(stack, client):
+    client.embed(["hello"])  # every gRPC thread has started
+    pid = stack.gateway.pid
+    policies = {}
+    for name in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{name}/comm") as f:
+            policies[int(name)] = (f.read().strip(), os.sched_getscheduler(int(name)))
+    assert policies.pop(pid)[1] == os.SCHED_OTHER  # the main thread runs the event loop
+    # gRPC core's own threads (event_engine, grpc_global_timer, ...) and, among the Python
+    # threads (comm "python": tokenizer pool threads started later on keep the default), its
+    # completion-queue poller
+    core = [p for comm, p in policies.values() if comm != "python"]
+    assert core and all(p == os.SCHED_BATCH for p in core), policies
+    assert any(comm == "python" and p == os.SCHED_BATCH for comm, p in policies.values()), policies
 
 def test_info_and_tokenize(client, bundled_model_dir):
     info = client.info(timeout=5)
