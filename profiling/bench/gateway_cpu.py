@@ -7,7 +7,8 @@ in the same run.
 Starts, as separate processes: an embedded Redis, one gateway and one worker (`tokq gateway`,
 `tokq worker --threads 1`, their defaults otherwise; the gateway with a metrics port, as `tokq up`
 runs it), and a bare grpc.aio server (`echo-server` below: the same Embed RPC answering a fixed
-384-float vector, no work). For each load (each
+384-float vector, no work; its helper threads yield to its loop's thread as the gateway's do,
+gateway/helper_threads.py). For each load (each
 rate of ``--rates``: open loop, Poisson arrivals; each level of ``--concurrency``: closed loop,
 that many calls in flight, as fast as the system answers) and each round, a load client (its own
 process, `load-client`) warms up, then sends ``--calls`` single-input Embed calls at that load to
@@ -76,6 +77,7 @@ async def serve_echo(port: int) -> None:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    from tokq.gateway.helper_threads import yield_to_loop_thread
     from tokq.v1 import embedder_pb2 as pb
     from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -93,6 +95,7 @@ async def serve_echo(port: int) -> None:
     if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
         raise OSError(f"could not bind port {port}")
     await server.start()
+    yield_to_loop_thread()  # the gateway's thread policy: the two differ only in their work
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await server.wait_for_termination()
 
