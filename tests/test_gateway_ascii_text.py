@@ -135,3 +135,61 @@ def test_the_small_request_path_leaves_long_and_bad_inputs_to_the_general_path(t
     assert tokenizer._encode_small([b"hello", b"!" * 255], "") is None  # 257 tokens: cut or refused there
     assert tokenizer._encode_small([b"ok", b"\xff"], "") is None  # not UTF-8: named there
     assert tokenizer._encode_small([b"hello world"], "") == [[101, 7592, 2088, 102]]
+
+
+# -- BERT-style tokenizers, done whole in Python (WordPiece) ------------------------------------
+
+def _word_piece_tokenizer(post_processor="template", max_chars=8, pre_tokenizer=None):
+    """A small WordPiece vocabulary where words split into several pieces, some not at all."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers, processors
+
+    vocab = {t: i for i, t in enumerate(
+        ["[UNK]", "[CLS]", "[SEP]", "[BOS]", "un", "##aff", "##able", "##a", "a", "b", "##b", "ab",
+         "##ab", "!", "-", "_", "Hello", "hello", "##lo", "he", "##l", "x", "##x", "1", "##2", "12"])}
+    tok = RustTokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=max_chars))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.BertPreTokenizer()
+    if post_processor == "template":  # more than one special token on a side
+        tok.post_processor = processors.TemplateProcessing(
+            single="[BOS] [CLS] $A [SEP]", special_tokens=[("[BOS]", 3), ("[CLS]", 1), ("[SEP]", 2)])
+    elif post_processor == "bert":
+        tok.post_processor = processors.BertProcessing(("[SEP]", 2), ("[CLS]", 1))
+    elif post_processor is not None:
+        tok.post_processor = post_processor
+    return tok
+
+
+SMALL_VOCAB_TEXT = st.lists(st.sampled_from(["un", "aff", "able", "a", "b", "ab", "Hello", "hello", "lo", "l",
+                                             "x", "1", "2", "z", "!", "-", "_", " ", "\t", "?", "xxxxxxxxx"]),
+                            max_size=16).map("".join)
+
+
+@pytest.mark.parametrize("post_processor", ["template", "bert", None])
+@settings(deadline=None, max_examples=300)
+@given(text=SMALL_VOCAB_TEXT)
+def test_word_piece_gives_the_tokenizer_s_ids(post_processor, text):
+    tok = _word_piece_tokenizer(post_processor)
+    path = AsciiPath(tok)
+    assert path._word_piece is not None
+    assert path.encode(text) == tok.encode(text).ids, text
+
+
+def test_word_piece_is_used_for_minilm_and_agrees_on_the_hard_cases(backend):
+    path = AsciiPath(backend)
+    assert path._word_piece is not None  # the bundled model's queries take it
+    for text in ("unaffable xyzzyqwert", "x" * 101 + " ok", "x" * 100, "don't-stop_now!!", "a1b2 3.14", ""):
+        assert path.encode(text) == backend.encode(text).ids, text
+
+
+def test_word_piece_steps_aside_for_tokenizers_it_does_not_know(backend):
+    from tokenizers import pre_tokenizers, processors
+
+    others = [_word_piece_tokenizer(processors.RobertaProcessing(("[SEP]", 2), ("[CLS]", 1))),
+              _word_piece_tokenizer(pre_tokenizer=pre_tokenizers.Whitespace())]
+    truncating = copy.deepcopy(backend)
+    truncating.enable_truncation(16)
+    for tok in [*others, truncating]:
+        path = AsciiPath(tok)
+        assert path._word_piece is None
+        assert path.encode("Hello unaffable!") == tok.encode("Hello unaffable!").ids
