@@ -29,8 +29,8 @@ flight at a time, so while busy it needs no pool checkout per round trip (~25 us
 round trip follows the last within milliseconds), and redis-py's per-command machinery (a Task
 for each timed send, a timeout per reply read) is paid once per round trip as one
 ``asyncio.timeout`` (the client's socket timeout) around the whole exchange. Its EVALSHA
-commands are packed here (``pack_command``), not by redis-py, whose packing of an enqueue's ~20
-arguments costs ~3x as much. On Redis Cluster the runs go through the cluster client's
+commands are packed by hiredis (``pack_command``), not by redis-py's Python packing, which costs
+~4x as much for an enqueue's ~20 arguments. On Redis Cluster the runs go through the cluster client's
 pipeline, which follows MOVED and failovers.
 """
 
@@ -40,6 +40,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions
 
@@ -50,25 +51,15 @@ RELEASE_AFTER_S = 0.05
 
 
 def pack_command(*args: Any) -> bytes:
-    """One command in the Redis protocol (RESP), its arguments encoded as redis-py's encoder does
-    with its default UTF-8 (bytes and memoryviews as they are, str as UTF-8, int and float as
-    their decimal text; anything else is a DataError)."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, int) and not isinstance(arg, bool):
-            data = b"%d" % arg
-        elif isinstance(arg, float):
-            data = repr(arg).encode()
-        elif isinstance(arg, memoryview):
-            data = arg.tobytes()
-        else:
-            raise redis.exceptions.DataError(f"cannot send {type(arg).__name__} {arg!r} to Redis")
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
+    """One command in the Redis protocol (RESP), packed by hiredis (C, ~3 us for an enqueue's ~20
+    arguments against ~8 in Python), its arguments encoded as redis-py's encoder does with its
+    default UTF-8: bytes and memoryviews as they are, str as UTF-8, int and float as their
+    decimal text; anything else is a DataError."""
+    try:
+        return hiredis.pack_command(args)
+    except TypeError as exc:
+        bad = next((a for a in args if type(a) not in (bytes, str, int, float, memoryview)), None)
+        raise redis.exceptions.DataError(f"cannot send {type(bad).__name__} {bad!r} to Redis: {exc}") from None
 
 
 class _Run:
