@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 # A model's queue name (with its fingerprint after '@'), then for shards > 0 '#<shard>'.
 _QUEUE_NAME = re.compile(r"^[A-Za-z0-9._\-@]{1,128}(#[1-9][0-9]{0,3})?$")
@@ -37,7 +38,8 @@ def shard_queue_name(queue: str, shard: int) -> str:
 
 @dataclass(frozen=True)
 class QueueKeys:
-    """Key names of one model's queue."""
+    """Key names of one model's queue. Each is formatted once (``cached_property``): an enqueue
+    names ten of them."""
 
     queue: str
     prefix: str = "tokq"
@@ -46,32 +48,32 @@ class QueueKeys:
         if not _QUEUE_NAME.match(self.queue):
             raise ValueError(f"queue name {self.queue!r} must match {_QUEUE_NAME.pattern}")
 
-    @property
+    @cached_property
     def base(self) -> str:
         return f"{self.prefix}:{{{self.queue}}}"
 
-    @property
+    @cached_property
     def pending(self) -> str:
         """LIST of entries ``tokens::ts_ms::item``, head = oldest."""
         return f"{self.base}:pending"
 
-    @property
+    @cached_property
     def heavy(self) -> str:
         """LIST, as ``pending``: the heavy lane (requests over ``light_tokens``, redone items;
         tokq/claim_rule.py). ``pending`` is the light lane."""
         return f"{self.base}:heavy"
 
-    @property
+    @cached_property
     def tokens(self) -> str:
         """STRING: sum of token counts in both lanes (kept by the scripts, for the cap)."""
         return f"{self.base}:tokens"
 
-    @property
+    @cached_property
     def leases(self) -> str:
         """ZSET batch_id -> lease deadline (ms, Redis clock)."""
         return f"{self.base}:leases"
 
-    @property
+    @cached_property
     def lease_prefix(self) -> str:
         """LIST ``<lease_prefix><batch_id>``: the entries of one claimed batch."""
         return f"{self.base}:lease:"
@@ -79,17 +81,17 @@ class QueueKeys:
     def lease(self, batch_id: str) -> str:
         return self.lease_prefix + batch_id
 
-    @property
+    @cached_property
     def inflight(self) -> str:
         """STRING: number of claimed, unacknowledged items."""
         return f"{self.base}:inflight"
 
-    @property
+    @cached_property
     def counters(self) -> str:
         """HASH of monotonically increasing event counts (requeued, expired, rejected, ...)."""
         return f"{self.base}:counters"
 
-    @property
+    @cached_property
     def reply_prefix(self) -> str:
         """HASH ``<reply_prefix><request_id>``: fields n, ch and one per answered item."""
         return f"{self.base}:reply:"
@@ -106,48 +108,48 @@ class QueueKeys:
         """Shard channel (SSUBSCRIBE) a gateway listens on for 'request complete' notices."""
         return f"{self.base}:done:{gateway_id}"
 
-    @property
+    @cached_property
     def work_channel(self) -> str:
         """Shard channel idle workers listen on: told when the queue stops being empty."""
         return f"{self.base}:work"
 
-    @property
+    @cached_property
     def idle(self) -> str:
         """SET of the owner ids of idle workers: a work notice wakes one (lua/lib/wake.lua)."""
         return f"{self.base}:idle"
 
-    @property
+    @cached_property
     def preemptible(self) -> str:
         """SET of the owner ids of workers running a heavy forward: light work arriving in an
         empty light lane, with no idle worker, tells one 'light' (lua/enqueue.lua), and it runs
         that work nested in its forward (workers/preempt.py)."""
         return f"{self.base}:preemptible"
 
-    @property
+    @cached_property
     def owner_prefix(self) -> str:
         """Shard channel ``<owner_prefix><batch prefix>`` a worker holds a subscription on while
         it lives: requeue.lua SPUBLISHes to the owner of a lease that missed a renewal, and
         nobody listening (the process died, its connection with it) redoes the batch at once."""
         return f"{self.base}:owner:"
 
-    @property
+    @cached_property
     def budget(self) -> str:
         """STRING: the token budget published by ``tokq profile --apply``."""
         return f"{self.base}:budget"
 
-    @property
+    @cached_property
     def metrics_exporter(self) -> str:
         """STRING (a redis-py Lock, with a TTL): held by the one gateway process that exports
         this model's queue metrics, so a sum() over every gateway's scrape counts them once."""
         return f"{self.base}:metrics-exporter"
 
-    @property
+    @cached_property
     def shard_counts(self) -> str:
         """ZSET shard count -> last time (ms) a gateway enqueued with that many shards (kept
         on shard 0's keys; workers claim from the most shards seen lately)."""
         return f"{self.base}:shards"
 
-    @property
+    @cached_property
     def workers(self) -> str:
         """ZSET worker_id -> last heartbeat (ms); members older than the TTL are dead."""
         return f"{self.base}:workers"
