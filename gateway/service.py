@@ -9,6 +9,7 @@ import grpc
 
 from tokq.gateway.embedding import EmbedInput, Embedder
 from tokq.gateway.errors import refuse, to_status
+from tokq.gateway.wire import embed_response
 from tokq.client import GATEWAY_ID_METADATA
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -16,22 +17,6 @@ from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
 def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
-
-
-def _embedding(vector) -> pb.Embedding:
-    """An Embedding parsed from the vector's own bytes: ``values`` is a packed float field (tag 1,
-    wire type 2, little-endian float32s), so no Python float is made per value (~15 us a vector)."""
-    raw = vector.astype("<f4", copy=False).tobytes()
-    return pb.Embedding.FromString(b"\x0a" + _varint(len(raw)) + raw)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):
@@ -53,7 +38,8 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         refuse(context, code, message)
         return None
 
-    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """Returns the EmbedResponse's wire bytes (gateway/wire.py registers it so)."""
         params = EmbedInput(
             texts=list(request.inputs), token_ids=[list(t.ids) for t in request.token_inputs],
             model=request.model, truncate=request.truncate,
@@ -62,10 +48,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
 
         async def embed(model):
             out = await model.embed(params, context)
-            return pb.EmbedResponse(
-                embeddings=[_embedding(v) for v in out.vectors], model=out.model,
-                usage=pb.Usage(prompt_tokens=out.num_tokens, total_tokens=out.num_tokens),
-                timing=pb.Timing(**out.timing))
+            return embed_response(out.vectors, out.model, out.num_tokens, out.timing)
         return await self._call("Embed", request.model, embed, context)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:

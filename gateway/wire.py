@@ -1,4 +1,4 @@
-"""How the gateway reads tokq.v1 messages off the wire.
+"""How the gateway reads and writes tokq.v1 messages on the wire.
 
 ``Embed`` requests are parsed as ``EmbedRequestUtf8``: tokq.v1.EmbedRequest with ``inputs`` read
 as ``bytes`` instead of ``string``. The two are the same on the wire (both are length-delimited
@@ -11,11 +11,20 @@ the 2 MiB cap that is ~0.13 ms of parsing instead of ~2.9 ms of parsing, decodin
 
 The class is derived from the generated descriptor at import, so it cannot drift from the
 published message: only that one field's type differs (tests/test_gateway_wire.py).
+
+``Embed`` replies are written as bytes (``embed_response``), not built as protobuf objects and
+serialized: a vector's float32s are copied once into the packed field, ~1.5 us a reply against
+~8 through EmbedResponse, Embedding, Usage and Timing objects. The test compares the bytes with
+protobuf's own serialization.
 """
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Mapping, Sequence
+
 import grpc
+import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from tokq.v1 import embedder_pb2 as pb
@@ -36,6 +45,50 @@ EmbedRequestUtf8 = _embed_request_utf8()
 
 # Per method: the request type the gateway parses, where it is not the published one.
 _READ_AS = {"Embed": EmbedRequestUtf8}
+# Methods whose handlers return their reply's wire bytes.
+_WRITTEN_AS_BYTES = {"Embed"}
+
+# Timing's fields in field-number order: (tag byte, name); each a double (wire type 1).
+_TIMING = tuple((f.number << 3 | 1, f.name) for f in sorted(pb.Timing.DESCRIPTOR.fields, key=lambda f: f.number)
+                if f.type == f.TYPE_DOUBLE)
+assert len(_TIMING) == len(pb.Timing.DESCRIPTOR.fields), "Timing holds doubles only"
+_DOUBLE = struct.Struct("<d")
+_ZERO_DOUBLE = bytes(8)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2): tag byte, length, payload."""
+    return bytes((tag,)) + _varint(len(payload)) + payload
+
+
+def embed_response(vectors: Sequence[np.ndarray], model: str, num_tokens: int,
+                   timing: Mapping[str, float]) -> bytes:
+    """tokq.v1.EmbedResponse's wire bytes: what protobuf writes for the message with these
+    embeddings (packed little-endian float32s), model, usage (prompt and total tokens alike) and
+    timing. Fields at their default are left out, as protobuf leaves them; usage and timing are
+    always present."""
+    parts = [_field(0x0A, _field(0x0A, v.astype("<f4", copy=False).tobytes()) if v.size else b"")
+             for v in vectors]
+    if model:
+        parts.append(_field(0x12, model.encode()))
+    usage = b"\x08" + _varint(num_tokens) + b"\x10" + _varint(num_tokens) if num_tokens else b""
+    parts.append(_field(0x1A, usage))
+    doubles = []
+    for tag, name in _TIMING:
+        raw = _DOUBLE.pack(timing[name])
+        if raw != _ZERO_DOUBLE:  # +0.0 is the default; -0.0 is not
+            doubles.append(bytes((tag,)) + raw)
+    parts.append(_field(0x22, b"".join(doubles)))
+    return b"".join(parts)
 
 
 def add_embedder_service(servicer, server: grpc.aio.Server) -> None:
@@ -49,6 +102,6 @@ def add_embedder_service(servicer, server: grpc.aio.Server) -> None:
         response = message_factory.GetMessageClass(method.output_type)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name), request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString)
+            response_serializer=None if method.name in _WRITTEN_AS_BYTES else response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

@@ -1,5 +1,6 @@
-"""The gRPC reply's vectors are built from their bytes (no Python float per value): the message
-is the one building it from a list gives, for any length and value, and keeps every bit."""
+"""The gRPC reply is written as bytes (gateway/wire.py ``embed_response``, no Python float per
+value): the bytes protobuf writes for the same message, for any vectors, model, usage and timing,
+keeping every bit; and Embed's requests are read with their inputs as UTF-8 bytes."""
 
 from __future__ import annotations
 
@@ -8,23 +9,40 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from tokq.gateway.service import _embedding
+from tokq.gateway.wire import embed_response
 from tokq.v1 import embedder_pb2 as pb
 
-
-@settings(deadline=None, max_examples=60)
-@given(arrays(np.float32, st.integers(1, 5000), elements=st.floats(width=32, allow_nan=False)))
-def test_embedding_from_bytes_is_the_embedding_from_a_list(vector):
-    got = _embedding(vector)
-    assert got.SerializeToString() == pb.Embedding(values=vector.tolist()).SerializeToString()
-    assert np.array(got.values, dtype=np.float32).tobytes() == vector.tobytes()
+TIMING_NAMES = ("tokenize_ms", "queue_ms", "inference_ms", "total_ms")
 
 
-def test_embedding_keeps_nan_and_infinities_and_takes_any_float_view():
+def _reference(vectors, model, num_tokens, timing) -> bytes:
+    return pb.EmbedResponse(
+        embeddings=[pb.Embedding(values=v.tolist()) for v in vectors], model=model,
+        usage=pb.Usage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+        timing=pb.Timing(**timing)).SerializeToString()
+
+
+@settings(deadline=None, max_examples=150)
+@given(vectors=st.lists(arrays(np.float32, st.integers(1, 600), elements=st.floats(width=32, allow_nan=False)),
+                        max_size=4),
+       model=st.text(max_size=40), num_tokens=st.integers(0, 2 ** 32 - 1),
+       timing=st.fixed_dictionaries({name: st.one_of(st.floats(allow_nan=False), st.sampled_from([0.0, -0.0]))
+                                     for name in TIMING_NAMES}))
+def test_embed_response_bytes_are_protobuf_s_bytes(vectors, model, num_tokens, timing):
+    got = embed_response(vectors, model, num_tokens, timing)
+    assert got == _reference(vectors, model, num_tokens, timing)
+    parsed = pb.EmbedResponse.FromString(got)
+    assert [np.array(e.values, dtype=np.float32).tobytes() for e in parsed.embeddings] == [v.tobytes() for v in vectors]
+
+
+def test_embed_response_keeps_nan_and_infinities_and_takes_any_float_view():
+    timing = dict.fromkeys(TIMING_NAMES, 1.5)
     special = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-45], dtype=np.float32)
-    assert np.array(_embedding(special).values, dtype=np.float32).tobytes() == special.tobytes()
+    parsed = pb.EmbedResponse.FromString(embed_response([special], "m", 3, timing))
+    assert np.array(parsed.embeddings[0].values, dtype=np.float32).tobytes() == special.tobytes()
     view = np.arange(20, dtype=np.float64)[::2]  # non-contiguous, float64: converted, not misread
-    assert list(_embedding(view).values) == view.tolist()
+    parsed = pb.EmbedResponse.FromString(embed_response([view], "m", 3, timing))
+    assert list(parsed.embeddings[0].values) == view.tolist()
 
 
 def test_embed_requests_are_read_with_inputs_as_utf8_bytes_and_nothing_else_changed():
