@@ -28,6 +28,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from transformers import AutoTokenizer
 
 from tokq.gateway.ascii_text import AsciiPath
+from tokq.gateway.helper_threads import batch_this_thread
 from tokq.gateway.errors import InvalidArgument
 from tokq.gateway.large_lane import LargeLane
 from tokq.gateway.validate import decode_texts, not_utf8
@@ -156,7 +157,8 @@ class Tokenizer:
         self._ascii = AsciiPath(backend)  # used on the event loop's thread only
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
         light = threads or os.cpu_count() or 2
-        self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize")
+        # Its threads yield to the event loop's (gateway/helper_threads.py), however late they start.
+        self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize", initializer=batch_this_thread)
         self._large = LargeLane(max(1, light // 2), large_share)
         # Large: more than ~16 max-length inputs of ordinary text (4 bytes a token) to read, i.e.
         # a few milliseconds of one core. A search query (a few short inputs) is never large.
