@@ -146,7 +146,8 @@ def _word_piece_tokenizer(post_processor="template", max_chars=8, pre_tokenizer=
 
     vocab = {t: i for i, t in enumerate(
         ["[UNK]", "[CLS]", "[SEP]", "[BOS]", "un", "##aff", "##able", "##a", "a", "b", "##b", "ab",
-         "##ab", "!", "-", "_", "Hello", "hello", "##lo", "he", "##l", "x", "##x", "1", "##2", "12"])}
+         "##ab", "!", "-", "_", "Hello", "hello", "##lo", "he", "##l", "x", "##x", "1", "##2", "12",
+         "xxxxxxxxx"])}  # longer than max_input_chars_per_word: still [UNK]
     tok = RustTokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=max_chars))
     tok.normalizer = normalizers.BertNormalizer(lowercase=False)
     tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.BertPreTokenizer()
