@@ -53,8 +53,10 @@ RELEASE_AFTER_S = 0.05
 def pack_command(*args: Any) -> bytes:
     """One command in the Redis protocol (RESP), packed by hiredis (C, ~3 us for an enqueue's ~20
     arguments against ~8 in Python), its arguments encoded as redis-py's encoder does with its
-    default UTF-8: bytes and memoryviews as they are, str as UTF-8, int and float as their
-    decimal text; anything else is a DataError."""
+    default UTF-8: bytes as they are, str as UTF-8, int and float as their decimal text (what
+    the queue's scripts are given); a bool, None, bytearray or other type is a DataError. (hiredis
+    also takes a memoryview, reading its buffer: a strided one would be misread, so none is
+    passed.)"""
     try:
         return hiredis.pack_command(args)
     except TypeError as exc:
