@@ -70,15 +70,23 @@ def _send_guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
     After a connection error on a node, redis-py's cluster client closes that node's free
     connections in tasks that run later; a command that took one of them from the pool in
     between finds it closed mid-send and raised AttributeError (``_writer`` is None), which
-    reached callers as INTERNAL. As a ConnectionError the command (never sent) is retried."""
+    reached callers as INTERNAL. A pooled connection whose server went away has its transport
+    closed by the loop: asyncio's drops what is written to it (the read then fails), uvloop's
+    raises RuntimeError, INTERNAL again. As a ConnectionError the command (never sent) is retried."""
 
     class SendGuarded(base):
         async def _send_packed_command(self, command: Any) -> None:
-            if self._writer is None:
+            if self._writer is None or self._writer.is_closing():
                 raise redis.exceptions.ConnectionError("connection closed before the send")
             await super()._send_packed_command(command)
 
     return SendGuarded
+
+
+def _guard_pool(client: aioredis.Redis) -> aioredis.Redis:
+    pool = client.connection_pool
+    pool.connection_class = _send_guarded(pool.connection_class)  # the URL scheme's class, guarded
+    return client
 
 
 class BoundedRedisCluster(RedisCluster):
@@ -153,7 +161,7 @@ def connect(url: str, *, max_connections: int = 32, pool_timeout_s: float = 5.0,
         retry=_retry(),
         decode_responses=False,
     )
-    return aioredis.Redis(connection_pool=pool)
+    return _guard_pool(aioredis.Redis(connection_pool=pool))
 
 
 def connect_pubsub(url: str, cluster: ClusterMode = "auto") -> aioredis.Redis | RedisCluster:
@@ -162,8 +170,8 @@ def connect_pubsub(url: str, cluster: ClusterMode = "auto") -> aioredis.Redis | 
     owns the channel's slot."""
     if is_cluster(url, cluster):
         return _cluster_client(url, max_connections=4)
-    return aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                   socket_keepalive=True, retry=_retry(), decode_responses=False)
+    return _guard_pool(aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                               socket_keepalive=True, retry=_retry(), decode_responses=False))
 
 
 def connect_sync(url: str, cluster: ClusterMode = "auto") -> redis.Redis | redis.RedisCluster:
