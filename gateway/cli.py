@@ -14,15 +14,17 @@ from tokq import config as cfg
 
 
 def _run_one(gateway_values: dict, queue_values: dict) -> None:
+    from tokq.gateway.event_loop import loop_factory
     from tokq.gateway.helper_threads import yield_to_loop_thread
     from tokq.gateway.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # Once serving, gRPC's threads exist: from then on they yield to the loop's thread. Here,
-    # not in serve(): it changes the whole process, and in-process users own theirs.
-    asyncio.run(serve(cfg.load(cfg.GatewayConfig, gateway_values),
-                      cfg.load(cfg.QueueConfig, queue_values),
-                      on_ready=lambda port: yield_to_loop_thread()))
+    config = cfg.load(cfg.GatewayConfig, gateway_values)
+    # The loop and, once serving (gRPC's threads exist then), the threads yielding to its thread
+    # are chosen here, not in serve(): they are the whole process's, and in-process users own theirs.
+    with asyncio.Runner(loop_factory=loop_factory(config.event_loop)) as runner:
+        runner.run(serve(config, cfg.load(cfg.QueueConfig, queue_values),
+                         on_ready=lambda port: yield_to_loop_thread()))
 
 
 @click.command("gateway")
@@ -36,9 +38,12 @@ def gateway_command(procs: int, **values) -> None:
     cfg.load_or_exit(cfg.QueueConfig, queue_values)
     from tokq.gateway.auth import ApiKeys, server_credentials
 
+    from tokq.gateway.event_loop import loop_factory
+
     try:  # unreadable certificates or key files: one line now, not a traceback per process
         server_credentials(base)
         ApiKeys.from_config(base)
+        loop_factory(base.event_loop)  # uvloop asked for and missing
     except cfg.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     if procs <= 1:

@@ -175,8 +175,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
              ", ".join(f"{name} (queue {m.info.queue_name})" for name, m in models.items()),
              config.host, port, "TLS" if credentials else "plaintext",
              ", mutual TLS" if config.tls_client_ca else "", f", HTTP on port {http_port}" if http_port else "")
-    log.info("API keys %s; reflection %s; metrics %s", "required" if api_keys else "off",
+    log.info("API keys %s; reflection %s; event loop %s; metrics %s", "required" if api_keys else "off",
              "on" if config.reflection else "off",
+             type(asyncio.get_running_loop()).__module__.split(".")[0],
              f"on {config.metrics_host or config.host}:{config.metrics_port}" if config.metrics_port else "off")
     # What start-up loaded (tokenizer, transformers, protobuf, gRPC: ~200,000 objects) lives as
     # long as the process: out of the cyclic collector's reach, its full collections stop

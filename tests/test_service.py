@@ -7,6 +7,7 @@ import contextlib
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -97,6 +98,13 @@ def test_the_gateway_process_runs_its_helper_threads_as_batch_threads(stack, cli
     # the tokenizer's pools (tests/test_gateway_helper_threads.py tells them apart)
     assert any(comm != "python" for comm, _ in policies.values()), policies
     assert all(p == os.SCHED_BATCH for _, p in policies.values()), policies
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop is not a dependency on Windows")
+def test_the_gateway_process_runs_on_uvloop_by_default(stack, client):
+    client.embed(["hello"])
+    with open(f"/proc/{stack.gateway.pid}/maps") as f:
+        assert "uvloop" in f.read()  # its extension module is loaded: the loop it runs on
 
 def test_info_and_tokenize(client, bundled_model_dir):
     info = client.info(timeout=5)

@@ -17,6 +17,7 @@ T = TypeVar("T")
 
 # dtypes a worker can run in; workers/ may narrow this per device.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # the gateway's (gateway/event_loop.py)
 
 
 def setting(default: Any, help: str, *, min: int | None = None, max: int | None = None,
@@ -195,6 +196,9 @@ class GatewayConfig(_Validated):
                                      "--max-request-bytes + 1 MiB")
     ready_check_ms: int = setting(1_000, "how often readiness (Redis answers, a worker of the model "
                                   "is alive) is checked for gRPC health and /ready", min=50, max=60_000)
+    event_loop: str = setting("auto", "the gateway's event loop: uvloop (less CPU per call) or "
+                              "Python's asyncio; auto = uvloop where installed",
+                              choices=EVENT_LOOPS)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -7,8 +7,8 @@ in the same run.
 Starts, as separate processes: an embedded Redis, one gateway and one worker (`tokq gateway`,
 `tokq worker --threads 1`, their defaults otherwise; the gateway with a metrics port, as `tokq up`
 runs it), and a bare grpc.aio server (`echo-server` below: the same Embed RPC answering a fixed
-384-float vector, no work; its helper threads yield to its loop's thread as the gateway's do,
-gateway/helper_threads.py). For each load (each
+384-float vector, no work; on the gateway's default event loop, its helper threads yielding
+to the loop's thread as the gateway's do: gateway/event_loop.py, gateway/helper_threads.py). For each load (each
 rate of ``--rates``: open loop, Poisson arrivals; each level of ``--concurrency``: closed loop,
 that many calls in flight, as fast as the system answers) and each round, a load client (its own
 process, `load-client`) warms up, then sends ``--calls`` single-input Embed calls at that load to
@@ -564,7 +564,10 @@ def main() -> None:
 @main.command("echo-server")
 @click.option("--port", type=int, required=True)
 def echo_command(port) -> None:
-    asyncio.run(serve_echo(port))
+    from tokq.gateway.event_loop import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:  # the gateway's default loop
+        runner.run(serve_echo(port))
 
 
 @main.command("load-client")
