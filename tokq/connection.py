@@ -70,9 +70,10 @@ def _send_guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
     After a connection error on a node, redis-py's cluster client closes that node's free
     connections in tasks that run later; a command that took one of them from the pool in
     between finds it closed mid-send and raised AttributeError (``_writer`` is None), which
-    reached callers as INTERNAL. A pooled connection whose server went away has its transport
-    closed by the loop: asyncio's drops what is written to it (the read then fails), uvloop's
-    raises RuntimeError, INTERNAL again. As a ConnectionError the command (never sent) is retried."""
+    reached callers as INTERNAL. One whose transport was closed while it sat in the pool (the same
+    close tasks, before they clear ``_writer``): asyncio's loop drops what is written to it (the
+    read then fails), uvloop raises RuntimeError, INTERNAL again. As a ConnectionError the
+    command (never sent) is retried."""
 
     class SendGuarded(base):
         async def _send_packed_command(self, command: Any) -> None:
