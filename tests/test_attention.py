@@ -11,6 +11,7 @@ import torch
 
 from tokq.batch import PackedBatch
 from tokq.workers import attention, cpu_attention, cpu_build, matmul_attention
+from tokq.host import cpu_flags
 from tokq.workers.layout import build_layout
 
 SEQ_LENS = [3, 1, 7, 3, 12, 1, 7, 20, 7, 2, 40, 70, 33, 70, 16]  # every bucket, and past them
@@ -111,7 +112,8 @@ def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa2", "mqa"])
-@pytest.mark.parametrize("head_dim", [32, 24], ids=["d32", "d24"])  # vector path, generic path
+# d32/d64: the vector path (bf16: the dot-product path where the CPU has it); d24: generic
+@pytest.mark.parametrize("head_dim", [32, 64, 24], ids=["d32", "d64", "d24"])
 def test_cpu_varlen_matches_reference(dtype, causal, heads, head_dim):
     batch = _batch(SEQ_LENS + [200])  # 200: keys over many 16-key blocks
     q, k, v = _fused_qkv(batch.num_tokens, *heads, head_dim, dtype)
@@ -121,6 +123,33 @@ def test_cpu_varlen_matches_reference(dtype, causal, heads, head_dim):
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@needs_cpu_varlen
+def test_cpu_varlen_takes_bf16_dot_products_where_the_cpu_has_them():
+    """The build follows the CPU: a regression in flags or feature tests would quietly fall back
+    to the slower fp32 path."""
+    has = {"avx512_bf16", "avx512bw"} <= cpu_flags()
+    assert cpu_attention.bf16_dot_products(32) == has
+    assert cpu_attention.bf16_dot_products(128) == has
+    assert not cpu_attention.bf16_dot_products(24)  # not whole vectors of pairs: generic path
+
+
+@needs_cpu_varlen
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_cpu_varlen_never_reads_past_a_sequence_of_odd_length(causal):
+    """bf16 pairs keys two by two; an odd-length sequence's last pair must not take in the next
+    sequence's row (with weight 0: NaN times 0 is NaN)."""
+    batch = _batch([3, 5, 1, 17])
+    q, k, v = _fused_qkv(batch.num_tokens, 2, 2, 32, torch.bfloat16)
+    for start in batch.cu_seqlens[1:-1]:  # each next sequence's first row
+        v[start] = float("nan")
+        k[start] = float("nan")
+    out = _run("cpu_varlen", q, k, v, batch, causal, 0.2)
+    ref = _reference(q, k, v, batch.cu_seqlens, causal, 0.2)
+    first = batch.cu_seqlens[1]
+    assert not out[:first].isnan().any()
+    torch.testing.assert_close(out[:first].double(), ref[:first], atol=1e-2, rtol=1e-2)
 
 
 @needs_cpu_varlen

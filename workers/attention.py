@@ -8,8 +8,9 @@ Backends (``auto`` picks the first that can run, in this order):
         ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16;
                           its keywords differ per version, checked one by one)
   CPU:  ``cpu_varlen``    a small C kernel (workers/cpu_attention.c, built on first use with the
-                          machine's compiler): each sequence read in place, fp32 math; float32
-                          and bfloat16. Skipped, with the reason, when it cannot be built.
+                          machine's compiler): each sequence read in place, fp32 math (bf16
+                          dot products where the CPU has AVX512-BF16); float32 and bfloat16.
+                          Skipped, with the reason, when it cannot be built.
   CPU (and CUDA fallback: k, v heads repeated, since enable_gqa would drop CUDA SDPA to its
   math kernel), sequences sorted by length once per batch:
         ``sdpa_packed``   sequences of <= 32 (33-64) tokens packed side by side into rows of 32

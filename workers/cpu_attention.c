@@ -10,6 +10,9 @@
  * slots and per-op overhead, none of which this has. Per (sequence, head): K transposed and V
  * converted to fp32 once, then per group of ROWS query rows: scores for all keys (a vector over
  * keys, D multiply-adds), softmax, and the weighted sum of V rows (a vector over D).
+ *
+ * bf16 on a CPU with AVX512-BF16 (and D a multiple of 32) takes attend_one_dp instead: the same
+ * steps on bf16 pairs through vdpbf16ps, without converting K and V to fp32.
  */
 #include <stdlib.h>
 
@@ -158,6 +161,150 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+
+/* e^x for x <= 0 to ~4e-5 relative error, ample for weights rounded to bf16 (2^-9): 2^t with
+ * t = x log2(e) split into n + f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 4, times 2^n
+ * by vscalefps (0 below float's range). A third of exp16_nonpositive's instructions; the softmax
+ * was a fifth of this path's time with that one. */
+static inline __m512 exp_for_bf16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.6181291e-3f); /* ln(2)^k / k!, k = 4..0 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* attend_one for bf16 where the CPU has AVX512-BF16, d a multiple of 32. vdpbf16ps sums 32 bf16
+ * products into 16 fp32 lanes, two per lane: half the instructions of fp32 FMAs, and no
+ * conversion of K and V to fp32. Its operands are 32-bit words holding bf16 pairs:
+ *   K^T  [d/2][width]  word (p, j) = (k[j][2p], k[j][2p+1]): a K row's own words, transposed;
+ *   V    [width/2][d]  word (m, c) = (v[2m][c], v[2m+1][c]): two rows interleaved;
+ *   q                  a row's own words, broadcast; the scale is applied to the fp32 scores;
+ *   weights            rounded to bf16 and read as pairs of keys, as flash attention does on
+ *                      GPUs; their sum is taken over the rounded values, the ones used.
+ * Scores and softmax stay fp32. Against attend_one on a 1,008-token batch (12 heads, d 32):
+ * 0.60-0.65x the time, mean absolute error 5.5e-4 against 4.2e-4 (float64 reference). */
+static inline void attend_one_dp(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                 uint16_t *out, int64_t start, int len, int hk, int group,
+                                 int num_q_heads, const int d, int64_t q_stride_t,
+                                 int64_t q_stride_h, int64_t k_stride_t, int64_t k_stride_h,
+                                 int64_t v_stride_t, int64_t v_stride_h, int causal, float scale,
+                                 uint32_t *kt, uint32_t *vw, float *scores, uint16_t *weights,
+                                 uint32_t *qw, float *acc) {
+    const int width = (len + KEYS - 1) / KEYS * KEYS;
+    const int half = d / 2;
+    for (int j = 0; j < len; j++) {
+        const uint16_t *kr = k + (start + j) * k_stride_t + hk * k_stride_h;
+        for (int p = 0; p < half; p++) memcpy(kt + (size_t)p * width + j, kr + 2 * p, 4);
+    }
+    for (int p = 0; p < half; p++)
+        for (int j = len; j < width; j++) kt[(size_t)p * width + j] = 0;
+    /* V's words, 32 values of d at a time: a word per (even row, odd row) pair of values; a row
+     * past len is zero (its weight is zero too, but garbage times zero can be NaN) */
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                           40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                           32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    for (int j = 0; j < len; j += 2) {
+        const uint16_t *even = v + (start + j) * v_stride_t + hk * v_stride_h;
+        for (int c = 0; c < d; c += STEP) {
+            const __m512i a = _mm512_loadu_si512(even + c);
+            const __m512i b = j + 1 < len ? _mm512_loadu_si512(even + v_stride_t + c)
+                                          : _mm512_setzero_si512();
+            uint32_t *dst = vw + (size_t)(j / 2) * d + c;
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, first, b));
+            _mm512_storeu_si512(dst + KEYS, _mm512_permutex2var_epi16(a, second, b));
+        }
+    }
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int g = 0; g < group; g++) {
+        const int h = hk * group + g;
+        for (int t0 = 0; t0 < len; t0 += ROWS) {
+            const int rows = len - t0 < ROWS ? len - t0 : ROWS;
+            for (int r = 0; r < ROWS; r++) { /* rows past the end: zero, computed, never stored */
+                if (r < rows)
+                    memcpy(qw + (size_t)r * half, q + (start + t0 + r) * q_stride_t + h * q_stride_h,
+                           (size_t)d * sizeof(uint16_t));
+                else
+                    memset(qw + (size_t)r * half, 0, (size_t)d * sizeof(uint16_t));
+            }
+            const int keys = causal ? t0 + rows : len;
+            const int blocks = (keys + KEYS - 1) / KEYS;
+            for (int b = 0; b < blocks; b++) {
+                __m512 s[ROWS];
+                for (int r = 0; r < ROWS; r++) s[r] = _mm512_setzero_ps();
+                const uint32_t *kb = kt + b * KEYS;
+                for (int p = 0; p < half; p++) {
+                    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + (size_t)p * width);
+                    for (int r = 0; r < ROWS; r++)
+                        s[r] = _mm512_dpbf16_ps(s[r], kv, (__m512bh)_mm512_set1_epi32(
+                                                              (int)qw[(size_t)r * half + p]));
+                }
+                for (int r = 0; r < ROWS; r++)
+                    _mm512_storeu_ps(scores + (size_t)r * width + b * KEYS,
+                                     _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
+            }
+            const int pairs = (keys + 1) / 2;
+            float inv[ROWS] = {0};
+            for (int r = 0; r < rows; r++) {
+                const float *sr = scores + (size_t)r * width;
+                uint16_t *wr = weights + (size_t)r * width;
+                const int own = causal ? t0 + r + 1 : len; /* keys this row may see */
+                float m = sr[0];
+                for (int j = 1; j < own; j++) m = sr[j] > m ? sr[j] : m;
+                __m512 total = _mm512_setzero_ps();
+                for (int b = 0; b < blocks; b++) { /* keys past the row's last weigh nothing */
+                    const __mmask16 seen = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(own - b * KEYS));
+                    const __m512 e = exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(sr + b * KEYS),
+                                                                _mm512_set1_ps(m)));
+                    const __m256bh eb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, e));
+                    _mm256_storeu_si256((__m256i *)(wr + b * KEYS), (__m256i)eb);
+                    total = _mm512_add_ps(total, _mm512_cvtpbh_ps(eb));
+                }
+                inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+            }
+            for (int r = rows; r < ROWS; r++) memset(weights + (size_t)r * width, 0, (size_t)pairs * 4);
+            for (int c = 0; c < d; c += STEP) { /* 32 values of d: two vectors per row of words */
+                __m512 a0[ROWS], a1[ROWS];
+                for (int r = 0; r < ROWS; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+                const uint32_t *vc = vw + c;
+                for (int m = 0; m < pairs; m++) {
+                    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vc + (size_t)m * d);
+                    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vc + (size_t)m * d + KEYS);
+                    for (int r = 0; r < ROWS; r++) {
+                        uint32_t w;
+                        memcpy(&w, weights + (size_t)r * width + 2 * m, 4);
+                        const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w);
+                        a0[r] = _mm512_dpbf16_ps(a0[r], v0, pw);
+                        a1[r] = _mm512_dpbf16_ps(a1[r], v1, pw);
+                    }
+                }
+                for (int r = 0; r < ROWS; r++) {
+                    _mm512_storeu_ps(acc + (size_t)r * d + c, _mm512_mul_ps(a0[r], _mm512_set1_ps(inv[r])));
+                    _mm512_storeu_ps(acc + (size_t)r * d + c + KEYS,
+                                     _mm512_mul_ps(a1[r], _mm512_set1_ps(inv[r])));
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const float *ar = acc + (size_t)r * d;
+                uint16_t *dst = out + ((start + t0 + r) * num_q_heads + h) * (int64_t)d;
+                for (int i = 0; i < d; i += KEYS) {
+                    v16h rounded = __builtin_convertvector(round_bf16(load16(ar + i)) >> 16, v16h);
+                    memcpy(dst + i, &rounded, sizeof rounded);
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* Sequences [first_seq, last_seq) of the batch, kv heads [first_kv_head, last_kv_head) (and the
  * query heads that share them). Returns 0, or -1 when scratch memory could not be had. Strides
  * are in elements. */
@@ -181,8 +328,9 @@ int tokq_varlen_attention(const void *q, const void *k, const void *v, void *out
     float *scores = alloc_floats((size_t)ROWS * padded);
     float *qrow = alloc_floats((size_t)ROWS * d);
     float *acc = alloc_floats((size_t)ROWS * d);
-    if (!kt || !vf || !scores || !qrow || !acc) {
-        free(kt); free(vf); free(scores); free(qrow); free(acc);
+    float *weights = alloc_floats((size_t)ROWS * padded / 2); /* bf16 (the dot-product path) */
+    if (!kt || !vf || !scores || !qrow || !acc || !weights) {
+        free(kt); free(vf); free(scores); free(qrow); free(acc); free(weights);
         return -1;
     }
     for (int b = first_seq; b < last_seq; b++) {
@@ -190,6 +338,22 @@ int tokq_varlen_attention(const void *q, const void *k, const void *v, void *out
         const int len = (int)(cu_seqlens[b + 1] - start);
         if (len == 0) continue;
         for (int hk = first_kv_head; hk < last_kv_head; hk++) {
+#ifdef HAVE_DPBF16
+            if (dtype == DTYPE_BF16 && d % STEP == 0) {
+#define ATTEND_DP(D) attend_one_dp(q, k, v, out, start, len, hk, group, num_q_heads, D, \
+                                   q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, \
+                                   v_stride_h, causal, scale, (uint32_t *)kt, (uint32_t *)vf, \
+                                   scores, (uint16_t *)weights, (uint32_t *)qrow, acc)
+                switch (d) {
+                    case 32: ATTEND_DP(32); break;
+                    case 64: ATTEND_DP(64); break;
+                    case 128: ATTEND_DP(128); break;
+                    default: ATTEND_DP(d);
+                }
+#undef ATTEND_DP
+                continue;
+            }
+#endif
 #define ATTEND(D) attend_one(q, k, v, out, dtype, start, len, hk, group, num_q_heads, D, \
                              q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, \
                              v_stride_h, causal, scale, kt, vf, scores, qrow, acc)
@@ -203,6 +367,17 @@ int tokq_varlen_attention(const void *q, const void *k, const void *v, void *out
 #undef ATTEND
         }
     }
-    free(kt); free(vf); free(scores); free(qrow); free(acc);
+    free(kt); free(vf); free(scores); free(qrow); free(acc); free(weights);
     return 0;
+}
+
+/* 1 when bf16 with head size d takes the AVX512-BF16 dot-product path (attend_one_dp), else 0:
+ * what this build was compiled for, so tests and reports can tell which path ran. */
+int tokq_varlen_bf16_dot_products(int head_dim) {
+#ifdef HAVE_DPBF16
+    return head_dim > 0 && head_dim % STEP == 0;
+#else
+    (void)head_dim;
+    return 0;
+#endif
 }

@@ -4,7 +4,9 @@ this machine's C compiler on first use and cached; bf16 and fp32.
 torch has no CPU varlen attention (``varlen_attn`` is CUDA-only), and on short-query batches
 the padded-row matmuls of ``matmul_attention`` spend their time on gathers, empty slots and
 per-op overhead rather than arithmetic. The kernel reads each sequence's q, k, v in place from
-the packed ``[T, H, D]`` views and writes ``[T, Hq, D]``. How it is built, and the fallback
+the packed ``[T, H, D]`` views and writes ``[T, Hq, D]``. In bf16, where the CPU has AVX512-BF16,
+the two products run on its bf16 dot products, with the softmax weights rounded to bf16 as
+flash attention does on GPUs (``bf16_dot_products``). How it is built, and the fallback
 to the torch backends where it cannot be: workers/cpu_build.py.
 
 Threads: with torch set to N threads, the batch's kv heads (then, past their number, the
@@ -33,6 +35,13 @@ ARGTYPES = ((ctypes.c_void_p,) * 4 + (ctypes.c_int, ctypes.c_void_p) + (ctypes.c
 
 def _kernel():
     return cpu_build.function("cpu_attention", "tokq_varlen_attention", ARGTYPES)
+
+
+def bf16_dot_products(head_dim: int) -> bool:
+    """Whether bf16 with ``head_dim`` runs on the CPU's bf16 dot products (AVX512-BF16's
+    vdpbf16ps: the built kernel's ``attend_one_dp``), rather than in fp32 after converting."""
+    return bool(cpu_build.function("cpu_attention", "tokq_varlen_bf16_dot_products",
+                                   (ctypes.c_int,))(head_dim))
 
 
 def _seq_chunks(cu: np.ndarray, parts: int) -> list[tuple[int, int]]:

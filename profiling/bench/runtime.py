@@ -46,7 +46,7 @@ from tokq.batch import PackedBatch
 from tokq.flops import linear_flops_per_token
 from tokq.profiling.bench.loadgen import load_queries
 from tokq.profiling.results_md import block, command_line, write_block
-from tokq.workers import attention
+from tokq.workers import attention, cpu_attention
 from tokq.workers.engine import Engine
 from tokq.workers.layout import build_layout
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
@@ -353,8 +353,11 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
         systems["packed 1024 SDPA kernel only"] = sdpa_only
         flops["packed 1024 SDPA kernel only"] = sum(engine.batch_flops(x) for x in backend_batches)
 
+    dot_products = (engine.attn_backend == "cpu_varlen" and engine.dtype == torch.bfloat16
+                    and cpu_attention.bf16_dot_products(engine.model.head_dim))
     print(f"model {engine.info.name}, {str(engine.dtype).removeprefix('torch.')}, attention "
-          f"{engine.attn_backend}, linear {engine.linear_backend}; "
+          f"{engine.attn_backend}{' (bf16 dot products)' if dot_products else ''}, "
+          f"linear {engine.linear_backend}; "
           f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
