@@ -39,7 +39,8 @@ def _kernel():
 
 def bf16_dot_products(head_dim: int) -> bool:
     """Whether bf16 with ``head_dim`` runs on the CPU's bf16 dot products (AVX512-BF16's
-    vdpbf16ps: the built kernel's ``attend_one_dp``), rather than in fp32 after converting."""
+    vdpbf16ps: the built kernel's ``attend_one_dp``), rather than in fp32 after converting.
+    Raises RuntimeError, saying why, when the kernel cannot be built here."""
     return bool(cpu_build.function("cpu_attention", "tokq_varlen_bf16_dot_products",
                                    (ctypes.c_int,))(head_dim))
 
