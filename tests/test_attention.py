@@ -3,6 +3,7 @@ sees a neighbour's tokens, causal masks stay inside a sequence, GQA shares kv he
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
@@ -133,6 +134,20 @@ def test_cpu_varlen_takes_bf16_dot_products_where_the_cpu_has_them():
     assert cpu_attention.bf16_dot_products(32) == has
     assert cpu_attention.bf16_dot_products(128) == has
     assert not cpu_attention.bf16_dot_products(24)  # not whole vectors of pairs: generic path
+
+
+@needs_cpu_varlen
+def test_cpu_varlen_built_without_bf16_dot_products_rounds_every_output_correctly():
+    """The comparison build (``WITHOUT_DOT_PRODUCTS``, the bench's baseline) takes the fp32-math
+    path: each bf16 output within half a bf16 step of the exact value."""
+    flags = cpu_attention.WITHOUT_DOT_PRODUCTS
+    path = cpu_build.function("cpu_attention", "tokq_varlen_bf16_dot_products", (ctypes.c_int,), flags)
+    assert path(32) == 0
+    batch = _batch(SEQ_LENS + [200])
+    q, k, v = _fused_qkv(batch.num_tokens, 4, 2, 32, torch.bfloat16)
+    out = cpu_attention.attend(q, k, v, torch.tensor(batch.cu_seqlens), False, 0.2, extra_flags=flags)
+    ref = _reference(q, k, v, batch.cu_seqlens, False, 0.2)
+    assert ((out.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6).all()
 
 
 @needs_cpu_varlen

@@ -45,7 +45,7 @@ def test_the_kernels_built_for_an_older_cpu_give_the_same_results(march, tmp_pat
         built = tmp_path / f"{name}.so"
         cpu_build.compile_library(cpu_build.compiler(), flags, WORKERS / f"{name}.c", built)
         libs[name] = ctypes.CDLL(str(built))
-    monkeypatch.setattr(cpu_build, "library", lambda name: (libs[name], None))
+    monkeypatch.setattr(cpu_build, "library", lambda name, extra_flags=(): (libs[name], None))
     gen = torch.Generator().manual_seed(0)
     lens = [1, 5, 13, 31, 70]
     cu = torch.tensor([0, *np.cumsum(lens)])

@@ -33,8 +33,12 @@ ARGTYPES = ((ctypes.c_void_p,) * 4 + (ctypes.c_int, ctypes.c_void_p) + (ctypes.c
             + (ctypes.c_int64,) * 6 + (ctypes.c_int, ctypes.c_float))
 
 
-def _kernel():
-    return cpu_build.function("cpu_attention", "tokq_varlen_attention", ARGTYPES)
+# A build whose bf16 takes the fp32-math path (attend_one), for comparisons in the same run.
+WITHOUT_DOT_PRODUCTS = ("-mno-avx512bf16",)
+
+
+def _kernel(extra_flags: tuple[str, ...] = ()):
+    return cpu_build.function("cpu_attention", "tokq_varlen_attention", ARGTYPES, extra_flags)
 
 
 def bf16_dot_products(head_dim: int) -> bool:
@@ -66,8 +70,9 @@ def _parts(cu: np.ndarray, num_kv_heads: int, threads: int) -> list[tuple[int, i
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-           causal: bool, scale: float) -> torch.Tensor:
-    """``[T, Hq, D]`` attention of each sequence (``cu_seqlens``) to itself."""
+           causal: bool, scale: float, *, extra_flags: tuple[str, ...] = ()) -> torch.Tensor:
+    """``[T, Hq, D]`` attention of each sequence (``cu_seqlens``) to itself. ``extra_flags``:
+    a variant build of the kernel (``WITHOUT_DOT_PRODUCTS``), for comparisons."""
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
         raise TypeError(f"cpu_varlen takes float32 or bfloat16 (have {q.dtype})")
     if any(x.stride(-1) != 1 for x in (q, k, v)):
@@ -82,6 +87,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
             k.stride(1), v.stride(0), v.stride(1), int(causal), scale)
     threads = torch.get_num_threads()
     parts = _parts(cu_np, k.shape[1], threads) if threads > 1 else [(0, num_seqs, 0, k.shape[1])]
-    if any(cpu_build.run_parts(_kernel(), [(*args, *part, *rest) for part in parts])):
+    if any(cpu_build.run_parts(_kernel(extra_flags), [(*args, *part, *rest) for part in parts])):
         raise MemoryError("cpu_varlen: no memory for its scratch rows")
     return out

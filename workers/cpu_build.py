@@ -54,30 +54,32 @@ def compile_library(cc: str, flags, source: Path, out: Path) -> None:
                    capture_output=True, text=True, timeout=120)
 
 
-def build_key(source: Path, cc: str) -> str:
+def build_key(source: Path, cc: str, flags=FLAGS) -> str:
     """What a build depends on: the source and the headers beside it (cpu_vec.h), the flags,
     the compiler and the CPU's feature flags."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    return hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode() + cc.encode()
+    return hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + cc.encode()
                           + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
 
 
 @functools.cache
-def library(name: str) -> tuple[ctypes.CDLL | None, str | None]:
+def library(name: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
     """(the loaded ``workers/<name>.c``, None) or (None, why not). Built once per
     ``build_key`` (-march=native builds for the CPU's feature flags, so a home shared by
-    different machines gets one build per CPU kind)."""
+    different machines gets one build per CPU kind). ``extra_flags`` follow FLAGS: a variant
+    build, for comparisons (e.g. without an instruction set extension)."""
     source = Path(__file__).with_name(f"{name}.c")
     cc = compiler()
     if cc is None:
         return None, "no C compiler found (cc/gcc)"
-    path = cache_dir() / f"{name}-{build_key(source, cc)}.so"
+    flags = FLAGS + tuple(extra_flags)
+    path = cache_dir() / f"{name}-{build_key(source, cc, flags)}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 built = Path(tmp) / path.name
-                compile_library(cc, FLAGS, source, built)
+                compile_library(cc, flags, source, built)
                 os.replace(built, path)  # atomic: concurrent workers never load half a file
         except (OSError, subprocess.SubprocessError) as exc:
             detail = (getattr(exc, "stderr", "") or str(exc)).strip().splitlines()
@@ -98,9 +100,10 @@ def unavailable_reason(name: str, what: str, device: torch.device, dtype: torch.
     return library(name)[1]
 
 
-def function(name: str, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr:
-    """``symbol`` of the built ``name``, typed; raises with the reason when it cannot be had."""
-    lib, reason = library(name)
+def function(name: str, symbol: str, argtypes: tuple, extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr:
+    """``symbol`` of the built ``name`` (``library``), typed; raises with the reason when it
+    cannot be had."""
+    lib, reason = library(name, tuple(extra_flags))
     if lib is None:
         raise RuntimeError(reason)
     return _typed(lib, symbol, argtypes)

@@ -249,16 +249,17 @@ def sdpa_kernel_only():
 
 
 def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: str,
-                           repeats: int = 5) -> float:
+                           repeats: int = 5, attend: attention.AttendFn | None = None) -> float:
     """Median ms one layer's attention takes per batch with ``backend`` (random q, k, v of the
-    model's shape; layouts built once, as the engine does per batch)."""
+    model's shape; layouts built once, as the engine does per batch); ``attend`` in place of
+    the backend's own function (a variant of it)."""
     model = engine.model
     gen = torch.Generator().manual_seed(0)
     layouts = [build_layout(b, engine.device, backend, causal=model.causal, dtype=engine.dtype)
                for b in batches]
     qkvs = [torch.randn(b.num_tokens, 3, model.num_heads, model.head_dim, generator=gen).to(engine.dtype)
             for b in batches]  # the dtype the forward runs attention in
-    attend, scale = attention.attend_fn(backend), model.head_dim ** -0.5
+    attend, scale = attend or attention.attend_fn(backend), model.head_dim ** -0.5
 
     def run() -> None:
         for layout, qkv in zip(layouts, qkvs):
@@ -406,6 +407,13 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     attn_ms = {backend: attention_ms_per_layer(engine, backend_batches, backend)
                for backend in CPU_BACKENDS if attention.unavailable_reason(
                    backend, engine.device, engine.dtype) is None}
+    if "cpu_varlen" in attn_ms and engine.dtype == torch.bfloat16 and \
+            cpu_attention.bf16_dot_products(engine.model.head_dim):
+        def fp32_math(q, k, v, layout, causal, scale):
+            return cpu_attention.attend(q, k, v, layout.cu_seqlens, causal, scale,
+                                        extra_flags=cpu_attention.WITHOUT_DOT_PRODUCTS)
+        attn_ms["cpu_varlen without bf16 dot products"] = attention_ms_per_layer(
+            engine, backend_batches, "cpu_varlen", attend=fp32_math)
     if engine.dtype != torch.float32:
         with sdpa_kernel_only():
             attn_ms["sdpa_packed, SDPA kernel only"] = attention_ms_per_layer(
