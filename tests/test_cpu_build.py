@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokq.host import cpu_flags
 from tokq.workers import cpu_attention, cpu_build, cpu_norm
 
 WORKERS = Path(cpu_build.__file__).parent
@@ -35,17 +36,8 @@ def test_a_kernel_is_rebuilt_when_its_source_or_a_shared_header_changes(tmp_path
     assert cpu_build.build_key(source, "cc") not in (first, second)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64" or cpu_build.compiler() is None,
-                    reason="x86-64 levels, with a C compiler")
-@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
-def test_the_kernels_built_for_an_older_cpu_give_the_same_results(march, tmp_path, monkeypatch):
-    flags = [f for f in cpu_build.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
-    libs = {}
-    for name in ("cpu_attention", "cpu_norm"):
-        built = tmp_path / f"{name}.so"
-        cpu_build.compile_library(cpu_build.compiler(), flags, WORKERS / f"{name}.c", built)
-        libs[name] = ctypes.CDLL(str(built))
-    monkeypatch.setattr(cpu_build, "library", lambda name, extra_flags=(): (libs[name], None))
+def _check_kernels_against_the_reference() -> None:
+    """Both kernels (as ``cpu_build.library`` gives them), fp32 and bf16, against float64."""
     gen = torch.Generator().manual_seed(0)
     lens = [1, 5, 13, 31, 70]
     cu = torch.tensor([0, *np.cumsum(lens)])
@@ -62,6 +54,43 @@ def test_the_kernels_built_for_an_older_cpu_give_the_same_results(march, tmp_pat
             cpu_norm.layer_norm(x, weight, bias, 1e-5, residual=residual).double(),
             F.layer_norm((x + residual).double(), (100,), weight.double(), bias.double(), 1e-5),
             atol=5 * tol, rtol=tol)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or cpu_build.compiler() is None,
+                    reason="x86-64 levels, with a C compiler")
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
+def test_the_kernels_built_for_an_older_cpu_give_the_same_results(march, tmp_path, monkeypatch):
+    flags = [f for f in cpu_build.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
+    libs = {}
+    for name in ("cpu_attention", "cpu_norm"):
+        built = tmp_path / f"{name}.so"
+        cpu_build.compile_library(cpu_build.compiler(), flags, WORKERS / f"{name}.c", built)
+        libs[name] = ctypes.CDLL(str(built))
+    monkeypatch.setattr(cpu_build, "library", lambda name, extra_flags=(): (libs[name], None))
+    assert cpu_build.vector_lanes("cpu_norm") == {"x86-64-v2": 4, "x86-64-v3": 8}[march]
+    _check_kernels_against_the_reference()
+
+
+@pytest.mark.skipif(cpu_build.compiler() is None, reason="needs a C compiler")
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_the_kernels_give_the_same_results_at_every_vector_width(lanes, monkeypatch):
+    """Each width's code (workers/cpu_vec.h), whatever this CPU's own: wider vectors than the
+    registers are lowered by the compiler, slowly but correctly."""
+    built = cpu_build.library
+    monkeypatch.setattr(cpu_build, "library",
+                        lambda name, extra_flags=(): built(name, (*extra_flags, f"-DLANES={lanes}")))
+    assert cpu_build.vector_lanes("cpu_attention") == cpu_build.vector_lanes("cpu_norm") == lanes
+    _check_kernels_against_the_reference()
+
+
+@pytest.mark.skipif(cpu_build.compiler() is None, reason="needs a C compiler")
+def test_the_kernels_take_the_cpus_own_vector_width():
+    """One register a vector: 16-float vectors on an AVX2 CPU made attention ~4x slower."""
+    flags = cpu_flags()
+    if platform.machine() != "x86_64" or not flags:
+        pytest.skip("x86-64 with /proc/cpuinfo")
+    native = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
+    assert cpu_build.vector_lanes("cpu_attention") == cpu_build.vector_lanes("cpu_norm") == native
 
 
 # Loads both kernels as a worker does, then multiplies a subnormal float in numpy and in torch.

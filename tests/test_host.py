@@ -37,6 +37,13 @@ def test_without_cpuinfo_the_name_falls_back_and_there_are_no_flags(tmp_path):
     assert host.cpu_flags(missing) == set()
 
 
+def test_the_vector_extension_is_the_widest_the_cpu_has():
+    assert host.vector_extension({"sse2", "avx2", "avx512f", "avx512_bf16"}) == "AVX-512"
+    assert host.vector_extension({"sse2", "avx", "avx2", "fma"}) == "AVX2"
+    assert host.vector_extension({"sse2", "sse4_2", "avx"}) == "SSE"
+    assert host.vector_extension(set()) == platform.machine()
+
+
 def test_use_threads_sets_then_restores_even_on_error():
     before = torch.get_num_threads()
     target = 1 if before != 1 else 2

@@ -1,5 +1,6 @@
 """What this machine's CPU is, from /proc/cpuinfo (Linux; elsewhere the fallbacks): its model
-name for benchmark and profile reports, its feature flags for the CPU dtype choice."""
+name and vector extension for benchmark and profile reports, its feature flags for the CPU
+dtype choice."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def cpu_name(cpuinfo: Path = CPUINFO) -> str:
 def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
     """The CPU feature flags Linux reports (empty elsewhere)."""
     return set((cpuinfo_field("flags", cpuinfo) or "").split())
+
+
+def vector_extension(flags: set[str] | None = None) -> str:
+    """The widest x86 vector extension the CPU has ("AVX-512", "AVX2", "SSE"), else the machine
+    (aarch64, ...): CPU results differ by it more than by model name (both "AMD EPYC" here)."""
+    flags = cpu_flags() if flags is None else flags
+    if "avx512f" in flags:
+        return "AVX-512"
+    if "avx2" in flags:
+        return "AVX2"
+    return "SSE" if "sse2" in flags else platform.machine()

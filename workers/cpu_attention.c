@@ -21,7 +21,7 @@
 #define KEYS LANES /* keys per block: one vector of floats */
 #define ROWS 8 /* query rows per pass through K and V (bf16, 1,034 tokens: 1.45x one row, 1.15x 4) */
 
-typedef uint16_t v16h __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint16_t vhalf __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 static inline void load_row(const void *base, int dtype, int64_t offset, int d, float *dst) {
     if (dtype != DTYPE_BF16) {
@@ -31,9 +31,9 @@ static inline void load_row(const void *base, int dtype, int64_t offset, int d, 
     const uint16_t *src = (const uint16_t *)base + offset;
     int i = 0;
     for (; i + KEYS <= d; i += KEYS) { /* whole vectors, then the rest one by one */
-        v16h half;
+        vhalf half;
         memcpy(&half, src + i, sizeof half);
-        v16u bits = __builtin_convertvector(half, v16u) << 16;
+        vuint bits = __builtin_convertvector(half, vuint) << 16;
         memcpy(dst + i, &bits, sizeof bits);
     }
     for (; i < d; i++) dst[i] = bf16_to_f32(src[i]);
@@ -42,7 +42,7 @@ static inline void load_row(const void *base, int dtype, int64_t offset, int d, 
 static inline void store_row_bf16(const float *src, uint16_t *dst, int d) { /* rounded */
     int i = 0;
     for (; i + KEYS <= d; i += KEYS) { /* whole vectors, then the rest */
-        v16h half = __builtin_convertvector(round_bf16(load16(src + i)) >> 16, v16h);
+        vhalf half = __builtin_convertvector(round_bf16(load_vec(src + i)) >> 16, vhalf);
         memcpy(dst + i, &half, sizeof half);
     }
     for (; i < d; i++) dst[i] = f32_to_bf16(src[i]);
@@ -55,22 +55,22 @@ static void *alloc_floats(size_t n) { /* 64-byte aligned, size a multiple of 64 
 /* e^x for x <= 0 (scores minus their max), ~1 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by
  * Cephes' degree-6 polynomial, times 2^n through the exponent bits. libm's expf is scalar
  * here and was ~15% of the kernel's time. */
-static inline v16 exp16_nonpositive(v16 x) {
-    const v16 lo = x - x - 87.0f; /* below this e^x is under float's normal range: 0 */
-    v16i under = x < lo;
-    x = (v16)(((v16i)x & ~under) | ((v16i)lo & under));
-    v16i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i); /* round, x <= 0 */
-    v16 nf = __builtin_convertvector(n, v16);
-    v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16 p = r * 0.0f + 1.9875691500e-4f;
+static inline vfloat exp_nonpositive(vfloat x) {
+    const vfloat lo = x - x - 87.0f; /* below this e^x is under float's normal range: 0 */
+    vint under = x < lo;
+    x = (vfloat)(((vint)x & ~under) | ((vint)lo & under));
+    vint n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint); /* round, x <= 0 */
+    vfloat nf = __builtin_convertvector(n, vfloat);
+    vfloat r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    vfloat p = r * 0.0f + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    v16 scale = (v16)((n + 127) << 23);
-    return (v16)((v16i)(p * scale) & ~under);
+    vfloat scale = (vfloat)((n + 127) << 23);
+    return (vfloat)((vint)(p * scale) & ~under);
 }
 
 /* One (sequence, kv head group): ``d`` is a compile-time constant where inlined below.
@@ -91,7 +91,8 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
     }
     for (int i = 0; i < d; i++)
         for (int j = len; j < width; j++) kt[(size_t)i * width + j] = 0.0f;
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vint lane; /* 0, 1, ..., LANES - 1 */
+    for (int l = 0; l < LANES; l++) lane[l] = l;
     for (int g = 0; g < group; g++) {
         const int h = hk * group + g;
         for (int t0 = 0; t0 < len; t0 += ROWS) {
@@ -109,13 +110,13 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
             const int keys = causal ? t0 + rows : len; /* the most any of these rows sees */
             const int blocks = (keys + KEYS - 1) / KEYS;
             for (int b = 0; b < blocks; b++) {
-                v16 s[ROWS] = {{0}};
+                vfloat s[ROWS] = {{0}};
                 const float *kb = kt + b * KEYS;
                 for (int i = 0; i < d; i++) {
-                    const v16 kv = load16(kb + (size_t)i * width);
+                    const vfloat kv = load_vec(kb + (size_t)i * width);
                     for (int r = 0; r < ROWS; r++) s[r] += qrows[(size_t)r * d + i] * kv;
                 }
-                for (int r = 0; r < ROWS; r++) store16(scores + (size_t)r * width + b * KEYS, s[r]);
+                for (int r = 0; r < ROWS; r++) store_vec(scores + (size_t)r * width + b * KEYS, s[r]);
             }
             float inv[ROWS];
             for (int r = 0; r < ROWS; r++) {
@@ -125,24 +126,24 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
                 for (int j = 1; j < own; j++) m = sr[j] > m ? sr[j] : m;
                 /* exp over whole blocks (vectorized, no scalar tail); keys past the row's last
                  * (padding, or ahead of a causal query) weigh nothing */
-                v16 total = {0};
+                vfloat total = {0};
                 for (int b = 0; b < blocks; b++) {
-                    v16 e = exp16_nonpositive(load16(sr + b * KEYS) - m);
-                    e = (v16)((v16i)e & (lane < own - b * KEYS));
-                    store16(sr + b * KEYS, e);
+                    vfloat e = exp_nonpositive(load_vec(sr + b * KEYS) - m);
+                    e = (vfloat)((vint)e & (lane < own - b * KEYS));
+                    store_vec(sr + b * KEYS, e);
                     total += e;
                 }
                 inv[r] = 1.0f / hsum(total);
             }
             int c = 0;
             for (; c + KEYS <= d; c += KEYS) { /* whole vectors of d, then the rest */
-                v16 a[ROWS] = {{0}};
+                vfloat a[ROWS] = {{0}};
                 const float *vc = vf + c;
                 for (int j = 0; j < keys; j++) {
-                    const v16 vv = load16(vc + (size_t)j * d);
+                    const vfloat vv = load_vec(vc + (size_t)j * d);
                     for (int r = 0; r < ROWS; r++) a[r] += scores[(size_t)r * width + j] * vv;
                 }
-                for (int r = 0; r < ROWS; r++) store16(acc + (size_t)r * d + c, a[r] * inv[r]);
+                for (int r = 0; r < ROWS; r++) store_vec(acc + (size_t)r * d + c, a[r] * inv[r]);
             }
             for (; c < d; c++) {
                 for (int r = 0; r < ROWS; r++) {
@@ -164,14 +165,14 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && LANES == 16 /* one __m512 a vector */
 #include <immintrin.h>
 #define HAVE_DPBF16 1
 
 /* e^x for x <= 0 to 6e-5 relative error at most, ample for weights rounded to bf16 (2^-9): 2^t
  * with t = x log2(e) split into n + f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 4,
  * times 2^n by vscalefps. Below float's normal range it gives subnormals, which the rounding to
- * bf16 (vcvtneps2bf16) flushes to zero. A third of exp16_nonpositive's instructions; the
+ * bf16 (vcvtneps2bf16) flushes to zero. A third of exp_nonpositive's instructions; the
  * softmax was a fifth of this path's time with that one. */
 static inline __m512 exp_for_bf16(__m512 x) {
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));

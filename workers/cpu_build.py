@@ -109,6 +109,11 @@ def function(name: str, symbol: str, argtypes: tuple, extra_flags: tuple[str, ..
     return _typed(lib, symbol, argtypes)
 
 
+def vector_lanes(name: str, extra_flags: tuple[str, ...] = ()) -> int:
+    """Floats per vector the built ``name`` uses (workers/cpu_vec.h: the CPU's register width)."""
+    return function(name, "tokq_vector_lanes", (), extra_flags)()
+
+
 @functools.cache
 def _typed(lib: ctypes.CDLL, symbol: str, argtypes: tuple) -> ctypes._CFuncPtr:
     """Typed once per loaded library, not on every call (a kernel runs ~20 times a forward)."""

@@ -12,16 +12,16 @@
 /* One row's STEP values from i: x's, plus the residual's where there is one, rounded to the
  * dtype as torch's add would give them (so the norm sees what the unfused ops would). */
 static inline void load_input(const char *x, const char *res, int dtype, size_t size, int i,
-                              v16 *a, v16 *b) {
+                              vfloat *a, vfloat *b) {
     load_step(x + i * size, dtype, a, b);
     if (res) {
-        v16 ra, rb;
+        vfloat ra, rb;
         load_step(res + i * size, dtype, &ra, &rb);
         *a += ra;
         *b += rb;
         if (dtype == DTYPE_BF16) {
-            *a = (v16)(round_bf16(*a) & 0xffff0000u);
-            *b = (v16)(round_bf16(*b) & 0xffff0000u);
+            *a = (vfloat)(round_bf16(*a) & 0xffff0000u);
+            *b = (vfloat)(round_bf16(*b) & 0xffff0000u);
         }
     }
 }
@@ -48,12 +48,12 @@ void tokq_layer_norm(const void *x, const void *residual, const void *weight, co
     for (int64_t t = first; t < last; t++) {
         const char *src = (const char *)x + (size_t)(t * x_stride) * size;
         const char *res = residual ? (const char *)residual + (size_t)(t * r_stride) * size : NULL;
-        v16 a, b, sa = {0}, sb = {0};
+        vfloat a, b, sa = {0}, sb = {0};
         int i = 0;
         for (; i < whole; i += STEP) {
             load_input(src, res, dtype, size, i, &a, &b);
-            store16(row + i, a);
-            store16(row + i + LANES, b);
+            store_vec(row + i, a);
+            store_vec(row + i + LANES, b);
             sa += a;
             sb += b;
         }
@@ -63,10 +63,10 @@ void tokq_layer_norm(const void *x, const void *residual, const void *weight, co
             sum += row[i];
         }
         const float mean = sum / (float)n;
-        v16 qa = {0}, qb = {0};
+        vfloat qa = {0}, qb = {0};
         for (i = 0; i < whole; i += STEP) {
-            a = load16(row + i) - mean;
-            b = load16(row + i + LANES) - mean;
+            a = load_vec(row + i) - mean;
+            b = load_vec(row + i + LANES) - mean;
             qa += a * a;
             qb += b * b;
         }
@@ -75,11 +75,11 @@ void tokq_layer_norm(const void *x, const void *residual, const void *weight, co
         const float rstd = 1.0f / __builtin_sqrtf(var / (float)n + eps);
         char *dst = (char *)out + (size_t)(t * n) * size;
         for (i = 0; i < whole; i += STEP) {
-            v16 wa, wb, ba, bb;
+            vfloat wa, wb, ba, bb;
             load_step((const char *)weight + i * size, dtype, &wa, &wb);
             load_step((const char *)bias + i * size, dtype, &ba, &bb);
-            store_step(dst + i * size, dtype, (load16(row + i) - mean) * rstd * wa + ba,
-                       (load16(row + i + LANES) - mean) * rstd * wb + bb);
+            store_step(dst + i * size, dtype, (load_vec(row + i) - mean) * rstd * wa + ba,
+                       (load_vec(row + i + LANES) - mean) * rstd * wb + bb);
         }
         for (; i < n; i++)
             store_one(dst, dtype, i, (row[i] - mean) * rstd * load_one(weight, dtype, i)

@@ -1,12 +1,14 @@
 /* Vectors and dtype conversions the CPU kernels (workers/cpu_*.c) share. GCC/clang vector
- * extensions: the compiler picks the machine's instructions (one AVX-512 register, two AVX2
- * ones, ...) for -march=native.
+ * extensions of the machine's own register width (LANES floats: 16 with AVX-512, 8 with AVX2,
+ * else 4), so the compiler maps each vector to one register for -march=native. A vector wider
+ * than the registers is lowered piecemeal through the stack: 16-float vectors on an AVX2 CPU
+ * made attention ~4x and the LayerNorm ~2.5x slower (profiling/RESULTS.md).
  *
- * bf16 rows are read a STEP (32 values) at a time as 16 32-bit words: the words' low halves are
- * the even values, their high halves the odd ones, so one load and one shift or mask gives each
- * as a float vector, with no shuffle. Sums over a row, and sums of rows, do not care in which
- * order a row's values come, as long as everything they meet comes in the same order and
- * store_step puts them back. fp32 rows come in order. */
+ * bf16 rows are read a STEP (2 x LANES values) at a time as LANES 32-bit words: the words' low
+ * halves are the even values, their high halves the odd ones, so one load and one shift or mask
+ * gives each as a float vector, with no shuffle. Sums over a row, and sums of rows, do not care
+ * in which order a row's values come, as long as everything they meet comes in the same order
+ * and store_step puts them back. fp32 rows come in order. */
 #ifndef TOKQ_CPU_VEC_H
 #define TOKQ_CPU_VEC_H
 
@@ -16,22 +18,30 @@
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 
-#define LANES 16          /* floats per vector */
+#ifndef LANES /* -DLANES=N builds another width, for tests and comparisons */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX2__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#endif
 #define STEP (2 * LANES)  /* values per load_step: two vectors */
 
-typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t v16i __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint32_t v16u __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
-static inline v16 load16(const float *p) {
-    v16 x;
+static inline vfloat load_vec(const float *p) {
+    vfloat x;
     memcpy(&x, p, sizeof x);
     return x;
 }
 
-static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+static inline void store_vec(float *p, vfloat x) { memcpy(p, &x, sizeof x); }
 
-static inline float hsum(v16 x) {
+static inline float hsum(vfloat x) {
     float s = 0.0f;
     for (int l = 0; l < LANES; l++) s += x[l];
     return s;
@@ -50,27 +60,27 @@ static inline uint16_t f32_to_bf16(float f) { /* to nearest even, as torch (no N
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-static inline v16u round_bf16(v16 x) { /* the rounded values, in each word's high half */
-    v16u bits = (v16u)x;
+static inline vuint round_bf16(vfloat x) { /* the rounded values, in each word's high half */
+    vuint bits = (vuint)x;
     return bits + 0x7fffu + ((bits >> 16) & 1u);
 }
 
 /* STEP values at p as two float vectors (bf16: the even values, the odd ones) */
-static inline void load_step(const void *p, int dtype, v16 *a, v16 *b) {
+static inline void load_step(const void *p, int dtype, vfloat *a, vfloat *b) {
     if (dtype == DTYPE_BF16) {
-        v16u words;
+        vuint words;
         memcpy(&words, p, sizeof words);
-        *a = (v16)(words << 16);
-        *b = (v16)(words & 0xffff0000u);
+        *a = (vfloat)(words << 16);
+        *b = (vfloat)(words & 0xffff0000u);
     } else {
         memcpy(a, p, sizeof *a);
         memcpy(b, (const float *)p + LANES, sizeof *b);
     }
 }
 
-static inline void store_step(void *p, int dtype, v16 a, v16 b) { /* load_step's inverse */
+static inline void store_step(void *p, int dtype, vfloat a, vfloat b) { /* load_step's inverse */
     if (dtype == DTYPE_BF16) {
-        v16u words = (round_bf16(a) >> 16) | (round_bf16(b) & 0xffff0000u);
+        vuint words = (round_bf16(a) >> 16) | (round_bf16(b) & 0xffff0000u);
         memcpy(p, &words, sizeof words);
     } else {
         memcpy(p, &a, sizeof a);
@@ -89,5 +99,9 @@ static inline void store_one(void *p, int dtype, int64_t i, float x) {
         ((float *)p)[i] = x;
     }
 }
+
+/* LANES as built: each kernel is a library of its own, so each has its own copy of this. Tests
+ * check it against the CPU's flags (a wider vector than the registers is slow, not wrong). */
+int tokq_vector_lanes(void) { return LANES; }
 
 #endif
