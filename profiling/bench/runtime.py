@@ -44,18 +44,23 @@ import torch
 
 from tokq.batch import PackedBatch
 from tokq.flops import linear_flops_per_token
+from tokq.host import cpu_name, vector_extension
 from tokq.profiling.bench.loadgen import load_queries
 from tokq.profiling.results_md import block, command_line, write_block
-from tokq.workers import attention, cpu_attention
+from tokq.workers import attention, cpu_attention, cpu_build
 from tokq.workers.engine import Engine
 from tokq.workers.layout import build_layout
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
 
 BUDGETS = (256, 512, 1024, 2048, 4096)
 def block_name(dtype: str) -> str:
-    """One block per ``--dtype`` asked for: a float32 run does not overwrite the auto one."""
-    return f"tokq bench runtime ({dtype})"
+    """One block per ``--dtype`` asked for and CPU vector extension: a float32 run does not
+    overwrite the auto one, nor an AVX2 machine's run an AVX-512 machine's."""
+    return f"tokq bench runtime ({dtype}, {vector_extension()})"
 ST_BATCH = 32
+# cpu_varlen's vector widths (workers/cpu_vec.h): the native one is what runs; the others are
+# timed beside it, built with -DLANES (wider than the registers: lowered by the compiler).
+VECTOR_WIDTHS = (4, 8, 16)
 
 
 def load_engines(model: str | None, variants: dict[str, dict]) -> tuple[dict[str, Engine], dict[str, str]]:
@@ -293,8 +298,8 @@ def runtime_command(num_queries, rounds, token_budgets, workload, model, threads
     if results_md:
         name = block_name(dtype)
         write_block(results_md, name, block(name, generated_by="tokq bench runtime", lines=[
-            f"## Model runtime, `--dtype {dtype}`: packed forward vs sentence-transformers and its own "
-            "linear-layer limit", "",
+            f"## Model runtime, `--dtype {dtype}`, {vector_extension()} CPU: packed forward vs "
+            "sentence-transformers and its own linear-layer limit", "",
             f"Command: `{command_line()}` (a shared 2-core machine: absolute figures move with other "
             "work; each system is timed right after its own limit and peak measurements).",
             "", "```", out.getvalue().rstrip(), "```"]))
@@ -356,10 +361,12 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
 
     dot_products = (engine.attn_backend == "cpu_varlen" and engine.dtype == torch.bfloat16
                     and cpu_attention.bf16_dot_products(engine.model.head_dim))
+    lanes = (f", {cpu_build.vector_lanes('cpu_attention')} floats a vector"
+             if engine.attn_backend == "cpu_varlen" else "")
     print(f"model {engine.info.name}, {str(engine.dtype).removeprefix('torch.')}, attention "
-          f"{engine.attn_backend}{' (bf16 dot products)' if dot_products else ''}, "
+          f"{engine.attn_backend}{' (bf16 dot products)' if dot_products else ''}{lanes}, "
           f"linear {engine.linear_backend}; "
-          f"torch {torch.__version__}, "
+          f"torch {torch.__version__}; {cpu_name()} ({vector_extension()}), "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
           f"(p50 {np.median([len(s) for s in ids]):.0f}, max {max(len(s) for s in ids)})")
@@ -407,13 +414,15 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
     attn_ms = {backend: attention_ms_per_layer(engine, backend_batches, backend)
                for backend in CPU_BACKENDS if attention.unavailable_reason(
                    backend, engine.device, engine.dtype) is None}
-    if "cpu_varlen" in attn_ms and engine.dtype == torch.bfloat16 and \
-            cpu_attention.bf16_dot_products(engine.model.head_dim):
-        def fp32_math(q, k, v, layout, causal, scale):
-            return cpu_attention.attend(q, k, v, layout.cu_seqlens, causal, scale,
-                                        extra_flags=cpu_attention.WITHOUT_DOT_PRODUCTS)
-        attn_ms["cpu_varlen without bf16 dot products"] = attention_ms_per_layer(
-            engine, backend_batches, "cpu_varlen", attend=fp32_math)
+    if "cpu_varlen" in attn_ms:
+        variants = {f"cpu_varlen at {lanes} floats a vector": (f"-DLANES={lanes}",)
+                    for lanes in VECTOR_WIDTHS if lanes != cpu_build.vector_lanes("cpu_attention")}
+        if engine.dtype == torch.bfloat16 and cpu_attention.bf16_dot_products(engine.model.head_dim):
+            variants["cpu_varlen without bf16 dot products"] = cpu_attention.WITHOUT_DOT_PRODUCTS
+        for label, flags in variants.items():
+            def variant(q, k, v, layout, causal, scale, flags=flags):
+                return cpu_attention.attend(q, k, v, layout.cu_seqlens, causal, scale, extra_flags=flags)
+            attn_ms[label] = attention_ms_per_layer(engine, backend_batches, "cpu_varlen", attend=variant)
     if engine.dtype != torch.float32:
         with sdpa_kernel_only():
             attn_ms["sdpa_packed, SDPA kernel only"] = attention_ms_per_layer(
