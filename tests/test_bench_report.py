@@ -14,6 +14,7 @@ from tokq.profiling import workload
 from tokq.profiling.bench import loadgen
 from tokq.profiling.bench.service import report as bench_report
 from tokq.profiling.bench.service.run import BenchOptions, machine
+from tokq.profiling.results_md import markers
 
 
 def step(rate: float, latency_ms: float, *, errors: int = 0, n: int = 100) -> dict:
@@ -81,7 +82,8 @@ def test_sustainable_rate_ignores_a_lucky_step_above_a_failed_one():
 
 def test_section_states_ratios_and_targets(report):
     md = bench_report.markdown_section(report)
-    assert md.startswith(bench_report.SECTION_START) and md.rstrip().endswith(bench_report.SECTION_END)
+    start, end = markers(bench_report.block_name(report), bench_report.BLOCK)
+    assert md.startswith(start) and md.rstrip().endswith(end)
     assert "tokq bench --all" in md and "machine otherwise idle" in md
     # tokq sustains 200 req/s: 5x one-at-a-time (40), 2.2x Infinity's best counted engine (torch,
     # 90: the ONNX one was not counted), 2x ONNX Runtime (100)
@@ -137,6 +139,23 @@ def test_outputs_replace_only_their_own_section(report, tmp_path):
     for png in written[:2]:
         image = imread(png)
         assert image.shape[0] > 300 and image.shape[1] > 600 and np.std(image) > 0.01
+
+
+def test_each_cpu_vector_extension_keeps_its_own_section(report, tmp_path):
+    """An AVX2 machine's run beside an AVX-512 machine's (both "AMD EPYC"), and the section of a
+    run from before the extension was recorded, each replaced only by its own kind of run."""
+    results = tmp_path / "RESULTS.md"
+    for extension in (None, "AVX-512", "AVX2", "AVX2"):
+        machine = {k: v for k, v in report["meta"]["machine"].items() if k != "vector_extension"}
+        if extension:
+            machine["vector_extension"] = extension
+        run = {**report, "meta": {**report["meta"], "machine": machine}}
+        bench_report.render_outputs(run, plots_dir=None, results_md=str(results), json_path="bench.json")
+    text = results.read_text()
+    assert text.count("## Service benchmark\n") == 1
+    assert text.count("## Service benchmark, AVX-512 CPU\n") == 1
+    assert text.count("## Service benchmark, AVX2 CPU\n") == 1
+    assert text.count("<!-- tokq bench service (AVX2): start") == 1
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import click
 from tokq.profiling.results_md import markers, write_block
 
 BLOCK = "tokq bench service"
-SECTION_START, SECTION_END = markers(BLOCK)
+SECTION_START, SECTION_END = markers(BLOCK)  # a run that did not record its CPU's vector extension
 P99_BOUNDS_MS = (100, 250, 500, 1000)
 # tokq (`tokq up`'s defaults) vs each baseline at equal p99 (issue 13): kind -> (ratio, what it is)
 TARGETS = (("one-at-a-time", 5.0, "sentence-transformers one at a time"),
@@ -195,14 +195,23 @@ def other_cpu(meta: dict) -> str:
             f"({other['share_of_machine']:.0%} of the machine's CPU time)")
 
 
+def block_name(report: dict) -> str:
+    """One block per CPU vector extension (an AVX2 machine's run does not overwrite an AVX-512
+    machine's: both are "AMD EPYC" here); BLOCK for runs that did not record it."""
+    extension = report["meta"]["machine"].get("vector_extension")
+    return f"{BLOCK} ({extension})" if extension else BLOCK
+
+
 def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> str:
     meta = report["meta"]
     slo_ms = meta["options"]["slo_ms"]
     m, w, o = meta["machine"], meta["workload"], meta["options"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     forward = ", ".join(f"b{b}: {ms:.0f} ms" for b, ms in meta.get("forward_ms_by_budget", {}).items())
+    start, end = markers(block_name(report), BLOCK)
+    extension = m.get("vector_extension")
     lines = [
-        SECTION_START, "## Service benchmark", "",
+        start, f"## Service benchmark{f', {extension} CPU' if extension else ''}", "",
         *run_header(meta),
         f"Machine: {m['cpu']}, {m['num_cpus']} CPUs, {m['platform']}; load average at start "
         f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} "
@@ -238,7 +247,7 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
               f"ONNX export for the ONNX Runtime baselines: {meta.get('onnx_export') or 'none (not asked for)'}. "
               "Every system's vectors of the probe queries (one request per query) are compared with "
               "sentence-transformers encoding each alone before it is measured; a baseline below cosine "
-              "0.9999 is not measured and its figure does not count.", "", SECTION_END]
+              "0.9999 is not measured and its figure does not count.", "", end]
     return "\n".join(lines) + "\n"
 
 
@@ -257,7 +266,7 @@ def render_outputs(report: dict, *, plots_dir: str | None, results_md: str | Non
             base = Path(results_md).parent if results_md else Path(".")
             plots[name.removesuffix(".png").replace("_", " ")] = os.path.relpath(path, base)
     if results_md:
-        write_block(results_md, BLOCK, markdown_section(report, plots))
+        write_block(results_md, block_name(report), markdown_section(report, plots))
         written.append(results_md)
     return written
 

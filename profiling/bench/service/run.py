@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tokq.host import cpu_name
+from tokq.host import cpu_name, vector_extension
 from tokq.profiling.bench import loadgen
 from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender,
                                                   min_cosine, start_system)
@@ -115,8 +115,8 @@ def machine() -> dict:
         load = Path("/proc/loadavg").read_text().split()[:3]
     except OSError:
         load = []
-    return {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
-            "loadavg_at_start": load,
+    return {"cpu": cpu_name(), "vector_extension": vector_extension(), "num_cpus": os.cpu_count(),
+            "platform": platform.platform(), "loadavg_at_start": load,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__,
                          "sentence_transformers": sentence_transformers.__version__,
