@@ -14,7 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def _title(report: dict, what: str) -> str:
     m = report["meta"]["machine"]
-    return f"{what}\nall-MiniLM-L6-v2 on {m['num_cpus']} CPU cores ({m['cpu'][:40]}), whole service on one box"
+    cpu = m["cpu"][:40] + (f", {m['vector_extension']}" if m.get("vector_extension") else "")
+    return f"{what}\nall-MiniLM-L6-v2 on {m['num_cpus']} CPU cores ({cpu}), whole service on one box"
 
 
 def _steps(system: dict) -> list[dict]:

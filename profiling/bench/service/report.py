@@ -213,7 +213,7 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
     lines = [
         start, f"## Service benchmark{f', {extension} CPU' if extension else ''}", "",
         *run_header(meta),
-        f"Machine: {m['cpu']}, {m['num_cpus']} CPUs, {m['platform']}; load average at start "
+        f"Machine: {m['cpu']}{f' ({extension})' if extension else ''}, {m['num_cpus']} CPUs, {m['platform']}; load average at start "
         f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} "
         "(1/5/15-minute load averages, this run's own processes included). Everything (load generator, gateway, worker, Redis, "
         "baselines) ran on this one machine.  ",
