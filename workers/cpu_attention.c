@@ -12,7 +12,8 @@
  * keys, D multiply-adds), softmax, and the weighted sum of V rows (a vector over D).
  *
  * bf16 on a CPU with AVX512-BF16 (and D a multiple of 32) takes attend_one_dp instead: the same
- * steps on bf16 pairs through vdpbf16ps, without converting K and V to fp32.
+ * steps on bf16 pairs through vdpbf16ps, without converting K and V to fp32 (in the 16-float
+ * build only, the native one there: its vectors are __m512).
  */
 #include <stdlib.h>
 
@@ -21,7 +22,7 @@
 #define KEYS LANES /* keys per block: one vector of floats */
 #define ROWS 8 /* query rows per pass through K and V (bf16, 1,034 tokens: 1.45x one row, 1.15x 4) */
 
-typedef uint16_t vhalf __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint16_t vbf16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 static inline void load_row(const void *base, int dtype, int64_t offset, int d, float *dst) {
     if (dtype != DTYPE_BF16) {
@@ -31,7 +32,7 @@ static inline void load_row(const void *base, int dtype, int64_t offset, int d, 
     const uint16_t *src = (const uint16_t *)base + offset;
     int i = 0;
     for (; i + KEYS <= d; i += KEYS) { /* whole vectors, then the rest one by one */
-        vhalf half;
+        vbf16 half;
         memcpy(&half, src + i, sizeof half);
         vuint bits = __builtin_convertvector(half, vuint) << 16;
         memcpy(dst + i, &bits, sizeof bits);
@@ -42,7 +43,7 @@ static inline void load_row(const void *base, int dtype, int64_t offset, int d, 
 static inline void store_row_bf16(const float *src, uint16_t *dst, int d) { /* rounded */
     int i = 0;
     for (; i + KEYS <= d; i += KEYS) { /* whole vectors, then the rest */
-        vhalf half = __builtin_convertvector(round_bf16(load_vec(src + i)) >> 16, vhalf);
+        vbf16 half = __builtin_convertvector(round_bf16(load_vec(src + i)) >> 16, vbf16);
         memcpy(dst + i, &half, sizeof half);
     }
     for (; i < d; i++) dst[i] = f32_to_bf16(src[i]);

@@ -2,7 +2,7 @@
  * extensions of the machine's own register width (LANES floats: 16 with AVX-512, 8 with AVX2,
  * else 4), so the compiler maps each vector to one register for -march=native. A vector wider
  * than the registers is lowered piecemeal through the stack: 16-float vectors on an AVX2 CPU
- * made attention ~4x and the LayerNorm ~2.5x slower (profiling/RESULTS.md).
+ * made attention ~3.5x slower and the fp32 LayerNorm ~2.5x (profiling/RESULTS.md).
  *
  * bf16 rows are read a STEP (2 x LANES values) at a time as LANES 32-bit words: the words' low
  * halves are the even values, their high halves the odd ones, so one load and one shift or mask

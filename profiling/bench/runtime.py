@@ -361,10 +361,10 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
 
     dot_products = (engine.attn_backend == "cpu_varlen" and engine.dtype == torch.bfloat16
                     and cpu_attention.bf16_dot_products(engine.model.head_dim))
-    lanes = (f", {cpu_build.vector_lanes('cpu_attention')} floats a vector"
+    width = (f", {cpu_build.vector_lanes('cpu_attention')} floats a vector"
              if engine.attn_backend == "cpu_varlen" else "")
     print(f"model {engine.info.name}, {str(engine.dtype).removeprefix('torch.')}, attention "
-          f"{engine.attn_backend}{' (bf16 dot products)' if dot_products else ''}{lanes}, "
+          f"{engine.attn_backend}{' (bf16 dot products)' if dot_products else ''}{width}, "
           f"linear {engine.linear_backend}; "
           f"torch {torch.__version__}; {cpu_name()} ({vector_extension()}), "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
@@ -415,9 +415,12 @@ def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload
                for backend in CPU_BACKENDS if attention.unavailable_reason(
                    backend, engine.device, engine.dtype) is None}
     if "cpu_varlen" in attn_ms:
-        variants = {f"cpu_varlen at {lanes} floats a vector": (f"-DLANES={lanes}",)
+        native_dp = engine.dtype == torch.bfloat16 and cpu_attention.bf16_dot_products(engine.model.head_dim)
+        # the bf16 dot-product path is built at 16 floats only: narrower builds take fp32 math
+        path = " (fp32-math path)" if native_dp else ""
+        variants = {f"cpu_varlen at {lanes} floats a vector{path}": (f"-DLANES={lanes}",)
                     for lanes in VECTOR_WIDTHS if lanes != cpu_build.vector_lanes("cpu_attention")}
-        if engine.dtype == torch.bfloat16 and cpu_attention.bf16_dot_products(engine.model.head_dim):
+        if native_dp:
             variants["cpu_varlen without bf16 dot products"] = cpu_attention.WITHOUT_DOT_PRODUCTS
         for label, flags in variants.items():
             def variant(q, k, v, layout, causal, scale, flags=flags):
