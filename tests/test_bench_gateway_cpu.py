@@ -154,6 +154,17 @@ def test_report_judges_the_target_per_load_on_medians_and_only_without_failed_ca
     text = results.read_text()
     assert text.startswith("# Results\n") and text.count(SECTION_START) == 1
     assert "| 60 req/s | 0.900 | 0.300 | **3.00x** (3.0, 3.0, 3.0) | **not met** |" in text
+    # a run that recorded its CPU's vector extension has a block of its own beside it
+    report["meta"]["machine"]["vector_extension"] = "AVX2"
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    for _ in range(2):
+        done = CliRunner().invoke(gateway_cpu_command, ["--from-json", str(tmp_path / "r.json"),
+                                                         "--results-md", str(results)])
+        assert done.exit_code == 0, done.output
+    text = results.read_text()
+    assert text.count(SECTION_START) == 1 and text.count("## Gateway CPU per call\n") == 1
+    assert text.count("<!-- tokq bench gateway-cpu (AVX2): start") == 1
+    assert text.count("## Gateway CPU per call, AVX2 CPU\n") == 1 and "Machine: cpu (AVX2), 2 CPUs" in text
 
 
 def test_a_report_from_before_rates_renders_as_its_one_load():

@@ -42,11 +42,11 @@ from pathlib import Path
 
 import click
 
-from tokq.host import cpu_name
-from tokq.profiling.results_md import command_line, markers, write_block
+from tokq.host import cpu_name, vector_extension
+from tokq.profiling.results_md import command_line, cpu_block_name, markers, write_block
 
 BLOCK = "tokq bench gateway-cpu"
-SECTION_START, SECTION_END = markers(BLOCK)
+SECTION_START, SECTION_END = markers(BLOCK)  # a run that did not record its CPU's vector extension
 TARGET_MS_PER_CALL = 0.6
 HIDDEN_SIZE = 384  # all-MiniLM-L6-v2's vector: what the echo server answers too
 START_TIMEOUT_S = 180
@@ -343,7 +343,8 @@ def top_frames(collapsed: str, n: int = 12) -> dict:
 
 
 def machine() -> dict:
-    return {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform()}
+    return {"cpu": cpu_name(), "vector_extension": vector_extension(), "num_cpus": os.cpu_count(),
+            "platform": platform.platform()}
 
 
 def load_name(load: dict) -> str:
@@ -446,10 +447,14 @@ def markdown_section(report: dict) -> str:
     how = " and ".join(filter(None, [
         f"open loop (Poisson) at each of {', '.join(rates)} req/s" if rates else "",
         f"closed loop with each of {', '.join(levels)} calls in flight" if levels else ""]))
-    lines = [SECTION_START, "## Gateway CPU per call", "",
+    machine = meta["machine"]
+    extension = machine.get("vector_extension")
+    start, end = markers(cpu_block_name(BLOCK, machine), BLOCK)
+    lines = [start, f"## Gateway CPU per call{f', {extension} CPU' if extension else ''}", "",
              f"Command: `{meta['command']}`  ",
              f"Date: {meta['started_at']} to {meta['finished_at']}  ",
-             f"Machine: {meta['machine']['cpu']}, {meta['machine']['num_cpus']} CPUs, {meta['machine']['platform']}; "
+             f"Machine: {machine['cpu']}{f' ({extension})' if extension else ''}, {machine['num_cpus']} CPUs, "
+             f"{machine['platform']}; "
              f"**shared with other people's builds and tests**: load average {' '.join(meta['loadavg_at_start'])} "
              f"at start, {' '.join(meta['loadavg_at_end'])} at end, so figures are noisy.  ",
              f"Load: {meta['calls']} single-input Embed calls per run, {how} "
@@ -492,7 +497,7 @@ def markdown_section(report: dict) -> str:
                            ("native", "native frame on top"), ("ours", "tokq function, inclusive")):
             lines += [f"| {title} | share |", "|---|---:|"]
             lines += [f"| `{frame}` | {value:.1%} |" for frame, value in prof[key]] + [""]
-    lines.append(SECTION_END)
+    lines.append(end)
     return "\n".join(lines) + "\n"
 
 
@@ -553,7 +558,7 @@ def gateway_cpu_command(calls, rates, concurrency, rounds, warmup_calls, seed, w
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     if results_md:
-        write_block(results_md, BLOCK, section)
+        write_block(results_md, cpu_block_name(BLOCK, report["meta"]["machine"]), section)
 
 
 @click.group()

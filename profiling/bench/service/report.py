@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from tokq.profiling.results_md import markers, write_block
+from tokq.profiling.results_md import cpu_block_name, markers, write_block
 
 BLOCK = "tokq bench service"
 SECTION_START, SECTION_END = markers(BLOCK)  # a run that did not record its CPU's vector extension
@@ -196,10 +196,7 @@ def other_cpu(meta: dict) -> str:
 
 
 def block_name(report: dict) -> str:
-    """One block per CPU vector extension (an AVX2 machine's run does not overwrite an AVX-512
-    machine's: both are "AMD EPYC" here); BLOCK for runs that did not record it."""
-    extension = report["meta"]["machine"].get("vector_extension")
-    return f"{BLOCK} ({extension})" if extension else BLOCK
+    return cpu_block_name(BLOCK, report["meta"]["machine"])
 
 
 def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> str:
