@@ -30,6 +30,18 @@ def cpu_block_name(name: str, machine: dict) -> str:
     return f"{name} ({extension})" if extension else name
 
 
+def cpu_heading(title: str, machine: dict) -> str:
+    """Such a block's heading: "## Service benchmark, AVX2 CPU" (``title`` alone without one)."""
+    extension = machine.get("vector_extension")
+    return f"## {title}, {extension} CPU" if extension else f"## {title}"
+
+
+def cpu_label(machine: dict) -> str:
+    """The run's CPU as its block's machine line names it: "AMD EPYC (AVX2)"."""
+    extension = machine.get("vector_extension")
+    return f"{machine['cpu']} ({extension})" if extension else machine["cpu"]
+
+
 def block(name: str, lines: Iterable[str], generated_by: str | None = None) -> str:
     start, end = markers(name, generated_by)
     return "\n".join([start, *lines, end])

@@ -43,7 +43,7 @@ from pathlib import Path
 import click
 
 from tokq.host import cpu_name, vector_extension
-from tokq.profiling.results_md import command_line, cpu_block_name, markers, write_block
+from tokq.profiling.results_md import command_line, cpu_block_name, cpu_heading, cpu_label, markers, write_block
 
 BLOCK = "tokq bench gateway-cpu"
 SECTION_START, SECTION_END = markers(BLOCK)  # a run that did not record its CPU's vector extension
@@ -448,13 +448,11 @@ def markdown_section(report: dict) -> str:
         f"open loop (Poisson) at each of {', '.join(rates)} req/s" if rates else "",
         f"closed loop with each of {', '.join(levels)} calls in flight" if levels else ""]))
     machine = meta["machine"]
-    extension = machine.get("vector_extension")
     start, end = markers(cpu_block_name(BLOCK, machine), BLOCK)
-    lines = [start, f"## Gateway CPU per call{f', {extension} CPU' if extension else ''}", "",
+    lines = [start, cpu_heading("Gateway CPU per call", machine), "",
              f"Command: `{meta['command']}`  ",
              f"Date: {meta['started_at']} to {meta['finished_at']}  ",
-             f"Machine: {machine['cpu']}{f' ({extension})' if extension else ''}, {machine['num_cpus']} CPUs, "
-             f"{machine['platform']}; "
+             f"Machine: {cpu_label(machine)}, {machine['num_cpus']} CPUs, {machine['platform']}; "
              f"**shared with other people's builds and tests**: load average {' '.join(meta['loadavg_at_start'])} "
              f"at start, {' '.join(meta['loadavg_at_end'])} at end, so figures are noisy.  ",
              f"Load: {meta['calls']} single-input Embed calls per run, {how} "

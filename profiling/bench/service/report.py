@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from tokq.profiling.results_md import cpu_block_name, markers, write_block
+from tokq.profiling.results_md import cpu_block_name, cpu_heading, cpu_label, markers, write_block
 
 BLOCK = "tokq bench service"
 SECTION_START, SECTION_END = markers(BLOCK)  # a run that did not record its CPU's vector extension
@@ -206,11 +206,10 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     forward = ", ".join(f"b{b}: {ms:.0f} ms" for b, ms in meta.get("forward_ms_by_budget", {}).items())
     start, end = markers(block_name(report), BLOCK)
-    extension = m.get("vector_extension")
     lines = [
-        start, f"## Service benchmark{f', {extension} CPU' if extension else ''}", "",
+        start, cpu_heading("Service benchmark", m), "",
         *run_header(meta),
-        f"Machine: {m['cpu']}{f' ({extension})' if extension else ''}, {m['num_cpus']} CPUs, {m['platform']}; load average at start "
+        f"Machine: {cpu_label(m)}, {m['num_cpus']} CPUs, {m['platform']}; load average at start "
         f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} "
         "(1/5/15-minute load averages, this run's own processes included). Everything (load generator, gateway, worker, Redis, "
         "baselines) ran on this one machine.  ",
