@@ -6,10 +6,10 @@ only wait out their deadline, and sends them again once Redis or a worker is bac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
+from tokq.cancel import cancel_and_wait
 from tokq.keys import QueueKeys
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,4 @@ class Readiness:
         self._task = asyncio.create_task(self._run(), name="readiness")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)

@@ -16,7 +16,6 @@ subscription itself breaks, every waiting call fails UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from tokq.cancel import cancel_and_wait
 from tokq.connection import ShardedSubscriber
 from tokq.gateway.errors import Unavailable
 from tokq.queue import REPLY_META_FIELDS, parse_notices
@@ -62,10 +62,7 @@ class ReplyRouter:
         self._task = asyncio.create_task(self._run(), name="reply-router")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def expect(self, request_id: str, num_items: int) -> asyncio.Future:
         """Register before enqueueing, so a fast reply cannot be missed. The future's result:

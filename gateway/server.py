@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redis.exceptions import LockNotOwnedError
 
+from tokq.cancel import cancel_and_wait
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
@@ -206,12 +207,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         await server.stop(grace=5)
         if http_task:
             await http_task
-        for task in stats_tasks:
-            task.cancel()
         # Waited for (a little): each releases its exporter lock on the way out, on the client
         # closed below; a Redis that does not answer does not hold up the stop.
-        if stats_tasks:
-            await asyncio.wait(stats_tasks, timeout=STOP_WAIT_S)
+        await cancel_and_wait(stats_tasks, timeout_s=STOP_WAIT_S)
         for model in models.values():
             await model.router.stop()
             await model.queue.close()

@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import redis.exceptions
 
+from tokq.cancel import cancel_and_wait
 from tokq.claim_rule import Lanes
 from tokq.config import QueueConfig
 from tokq.entry import Entry
@@ -189,10 +190,7 @@ class ShardedQueue:
         await self.redis.zadd(self.keys.shard_counts, {str(self.num_shards): now_ms})
 
     async def close(self) -> None:
-        if self._load_task is not None:
-            self._load_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._load_task
+        await cancel_and_wait(self._load_task)
         for queue in self._shards.values():  # their pipeliners' held connections, back now
             await queue.pipeliner.aclose()
 

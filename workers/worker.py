@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import redis.exceptions
 
+from tokq.cancel import cancel_and_wait
 from tokq.claim_rule import Lanes, preempt_budget
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.connection import ShardedSubscriber
@@ -140,9 +141,7 @@ class Worker:
         try:
             await self._loop(burst)
         finally:
-            for task in chores:
-                task.cancel()
-            await asyncio.gather(*chores, return_exceptions=True)
+            await cancel_and_wait(chores)  # again until they end: tokq/cancel.py
             await self._notices.aclose()
             with contextlib.suppress(Exception):
                 await self.queue.forget_worker(self.worker_id)
@@ -445,8 +444,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.queue.forget_worker(self.worker_id), timeout=2.0)
             if self._reader is not None:  # no read may be in flight on a connection closed under it
-                self._reader.cancel()
-                await asyncio.gather(self._reader, return_exceptions=True)
+                await cancel_and_wait(self._reader)
             with contextlib.suppress(Exception):  # its owner channels go: leases redone sooner
                 await asyncio.wait_for(self._notices.aclose(), timeout=2.0)
             self._exit_process(EXIT_HUNG)

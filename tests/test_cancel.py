@@ -1,0 +1,75 @@
+"""tokq.cancel.cancel_and_wait ends tasks that drop a cancel: Python 3.11's asyncio.wait_for
+(under every redis-py reply) returns the reply when a cancel lands as it arrives, and a
+background loop then runs on."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from tokq.cancel import cancel_and_wait
+from tokq.connection import connect
+
+
+def dropping(cancels_dropped: int | None):
+    """A loop that drops its first ``cancels_dropped`` cancels (None: all of them), as a redis-py
+    command does when wait_for swallows one."""
+    state = {"dropped": 0}
+
+    async def loop():
+        while True:
+            try:
+                await asyncio.sleep(0.001)
+            except asyncio.CancelledError:
+                if cancels_dropped is not None and state["dropped"] >= cancels_dropped:
+                    raise
+                state["dropped"] += 1
+                asyncio.current_task().uncancel()
+    return loop, state
+
+
+async def test_a_task_that_drops_cancels_is_cancelled_again_until_it_ends():
+    loop, state = dropping(3)
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0.01)
+    assert await cancel_and_wait([task, None]) is True
+    assert task.cancelled() and state["dropped"] == 3
+
+
+async def test_a_task_that_never_ends_is_given_up_on_after_the_timeout():
+    loop, state = dropping(None)
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0.01)
+    assert await cancel_and_wait(task, timeout_s=0.3) is False
+    assert not task.done() and state["dropped"] >= 2
+    task.cancel()  # let it go: it drops this one too, so stop it the hard way
+    task.get_coro().close()
+
+
+async def test_failed_and_finished_tasks_are_taken_as_they_are():
+    async def fail():
+        raise RuntimeError("boom")
+    failed, finished = asyncio.create_task(fail()), asyncio.create_task(asyncio.sleep(0))
+    await asyncio.sleep(0.01)
+    assert await cancel_and_wait([failed, finished]) is True
+    assert isinstance(failed.exception(), RuntimeError) and finished.result() is None
+
+
+async def test_loops_of_redis_commands_all_end(redis_url):
+    """The real case: 40 loops of GETs, each cancelled at a random point, all end (a plain
+    cancel-then-await leaves some running on Python 3.11)."""
+    client = connect(redis_url)
+
+    async def poll():
+        while True:
+            await client.get("k")
+    try:
+        for _ in range(40):
+            task = asyncio.create_task(poll())
+            await asyncio.sleep(random.random() * 0.002)
+            assert await cancel_and_wait(task, timeout_s=10) is True
+            assert task.done()
+    finally:
+        await client.aclose()
