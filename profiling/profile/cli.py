@@ -13,9 +13,9 @@ from pathlib import Path
 import click
 
 from tokq.config import DTYPES
+from tokq.latency_goal import DEFAULT_SLO_P99_MS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_SLO_P99_MS = 500.0  # tokq.profiling.profile.knee.DEFAULT_SLO_P99_MS (not imported: keeps --help fast)
 
 
 def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:

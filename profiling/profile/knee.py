@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from tokq.latency_goal import DEFAULT_SLO_P99_MS, max_forward_ms
+
 NUM_BREAK_CANDIDATES = 600
 # A rise smaller than this fraction of the flat latency (or than 3x the fit's noise) is no knee.
 MIN_RISE_FRACTION = 0.10
@@ -101,14 +103,7 @@ def fit_knee(num_tokens: np.ndarray, latency_ms: np.ndarray) -> KneeFit:
                           f"{b * 1000:.3g} ms per 1k tokens")
 
 
-# The latency model behind the budget. Under load, a request that arrives while a batch runs
-# waits for it (up to one forward), then rides in the next batch (one forward): its latency is
-# about two forwards of a full batch, plus queueing and transport the goal must also hold. A
-# deeper queue than one batch means the offered load is above what the budget serves at all,
-# where no budget meets a goal. So a budget keeps the goal reachable if its forward takes at
-# most goal / FORWARDS_PER_REQUEST.
-FORWARDS_PER_REQUEST = 2.0
-DEFAULT_SLO_P99_MS = 500.0  # the same default goal as `tokq bench service --slo-ms`
+# The latency model behind the budget: tokq/latency_goal.py.
 # Past this share of the peak tokens/s, a bigger batch buys almost no throughput, only latency.
 SATURATION_FRACTION = 0.95
 
@@ -117,7 +112,7 @@ SATURATION_FRACTION = 0.95
 class Recommendation:
     token_budget: int | None  # the token budget to serve at; None when no batch fits the goal
     slo_p99_ms: float  # the latency goal
-    max_batch_ms: float  # the forward time the goal allows: slo_p99_ms / FORWARDS_PER_REQUEST
+    max_batch_ms: float  # the forward time the goal allows: max_forward_ms(slo_p99_ms)
     latency_ms: float | None  # median forward time at the budget
     tokens_per_s: float | None  # forward throughput at the budget
     limited_by: str | None  # "throughput" | "latency goal" | "grid"; None when nothing fits
@@ -144,7 +139,7 @@ def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFi
                      slo_p99_ms: float = DEFAULT_SLO_P99_MS, fraction: float = SATURATION_FRACTION
                      ) -> Recommendation:
     """The budget that serves best under a p99 latency goal: the largest measured batch whose
-    median forward keeps the goal reachable (see FORWARDS_PER_REQUEST), but no larger than where
+    median forward keeps the goal reachable (tokq.latency_goal), but no larger than where
     throughput stops growing (``fraction`` of the peak). Grid points only.
 
     Throughput is read from ``fit`` when given: on a plateau, the peak of noisy measurements is
@@ -160,7 +155,7 @@ def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFi
     y = np.asarray(latency_ms, dtype=float)[order]
     if slo_p99_ms <= 0:
         raise ValueError(f"the latency goal must be positive, got {slo_p99_ms} ms")
-    ceiling_ms = slo_p99_ms / FORWARDS_PER_REQUEST
+    ceiling_ms = max_forward_ms(slo_p99_ms)
     sat_tokens, peak = throughput_saturation(x, fit.predict_ms(x) if fit else y, fraction)
     within = np.cumprod(y <= ceiling_ms).astype(bool)  # a slow point caps everything above it
     common = dict(slo_p99_ms=float(slo_p99_ms), max_batch_ms=ceiling_ms, throughput_cap_tokens=sat_tokens,

@@ -12,8 +12,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 from tokq.host import cpu_name
-from tokq.profiling.profile.knee import (DEFAULT_SLO_P99_MS, FORWARDS_PER_REQUEST, KneeFit, Recommendation,
-                                         fit_knee, recommend_budget)
+from tokq.latency_goal import DEFAULT_SLO_P99_MS, max_forward_ms
+from tokq.profiling.profile.knee import KneeFit, Recommendation, fit_knee, recommend_budget
 from tokq.profiling.profile.sweep import Point, SweepConfig, sweep, timer_for
 from tokq.profiling.profile.batches import BatchMaker, shared_prompt_ids, token_ids_for
 from tokq.profiling.workload import Query, describe
@@ -94,7 +94,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, slo_p9
         "slope_ms_per_token": fit.slope_ms_per_token if fit else None,
         # The goal, the forward time it allows, the budget and what limited it.
         "slo_p99_ms": slo_p99_ms,
-        "max_batch_ms": slo_p99_ms / FORWARDS_PER_REQUEST,
+        "max_batch_ms": max_forward_ms(slo_p99_ms),
         "recommended_budget": rec.token_budget if rec else None,
         "limited_by": rec.limited_by if rec else None,
         "recommendation": rec.to_dict() if rec else None,

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from tokq.latency_goal import DEFAULT_SLO_P99_MS
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_INFINITY_BIN = REPO_ROOT / ".venv-infinity" / "bin" / "infinity_emb"
 # Why Infinity runs from its own virtualenv (and how to make it), for the report.
@@ -50,13 +52,13 @@ def optimum_cli_beside(infinity_bin: str | None) -> str | None:
 
 def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int | None,
                  padded_max_batch: int, padded_max_wait_ms: float, infinity_bin: str | None = None,
-                 onnx_dir: str = "", infinity_onnx_dir: str = "", default_budget: int = 1024):
+                 onnx_dir: str = "", infinity_onnx_dir: str = ""):
     from tokq.profiling.bench.service.systems import SystemSpec
 
     main_budget = budgets[-1]
     catalog = {
         "tokq": SystemSpec(f"tokq look-ahead b{main_budget}", "tokq", main_budget, None),
-        "tokq-defaults": SystemSpec(f"tokq (`tokq up` defaults: budget {default_budget}, dtype auto)", "tokq"),
+        "tokq-defaults": SystemSpec("tokq (`tokq up` defaults: {budget}, dtype auto)", "tokq"),
         "tokq-fifo": SystemSpec(f"tokq FIFO b{main_budget}", "tokq", main_budget, 0),
         "one-at-a-time": SystemSpec("one-at-a-time (sentence-transformers)", "one-at-a-time"),
         "onnx": SystemSpec("one-at-a-time (ONNX Runtime)", "onnx-one-at-a-time", onnx_dir=onnx_dir),
@@ -150,7 +152,7 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
               help="poisson: steady rate; replay: the workload's own (bursty) timestamps rescaled to the rate.")
 @click.option("--rate", type=float, default=None,
               help="One run at this offered rate (req/s) instead of the step search.")
-@click.option("--slo-ms", default=500.0, show_default=True, help="p99 latency a sustainable rate must meet.")
+@click.option("--slo-ms", default=DEFAULT_SLO_P99_MS, show_default=True, help="p99 latency a sustainable rate must meet.")
 @click.option("--start-rate", default=25.0, show_default=True, help="First step's offered rate (req/s).")
 @click.option("--step-factor", default=1.3, show_default=True, help="Rate multiplier between steps.")
 @click.option("--max-steps", default=20, show_default=True)
@@ -205,7 +207,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
     from tokq.profiling.bench import loadgen
     from tokq.profiling.bench.service.run import BenchOptions, run_bench
     from tokq.profiling.bench.service.report import render_outputs
-    from tokq.workers.worker import DEFAULT_BUDGET
+    from tokq.workers.default_budget import default_budget as device_default_budget
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -216,7 +218,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     names = ["all"] if run_all else (list(systems) or ["tokq", "one-at-a-time"])
-    default_budget = DEFAULT_BUDGET["cuda" if device.startswith("cuda") else "cpu"]  # the worker's, unprofiled
+    default_budget = device_default_budget(device.split(":")[0])  # the worker's, before it fits it
     profiled = profiled_budget or profiled_budget_from(Path(profile_json) if profile_json else None)
     infinity_bin = find_infinity(infinity_bin)
     console = Console(stderr=True, quiet=quiet)
@@ -254,7 +256,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
         specs = system_specs(names, budgets=budget_list, profiled_budget=profiled,
                              padded_max_batch=padded_max_batch, padded_max_wait_ms=padded_max_wait_ms,
                              infinity_bin=infinity_bin, onnx_dir=str(onnx_export.path) if onnx_export else "",
-                             infinity_onnx_dir=infinity_onnx_dir, default_budget=default_budget)
+                             infinity_onnx_dir=infinity_onnx_dir)
         specs = [s if s.kind in ("infinity", "onnx-one-at-a-time")
                  else dataclasses.replace(s, model=model_dir or "", device=device) for s in specs]
         infinity_note = (f"measured ({infinity_bin}). {INFINITY_WHY}" if any(s.kind == "infinity" for s in specs)
@@ -262,10 +264,6 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
                               f"{INFINITY_WHY}")
         queries, source = loadgen.load_queries(workload_path, num_queries, seed)
         threads = threads or max(1, (os.cpu_count() or 2) - 1)
-        tokq_budgets = sorted({s.token_budget or default_budget for s in specs if s.kind == "tokq"})
-        with console.status("timing single-batch forward passes"):
-            forward_ms = (measure_forward_ms(queries, tokq_budgets, threads, model_dir=model_dir, device=device)
-                          if tokq_budgets else {})
         with console.status("sentence-transformers' own vectors of the probe queries"):
             probe = reference_vectors(queries, NUM_PROBES, model_dir=model_dir, device=device)
         options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
@@ -273,6 +271,11 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
                                timeout_s=timeout_ms / 1000, threads=threads, seed=seed,
                                num_refinements=refinements if refinements is not None else (3 if budget_check else 1))
         report = asyncio.run(run_bench(specs, queries, options, console=console, probe=probe))
+        # The budgets tokq served at: a worker left to its default fits it at start.
+        tokq_budgets = sorted({s["token_budget"] for s in report["systems"] if s["kind"] == "tokq"})
+        with console.status("timing single-batch forward passes"):
+            forward_ms = (measure_forward_ms(queries, tokq_budgets, threads, model_dir=model_dir, device=device)
+                          if tokq_budgets else {})
     finally:
         shutil.rmtree(export_root, ignore_errors=True)
     report["meta"].update(workload_source=source, forward_ms_by_budget=forward_ms, note=note,

@@ -159,22 +159,26 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
     with progress:
         overall = progress.add_task("systems", total=len(specs))
         for spec in specs:
-            progress.update(overall, description=f"starting {spec.name}")
+            progress.update(overall, description=f"starting {spec.label()}")
             log_path = log_dir / f"{spec.name.split()[0]}-{len(report['systems'])}.log"
             system = await asyncio.to_thread(start_system, spec, threads=options.threads,
                                              log_path=str(log_path))
+            name = spec.label(system.token_budget, system.budget_source)
+            served = ({"token_budget": system.token_budget, "budget_source": system.budget_source}
+                      if spec.kind == "tokq" else {})
             try:
                 vectors = await check_vectors(system, probe) if probe else None
                 if vectors and not vectors["counts"] and spec.kind != "tokq":
-                    progress.console.print(f"{spec.name}: not measured, {vectors['why']}")
+                    progress.console.print(f"{name}: not measured, {vectors['why']}")
                     result = {"slo_ms": options.slo_ms, "sustainable_rps": 0.0, "sustainable": None,
                               "limit": f"not counted: {vectors['why']}", "steps": [], "half_load": None}
                 else:
-                    progress.update(overall, description=f"measuring {spec.name}")
-                    result = await measure(system, queries, options, progress, label=spec.name)
+                    progress.update(overall, description=f"measuring {name}")
+                    result = await measure(system, queries, options, progress, label=name)
             finally:
                 await asyncio.to_thread(system.close)
-            report["systems"].append({**spec.describe(), **result, "vectors": vectors, "log": str(log_path)})
+            report["systems"].append({**spec.describe(), "name": name, **served, **result, "vectors": vectors,
+                                      "log": str(log_path)})
             progress.advance(overall)
     duration_s = (datetime.now(timezone.utc) - started).total_seconds()
     if busy_start_s is not None:

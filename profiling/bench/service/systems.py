@@ -6,6 +6,7 @@ sender the load generator drives them with, and the per-batch figures read from 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,13 @@ class SystemSpec:
     onnx_dir: str = ""  # onnx-one-at-a-time, infinity optimum: the ONNX export
     model: str = ""  # tokq and the sentence-transformers baselines: model directory ("" = bundled)
     device: str = "cpu"  # tokq and the sentence-transformers baselines
+
+    def label(self, budget: int = 0, source: str = "") -> str:
+        """The name; a tokq system at the worker's own budget names ``{budget}`` in it, filled in
+        with the budget its worker serves at once it has started (and fitted it)."""
+        served = (f"budget {budget}" + (", fitted at start" if source == "fitted" else "")
+                  if budget else "its own budget")
+        return self.name.replace("{budget}", served)
 
     def describe(self) -> dict:
         keep = {"tokq": ("token_budget", "lookahead"), "padded-batching": ("max_batch_size", "max_wait_ms"),
@@ -147,6 +155,8 @@ class RunningSystem:
         self.proc = proc
         self.redis_server = redis_server
         self.metrics_port = metrics_port
+        self.token_budget = 0  # tokq: the budget its worker serves at (its heartbeat says)
+        self.budget_source = ""  # and where it came from (workers/worker.py's budget_source)
 
     def batch_snapshot(self) -> dict | None:
         """Cumulative batch counters of a tokq deployment (None for a baseline)."""
@@ -219,18 +229,19 @@ def _wait_http_health(target: str, proc: subprocess.Popen, timeout_s: float) -> 
     raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
 
 
-def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float, queue: str) -> None:
-    """A worker's heartbeat appears after its warm-up at the full budget."""
+def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float, queue: str) -> dict:
+    """The worker's first heartbeat's status (it appears after the warm-up and the budget's fit)."""
     key = QueueKeys(queue).heartbeat("up-0")
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     try:
-        while not client.exists(key):
+        while (status := client.get(key)) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("tokq worker sent no heartbeat")
             time.sleep(0.1)
     finally:
         client.close()
+    return json.loads(status)
 
 
 def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = None) -> RunningSystem:
@@ -289,7 +300,9 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
         else:
             wait_for_health(target, [proc], START_TIMEOUT_S)
         if redis_server:
-            _wait_worker(redis_server.url, proc, START_TIMEOUT_S, queue)
+            status = _wait_worker(redis_server.url, proc, START_TIMEOUT_S, queue)
+            system.token_budget = int(status["token_budget"])
+            system.budget_source = status.get("budget_source", "")
     except BaseException:
         system.close()
         raise

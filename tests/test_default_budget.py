@@ -1,0 +1,161 @@
+"""A worker with no budget set or published cuts its device's default to the latency goal
+(workers/default_budget.py): the rule on modelled forward times, then a real worker (the bundled
+model, a real Redis) whose heartbeat reports the budget it chose and where it came from. Goals
+are picked so that the outcome holds on any machine: 1 ms is out of reach for any forward of
+MiniLM, a day is within reach of every one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+from queue_support import QUEUE, open_queue
+
+from tokq.config import QueueConfig, WorkerConfig
+from tokq.entry import encode_body
+from tokq.workers.default_budget import MAX_TIMINGS, STEP, default_budget, fit_budget
+
+
+def linear_ms(fixed_ms: float, ms_per_token: float):
+    calls = []
+
+    def time_forward_ms(num_tokens: int) -> float:
+        calls.append(num_tokens)
+        return fixed_ms + ms_per_token * num_tokens
+    return time_forward_ms, calls
+
+
+def test_a_default_within_the_goal_is_kept_after_one_timing():
+    timed, calls = linear_ms(5.0, 0.15)  # 1,024 tokens: 159 ms
+    fit = fit_budget(timed, 1024, 250.0)
+    assert (fit.budget, calls, fit.fits) == (1024, [1024], True)
+    assert "within the 250 ms" in fit.describe()
+
+
+@pytest.mark.parametrize("fixed_ms,ms_per_token", [(0.0, 0.65), (14.0, 0.63), (60.0, 0.9), (2.0, 1.5)])
+def test_a_default_over_the_goal_is_cut_to_the_largest_step_that_fits(fixed_ms, ms_per_token):
+    timed, calls = linear_ms(fixed_ms, ms_per_token)
+    fit = fit_budget(timed, 1024, 250.0)
+    forward = lambda n: fixed_ms + ms_per_token * n  # noqa: E731
+    assert fit.fits and forward(fit.budget) <= 250.0 and fit.budget % STEP == 0
+    # Not cut far past the goal: the largest fitting step is at most two steps above it
+    # (MARGIN's 10% aims under the ceiling).
+    largest = max(n for n in range(STEP, 1025, STEP) if forward(n) <= 250.0)
+    assert largest - 2 * STEP <= fit.budget <= largest
+    assert calls[0] == 1024 and calls == sorted(calls, reverse=True) and len(calls) <= MAX_TIMINGS
+    assert fit.timings == tuple((n, forward(n)) for n in calls)
+    assert f"budget 1024 -> {fit.budget} tokens" in fit.describe() and "not shown to fit" not in fit.describe()
+
+
+def test_an_unreachable_goal_stops_at_the_smallest_step_or_after_max_timings():
+    timed, calls = linear_ms(400.0, 0.1)  # even one token is over 250 ms
+    fit = fit_budget(timed, 1024, 250.0)
+    assert len(calls) == MAX_TIMINGS and not fit.fits and fit.budget < calls[-1]
+    assert "not shown to fit" in fit.describe()
+    timed, calls = linear_ms(400.0, 0.1)
+    fit = fit_budget(timed, 128, 250.0)  # 128 -> 64, the floor: timed there, then it stops
+    assert (fit.budget, calls, fit.fits) == (STEP, [128, STEP], False)
+    with pytest.raises(ValueError):
+        fit_budget(timed, 1024, 0.0)
+
+
+def test_each_device_has_its_default():
+    assert default_budget("cpu") == 1024 and default_budget("cuda") == 4096 and default_budget("mps") == 1024
+
+
+# -- a real worker -------------------------------------------------------------------------------
+
+pytest_slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from tokq.workers.engine import Engine
+
+    return Engine.load(None, device="cpu", name=QUEUE)
+
+
+async def _start(q, engine, config: WorkerConfig, worker_id: str):
+    from tokq.workers.worker import Worker
+
+    worker = Worker(engine, q, config, QueueConfig(), worker_id=worker_id)
+    run = asyncio.create_task(worker.run())
+    deadline = time.monotonic() + 120
+    while (status := await q.redis.get(q.keys.heartbeat(worker_id))) is None:
+        assert time.monotonic() < deadline and not run.done(), "no heartbeat"
+        await asyncio.sleep(0.05)
+    return worker, run, json.loads(status)
+
+
+async def _answer_one(q, client, request_id: str) -> None:
+    ids = np.array([101, 7592, 2088, 102])
+    await client.enqueue(request_id, [(len(ids), encode_body(ids))], timeout_ms=60_000,
+                         channel=client.keys.done_channel("test"))
+    deadline = time.monotonic() + 60
+    while await q.redis.hlen(q.keys.reply(request_id)) < 4:  # the item + n, ch, t
+        assert time.monotonic() < deadline, "no answer"
+        await asyncio.sleep(0.02)
+
+
+@pytest_slow
+async def test_a_worker_cuts_its_default_to_an_unreachable_goal_and_still_serves(redis_url, engine):
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        worker, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=1), "fit-cut")
+        assert status["budget_source"] == "fitted" and STEP <= status["token_budget"] < default_budget("cpu")
+        assert status["token_budget"] == worker.token_budget and status["token_budget"] % STEP == 0
+        await _answer_one(q, client, "after-fit")
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+
+
+@pytest_slow
+@pytest.mark.parametrize("config,source,budget", [
+    (WorkerConfig(latency_goal_ms=86_400_000), "default", 1024),  # a day: every forward fits
+    (WorkerConfig(latency_goal_ms=0), "default", 1024),  # 0: no fitting
+    (WorkerConfig(latency_goal_ms=1, token_budget=300), "set", 300),  # set: never cut
+], ids=["fits", "off", "set"])
+async def test_a_default_that_fits_or_a_set_budget_is_kept(redis_url, engine, config, source, budget):
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q:
+        worker, run, status = await _start(q, engine, config, f"fit-{source}")
+        assert (status["budget_source"], status["token_budget"]) == (source, budget)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+
+
+@pytest_slow
+async def test_a_published_budget_wins_over_fitting(redis_url, engine):
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q:
+        await q.set_budget(200)
+        try:
+            worker, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=1), "fit-published")
+            assert (status["budget_source"], status["token_budget"]) == ("published", 200)
+            worker.stop()
+            await asyncio.wait_for(run, 30)
+        finally:
+            await q.redis.delete(q.keys.budget)
+
+
+@pytest_slow
+def test_the_service_bench_reports_the_budget_tokq_ups_worker_chose(monkeypatch):
+    """`tokq bench service`'s "tokq up defaults" system is named, and its forward timed, at the
+    budget its worker serves at, read from the worker's heartbeat."""
+    from tokq.profiling.bench.service.cli import system_specs
+    from tokq.profiling.bench.service.systems import start_system
+
+    monkeypatch.setenv("TOKQ_LATENCY_GOAL_MS", "1")  # `tokq up` passes it on: the worker cuts
+    (spec,) = system_specs(["tokq-defaults"], budgets=[1024], profiled_budget=None, padded_max_batch=32,
+                           padded_max_wait_ms=10.0)
+    assert spec.token_budget == 0 and spec.label() == "tokq (`tokq up` defaults: its own budget, dtype auto)"
+    system = start_system(spec, threads=1)
+    try:
+        assert system.budget_source == "fitted" and STEP <= system.token_budget < default_budget("cpu")
+        assert spec.label(system.token_budget, system.budget_source) == (
+            f"tokq (`tokq up` defaults: budget {system.token_budget}, fitted at start, dtype auto)")
+    finally:
+        system.close()

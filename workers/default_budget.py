@@ -1,0 +1,77 @@
+"""A worker's token budget when none is set or published: the device's default, cut down to what
+this device runs within the latency goal.
+
+The defaults (DEFAULT_BUDGET) suit a fast CPU core or any recent GPU, but one CPU thread's
+forward time spans several times across machines: 1,024 MiniLM tokens take ~170 ms on an
+AVX-512 core in bf16 and ~670 ms on an AVX2 core in fp32. A forward longer than the goal allows
+(tokq.latency_goal: half the p99 goal) puts the goal out of reach at any load. So after its
+warm-up a worker times a forward at the default; while it is over, the budget is scaled down
+in proportion (past a small batch, forward time grows about linearly with tokens) and timed
+again, at most MAX_TIMINGS forwards in all. It only shrinks: `tokq profile`, which measures
+the whole curve, is how a budget is tuned or grown.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # before fitting; `tokq profile --apply` overrides
+STEP = 64  # a fitted budget is a multiple of this, and at least this
+MAX_TIMINGS = 3
+# Aim this far under the ceiling, so that the next timing's noise does not cross it again.
+MARGIN = 0.9
+
+
+def default_budget(device_type: str) -> int:
+    return DEFAULT_BUDGET.get(device_type, DEFAULT_BUDGET["cpu"])
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    budget: int  # what the worker serves at
+    max_forward_ms: float  # the ceiling the goal allows
+    timings: tuple[tuple[int, float], ...]  # (tokens, forward ms) in the order measured
+
+    @property
+    def fits(self) -> bool:
+        """The budget's own forward was timed within the ceiling (False: even STEP tokens,
+        or the last cut, was not shown to fit)."""
+        return any(n == self.budget and ms <= self.max_forward_ms for n, ms in self.timings)
+
+    def describe(self) -> str:
+        first_n, first_ms = self.timings[0]
+        if self.budget == first_n:
+            return (f"budget {self.budget} tokens: its forward took {first_ms:.0f} ms, within the "
+                    f"{self.max_forward_ms:.0f} ms the latency goal allows")
+        steps = ", ".join(f"{n} tokens {ms:.0f} ms" for n, ms in self.timings)
+        verdict = ("" if self.fits else
+                   f"; not shown to fit: the goal may be out of reach on this device")
+        return (f"budget {first_n} -> {self.budget} tokens: a forward may take {self.max_forward_ms:.0f} ms "
+                f"under the latency goal (timed: {steps}){verdict}")
+
+
+def fit_budget(time_forward_ms: Callable[[int], float], budget: int, max_forward_ms: float) -> BudgetFit:
+    """Shrink ``budget`` until ``time_forward_ms(budget)`` (one forward of that many tokens, in
+    ms) is within ``max_forward_ms``; see the module doc."""
+    if max_forward_ms <= 0:
+        raise ValueError(f"the forward ceiling must be positive, got {max_forward_ms} ms")
+    timings: list[tuple[int, float]] = []
+    for _ in range(MAX_TIMINGS):
+        ms = time_forward_ms(budget)
+        timings.append((budget, ms))
+        if ms <= max_forward_ms or budget <= STEP:
+            break
+        budget = max(STEP, min(budget - STEP, int(budget * MARGIN * max_forward_ms / ms) // STEP * STEP))
+    return BudgetFit(budget, max_forward_ms, tuple(timings))
+
+
+def timer(warmup: Callable[[int], None]) -> Callable[[int], float]:
+    """``time_forward_ms`` for ``fit_budget`` from an engine's ``warmup`` (one full-budget batch,
+    synchronized)."""
+    def time_forward_ms(num_tokens: int) -> float:
+        start = time.perf_counter()
+        warmup(num_tokens)
+        return (time.perf_counter() - start) * 1000
+    return time_forward_ms
