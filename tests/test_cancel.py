@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tokq.cancel import cancel_and_wait
+from tokq.cancel import GRACE_S, cancel_and_wait
 from tokq.connection import connect
 
 
@@ -34,15 +34,42 @@ async def test_a_task_that_drops_cancels_is_cancelled_again_until_it_ends():
     loop, state = dropping(3)
     task = asyncio.create_task(loop())
     await asyncio.sleep(0.01)
-    assert await cancel_and_wait([task, None]) is True
+    assert await cancel_and_wait([task, None], timeout_s=5) is True
     assert task.cancelled() and state["dropped"] == 3
+
+
+async def test_a_clean_up_within_the_grace_is_not_cut_short():
+    done = []
+
+    async def slow_clean_up():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(GRACE_S / 2)  # e.g. a lock released on the way out
+            done.append(True)
+    task = asyncio.create_task(slow_clean_up())
+    await asyncio.sleep(0.01)
+    assert await cancel_and_wait(task, timeout_s=5) is True and done == [True]
+
+
+async def test_cancelled_itself_it_cancels_the_tasks_once_more_and_lets_the_cancel_through():
+    loop, state = dropping(1)
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0.01)
+    waiter = asyncio.create_task(cancel_and_wait(task))
+    await asyncio.sleep(GRACE_S / 5)  # the first cancel was dropped; the grace is running
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.wait([task], timeout=5)
+    assert task.cancelled() and state["dropped"] == 1
 
 
 async def test_a_task_that_never_ends_is_given_up_on_after_the_timeout():
     loop, state = dropping(None)
     task = asyncio.create_task(loop())
     await asyncio.sleep(0.01)
-    assert await cancel_and_wait(task, timeout_s=0.3) is False
+    assert await cancel_and_wait(task, timeout_s=GRACE_S + 0.3) is False
     assert not task.done() and state["dropped"] >= 2
     task.cancel()  # let it go: it drops this one too, so stop it the hard way
     task.get_coro().close()

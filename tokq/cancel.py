@@ -2,12 +2,13 @@
 
 On Python 3.11, ``asyncio.wait_for`` returns the awaited result when a cancel lands just as that
 result arrives, and the cancel is lost (CPython gh-86296, fixed in 3.12 by rebuilding wait_for on
-``asyncio.timeout``). redis-py awaits every reply through ``wait_for``, so cancelling a task
-that is running a Redis command is dropped about a quarter of the time (measured on loopback:
-a cancel at a random point of a GET). A background loop (``while True: await redis ...;
-await asyncio.sleep(...)``) then carries on, and whoever awaits its end waits forever: a
-worker told to stop hung in its shutdown this way. So shutdown paths cancel again until the
-task has ended.
+``asyncio.timeout``). redis-py sends every command through ``wait_for`` when the client has a
+socket timeout (tokq's clients do: tokq.connection), so cancelling a task that is running a
+Redis command is dropped often (measured on loopback: about a quarter of cancels at a random
+point of a GET). A background loop (``while True: await redis ...; await asyncio.sleep(...)``)
+then carries on, and whoever awaits its end waits forever: a worker told to stop hung in its
+shutdown this way. So shutdown paths cancel again until the task has ended, after a grace that
+lets an ordinary clean-up (a lock released, a connection closed) finish undisturbed.
 """
 
 from __future__ import annotations
@@ -16,26 +17,37 @@ import asyncio
 import time
 from collections.abc import Iterable
 
-RECANCEL_S = 0.05  # how long a cancelled task gets before it is cancelled again
+GRACE_S = 0.5  # after the first cancel: a task still running by then dropped it, or is slow
+RECANCEL_S = 0.05  # then cancelled again this often
 
 
 async def cancel_and_wait(tasks: asyncio.Task | Iterable[asyncio.Task | None] | None,
                           timeout_s: float | None = None) -> bool:
     """Cancel ``tasks`` (None entries skipped) and wait until each has ended, cancelling again
-    every RECANCEL_S while one has not (a dropped cancel). Their own exceptions are taken
-    (not raised, not logged as never retrieved). Returns False if ``timeout_s`` passed first."""
+    every RECANCEL_S once GRACE_S has passed (a dropped cancel). Their own exceptions are taken
+    (not raised, not logged as never retrieved). Returns False if ``timeout_s`` passed first.
+    Cancelled itself, it cancels the tasks still running once more and lets the cancel through."""
     if isinstance(tasks, asyncio.Task):
         tasks = [tasks]
     tasks = [t for t in tasks or () if t is not None]
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline = None if timeout_s is None else now + timeout_s
     pending = {t for t in tasks if not t.done()}
-    while pending:
+    wait_s = GRACE_S
+    try:
+        while pending:
+            for task in pending:
+                task.cancel()
+            if deadline is not None:
+                wait_s = min(wait_s, deadline - time.monotonic())
+                if wait_s <= 0:
+                    break
+            _, pending = await asyncio.wait(pending, timeout=wait_s)
+            wait_s = RECANCEL_S
+    except asyncio.CancelledError:
         for task in pending:
             task.cancel()
-        wait_s = RECANCEL_S if deadline is None else min(RECANCEL_S, deadline - time.monotonic())
-        if wait_s <= 0:
-            break
-        _, pending = await asyncio.wait(pending, timeout=wait_s)
+        raise
     for task in tasks:
         if task.done() and not task.cancelled():
             task.exception()
