@@ -81,7 +81,9 @@ class ServiceStack:
         self.redis_url = cluster.url if cluster else self.redis.url
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Workers keep the device's default budget, not one fitted to this machine's speed at
+        # the moment (fitting: tests/test_default_budget.py).
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_LATENCY_GOAL_MS": "0", **(env or {})}
         self.model_args = ["--model", model] if model else []
         self.keys = QueueKeys(ModelInfo.load(model).queue_name)  # as its gateway and workers name it
         # The OpenAI-compatible HTTP API on its own free port, when asked for.

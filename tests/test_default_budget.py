@@ -16,14 +16,19 @@ from queue_support import QUEUE, open_queue
 
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.entry import encode_body
-from tokq.workers.default_budget import MAX_TIMINGS, STEP, default_budget, fit_budget
+from tokq.workers.default_budget import MAX_SIZES, STEP, TIMINGS_PER_SIZE, default_budget, fit_budget
 
 
-def linear_ms(fixed_ms: float, ms_per_token: float):
-    calls = []
+def linear_ms(fixed_ms: float, ms_per_token: float, first_slowed_ms: float = 0.0):
+    """A forward time model; ``calls`` gets the sizes timed, once per size (each is timed
+    TIMINGS_PER_SIZE times); ``first_slowed_ms`` slows each size's first timing (noise)."""
+    calls, timed = [], []
 
     def time_forward_ms(num_tokens: int) -> float:
-        calls.append(num_tokens)
+        timed.append(num_tokens)
+        if len(timed) % TIMINGS_PER_SIZE == 1:
+            calls.append(num_tokens)
+            return fixed_ms + ms_per_token * num_tokens + first_slowed_ms
         return fixed_ms + ms_per_token * num_tokens
     return time_forward_ms, calls
 
@@ -45,7 +50,7 @@ def test_a_default_over_the_goal_is_cut_to_the_largest_step_that_fits(fixed_ms, 
     # (MARGIN's 10% aims under the ceiling).
     largest = max(n for n in range(STEP, 1025, STEP) if forward(n) <= 250.0)
     assert largest - 2 * STEP <= fit.budget <= largest
-    assert calls[0] == 1024 and calls == sorted(calls, reverse=True) and len(calls) <= MAX_TIMINGS
+    assert calls[0] == 1024 and calls == sorted(calls, reverse=True) and len(calls) <= MAX_SIZES
     assert fit.timings == tuple((n, forward(n)) for n in calls)
     assert f"budget 1024 -> {fit.budget} tokens" in fit.describe() and "not shown to fit" not in fit.describe()
 
@@ -53,13 +58,25 @@ def test_a_default_over_the_goal_is_cut_to_the_largest_step_that_fits(fixed_ms, 
 def test_an_unreachable_goal_stops_at_the_smallest_step_or_after_max_timings():
     timed, calls = linear_ms(400.0, 0.1)  # even one token is over 250 ms
     fit = fit_budget(timed, 1024, 250.0)
-    assert len(calls) == MAX_TIMINGS and not fit.fits and fit.budget < calls[-1]
+    assert len(calls) == MAX_SIZES and not fit.fits and fit.budget < calls[-1]
     assert "not shown to fit" in fit.describe()
     timed, calls = linear_ms(400.0, 0.1)
     fit = fit_budget(timed, 128, 250.0)  # 128 -> 64, the floor: timed there, then it stops
     assert (fit.budget, calls, fit.fits) == (STEP, [128, STEP], False)
+    assert "not shown to fit" in fit.describe()
+    timed, calls = linear_ms(400.0, 0.1)
+    fit = fit_budget(timed, STEP, 250.0)  # already the smallest
+    assert (fit.budget, calls, fit.fits) == (STEP, [STEP], False)
+    assert "over the 250 ms" in fit.describe() and "out of reach" in fit.describe()
     with pytest.raises(ValueError):
         fit_budget(timed, 1024, 0.0)
+
+
+def test_a_slowed_timing_does_not_cut_the_budget_further():
+    """Each size's first timing 300 ms slower (a neighbour's burst): the faster one counts."""
+    quiet = fit_budget(linear_ms(10.0, 0.65)[0], 1024, 250.0)
+    noisy = fit_budget(linear_ms(10.0, 0.65, first_slowed_ms=300.0)[0], 1024, 250.0)
+    assert noisy == quiet and quiet.budget < 1024
 
 
 def test_each_device_has_its_default():
@@ -159,3 +176,24 @@ def test_the_service_bench_reports_the_budget_tokq_ups_worker_chose(monkeypatch)
             f"tokq (`tokq up` defaults: budget {system.token_budget}, fitted at start, dtype auto)")
     finally:
         system.close()
+
+
+@pytest_slow
+async def test_the_worker_fits_to_half_the_goal_and_a_budget_published_later_takes_over(redis_url, engine,
+                                                                                       monkeypatch):
+    """The engine's forward modelled (0.5 ms a token: 1,024 tokens 512 ms) under a 600 ms goal:
+    a forward may take 300 ms, so 1,024 is cut (were the whole goal allowed, it would be kept);
+    then a budget published equal to the fitted one is taken as published."""
+    monkeypatch.setattr(engine, "warmup", lambda num_tokens: time.sleep(num_tokens * 0.0005))
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q:
+        worker, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=600, heartbeat_ms=100),
+                                           "fit-model")
+        assert status["budget_source"] == "fitted" and 256 <= status["token_budget"] <= 512
+        await q.set_budget(status["token_budget"])
+        deadline = time.monotonic() + 10
+        while json.loads(await q.redis.get(q.keys.heartbeat("fit-model")))["budget_source"] != "published":
+            assert time.monotonic() < deadline, "the published budget was not taken"
+            await asyncio.sleep(0.05)
+        worker.stop()
+        await asyncio.wait_for(run, 30)

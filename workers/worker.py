@@ -139,6 +139,7 @@ class Worker:
         self.hung_after_s = max(self.hung_after_s, HUNG_FACTOR * (time.perf_counter() - start))
         if self.budget_source == "default" and self.config.latency_goal_ms:
             await self._fit_default_budget()
+            await self._refresh_budget()  # one published meanwhile wins
         await self._subscribe()  # before the first claim, so no notice falls in between
         chores = [asyncio.create_task(c) for c in (self._renew_leases(), self._requeue_expired(),
                                                    self._heartbeat(), self._watch_budget(),
@@ -465,10 +466,9 @@ class Worker:
                                       max_forward_ms(self.config.latency_goal_ms))
         (log.info if fit.fits else log.warning)("%s; p99 goal %d ms", fit.describe(),
                                                 self.config.latency_goal_ms)
-        if self.budget_source == "default":  # unless one was published meanwhile
+        if fit.budget != self.token_budget:
             self.token_budget = fit.budget
-            if fit.budget != fit.timings[0][0]:
-                self.budget_source = "fitted"
+            self.budget_source = "fitted"
 
     async def _refresh_budget(self) -> None:
         # Also the shards in use: gateways may have raised (or lowered) the shard count.
