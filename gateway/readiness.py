@@ -9,7 +9,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from tokq.cancel import cancel_and_wait
+from tokq.cancel import cancel_and_wait, raise_if_cancelled
 from tokq.keys import QueueKeys
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Readiness:
         while True:
             await asyncio.sleep(self.period_s)
             await self.check()
+            raise_if_cancelled()
 
     async def start(self) -> None:
         await self.check()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from tokq.cancel import cancel_and_wait
+from tokq.cancel import cancel_and_wait, raise_if_cancelled
 from tokq.connection import ShardedSubscriber
 from tokq.gateway.errors import Unavailable
 from tokq.queue import REPLY_META_FIELDS, parse_notices
@@ -106,6 +106,7 @@ class ReplyRouter:
                 await self._poll(min_age_s=0.0)
                 next_poll = time.monotonic() + self._poll_every_s
                 while True:
+                    raise_if_cancelled()
                     msg = await subscriber.get_message(timeout=self._poll_every_s)
                     if msg is not None:
                         for request_id, results in parse_notices(msg[1]):

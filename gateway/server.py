@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redis.exceptions import LockNotOwnedError
 
-from tokq.cancel import cancel_and_wait
+from tokq.cancel import cancel_and_wait, raise_if_cancelled
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
@@ -74,6 +74,7 @@ async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
             except Exception as exc:  # Redis down: stale figures would add to the next exporter's
                 metrics.forget_queue_stats(model)
                 log.debug("queue stats failed: %s", exc)
+            raise_if_cancelled()
             await asyncio.sleep(QUEUE_STATS_PERIOD_S)
     finally:
         if holding:

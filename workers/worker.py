@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import redis.exceptions
 
-from tokq.cancel import cancel_and_wait
+from tokq.cancel import cancel_and_wait, raise_if_cancelled
 from tokq.claim_rule import Lanes, preempt_budget
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.connection import ShardedSubscriber
@@ -273,6 +273,7 @@ class Worker:
         """The one reader of the subscription, busy or idle: a notice wakes the idle wait, a
         'light' one also the pre-empting claim of a heavy forward."""
         while self.healthy:  # a worker that gave up stays off its owner channels
+            raise_if_cancelled()
             if not self._subscribed:
                 await self._subscribe()
                 if not self._subscribed:
@@ -387,6 +388,7 @@ class Worker:
                 raise
             except Exception as exc:  # Redis blips must not kill the worker
                 log.warning("%s failed: %s", chore.__name__, exc)
+            raise_if_cancelled()
             await asyncio.sleep(period_s)
 
     async def _renew_leases(self) -> None:
@@ -412,6 +414,7 @@ class Worker:
                 log.warning("requeue_expired failed: %s", exc)
             next_ms = self.queue.next_expiry_ms
             wait_s = period_s if next_ms is None else min(period_s, next_ms / 1000 + EXPIRY_SLACK_S)
+            raise_if_cancelled()
             await asyncio.sleep(wait_s)
 
     async def _heartbeat(self) -> None:
