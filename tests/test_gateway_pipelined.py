@@ -5,6 +5,8 @@ RESOURCE_EXHAUSTED when its enqueue alone is refused."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 import urllib.request
 
 import grpc
@@ -98,11 +100,35 @@ def test_the_enqueue_hold_flag_reaches_the_gateway_s_queue(stack):
 def test_a_refused_enqueue_fails_only_its_own_call(stack):
     """The queue's cap (1,000 tokens) refuses the one request that alone passes it (4 inputs of
     252 tokens), sent amid a burst of small ones, which are answered. (That a refusal inside one
-    pipeline touches no other call is checked deterministically in test_queue_pipelined.py.)"""
+    pipeline touches no other call is checked deterministically in test_queue_pipelined.py.)
+    An empty queue takes any one request, so the worker is paused (SIGSTOP) until all are
+    enqueued, the first 50 small ones before the big one: a worker that had claimed them all
+    already (it did, once, in a full-suite run) would let the big one in."""
     small = [request([2000 + i, 2100 + i]) for i in range(100)]
     big = pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=[101, *range(2000, 2250), 102])] * 4)
     before = enqueue_batches(stack)
-    outcomes = asyncio.run(concurrently(stack, small[:50] + [big] + small[50:]))
+    worker = stack.workers["w1"]
+
+    async def enqueued(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(enqueue_batches, stack))[1] - before[1] < n:
+            assert time.monotonic() < deadline, f"fewer than {n} enqueues"
+            await asyncio.sleep(0.05)
+
+    async def burst() -> list:
+        async with grpc.aio.insecure_channel(stack.target) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            await channel.channel_ready()
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                first = [asyncio.ensure_future(stub.Embed(r, timeout=60)) for r in small[:50]]
+                await enqueued(50)
+                rest = [asyncio.ensure_future(stub.Embed(r, timeout=60)) for r in [big, *small[50:]]]
+                await enqueued(101)
+            finally:
+                worker.send_signal(signal.SIGCONT)
+            return await asyncio.gather(*first, *rest, return_exceptions=True)
+    outcomes = asyncio.run(burst())
     assert enqueue_batches(stack)[1] - before[1] == 101
     refused = outcomes[50]
     assert isinstance(refused, grpc.aio.AioRpcError), refused
