@@ -25,6 +25,7 @@ import asyncio
 import time
 from collections.abc import Iterable
 
+
 def raise_if_cancelled() -> None:
     """Raise CancelledError in a task whose cancel request is pending but was not raised (a
     dropped cancel, see the module doc). Call it where a loop has just returned from Redis: a
@@ -47,8 +48,7 @@ async def cancel_and_wait(tasks: asyncio.Task | Iterable[asyncio.Task | None] | 
     if isinstance(tasks, asyncio.Task):
         tasks = [tasks]
     tasks = [t for t in tasks or () if t is not None]
-    now = time.monotonic()
-    deadline = None if timeout_s is None else now + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = {t for t in tasks if not t.done()}
     wait_s = GRACE_S
     try:
