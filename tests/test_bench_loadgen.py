@@ -240,6 +240,25 @@ async def test_step_search_runs_a_rate_again_when_the_generator_fell_behind():
     assert "SLO" in result["limit"]
 
 
+async def test_step_search_comes_down_when_the_first_rate_already_fails():
+    """A system slower than the start rate (one-at-a-time on a deep model) is not scored 0."""
+    async def run_at(rate: float) -> dict:
+        return run_summary(rate, 50 if rate <= 12 else 900)
+
+    result = await loadgen.step_search(run_at, start_rate_per_s=50, slo_ms=250, factor=2, num_refinements=1)
+    rates = [s["offered_rps"] for s in result["steps"]]
+    assert rates[:4] == [50, 25, 12.5, 6.25]  # down until one meets the SLO ...
+    assert rates[4] == pytest.approx((6.25 * 12.5) ** 0.5, rel=1e-3)  # ... then bisected against the lowest failure
+    assert result["sustainable_rps"] == pytest.approx(rates[4]) and "SLO" in result["limit"]
+
+    async def never(rate: float) -> dict:
+        return run_summary(rate, 900)
+
+    result = await loadgen.step_search(never, start_rate_per_s=50, slo_ms=250, factor=2, max_steps=4)
+    assert [s["offered_rps"] for s in result["steps"]] == [50, 25, 12.5, 6.25]
+    assert result["sustainable_rps"] == 0.0 and result["sustainable"] is None
+
+
 async def test_step_search_says_when_only_the_generator_limits_it():
     async def run_at(rate: float) -> dict:
         return run_summary(rate, 50, send_lag_ms=400 if rate >= 40 else 0)

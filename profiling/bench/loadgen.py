@@ -252,11 +252,13 @@ async def step_search(run_at: Callable[[float], Awaitable[dict]], *, start_rate_
                       num_refinements: int = 1, generator_retries: int = 1) -> dict:
     """Raise the offered rate by ``factor`` from ``start_rate_per_s`` until a run breaks the SLO
     (``within_slo``), then bisect (geometrically) between the last good and the first bad rate
-    ``num_refinements`` times. A run where the generator itself fell behind says nothing about
-    the server: it is kept in ``steps`` but run again (``generator_retries`` times per rate);
-    if it still falls behind, the result is ``generator_limited`` (the server sustained at
-    least the rate found). Returns the highest sustainable rate (0 if even the first rate
-    failed), why the next failed, and every run's summary in the order run."""
+    ``num_refinements`` times. If the first rate already fails, come down by ``factor`` until one
+    meets the SLO (a slow system would otherwise score 0: one start rate serves systems 100x
+    apart, as a GPU's baselines are). A run where the generator itself fell behind says nothing
+    about the server: it is kept in ``steps`` but run again (``generator_retries`` times per
+    rate); if it still falls behind, the result is ``generator_limited`` (the server sustained at
+    least the rate found). Returns the highest sustainable rate (0 if no rate within
+    ``max_steps`` met the SLO), why the next failed, and every run's summary in the order run."""
     if start_rate_per_s <= 0 or factor <= 1:
         raise ValueError("need start_rate_per_s > 0 and factor > 1")
     steps: list[dict] = []
@@ -274,11 +276,16 @@ async def step_search(run_at: Callable[[float], Awaitable[dict]], *, start_rate_
     rate = start_rate_per_s
     while len(steps) < max_steps:
         summary = await measure(rate)
-        if not within_slo(summary, slo_ms):
-            bad = summary
+        if within_slo(summary, slo_ms):
+            good = summary
+            if bad:  # came down to it
+                break
+            rate *= factor
+            continue
+        bad = summary
+        if good or not summary["generator_kept_up"]:
             break
-        good = summary
-        rate *= factor
+        rate /= factor  # even the first rate failed
     for _ in range(num_refinements if good and bad and bad["generator_kept_up"] else 0):
         summary = await measure((good["offered_rps"] * bad["offered_rps"]) ** 0.5)
         if within_slo(summary, slo_ms):
