@@ -40,6 +40,7 @@ class FaultProxy:
                                         daemon=True)
         self._lock = threading.Lock()
         self._cut_next: list[bytes] = []  # cut the next command holding each of these
+        self._hold_next: list[bytes] = []  # withhold answers from the next command holding these
         self._rate, self._rate_match = 0.0, (b"",)  # and this fraction of those holding one of these
         self._rng = random.Random(seed)
         self._stalled = False  # withhold every answer, connections left open
@@ -89,6 +90,13 @@ class FaultProxy:
             self._rate = fraction
             self._rate_match = match if isinstance(match, tuple) else (match,)
 
+    def hold_next(self, match: bytes) -> None:
+        """Withhold the answers on the connection of the next command whose bytes contain
+        ``match``, from that command's on, the connection left open: the command runs, its
+        answer never comes (what a client's socket timeout is for). Other connections answer."""
+        with self._lock:
+            self._hold_next.append(match)
+
     def stall(self, stalled: bool = True) -> None:
         """Withhold every answer while ``stalled``, connections left open: a Redis gone silent
         (what a client's socket timeout is for). The withheld answers are lost."""
@@ -98,6 +106,7 @@ class FaultProxy:
     def reset(self) -> None:
         with self._lock:
             self._cut_next.clear()
+            self._hold_next.clear()
             self._rate = 0.0
             self._stalled = False
 
@@ -111,6 +120,14 @@ class FaultProxy:
             await asyncio.gather(*dropped, return_exceptions=True)
             return len(dropped)
         return asyncio.run_coroutine_threadsafe(drop(), self._loop).result(10)
+
+    def _should_hold(self, data: bytes) -> bool:
+        with self._lock:
+            for i, match in enumerate(self._hold_next):
+                if match in data:
+                    del self._hold_next[i]
+                    return True
+        return False
 
     def _should_cut(self, data: bytes) -> bool:
         with self._lock:
@@ -138,6 +155,7 @@ class FaultProxy:
             client_w.close()
             return
         drop_answer = asyncio.Event()
+        hold_answers = asyncio.Event()
         sent = self._connections[asyncio.current_task()] = bytearray()
 
         async def to_redis():
@@ -146,6 +164,8 @@ class FaultProxy:
                     sent.extend(data[:65536 - len(sent)])
                 if self._should_cut(data):
                     drop_answer.set()  # before the command leaves, so its answer is caught
+                if self._should_hold(data):
+                    hold_answers.set()
                 upstream_w.write(data)
                 await upstream_w.drain()
 
@@ -153,7 +173,7 @@ class FaultProxy:
             while data := await upstream_r.read(65536):
                 if drop_answer.is_set():
                     return  # the command ran (Redis answered); the answer is lost
-                if self._stalled:
+                if self._stalled or hold_answers.is_set():
                     continue
                 client_w.write(data)
                 await client_w.drain()

@@ -1,6 +1,6 @@
 """Redis connections for the gateway and workers: any redis:// or rediss:// URL (TLS, password,
-db), a bounded pool, and fail-fast timeouts so an unreachable Redis is reported within a second
-instead of hanging a caller.
+db), a bounded pool, and fail-fast timeouts so an unreachable Redis is reported within about two
+seconds instead of hanging a caller (a connect that times out is tried again: ``_connect_retried``).
 
 The same URL may name a standalone server or any node of a Redis Cluster: ``cluster="auto"``
 asks the server (``INFO cluster``) once, and in cluster mode the client is redis-py's
@@ -21,6 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 CONNECT_TIMEOUT_S = 0.5
+CONNECT_ATTEMPTS = 3  # a connect that times out is tried again, up to this many times in all
 SOCKET_TIMEOUT_S = 5.0
 ClusterMode = Literal["auto", "yes", "no"]
 CLUSTER_MODES = ("auto", "yes", "no")
@@ -29,14 +30,58 @@ _PROBE_ATTEMPTS = 20  # x ~0.5 s: a Redis still starting (compose, k8s) gets ~10
 _cluster_by_url: dict[str, bool] = {}
 
 
+_BACKOFF = ExponentialBackoff(cap=0.1, base=0.02)
+
+
 def _retry() -> Retry:
     # redis-py's default retry backs off for seconds; a refused connection must surface fast.
     # Connection errors are retried (a stale pooled connection after a Redis restart, a reset
     # by a proxy or a failover): the command may already have run with only its answer lost,
     # which is why every queue script is idempotent (tokq.queue). Timeouts are not retried: a
     # Redis silent for SOCKET_TIMEOUT_S is failed to the caller, not waited on three times.
-    return Retry(ExponentialBackoff(cap=0.1, base=0.02), retries=2,
-                 supported_errors=(redis.exceptions.ConnectionError,))
+    # (A connect timeout is retried below that, by the connection itself: _connect_retried.)
+    return Retry(_BACKOFF, retries=2, supported_errors=(redis.exceptions.ConnectionError,))
+
+
+def _connect_retried(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
+    """``base`` whose socket connect (TCP, and TLS's handshake) is tried again when it times out,
+    up to CONNECT_ATTEMPTS times in all, as the retry policy backs off.
+
+    On a loaded machine (or a busy Redis slow to accept) a first connect can take longer than
+    CONNECT_TIMEOUT_S, and redis-py turns that into a redis TimeoutError, which the retry policy
+    does not retry (a read timeout must fail: the command may have run). Nothing has been sent
+    on a connection still connecting, so trying again is safe; it happens here, below redis-py's
+    conversion, where a connect timeout is still told apart from a read timeout. Bounded: a
+    Redis that never answers a connect is reported after CONNECT_ATTEMPTS x CONNECT_TIMEOUT_S
+    (~1.6 s)."""
+
+    class ConnectRetried(base):
+        async def _connect(self) -> None:
+            for attempt in range(1, CONNECT_ATTEMPTS + 1):
+                try:
+                    return await super()._connect()
+                except TimeoutError:  # the connect timeout (asyncio.timeout's, or the socket's)
+                    if attempt == CONNECT_ATTEMPTS:
+                        raise
+                await asyncio.sleep(_BACKOFF.compute(attempt))
+
+    return ConnectRetried
+
+
+def _connect_retried_sync(base: type[redis.Connection]) -> type[redis.Connection]:
+    """``_connect_retried`` for redis-py's blocking connections (the cluster-mode probe)."""
+
+    class ConnectRetried(base):
+        def _connect(self) -> Any:
+            for attempt in range(1, CONNECT_ATTEMPTS + 1):
+                try:
+                    return super()._connect()
+                except TimeoutError:  # socket.timeout
+                    if attempt == CONNECT_ATTEMPTS:
+                        raise
+                time.sleep(_BACKOFF.compute(attempt))
+
+    return ConnectRetried
 
 
 def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
@@ -49,6 +94,8 @@ def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
     if url not in _cluster_by_url:
         client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                       socket_timeout=SOCKET_TIMEOUT_S)
+        pool = client.connection_pool
+        pool.connection_class = _connect_retried_sync(pool.connection_class)  # the URL scheme's
         try:
             for attempt in range(_PROBE_ATTEMPTS):
                 try:
@@ -64,8 +111,9 @@ def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
     return _cluster_by_url[url]
 
 
-def _send_guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
-    """``base`` whose send fails with a ConnectionError on a connection closed under it.
+def _guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
+    """``base`` whose connect timeouts are retried (``_connect_retried``) and whose send fails
+    with a ConnectionError on a connection closed under it.
 
     After a connection error on a node, redis-py's cluster client closes that node's free
     connections in tasks that run later; a command that took one of them from the pool in
@@ -75,7 +123,7 @@ def _send_guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
     read then fails), uvloop raises RuntimeError, INTERNAL again. As a ConnectionError the
     command (never sent) is retried."""
 
-    class SendGuarded(base):
+    class SendGuarded(_connect_retried(base)):
         async def _send_packed_command(self, command: Any) -> None:
             if self._writer is None or self._writer.is_closing():
                 raise redis.exceptions.ConnectionError("connection closed before the send")
@@ -86,7 +134,7 @@ def _send_guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:
 
 def _guard_pool(client: aioredis.Redis) -> aioredis.Redis:
     pool = client.connection_pool
-    pool.connection_class = _send_guarded(pool.connection_class)  # the URL scheme's class, guarded
+    pool.connection_class = _guarded(pool.connection_class)  # the URL scheme's class, guarded
     return client
 
 
@@ -94,13 +142,13 @@ class BoundedRedisCluster(RedisCluster):
     """redis-py's cluster client raises MaxConnectionsError when a node's pool is used up; the
     gateway runs thousands of concurrent calls, so commands wait for one of
     ``max_connections`` slots instead (as the standalone BlockingConnectionPool does). Its
-    connections are send-guarded (``_send_guarded``)."""
+    connections are guarded (``_guarded``)."""
 
     def __init__(self, *args: Any, max_connections: int = 32, **kwargs: Any) -> None:
         super().__init__(*args, max_connections=max_connections, **kwargs)
         self._bound = asyncio.Semaphore(max_connections)
         # redis-py takes no connection class for a cluster: set it where nodes get theirs.
-        guarded = _send_guarded(self.connection_kwargs["connection_class"])
+        guarded = _guarded(self.connection_kwargs["connection_class"])
         for node_kwargs in (self.connection_kwargs, self.nodes_manager.connection_kwargs):
             node_kwargs["connection_class"] = guarded
         for node in self.nodes_manager.startup_nodes.values():
