@@ -4,6 +4,7 @@ report computes MFU at the profiled budget and names the GPU."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -45,20 +46,89 @@ def test_qwen3_shaped_model_is_served_alike_by_tokq_and_sentence_transformers(tm
     assert cos.min() >= 0.9999
 
 
-def test_report_gives_mfu_at_the_profiled_budget_and_the_gpu_name():
+def _profile(budget=4096):
     points = [{"num_tokens": n, "median_ms": ms, "tokens_per_s": n / ms * 1000, "gflop_per_s": g}
               for n, ms, g in ((1024, 2.0, 50_000.0), (4096, 5.0, 90_000.0), (16384, 19.0, 95_000.0))]
-    profile = {"points": points, "recommended_budget": 4096, "dtype": "bfloat16", "summary": "a paragraph."}
+    return {"points": points, "recommended_budget": budget, "dtype": "bfloat16", "summary": "a paragraph.",
+            "device_name": "NVIDIA H100 80GB HBM3", "started_at": "2026-11-26T09:58:22+00:00",
+            "sweep": {"target_s_per_point": 0.3}}
+
+
+def _system(kind, rps, *, steps=(), limit="p99 600 ms > SLO 500 ms", **kw):
+    return {"kind": kind, "name": f"{kind} {kw.get('token_budget', '')}", "sustainable_rps": rps, "limit": limit,
+            "steps": [{"throughput_rps": t} for t in steps], **kw}
+
+
+def _bench(*systems):
+    return {"meta": {"options": {"step_duration_s": 2.0, "start_rate": 50.0, "step_factor": 1.5, "max_steps": 12}},
+            "systems": list(systems)}
+
+
+def test_report_gives_mfu_at_the_profiled_budget_and_the_gpu_name():
+    profile = _profile()
     at = mfu_at(profile, 4000, 989e12)
     assert at["tokens"] == 4096 and at["mfu"] == pytest.approx(90e12 / 989e12)
 
-    def system(kind, rps, **kw):
-        return {"kind": kind, "name": f"{kind} {kw.get('token_budget', '')}", "sustainable_rps": rps, **kw}
-
-    bench = {"systems": [system("tokq", 3000.0, token_budget=4096), system("tokq", 2500.0, token_budget=0),
-                         system("one-at-a-time", 500.0)]}
+    vectors = {"min_cos": 0.99987, "counts": False}
+    bench = _bench(_system("tokq", 3000.0, token_budget=4096, budget_source="set", vectors=vectors),
+                   _system("tokq", 2500.0, token_budget=2048, budget_source="default", vectors=vectors),
+                   _system("one-at-a-time", 500.0))
     md = markdown_section("NVIDIA H100 80GB HBM3", 989e12, [{"name": "m", "profile": profile, "bench": bench}],
                           "make bench-gpu")
     assert md.startswith(SECTION_START) and md.rstrip().endswith(SECTION_END)
-    assert "NVIDIA H100 80GB HBM3" in md and "989 TFLOP/s" in md
-    assert "| m | bfloat16 | 4096 | 5.00 ms | 90.0 TFLOP/s | 9.1% | 3000 | 500 | 6.00x" in md
+    assert "NVIDIA H100 80GB HBM3" in md and "989 TFLOP/s" in md and "Measured: 2026-11-26T09:58:22" in md
+    assert "| m | bfloat16 | 4096 | 5.00 ms | 90.0 TFLOP/s | 9.1% | 3000 | 2500 (2048) | 500 | 6.0x | 0.99987 |" in md
+    assert "load steps of 2.0 s from 50.0 req/s, x1.5 each" in md
+
+
+def test_report_bounds_what_a_short_ramp_could_not_pin_down():
+    """A tokq system that no step failed is 'at least' its last rate; a one-at-a-time that met
+    the SLO at no step is bounded by the most it ever served, so the ratio is a lower bound."""
+    bench = _bench(_system("tokq", 4325.0, token_budget=4096, budget_source="default",
+                           limit="no step failed up to 4325 req/s"),
+                   _system("one-at-a-time", 0.0, steps=(30.7,)))
+    md = markdown_section("NVIDIA H100 80GB HBM3", None, [{"name": "m", "profile": _profile(), "bench": bench}], "c")
+    assert "| – | >= 4325 (4096) | 0 | > 141x (one-at-a-time met the SLO at no step; its best: 30.7 req/s) | – |" in md
+    assert "peak FLOP/s unknown" in md
+
+
+def test_a_failed_model_is_reported_and_the_next_still_runs(tmp_path, monkeypatch):
+    from tokq.profiling.bench import gpu
+
+    ran = []
+
+    def run_model(name, model_dir, out_dir, quick):
+        ran.append(name)
+        if name == "a":
+            raise subprocess.CalledProcessError(1, [sys.executable, "-m", "tokq.cli", "bench", "service", "--quiet"])
+        return {"name": name, "profile": _profile(), "bench": _bench(_system("tokq", 10.0, budget_source="set"))}
+
+    monkeypatch.setattr(gpu, "run_model", run_model)
+    results = gpu.run_models([("a", None), ("b", None)], tmp_path, quick=True)
+    assert ran == ["a", "b"]
+    assert results[0] == {"name": "a", "error": "`tokq bench service` exited 1"} and "profile" in results[1]
+    md = markdown_section("GPU", None, results, "c")
+    assert "| a | failed: `tokq bench service` exited 1 |" in md and "| b | bfloat16 |" in md
+
+
+def test_resume_renders_saved_results_without_measuring_or_a_gpu(tmp_path):
+    """`tokq bench gpu --resume` reads a model's saved JSON instead of measuring it; with every
+    model saved it rewrites the section on any machine (here: no GPU)."""
+    from tokq.profiling.bench.gpu import QWEN3_NAME
+
+    out = tmp_path / "gpu"
+    out.mkdir()
+    for name in ("all-MiniLM-L6-v2", QWEN3_NAME):
+        (out / f"gpu-profile-{name}.json").write_text(json.dumps(_profile()))
+        (out / f"gpu-bench-{name}.json").write_text(json.dumps(_bench(
+            _system("tokq", 900.0, token_budget=4096, budget_source="set"), _system("one-at-a-time", 90.0))))
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n")
+    done = subprocess.run([sys.executable, "-m", "tokq.cli", "bench", "gpu", "--resume", "--results-md", str(results),
+                           "--out-dir", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "not measured again" in done.stderr
+    md = results.read_text()
+    assert md.startswith("# Results") and SECTION_START in md and "--resume`" in md
+    assert "GPU: **NVIDIA H100 80GB HBM3**, dense 16-bit peak 989 TFLOP/s" in md  # the name saved by the profile
+    assert md.count("| 900 | – | 90 | 10.0x |") == 2

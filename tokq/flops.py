@@ -63,7 +63,8 @@ DEVICE_PEAK_FLOPS = (
 
 
 def device_peak_flops(device="cpu", *, env: Mapping[str, str] | None = None) -> float | None:
-    """Peak FLOP/s for MFU: TOKQ_DEVICE_PEAK_FLOPS when set (any device), else the table
+    """Peak FLOP/s for MFU of ``device`` (a torch device, or a GPU's name as CUDA gives it):
+    TOKQ_DEVICE_PEAK_FLOPS when set (any device), else the table
     entry for a known GPU, else None (unknown: a CPU, or a GPU not in the table)."""
     env = os.environ if env is None else env
     if env.get("TOKQ_DEVICE_PEAK_FLOPS"):

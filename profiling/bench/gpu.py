@@ -16,6 +16,7 @@ Without a CUDA GPU it says so and exits 0, so CPU-only runs of `make bench` are 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from tokq.profiling.results_md import command_line, markers, write_block
 BLOCK = "tokq bench gpu"
 SECTION_START, SECTION_END = markers(BLOCK)
 QWEN3_NAME = "qwen3-0.6b-random"
+QUICK_STEPS = ["--start-rate", "50", "--step-factor", "1.5", "--step-duration-s", "2", "--max-steps", "12"]
 
 
 def build_qwen3_shaped(path: Path, *, num_hidden_layers: int = 28, vocab_size: int = 151_669,
@@ -85,7 +87,7 @@ def mfu_at(profile: dict, budget: int | None, peak_flops: float | None) -> dict:
 def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> dict:
     model_args = ["--model", str(model_dir), "--served-model-name", name] if model_dir else []
     profile_json = out_dir / f"gpu-profile-{name}.json"
-    sweep = ["--time-per-point-s", "0.3", "--max-tokens", "8192"] if quick else []
+    sweep = ["--time-per-point-s", "0.3"] if quick else []
     _tokq("profile", "--device", "cuda", *model_args, *sweep, "--out", str(profile_json),
           "--plot", str(out_dir / f"gpu-profile-{name}.png"), "--quiet")
     profile = json.loads(profile_json.read_text())
@@ -95,40 +97,109 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> 
     systems = ["--system", "tokq-defaults", "--system", "one-at-a-time"]
     if budget:  # "tokq" runs at the last of --token-budgets
         systems = ["--system", "tokq", "--token-budgets", str(budget), *systems]
-    steps = ["--step-duration-s", "2", "--max-steps", "12"] if quick else []
+    # A GPU serves hundreds to thousands of requests a second: quick steps start higher and
+    # grow faster, so each system reaches its limit in a few 2-second steps.
+    steps = QUICK_STEPS if quick else []
     _tokq("bench", "service", "--device", "cuda", *bench_model, *systems, *steps, "--profile-json", str(profile_json),
           "--out", str(bench_json), "--plots", str(out_dir / name), "--quiet")
     return {"name": name, "profile": profile, "bench": json.loads(bench_json.read_text())}
 
 
-def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], command: str) -> str:
-    from tokq.profiling.bench.service.report import main_tokq
+def saved_result(name: str, out_dir: Path) -> dict | None:
+    """A model's profile and bench JSON from an earlier run into ``out_dir``, if both are there."""
+    profile_json, bench_json = out_dir / f"gpu-profile-{name}.json", out_dir / f"gpu-bench-{name}.json"
+    if not (profile_json.exists() and bench_json.exists()):
+        return None
+    return {"name": name, "profile": json.loads(profile_json.read_text()), "bench": json.loads(bench_json.read_text())}
 
+
+def run_models(models: list[tuple[str, Path | None]], out_dir: Path, quick: bool, resume: bool = False) -> list[dict]:
+    """Each model in turn; one that fails is reported with its error and the others still run
+    (a GPU lease is too short to lose every figure to one model's failure). With ``resume``, a
+    model whose results an earlier run left in ``out_dir`` is read back, not measured again."""
+    results = []
+    for name, model_dir in models:
+        if resume and (saved := saved_result(name, out_dir)):
+            click.echo(f"bench-gpu: {name}: results of an earlier run in {out_dir}, not measured again", err=True)
+            results.append(saved)
+            continue
+        try:
+            results.append(run_model(name, model_dir, out_dir, quick))
+        except subprocess.CalledProcessError as e:  # its own output, just above, says why
+            step = " ".join(itertools.takewhile(lambda a: not a.startswith("-"), e.cmd[3:]))  # after -m tokq.cli
+            click.echo(f"bench-gpu: {name} failed: `tokq {step}` exited {e.returncode}", err=True)
+            results.append({"name": name, "error": f"`tokq {step}` exited {e.returncode}"})
+        except (OSError, ValueError, KeyError) as e:
+            click.echo(f"bench-gpu: {name} failed: {type(e).__name__}: {e}", err=True)
+            results.append({"name": name, "error": f"{type(e).__name__}: {e}"})
+    return results
+
+
+def _rate(system: dict | None) -> str:
+    """A system's p99-bounded rate; '>=' where no step failed (the ramp ended first)."""
+    if not system:
+        return "–"
+    at_least = str(system.get("limit", "")).startswith("no step failed")
+    return f"{'>= ' if at_least else ''}{system['sustainable_rps']:.0f}"
+
+
+def _best_served(system: dict) -> float:
+    """The most requests a second a system answered in any step, met its SLO or not."""
+    return max((step.get("throughput_rps") or 0.0 for step in system.get("steps", [])), default=0.0)
+
+
+def _ratio(tokq: dict | None, ref: dict | None) -> str:
+    if not tokq or not ref:
+        return "–"
+    if ref["sustainable_rps"]:
+        return f"{tokq['sustainable_rps'] / ref['sustainable_rps']:.1f}x"
+    if served := _best_served(ref):  # no step met the SLO: its best served rate bounds its capacity
+        return f"> {tokq['sustainable_rps'] / served:.0f}x (one-at-a-time met the SLO at no step; its best: {served:.1f} req/s)"
+    return "–"
+
+
+def _sizes(result: dict) -> str:
+    """How long each profile point and load step ran (the --quick run is shorter than the default)."""
+    sweep, opts = result["profile"].get("sweep", {}), result["bench"]["meta"].get("options", {})
+    return (f"Profile: {sweep.get('target_s_per_point')} s a point; load steps of {opts.get('step_duration_s')} s "
+            f"from {opts.get('start_rate')} req/s, x{opts.get('step_factor')} each, at most {opts.get('max_steps')}.")
+
+
+def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], command: str) -> str:
+    measured = sorted(r["profile"].get("started_at", "") for r in results if "profile" in r)
     lines = [SECTION_START, "## GPU benchmark", "", f"Command: `{command}`  ",
-             f"Date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}  ",
+             f"Measured: {measured[0] if measured else datetime.now(timezone.utc).isoformat(timespec='seconds')}  ",
              f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.flops table)  "
              if peak_flops else f"GPU: **{gpu}** (peak FLOP/s unknown: set TOKQ_DEVICE_PEAK_FLOPS for MFU)  ",
              "Each model: `tokq profile --device cuda`, then `tokq bench service --device cuda` (tokq at the profiled "
-             "budget and at `tokq up`'s defaults; sentence-transformers one request at a time on the same GPU).", "",
+             "budget and at `tokq up`'s defaults; sentence-transformers one request at a time on the same GPU, "
+             "fp32). Rates are requests a second at p99 <= the SLO; '>=' where the ramp ended before any step "
+             "failed.", "",
              "| model | dtype | profiled budget (tokens) | forward at budget | model FLOP/s at budget | MFU at budget "
-             "| tokq req/s at p99 <= SLO | one-at-a-time req/s | tokq / one-at-a-time |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tokq at profiled budget | tokq up defaults (budget) | one-at-a-time | best tokq / one-at-a-time "
+             "| tokq vectors vs sentence-transformers (min cos) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][:200]} | | | | | | | | | |")
+            continue
         prof, bench = r["profile"], r["bench"]
         at = mfu_at(prof, prof.get("recommended_budget"), peak_flops)
-        systems = {s["kind"]: s for s in bench["systems"]}
-        ref = systems.get("one-at-a-time")
-        tokq = max((s for s in bench["systems"] if s["kind"] == "tokq"), key=lambda s: s["sustainable_rps"],
-                   default=None) or main_tokq(bench)
-        ratio = (f"{tokq['sustainable_rps'] / ref['sustainable_rps']:.2f}x ({tokq['name']})"
-                 if tokq and ref and ref["sustainable_rps"] else "–")
+        tokqs = [s for s in bench["systems"] if s["kind"] == "tokq"]
+        profiled = next((s for s in tokqs if s.get("budget_source") == "set"), None)
+        defaults = next((s for s in tokqs if s.get("budget_source") != "set"), None)
+        ref = next((s for s in bench["systems"] if s["kind"] == "one-at-a-time"), None)
+        best = max(tokqs, key=lambda s: s["sustainable_rps"], default=None)
+        cos = min((s["vectors"]["min_cos"] for s in tokqs if (s.get("vectors") or {}).get("min_cos") is not None),
+                  default=None)
         mfu = f"{at['mfu']:.1%}" if at.get("mfu") is not None else "–"
+        default_budget = f" ({defaults['token_budget']})" if defaults and defaults.get("token_budget") else ""
         fwd = f"{at['latency_ms']:.2f} ms" if at.get("latency_ms") else "–"
         flops = f"{at['gflop_per_s'] / 1000:.1f} TFLOP/s" if at.get("gflop_per_s") else "–"
         lines.append(f"| {r['name']} | {prof['dtype']} | {prof.get('recommended_budget') or '–'} | {fwd} | {flops} "
-                     f"| {mfu} | {tokq['sustainable_rps'] if tokq else 0:.0f} | "
-                     f"{ref['sustainable_rps'] if ref else 0:.0f} | {ratio} |")
-    lines += [""] + [f"- {r['name']}: {r['profile']['summary']}" for r in results]
+                     f"| {mfu} | {_rate(profiled)} | {_rate(defaults)}{default_budget} | {_rate(ref)} "
+                     f"| {_ratio(best, ref)} | {'–' if cos is None else f'{cos:.5f}'} |")
+    lines += [""] + [f"- {r['name']}: {r['profile']['summary']} {_sizes(r)}" for r in results if "error" not in r]
     lines += ["", "Full service-benchmark tables: the JSON files beside this section's command output "
               "(`gpu-bench-<model>.json`, re-render with `tokq bench report`).", "", SECTION_END]
     return "\n".join(lines) + "\n"
@@ -138,24 +209,37 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
 @click.option("--results-md", type=click.Path(dir_okay=False), default="profiling/RESULTS.md", show_default=True)
 @click.option("--out-dir", type=click.Path(file_okay=False), default="profiling/gpu", show_default=True,
               help="Profile and bench JSON and figures of each model.")
-@click.option("--quick", is_flag=True, help="Shorter sweeps and steps (a first look, not for RESULTS.md).")
-def gpu_command(results_md, out_dir, quick) -> None:
+@click.option("--quick", is_flag=True,
+              help="0.3 s per profile point and 2-second load steps from 50 req/s, x1.5 each: both models in "
+                   "about 5 minutes, for a short GPU lease (the section's command line shows it was used).")
+@click.option("--resume", is_flag=True,
+              help="Read back a model whose profile and bench JSON are already in --out-dir (a run cut short).")
+def gpu_command(results_md, out_dir, quick, resume) -> None:
     """On a CUDA host: profile and bench the bundled MiniLM and a Qwen3-0.6B-shaped model (`make bench-gpu`)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        click.echo("bench-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
-                   "nothing measured, RESULTS.md unchanged.")
-        return
-    from tokq.flops import device_peak_flops
-
-    gpu = torch.cuda.get_device_name(0)
-    peak = device_peak_flops("cuda:0")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="tokq-bench-gpu-") as tmp:
-        qwen3 = build_qwen3_shaped(Path(tmp) / QWEN3_NAME)
-        results = [run_model("all-MiniLM-L6-v2", None, out, quick), run_model(QWEN3_NAME, qwen3, out, quick)]
-    write_block(results_md, BLOCK, markdown_section(gpu, peak, results, command_line()))
-    click.echo(f"wrote {results_md} and {out}/")
+    names = ["all-MiniLM-L6-v2", QWEN3_NAME]
+    if resume and all(saved_result(name, out) for name in names):
+        # Nothing left to measure: the section is rendered from the saved results, GPU or not.
+        results = run_models([(name, None) for name in names], out, quick, resume)
+    else:
+        import torch
 
+        if not torch.cuda.is_available():
+            click.echo("bench-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
+                       "nothing measured, RESULTS.md unchanged.")
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="tokq-bench-gpu-") as tmp:
+            qwen3 = None if resume and saved_result(QWEN3_NAME, out) else build_qwen3_shaped(Path(tmp) / QWEN3_NAME)
+            results = run_models([(names[0], None), (QWEN3_NAME, qwen3)], out, quick, resume)
+    from tokq.flops import device_peak_flops  # a GPU's name looks its peak up as a device would
+
+    gpu = next((r["profile"]["device_name"] for r in results if "profile" in r), None)
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0)
+    write_block(results_md, BLOCK, markdown_section(gpu, device_peak_flops(gpu), results, command_line()))
+    click.echo(f"wrote {results_md} and {out}/")
+    if any("error" in r for r in results):
+        raise SystemExit(1)
