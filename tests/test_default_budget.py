@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import numpy as np
@@ -118,12 +119,18 @@ async def _answer_one(q, client, request_id: str) -> None:
 
 
 @pytest_slow
-async def test_a_worker_cuts_its_default_to_an_unreachable_goal_and_still_serves(redis_url, engine):
+async def test_a_worker_cuts_its_default_to_an_unreachable_goal_and_still_serves(redis_url, engine, caplog):
     name = engine.info.queue_name
+    caplog.set_level(logging.INFO, logger="tokq.worker")
     async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
         worker, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=1), "fit-cut")
         assert status["budget_source"] == "fitted" and STEP <= status["token_budget"] < default_budget("cpu")
         assert status["token_budget"] == worker.token_budget and status["token_budget"] % STEP == 0
+        # The log says what was chosen and why, as a warning: the goal was not reached.
+        fit_lines = [r for r in caplog.records if r.name == "tokq.worker" and "p99 goal 1 ms" in r.getMessage()]
+        assert len(fit_lines) == 1 and fit_lines[0].levelno == logging.WARNING
+        assert f"budget {default_budget('cpu')} -> {status['token_budget']} tokens" in fit_lines[0].getMessage()
+        assert "not shown to fit" in fit_lines[0].getMessage()
         await _answer_one(q, client, "after-fit")
         worker.stop()
         await asyncio.wait_for(run, 30)
