@@ -1,6 +1,8 @@
 """Redis connections for the gateway and workers: any redis:// or rediss:// URL (TLS, password,
-db), a bounded pool, and fail-fast timeouts so an unreachable Redis is reported within about two
-seconds instead of hanging a caller (a connect that times out is tried again: ``_connect_retried``).
+db), a bounded pool, and fail-fast timeouts so an unreachable Redis is reported in seconds
+instead of hanging a caller (a connect that times out is tried again: ``_connect_retried``; a
+standalone Redis within about two seconds, a cluster's node after the cluster client's own
+tries, each re-reading the slot map: ``_retry``).
 
 The same URL may name a standalone server or any node of a Redis Cluster: ``cluster="auto"``
 asks the server (``INFO cluster``) once, and in cluster mode the client is redis-py's
@@ -37,9 +39,13 @@ def _retry() -> Retry:
     # redis-py's default retry backs off for seconds; a refused connection must surface fast.
     # Connection errors are retried (a stale pooled connection after a Redis restart, a reset
     # by a proxy or a failover): the command may already have run with only its answer lost,
-    # which is why every queue script is idempotent (tokq.queue). Timeouts are not retried: a
-    # Redis silent for SOCKET_TIMEOUT_S is failed to the caller, not waited on three times.
-    # (A connect timeout is retried below that, by the connection itself: _connect_retried.)
+    # which is why every queue script is idempotent (tokq.queue). Timeouts are not retried by
+    # this policy: a standalone Redis silent for SOCKET_TIMEOUT_S is failed to the caller, not
+    # waited on three times. redis-py's cluster client is different: it retries a timeout itself
+    # (RedisCluster.ERRORS_ALLOW_RETRY, as many tries as this policy allows) after re-reading the
+    # slot map, since a primary that went silent may have been failed over; the scripts'
+    # idempotency makes that resend safe, and a silent node costs up to 3 x SOCKET_TIMEOUT_S.
+    # (A connect timeout is retried below all this, by the connection itself: _connect_retried.)
     return Retry(_BACKOFF, retries=2, supported_errors=(redis.exceptions.ConnectionError,))
 
 
@@ -69,7 +75,9 @@ def _connect_retried(base: type[aioredis.Connection]) -> type[aioredis.Connectio
 
 
 def _connect_retried_sync(base: type[redis.Connection]) -> type[redis.Connection]:
-    """``_connect_retried`` for redis-py's blocking connections (the cluster-mode probe)."""
+    """``_connect_retried`` for redis-py's blocking connections (the cluster-mode probe). For
+    rediss:// their TLS handshake runs under the socket timeout, not the connect timeout, so a
+    TLS endpoint that accepts and then stays silent costs the probe up to 3 x SOCKET_TIMEOUT_S."""
 
     class ConnectRetried(base):
         def _connect(self) -> Any:
