@@ -257,6 +257,13 @@ async def test_step_search_comes_down_when_the_first_rate_already_fails():
     result = await loadgen.step_search(never, start_rate_per_s=50, slo_ms=250, factor=2, max_steps=4)
     assert [s["offered_rps"] for s in result["steps"]] == [50, 25, 12.5, 6.25]
     assert result["sustainable_rps"] == 0.0 and result["sustainable"] is None
+    # The service bench's defaults (25 req/s, x1.3, 20 steps of 4 s) stop before a step of
+    # fewer than 20 requests, not at a rate too low to send any.
+    result = await loadgen.step_search(never, start_rate_per_s=25, slo_ms=250, factor=1.3, max_steps=20,
+                                       min_rate_per_s=20 / 4.0)
+    rates = [s["offered_rps"] for s in result["steps"]]
+    assert len(rates) == 7 and rates[-1] * 4.0 >= 20 and rates[-1] / 1.3 * 4.0 < 20
+    assert result["sustainable_rps"] == 0.0 and "SLO" in result["limit"]
 
 
 async def test_step_search_says_when_only_the_generator_limits_it():

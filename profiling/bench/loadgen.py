@@ -249,12 +249,14 @@ def failure_reason(summary: dict, slo_ms: float, max_error_ratio: float = 0.01) 
 
 async def step_search(run_at: Callable[[float], Awaitable[dict]], *, start_rate_per_s: float,
                       slo_ms: float, factor: float = 1.5, max_steps: int = 12,
-                      num_refinements: int = 1, generator_retries: int = 1) -> dict:
+                      num_refinements: int = 1, generator_retries: int = 1,
+                      min_rate_per_s: float = 0.0) -> dict:
     """Raise the offered rate by ``factor`` from ``start_rate_per_s`` until a run breaks the SLO
     (``within_slo``), then bisect (geometrically) between the last good and the first bad rate
     ``num_refinements`` times. If the first rate already fails, come down by ``factor`` until one
     meets the SLO (a slow system would otherwise score 0: one start rate serves systems 100x
-    apart, as a GPU's baselines are). A run where the generator itself fell behind says nothing
+    apart, as a GPU's baselines are), not below ``min_rate_per_s`` (a step must hold enough
+    requests for its p99 to mean something). A run where the generator itself fell behind says nothing
     about the server: it is kept in ``steps`` but run again (``generator_retries`` times per
     rate); if it still falls behind, the result is ``generator_limited`` (the server sustained at
     least the rate found). Returns the highest sustainable rate (0 if no rate within
@@ -283,7 +285,7 @@ async def step_search(run_at: Callable[[float], Awaitable[dict]], *, start_rate_
             rate *= factor
             continue
         bad = summary
-        if good or not summary["generator_kept_up"]:
+        if good or not summary["generator_kept_up"] or rate / factor < min_rate_per_s:
             break
         rate /= factor  # even the first rate failed
     for _ in range(num_refinements if good and bad and bad["generator_kept_up"] else 0):

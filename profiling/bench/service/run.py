@@ -19,6 +19,7 @@ from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch
 from tokq.profiling.results_md import command_line
 
 WARMUP_S = 2.0
+MIN_REQUESTS_PER_STEP = 20  # a step down from a failing first rate stops before fewer than this
 MIN_COSINE = 0.9999  # a system's vectors against sentence-transformers', for its figure to count
 SETTLE_S = 0.5  # pause between runs so one run's stragglers never land in the next
 
@@ -79,7 +80,8 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
             result = await loadgen.step_search(run_at, start_rate_per_s=options.start_rate,
                                                slo_ms=options.slo_ms, factor=options.step_factor,
                                                max_steps=options.max_steps,
-                                               num_refinements=options.num_refinements)
+                                               num_refinements=options.num_refinements,
+                                               min_rate_per_s=MIN_REQUESTS_PER_STEP / options.step_duration_s)
         result["half_load"] = None
         if system.spec.kind == "tokq" and result["sustainable_rps"] > 0:
             result["half_load"] = await run_at(result["sustainable_rps"] / 2)
@@ -138,7 +140,7 @@ async def check_vectors(system, probe) -> dict:
     cos = min_cosine(got, want)
     ok = cos >= MIN_COSINE
     return {"num_probes": len(texts), "min_cos": round(cos, 6), "counts": ok,
-            "why": "" if ok else f"vectors differ from sentence-transformers: min cosine {cos:.4f} < {MIN_COSINE}"}
+            "why": "" if ok else f"vectors differ from sentence-transformers: min cosine {cos:.6f} < {MIN_COSINE}"}
 
 
 async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, console=None,
