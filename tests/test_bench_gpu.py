@@ -5,6 +5,7 @@ report computes MFU at the profiled budget and names the GPU."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -56,11 +57,12 @@ def _profile(budget=4096):
 
 def _system(kind, rps, *, steps=(), limit="p99 600 ms > SLO 500 ms", **kw):
     return {"kind": kind, "name": f"{kind} {kw.get('token_budget', '')}", "sustainable_rps": rps, "limit": limit,
-            "steps": [{"throughput_rps": t} for t in steps], **kw}
+            "steps": [{"offered_rps": offered, "throughput_rps": served} for offered, served in steps], **kw}
 
 
 def _bench(*systems):
-    return {"meta": {"options": {"step_duration_s": 2.0, "start_rate": 50.0, "step_factor": 1.5, "max_steps": 12}},
+    return {"meta": {"options": {"step_duration_s": 2.0, "start_rate": 50.0, "step_factor": 1.5, "max_steps": 12},
+                     "started_at": "2026-11-26T09:59:00+00:00"},
             "systems": list(systems)}
 
 
@@ -77,18 +79,21 @@ def test_report_gives_mfu_at_the_profiled_budget_and_the_gpu_name():
                           "make bench-gpu")
     assert md.startswith(SECTION_START) and md.rstrip().endswith(SECTION_END)
     assert "NVIDIA H100 80GB HBM3" in md and "989 TFLOP/s" in md and "Measured: 2026-11-26T09:58:22" in md
-    assert "| m | bfloat16 | 4096 | 5.00 ms | 90.0 TFLOP/s | 9.1% | 3000 | 2500 (2048) | 500 | 6.0x | 0.99987 |" in md
+    assert ("| m | bfloat16 | 4096 | 5.00 ms | 90.0 TFLOP/s | 9.1% | 3000 | 2500 (2048) | 500 | 6.0x "
+            "| 0.99987 (below the bench bar, 0.9999) |") in md
     assert "load steps of 2.0 s from 50.0 req/s, x1.5 each" in md
 
 
 def test_report_bounds_what_a_short_ramp_could_not_pin_down():
     """A tokq system that no step failed is 'at least' its last rate; a one-at-a-time that met
-    the SLO at no step is bounded by the most it ever served, so the ratio is a lower bound."""
+    the SLO at no step sustains less than the lowest rate it failed at, so the ratio is bounded
+    below by tokq's rate over that (rounded down)."""
     bench = _bench(_system("tokq", 4325.0, token_budget=4096, budget_source="default",
                            limit="no step failed up to 4325 req/s"),
-                   _system("one-at-a-time", 0.0, steps=(30.7,)))
+                   _system("one-at-a-time", 0.0, steps=((75.0, 31.0), (50.0, 30.7))))
     md = markdown_section("NVIDIA H100 80GB HBM3", None, [{"name": "m", "profile": _profile(), "bench": bench}], "c")
-    assert "| – | >= 4325 (4096) | 0 | > 141x (one-at-a-time met the SLO at no step; its best: 30.7 req/s) | – |" in md
+    assert ("| – | >= 4325 (4096) | 0 | > 86x (one-at-a-time met the SLO at no step, not even 50 req/s; "
+            "it served at most 31.0) | – |") in md
     assert "peak FLOP/s unknown" in md
 
 
@@ -98,15 +103,19 @@ def test_a_failed_model_is_reported_and_the_next_still_runs(tmp_path, monkeypatc
     ran = []
 
     def run_model(name, model_dir, out_dir, quick):
-        ran.append(name)
+        ran.append((name, model_dir))
         if name == "a":
             raise subprocess.CalledProcessError(1, [sys.executable, "-m", "tokq.cli", "bench", "service", "--quiet"])
         return {"name": name, "profile": _profile(), "bench": _bench(_system("tokq", 10.0, budget_source="set"))}
 
     monkeypatch.setattr(gpu, "run_model", run_model)
-    results = gpu.run_models([("a", None), ("b", None)], tmp_path, quick=True)
-    assert ran == ["a", "b"]
+    def unbuildable():
+        raise OSError("disk full")
+
+    results = gpu.run_models([("a", lambda: None), ("b", lambda: tmp_path), ("c", unbuildable)], tmp_path, quick=True)
+    assert ran == [("a", None), ("b", tmp_path)]
     assert results[0] == {"name": "a", "error": "`tokq bench service` exited 1"} and "profile" in results[1]
+    assert results[2] == {"name": "c", "error": "OSError: disk full"}
     md = markdown_section("GPU", None, results, "c")
     assert "| a | failed: `tokq bench service` exited 1 |" in md and "| b | bfloat16 |" in md
 
@@ -124,11 +133,26 @@ def test_resume_renders_saved_results_without_measuring_or_a_gpu(tmp_path):
             _system("tokq", 900.0, token_budget=4096, budget_source="set"), _system("one-at-a-time", 90.0))))
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n")
+    env = {k: v for k, v in os.environ.items() if k != "TOKQ_DEVICE_PEAK_FLOPS"}
     done = subprocess.run([sys.executable, "-m", "tokq.cli", "bench", "gpu", "--resume", "--results-md", str(results),
-                           "--out-dir", str(out)], capture_output=True, text=True, timeout=300)
+                           "--out-dir", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert "not measured again" in done.stderr
     md = results.read_text()
     assert md.startswith("# Results") and SECTION_START in md and "--resume`" in md
     assert "GPU: **NVIDIA H100 80GB HBM3**, dense 16-bit peak 989 TFLOP/s" in md  # the name saved by the profile
     assert md.count("| 900 | – | 90 | 10.0x |") == 2
+
+
+def test_resume_does_not_pair_a_profile_with_an_older_bench(tmp_path):
+    from tokq.profiling.bench.gpu import saved_result
+
+    (tmp_path / "gpu-profile-m.json").write_text(json.dumps(_profile()))
+    bench = _bench(_system("tokq", 900.0, token_budget=4096, budget_source="set"))
+    (tmp_path / "gpu-bench-m.json").write_text(json.dumps(bench))
+    assert saved_result("m", tmp_path)["bench"] == bench
+    (tmp_path / "gpu-profile-m.json").write_text(json.dumps(_profile(budget=8192)))  # a new profile, another budget
+    assert saved_result("m", tmp_path) is None
+    later = {**_profile(), "started_at": "2026-11-26T10:30:00+00:00"}  # a new profile, the same budget
+    (tmp_path / "gpu-profile-m.json").write_text(json.dumps(later))
+    assert saved_result("m", tmp_path) is None

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -106,30 +108,40 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> 
 
 
 def saved_result(name: str, out_dir: Path) -> dict | None:
-    """A model's profile and bench JSON from an earlier run into ``out_dir``, if both are there."""
+    """A model's profile and bench JSON from an earlier run into ``out_dir``, if both are there
+    and belong together: the bench started after the profile, and served its recommended budget
+    (a run stopped after a new profile leaves it beside an older bench)."""
     profile_json, bench_json = out_dir / f"gpu-profile-{name}.json", out_dir / f"gpu-bench-{name}.json"
     if not (profile_json.exists() and bench_json.exists()):
         return None
-    return {"name": name, "profile": json.loads(profile_json.read_text()), "bench": json.loads(bench_json.read_text())}
+    profile, bench = json.loads(profile_json.read_text()), json.loads(bench_json.read_text())
+    budgets = {s.get("token_budget") for s in bench["systems"] if s.get("budget_source") == "set"}
+    if (bench["meta"].get("started_at", "") < profile.get("started_at", "")
+            or (profile.get("recommended_budget") and profile["recommended_budget"] not in budgets)):
+        click.echo(f"bench-gpu: {name}: the saved profile and bench in {out_dir} are not from one run", err=True)
+        return None
+    return {"name": name, "profile": profile, "bench": bench}
 
 
-def run_models(models: list[tuple[str, Path | None]], out_dir: Path, quick: bool, resume: bool = False) -> list[dict]:
-    """Each model in turn; one that fails is reported with its error and the others still run
-    (a GPU lease is too short to lose every figure to one model's failure). With ``resume``, a
-    model whose results an earlier run left in ``out_dir`` is read back, not measured again."""
+def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Path, quick: bool,
+               resume: bool = False) -> list[dict]:
+    """Each model in turn (``models``: name, and what makes its directory, None for the bundled
+    one); one that fails is reported with its error and the others still run (a GPU lease is
+    too short to lose every figure to one model's failure). With ``resume``, a model whose
+    results an earlier run left in ``out_dir`` is read back, not measured again."""
     results = []
-    for name, model_dir in models:
+    for name, make_model in models:
         if resume and (saved := saved_result(name, out_dir)):
             click.echo(f"bench-gpu: {name}: results of an earlier run in {out_dir}, not measured again", err=True)
             results.append(saved)
             continue
         try:
-            results.append(run_model(name, model_dir, out_dir, quick))
+            results.append(run_model(name, make_model(), out_dir, quick))
         except subprocess.CalledProcessError as e:  # its own output, just above, says why
             step = " ".join(itertools.takewhile(lambda a: not a.startswith("-"), e.cmd[3:]))  # after -m tokq.cli
             click.echo(f"bench-gpu: {name} failed: `tokq {step}` exited {e.returncode}", err=True)
             results.append({"name": name, "error": f"`tokq {step}` exited {e.returncode}"})
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
             click.echo(f"bench-gpu: {name} failed: {type(e).__name__}: {e}", err=True)
             results.append({"name": name, "error": f"{type(e).__name__}: {e}"})
     return results
@@ -153,8 +165,11 @@ def _ratio(tokq: dict | None, ref: dict | None) -> str:
         return "–"
     if ref["sustainable_rps"]:
         return f"{tokq['sustainable_rps'] / ref['sustainable_rps']:.1f}x"
-    if served := _best_served(ref):  # no step met the SLO: its best served rate bounds its capacity
-        return f"> {tokq['sustainable_rps'] / served:.0f}x (one-at-a-time met the SLO at no step; its best: {served:.1f} req/s)"
+    if failed := [s["offered_rps"] for s in ref.get("steps", []) if s.get("offered_rps")]:
+        # No step met the SLO: its sustainable rate lies below the lowest rate it failed at.
+        lowest = min(failed)
+        return (f"> {math.floor(tokq['sustainable_rps'] / lowest)}x (one-at-a-time met the SLO at no step, "
+                f"not even {lowest:.0f} req/s; it served at most {_best_served(ref):.1f})")
     return "–"
 
 
@@ -196,9 +211,11 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
         default_budget = f" ({defaults['token_budget']})" if defaults and defaults.get("token_budget") else ""
         fwd = f"{at['latency_ms']:.2f} ms" if at.get("latency_ms") else "–"
         flops = f"{at['gflop_per_s'] / 1000:.1f} TFLOP/s" if at.get("gflop_per_s") else "–"
+        below = any(not (s.get("vectors") or {}).get("counts", True) for s in tokqs)
+        cos_cell = "–" if cos is None else f"{cos:.5f}{' (below the bench bar, 0.9999)' if below else ''}"
         lines.append(f"| {r['name']} | {prof['dtype']} | {prof.get('recommended_budget') or '–'} | {fwd} | {flops} "
                      f"| {mfu} | {_rate(profiled)} | {_rate(defaults)}{default_budget} | {_rate(ref)} "
-                     f"| {_ratio(best, ref)} | {'–' if cos is None else f'{cos:.5f}'} |")
+                     f"| {_ratio(best, ref)} | {cos_cell} |")
     lines += [""] + [f"- {r['name']}: {r['profile']['summary']} {_sizes(r)}" for r in results if "error" not in r]
     lines += ["", "Full service-benchmark tables: the JSON files beside this section's command output "
               "(`gpu-bench-<model>.json`, re-render with `tokq bench report`).", "", SECTION_END]
@@ -211,7 +228,7 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
               help="Profile and bench JSON and figures of each model.")
 @click.option("--quick", is_flag=True,
               help="0.3 s per profile point and 2-second load steps from 50 req/s, x1.5 each: both models in "
-                   "about 5 minutes, for a short GPU lease (the section's command line shows it was used).")
+                   "about 8 minutes on an H100, for a short GPU lease (the section gives each model's step sizes).")
 @click.option("--resume", is_flag=True,
               help="Read back a model whose profile and bench JSON are already in --out-dir (a run cut short).")
 def gpu_command(results_md, out_dir, quick, resume) -> None:
@@ -220,7 +237,7 @@ def gpu_command(results_md, out_dir, quick, resume) -> None:
     names = ["all-MiniLM-L6-v2", QWEN3_NAME]
     if resume and all(saved_result(name, out) for name in names):
         # Nothing left to measure: the section is rendered from the saved results, GPU or not.
-        results = run_models([(name, None) for name in names], out, quick, resume)
+        results = run_models([(name, lambda: None) for name in names], out, quick, resume)
     else:
         import torch
 
@@ -230,8 +247,8 @@ def gpu_command(results_md, out_dir, quick, resume) -> None:
             return
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="tokq-bench-gpu-") as tmp:
-            qwen3 = None if resume and saved_result(QWEN3_NAME, out) else build_qwen3_shaped(Path(tmp) / QWEN3_NAME)
-            results = run_models([(names[0], None), (QWEN3_NAME, qwen3)], out, quick, resume)
+            results = run_models([(names[0], lambda: None),
+                                  (QWEN3_NAME, lambda: build_qwen3_shaped(Path(tmp) / QWEN3_NAME))], out, quick, resume)
     from tokq.flops import device_peak_flops  # a GPU's name looks its peak up as a device would
 
     gpu = next((r["profile"]["device_name"] for r in results if "profile" in r), None)
