@@ -23,14 +23,14 @@ from tokq.queue import COLLECT_GRACE_MS, REPLY_META_FIELDS
 from tokq.redis_server import EmbeddedRedis, free_port
 
 
-def free_port_pair() -> int:
-    """A port p with p + 1 free as well, for metrics ports that count up from p (tokq up's worker,
-    the gateway's second process): a random neighbour (a cluster node's bus port, say) must not
-    be taken for p + 1."""
+def free_port_pair(count: int = 2) -> int:
+    """A port p with p + 1 (.. p + count - 1) free as well, for metrics ports that count up from
+    p (tokq up's worker, the gateway's second process): a random neighbour (a cluster node's bus
+    port, say) must not be taken for p + 1."""
     while True:
         port = free_port()
         try:
-            for candidate in (port, port + 1):
+            for candidate in range(port, port + count):
                 with socket.socket() as s:
                     s.bind(("0.0.0.0", candidate))
             return port

@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
 import redis
 
 from tokq.redis_server import free_port
-from service_stack import ctrl_c_reaches_it, read_until_serving
+from service_stack import ctrl_c_reaches_it, free_port_pair, read_until_serving
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +77,49 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         proc.wait(timeout=60)
     time.sleep(0.5)
     assert [pid for pid in children if _alive(pid)] == []
+
+
+def test_tokq_up_spreads_calls_over_gateway_processes():
+    """`tokq up --gateway-procs 2`: two gateway processes share the gRPC port, each serves its
+    metrics (port +0, +1), the worker's come after them (+2), a client's calls reach both, and
+    Ctrl-C stops them all."""
+    from tokq import Client
+    from test_client_spread import embed_counts
+
+    port, metrics_port = free_port(), free_port_pair(3)
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--gateway-procs", "2",
+                             "--metrics-port", str(metrics_port), "--http-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_LATENCY_GOAL_MS": "0"},
+                            preexec_fn=ctrl_c_reaches_it)
+    gateways: list[int] = []
+    try:
+        text = "".join(read_until_serving(proc))
+        assert "2 gateway process(es), 1 worker(s)" in text
+        assert f":{metrics_port}/metrics (and :{metrics_port + 1}), worker 0 :{metrics_port + 2}" in text
+        gateway_parent = next(pid for pid in _children(proc.pid)
+                              if b"gateway" in open(f"/proc/{pid}/cmdline", "rb").read())
+        gateways = [pid for pid in _children(gateway_parent)  # not multiprocessing's resource tracker
+                    if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert len(gateways) == 2
+        deadline = time.monotonic() + 90
+        while True:  # the health check answered from one process; wait for both
+            try:
+                before = embed_counts([metrics_port, metrics_port + 1])
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "a gateway process never served metrics"
+                time.sleep(0.2)
+        with Client(f"127.0.0.1:{port}") as client:  # it spreads calls over the processes it finds
+            for i in range(40):
+                assert client.embed([f"spread call {i}"], timeout=60).shape == (1, 384)
+        after = embed_counts([metrics_port, metrics_port + 1])
+        per_gateway = [a - b for a, b in zip(after, before)]
+        assert sum(per_gateway) == 40 and min(per_gateway) >= 1, per_gateway
+        worker_page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 2}/metrics", timeout=10).read()
+        assert b"tokq_worker_" in worker_page
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    time.sleep(0.5)
+    assert gateways and [pid for pid in gateways if _alive(pid)] == []

@@ -57,7 +57,7 @@ def up_command(**values) -> None:
     if not redis_url:
         embedded = EmbeddedRedis(binary=conf.redis_server or None).start()
         redis_url = embedded.url
-    host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
+    host, num_workers, metrics_port, num_gateways = conf.host, conf.workers, conf.metrics_port, conf.gateway_procs
     port = conf.port or free_port(host)
     # Leave a core to the gateway and Redis, and split the rest between the workers.
     threads = max(1, ((os.cpu_count() or 2) - 1) // num_workers)
@@ -75,7 +75,7 @@ def up_command(**values) -> None:
         args = ["worker", *common, "--device", conf.device, "--dtype", conf.dtype, "--worker-id", f"up-{i}",
                 "--threads", str(threads), "--token-budget", str(conf.token_budget),
                 "--latency-goal-ms", str(conf.latency_goal_ms),
-                "--metrics-port", str(metrics_port + 1 + i if metrics_port else 0)]
+                "--metrics-port", str(metrics_port + num_gateways + i if metrics_port else 0)]
         return args
 
     def shutdown(*_):
@@ -83,7 +83,7 @@ def up_command(**values) -> None:
 
     signal.signal(signal.SIGTERM, shutdown)
     try:
-        gw_args = ["gateway", *common, "--host", host, "--port", str(port),
+        gw_args = ["gateway", *common, "--host", host, "--port", str(port), "--procs", str(num_gateways),
                    "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port)]
         procs.append(_spawn(gw_args, env))
         workers = [_spawn(worker_args(i), env) for i in range(num_workers)]
@@ -91,14 +91,16 @@ def up_command(**values) -> None:
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         _wait_ready(f"{shown_host}:{port}", procs, timeout_s=120)
         click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host}:{port} "
-                   f"(health and reflection on), {num_workers} worker(s)")
+                   f"(health and reflection on), {num_gateways} gateway process(es), {num_workers} worker(s)")
         if conf.http_port:
             click.echo(f"  HTTP:    http://{shown_host}:{conf.http_port}/v1/embeddings (OpenAI-compatible)")
         click.echo(f"  Redis:   {redact_url(redis_url)}" + (
             " (embedded, loopback, generated password)" if embedded else ""))
         if metrics_port:
-            ports = ", ".join(f"worker {i} :{metrics_port + 1 + i}" for i in range(num_workers))
-            click.echo(f"  metrics: gateway http://{shown_host}:{metrics_port}/metrics, {ports}")
+            gateways = ", ".join(f":{metrics_port + j}" for j in range(1, num_gateways))
+            ports = ", ".join(f"worker {i} :{metrics_port + num_gateways + i}" for i in range(num_workers))
+            click.echo(f"  metrics: gateway http://{shown_host}:{metrics_port}/metrics"
+                       f"{f' (and {gateways})' if gateways else ''}, {ports}")
         click.echo(f"  try:     tokq embed --target {shown_host}:{port} \"hello world\"")
         click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {shown_host}:{port} "
                    "tokq.v1.Embedder/Embed")
