@@ -102,7 +102,7 @@ def test_a_failed_model_is_reported_and_the_next_still_runs(tmp_path, monkeypatc
 
     ran = []
 
-    def run_model(name, model_dir, out_dir, quick):
+    def run_model(name, model_dir, out_dir, quick, gateway_procs):
         ran.append((name, model_dir))
         if name == "a":
             raise subprocess.CalledProcessError(1, [sys.executable, "-m", "tokq.cli", "bench", "service", "--quiet"])

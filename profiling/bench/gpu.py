@@ -86,7 +86,7 @@ def mfu_at(profile: dict, budget: int | None, peak_flops: float | None) -> dict:
             "tokens_per_s": point["tokens_per_s"], "mfu": flops / peak_flops if peak_flops else None}
 
 
-def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> dict:
+def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gateway_procs: int = 1) -> dict:
     model_args = ["--model", str(model_dir), "--served-model-name", name] if model_dir else []
     profile_json = out_dir / f"gpu-profile-{name}.json"
     sweep = ["--time-per-point-s", "0.3"] if quick else []
@@ -102,7 +102,9 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool) -> 
     # A GPU serves hundreds to thousands of requests a second: quick steps start higher and
     # grow faster, so each system reaches its limit in a few 2-second steps.
     steps = QUICK_STEPS if quick else []
-    _tokq("bench", "service", "--device", "cuda", *bench_model, *systems, *steps, "--profile-json", str(profile_json),
+    gateways = ["--gateway-procs", str(gateway_procs)] if gateway_procs > 1 else []
+    _tokq("bench", "service", "--device", "cuda", *bench_model, *systems, *steps, *gateways,
+          "--profile-json", str(profile_json),
           "--out", str(bench_json), "--plots", str(out_dir / name), "--quiet")
     return {"name": name, "profile": profile, "bench": json.loads(bench_json.read_text())}
 
@@ -124,7 +126,7 @@ def saved_result(name: str, out_dir: Path) -> dict | None:
 
 
 def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Path, quick: bool,
-               resume: bool = False) -> list[dict]:
+               resume: bool = False, gateway_procs: int = 1) -> list[dict]:
     """Each model in turn (``models``: name, and what makes its directory, None for the bundled
     one); one that fails is reported with its error and the others still run (a GPU lease is
     too short to lose every figure to one model's failure). With ``resume``, a model whose
@@ -136,7 +138,7 @@ def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Pat
             results.append(saved)
             continue
         try:
-            results.append(run_model(name, make_model(), out_dir, quick))
+            results.append(run_model(name, make_model(), out_dir, quick, gateway_procs))
         except subprocess.CalledProcessError as e:  # its own output, just above, says why
             step = " ".join(itertools.takewhile(lambda a: not a.startswith("-"), e.cmd[3:]))  # after -m tokq.cli
             click.echo(f"bench-gpu: {name} failed: `tokq {step}` exited {e.returncode}", err=True)
@@ -176,8 +178,10 @@ def _ratio(tokq: dict | None, ref: dict | None) -> str:
 def _sizes(result: dict) -> str:
     """How long each profile point and load step ran (the --quick run is shorter than the default)."""
     sweep, opts = result["profile"].get("sweep", {}), result["bench"]["meta"].get("options", {})
+    procs = max((s.get("gateway_procs", 1) for s in result["bench"]["systems"] if s["kind"] == "tokq"), default=1)
     return (f"Profile: {sweep.get('target_s_per_point')} s a point; load steps of {opts.get('step_duration_s')} s "
-            f"from {opts.get('start_rate')} req/s, x{opts.get('step_factor')} each, at most {opts.get('max_steps')}.")
+            f"from {opts.get('start_rate')} req/s, x{opts.get('step_factor')} each, at most {opts.get('max_steps')}; "
+            f"tokq with {'one gateway process' if procs == 1 else f'{procs} gateway processes'}.")
 
 
 def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], command: str) -> str:
@@ -231,13 +235,15 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
                    "about 8 minutes on an H100, for a short GPU lease (the section gives each model's step sizes).")
 @click.option("--resume", is_flag=True,
               help="Read back a model whose profile and bench JSON are already in --out-dir (a run cut short).")
-def gpu_command(results_md, out_dir, quick, resume) -> None:
+@click.option("--gateway-procs", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Gateway processes of the tokq systems (one serves up to ~3,000 calls/s).")
+def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
     """On a CUDA host: profile and bench the bundled MiniLM and a Qwen3-0.6B-shaped model (`make bench-gpu`)."""
     out = Path(out_dir)
     names = ["all-MiniLM-L6-v2", QWEN3_NAME]
     if resume and all(saved_result(name, out) for name in names):
         # Nothing left to measure: the section is rendered from the saved results, GPU or not.
-        results = run_models([(name, lambda: None) for name in names], out, quick, resume)
+        results = run_models([(name, lambda: None) for name in names], out, quick, resume, gateway_procs)
     else:
         import torch
 
@@ -248,7 +254,8 @@ def gpu_command(results_md, out_dir, quick, resume) -> None:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="tokq-bench-gpu-") as tmp:
             results = run_models([(names[0], lambda: None),
-                                  (QWEN3_NAME, lambda: build_qwen3_shaped(Path(tmp) / QWEN3_NAME))], out, quick, resume)
+                                  (QWEN3_NAME, lambda: build_qwen3_shaped(Path(tmp) / QWEN3_NAME))],
+                                 out, quick, resume, gateway_procs)
     from tokq.flops import device_peak_flops  # a GPU's name looks its peak up as a device would
 
     gpu = next((r["profile"]["device_name"] for r in results if "profile" in r), None)

@@ -42,6 +42,7 @@ class SystemSpec:
     onnx_dir: str = ""  # onnx-one-at-a-time, infinity optimum: the ONNX export
     model: str = ""  # tokq and the sentence-transformers baselines: model directory ("" = bundled)
     device: str = "cpu"  # tokq and the sentence-transformers baselines
+    gateway_procs: int = 1  # tokq: gateway processes (`tokq up --gateway-procs`)
 
     def label(self, budget: int = 0, source: str = "") -> str:
         """The name; a tokq system at the worker's own budget names ``{budget}`` in it, filled in
@@ -51,7 +52,7 @@ class SystemSpec:
         return self.name.replace("{budget}", served)
 
     def describe(self) -> dict:
-        keep = {"tokq": ("token_budget", "lookahead"), "padded-batching": ("max_batch_size", "max_wait_ms"),
+        keep = {"tokq": ("token_budget", "lookahead", "gateway_procs"), "padded-batching": ("max_batch_size", "max_wait_ms"),
                 "infinity": ("max_batch_size", "infinity_bin", "engine")}
         d = asdict(self)
         return {"name": self.name, "kind": self.kind, **{k: d[k] for k in keep.get(self.kind, ())}}
@@ -170,7 +171,8 @@ class RunningSystem:
                     "items_claimed": counters.get("claimed", 0)}
         finally:
             client.close()
-        snap.update(_worker_metrics(self.metrics_port + 1) if self.metrics_port else {})
+        # worker 0's port comes after the gateway processes' (tokq up's layout)
+        snap.update(_worker_metrics(self.metrics_port + self.spec.gateway_procs) if self.metrics_port else {})
         return snap
 
     def close(self) -> None:
@@ -263,7 +265,7 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
         if spec.lookahead is not None:
             env["TOKQ_LOOKAHEAD"] = str(spec.lookahead)
         env["TOKQ_REDIS_URL"] = redis_server.url  # in the environment: it holds the password
-        args = ["-m", "tokq.cli", "up", "--port", str(port),
+        args = ["-m", "tokq.cli", "up", "--port", str(port), "--gateway-procs", str(spec.gateway_procs),
                 "--workers", "1", "--device", spec.device, "--metrics-port", str(metrics_port),
                 "--http-port", "0", *model_args]  # gRPC is what it measures; 8080 may be taken
         if spec.token_budget:
