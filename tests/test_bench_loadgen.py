@@ -266,6 +266,17 @@ async def test_step_search_comes_down_when_the_first_rate_already_fails():
     assert result["sustainable_rps"] == 0.0 and "SLO" in result["limit"]
 
 
+async def test_step_search_does_not_come_down_from_a_rate_the_generator_could_not_send():
+    """A first step lost to the load generator says nothing about the server: no step-down."""
+    async def run_at(rate: float) -> dict:
+        return run_summary(rate, 900, send_lag_ms=400)
+
+    result = await loadgen.step_search(run_at, start_rate_per_s=50, slo_ms=250, factor=2)
+    assert [s["offered_rps"] for s in result["steps"]] == [50, 50]  # run again once, then given up
+    assert result["sustainable_rps"] == 0.0 and result["generator_limited"]
+    assert result["limit"].startswith("load generator fell behind")
+
+
 async def test_step_search_says_when_only_the_generator_limits_it():
     async def run_at(rate: float) -> dict:
         return run_summary(rate, 50, send_lag_ms=400 if rate >= 40 else 0)
