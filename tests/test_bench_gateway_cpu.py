@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tokq.profiling.bench.gateway_cpu import PySpy, _this, measure, proc_cpu_s, top_frames
+from tokq.profiling.bench.gateway_cpu import PySpy, _this, measure, top_frames
+from tokq.profiling.bench.proc_cpu import proc_cpu_s
 from tokq.health import wait_for_health
 from tokq.redis_server import free_port
 

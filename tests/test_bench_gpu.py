@@ -72,7 +72,9 @@ def test_report_gives_mfu_at_the_profiled_budget_and_the_gpu_name():
     assert at["tokens"] == 4096 and at["mfu"] == pytest.approx(90e12 / 989e12)
 
     vectors = {"min_cos": 0.99987, "counts": False}
-    bench = _bench(_system("tokq", 3000.0, token_budget=4096, budget_source="set", vectors=vectors),
+    cores = {"gateway": 0.98, "worker": 0.7, "redis": 0.2, "load generator": 0.9}
+    bench = _bench(_system("tokq", 3000.0, token_budget=4096, budget_source="set", vectors=vectors,
+                           sustainable={"cpu_cores": cores}),
                    _system("tokq", 2500.0, token_budget=2048, budget_source="default", vectors=vectors),
                    _system("one-at-a-time", 500.0))
     md = markdown_section("NVIDIA H100 80GB HBM3", 989e12, [{"name": "m", "profile": profile, "bench": bench}],
@@ -82,6 +84,8 @@ def test_report_gives_mfu_at_the_profiled_budget_and_the_gpu_name():
     assert ("| m | bfloat16 | 4096 | 5.00 ms | 90.0 TFLOP/s | 9.1% | 3000 | 2500 (2048) | 500 | 6.0x "
             "| 0.99987 (below the bench bar, 0.9999) |") in md
     assert "load steps of 2.0 s from 50.0 req/s, x1.5 each" in md
+    assert ("CPU at tokq 4096's 3000 req/s, in cores: gateway 0.98, worker 0.70, redis 0.20, "
+            "load generator 0.90.") in md
 
 
 def test_report_bounds_what_a_short_ramp_could_not_pin_down():

@@ -186,8 +186,14 @@ def test_service_command_runs_tokq_and_a_baseline_end_to_end(tmp_path):
     assert report["meta"]["forward_ms_by_budget"]["64"] > 0
     for s in report["systems"]:  # each checked against sentence-transformers before measuring
         assert s["vectors"]["counts"] and s["vectors"]["min_cos"] >= 0.9999, s["vectors"]
+    # CPU per process, each step: tokq's parts and a baseline's server, and the load generator
+    assert set(tokq["steps"][0]["cpu_cores"]) == {"gateway", "worker", "redis", "load generator"}
+    assert set(report["systems"][1]["steps"][0]["cpu_cores"]) == {"server", "load generator"}
+    assert all(s["steps"][0]["cpu_cores"]["load generator"] > 0 for s in report["systems"])
+    assert tokq["steps"][0]["cpu_cores"]["worker"] > 0 and report["systems"][1]["steps"][0]["cpu_cores"]["server"] > 0
     assert "## Service benchmark" in md.read_text()
     assert "Command: `tokq bench service --system tokq --system one-at-a-time --rate 8" in md.read_text()
+    assert "| CPU cores by process |" in md.read_text() and ", worker " in md.read_text()
 
 
 def test_cpu_accounting_sees_a_waited_child_as_the_runs_own():

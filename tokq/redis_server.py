@@ -113,6 +113,11 @@ class EmbeddedRedis:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (benchmarks read its CPU time)."""
+        return self._proc.pid if self.running else None
+
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)

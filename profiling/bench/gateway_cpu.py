@@ -43,6 +43,7 @@ from pathlib import Path
 import click
 
 from tokq.host import cpu_name, vector_extension
+from tokq.profiling.bench.proc_cpu import proc_cpu_s
 from tokq.profiling.results_md import command_line, cpu_block_name, cpu_heading, cpu_label, markers, write_block
 
 BLOCK = "tokq bench gateway-cpu"
@@ -53,14 +54,6 @@ START_TIMEOUT_S = 180
 
 
 # -- reading CPU time ----------------------------------------------------------------------------
-
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU-seconds of every thread of process ``pid`` so far."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
-    return (utime + stime) / os.sysconf("SC_CLK_TCK")
-
 
 def loadavg() -> list[str]:
     try:

@@ -184,6 +184,19 @@ def _sizes(result: dict) -> str:
             f"tokq with {'one gateway process' if procs == 1 else f'{procs} gateway processes'}.")
 
 
+def _cpu(result: dict) -> str:
+    """The cores each of tokq's processes used at the highest rate it sustained (which one was
+    near a whole core), when the bench counted them."""
+    from tokq.profiling.bench.service.report import cpu_cores
+
+    tokqs = [s for s in result["bench"]["systems"] if s["kind"] == "tokq" and s.get("sustainable")]
+    best = max(tokqs, key=lambda s: s["sustainable_rps"], default=None)
+    if not best or not best["sustainable"].get("cpu_cores"):
+        return "CPU per process: not counted by this run."
+    return (f"CPU at {best['name']}'s {best['sustainable_rps']:.0f} req/s, in cores: "
+            f"{cpu_cores(best['sustainable'])}.")
+
+
 def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], command: str) -> str:
     measured = sorted(r["profile"].get("started_at", "") for r in results if "profile" in r)
     lines = [SECTION_START, "## GPU benchmark", "", f"Command: `{command}`  ",
@@ -220,7 +233,8 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
         lines.append(f"| {r['name']} | {prof['dtype']} | {prof.get('recommended_budget') or '–'} | {fwd} | {flops} "
                      f"| {mfu} | {_rate(profiled)} | {_rate(defaults)}{default_budget} | {_rate(ref)} "
                      f"| {_ratio(best, ref)} | {cos_cell} |")
-    lines += [""] + [f"- {r['name']}: {r['profile']['summary']} {_sizes(r)}" for r in results if "error" not in r]
+    lines += [""] + [f"- {r['name']}: {r['profile']['summary']} {_sizes(r)} {_cpu(r)}" for r in results
+                     if "error" not in r]
     lines += ["", "Full service-benchmark tables: the JSON files beside this section's command output "
               "(`gpu-bench-<model>.json`, re-render with `tokq bench report`).", "", SECTION_END]
     return "\n".join(lines) + "\n"

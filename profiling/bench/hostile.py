@@ -36,6 +36,7 @@ from tokq.profiling.bench.workers import start_worker, wait_heartbeats
 from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
+from tokq.profiling.bench.proc_cpu import proc_cpu_s
 from tokq.profiling.results_md import block, command_line, write_block
 from tokq.redis_server import EmbeddedRedis, free_port
 from tokq.v1 import embedder_pb2 as pb
@@ -174,9 +175,9 @@ def _reference(ctx, gateway_target: str, gateway_stub, gateway_pid: int, specs: 
             _probe_noop(stub, 1.0, pace_s)  # warm-up
             idle = _probe_noop(stub, phase_s, pace_s)
             with _abusers(ctx, target, specs[name]) as (_, counts):
-                cpu0, t0, replies0 = _cpu_s(pid), time.monotonic(), sum(counts[:])
+                cpu0, t0, replies0 = proc_cpu_s(pid), time.monotonic(), sum(counts[:])
                 abused = _probe_noop(stub, phase_s, pace_s)
-                cpu_s, wall = _cpu_s(pid) - cpu0, time.monotonic() - t0
+                cpu_s, wall = proc_cpu_s(pid) - cpu0, time.monotonic() - t0
                 replies = sum(counts[:]) - replies0  # during the probe's window
             _settle(pid)
             rows[label] = {**_compared(idle, abused), "calls": len(abused),
@@ -187,12 +188,6 @@ def _reference(ctx, gateway_target: str, gateway_stub, gateway_pid: int, specs: 
         bare.kill()
         bare.join(10)
     return {"scenario": name, "servers": rows}
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _probe(stub, duration_s: float, pace_s: float, errors: dict | None = None,
@@ -263,12 +258,12 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
                 res["idle"] += _probe(stub, phase_s, pace_s, res["probe_errors"], res["idle_timings"])
                 with _abusers(ctx, target, spec) as (abuser, counts):
                     pids = {**procs, "abusers": abuser.pid, "probe": os.getpid()}
-                    cpu0 = {k: _cpu_s(p) for k, p in pids.items()}
+                    cpu0 = {k: proc_cpu_s(p) for k, p in pids.items()}
                     t0 = time.monotonic()
                     res["abused"] += _probe(stub, phase_s, pace_s, res["probe_errors"], res["abused_timings"])
                     wall = time.monotonic() - t0
                     for k, p in pids.items():
-                        res["cpu_s"].setdefault(k, []).append((_cpu_s(p) - cpu0[k]) / wall)
+                        res["cpu_s"].setdefault(k, []).append((proc_cpu_s(p) - cpu0[k]) / wall)
                 for i, code in enumerate(_CODES + ["other"]):
                     res["codes"][code] = res["codes"].get(code, 0) + counts[i]
                 if not _drain(r, keys):
@@ -320,9 +315,9 @@ def _settle(pid: int, timeout_s: float = 30.0, window_s: float = 0.5, busy: floa
     would otherwise measure."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        before = _cpu_s(pid)
+        before = proc_cpu_s(pid)
         time.sleep(window_s)
-        if _cpu_s(pid) - before < busy * window_s:
+        if proc_cpu_s(pid) - before < busy * window_s:
             return
 
 

@@ -26,7 +26,8 @@ from datetime import datetime, timezone
 
 import click
 
-from tokq.profiling.bench.gateway_cpu import loadavg, proc_cpu_s
+from tokq.profiling.bench.gateway_cpu import loadavg
+from tokq.profiling.bench.proc_cpu import proc_cpu_s
 from tokq.profiling.results_md import command_line, markers, write_block
 
 BLOCK = "tokq bench http-cpu"

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import click
 
-from tokq.profiling.bench.gateway_cpu import loadavg, proc_cpu_s
+from tokq.profiling.bench.gateway_cpu import loadavg
+from tokq.profiling.bench.proc_cpu import proc_cpu_s
 from tokq.profiling.bench.service.run import cpu_busy_s
 
 from tokq.profiling.results_md import command_line, markers, write_block

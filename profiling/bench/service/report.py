@@ -166,9 +166,16 @@ def _batch_table(report: dict) -> list[str]:
     return rows
 
 
+def cpu_cores(step: dict | None) -> str:
+    """The cores each process of a step used ("gateway 0.9, worker 1.0, ..."); '–' before
+    `tokq bench service` counted them."""
+    cores = (step or {}).get("cpu_cores")
+    return ", ".join(f"{role} {c:.2f}" for role, c in cores.items()) if cores else "–"
+
+
 def _steps_table(report: dict) -> list[str]:
     rows = ["| system | offered req/s | sent req/s | done req/s | tokens/s | p50 ms | p90 ms | p99 ms | max ms "
-            "| errors | send lag p99 ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+            "| errors | send lag p99 ms | CPU cores by process |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for s in report["systems"]:
         for st in sorted(s["steps"], key=lambda x: x["offered_rps"]):
             lat = st["latency_ms"]
@@ -177,7 +184,7 @@ def _steps_table(report: dict) -> list[str]:
             rows.append(f"| {s['name']} | {st['offered_rps']:.1f} | {fmt(st.get('scheduled_rps'), 1)} "
                         f"| {st['throughput_rps']:.1f} "
                         f"| {fmt(st['tokens_per_s'])} | {fmt(lat['p50'])} | {fmt(lat['p90'])} "
-                        f"| {fmt(lat['p99'])} | {fmt(lat['max'])} | {errors} | {lag} |")
+                        f"| {fmt(lat['p99'])} | {fmt(lat['max'])} | {errors} | {lag} | {cpu_cores(st)} |")
     return rows
 
 

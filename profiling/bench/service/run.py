@@ -8,12 +8,14 @@ import asyncio
 import os
 import platform
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from tokq.host import cpu_name, vector_extension
 from tokq.profiling.bench import loadgen
+from tokq.profiling.bench.proc_cpu import cores_between, cpu_by_role
 from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender,
                                                   min_cosine, start_system)
 from tokq.profiling.results_md import command_line
@@ -55,9 +57,14 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
         task = progress.add_task(f"{label} @ {rate:.0f} req/s", total=len(arrivals)) if progress else None
         on_done = (lambda _s: progress.advance(task)) if progress else None
         before = system.batch_snapshot()
+        roles = system.process_roles()
+        cpu_before, wall_before = {**cpu_by_role(roles), "load generator": time.process_time()}, time.monotonic()
         samples = await loadgen.run_open_loop(sender, arrivals, on_done=on_done)
+        cpu_after = {**cpu_by_role(roles), "load generator": time.process_time()}
         summary = loadgen.summarize(samples, rate, duration_s)
         summary["batches"] = batch_stats(before, system.batch_snapshot())
+        # Cores each part used during the step: the one near 1.0 (a Python process) limits it.
+        summary["cpu_cores"] = cores_between(cpu_before, cpu_after, time.monotonic() - wall_before)
         if progress:
             kept_up = "" if summary["generator_kept_up"] else ", LOAD GENERATOR FELL BEHIND"
             progress.console.print(

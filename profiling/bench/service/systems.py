@@ -22,6 +22,7 @@ from tokq.health import wait_for_health
 from tokq.keys import QueueKeys
 from tokq.processes import stop_all
 from tokq.profiling.bench.loadgen import Reply
+from tokq.profiling.bench.proc_cpu import cmdline, descendants
 from tokq.redis_server import EmbeddedRedis, free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -158,6 +159,17 @@ class RunningSystem:
         self.metrics_port = metrics_port
         self.token_budget = 0  # tokq: the budget its worker serves at (its heartbeat says)
         self.budget_source = ""  # and where it came from (workers/worker.py's budget_source)
+
+    def process_roles(self) -> dict[str, list[int]]:
+        """The system's processes by role, for their CPU time: tokq's gateway (every process
+        of it), worker(s) and Redis; a baseline's server (with any children)."""
+        tree = descendants(self.proc.pid)
+        if self.redis_server is None:
+            return {"server": [self.proc.pid, *tree]}
+        gateways = [pid for pid in tree if "gateway" in cmdline(pid)]  # tokq up's children, by subcommand
+        return {"gateway": gateways + [d for pid in gateways for d in descendants(pid)],
+                "worker": [pid for pid in tree if "worker" in cmdline(pid)],
+                "redis": [self.redis_server.pid] if self.redis_server.pid else []}
 
     def batch_snapshot(self) -> dict | None:
         """Cumulative batch counters of a tokq deployment (None for a baseline)."""

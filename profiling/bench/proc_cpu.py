@@ -1,0 +1,63 @@
+"""CPU time of processes, read from /proc (Linux): what each part of a running service costs,
+so a benchmark can say which process saturates first (a Python process near 1.0 core is)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU-seconds of every thread of process ``pid`` so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children of any of its threads, and theirs)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:  # gone meanwhile
+            continue
+        for task in tasks:
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
+    """CPU-seconds so far of each role's processes together (a process gone is left out)."""
+    out: dict[str, float] = {}
+    for role, pids in roles.items():
+        total = 0.0
+        for pid in pids:
+            try:
+                total += proc_cpu_s(pid)
+            except (OSError, ValueError, IndexError):
+                pass
+        out[role] = total
+    return out
+
+
+def cores_between(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Each role's CPU use between two ``cpu_by_role`` readings, in cores (CPU-s per second)."""
+    if wall_s <= 0:
+        return {}
+    return {role: round(max(0.0, after[role] - before.get(role, 0.0)) / wall_s, 2) for role in after}

@@ -1,0 +1,60 @@
+"""`tokq bench service` counts CPU per process: each step says how many cores tokq's gateway,
+worker, Redis and the load generator used (which one saturates first), read from /proc for a
+real `tokq up` with two gateway processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from tokq.profiling.bench import loadgen
+from tokq.profiling.bench.proc_cpu import cores_between, cpu_by_role, descendants, proc_cpu_s
+
+pytestmark = pytest.mark.slow
+
+
+def test_cpu_of_a_busy_child_is_counted_and_a_gone_one_is_not():
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 1.5\nwhile time.time() < t: pass"])
+    try:
+        assert child.pid in descendants(os.getpid())
+        time.sleep(1.0)
+        assert cpu_by_role({"busy": [child.pid]})["busy"] >= 0.2  # a spinning process, even on a busy machine
+    finally:
+        child.wait(timeout=30)
+    assert cpu_by_role({"busy": [child.pid]}) == {"busy": 0.0}  # reaped: nothing to read, not an error
+    assert proc_cpu_s(os.getpid()) > 0
+    assert cores_between({"a": 1.0}, {"a": 2.5}, 3.0) == {"a": 0.5} and cores_between({}, {"a": 1.0}, 0) == {}
+
+
+def test_each_step_says_the_cores_of_tokqs_gateway_worker_redis_and_load_generator(monkeypatch):
+    from tokq.profiling.bench.service.cli import system_specs
+    from tokq.profiling.bench.service.run import BenchOptions, measure
+    from tokq.profiling.bench.service.systems import start_system
+    import dataclasses
+
+    monkeypatch.setenv("TOKQ_LATENCY_GOAL_MS", "0")  # the device default, not a fit to this moment's speed
+    (spec,) = system_specs(["tokq-defaults"], budgets=[1024], profiled_budget=None, padded_max_batch=32,
+                           padded_max_wait_ms=10.0)
+    system = start_system(dataclasses.replace(spec, gateway_procs=2), threads=1)
+    try:
+        roles = system.process_roles()
+        assert len(roles["worker"]) == 1 and len(roles["redis"]) == 1
+        assert len(roles["gateway"]) >= 3  # the parent and its two processes (and the resource tracker)
+        queries = loadgen.load_queries(None, 200, 5)[0]  # generated, with texts
+        options = BenchOptions(rate=20.0, step_duration_s=2.0, timeout_s=10.0, slo_ms=5000.0)
+        result = asyncio.run(measure(system, queries, options))
+    finally:
+        system.close()
+    (step,) = result["steps"]
+    cores = step["cpu_cores"]
+    assert set(cores) == {"gateway", "worker", "redis", "load generator"}
+    # 40 calls in 2 s: every part worked, none used more than the machine has
+    assert all(0 < c <= (os.cpu_count() or 1) for c in cores.values()), cores
+    # the worker's metrics were read past the two gateways' ports: the batch figures are there
+    assert step["batches"]["num_batches"] > 0 and step["batches"]["tokens_per_batch"] > 0
