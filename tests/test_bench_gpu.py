@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,3 +161,23 @@ def test_resume_does_not_pair_a_profile_with_an_older_bench(tmp_path):
     later = {**_profile(), "started_at": "2026-11-26T10:30:00+00:00"}  # a new profile, the same budget
     (tmp_path / "gpu-profile-m.json").write_text(json.dumps(later))
     assert saved_result("m", tmp_path) is None
+
+
+def test_each_model_runs_tokq_up_defaults_before_the_profiled_budget(tmp_path, monkeypatch):
+    """The first GPU run had the profiled budget first, and it served less on both models; the
+    defaults now run first, so the next run tells a budget effect from an order effect."""
+    from tokq.profiling.bench import gpu
+
+    calls = []
+
+    def tokq(*args):
+        calls.append(args)
+        out = Path(args[args.index("--out") + 1])
+        out.write_text(json.dumps(_profile(budget=8192) if args[0] == "profile" else _bench()))
+
+    monkeypatch.setattr(gpu, "_tokq", tokq)
+    gpu.run_model("m", None, tmp_path, quick=True)
+    bench = calls[1]
+    systems = [bench[i + 1] for i, a in enumerate(bench) if a == "--system"]
+    assert systems == ["tokq-defaults", "tokq", "one-at-a-time"]
+    assert bench[bench.index("--token-budgets") + 1] == "8192"

@@ -96,9 +96,13 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gat
     budget = profile.get("recommended_budget")
     bench_json = out_dir / f"gpu-bench-{name}.json"
     bench_model = ["--model", str(model_dir)] if model_dir else []
-    systems = ["--system", "tokq-defaults", "--system", "one-at-a-time"]
+    # The defaults first, then the profiled budget: the first GPU run had them the other way and
+    # the profiled budget served less on both models, so this order tells a budget effect from
+    # an order effect (systems run in the order given).
+    systems = ["--system", "tokq-defaults"]
     if budget:  # "tokq" runs at the last of --token-budgets
-        systems = ["--system", "tokq", "--token-budgets", str(budget), *systems]
+        systems += ["--system", "tokq", "--token-budgets", str(budget)]
+    systems += ["--system", "one-at-a-time"]
     # A GPU serves hundreds to thousands of requests a second: quick steps start higher and
     # grow faster, so each system reaches its limit in a few 2-second steps.
     steps = QUICK_STEPS if quick else []
