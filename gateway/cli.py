@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection
 import signal
 import sys
 
@@ -25,6 +26,15 @@ def _run_one(gateway_values: dict, queue_values: dict) -> None:
     with asyncio.Runner(loop_factory=loop_factory(config.event_loop)) as runner:
         runner.run(serve(config, cfg.load(cfg.QueueConfig, queue_values),
                          on_ready=lambda port: yield_to_loop_thread()))
+
+
+def _run_child(gateway_values: dict, queue_values: dict) -> None:
+    """One of `--procs N` gateway processes: it dies with the parent (killed outright, its
+    children would hold the ports)."""
+    from tokq.processes import die_with_parent
+
+    die_with_parent()
+    _run_one(gateway_values, queue_values)
 
 
 @click.command("gateway")
@@ -55,17 +65,30 @@ def gateway_command(procs: int, **values) -> None:
         child_values = dict(gateway_values)
         if base.metrics_port:
             child_values["metrics_port"] = base.metrics_port + i
-        proc = ctx.Process(target=_run_one, args=(child_values, queue_values), name=f"tokq-gateway-{i}")
+        proc = ctx.Process(target=_run_child, args=(child_values, queue_values), name=f"tokq-gateway-{i}")
         proc.start()
         children.append(proc)
 
+    asked_to_stop = []
+
     def _stop(*_):
+        asked_to_stop.append(True)
         for proc in children:
             if proc.is_alive():
                 proc.terminate()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    # One process ending unasked ends them all: the port would otherwise serve fewer processes'
+    # worth, silently; a supervisor (tokq up, Kubernetes) restarts the whole gateway instead.
+    ready = multiprocessing.connection.wait([proc.sentinel for proc in children])
+    first = next(proc for proc in children if proc.sentinel in ready)
+    first.join()  # its sentinel closes as it exits, a moment before it can be reaped
+    unasked = not asked_to_stop
+    if unasked:
+        logging.getLogger("tokq.gateway").error("gateway process %s exited (%s); stopping the others",
+                                                first.name, first.exitcode)
+    _stop()
     for proc in children:
         proc.join()
-    sys.exit(max((p.exitcode or 0) for p in children))
+    sys.exit(((first.exitcode or 0) if (first.exitcode or 0) > 0 else 1) if unasked else 0)

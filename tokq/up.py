@@ -1,10 +1,10 @@
-"""`tokq up`: the whole service on one machine — an embedded Redis (none with --redis-url), one
-gateway, N workers — as child processes supervised here. Ctrl-C (or SIGTERM) stops them all;
-children also die with this process (PR_SET_PDEATHSIG), so nothing is left behind."""
+"""`tokq up`: the whole service on one machine — an embedded Redis (none with --redis-url), the
+gateway (one process or --gateway-procs), N workers — as child processes supervised here. Ctrl-C
+(or SIGTERM) stops them all; children also die with this process (PR_SET_PDEATHSIG), and the
+gateway's own processes with it, so nothing is left behind."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import signal
@@ -16,24 +16,14 @@ import click
 
 from tokq import config as cfg
 from tokq.health import ExitedDuringStartup, wait_for_health
-from tokq.processes import stop_all
+from tokq.processes import die_with_parent, stop_all
 from tokq.redis_server import EmbeddedRedis, free_port, redact_url
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: the signal handlers below still clean up
-        pass
-
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     # Secrets (the Redis URL's password, API keys) travel in the environment, never in argv:
     # any local user can read a process's command line with `ps`.
     return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args], env=env,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
 
 
 def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) -> None:

@@ -1,0 +1,71 @@
+"""`tokq gateway --procs N` (what `tokq up --gateway-procs` runs): one process ending unasked ends
+them all with a non-zero exit (its supervisor restarts the gateway instead of the port serving
+fewer processes' worth), and its processes die with it when it is killed outright."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from service_stack import ServiceStack
+
+pytestmark = pytest.mark.slow
+
+
+def _gateway_processes(pid: int) -> list[int]:
+    kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def _gone(pid: int, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def stack():
+    s = ServiceStack()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _start(stack) -> list[int]:
+    stack.start_gateway("--procs", "2")
+    deadline = time.monotonic() + 60
+    while len(procs := _gateway_processes(stack.gateway.pid)) < 2:
+        assert time.monotonic() < deadline, "two gateway processes never appeared"
+        time.sleep(0.1)
+    return procs
+
+
+def test_one_process_dying_ends_the_gateway_with_an_error(stack):
+    first, second = _start(stack)
+    os.kill(first, signal.SIGKILL)
+    assert stack.gateway.wait(timeout=60) != 0
+    assert _gone(second)
+
+
+def test_its_processes_die_with_it_when_it_is_killed_outright(stack):
+    procs = _start(stack)
+    stack.kill_gateway()  # SIGKILL: no handler runs, only the kernel's parent-death signal
+    assert all(_gone(pid) for pid in procs)
+
+
+def test_asked_to_stop_it_exits_0(stack):
+    procs = _start(stack)
+    stack.gateway.send_signal(signal.SIGTERM)
+    assert stack.gateway.wait(timeout=60) == 0
+    assert all(_gone(pid) for pid in procs)
