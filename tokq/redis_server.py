@@ -35,6 +35,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(count: int, host: str = "0.0.0.0") -> int:
+    """A port p with p .. p + count - 1 all free, for ports that count up from one (tokq up's
+    metrics: the gateway's processes, then the workers)."""
+    while True:
+        port = free_port(host)
+        try:
+            for candidate in range(port, port + count):
+                with socket.socket() as s:
+                    s.bind((host, candidate))
+            return port
+        except OSError:
+            continue
+
+
 def redact_url(url: str) -> str:
     """The URL with its password (if any) replaced by ***: safe to print or log."""
     try:

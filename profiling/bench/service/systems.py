@@ -23,7 +23,7 @@ from tokq.keys import QueueKeys
 from tokq.processes import stop_all
 from tokq.profiling.bench.loadgen import Reply
 from tokq.profiling.bench.proc_cpu import cmdline, descendants
-from tokq.redis_server import EmbeddedRedis, free_port
+from tokq.redis_server import EmbeddedRedis, free_port, free_port_block
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -147,6 +147,12 @@ def make_sender(system: "RunningSystem", timeout_s: float):
     return GrpcSender(system.target, timeout_s)
 
 
+def _subcommand(pid: int) -> str:
+    """The tokq subcommand a process runs (`python -m tokq.cli gateway ...`: "gateway")."""
+    args = cmdline(pid)
+    return args[args.index("tokq.cli") + 1] if "tokq.cli" in args[:-1] else ""
+
+
 class RunningSystem:
     def __init__(self, spec: SystemSpec, target: str, proc: subprocess.Popen,
                  redis_server: EmbeddedRedis | None = None, metrics_port: int = 0,
@@ -166,9 +172,10 @@ class RunningSystem:
         tree = descendants(self.proc.pid)
         if self.redis_server is None:
             return {"server": [self.proc.pid, *tree]}
-        gateways = [pid for pid in tree if "gateway" in cmdline(pid)]  # tokq up's children, by subcommand
+        gateways = [pid for pid in tree if _subcommand(pid) == "gateway"]
+        workers = [pid for pid in tree if _subcommand(pid) == "worker"]
         return {"gateway": gateways + [d for pid in gateways for d in descendants(pid)],
-                "worker": [pid for pid in tree if "worker" in cmdline(pid)],
+                "worker": workers + [d for pid in workers for d in descendants(pid)],
                 "redis": [self.redis_server.pid] if self.redis_server.pid else []}
 
     def batch_snapshot(self) -> dict | None:
@@ -273,7 +280,7 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
     model_args = ["--model", spec.model] if spec.model else []
     if spec.kind == "tokq":
         redis_server = EmbeddedRedis().start()
-        metrics_port = free_port()
+        metrics_port = free_port_block(spec.gateway_procs + 1)  # the gateways', then the worker's
         if spec.lookahead is not None:
             env["TOKQ_LOOKAHEAD"] = str(spec.lookahead)
         env["TOKQ_REDIS_URL"] = redis_server.url  # in the environment: it holds the password
