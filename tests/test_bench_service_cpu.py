@@ -24,12 +24,14 @@ def test_cpu_of_a_busy_child_is_counted_and_a_gone_one_is_not():
     try:
         assert child.pid in descendants(os.getpid())
         time.sleep(1.0)
-        assert cpu_by_role({"busy": [child.pid]})["busy"] >= 0.2  # a spinning process, even on a busy machine
+        assert cpu_by_role({"busy": [child.pid]})["busy"][child.pid] >= 0.2  # spinning, even on a busy machine
     finally:
         child.wait(timeout=30)
-    assert cpu_by_role({"busy": [child.pid]}) == {"busy": 0.0}  # reaped: nothing to read, not an error
+    assert cpu_by_role({"busy": [child.pid]}) == {"busy": {}}  # reaped: nothing to read, not an error
     assert proc_cpu_s(os.getpid()) > 0
-    assert cores_between({"a": 1.0}, {"a": 2.5}, 3.0) == {"a": 0.5} and cores_between({}, {"a": 1.0}, 0) == {}
+    # per role, over its processes: one that appeared in between counts from zero
+    before, after = {"a": {1: 1.0}}, {"a": {1: 2.5, 2: 0.75}}
+    assert cores_between(before, after, 3.0) == {"a": 0.75} and cores_between({}, after, 0) == {}
 
 
 def test_each_step_says_the_cores_of_tokqs_gateway_worker_redis_and_load_generator(monkeypatch):
@@ -54,7 +56,9 @@ def test_each_step_says_the_cores_of_tokqs_gateway_worker_redis_and_load_generat
     (step,) = result["steps"]
     cores = step["cpu_cores"]
     assert set(cores) == {"gateway", "worker", "redis", "load generator"}
-    # 40 calls in 2 s: every part worked, none used more than the machine has
-    assert all(0 < c <= (os.cpu_count() or 1) for c in cores.values()), cores
+    # 40 calls in 2 s: the Python parts worked (Redis's few ms may round to 0 ticks), none used
+    # more than the machine has
+    assert all(0 <= c <= (os.cpu_count() or 1) for c in cores.values()), cores
+    assert min(cores["gateway"], cores["worker"], cores["load generator"]) > 0, cores
     # the worker's metrics were read past the two gateways' ports: the batch figures are there
     assert step["batches"]["num_batches"] > 0 and step["batches"]["tokens_per_batch"] > 0

@@ -42,22 +42,26 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
-def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
-    """CPU-seconds so far of each role's processes together (a process gone is left out)."""
-    out: dict[str, float] = {}
+def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, dict[int, float]]:
+    """CPU-seconds so far of each role's processes, by pid (a process gone is left out)."""
+    out: dict[str, dict[int, float]] = {}
     for role, pids in roles.items():
-        total = 0.0
+        out[role] = {}
         for pid in pids:
             try:
-                total += proc_cpu_s(pid)
+                out[role][pid] = proc_cpu_s(pid)
             except (OSError, ValueError, IndexError):
                 pass
-        out[role] = total
     return out
 
 
-def cores_between(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
-    """Each role's CPU use between two ``cpu_by_role`` readings, in cores (CPU-s per second)."""
+def cores_between(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]],
+                  wall_s: float) -> dict[str, float]:
+    """Each role's CPU use between two ``cpu_by_role`` readings, in cores (CPU-s per second of
+    ``wall_s``): all its processes and their threads together. A process that appeared in
+    between counts from zero; one that ended in between is lost (its /proc entry is gone)."""
     if wall_s <= 0:
         return {}
-    return {role: round(max(0.0, after[role] - before.get(role, 0.0)) / wall_s, 2) for role in after}
+    return {role: round(sum(max(0.0, cpu - before.get(role, {}).get(pid, 0.0)) for pid, cpu in pids.items())
+                        / wall_s, 3)
+            for role, pids in after.items()}

@@ -47,6 +47,12 @@ def schedule(queries, options: BenchOptions, rate: float, duration_s: float) -> 
     return loadgen.poisson_schedule(queries, rate, duration_s, seed=options.seed)
 
 
+def _cpu_now(system) -> dict[str, dict[int, float]]:
+    """CPU-seconds so far of the system's processes by role, and of this process (the load
+    generator: its sending and receiving threads)."""
+    return {**cpu_by_role(system.process_roles()), "load generator": {os.getpid(): time.process_time()}}
+
+
 async def measure(system, queries, options: BenchOptions, progress=None, *, label: str = "") -> dict:
     """Drive one system through the step search (or one fixed rate) and, for tokq, a run at
     half its sustainable rate."""
@@ -57,14 +63,13 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
         task = progress.add_task(f"{label} @ {rate:.0f} req/s", total=len(arrivals)) if progress else None
         on_done = (lambda _s: progress.advance(task)) if progress else None
         before = system.batch_snapshot()
-        roles = system.process_roles()
-        cpu_before, wall_before = {**cpu_by_role(roles), "load generator": time.process_time()}, time.monotonic()
+        cpu_before, wall_before = _cpu_now(system), time.monotonic()
         samples = await loadgen.run_open_loop(sender, arrivals, on_done=on_done)
-        cpu_after = {**cpu_by_role(roles), "load generator": time.process_time()}
+        cpu_after, wall_s = _cpu_now(system), time.monotonic() - wall_before
         summary = loadgen.summarize(samples, rate, duration_s)
         summary["batches"] = batch_stats(before, system.batch_snapshot())
-        # Cores each part used during the step: the one near 1.0 (a Python process) limits it.
-        summary["cpu_cores"] = cores_between(cpu_before, cpu_after, time.monotonic() - wall_before)
+        # Cores each part used during the step: a single-threaded part near 1.0 limits it.
+        summary["cpu_cores"] = cores_between(cpu_before, cpu_after, wall_s)
         if progress:
             kept_up = "" if summary["generator_kept_up"] else ", LOAD GENERATOR FELL BEHIND"
             progress.console.print(
