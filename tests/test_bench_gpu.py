@@ -180,4 +180,18 @@ def test_each_model_runs_tokq_up_defaults_before_the_profiled_budget(tmp_path, m
     bench = calls[1]
     systems = [bench[i + 1] for i, a in enumerate(bench) if a == "--system"]
     assert systems == ["tokq-defaults", "tokq", "one-at-a-time"]
-    assert bench[bench.index("--token-budgets") + 1] == "8192"
+    assert bench[bench.index("--token-budgets") + 1] == "8192" and "--gateway-procs" not in bench
+    gpu.run_model("m", None, tmp_path, quick=True, gateway_procs=4)  # passed on to the service bench
+    assert calls[3][calls[3].index("--gateway-procs") + 1] == "4"
+
+
+def test_the_section_says_how_many_gateway_processes_and_resume_keeps_to_them(tmp_path):
+    from tokq.profiling.bench.gpu import saved_result
+
+    bench = _bench(_system("tokq", 900.0, token_budget=4096, budget_source="set", gateway_procs=4))
+    md = markdown_section("GPU", None, [{"name": "m", "profile": _profile(), "bench": bench}], "c")
+    assert "tokq with 4 gateway processes." in md
+    (tmp_path / "gpu-profile-m.json").write_text(json.dumps(_profile()))
+    (tmp_path / "gpu-bench-m.json").write_text(json.dumps(bench))
+    assert saved_result("m", tmp_path, gateway_procs=4) is not None
+    assert saved_result("m", tmp_path) is None  # a run with one gateway process does not reuse it

@@ -118,3 +118,16 @@ def test_the_docker_image_listens_on_every_interface():
                dockerfile.split("\nENV ", 1)[1].split("\n\n")[0].splitlines() if "=" in line)
     assert env["TOKQ_HOST"] == "0.0.0.0" and 'CMD ["tokq", "up"]' in dockerfile
     assert cfg.load(cfg.UpConfig, env=env).host == "0.0.0.0"
+
+
+def test_tokq_up_takes_its_gateway_processes_from_the_environment_and_bounds_them():
+    assert cfg.load(cfg.UpConfig, env={}).gateway_procs == 1
+    assert cfg.load(cfg.UpConfig, env={"TOKQ_GATEWAY_PROCS": "4"}).gateway_procs == 4
+    for bad in ("0", "65"):
+        with pytest.raises(cfg.ConfigError):
+            cfg.load(cfg.UpConfig, env={"TOKQ_GATEWAY_PROCS": bad})
+    # every metrics port tokq up may hand out (64 gateway processes, then 256 workers) is a port
+    top = cfg.load(cfg.UpConfig, env={"TOKQ_METRICS_PORT": str(65_535 - 64 - 256)}).metrics_port
+    assert top + 64 + 255 <= 65_535
+    with pytest.raises(cfg.ConfigError):
+        cfg.load(cfg.UpConfig, env={"TOKQ_METRICS_PORT": str(65_535 - 64 - 255)})

@@ -113,10 +113,11 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gat
     return {"name": name, "profile": profile, "bench": json.loads(bench_json.read_text())}
 
 
-def saved_result(name: str, out_dir: Path) -> dict | None:
+def saved_result(name: str, out_dir: Path, gateway_procs: int = 1) -> dict | None:
     """A model's profile and bench JSON from an earlier run into ``out_dir``, if both are there
-    and belong together: the bench started after the profile, and served its recommended budget
-    (a run stopped after a new profile leaves it beside an older bench)."""
+    and belong together (the bench started after the profile, and served its recommended budget:
+    a run stopped after a new profile leaves it beside an older bench) and the bench's tokq ran
+    ``gateway_procs`` gateway processes."""
     profile_json, bench_json = out_dir / f"gpu-profile-{name}.json", out_dir / f"gpu-bench-{name}.json"
     if not (profile_json.exists() and bench_json.exists()):
         return None
@@ -125,6 +126,8 @@ def saved_result(name: str, out_dir: Path) -> dict | None:
     if (bench["meta"].get("started_at", "") < profile.get("started_at", "")
             or (profile.get("recommended_budget") and profile["recommended_budget"] not in budgets)):
         click.echo(f"bench-gpu: {name}: the saved profile and bench in {out_dir} are not from one run", err=True)
+        return None
+    if {s.get("gateway_procs", 1) for s in bench["systems"] if s["kind"] == "tokq"} != {gateway_procs}:
         return None
     return {"name": name, "profile": profile, "bench": bench}
 
@@ -137,7 +140,7 @@ def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Pat
     results an earlier run left in ``out_dir`` is read back, not measured again."""
     results = []
     for name, make_model in models:
-        if resume and (saved := saved_result(name, out_dir)):
+        if resume and (saved := saved_result(name, out_dir, gateway_procs)):
             click.echo(f"bench-gpu: {name}: results of an earlier run in {out_dir}, not measured again", err=True)
             results.append(saved)
             continue
@@ -259,7 +262,7 @@ def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
     """On a CUDA host: profile and bench the bundled MiniLM and a Qwen3-0.6B-shaped model (`make bench-gpu`)."""
     out = Path(out_dir)
     names = ["all-MiniLM-L6-v2", QWEN3_NAME]
-    if resume and all(saved_result(name, out) for name in names):
+    if resume and all(saved_result(name, out, gateway_procs) for name in names):
         # Nothing left to measure: the section is rendered from the saved results, GPU or not.
         results = run_models([(name, lambda: None) for name in names], out, quick, resume, gateway_procs)
     else:
