@@ -29,6 +29,16 @@ def free_port_pair(count: int = 2) -> int:
     return free_port_block(count)
 
 
+def alive(pid: int) -> bool:
+    """The process runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
 def delivered_reply(r: redis.Redis, key: bytes) -> bool:
     """A complete reply whose results went out in its completion notice: kept only a short grace
     (tokq.queue.COLLECT_GRACE_MS) for a gateway that missed the notice, then gone by itself. A

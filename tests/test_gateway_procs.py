@@ -7,30 +7,22 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
-from service_stack import ServiceStack
+from service_stack import ServiceStack, alive
+
+from tokq.profiling.bench.spread import gateway_children
 
 pytestmark = pytest.mark.slow
 
 
-def _gateway_processes(pid: int) -> list[int]:
-    kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
-
-
 def _gone(pid: int, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
-    return False
+    return True
 
 
 @pytest.fixture
@@ -45,7 +37,7 @@ def stack():
 def _start(stack) -> list[int]:
     stack.start_gateway("--procs", "2")
     deadline = time.monotonic() + 60
-    while len(procs := _gateway_processes(stack.gateway.pid)) < 2:
+    while len(procs := gateway_children(stack.gateway.pid)) < 2:
         assert time.monotonic() < deadline, "two gateway processes never appeared"
         time.sleep(0.1)
     return procs

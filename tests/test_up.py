@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from tokq.redis_server import free_port
-from service_stack import ctrl_c_reaches_it, free_port_pair, read_until_serving
+from service_stack import alive, ctrl_c_reaches_it, free_port_pair, read_until_serving
 
 pytestmark = pytest.mark.slow
 
@@ -23,16 +23,6 @@ pytestmark = pytest.mark.slow
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is gone for our purposes; read its state
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_tokq_up_serves_and_ctrl_c_stops_everything():
@@ -76,7 +66,7 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     time.sleep(0.5)
-    assert [pid for pid in children if _alive(pid)] == []
+    assert [pid for pid in children if alive(pid)] == []
 
 
 def test_tokq_up_spreads_calls_over_gateway_processes():
@@ -84,6 +74,7 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
     metrics (port +0, +1), the worker's come after them (+2), a client's calls reach both, and
     Ctrl-C stops them all."""
     from tokq import Client
+    from tokq.profiling.bench.spread import gateway_children
     from test_client_spread import embed_counts
 
     port, metrics_port = free_port(), free_port_pair(3)
@@ -99,8 +90,7 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         assert f":{metrics_port}/metrics (and :{metrics_port + 1}), worker 0 :{metrics_port + 2}" in text
         gateway_parent = next(pid for pid in _children(proc.pid)
                               if b"gateway" in open(f"/proc/{pid}/cmdline", "rb").read())
-        gateways = [pid for pid in _children(gateway_parent)  # not multiprocessing's resource tracker
-                    if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        gateways = gateway_children(gateway_parent)
         assert len(gateways) == 2
         deadline = time.monotonic() + 90
         while True:  # the health check answered from one process; wait for both
@@ -122,4 +112,4 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     time.sleep(0.5)
-    assert gateways and [pid for pid in gateways if _alive(pid)] == []
+    assert gateways and [pid for pid in gateways if alive(pid)] == []

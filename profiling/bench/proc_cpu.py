@@ -15,23 +15,29 @@ def proc_cpu_s(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (from any of its threads); none if it is gone."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # gone meanwhile
+        return []
+    kids: list[int] = []
+    for task in tasks:
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children of any of its threads, and theirs)."""
+    """Every process below ``pid``: its children, theirs, and so on."""
     found: list[int] = []
     todo = [pid]
     while todo:
-        parent = todo.pop()
-        try:
-            tasks = list(Path(f"/proc/{parent}/task").iterdir())
-        except OSError:  # gone meanwhile
-            continue
-        for task in tasks:
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
     return found
 
 

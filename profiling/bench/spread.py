@@ -31,7 +31,7 @@ from pathlib import Path
 import click
 
 from tokq.profiling.bench.gateway_cpu import loadavg
-from tokq.profiling.bench.proc_cpu import proc_cpu_s
+from tokq.profiling.bench.proc_cpu import children, cmdline, proc_cpu_s
 from tokq.profiling.bench.service.run import cpu_busy_s
 
 from tokq.profiling.results_md import command_line, markers, write_block
@@ -62,8 +62,7 @@ def ok_calls(metrics_port: int, rpc: str) -> float:
 def gateway_children(pid: int) -> list[int]:
     """The gateway processes `--procs N` started (multiprocessing's spawned workers, not its
     resource tracker)."""
-    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [c for c in children(pid) if any("spawn_main" in arg for arg in cmdline(c))]
 
 
 class Gateway:

@@ -22,7 +22,7 @@ from tokq.health import wait_for_health
 from tokq.keys import QueueKeys
 from tokq.processes import stop_all
 from tokq.profiling.bench.loadgen import Reply
-from tokq.profiling.bench.proc_cpu import cmdline, descendants
+from tokq.profiling.bench.proc_cpu import children, cmdline, descendants
 from tokq.redis_server import EmbeddedRedis, free_port, free_port_block
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -169,14 +169,13 @@ class RunningSystem:
     def process_roles(self) -> dict[str, list[int]]:
         """The system's processes by role, for their CPU time: tokq's gateway (every process
         of it), worker(s) and Redis; a baseline's server (with any children)."""
-        tree = descendants(self.proc.pid)
         if self.redis_server is None:
-            return {"server": [self.proc.pid, *tree]}
-        gateways = [pid for pid in tree if _subcommand(pid) == "gateway"]
-        workers = [pid for pid in tree if _subcommand(pid) == "worker"]
-        return {"gateway": gateways + [d for pid in gateways for d in descendants(pid)],
-                "worker": workers + [d for pid in workers for d in descendants(pid)],
-                "redis": [self.redis_server.pid] if self.redis_server.pid else []}
+            return {"server": [self.proc.pid, *descendants(self.proc.pid)]}
+        roles: dict[str, list[int]] = {"gateway": [], "worker": []}
+        for child in children(self.proc.pid):  # tokq up's: each with its own processes below it
+            if (role := _subcommand(child)) in roles:
+                roles[role] += [child, *descendants(child)]
+        return {**roles, "redis": [self.redis_server.pid] if self.redis_server.pid else []}
 
     def batch_snapshot(self) -> dict | None:
         """Cumulative batch counters of a tokq deployment (None for a baseline)."""
