@@ -133,16 +133,15 @@ def saved_result(name: str, out_dir: Path, gateway_procs: int = 1) -> dict | Non
 
 
 def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Path, quick: bool,
-               resume: bool = False, gateway_procs: int = 1) -> list[dict]:
+               saved: dict[str, dict] | None = None, gateway_procs: int = 1) -> list[dict]:
     """Each model in turn (``models``: name, and what makes its directory, None for the bundled
     one); one that fails is reported with its error and the others still run (a GPU lease is
-    too short to lose every figure to one model's failure). With ``resume``, a model whose
-    results an earlier run left in ``out_dir`` is read back, not measured again."""
+    too short to lose every figure to one model's failure). A model in ``saved`` (its
+    ``saved_result``) is not measured again."""
     results = []
     for name, make_model in models:
-        if resume and (saved := saved_result(name, out_dir, gateway_procs)):
-            click.echo(f"bench-gpu: {name}: results of an earlier run in {out_dir}, not measured again", err=True)
-            results.append(saved)
+        if name in (saved or {}):
+            results.append(saved[name])
             continue
         try:
             results.append(run_model(name, make_model(), out_dir, quick, gateway_procs))
@@ -262,9 +261,12 @@ def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
     """On a CUDA host: profile and bench the bundled MiniLM and a Qwen3-0.6B-shaped model (`make bench-gpu`)."""
     out = Path(out_dir)
     names = ["all-MiniLM-L6-v2", QWEN3_NAME]
-    if resume and all(saved_result(name, out, gateway_procs) for name in names):
+    saved = {name: r for name in names if (r := saved_result(name, out, gateway_procs))} if resume else {}
+    for name in saved:
+        click.echo(f"bench-gpu: {name}: results of an earlier run in {out}, not measured again", err=True)
+    if len(saved) == len(names):
         # Nothing left to measure: the section is rendered from the saved results, GPU or not.
-        results = run_models([(name, lambda: None) for name in names], out, quick, resume, gateway_procs)
+        results = [saved[name] for name in names]
     else:
         import torch
 
@@ -276,7 +278,7 @@ def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
         with tempfile.TemporaryDirectory(prefix="tokq-bench-gpu-") as tmp:
             results = run_models([(names[0], lambda: None),
                                   (QWEN3_NAME, lambda: build_qwen3_shaped(Path(tmp) / QWEN3_NAME))],
-                                 out, quick, resume, gateway_procs)
+                                 out, quick, saved, gateway_procs)
     from tokq.flops import device_peak_flops  # a GPU's name looks its peak up as a device would
 
     gpu = next((r["profile"]["device_name"] for r in results if "profile" in r), None)
