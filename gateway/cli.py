@@ -91,4 +91,5 @@ def gateway_command(procs: int, **values) -> None:
     _stop()
     for proc in children:
         proc.join()
-    sys.exit(((first.exitcode or 0) if (first.exitcode or 0) > 0 else 1) if unasked else 0)
+    if unasked:  # its own code, or 1 when it ended by a signal (negative) or cleanly (0)
+        sys.exit(first.exitcode if first.exitcode and first.exitcode > 0 else 1)
