@@ -1,9 +1,11 @@
-"""Connect timeouts are retried, read timeouts are not (tokq/connection.py).
+"""Connect timeouts are retried; read timeouts are not, but on a Redis Cluster (tokq/connection.py).
 
 A first connect slower than CONNECT_TIMEOUT_S (a loaded machine, a busy Redis slow to accept)
 is tried again by the connection itself: nothing was sent on it yet. A command whose answer does
 not come within the socket timeout fails to the caller, run once: it may have run, and the
-caller decides. Real servers; the slow connect is the socket connect step made slow.
+caller decides. On a Redis Cluster, redis-py's cluster client resends it itself, up to three
+tries: the README's promise for a silent cluster node. Real servers; the slow connect is the
+socket connect step made slow, the silent node a proxy in front of it.
 """
 
 from __future__ import annotations
@@ -110,3 +112,70 @@ async def test_a_command_whose_answer_times_out_is_not_sent_again(redis_url, mon
     finally:
         await client.aclose()
         proxy.close()
+
+
+
+def _cluster_client_proxied(monkeypatch, cluster, owner: int, proxy: FaultProxy):
+    """tokq's cluster client (connect(), its settings untouched), its links to node ``owner``
+    going through ``proxy`` (redis-py's address_remap)."""
+    from_url = tokq.connection.BoundedRedisCluster.from_url.__func__
+
+    def via_proxy(cls, url, **kwargs):
+        remap = lambda address: ("127.0.0.1", proxy.port) if address[1] == owner else address
+        return from_url(cls, url, address_remap=remap, **kwargs)
+
+    monkeypatch.setattr(tokq.connection.BoundedRedisCluster, "from_url", classmethod(via_proxy))
+    return connect(cluster.url, cluster="yes")
+
+
+def _value_on_node(cluster, port: int, key: str) -> int:
+    with contextlib.closing(redis.Redis.from_url(cluster.node_url(port))) as direct:
+        return int(direct.get(key))
+
+
+@pytest.mark.redis_kinds("cluster")
+async def test_a_silent_cluster_node_is_tried_three_times_then_reported(redis_url, redis_cluster,
+                                                                       monkeypatch):
+    # The README's UNAVAILABLE row: a Redis Cluster's node that stops answering is reported
+    # after the cluster client's three tries (each re-reads the slot map first: a silent
+    # primary may have been failed over), never a hang.
+    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 0.5)
+    owner = redis_cluster.owner_port("silent")
+    proxy = FaultProxy(redis_cluster.node_url(owner)).start()
+    client = _cluster_client_proxied(monkeypatch, redis_cluster, owner, proxy)
+    loop = asyncio.get_running_loop()
+    try:
+        assert await client.incr("silent") == 1  # connected through the proxy
+        proxy.stall()
+        start = loop.time()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await asyncio.wait_for(client.incr("silent"), 30)
+        elapsed = loop.time() - start
+    finally:
+        proxy.stall(False)
+        await client.aclose()
+        proxy.close()
+    tries = 3 * tokq.connection.SOCKET_TIMEOUT_S
+    assert tries <= elapsed < tries + 3  # three socket timeouts (one would be a third of it)
+    # The first try ran; the later ones, on new connections, may stop at the silent handshake.
+    assert 2 <= _value_on_node(redis_cluster, owner, "silent") <= 1 + 3
+
+
+@pytest.mark.redis_kinds("cluster")
+async def test_a_timed_out_command_is_sent_again_on_a_cluster(redis_url, redis_cluster,
+                                                               monkeypatch):
+    # Unlike the standalone client (the test above it), redis-py's cluster client resends a
+    # command whose answer timed out (RedisCluster.ERRORS_ALLOW_RETRY): the command runs
+    # twice, which the queue scripts' idempotency makes safe (tokq/connection.py's _retry).
+    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 0.5)
+    owner = redis_cluster.owner_port("resent")
+    proxy = FaultProxy(redis_cluster.node_url(owner)).start()
+    client = _cluster_client_proxied(monkeypatch, redis_cluster, owner, proxy)
+    try:
+        assert await client.incr("resent") == 1
+        proxy.hold_next(b"INCR")  # this connection's answers withheld; a new one answers
+        assert await asyncio.wait_for(client.incr("resent"), 30) == 3
+    finally:
+        await client.aclose()
+        proxy.close()
+    assert _value_on_node(redis_cluster, owner, "resent") == 3

@@ -193,8 +193,8 @@ def _cluster_client(url: str, max_connections: int) -> RedisCluster:
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_keepalive=True,
-        # Connection errors and CLUSTERDOWN are retried after re-reading the slot map (how a
-        # failover is followed); the cluster client does not retry timeouts' replies twice.
+        # Connection errors, timeouts and CLUSTERDOWN are retried after re-reading the slot map
+        # (how a failover is followed; see _retry).
         retry=_retry(),
         # While one primary fails over, the slots of the others keep serving.
         require_full_coverage=False,
