@@ -44,6 +44,7 @@ class FaultProxy:
         self._rate, self._rate_match = 0.0, (b"",)  # and this fraction of those holding one of these
         self._rng = random.Random(seed)
         self._stalled = False  # withhold every answer, connections left open
+        self._resumed: asyncio.Event | None = None  # cleared: answers wait (pause)
         self._server: asyncio.base_events.Server | None = None
         # Open connections (by their handler task): the first 64 KiB each client sent.
         self._connections: dict[asyncio.Task, bytearray] = {}
@@ -103,6 +104,13 @@ class FaultProxy:
         with self._lock:
             self._stalled = stalled
 
+    def pause(self, paused: bool = True) -> None:
+        """Delay every answer while ``paused``, connections left open; unpaused, the withheld
+        answers arrive, in order (a Redis slow to answer, where ``stall`` is one gone silent)."""
+        async def flip():
+            (self._resumed.clear if paused else self._resumed.set)()
+        asyncio.run_coroutine_threadsafe(flip(), self._loop).result(10)
+
     def reset(self) -> None:
         with self._lock:
             self._cut_next.clear()
@@ -145,6 +153,8 @@ class FaultProxy:
     # -- forwarding ---------------------------------------------------------------------------
 
     async def _serve(self) -> int:
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         return self._server.sockets[0].getsockname()[1]
 
@@ -171,6 +181,7 @@ class FaultProxy:
 
         async def to_client():
             while data := await upstream_r.read(65536):
+                await self._resumed.wait()
                 if drop_answer.is_set():
                     return  # the command ran (Redis answered); the answer is lost
                 if self._stalled or hold_answers.is_set():

@@ -324,7 +324,7 @@ async def test_a_lone_call_cancelled_while_out_returns_after_its_answer(redis_ur
     async with _through_proxy(redis_url, socket_timeout=30) as (proxy, q), \
             contextlib.aclosing(aioredis.Redis.from_url(redis_url)) as direct:
         pipelines = q.pipeliner.pipelines
-        proxy.stall()
+        proxy.pause()
         task = asyncio.ensure_future(q.enqueue("r0", items(2), timeout_ms=60_000, channel=CHANNEL))
         while not await direct.exists(q.keys.reply("r0")):  # it ran; its answer is held
             await asyncio.sleep(0.01)
@@ -332,9 +332,9 @@ async def test_a_lone_call_cancelled_while_out_returns_after_its_answer(redis_ur
         task.cancel()
         await asyncio.sleep(0.2)
         assert not task.done()  # waiting for the answer, not gone with the command still out
-        proxy.stall(False)
+        proxy.pause(False)
         with pytest.raises(asyncio.CancelledError):
-            await task
+            await asyncio.wait_for(task, 10)  # the answer came (the socket timeout is 30 s)
         assert await q.cancel("r0")  # the caller's clean-up, after its enqueue
         assert not await direct.exists(q.keys.reply("r0"))
         assert isinstance(await q.enqueue("after", items(1), timeout_ms=60_000, channel=CHANNEL), Enqueued)
