@@ -108,9 +108,10 @@ class ServiceStack:
         wait_for_health(self.target, [self.gateway], timeout_s,
                         wanted={health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING})
 
-    def health(self) -> int:
-        """The gateway's gRPC health status (health_pb2.HealthCheckResponse.SERVING, ...)."""
-        return health_status(self.target)
+    def health(self, service: str = "") -> int:
+        """The gateway's gRPC health status (health_pb2.HealthCheckResponse.SERVING, ...), overall
+        or ``service``'s."""
+        return health_status(self.target, service=service)
 
     def wait_ready(self, timeout_s: float = 60) -> None:
         wait_for_health(self.target, [self.gateway], timeout_s)

@@ -116,10 +116,11 @@ def _wait(stack, http, ready: bool, timeout_s: float = 30) -> None:
     want_http = 200 if ready else 503
     deadline = time.monotonic() + timeout_s
     while True:
-        seen = (stack.health(), http.get("/ready").status_code)
-        if seen == (want_grpc, want_http):
+        # gRPC health overall and the Embedder service's (what a per-service probe asks), /ready
+        seen = (stack.health(), stack.health("tokq.v1.Embedder"), http.get("/ready").status_code)
+        if seen == (want_grpc, want_grpc, want_http):
             return
-        assert time.monotonic() < deadline, f"readiness stuck at {seen}, want {(want_grpc, want_http)}"
+        assert time.monotonic() < deadline, f"readiness stuck at {seen}, want {(want_grpc, want_grpc, want_http)}"
         time.sleep(0.2)
 
 

@@ -4,6 +4,7 @@ all-MiniLM-L6-v2. Tests run in file order against one deployment (starting it is
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -85,6 +86,17 @@ def test_embeddings_match_sentence_transformers_one_worker(client, reference, bu
     assert_close(client.embed(texts, timeout=60), reference(texts))
 
 
+def test_embed_full_returns_usage_and_timing(client, reference, bundled_model_dir):
+    texts = make_texts(3, seed=21, bundled_model_dir=bundled_model_dir)
+    full = client.embed_full(texts, timeout=60)
+    assert_close(full.vectors, reference(texts))
+    assert full.model == "all-MiniLM-L6-v2"
+    assert full.prompt_tokens == sum(len(ids) for ids in client.tokenize(texts))
+    t = full.timing
+    assert t["tokenize_ms"] > 0 and t["queue_ms"] >= 0 and t["inference_ms"] > 0
+    assert t["total_ms"] >= t["tokenize_ms"] + t["inference_ms"], t
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
 def test_the_gateway_process_runs_its_helper_threads_as_batch_threads(stack, client):
     client.embed(["hello"])  # every gRPC thread has started
@@ -106,9 +118,20 @@ def test_the_gateway_process_runs_on_uvloop_by_default(stack, client):
     with open(f"/proc/{stack.gateway.pid}/maps") as f:
         assert "uvloop" in f.read()  # its extension module is loaded: the loop it runs on
 
-def test_info_and_tokenize(client, bundled_model_dir):
+def test_info_and_tokenize(stack, client, bundled_model_dir):
     info = client.info(timeout=5)
     assert (info.model, info.dimensions, info.max_input_length) == ("all-MiniLM-L6-v2", 384, 256)
+    assert (info.max_inputs, info.token_budget) == (512, 0)  # the default cap; no budget published
+    # A published budget (tokq profile --apply) is the one Info reports: here the worker's own,
+    # so publishing it changes nothing for the module's other tests.
+    r = stack.client()
+    worker_id = next(iter(stack.workers))
+    budget = json.loads(r.get(stack.keys.heartbeat(worker_id)))["token_budget"]
+    r.set(stack.keys.budget, budget)
+    try:
+        assert client.info(timeout=5).token_budget == budget > 0
+    finally:
+        r.delete(stack.keys.budget)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(bundled_model_dir))

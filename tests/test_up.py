@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -62,6 +63,17 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         assert f"http://127.0.0.1:{http_port}/v1/embeddings" in curl
         out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout
         assert np.array(json.loads(out)["data"][0]["embedding"]).shape == (384,)
+        # A worker that dies is started again (the supervisor a worker's exit code 3 asks for)
+        worker = next(pid for pid in children if b"up-1" in open(f"/proc/{pid}/cmdline", "rb").read())
+        os.kill(worker, signal.SIGKILL)
+        while "worker 1 exited (-9); restarting it" not in proc.stdout.readline():
+            pass  # its children's log lines share the pipe
+        deadline = time.monotonic() + 30
+        while len(children := _children(proc.pid)) < 4 or worker in children:
+            assert time.monotonic() < deadline, "the worker was not started again"
+            time.sleep(0.2)
+        with Client(f"127.0.0.1:{port}") as client:
+            assert client.embed(["still served"], timeout=60).shape == (1, 384)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -69,10 +81,36 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
     assert [pid for pid in children if alive(pid)] == []
 
 
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (its socket fds matched in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_tokq_up_serves_http_on_8080_unless_told_otherwise():
+    # The README's `curl localhost:8080` relies on this default (the serving test above runs
+    # the API on a free port; the one below turns it off with --http-port 0).
+    from tokq import config as cfg
+
+    assert cfg.load(cfg.UpConfig, {}, env={}).http_port == 8080  # no flag, no TOKQ_HTTP_PORT
+
+
 def test_tokq_up_spreads_calls_over_gateway_processes():
     """`tokq up --gateway-procs 2`: two gateway processes share the gRPC port, each serves its
     metrics (port +0, +1), the worker's come after them (+2), a client's calls reach both, and
-    Ctrl-C stops them all."""
+    one of them dying stops tokq up (exit status 1) and everything it started."""
     from tokq import Client
     from tokq.profiling.bench.spread import gateway_children
     from test_client_spread import embed_counts
@@ -84,14 +122,19 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_LATENCY_GOAL_MS": "0"},
                             preexec_fn=ctrl_c_reaches_it)
     gateways: list[int] = []
+    everything: list[int] = []
     try:
         text = "".join(read_until_serving(proc))
         assert "2 gateway process(es), 1 worker(s)" in text
         assert f":{metrics_port}/metrics (and :{metrics_port + 1}), worker 0 :{metrics_port + 2}" in text
+        assert "HTTP:" not in text  # --http-port 0: no HTTP API
         gateway_parent = next(pid for pid in _children(proc.pid)
                               if b"gateway" in open(f"/proc/{pid}/cmdline", "rb").read())
         gateways = gateway_children(gateway_parent)
         assert len(gateways) == 2
+        # Each process listens on the shared gRPC port and its metrics port only: no HTTP port.
+        assert sorted(_listening_ports(pid) - {port} for pid in gateways) == [{metrics_port}, {metrics_port + 1}]
+        assert all(port in _listening_ports(pid) for pid in gateways)
         deadline = time.monotonic() + 90
         while True:  # the health check answered from one process; wait for both
             try:
@@ -108,8 +151,14 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         assert sum(per_gateway) == 40 and min(per_gateway) >= 1, per_gateway
         worker_page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 2}/metrics", timeout=10).read()
         assert b"tokq_worker_" in worker_page
+        # One gateway process dying ends the gateway, and tokq up with it: nothing half-serves.
+        everything += [*_children(proc.pid), *gateways]
+        os.kill(gateways[1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert "the gateway exited" in proc.stdout.read()
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
     time.sleep(0.5)
-    assert gateways and [pid for pid in gateways if alive(pid)] == []
+    assert gateways and [pid for pid in everything if alive(pid)] == []

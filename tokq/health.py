@@ -15,14 +15,15 @@ class ExitedDuringStartup(RuntimeError):
     """A process the caller is waiting on exited before the server reported the status."""
 
 
-def health_status(target: str, timeout_s: float = 2.0) -> int:
-    """The server's overall health status (health_pb2.HealthCheckResponse.SERVING, ...); raises
-    grpc.RpcError when it does not answer."""
+def health_status(target: str, timeout_s: float = 2.0, service: str = "") -> int:
+    """The server's health status (health_pb2.HealthCheckResponse.SERVING, ...): overall, or
+    ``service``'s; raises grpc.RpcError when it does not answer."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(target) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=timeout_s).status
 
 
 def wait_for_health(target: str, procs: Iterable[subprocess.Popen], timeout_s: float,
