@@ -1,15 +1,21 @@
 """Security: gRPC over TLS (a real TLS channel, certificates made here with `cryptography`),
 mutual TLS refusing a client without a certificate, API keys (UNAUTHENTICATED without one, health
-open), reflection that can be turned off, metrics on their own address."""
+open), reflection that can be turned off, metrics on their own address, Redis reached over TLS."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import shutil
+import subprocess
+import sys
+import time
 import urllib.request
 
 import grpc
 import pytest
+import redis
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -185,3 +191,52 @@ def test_http_api_takes_the_same_keys_and_tls(redis_url, pki):
             assert models.status_code == 200 and models.json()["data"][0]["id"] == "all-MiniLM-L6-v2"
         with httpx.Client(timeout=10) as plain, pytest.raises(httpx.HTTPError):
             plain.get(f"http://127.0.0.1:{http_port}/health")
+
+
+@pytest.fixture
+def tls_redis_url(pki, tmp_path):
+    """A real Redis serving TLS only (Debian's redis-server, built with TLS; CI installs it), as
+    the rediss:// URL a deployment gives: the CA that signed its certificate in the query."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("no redis-server binary (Debian's has TLS; .ci/run installs it)")
+    port = free_port()
+    log = tmp_path / "redis.log"
+    proc = subprocess.Popen([binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", str(pki["server"]), "--tls-key-file", str(pki["server_key"]),
+                             "--tls-ca-cert-file", str(pki["ca"]), "--tls-auth-clients", "no",
+                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['ca']}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                pytest.skip(f"redis-server would not serve TLS: {log.read_text()[-300:]}")
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_gateway_and_worker_reach_redis_over_tls_with_a_rediss_url(tls_redis_url):
+    # The README: "rediss:// for TLS". The server speaks TLS only: plaintext is not answered.
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(tls_redis_url.replace("rediss://", "redis://").split("?")[0],
+                             socket_timeout=2).ping()
+    worker = subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker", "--device", "cpu", "--threads", "1"],
+                              env={**os.environ, "TOKQ_REDIS_URL": tls_redis_url})
+    try:
+        with running_gateway(tls_redis_url) as port, Client(f"127.0.0.1:{port}") as client:
+            vectors = client.embed(["over TLS to Redis", "and back"], timeout=120)
+            assert vectors.shape == (2, 384)
+            assert abs(float((vectors[0] ** 2).sum()) - 1) < 1e-4
+    finally:
+        worker.terminate()
+        assert worker.wait(60) == 0  # a clean stop: its Redis link was sound to the end
