@@ -159,3 +159,42 @@ async def test_a_missed_work_notice_costs_at_most_the_fallback_poll(redis_url, e
         assert decode_result((await q.collect("r"))[0]).ok
         worker.stop()
         await asyncio.wait_for(run, 30)
+
+
+class SlowEngine:
+    """The real engine, its warm-up and each forward made slower by a fixed wait."""
+
+    def __init__(self, engine, warmup_s: float, forward_s: float) -> None:
+        self._engine, self.warmup_s, self.forward_s = engine, warmup_s, forward_s
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def warmup(self, num_tokens: int) -> None:
+        time.sleep(self.warmup_s)
+        self._engine.warmup(num_tokens)
+
+    def embed(self, batch):
+        time.sleep(self.forward_s)
+        return self._engine.embed(batch)
+
+
+async def test_the_hung_threshold_is_at_least_20x_the_warm_up_forward(redis_url, engine):
+    # --hung-forward-ms below what this device's forwards take is raised to HUNG_FACTOR x the
+    # warm-up forward: a slow device is not taken for a hung one.
+    slow = SlowEngine(engine, warmup_s=0.2, forward_s=0.3)
+    exits: list[int] = []
+    ids = [[101, 7592, 102]]
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q:
+        worker = Worker(slow, q, WorkerConfig(token_budget=256, heartbeat_ms=200, hung_forward_ms=100),
+                        QueueConfig(), worker_id="slow", exit_process=exits.append)
+        run = asyncio.create_task(worker.run())
+        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("slow")), 60, "the first heartbeat")
+        assert worker.hung_after_s >= worker_module.HUNG_FACTOR * 0.2
+        await q.enqueue("r", [(len(t), encode_body(t)) for t in ids], timeout_ms=60_000,
+                        channel=q.keys.done_channel("test"))
+        await _wait_for(lambda: _complete(q, q.keys.reply("r"), len(ids)), 60, "the answer")
+        assert exits == [] and worker.healthy  # a 0.3 s forward, 3x --hung-forward-ms: not hung
+        worker.stop()
+        await asyncio.wait_for(run, 60)

@@ -40,6 +40,10 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         assert f"127.0.0.1:{port}" in text and "tokq embed" in text and "redis://" in text
         children = _children(proc.pid)
         assert len(children) == 4  # Redis, gateway, two workers
+        # The workers split the cores but one, left to the gateway and Redis
+        cmdlines = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0") for pid in children]
+        threads = [int(c[c.index(b"--threads") + 1]) for c in cmdlines if b"--threads" in c]
+        assert threads == [max(1, (os.cpu_count() - 1) // 2)] * 2
         # The embedded Redis has a generated password; no child has it on its command line
         # (readable by any local user with ps) and it is not printed.
         envs = [dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
