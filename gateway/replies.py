@@ -9,8 +9,10 @@ One subscription per gateway process serves all waiting calls, so thousands of c
 requests hold no Redis connection each. A notice can be missed (a reconnect), so every
 ``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
 complete replies wake their call, and a reply hash that has vanished (Redis restarted and lost
-it) fails the call UNAVAILABLE at once instead of leaving it to its deadline. If the
-subscription itself breaks, every waiting call fails UNAVAILABLE.
+it) fails the call UNAVAILABLE at once instead of leaving it to its deadline. A subscription
+that breaks is restored by redis-py's reconnect while Redis answers (the calls keep waiting;
+the poll makes up for notices lost in between); when Redis cannot be reached, every waiting
+call fails UNAVAILABLE.
 """
 
 from __future__ import annotations

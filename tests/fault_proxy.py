@@ -63,6 +63,9 @@ class FaultProxy:
         return self
 
     def close(self) -> None:
+        if self._loop.is_closed():  # closed already
+            return
+
         async def shutdown():
             if self._server is not None:
                 self._server.close()

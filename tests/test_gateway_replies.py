@@ -1,6 +1,7 @@
 """How a waiting call gets its results (gateway/replies.py, gateway/embedding.py): in the
 completion notice itself when they are small (no collect round trip), collected when the notice
-names the request only (large results), and collected by the poll when the notice was missed.
+names the request only (large results), collected by the poll when the notice was missed, and
+what a broken subscription does to waiting calls.
 Real Redis, the bundled model's tokenizer and the gateway's ServedModel in this process; the
 test answers the queued items itself with known vectors, as a worker would."""
 
@@ -20,6 +21,7 @@ from tokq.model_info import ModelInfo
 from tokq.shards import ShardedQueue
 
 GATEWAY = "gw-replies"
+GATEWAY_CONFIG = GatewayConfig()
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +77,52 @@ def test_a_missed_notice_is_made_up_for_by_the_poll(redis_url, info, tokenizer):
         _call(redis_url, info, tokenizer, ["a", "bc"], 4, listen=False))
     assert vectors == [[1.0] * 4, [2.0] * 4]
     assert collects == 1 and replies == []
+
+
+async def _answer_when_queued(queue, value: float) -> None:
+    claim = None
+    while claim is None:
+        claim = await queue.claim(4096)
+        await asyncio.sleep(0.01)
+    await queue.ack(claim.batch_id, [(e, encode_ok(np.full(4, value, np.float32), 1.0, 2.0))
+                                     for e in claim.entries])
+
+
+async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_them_unavailable(
+        redis_url, info, tokenizer):
+    # The README: a subscription that breaks while calls wait is restored at once when Redis
+    # answers (the calls keep waiting and are answered: a notice lost meanwhile is made up by
+    # the poll); when Redis cannot be reached, the waiting calls are answered UNAVAILABLE at
+    # once, not at their deadline, and withdrawn.
+    from fault_proxy import FaultProxy
+
+    from tokq.gateway.errors import Unavailable
+
+    proxy = FaultProxy(redis_url).start()
+    client, pubsub = connect(redis_url), connect_pubsub(proxy.url)  # only the subscription proxied
+    queue = ShardedQueue(client, info.queue_name, QueueConfig())
+    router = ReplyRouter(pubsub, client, queue.reply_key, [k.done_channel(GATEWAY) for k in queue.shard_keys()])
+    await router.start()
+    await router.subscribed.wait()
+    try:
+        served = ServedModel(info, tokenizer, queue, router, GATEWAY_CONFIG, GATEWAY)
+        call = asyncio.create_task(served.embed(EmbedInput(texts=["through a break"]), Timer(30)))
+        while (await queue.stats()).queued_entries == 0:
+            await asyncio.sleep(0.01)  # enqueued: waiting on its notice
+        assert await asyncio.to_thread(proxy.drop_connections, b"SUBSCRIBE") == 1
+        await _answer_when_queued(queue, 1.0)
+        out = await asyncio.wait_for(call, 20)
+        assert [v.tolist() for v in out.vectors] == [[1.0] * 4]
+
+        waiting = asyncio.create_task(served.embed(EmbedInput(texts=["left waiting"]), Timer(30)))
+        while (await queue.stats()).queued_entries == 0:
+            await asyncio.sleep(0.01)
+        proxy.close()  # the subscriber's Redis is gone: its reconnects are refused
+        with pytest.raises(Unavailable, match="lost the connection to Redis"):
+            await asyncio.wait_for(waiting, 5)  # its deadline is 30 s away
+        assert (await queue.stats()).counters["cancelled"] == 1  # withdrawn (claims drop it)
+    finally:
+        await router.stop()
+        await client.aclose()
+        await pubsub.aclose()
+        proxy.close()
