@@ -183,6 +183,7 @@ def test_http_api_takes_the_same_keys_and_tls(redis_url, pki):
         base = f"https://127.0.0.1:{http_port}"
         with httpx.Client(verify=ssl.create_default_context(cafile=str(pki["ca"])), timeout=30) as http:
             assert http.get(f"{base}/health").status_code == 200  # open for probes
+            assert http.get(f"{base}/ready").status_code in (200, 503)  # (no worker here) not 401
             for headers in ({}, {"authorization": "Bearer nope"}):
                 resp = http.post(f"{base}/v1/embeddings", json={"input": "hi"}, headers=headers)
                 assert resp.status_code == 401 and resp.json()["error"]["code"] == "unauthenticated"
@@ -191,6 +192,38 @@ def test_http_api_takes_the_same_keys_and_tls(redis_url, pki):
             assert models.status_code == 200 and models.json()["data"][0]["id"] == "all-MiniLM-L6-v2"
         with httpx.Client(timeout=10) as plain, pytest.raises(httpx.HTTPError):
             plain.get(f"http://127.0.0.1:{http_port}/health")
+
+
+def test_http_api_takes_mutual_tls_too(redis_url, pki):
+    import ssl
+
+    import httpx
+
+    http_port = free_port()
+    with running_gateway(redis_url, http_port=http_port, tls_cert=str(pki["server"]),
+                         tls_key=str(pki["server_key"]), tls_client_ca=str(pki["ca"])):
+        base = f"https://127.0.0.1:{http_port}"
+        anonymous = ssl.create_default_context(cafile=str(pki["ca"]))
+        with httpx.Client(verify=anonymous, timeout=10) as http, pytest.raises(httpx.HTTPError):
+            http.get(f"{base}/health")
+        with_cert = ssl.create_default_context(cafile=str(pki["ca"]))
+        with_cert.load_cert_chain(str(pki["client"]), str(pki["client_key"]))
+        with httpx.Client(verify=with_cert, timeout=30) as http:
+            assert http.get(f"{base}/health").status_code == 200
+
+
+def test_metrics_are_off_unless_a_port_is_set_and_bind_the_grpc_host_by_default(redis_url):
+    from service_stack import listening_ports
+
+    before = listening_ports(os.getpid())
+    with running_gateway(redis_url) as port:  # no metrics port: nothing listens but gRPC
+        assert listening_ports(os.getpid()) - before == {port}
+    metrics_port = free_port()
+    with running_gateway(redis_url, host="127.0.0.2", metrics_port=metrics_port):  # no metrics host
+        body = urllib.request.urlopen(f"http://127.0.0.2:{metrics_port}/metrics", timeout=10).read()
+        assert b"tokq_" in body
+        with pytest.raises(OSError):  # the gRPC host's address only
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
 
 
 @pytest.fixture

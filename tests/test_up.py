@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ import pytest
 import redis
 
 from tokq.redis_server import free_port
-from service_stack import alive, ctrl_c_reaches_it, free_port_pair, read_until_serving
+from service_stack import alive, ctrl_c_reaches_it, free_port_pair, listening_ports, read_until_serving
 
 pytestmark = pytest.mark.slow
 
@@ -85,24 +84,6 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
     assert [pid for pid in children if alive(pid)] == []
 
 
-def _listening_ports(pid: int) -> set[int]:
-    """The TCP ports process ``pid`` listens on (its socket fds matched in /proc/net/tcp*)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:["):-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 def test_tokq_up_serves_http_on_8080_unless_told_otherwise():
     # The README's `curl localhost:8080` relies on this default (the serving test above runs
     # the API on a free port; the one below turns it off with --http-port 0).
@@ -137,8 +118,8 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         gateways = gateway_children(gateway_parent)
         assert len(gateways) == 2
         # Each process listens on the shared gRPC port and its metrics port only: no HTTP port.
-        assert sorted(_listening_ports(pid) - {port} for pid in gateways) == [{metrics_port}, {metrics_port + 1}]
-        assert all(port in _listening_ports(pid) for pid in gateways)
+        assert sorted(listening_ports(pid) - {port} for pid in gateways) == [{metrics_port}, {metrics_port + 1}]
+        assert all(port in listening_ports(pid) for pid in gateways)
         deadline = time.monotonic() + 90
         while True:  # the health check answered from one process; wait for both
             try:
