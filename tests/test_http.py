@@ -58,6 +58,9 @@ def test_single_string_base64_and_tei_extras(http):
     floats = np.array(embed(http, input="one string").json()["data"][0]["embedding"], dtype=np.float32)
     b64 = embed(http, input="one string", encoding_format="base64").json()["data"][0]["embedding"]
     np.testing.assert_array_equal(np.frombuffer(base64.b64decode(b64), dtype="<f4"), floats)
+    tagged = embed(http, input="one string", user="end-user-42")  # OpenAI's field, accepted
+    assert tagged.status_code == 200
+    np.testing.assert_allclose(tagged.json()["data"][0]["embedding"], floats, atol=1e-6)
     raw = embed(http, input="one string", normalize=False).json()["data"][0]["embedding"]
     assert abs(np.linalg.norm(raw) - 1.0) > 1e-3
     np.testing.assert_allclose(np.array(raw) / np.linalg.norm(raw), floats, atol=1e-5)
