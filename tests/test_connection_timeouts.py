@@ -115,9 +115,13 @@ async def test_a_command_whose_answer_times_out_is_not_sent_again(redis_url, mon
 
 
 
-def _cluster_client_proxied(monkeypatch, cluster, owner: int, proxy: FaultProxy):
-    """tokq's cluster client (connect(), its settings untouched), its links to node ``owner``
-    going through ``proxy`` (redis-py's address_remap)."""
+def _cluster_client_proxied(monkeypatch, cluster, key: str):
+    """tokq's cluster client (connect(), its settings untouched but a 0.5 s socket timeout),
+    its links to the node owning ``key`` going through a proxy (redis-py's address_remap).
+    Returns (client, proxy, the node's port)."""
+    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 0.5)
+    owner = cluster.owner_port(key)
+    proxy = FaultProxy(cluster.node_url(owner)).start()
     from_url = tokq.connection.BoundedRedisCluster.from_url.__func__
 
     def via_proxy(cls, url, **kwargs):
@@ -125,7 +129,7 @@ def _cluster_client_proxied(monkeypatch, cluster, owner: int, proxy: FaultProxy)
         return from_url(cls, url, address_remap=remap, **kwargs)
 
     monkeypatch.setattr(tokq.connection.BoundedRedisCluster, "from_url", classmethod(via_proxy))
-    return connect(cluster.url, cluster="yes")
+    return connect(cluster.url, cluster="yes"), proxy, owner
 
 
 def _value_on_node(cluster, port: int, key: str) -> int:
@@ -139,10 +143,7 @@ async def test_a_silent_cluster_node_is_tried_three_times_then_reported(redis_ur
     # The README's UNAVAILABLE row: a Redis Cluster's node that stops answering is reported
     # after the cluster client's three tries (each re-reads the slot map first: a silent
     # primary may have been failed over), never a hang.
-    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 0.5)
-    owner = redis_cluster.owner_port("silent")
-    proxy = FaultProxy(redis_cluster.node_url(owner)).start()
-    client = _cluster_client_proxied(monkeypatch, redis_cluster, owner, proxy)
+    client, proxy, owner = _cluster_client_proxied(monkeypatch, redis_cluster, "silent")
     loop = asyncio.get_running_loop()
     try:
         assert await client.incr("silent") == 1  # connected through the proxy
@@ -167,10 +168,7 @@ async def test_a_timed_out_command_is_sent_again_on_a_cluster(redis_url, redis_c
     # Unlike the standalone client (the test above it), redis-py's cluster client resends a
     # command whose answer timed out (RedisCluster.ERRORS_ALLOW_RETRY): the command runs
     # twice, which the queue scripts' idempotency makes safe (tokq/connection.py's _retry).
-    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 0.5)
-    owner = redis_cluster.owner_port("resent")
-    proxy = FaultProxy(redis_cluster.node_url(owner)).start()
-    client = _cluster_client_proxied(monkeypatch, redis_cluster, owner, proxy)
+    client, proxy, owner = _cluster_client_proxied(monkeypatch, redis_cluster, "resent")
     try:
         assert await client.incr("resent") == 1
         proxy.hold_next(b"INCR")  # this connection's answers withheld; a new one answers
