@@ -11,8 +11,8 @@ requests hold no Redis connection each. A notice can be missed (a reconnect), so
 complete replies wake their call, and a reply hash that has vanished (Redis restarted and lost
 it) fails the call UNAVAILABLE at once instead of leaving it to its deadline. A subscription
 that breaks is restored by redis-py's reconnect while Redis answers (the calls keep waiting;
-the poll makes up for notices lost in between); when Redis cannot be reached, every waiting
-call fails UNAVAILABLE.
+the poll makes up for notices lost in between); when the reconnect fails, every waiting call
+fails UNAVAILABLE.
 """
 
 from __future__ import annotations

@@ -120,6 +120,13 @@ class FaultProxy:
             self._hold_next.clear()
             self._rate = 0.0
             self._stalled = False
+        self.pause(False)
+
+    def connections(self, match: bytes) -> int:
+        """Open connections whose client has sent ``match`` (e.g. b"SUBSCRIBE")."""
+        async def count():
+            return sum(match in sent for sent in self._connections.values())
+        return asyncio.run_coroutine_threadsafe(count(), self._loop).result(10)
 
     def drop_connections(self, match: bytes) -> int:
         """Reset every open connection whose client has sent ``match`` (e.g. b"SSUBSCRIBE": a

@@ -157,7 +157,7 @@ async def test_a_silent_cluster_node_is_tried_three_times_then_reported(redis_ur
         await client.aclose()
         proxy.close()
     tries = 3 * tokq.connection.SOCKET_TIMEOUT_S
-    assert tries <= elapsed < tries + 3  # three socket timeouts (one would be a third of it)
+    assert tries <= elapsed < tries + 6  # three socket timeouts (one would be a third of it)
     # The first try ran; the later ones, on new connections, may stop at the silent handshake.
     assert 2 <= _value_on_node(redis_cluster, owner, "silent") <= 1 + 3
 

@@ -79,11 +79,28 @@ def test_a_missed_notice_is_made_up_for_by_the_poll(redis_url, info, tokenizer):
     assert collects == 1 and replies == []
 
 
-async def _answer_when_queued(queue, value: float) -> None:
-    claim = None
-    while claim is None:
-        claim = await queue.claim(4096)
+async def _until(predicate, what: str, timeout_s: float = 20) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
+
+
+async def _queued(queue, call: asyncio.Task) -> None:
+    async def queued():
+        assert not call.done(), call.exception()
+        return (await queue.stats()).queued_entries > 0
+    await _until(queued, "the call's entry")
+
+
+async def _answer(queue, value: float) -> None:
+    claim = None
+
+    async def claimed():
+        nonlocal claim
+        claim = await queue.claim(4096)
+        return claim is not None
+    await _until(claimed, "an entry to claim")
     await queue.ack(claim.batch_id, [(e, encode_ok(np.full(4, value, np.float32), 1.0, 2.0))
                                      for e in claim.entries])
 
@@ -91,38 +108,46 @@ async def _answer_when_queued(queue, value: float) -> None:
 async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_them_unavailable(
         redis_url, info, tokenizer):
     # The README: a subscription that breaks while calls wait is restored at once when Redis
-    # answers (the calls keep waiting and are answered: a notice lost meanwhile is made up by
-    # the poll); when Redis cannot be reached, the waiting calls are answered UNAVAILABLE at
-    # once, not at their deadline, and withdrawn.
+    # answers (the calls keep waiting and are answered); when its reconnect fails, the waiting
+    # calls are answered UNAVAILABLE at once, not at their deadline, and withdrawn. The poll is
+    # held off here, so only the restored subscription can answer the first call.
     from fault_proxy import FaultProxy
 
     from tokq.gateway.errors import Unavailable
 
     proxy = FaultProxy(redis_url).start()
     client, pubsub = connect(redis_url), connect_pubsub(proxy.url)  # only the subscription proxied
-    queue = ShardedQueue(client, info.queue_name, QueueConfig())
-    router = ReplyRouter(pubsub, client, queue.reply_key, [k.done_channel(GATEWAY) for k in queue.shard_keys()])
-    await router.start()
-    await router.subscribed.wait()
+    router = None
     try:
+        queue = ShardedQueue(client, info.queue_name, QueueConfig())
+        router = ReplyRouter(pubsub, client, queue.reply_key, [k.done_channel(GATEWAY) for k in queue.shard_keys()],
+                             poll_after_s=3600)
+        await router.start()
+        await asyncio.wait_for(router.subscribed.wait(), 20)
         served = ServedModel(info, tokenizer, queue, router, GATEWAY_CONFIG, GATEWAY)
         call = asyncio.create_task(served.embed(EmbedInput(texts=["through a break"]), Timer(30)))
-        while (await queue.stats()).queued_entries == 0:
-            await asyncio.sleep(0.01)  # enqueued: waiting on its notice
+        await _queued(queue, call)
         assert await asyncio.to_thread(proxy.drop_connections, b"SUBSCRIBE") == 1
-        await _answer_when_queued(queue, 1.0)
-        out = await asyncio.wait_for(call, 20)
+
+        channel = queue.shard_keys()[0].done_channel(GATEWAY)
+
+        async def subscribed_again():  # a new link has subscribed, and Redis counts one subscriber
+            return (await asyncio.to_thread(proxy.connections, b"SUBSCRIBE") == 1
+                    and (await client.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1] == 1)
+        await _until(subscribed_again, "the subscription to be restored")
+        await _answer(queue, 1.0)
+        out = await asyncio.wait_for(call, 20)  # by the notice: the poll is an hour away
         assert [v.tolist() for v in out.vectors] == [[1.0] * 4]
 
         waiting = asyncio.create_task(served.embed(EmbedInput(texts=["left waiting"]), Timer(30)))
-        while (await queue.stats()).queued_entries == 0:
-            await asyncio.sleep(0.01)
+        await _queued(queue, waiting)
         proxy.close()  # the subscriber's Redis is gone: its reconnects are refused
         with pytest.raises(Unavailable, match="lost the connection to Redis"):
             await asyncio.wait_for(waiting, 5)  # its deadline is 30 s away
         assert (await queue.stats()).counters["cancelled"] == 1  # withdrawn (claims drop it)
     finally:
-        await router.stop()
+        if router is not None:
+            await router.stop()
         await client.aclose()
         await pubsub.aclose()
         proxy.close()

@@ -4,6 +4,7 @@ open), reflection that can be turned off, metrics on their own address, Redis re
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -212,6 +213,7 @@ def test_http_api_takes_mutual_tls_too(redis_url, pki):
             assert http.get(f"{base}/health").status_code == 200
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 is a loopback address on Linux only")
 def test_metrics_are_off_unless_a_port_is_set_and_bind_the_grpc_host_by_default(redis_url):
     from service_stack import listening_ports
 
@@ -226,6 +228,36 @@ def test_metrics_are_off_unless_a_port_is_set_and_bind_the_grpc_host_by_default(
             urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
 
 
+def _start_tls_redis(binary: str, pki, tmp_path) -> tuple[subprocess.Popen, str]:
+    """redis-server serving TLS only on a free port, and its rediss:// URL; a port taken by
+    another process meanwhile (its bind fails) is tried again on another."""
+    for _ in range(3):
+        port, log = free_port(), tmp_path / "redis.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen([binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                                     "--tls-cert-file", str(pki["server"]), "--tls-key-file", str(pki["server_key"]),
+                                     "--tls-ca-cert-file", str(pki["ca"]), "--tls-auth-clients", "no",
+                                     "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                                    stdout=out, stderr=subprocess.STDOUT)
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['ca']}"
+        deadline = time.monotonic() + 30
+        while proc.poll() is None:
+            try:
+                with contextlib.closing(redis.Redis.from_url(url, socket_timeout=2)) as probe:
+                    probe.ping()
+                return proc, url
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        said = log.read_text()
+        if "Address already in use" in said:
+            continue
+        if "Bad directive" in said and "tls" in said:  # a build without TLS refuses the options
+            pytest.skip(f"this redis-server has no TLS: {said[-300:]}")
+        raise AssertionError(f"redis-server would not start: {said[-1000:]}")
+    raise AssertionError("three free ports were taken before redis-server could bind them")
+
+
 @pytest.fixture
 def tls_redis_url(pki, tmp_path):
     """A real Redis serving TLS only (Debian's redis-server, built with TLS; CI installs it), as
@@ -233,29 +265,16 @@ def tls_redis_url(pki, tmp_path):
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("no redis-server binary (Debian's has TLS; .ci/run installs it)")
-    port = free_port()
-    log = tmp_path / "redis.log"
-    proc = subprocess.Popen([binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                             "--tls-cert-file", str(pki["server"]), "--tls-key-file", str(pki["server_key"]),
-                             "--tls-ca-cert-file", str(pki["ca"]), "--tls-auth-clients", "no",
-                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['ca']}"
+    proc, url = _start_tls_redis(binary, pki, tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                pytest.skip(f"redis-server would not serve TLS: {log.read_text()[-300:]}")
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
         yield url
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def test_gateway_and_worker_reach_redis_over_tls_with_a_rediss_url(tls_redis_url):
@@ -272,4 +291,9 @@ def test_gateway_and_worker_reach_redis_over_tls_with_a_rediss_url(tls_redis_url
             assert abs(float((vectors[0] ** 2).sum()) - 1) < 1e-4
     finally:
         worker.terminate()
-        assert worker.wait(60) == 0  # a clean stop: its Redis link was sound to the end
+        try:
+            code = worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            code = worker.wait()
+    assert code == 0  # a clean stop: its Redis link was sound to the end

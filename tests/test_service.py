@@ -132,6 +132,7 @@ def test_info_and_tokenize(stack, client, bundled_model_dir):
         assert client.info(timeout=5).token_budget == budget > 0
     finally:
         r.delete(stack.keys.budget)
+        r.close()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(bundled_model_dir))

@@ -39,7 +39,7 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         assert f"127.0.0.1:{port}" in text and "tokq embed" in text and "redis://" in text
         children = _children(proc.pid)
         assert len(children) == 4  # Redis, gateway, two workers
-        # The workers split the cores but one, left to the gateway and Redis
+        # The workers split the cores but one (left to the gateway and Redis), one thread at least
         cmdlines = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0") for pid in children]
         threads = [int(c[c.index(b"--threads") + 1]) for c in cmdlines if b"--threads" in c]
         assert threads == [max(1, (os.cpu_count() - 1) // 2)] * 2
@@ -66,25 +66,36 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         assert f"http://127.0.0.1:{http_port}/v1/embeddings" in curl
         out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout
         assert np.array(json.loads(out)["data"][0]["embedding"]).shape == (384,)
-        # A worker that dies is started again (the supervisor a worker's exit code 3 asks for)
-        worker = next(pid for pid in children if b"up-1" in open(f"/proc/{pid}/cmdline", "rb").read())
-        os.kill(worker, signal.SIGKILL)
-        while "worker 1 exited (-9); restarting it" not in proc.stdout.readline():
-            pass  # its children's log lines share the pipe
-        deadline = time.monotonic() + 30
-        while len(children := _children(proc.pid)) < 4 or worker in children:
-            assert time.monotonic() < deadline, "the worker was not started again"
+        # A worker that dies is started again (the supervisor a worker's exit code 3 asks for):
+        # both killed, so the call after it is served by restarted ones
+        workers = [pid for pid in children if b"--worker-id" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        for i, name in ((1, b"up-1"), (0, b"up-0")):
+            os.kill(next(pid for pid in workers if name in open(f"/proc/{pid}/cmdline", "rb").read()),
+                    signal.SIGKILL)
+            _read_until(proc, f"worker {i} exited (-9); restarting it")
+        deadline = time.monotonic() + 60
+        while len(children := _children(proc.pid)) < 4 or set(workers) & set(children):
+            assert time.monotonic() < deadline, "the workers were not started again"
             time.sleep(0.2)
         with Client(f"127.0.0.1:{port}") as client:
-            assert client.embed(["still served"], timeout=60).shape == (1, 384)
+            assert client.embed(["still served"], timeout=90).shape == (1, 384)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.communicate(timeout=60)  # drained: a full pipe would block its exit
     time.sleep(0.5)
     assert [pid for pid in children if alive(pid)] == []
 
 
-def test_tokq_up_serves_http_on_8080_unless_told_otherwise():
+def _read_until(proc: subprocess.Popen, needle: str) -> None:
+    """Read `tokq up`'s output (its children's log lines share the pipe) up to a line with
+    ``needle``; fails if it exits first."""
+    seen = []
+    while needle not in (line := proc.stdout.readline()):
+        assert line, "tokq up exited:\n" + "".join(seen[-20:])
+        seen.append(line)
+
+
+def test_tokq_ups_http_port_defaults_to_8080():
     # The README's `curl localhost:8080` relies on this default (the serving test above runs
     # the API on a free port; the one below turns it off with --http-port 0).
     from tokq import config as cfg
@@ -117,9 +128,6 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
                               if b"gateway" in open(f"/proc/{pid}/cmdline", "rb").read())
         gateways = gateway_children(gateway_parent)
         assert len(gateways) == 2
-        # Each process listens on the shared gRPC port and its metrics port only: no HTTP port.
-        assert sorted(listening_ports(pid) - {port} for pid in gateways) == [{metrics_port}, {metrics_port + 1}]
-        assert all(port in listening_ports(pid) for pid in gateways)
         deadline = time.monotonic() + 90
         while True:  # the health check answered from one process; wait for both
             try:
@@ -128,6 +136,9 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
             except OSError:
                 assert time.monotonic() < deadline, "a gateway process never served metrics"
                 time.sleep(0.2)
+        # Each process listens on the shared gRPC port and its metrics port only: no HTTP port.
+        assert {frozenset(listening_ports(pid)) for pid in gateways} == {
+            frozenset({port, metrics_port}), frozenset({port, metrics_port + 1})}
         with Client(f"127.0.0.1:{port}") as client:  # it spreads calls over the processes it finds
             for i in range(40):
                 assert client.embed([f"spread call {i}"], timeout=60).shape == (1, 384)
@@ -139,11 +150,11 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         # One gateway process dying ends the gateway, and tokq up with it: nothing half-serves.
         everything += [*_children(proc.pid), *gateways]
         os.kill(gateways[1], signal.SIGKILL)
-        assert proc.wait(timeout=60) == 1
-        assert "the gateway exited" in proc.stdout.read()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "the gateway exited" in out
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
+            proc.communicate(timeout=60)
     time.sleep(0.5)
     assert gateways and [pid for pid in everything if alive(pid)] == []
