@@ -177,3 +177,20 @@ async def test_a_timed_out_command_is_sent_again_on_a_cluster(redis_url, redis_c
         await client.aclose()
         proxy.close()
     assert _value_on_node(redis_cluster, owner, "resent") == 3
+
+
+@pytest.mark.redis_kinds("standalone")
+async def test_a_refused_connect_is_reported_in_a_fraction_of_a_second(redis_url):
+    # The README's UNAVAILABLE row: a Redis that refuses connections (down, nothing on its port)
+    # is reported after three quick tries, not after any timeout.
+    from tokq.redis_server import free_port
+
+    client = connect(f"redis://127.0.0.1:{free_port()}/0", cluster="no")  # nothing listens there
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await asyncio.wait_for(client.get("a"), 30)
+    finally:
+        await client.aclose()
+    assert loop.time() - start < 1.0  # ~0.1 s; an unanswered connect takes ~1.6 s
