@@ -190,7 +190,8 @@ async def test_the_worker_fits_to_half_the_goal_and_a_budget_published_later_tak
                                                                                        monkeypatch):
     """The engine's forward modelled (0.5 ms a token: 1,024 tokens 512 ms) under a 600 ms goal:
     a forward may take 300 ms, so 1,024 is cut (were the whole goal allowed, it would be kept);
-    then a budget published equal to the fitted one is taken as published."""
+    then a budget published equal to the fitted one is taken as published, and a new value
+    published later replaces it."""
     monkeypatch.setattr(engine, "warmup", lambda num_tokens: time.sleep(num_tokens * 0.0005))
     name = engine.info.queue_name
     async with open_queue(redis_url, queue=name) as q:
@@ -202,5 +203,13 @@ async def test_the_worker_fits_to_half_the_goal_and_a_budget_published_later_tak
         while json.loads(await q.redis.get(q.keys.heartbeat("fit-model")))["budget_source"] != "published":
             assert time.monotonic() < deadline, "the published budget was not taken"
             await asyncio.sleep(0.05)
+        # and a new value, published while it runs (tokq profile --apply again), replaces it
+        new_budget = status["token_budget"] - 64
+        await q.set_budget(new_budget)
+        deadline = time.monotonic() + 10
+        while json.loads(await q.redis.get(q.keys.heartbeat("fit-model")))["token_budget"] != new_budget:
+            assert time.monotonic() < deadline, "the newly published budget was not taken"
+            await asyncio.sleep(0.05)
+        assert worker.token_budget == new_budget
         worker.stop()
         await asyncio.wait_for(run, 30)
