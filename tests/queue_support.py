@@ -1,9 +1,11 @@
 """Helpers shared by the queue tests (no tests here): a hand-driven clock, a Queue on a fresh
-client, and item/result builders."""
+client, item/result builders, and a bounded wait for a condition."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 
 import numpy as np
 
@@ -76,3 +78,11 @@ async def keys_left(queue: Queue) -> set[str]:
             continue
         left.add(key)
     return left
+
+
+async def wait_for(predicate, timeout_s: float, what: str) -> None:
+    """Until ``await predicate()`` is true; fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)

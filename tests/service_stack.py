@@ -19,14 +19,7 @@ from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo
 from tokq.processes import stop_all
 from tokq.queue import COLLECT_GRACE_MS, REPLY_META_FIELDS
-from tokq.redis_server import EmbeddedRedis, free_port, free_port_block
-
-
-def free_port_pair(count: int = 2) -> int:
-    """A port p with p + 1 (.. p + count - 1) free as well, for metrics ports that count up from
-    p (tokq up's worker, the gateway's second process): a random neighbour (a cluster node's bus
-    port, say) must not be taken for p + 1."""
-    return free_port_block(count)
+from tokq.redis_server import EmbeddedRedis, free_port
 
 
 def alive(pid: int) -> bool:

@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from service_stack import ServiceStack, free_port_pair
+from service_stack import ServiceStack
 
 from tokq import AsyncClient, Client
 from tokq.client import DISCOVERY_MISSES, _Pool
+from tokq.redis_server import free_port_block
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -38,7 +39,7 @@ def embed_counts(metrics_ports: list[int], rpc: str = "Embed") -> list[float]:
 @pytest.fixture(scope="module")
 def stack():
     s = ServiceStack(http=True)
-    metrics_port = free_port_pair()  # the second process serves metrics on the next port
+    metrics_port = free_port_block(2)  # the second process serves metrics on the next port
     s.metrics_ports = [metrics_port, metrics_port + 1]
     try:
         s.start_gateway("--procs", "2", "--metrics-port", str(metrics_port))

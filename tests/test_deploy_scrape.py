@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from service_stack import free_port_pair
 
 from tokq import metrics
 from tokq.processes import stop_all
-from tokq.redis_server import free_port
+from tokq.redis_server import free_port, free_port_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -175,7 +174,7 @@ def test_prometheus_scrapes_tokq_metrics_and_runs_rules_and_dashboards(tmp_path)
 @pytest.mark.slow
 def test_prometheus_scrapes_a_running_tokq_up(tmp_path, bundled_model_dir):
     """The key series reach Prometheus from the real gateway and worker processes."""
-    grpc_port, metrics_port = free_port(), free_port_pair()
+    grpc_port, metrics_port = free_port(), free_port_block(2)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     up = subprocess.Popen(
         [sys.executable, "-m", "tokq.cli", "up", "--port", str(grpc_port), "--metrics-port",

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from queue_support import QUEUE, open_queue
+from queue_support import QUEUE, open_queue, wait_for
 
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.entry import decode_result, encode_body
@@ -49,12 +49,6 @@ class HangingEngine:
         return self._engine.embed(batch)
 
 
-async def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
 
 def _check(redis_url: str, worker_id: str) -> int:
     return subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--check", "--worker-id",
@@ -74,7 +68,7 @@ async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(r
         hung = Worker(hanging, q, wcfg, qcfg, worker_id="hung", exit_process=exits.append)
         hung_run = asyncio.create_task(hung.run())
         heartbeat = q.keys.heartbeat("hung")
-        await _wait_for(lambda: q.redis.exists(heartbeat), 60, "the first heartbeat")
+        await wait_for(lambda: q.redis.exists(heartbeat), 60, "the first heartbeat")
         assert await asyncio.to_thread(_check, redis_url, "hung") == 0
 
         hanging.hang.set()
@@ -84,14 +78,14 @@ async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(r
 
         async def gave_up():
             return bool(exits)
-        await _wait_for(gave_up, 60, "the hung worker to give up")
+        await wait_for(gave_up, 60, "the hung worker to give up")
         assert exits == [EXIT_HUNG] and not hung.healthy
         assert not await q.redis.exists(heartbeat)
         # Nor does it answer for its leases any more: requeue may take them at their next check.
 
         async def owner_gone():
             return (await q.redis.execute_command("PUBSUB", "SHARDNUMSUB", q.owner_channel))[1] == 0
-        await _wait_for(owner_gone, 30, "the hung worker to leave its owner channel")
+        await wait_for(owner_gone, 30, "the hung worker to leave its owner channel")
         assert await q.redis.zscore(q.keys.workers, "hung") is None
         assert await asyncio.to_thread(_check, redis_url, "hung") == 1
 
@@ -100,7 +94,7 @@ async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(r
                          worker_id="healthy")
         healthy_run = asyncio.create_task(healthy.run())
         reply = q.keys.reply("r")
-        await _wait_for(lambda: _complete(q, reply, len(ids)), 60, "the redo")
+        await wait_for(lambda: _complete(q, reply, len(ids)), 60, "the redo")
         results = await q.collect("r")
         vectors = [decode_result(results[i]).vector for i in range(len(ids))]
         from tokq.batch import PackedBatch
@@ -126,13 +120,13 @@ async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, en
     async with open_queue(redis_url, queue=engine.info.queue_name) as q:
         worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="idle")
         run = asyncio.create_task(worker.run())
-        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("idle")), 60, "the first heartbeat")
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("idle")), 60, "the first heartbeat")
         await asyncio.sleep(0.5)  # idle now: its first claim found nothing
         for n in range(3):  # each request arrives at an empty queue, so each sends a notice
             await q.enqueue(f"r{n}", [(3, encode_body([101, 2000 + n, 102]))], timeout_ms=60_000,
                             channel=q.keys.done_channel("test"))
             reply = q.keys.reply(f"r{n}")
-            await _wait_for(lambda: _complete(q, reply, 1), 30, "the notice to wake the worker")
+            await wait_for(lambda: _complete(q, reply, 1), 30, "the notice to wake the worker")
             assert decode_result((await q.collect(f"r{n}"))[0]).ok
         # While it lives it listens on its owner channel, so requeue never takes its leases
         # early (tokq.queue.Queue.owner_channel).
@@ -149,13 +143,13 @@ async def test_a_missed_work_notice_costs_at_most_the_fallback_poll(redis_url, e
     async with open_queue(redis_url, queue=engine.info.queue_name) as q:
         worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="deaf")
         run = asyncio.create_task(worker.run())
-        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("deaf")), 60, "the first heartbeat")
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("deaf")), 60, "the first heartbeat")
         # Queue an item behind an entry that keeps the queue non-empty, so no notice is sent.
         await q.redis.set(q.keys.tokens, 1)
         await q.enqueue("r", [(3, encode_body([101, 2000, 102]))], timeout_ms=60_000,
                         channel=q.keys.done_channel("test"))
         await q.redis.incrby(q.keys.tokens, -1)
-        await _wait_for(lambda: _complete(q, q.keys.reply("r"), 1), 30, "the fallback claim")
+        await wait_for(lambda: _complete(q, q.keys.reply("r"), 1), 30, "the fallback claim")
         assert decode_result((await q.collect("r"))[0]).ok
         worker.stop()
         await asyncio.wait_for(run, 30)
@@ -190,11 +184,11 @@ async def test_the_hung_threshold_is_at_least_20x_the_warm_up_forward(redis_url,
         worker = Worker(slow, q, WorkerConfig(token_budget=256, heartbeat_ms=200, hung_forward_ms=100),
                         QueueConfig(), worker_id="slow", exit_process=exits.append)
         run = asyncio.create_task(worker.run())
-        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("slow")), 60, "the first heartbeat")
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("slow")), 60, "the first heartbeat")
         assert worker.hung_after_s >= worker_module.HUNG_FACTOR * 0.2
         await q.enqueue("r", [(len(t), encode_body(t)) for t in ids], timeout_ms=60_000,
                         channel=q.keys.done_channel("test"))
-        await _wait_for(lambda: _complete(q, q.keys.reply("r"), len(ids)), 60, "the answer")
+        await wait_for(lambda: _complete(q, q.keys.reply("r"), len(ids)), 60, "the answer")
         assert exits == [] and worker.healthy  # a 0.3 s forward, 3x --hung-forward-ms: not hung
         worker.stop()
         await asyncio.wait_for(run, 60)

@@ -13,8 +13,9 @@ import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from service_stack import ServiceStack, free_port_pair
+from service_stack import ServiceStack
 
+from tokq.redis_server import free_port_block
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -26,7 +27,7 @@ HOLD_US = 100_000  # far above the default (2,000), so the flag's effect is unmi
 @pytest.fixture(scope="module")
 def stack():
     s = ServiceStack(env={"TOKQ_MAX_QUEUED_TOKENS": str(MAX_QUEUED_TOKENS)})
-    s.metrics_port = free_port_pair()
+    s.metrics_port = free_port_block(2)
     try:
         s.start_gateway("--metrics-port", str(s.metrics_port), "--enqueue-hold-us", str(HOLD_US))
         s.start_worker("w1")

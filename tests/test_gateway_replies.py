@@ -11,6 +11,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from queue_support import wait_for
 
 from tokq.config import GatewayConfig, QueueConfig
 from tokq.connection import connect, connect_pubsub
@@ -29,6 +30,21 @@ def info(bundled_model_dir):
     return ModelInfo.load(bundled_model_dir)
 
 
+async def _answer(queue, call: asyncio.Task, vector_size: int) -> None:
+    """Claim ``call``'s queued inputs and answer them as a worker would: input i with
+    ``vector_size`` floats, all i + 1."""
+    claim = None
+
+    async def claimed():
+        nonlocal claim
+        assert not call.done(), call.exception()
+        claim = await queue.claim(4096)
+        return claim is not None
+    await wait_for(claimed, 20, "the call's inputs to claim")
+    await queue.ack(claim.batch_id, [
+        (e, encode_ok(np.full(vector_size, e.index + 1, np.float32), 1.0, 2.0)) for e in claim.entries])
+
+
 async def _call(redis_url, info, tokenizer, texts, vector_size: int, *, listen: bool = True):
     """One Embed of ``texts`` answered with vectors of ``vector_size`` floats (input i: all i+1).
     ``listen=False``: the router listens on another channel, so the notice never reaches it.
@@ -42,13 +58,7 @@ async def _call(redis_url, info, tokenizer, texts, vector_size: int, *, listen: 
     try:
         served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), GATEWAY)
         call = asyncio.create_task(served.embed(EmbedInput(texts=texts), Timer(30)))
-        claim = None
-        while claim is None:
-            assert not call.done(), call.exception()
-            claim = await queue.claim(4096)
-            await asyncio.sleep(0.01)
-        await queue.ack(claim.batch_id, [
-            (e, encode_ok(np.full(vector_size, e.index + 1, np.float32), 1.0, 2.0)) for e in claim.entries])
+        await _answer(queue, call, vector_size)
         out = await asyncio.wait_for(call, 20)
         collects = sum(queue.shard(i).scripts.calls["collect"] for i in range(queue.num_shards))
         replies = [k async for k in client.scan_iter(match=queue.reply_key("*"))]
@@ -79,30 +89,9 @@ def test_a_missed_notice_is_made_up_for_by_the_poll(redis_url, info, tokenizer):
     assert collects == 1 and replies == []
 
 
-async def _until(predicate, what: str, timeout_s: float = 20) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-async def _queued(queue, call: asyncio.Task) -> None:
-    async def queued():
-        assert not call.done(), call.exception()
-        return (await queue.stats()).queued_entries > 0
-    await _until(queued, "the call's entry")
-
-
-async def _answer(queue, value: float) -> None:
-    claim = None
-
-    async def claimed():
-        nonlocal claim
-        claim = await queue.claim(4096)
-        return claim is not None
-    await _until(claimed, "an entry to claim")
-    await queue.ack(claim.batch_id, [(e, encode_ok(np.full(4, value, np.float32), 1.0, 2.0))
-                                     for e in claim.entries])
+async def _queued(queue, call: asyncio.Task) -> bool:
+    assert not call.done(), call.exception()
+    return (await queue.stats()).queued_entries > 0
 
 
 async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_them_unavailable(
@@ -126,7 +115,7 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
         await asyncio.wait_for(router.subscribed.wait(), 20)
         served = ServedModel(info, tokenizer, queue, router, GATEWAY_CONFIG, GATEWAY)
         call = asyncio.create_task(served.embed(EmbedInput(texts=["through a break"]), Timer(30)))
-        await _queued(queue, call)
+        await wait_for(lambda: _queued(queue, call), 20, "the call's entry")
         assert await asyncio.to_thread(proxy.drop_connections, b"SUBSCRIBE") == 1
 
         channel = queue.shard_keys()[0].done_channel(GATEWAY)
@@ -134,13 +123,13 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
         async def subscribed_again():  # a new link has subscribed, and Redis counts one subscriber
             return (await asyncio.to_thread(proxy.connections, b"SUBSCRIBE") == 1
                     and (await client.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1] == 1)
-        await _until(subscribed_again, "the subscription to be restored")
-        await _answer(queue, 1.0)
+        await wait_for(subscribed_again, 20, "the subscription to be restored")
+        await _answer(queue, call, 4)
         out = await asyncio.wait_for(call, 20)  # by the notice: the poll is an hour away
         assert [v.tolist() for v in out.vectors] == [[1.0] * 4]
 
         waiting = asyncio.create_task(served.embed(EmbedInput(texts=["left waiting"]), Timer(30)))
-        await _queued(queue, waiting)
+        await wait_for(lambda: _queued(queue, waiting), 20, "the call's entry")
         proxy.close()  # the subscriber's Redis is gone: its reconnects are refused
         with pytest.raises(Unavailable, match="lost the connection to Redis"):
             await asyncio.wait_for(waiting, 5)  # its deadline is 30 s away

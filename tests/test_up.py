@@ -14,15 +14,11 @@ import numpy as np
 import pytest
 import redis
 
-from tokq.redis_server import free_port
-from service_stack import alive, ctrl_c_reaches_it, free_port_pair, listening_ports, read_until_serving
+from tokq.profiling.bench import proc_cpu
+from tokq.redis_server import free_port, free_port_block
+from service_stack import alive, ctrl_c_reaches_it, listening_ports, read_until_serving
 
 pytestmark = pytest.mark.slow
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 def test_tokq_up_serves_and_ctrl_c_stops_everything():
@@ -37,11 +33,11 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         lines += read_until_serving(proc)
         text = "".join(lines)
         assert f"127.0.0.1:{port}" in text and "tokq embed" in text and "redis://" in text
-        children = _children(proc.pid)
+        children = proc_cpu.children(proc.pid)
         assert len(children) == 4  # Redis, gateway, two workers
         # The workers split the cores but one (left to the gateway and Redis), one thread at least
-        cmdlines = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0") for pid in children]
-        threads = [int(c[c.index(b"--threads") + 1]) for c in cmdlines if b"--threads" in c]
+        threads = [int(args[args.index("--threads") + 1])
+                   for args in map(proc_cpu.cmdline, children) if "--threads" in args]
         assert threads == [max(1, (os.cpu_count() - 1) // 2)] * 2
         # The embedded Redis has a generated password; no child has it on its command line
         # (readable by any local user with ps) and it is not printed.
@@ -51,7 +47,7 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         password = redis.connection.parse_url(url)["password"]
         assert password and len(password) >= 20 and password not in text
         for pid in children:
-            assert password.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+            assert not any(password in arg for arg in proc_cpu.cmdline(pid))
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(url.replace(password, "wrong")).ping()
         with Client(f"127.0.0.1:{port}") as client:
@@ -68,13 +64,12 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         assert np.array(json.loads(out)["data"][0]["embedding"]).shape == (384,)
         # A worker that dies is started again (the supervisor a worker's exit code 3 asks for):
         # both killed, so the call after it is served by restarted ones
-        workers = [pid for pid in children if b"--worker-id" in open(f"/proc/{pid}/cmdline", "rb").read()]
-        for i, name in ((1, b"up-1"), (0, b"up-0")):
-            os.kill(next(pid for pid in workers if name in open(f"/proc/{pid}/cmdline", "rb").read()),
-                    signal.SIGKILL)
+        workers = [pid for pid in children if "--worker-id" in proc_cpu.cmdline(pid)]
+        for i, name in ((1, "up-1"), (0, "up-0")):
+            os.kill(next(pid for pid in workers if name in proc_cpu.cmdline(pid)), signal.SIGKILL)
             _read_until(proc, f"worker {i} exited (-9); restarting it")
         deadline = time.monotonic() + 60
-        while len(children := _children(proc.pid)) < 4 or set(workers) & set(children):
+        while len(children := proc_cpu.children(proc.pid)) < 4 or set(workers) & set(children):
             assert time.monotonic() < deadline, "the workers were not started again"
             time.sleep(0.2)
         with Client(f"127.0.0.1:{port}") as client:
@@ -111,7 +106,7 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
     from tokq.profiling.bench.spread import gateway_children
     from test_client_spread import embed_counts
 
-    port, metrics_port = free_port(), free_port_pair(3)
+    port, metrics_port = free_port(), free_port_block(3)
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--gateway-procs", "2",
                              "--metrics-port", str(metrics_port), "--http-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -124,8 +119,7 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         assert "2 gateway process(es), 1 worker(s)" in text
         assert f":{metrics_port}/metrics (and :{metrics_port + 1}), worker 0 :{metrics_port + 2}" in text
         assert "HTTP:" not in text  # --http-port 0: no HTTP API
-        gateway_parent = next(pid for pid in _children(proc.pid)
-                              if b"gateway" in open(f"/proc/{pid}/cmdline", "rb").read())
+        gateway_parent = next(pid for pid in proc_cpu.children(proc.pid) if "gateway" in proc_cpu.cmdline(pid))
         gateways = gateway_children(gateway_parent)
         assert len(gateways) == 2
         deadline = time.monotonic() + 90
@@ -148,7 +142,7 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         worker_page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 2}/metrics", timeout=10).read()
         assert b"tokq_worker_" in worker_page
         # One gateway process dying ends the gateway, and tokq up with it: nothing half-serves.
-        everything += [*_children(proc.pid), *gateways]
+        everything += [*proc_cpu.children(proc.pid), *gateways]
         os.kill(gateways[1], signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 1 and "the gateway exited" in out

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
-from queue_support import QUEUE, open_queue
+from queue_support import QUEUE, open_queue, wait_for
 
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
@@ -66,12 +66,6 @@ class GatedEngine:
         return vectors
 
 
-async def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
@@ -115,7 +109,7 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
                         observer=metrics)
         assert worker.preempt_budget == HEAVY_TOKENS
         run = asyncio.create_task(worker.run())
-        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("preempt")), 60, "the first heartbeat")
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("preempt")), 60, "the first heartbeat")
 
         async def enqueue(request_id, seqs):
             await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
@@ -129,18 +123,18 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
 
         async def registered():
             return await q.redis.sismember(q.keys.preemptible, q.owner_id)
-        await _wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
+        await wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
         await enqueue("light", light_ids)  # claimed on its 'light' notice (or by the first
         # light-only claim, if that ran after this enqueue: it follows the registration)
 
         async def offered():
             return worker.preemption.waiting is not None
-        await _wait_for(offered, 30, "the light batch to be claimed and offered to the forward")
+        await wait_for(offered, 30, "the light batch to be claimed and offered to the forward")
         gated.go.set()  # the heavy forward starts; its first block's checkpoint runs the light one
-        await _wait_for(lambda: answered("light", 1), 60, "the light request's answer")
+        await wait_for(lambda: answered("light", 1), 60, "the light request's answer")
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")  # heavy still unanswered
         gated.finish.set()
-        await _wait_for(lambda: answered("heavy", 2), 60, "the heavy request's answer")
+        await wait_for(lambda: answered("heavy", 2), 60, "the heavy request's answer")
         heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
         assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
 
@@ -178,7 +172,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
         lost = Worker(gated, q, WorkerConfig(token_budget=512), qcfg, worker_id="lost",
                       exit_process=exits.append)
         lost_run = asyncio.create_task(lost.run())
-        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("lost")), 60, "the first heartbeat")
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("lost")), 60, "the first heartbeat")
         for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
             await q2.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
                              channel=q2.keys.done_channel("test"))
@@ -187,7 +181,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
 
         async def offered():
             return lost.preemption.waiting is not None
-        await _wait_for(offered, 30, "the light batch to be offered to the heavy forward")
+        await wait_for(offered, 30, "the light batch to be offered to the heavy forward")
         assert (await q.stats()).inflight_items == 3  # both batches leased to the lost worker
         lost_run.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -199,7 +193,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
         for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
             async def answered(request_id=request_id, n=len(seqs)):
                 return await q.redis.hlen(q.keys.reply(request_id)) >= n + 3
-            await _wait_for(answered, 60, f"the redo of {request_id}")
+            await wait_for(answered, 60, f"the redo of {request_id}")
             results = await q2.collect(request_id)
             got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
             np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
@@ -212,7 +206,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
 
         async def lost_thread_done():
             return len(gated.log) == 4
-        await _wait_for(lost_thread_done, 60, "the lost worker's forward thread to end")
+        await wait_for(lost_thread_done, 60, "the lost worker's forward thread to end")
         redo.stop()
         await asyncio.wait_for(redo_run, 30)
         assert (await q2.stats()).counters["acked"] == 3  # the lost worker acknowledged nothing
@@ -259,7 +253,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
     async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
         worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="twice")
         run = asyncio.create_task(worker.run())
-        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("twice")), 60, "the first heartbeat")
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("twice")), 60, "the first heartbeat")
 
         async def enqueue(request_id, seqs):
             await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
@@ -278,26 +272,26 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
 
                     async def notice_read():
                         return worker._notices_read["light"] == 1
-                    await _wait_for(notice_read, 30, "the worker to read light1's notice")
+                    await wait_for(notice_read, 30, "the worker to read light1's notice")
             monkeypatch.setattr(worker.queue, "mark_preemptible", mark_then_notice)
 
         await enqueue("heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         if not race:
-            await _wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
+            await wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
             await enqueue("light1", light_ids["light1"])
 
         async def offered():
             return worker.preemption.waiting is not None
-        await _wait_for(offered, 30, "light1 to be offered to the forward")
+        await wait_for(offered, 30, "light1 to be offered to the forward")
         gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
-        await _wait_for(lambda: q.redis.hexists(q.keys.reply("light1"), "0"), 60, "light1's answer")
-        await _wait_for(registered, 30, "the worker to register again after light1")
+        await wait_for(lambda: q.redis.hexists(q.keys.reply("light1"), "0"), 60, "light1's answer")
+        await wait_for(registered, 30, "the worker to register again after light1")
         await enqueue("light2", light_ids["light2"])
-        await _wait_for(lambda: q.redis.hexists(q.keys.reply("light2"), "0"), 60, "light2's answer")
+        await wait_for(lambda: q.redis.hexists(q.keys.reply("light2"), "0"), 60, "light2's answer")
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")
         gated.finish.set()
-        await _wait_for(lambda: q.redis.hexists(q.keys.reply("heavy"), "0"), 60, "the heavy answer")
+        await wait_for(lambda: q.redis.hexists(q.keys.reply("heavy"), "0"), 60, "the heavy answer")
         n1, n2, heavy_n = (sum(map(len, light_ids["light1"])), sum(map(len, light_ids["light2"])),
                            sum(map(len, heavy_ids)))
         assert gated.log == [("start", heavy_n), ("start", n1), ("end", n1), ("start", n2),

@@ -7,11 +7,10 @@ tens of seconds, not a timing to measure."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
-from queue_support import QUEUE, open_queue
+from queue_support import QUEUE, open_queue, wait_for
 
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.entry import encode_body
@@ -29,19 +28,13 @@ def engine():
     return Engine.load(None, device="cpu", name=QUEUE)
 
 
-async def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
 
 async def test_work_after_a_short_forward_does_not_wait_for_the_long_forwards_delay(redis_url, engine):
     name = engine.info.queue_name
     async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
         worker = Worker(engine, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="prefetch")
         run = asyncio.create_task(worker.run())
-        await _wait_for(lambda: q.redis.exists(q.keys.heartbeat("prefetch")), 60, "the first heartbeat")
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("prefetch")), 60, "the first heartbeat")
         ids = np.array([101, 7592, 102])
 
         async def call(request_id: str) -> None:
@@ -51,7 +44,7 @@ async def test_work_after_a_short_forward_does_not_wait_for_the_long_forwards_de
             async def answered():
                 return await q.redis.hlen(q.keys.reply(request_id)) >= 4  # the item + n, ch, t
             # Far less than the delay the long forwards set (PREFETCH_AT x LONG_FORWARDS_S).
-            await _wait_for(answered, 30, f"the answer to {request_id}")
+            await wait_for(answered, 30, f"the answer to {request_id}")
 
         await call("first")
         worker._forward_s_avg = LONG_FORWARDS_S
