@@ -1,11 +1,17 @@
 """Models named by Hugging Face id, resolved through a hub cache built on disk from the bundled
-model (models--ORG--NAME/{refs,snapshots,blobs}, as huggingface_hub lays it out): no network."""
+model (models--ORG--NAME/{refs,snapshots,blobs}, as huggingface_hub lays it out), and downloaded
+once from a hub on loopback (HF_ENDPOINT) that serves the bundled model's files: no network."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -73,13 +79,112 @@ def test_local_directories_still_work_and_take_no_revision(hub_cache):
         resolve(bundled_model_path(), revision="main")
 
 
-def test_offline_and_missing_is_a_clear_error(hub_cache):
+def test_offline_and_missing_is_a_clear_error(hub_cache, monkeypatch):
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE=1 forbids downloading"):
         resolve("acme/not-cached")
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # huggingface_hub's older name counts the same
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="TRANSFORMERS_OFFLINE=1 forbids downloading"):
+        resolve("acme/not-cached")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="at revision v2"):
         resolve(REPO, revision="v2")
     with pytest.raises(FileNotFoundError, match="neither a local directory nor a Hugging Face repo id"):
         resolve("no/such/thing")
+
+
+class LoopbackHub:
+    """The part of the Hugging Face Hub's HTTP API that huggingface_hub's snapshot_download uses
+    (revision info, the file tree, HEAD and GET of each file at a commit), serving the bundled
+    model as REPO at COMMIT. Every request is recorded, to count downloads."""
+
+    def __init__(self) -> None:
+        root = bundled_model_path()
+        self.files = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+        self.requests: list[tuple[str, str]] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self.do_GET()
+
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                hub.requests.append((self.command, path))
+                status, body, headers = hub.answer(path)
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command == "GET":
+                    self.wfile.write(body)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def answer(self, path: str) -> tuple[int, bytes, dict[str, str]]:
+        as_json = {"Content-Type": "application/json"}
+        if path.startswith(f"/api/models/{REPO}/revision/"):
+            info = {"id": REPO, "sha": COMMIT, "siblings": [{"rfilename": name} for name in self.files]}
+            return 200, json.dumps(info).encode(), as_json
+        if path == f"/api/models/{REPO}/tree/{COMMIT}":
+            tree = [{"type": "file", "path": name, "size": file.stat().st_size,
+                     "oid": hashlib.sha1(file.read_bytes()).hexdigest()} for name, file in self.files.items()]
+            return 200, json.dumps(tree).encode(), as_json
+        name = path.removeprefix(f"/{REPO}/resolve/{COMMIT}/")
+        if name in self.files:
+            data = self.files[name].read_bytes()
+            return 200, data, {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
+        return 404, b'{"error": "not found"}', {**as_json, "X-Error-Code": "RepoNotFound"}
+
+    def downloads(self) -> list[str]:
+        prefix = f"/{REPO}/resolve/{COMMIT}/"
+        return sorted(path.removeprefix(prefix) for method, path in self.requests
+                      if method == "GET" and path.startswith(prefix))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+RESOLVE = """
+from tokq.model_info import ModelInfo
+info = ModelInfo.load({repo!r})
+print(info.path, info.name, info.hidden_size)
+"""
+
+
+def test_a_missing_model_is_downloaded_once_when_downloads_are_allowed(tmp_path):
+    hub = LoopbackHub()
+    cache = tmp_path / "hub"
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+    for offline in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # huggingface_hub reads these at
+        env.pop(offline, None)  # import, so each load is a fresh process
+
+    def load() -> list[str]:
+        run = subprocess.run([sys.executable, "-c", RESOLVE.format(repo=REPO)], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.split()
+
+    try:
+        path, name, hidden = load()
+        assert hub.downloads() == sorted(hub.files)  # every file, each once
+        snapshot = cache / "models--acme--mini-lm" / "snapshots" / COMMIT
+        assert (Path(path), name, hidden) == (snapshot, REPO, "384")  # served under the repo id
+        assert all((snapshot / name).read_bytes() == file.read_bytes() for name, file in hub.files.items())
+        assert (cache / "models--acme--mini-lm" / "refs" / "main").read_text() == COMMIT
+
+        hub.requests.clear()
+        assert load() == [path, name, hidden]
+        assert hub.requests == []  # the second start reads the cache and asks the hub nothing
+    finally:
+        hub.close()
 
 
 def test_profile_publishes_the_budget_under_the_repo_ids_queue(hub_cache, tmp_path, redis_url):

@@ -37,8 +37,14 @@ def is_repo_id(spec: str) -> bool:
     return bool(_REPO_ID.match(spec))
 
 
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE
+def hub_offline_setting() -> str | None:
+    """The variable that forbids downloads ('HF_HUB_OFFLINE=1'), None where they are allowed.
+    Read as huggingface_hub reads it: HF_HUB_OFFLINE, else the older TRANSFORMERS_OFFLINE."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name):
+            value = os.environ[name]
+            return f"{name}={value}" if value.lower() in _TRUE else None
+    return None
 
 
 def hub_cache_dir() -> Path:
@@ -67,12 +73,13 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
     except LocalEntryNotFoundError:
-        if hub_offline():
+        offline = hub_offline_setting()
+        if offline:
             at = f" at revision {revision}" if revision else ""
             raise FileNotFoundError(
-                f"{repo_id}{at} is not in the Hugging Face cache {cache}, and HF_HUB_OFFLINE=1 "
+                f"{repo_id}{at} is not in the Hugging Face cache {cache}, and {offline} "
                 f"forbids downloading it: fetch it first (`hf download {repo_id}`) or unset "
-                "HF_HUB_OFFLINE") from None
+                f"{offline.split('=')[0]}") from None
     return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache))
 
 
