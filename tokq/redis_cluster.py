@@ -10,9 +10,7 @@ clients that discover the cluster (CLUSTER SLOTS, MOVED) then connect only there
 
 from __future__ import annotations
 
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,21 +21,10 @@ from pathlib import Path
 import redis
 
 from tokq.processes import stop_all
-from tokq.redis_server import default_binary
+from tokq.redis_server import default_binary, exit_reason, free_port
 
 NUM_SLOTS = 16384
 BUS_OFFSET = 10_000  # a node's cluster bus listens this far above its port
-MAX_PORT = 65535 - BUS_OFFSET
-
-
-def _port_free(port: int, host: str) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def _slots(client: redis.Redis, real_port: dict[int, int] | None = None
@@ -52,15 +39,6 @@ def _slots(client: redis.Redis, real_port: dict[int, int] | None = None
 def _cluster_info(client: redis.Redis) -> dict[str, str]:
     text = client.execute_command("CLUSTER", "INFO")
     return dict(line.split(":", 1) for line in text.split("\r\n") if ":" in line)
-
-
-def free_cluster_port(host: str = "127.0.0.1", taken: set[int] = frozenset()) -> int:
-    """A port whose cluster bus port (+10,000) is free too; both below 65536."""
-    for _ in range(1000):
-        port = random.randint(20_000, MAX_PORT)
-        if port not in taken and _port_free(port, host) and _port_free(port + BUS_OFFSET, host):
-            return port
-    raise RuntimeError("no free port pair (port, port+10000) on loopback")
 
 
 @dataclass
@@ -78,6 +56,10 @@ class ClusterNode:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def log_path(self) -> str:
+        return str(Path(self.dir) / "server.log")
 
 
 @dataclass
@@ -152,7 +134,7 @@ class LocalCluster:
         num_nodes = self.num_primaries * (1 + self.replicas_per_primary)
         taken: set[int] = set()
         for i in range(num_nodes):
-            port = free_cluster_port(self.host, taken)
+            port = free_port(self.host, offsets=(0, BUS_OFFSET), taken=taken)
             taken |= {port, port + BUS_OFFSET}
             node_dir = Path(self._dir) / str(port)
             node_dir.mkdir()
@@ -185,7 +167,7 @@ class LocalCluster:
                 # Slots of other primaries keep serving while one primary fails over.
                 "--cluster-require-full-coverage", "no",
                 "--save", "", "--appendonly", "no", "--dir", node.dir,
-                "--protected-mode", "no", "--loglevel", "warning"]
+                "--protected-mode", "no", "--loglevel", "warning", "--logfile", node.log_path]
         if node.port in self.announced:
             args += ["--cluster-announce-port", str(self.announced[node.port]),
                      "--cluster-announce-bus-port", str(node.port + BUS_OFFSET)]
@@ -197,8 +179,8 @@ class LocalCluster:
         try:
             while True:
                 if node.proc.poll() is not None:
-                    err = node.proc.stderr.read().decode(errors="replace") if node.proc.stderr else ""
-                    raise RuntimeError(f"{self.binary} on port {node.port} exited at start: {err.strip()}")
+                    raise RuntimeError(f"{self.binary} on port {node.port} exited at start: "
+                                       f"{exit_reason(node.proc, node.log_path)}")
                 try:
                     client.ping()
                     node.node_id = client.execute_command("CLUSTER", "MYID")

@@ -9,6 +9,7 @@ line), no persistence, a fixed port so a restart comes back at the same address.
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -29,24 +30,55 @@ def default_binary() -> str:
     return str(get_binary_path())
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections and bind(0) (Linux's ip_local_port_range;
+    its default where that cannot be read)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str = "127.0.0.1", offsets: tuple[int, ...] = (0,), taken=frozenset()) -> int:
+    """A port p with p + each offset free (and not in ``taken``), chosen outside the kernel's
+    ephemeral range where it can be. Why outside: a server restarted on its port (Redis under
+    `tokq up`, a killed cluster node) finds it taken if, while it was down, an outgoing
+    connection or another process's bind(0) was given it; a random pick elsewhere is not."""
+    ephemeral = ephemeral_ports()
+    last = 65535 - max(offsets)
+    for attempt in range(2000):
+        port = random.randint(10_000, last)
+        ports = [port + offset for offset in offsets]
+        if attempt < 1000 and any(p in ephemeral for p in ports):
+            continue  # after 1000 picks (an ephemeral range over nearly everything), any port
+        if not any(p in taken for p in ports) and all(port_free(p, host) for p in ports):
+            return port
+    raise RuntimeError(f"no free port with offsets {offsets} on {host}")
 
 
 def free_port_block(count: int, host: str = "0.0.0.0") -> int:
     """A port p with p .. p + count - 1 all free, for ports that count up from one (tokq up's
     metrics: the gateway's processes, then the workers)."""
-    while True:
-        port = free_port(host)
-        try:
-            for candidate in range(port, port + count):
-                with socket.socket() as s:
-                    s.bind((host, candidate))
-            return port
-        except OSError:
-            continue
+    return free_port(host, offsets=tuple(range(count)))
+
+
+def exit_reason(proc: subprocess.Popen, log_path: str) -> str:
+    """What a server that exited at start said: its stderr, else the end of its log file (where
+    a taken port is reported)."""
+    err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+    if not err and os.path.exists(log_path):
+        err = " / ".join(Path(log_path).read_text(errors="replace").strip().splitlines()[-3:])
+    return err or f"exit status {proc.returncode}, nothing logged"
 
 
 def redact_url(url: str) -> str:
@@ -73,6 +105,10 @@ class EmbeddedRedis:
         self._proc: subprocess.Popen | None = None
 
     @property
+    def log_path(self) -> str:
+        return os.path.join(self._dir, "redis.log")
+
+    @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
@@ -88,7 +124,7 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [self.binary, self._write_config(), "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
-                "--loglevel", "warning"]
+                "--loglevel", "warning", "--logfile", self.log_path]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -97,8 +133,8 @@ class EmbeddedRedis:
         try:
             while True:
                 if self._proc.poll() is not None:
-                    err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                    raise RuntimeError(f"{self.binary} exited at start: {err.strip()}")
+                    raise RuntimeError(f"{self.binary} on port {self.port} exited at start: "
+                                       f"{exit_reason(self._proc, self.log_path)}")
                 try:
                     client.ping()
                     return self

@@ -73,11 +73,8 @@ class Gateway:
 
         self.procs = procs
         self.port, self.http_port = free_port(), free_port()
-        self.metrics_ports = [free_port()]
-        while len(self.metrics_ports) < procs:  # consecutive free ports: process i uses base + i
-            base = free_port()
-            if all(_port_free(base + i) for i in range(procs)):
-                self.metrics_ports = [base + i for i in range(procs)]
+        base = free_port(offsets=tuple(range(procs)))  # process i serves metrics on base + i
+        self.metrics_ports = [base + i for i in range(procs)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokq.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
              "--http-port", str(self.http_port), "--procs", str(procs),
@@ -107,17 +104,6 @@ class Gateway:
 
     def counts(self, rpc: str) -> list[float]:
         return [ok_calls(port, rpc) for port in self.metrics_ports]
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def measure(gateway: Gateway, transport: str, num_clients: int, *, seconds: float, concurrency: int,

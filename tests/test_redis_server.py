@@ -1,0 +1,36 @@
+"""Ports for the servers tokq starts (tokq/redis_server.py): free, outside the kernel's
+ephemeral range, and a server that cannot start says why."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tokq.redis_server import EmbeddedRedis, ephemeral_ports, free_port, free_port_block, port_free
+
+
+def test_free_ports_are_free_and_outside_the_ephemeral_range():
+    ephemeral = ephemeral_ports()
+    for _ in range(50):
+        port = free_port(offsets=(0, 10_000))
+        assert port not in ephemeral and port + 10_000 not in ephemeral
+        assert port_free(port) and port_free(port + 10_000)
+    block = free_port_block(3)
+    assert all(port_free(p, "0.0.0.0") and p not in ephemeral for p in range(block, block + 3))
+
+
+def test_a_port_in_use_or_taken_is_passed_over(monkeypatch):
+    in_use, taken, free = free_port(), free_port(), free_port()
+    picks = iter([in_use, taken, free])
+    monkeypatch.setattr("tokq.redis_server.random.randint", lambda low, high: next(picks))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", in_use))
+        held.listen()
+        assert free_port(taken={taken}) == free
+
+
+def test_a_server_that_cannot_start_says_why():
+    with EmbeddedRedis() as running:
+        with pytest.raises(RuntimeError, match=f"on port {running.port} exited at start: .*Address already in use"):
+            EmbeddedRedis(port=running.port).start()
