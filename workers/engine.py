@@ -39,7 +39,7 @@ class Engine:
 
     @property
     def linear_backend(self) -> str:
-        """Kernel of the linear layers: onednn | torch."""
+        """Kernel of the linear layers: c | onednn | torch."""
         return self.model.linear.name
 
     @classmethod
@@ -50,8 +50,9 @@ class Engine:
         """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
         all-MiniLM-L6-v2). Raises
         ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
-        ``linear``: auto | onednn | torch, the kernel of the linear layers (auto: oneDNN for
-        fp32 on CPU, see workers/models/layers.py)."""
+        ``linear``: auto | c | onednn | torch, the kernel of the linear layers (auto: the C
+        kernel for fp32 on AVX2 CPUs without AVX-512, oneDNN for the rest of CPU fp32 and bf16;
+        see workers/models/layers.py)."""
         check_torch_version()
         info = ModelInfo.load(path, name, revision)
         resolved_device = resolve_device(device)

@@ -14,6 +14,7 @@ COMMANDS = {
     "queue": "tokq.profiling.bench.queue:queue_command",
     "runtime": "tokq.profiling.bench.runtime:runtime_command",
     "dtypes": "tokq.profiling.bench.dtypes:dtypes_command",
+    "linear": "tokq.profiling.bench.linear:linear_command",
     "prefix": "tokq.profiling.bench.prefix:prefix_command",
     "gateway-cpu": "tokq.profiling.bench.gateway_cpu:gateway_cpu_command",
     "http-cpu": "tokq.profiling.bench.http_cpu:http_cpu_command",

@@ -221,7 +221,9 @@ def time_split(engine: Engine, batches: list[PackedBatch]) -> dict[str, float]:
 
 
 def op_table(engine: Engine, batches: list[PackedBatch], row_limit: int = 14) -> str:
-    """The torch profiler's per-op table (self CPU time) over ``batches``' forwards."""
+    """The torch profiler's per-op table (self CPU time) over ``batches``' forwards. The C
+    kernels (workers/cpu_*.c: attention, LayerNorm, the fp32 linear where picked) are called
+    through ctypes, not as torch ops, so their time is not in it."""
     from torch.profiler import ProfilerActivity, profile
 
     for batch in batches[:2]:

@@ -78,10 +78,19 @@ class OneDnnLinear:
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto"):
-    """oneDNN for fp32 and bf16 on CPU when this torch build has it (checked against F.linear
-    once per dtype), else F.linear. ``kind`` forces one: auto | onednn | torch."""
+    """For fp32 on an AVX2 CPU without AVX-512, the C kernel (workers/cpu_linear.py) where it
+    builds; else oneDNN for fp32 and bf16 on CPU when this torch build has it (checked against
+    F.linear once per dtype); else F.linear. ``kind`` forces one: auto | c | onednn | torch."""
+    from tokq.workers import cpu_linear
+
     if kind == "torch":
         return TorchLinear()
+    if kind == "c" or (kind == "auto" and cpu_linear.preferred()):
+        reason = cpu_linear.unavailable_reason(device, dtype)
+        if reason is None:
+            return cpu_linear.CLinear()
+        if kind == "c":
+            raise ValueError(f"{reason}")
     usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)
     if kind == "onednn" and not usable:
         raise ValueError("oneDNN linear needs fp32 or bf16 on CPU and a torch built with mkldnn")

@@ -1,0 +1,93 @@
+"""fp32 linear layers on CPU through a small C kernel (workers/cpu_linear.c): the bias and the
+residual add in the kernel, the activation in place on its output. Built as workers/cpu_build.py
+says.
+
+Why: on AVX2 CPUs without AVX-512, oneDNN's fp32 linear is slow at the few rows of a lone short
+query. On an AMD EPYC (Zen 1), an 8-token MiniLM forward took 10.8 ms through oneDNN against
+8.8 ms through this (1.25x), 1.06x at 32-64 tokens, level from 256 (profiling/RESULTS.md,
+`tokq bench linear`). ``linear_kernels`` (workers/models/layers.py) picks it for fp32 on such
+CPUs only: on AVX-512 CPUs it was not measured against oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokq.host import cpu_flags
+from tokq.workers import cpu_build
+
+PANELS_PER_PART = 4  # fewer panels than this a thread: not worth handing to another thread
+# tokq_linear's parameters (workers/cpu_linear.c)
+ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int64)
+PACK_ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+
+# hidden_act -> torch's in-place op on the linear's output (it is ours and used once)
+_IN_PLACE = {
+    "gelu": torch.ops.aten.gelu_, "gelu_new": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"),
+    "relu": torch.ops.aten.relu_, "silu": torch.ops.aten.silu_, "swish": torch.ops.aten.silu_,
+}
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    if dtype != torch.float32:
+        return f"the C linear takes float32 (have {dtype})"
+    return cpu_build.unavailable_reason("cpu_linear", "the C linear", device, dtype)
+
+
+def preferred(flags: set[str] | None = None) -> bool:
+    """Where ``auto`` picks the C linear over oneDNN: AVX2 CPUs without AVX-512 (where it was
+    measured faster)."""
+    flags = cpu_flags() if flags is None else flags
+    return "avx2" in flags and "fma" in flags and "avx512f" not in flags
+
+
+@functools.cache
+def panel_columns() -> int:
+    """Output columns per packed panel: two vectors of the built kernel."""
+    return 2 * cpu_build.vector_lanes("cpu_linear")
+
+
+class CLinear:
+    """The C kernel, on weights packed into its panels (``pack``). A packed weight keeps the
+    shape ``[n, k]`` of the weight it came from; only its order in memory differs."""
+
+    name = "c"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        weight = weight.contiguous()
+        packed = torch.empty_like(weight)
+        fn = cpu_build.function("cpu_linear", "tokq_pack_weight", PACK_ARGTYPES)
+        fn(weight.data_ptr(), packed.data_ptr(), *weight.shape)
+        return packed
+
+    def _run(self, x, weight, bias, residual=None) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if residual is not None and residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        (m, k), n = x.shape, weight.shape[0]
+        out = torch.empty((m, n), dtype=torch.float32)
+        fn = cpu_build.function("cpu_linear", "tokq_linear", ARGTYPES)
+        head = (x.data_ptr(), x.stride(0), m, k, weight.data_ptr(), n,
+                None if bias is None else bias.data_ptr(),
+                None if residual is None else residual.data_ptr(),
+                0 if residual is None else residual.stride(0), out.data_ptr())
+        panels = -(-n // panel_columns())
+        parts = cpu_build.even(panels, max(1, min(torch.get_num_threads(), panels // PANELS_PER_PART)))
+        cpu_build.run_parts(fn, [(*head, first, last) for first, last in parts])
+        return out
+
+    def __call__(self, x, weight, bias=None):
+        return self._run(x, weight, bias)
+
+    def act(self, x, weight, bias, act_name: str):
+        return _IN_PLACE[act_name](self._run(x, weight, bias))
+
+    def add(self, x, weight, bias, residual):
+        return self._run(x, weight, bias, residual)
