@@ -59,7 +59,7 @@ bench: install
 	$(BIN)/tokq bench runtime --dtype float32 --results-md $(RESULTS)
 	$(BIN)/tokq bench runtime --num-queries 300 --rounds 3 --token-budgets 1024 --threads 1 --results-md $(RESULTS)
 	$(BIN)/tokq bench dtypes --num-queries 400 --rounds 2 --threads 1 --results-md $(RESULTS)
-	$(BIN)/tokq bench linear --rounds 7 --results-md $(RESULTS)
+	$(BIN)/tokq bench linear --rounds 7 --threads 1,2 --results-md $(RESULTS)
 	$(BIN)/tokq bench prefix --threads 1 --results-md $(RESULTS)
 	$(BIN)/tokq bench gateway-cpu --calls 1000 --rates 60,200 --concurrency 8,64 --rounds 3 \
 		--profile-dir profiling/gateway-profile --json profiling/gateway_cpu.json --results-md $(RESULTS)

@@ -19,11 +19,12 @@ from tokq.workers.models import layers
 def test_bench_linear_writes_its_block(tmp_path):
     results = tmp_path / "RESULTS.md"
     for _ in range(2):
-        out = CliRunner().invoke(linear_command, ["--rows", "3,40", "--rounds", "1", "--results-md", str(results)],
-                                 catch_exceptions=False)
+        args = ["--rows", "3,40", "--rounds", "1", "--threads", "1,2", "--results-md", str(results)]
+        out = CliRunner().invoke(linear_command, args, catch_exceptions=False)
         assert out.exit_code == 0, out.output
     text = results.read_text()
     assert text.count("<!-- tokq bench linear") == 2  # one block (start and end), rewritten in place
     rows = re.findall(r"^\| (3|40) \| ([\d.]+) ms \| ([\d.]+) ms \|", text, re.M)
-    assert [r[0] for r in rows] == ["3", "40"] and all(float(a) > 0 and float(b) > 0 for _, a, b in rows)
-    assert "Command: `tokq bench linear --rows 3,40 --rounds 1 --results-md" in text
+    assert [r[0] for r in rows] == ["3", "40"] * 2  # a table per thread count
+    assert all(float(a) > 0 and float(b) > 0 for _, a, b in rows)
+    assert "Command: `tokq bench linear --rows 3,40 --rounds 1 --threads 1,2 --results-md" in text

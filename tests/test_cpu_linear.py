@@ -69,10 +69,11 @@ def test_work_is_split_over_threads_by_panels():
         torch.set_num_threads(threads)
 
 
-def test_auto_picks_it_for_fp32_on_avx2_without_avx512_only():
-    assert cpu_linear.preferred({"avx2", "fma", "sse2"})
-    assert not cpu_linear.preferred({"avx2", "fma", "avx512f"})  # oneDNN there (not measured against it)
-    assert not cpu_linear.preferred({"sse2"})
+def test_auto_picks_it_for_fp32_on_one_thread_of_avx2_without_avx512_only():
+    assert cpu_linear.preferred({"avx2", "fma", "sse2"}, threads=1)
+    assert not cpu_linear.preferred({"avx2", "fma", "sse2"}, threads=2)  # oneDNN's threads win
+    assert not cpu_linear.preferred({"avx2", "fma", "avx512f"}, threads=1)  # not measured there
+    assert not cpu_linear.preferred({"sse2"}, threads=1)
     expected = "c" if cpu_linear.preferred() else ("onednn" if layers._onednn_works() else "torch")
     assert layers.linear_kernels(CPU, torch.float32).name == expected
     assert layers.linear_kernels(CPU, torch.float32, "c").name == "c"

@@ -2,9 +2,9 @@
  * Built by workers/cpu_build.py with the machine's own compiler flags on first use.
  *
  * Why: on an AVX2 CPU without AVX-512 (AMD EPYC, Zen 1) oneDNN's fp32 linear is slow at the few
- * rows of a lone short query: MiniLM's linears of a forward at 1-16 rows took 1.15-1.19x this
- * kernel's time there, 1.03-1.05x at 32-64 rows, level at 256-1,024 (~39 GFLOP/s, near the
- * core's FMA peak). profiling/RESULTS.md, `tokq bench linear`.
+ * rows of a lone short query: on one thread, MiniLM's linears of a forward at 1-16 rows took
+ * 1.18-1.24x this kernel's time there, 1.06x at 32-64 rows, 1.02-1.07x at 256-1,024 (~39
+ * GFLOP/s, near the core's FMA peak). profiling/RESULTS.md, `tokq bench linear`.
  *
  * W is packed once (tokq_pack_weight) into panels of NR = 2 x LANES output columns: panel p
  * holds, for each k, its columns' NR weights side by side ([k][NR]), so one step of k loads two

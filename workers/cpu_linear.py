@@ -3,10 +3,12 @@ residual add in the kernel, the activation in place on its output. Built as work
 says.
 
 Why: on AVX2 CPUs without AVX-512, oneDNN's fp32 linear is slow at the few rows of a lone short
-query. On an AMD EPYC (Zen 1), an 8-token MiniLM forward took 10.8 ms through oneDNN against
-8.8 ms through this (1.25x), 1.06x at 32-64 tokens, level from 256 (profiling/RESULTS.md,
-`tokq bench linear`). ``linear_kernels`` (workers/models/layers.py) picks it for fp32 on such
-CPUs only: on AVX-512 CPUs it was not measured against oneDNN.
+query. On an AMD EPYC (Zen 1), one thread, an 8-token MiniLM forward took 10.9 ms through oneDNN
+against 8.8 ms through this (1.26x); 1.07-1.10x at 32-64 tokens, 1.03-1.06x at 256-1,024
+(profiling/RESULTS.md, `tokq bench linear`). ``linear_kernels`` (workers/models/layers.py) picks
+it for fp32 on such CPUs, on one thread, only (``preferred``): on AVX-512 CPUs it was not
+measured against oneDNN, and its split over threads (disjoint panels, on cpu_build's pool) lost
+to oneDNN's.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return cpu_build.unavailable_reason("cpu_linear", "the C linear", device, dtype)
 
 
-def preferred(flags: set[str] | None = None) -> bool:
-    """Where ``auto`` picks the C linear over oneDNN: AVX2 CPUs without AVX-512 (where it was
-    measured faster)."""
+def preferred(flags: set[str] | None = None, threads: int | None = None) -> bool:
+    """Where ``auto`` picks the C linear over oneDNN: one thread (torch's, as set when the model
+    loads) on an AVX2 CPU without AVX-512, where it was measured faster. With more threads
+    oneDNN's own parallel runtime won (2 threads: forwards 0.61-0.89x; profiling/RESULTS.md)."""
     flags = cpu_flags() if flags is None else flags
-    return "avx2" in flags and "fma" in flags and "avx512f" not in flags
+    threads = torch.get_num_threads() if threads is None else threads
+    return threads == 1 and "avx2" in flags and "fma" in flags and "avx512f" not in flags
 
 
 @functools.cache

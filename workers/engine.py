@@ -51,7 +51,7 @@ class Engine:
         all-MiniLM-L6-v2). Raises
         ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
         ``linear``: auto | c | onednn | torch, the kernel of the linear layers (auto: the C
-        kernel for fp32 on AVX2 CPUs without AVX-512, oneDNN for the rest of CPU fp32 and bf16;
+        kernel for fp32 on one thread of an AVX2 CPU without AVX-512, else oneDNN on CPU;
         see workers/models/layers.py)."""
         check_torch_version()
         info = ModelInfo.load(path, name, revision)

@@ -1,13 +1,14 @@
 """The fp32 linear kernels on CPU, side by side: the C kernel (workers/cpu_linear.py) against
 oneDNN, at the row counts a forward meets (a lone short query up to a full batch).
 
-    tokq bench linear [--rows 1,8,16,32,64,256,1024] [--rounds 5] [--threads 1]
+    tokq bench linear [--rows 1,8,16,32,64,256,1024] [--rounds 5] [--threads 1,2]
         [--model DIR] [--results-md profiling/RESULTS.md]
 
-Per row count: the model's own linear calls in a forward (forward_linear_calls: its shapes,
-with the epilogues it fuses), timed through each kernel, then the whole forward of one batch of
-that many tokens (sequences of at most 32 tokens). Kernels alternate within each round; ratios
-are medians of per-round ratios (oneDNN time / C time: above 1, the C kernel is faster).
+Per thread count and row count: the model's own linear calls in a forward
+(forward_linear_calls: its shapes, with the epilogues it fuses), timed through each kernel, then
+the whole forward of one batch of that many tokens (sequences of at most 32 tokens). Kernels
+alternate within each round; ratios are medians of per-round ratios (oneDNN time / C time:
+above 1, the C kernel is faster).
 """
 
 from __future__ import annotations
@@ -44,28 +45,15 @@ def batch_of(num_tokens: int) -> PackedBatch:
     return PackedBatch.pack([np.arange(1000, 1000 + n) for n in lengths])
 
 
-def run(*, rows: list[int], rounds: int, threads: int, model: str | None, command: str) -> tuple[str, str]:
-    if threads:
-        torch.set_num_threads(threads)
-    engines, skipped = load_engines(model, {k: {"dtype": "float32", "linear": k} for k in KERNELS})
-    if len(engines) < 2:
-        raise click.ClickException(f"both kernels are needed: {skipped}")
-    machine = {"cpu": cpu_name(), "vector_extension": vector_extension()}
-    name = cpu_block_name(BLOCK, machine)
-    start, end = markers(name, BLOCK)
-    lines = [start, cpu_heading("fp32 linear kernels: the C kernel against oneDNN", machine), "",
-             f"Command: `{command}`. Model {engines['c'].info.name}; torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads, {machine['cpu']}; {rounds} rounds, kernels "
-             "alternating; medians. `auto` picks the C kernel for fp32 on AVX2 CPUs without "
-             "AVX-512 (workers/cpu_linear.py).", "",
-             "| rows (tokens) | linears: oneDNN | C | GFLOP/s oneDNN | C | x | forward: oneDNN | C | x |",
+def table(engines: dict, rows: list[int], rounds: int) -> list[str]:
+    lines = ["| rows (tokens) | linears: oneDNN | C | GFLOP/s oneDNN | C | x | forward: oneDNN | C | x |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for num_rows in rows:
         calls = {k: forward_linear_calls(e, num_rows) for k, e in engines.items()}
         batch = batch_of(num_rows)
         linear_s = {k: [] for k in engines}
         forward_s = {k: [] for k in engines}
-        for k, e in engines.items():  # warm-up
+        for e in engines.values():  # warm-up
             e.embed(batch)
         for _ in range(rounds):
             for k, e in engines.items():
@@ -80,6 +68,27 @@ def run(*, rows: list[int], rounds: int, threads: int, model: str | None, comman
         lines.append(f"| {num_rows:,} | {lin['onednn'] * 1e3:.2f} ms | {lin['c'] * 1e3:.2f} ms | "
                      f"{flops / lin['onednn'] / 1e9:.1f} | {flops / lin['c'] / 1e9:.1f} | {lin_x:.2f} | "
                      f"{fwd['onednn'] * 1e3:.2f} ms | {fwd['c'] * 1e3:.2f} ms | {fwd_x:.2f} |")
+    return lines
+
+
+def run(*, rows: list[int], rounds: int, threads: list[int], model: str | None, command: str) -> tuple[str, str]:
+    engines, skipped = load_engines(model, {k: {"dtype": "float32", "linear": k} for k in KERNELS})
+    if len(engines) < 2:
+        raise click.ClickException(f"both kernels are needed: {skipped}")
+    machine = {"cpu": cpu_name(), "vector_extension": vector_extension()}
+    name = cpu_block_name(BLOCK, machine)
+    start, end = markers(name, BLOCK)
+    lines = [start, cpu_heading("fp32 linear kernels: the C kernel against oneDNN", machine), "",
+             f"Command: `{command}`. Model {engines['c'].info.name}; torch {torch.__version__}, "
+             f"{machine['cpu']}; {rounds} rounds, kernels alternating; medians. `auto` picks the C "
+             "kernel for fp32 on one thread of an AVX2 CPU without AVX-512 (workers/cpu_linear.py)."]
+    before = torch.get_num_threads()
+    try:
+        for count in threads:
+            torch.set_num_threads(count)
+            lines += ["", f"{count} thread{'s' if count > 1 else ''}:", "", *table(engines, rows, rounds)]
+    finally:
+        torch.set_num_threads(before)
     lines += ["", shared_machine_note(), "", end]
     return name, "\n".join(lines)
 
@@ -88,13 +97,14 @@ def run(*, rows: list[int], rounds: int, threads: int, model: str | None, comman
 @click.option("--rows", default="1,8,16,32,64,256,1024", show_default=True,
               help="Row counts (tokens in the batch), comma-separated.")
 @click.option("--rounds", default=5, show_default=True)
-@click.option("--threads", default=1, show_default=True, help="torch threads (0: torch's default).")
+@click.option("--threads", default="1", show_default=True, help="torch thread counts, comma-separated.")
 @click.option("--model", default=None, help="Model directory [default: bundled all-MiniLM-L6-v2].")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
               help="Rewrite this file's block (e.g. profiling/RESULTS.md).")
 def linear_command(rows, rounds, threads, model, results_md) -> None:
     """The C fp32 linear kernel against oneDNN, per row count."""
-    name, section = run(rows=[int(r) for r in rows.split(",")], rounds=rounds, threads=threads,
+    name, section = run(rows=[int(r) for r in rows.split(",")], rounds=rounds,
+                        threads=[int(t) for t in threads.split(",")],
                         model=model, command=command_line())
     click.echo(section)
     if results_md:

@@ -78,8 +78,8 @@ class OneDnnLinear:
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto"):
-    """For fp32 on an AVX2 CPU without AVX-512, the C kernel (workers/cpu_linear.py) where it
-    builds; else oneDNN for fp32 and bf16 on CPU when this torch build has it (checked against
+    """For fp32 on one thread of an AVX2 CPU without AVX-512, the C kernel (workers/cpu_linear.py)
+    where it builds; else oneDNN for fp32 and bf16 on CPU when this torch build has it (checked against
     F.linear once per dtype); else F.linear. ``kind`` forces one: auto | c | onednn | torch."""
     from tokq.workers import cpu_linear
 
