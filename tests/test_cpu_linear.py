@@ -82,16 +82,29 @@ def test_auto_picks_it_for_fp32_on_one_thread_of_avx2_without_avx512_only():
         layers.linear_kernels(CPU, torch.bfloat16, "c")
 
 
-def test_a_model_on_the_c_linear_matches_onednn_or_torch(tmp_path):
+@pytest.mark.parametrize("model", ["bert", "qwen2_causal_lm", "qwen3_model"])  # Qwen: the residual add
+def test_a_model_on_the_c_linear_matches_the_torch_linear(tmp_path, model):
     import numpy as np
 
     from tiny_models import build
     from tokq.batch import PackedBatch
     from tokq.workers.engine import Engine
 
-    build("bert", tmp_path)
+    build(model, tmp_path)
     batch = PackedBatch.pack([np.arange(5, 5 + n) for n in (3, 9, 1, 17)])
     c = Engine.load(tmp_path, device="cpu", dtype="float32", linear="c")
     ref = Engine.load(tmp_path, device="cpu", dtype="float32", linear="torch")
     assert c.linear_backend == "c"
     np.testing.assert_allclose(c.embed(batch), ref.embed(batch), atol=1e-5)
+
+
+def test_shapes_and_dtypes_are_checked_before_the_kernel_reads_memory():
+    w, b = _weights(32, 16)
+    ours = cpu_linear.CLinear()
+    packed = ours.pack(w)
+    for bad in (lambda: ours(torch.randn(4, 17), packed, b),  # k differs from the weight's
+                lambda: ours.add(torch.randn(4, 16), packed, b, torch.randn(32)),  # residual [n]
+                lambda: ours(torch.randn(4, 16, dtype=torch.float64), packed, b),
+                lambda: ours(torch.randn(4, 16), packed, torch.randn(31))):
+        with pytest.raises(ValueError, match="the C linear takes float32"):
+            bad()

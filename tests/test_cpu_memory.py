@@ -39,7 +39,8 @@ print(statistics.median(faults))
 
 
 def _faults_per_forward(disabled: bool) -> float:
-    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
+    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.mmap_threshold=131072"]))
+    env = {**os.environ, "GLIBC_TUNABLES": tunables}
     run = subprocess.run([sys.executable, "-c", MEASURE.format(disabled=disabled)], check=True,
                          capture_output=True, text=True, timeout=300, env=env)
     return float(run.stdout.split()[-1])

@@ -162,7 +162,8 @@ print(info.path, info.name, info.hidden_size)
 def test_a_missing_model_is_downloaded_once_when_downloads_are_allowed(tmp_path):
     hub = LoopbackHub()
     cache = tmp_path / "hub"
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home"),
+           "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}  # no proxy for loopback
     for offline in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # huggingface_hub reads these at
         env.pop(offline, None)  # import, so each load is a fresh process
 

@@ -62,12 +62,20 @@ def test_models_hold_weights_packed_for_their_linear_kernel(tmp_path):
     from tokq.workers.engine import Engine
 
     build("bert", tmp_path)
-    for kind in ("auto", "torch"):
+    from tokq.workers import cpu_linear
+
+    c_builds = cpu_linear.unavailable_reason(torch.device("cpu"), torch.float32) is None
+    for kind in ("auto", "torch") + (("c",) if c_builds else ()):
         engine = Engine.load(tmp_path, device="cpu", dtype="float32", linear=kind)
         layer = engine.model.layers[0]
         expect_packed = engine.linear_backend == "onednn"
-        assert all(w.is_mkldnn == expect_packed for w in (layer.qkv_weight, layer.out_weight,
-                                                          layer.up_weight, layer.down_weight))
+        weights = (layer.qkv_weight, layer.out_weight, layer.up_weight, layer.down_weight)
+        assert all(w.is_mkldnn == expect_packed for w in weights)
+        if engine.linear_backend == "c":  # the C kernel's panels: same shape, another order
+            plain = Engine.load(tmp_path, device="cpu", dtype="float32", linear="torch").model.layers[0]
+            assert all(w.shape == p.shape and not torch.equal(w, p)
+                       for w, p in zip(weights, (plain.qkv_weight, plain.out_weight, plain.up_weight,
+                                                 plain.down_weight)))
         assert not layer.attn_norm_weight.is_mkldnn  # not a linear weight
 
 

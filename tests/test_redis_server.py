@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from tokq import redis_server
 from tokq.redis_server import EmbeddedRedis, ephemeral_ports, free_port, free_port_block, port_free
 
 
@@ -21,9 +22,11 @@ def test_free_ports_are_free_and_outside_the_ephemeral_range():
 
 
 def test_a_port_in_use_or_taken_is_passed_over(monkeypatch):
-    in_use, taken, free = free_port(), free_port(), free_port()
+    in_use = free_port()
+    taken = free_port(taken={in_use})
+    free = free_port(taken={in_use, taken})
     picks = iter([in_use, taken, free])
-    monkeypatch.setattr("tokq.redis_server.random.randint", lambda low, high: next(picks))
+    monkeypatch.setattr(redis_server._PICKS, "randint", lambda low, high: next(picks))
     with socket.socket() as held:
         held.bind(("127.0.0.1", in_use))
         held.listen()

@@ -30,6 +30,9 @@ def default_binary() -> str:
     return str(get_binary_path())
 
 
+_PICKS = random.SystemRandom()  # the OS's randomness: processes never share a sequence of picks
+
+
 def ephemeral_ports() -> range:
     """The ports the kernel gives outgoing connections and bind(0) (Linux's ip_local_port_range;
     its default where that cannot be read)."""
@@ -57,7 +60,7 @@ def free_port(host: str = "127.0.0.1", offsets: tuple[int, ...] = (0,), taken=fr
     ephemeral = ephemeral_ports()
     last = 65535 - max(offsets)
     for attempt in range(2000):
-        port = random.randint(10_000, last)
+        port = _PICKS.randint(10_000, last)
         ports = [port + offset for offset in offsets]
         if attempt < 1000 and any(p in ephemeral for p in ports):
             continue  # after 1000 picks (an ephemeral range over nearly everything), any port

@@ -22,14 +22,15 @@
 
 static inline int64_t panel_width(int64_t n, int64_t p) { return n - p * NR < NR ? n - p * NR : NR; }
 
-/* W [n, k] row-major into panels (above); packed holds n * k floats. */
-void tokq_pack_weight(const float *w, float *packed, int64_t n, int64_t k) {
+/* W [n, k] row-major into panels (above); packed holds n * k floats. Returns 0. */
+int tokq_pack_weight(const float *w, float *packed, int64_t n, int64_t k) {
     for (int64_t p = 0; p * NR < n; p++) {
         const int64_t width = panel_width(n, p);
         float *panel = packed + p * NR * k;
         for (int64_t kk = 0; kk < k; kk++)
             for (int64_t j = 0; j < width; j++) panel[kk * width + j] = w[(p * NR + j) * k + kk];
     }
+    return 0;
 }
 
 /* MR rows' (mr of them) outputs in one panel's columns: width of them, stored at y. */

@@ -71,11 +71,20 @@ class CLinear:
         return packed
 
     def _run(self, x, weight, bias, residual=None) -> torch.Tensor:
+        # The kernel reads raw memory: shapes and dtypes are checked here, as F.linear would.
+        (m, k), n = x.shape, weight.shape[0]
+        tensors = (x, weight) + tuple(t for t in (bias, residual) if t is not None)
+        if (weight.shape[1] != k or (bias is not None and bias.shape != (n,))
+                or (residual is not None and residual.shape != (m, n))
+                or any(t.dtype != torch.float32 for t in tensors)):
+            raise ValueError(f"the C linear takes float32 x [m, k], weight [n, k], bias [n], residual "
+                             f"[m, n] (have {[(tuple(t.shape), t.dtype) for t in tensors]})")
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if bias is not None:
+            bias = bias.contiguous()
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
-        (m, k), n = x.shape, weight.shape[0]
         out = torch.empty((m, n), dtype=torch.float32)
         fn = cpu_build.function("cpu_linear", "tokq_linear", ARGTYPES)
         head = (x.data_ptr(), x.stride(0), m, k, weight.data_ptr(), n,
