@@ -53,14 +53,16 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def free_port(host: str = "127.0.0.1", offsets: tuple[int, ...] = (0,), taken=frozenset()) -> int:
-    """A port p with p + each offset free (and not in ``taken``), chosen outside the kernel's
-    ephemeral range where it can be. Why outside: a server restarted on its port (Redis under
-    `tokq up`, a killed cluster node) finds it taken if, while it was down, an outgoing
-    connection or another process's bind(0) was given it; a random pick elsewhere is not."""
-    ephemeral = ephemeral_ports()
-    last = 65535 - max(offsets)
+    """A port p with p + each offset free (and not in ``taken``), from 10,000 up to below the
+    kernel's ephemeral range (32768 by default) where that leaves room. Why below it: a server
+    restarted on its port (Redis under `tokq up`, a killed cluster node) finds it taken if,
+    while it was down, an outgoing connection or another process's bind(0) was given it; and
+    above it, tokq's own port settings leave room for ports counted up from one (metrics)."""
+    ephemeral, span = ephemeral_ports(), max(offsets)
+    below = ephemeral.start - 1 - span  # the highest pick with every port under the range
+    high = below if below - 10_000 >= 1000 else 65535 - span
     for attempt in range(2000):
-        port = _PICKS.randint(10_000, last)
+        port = _PICKS.randint(10_000, high)
         ports = [port + offset for offset in offsets]
         if attempt < 1000 and any(p in ephemeral for p in ports):
             continue  # after 1000 picks (an ephemeral range over nearly everything), any port
