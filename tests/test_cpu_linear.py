@@ -108,3 +108,22 @@ def test_shapes_and_dtypes_are_checked_before_the_kernel_reads_memory():
                 lambda: ours(torch.randn(4, 16), packed, torch.randn(31))):
         with pytest.raises(ValueError, match="the C linear takes float32"):
             bad()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_worker_says_which_linear_kernel_its_threads_got(redis_url, threads):
+    """The threads are set before the model loads, so ``auto`` sees them; the start line says
+    what it chose."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--device", "cpu", "--threads",
+                          str(threads), "--burst"], env={**os.environ, "TOKQ_REDIS_URL": redis_url},
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    if cpu_linear.preferred(threads=threads):
+        expected = "c"
+    else:
+        expected = "onednn" if layers._onednn_works() else "torch"
+    assert "(torch.float32, attention " in run.stderr and f", linear {expected})" in run.stderr

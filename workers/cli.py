@@ -46,9 +46,9 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
     logging.getLogger("tokq.worker").info(
-        "worker %s: %s on %s (%s, attention %s), budget %d tokens, queue %s", worker.worker_id,
-        engine.info.name, engine.device, engine.dtype, engine.attn_backend, worker.token_budget,
-        engine.info.queue_name)
+        "worker %s: %s on %s (%s, attention %s, linear %s), budget %d tokens, queue %s",
+        worker.worker_id, engine.info.name, engine.device, engine.dtype, engine.attn_backend,
+        engine.linear_backend, worker.token_budget, engine.info.queue_name)
     try:
         await worker.run(burst=burst)
     finally:
