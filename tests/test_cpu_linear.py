@@ -4,11 +4,19 @@ inputs, the activations, and its work split over threads."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tiny_models import build
+from tokq.batch import PackedBatch
 from tokq.workers import cpu_linear
+from tokq.workers.engine import Engine
 from tokq.workers.models import layers
 
 CPU = torch.device("cpu")
@@ -84,12 +92,6 @@ def test_auto_picks_it_for_fp32_on_one_thread_of_avx2_without_avx512_only():
 
 @pytest.mark.parametrize("model", ["bert", "qwen2_causal_lm", "qwen3_model"])  # Qwen: the residual add
 def test_a_model_on_the_c_linear_matches_the_torch_linear(tmp_path, model):
-    import numpy as np
-
-    from tiny_models import build
-    from tokq.batch import PackedBatch
-    from tokq.workers.engine import Engine
-
     build(model, tmp_path)
     batch = PackedBatch.pack([np.arange(5, 5 + n) for n in (3, 9, 1, 17)])
     c = Engine.load(tmp_path, device="cpu", dtype="float32", linear="c")
@@ -114,10 +116,6 @@ def test_shapes_and_dtypes_are_checked_before_the_kernel_reads_memory():
 def test_a_worker_says_which_linear_kernel_its_threads_got(redis_url, threads):
     """The threads are set before the model loads, so ``auto`` sees them; the start line says
     what it chose."""
-    import os
-    import subprocess
-    import sys
-
     run = subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--device", "cpu", "--threads",
                           str(threads), "--burst"], env={**os.environ, "TOKQ_REDIS_URL": redis_url},
                          capture_output=True, text=True, timeout=180)

@@ -72,13 +72,14 @@ class CLinear:
 
     def _run(self, x, weight, bias, residual=None) -> torch.Tensor:
         # The kernel reads raw memory: shapes and dtypes are checked here, as F.linear would.
-        (m, k), n = x.shape, weight.shape[0]
-        tensors = (x, weight) + tuple(t for t in (bias, residual) if t is not None)
-        if (weight.shape[1] != k or (bias is not None and bias.shape != (n,))
-                or (residual is not None and residual.shape != (m, n))
-                or any(t.dtype != torch.float32 for t in tensors)):
+        # Plain comparisons, no generator: ~2 us a call, 36 calls a MiniLM forward.
+        (m, k), n, f32 = x.shape, weight.shape[0], torch.float32
+        if (x.dtype != f32 or weight.dtype != f32 or weight.shape[1] != k
+                or (bias is not None and (bias.dtype != f32 or bias.shape != (n,)))
+                or (residual is not None and (residual.dtype != f32 or residual.shape != (m, n)))):
+            given = [(tuple(t.shape), t.dtype) for t in (x, weight, bias, residual) if t is not None]
             raise ValueError(f"the C linear takes float32 x [m, k], weight [n, k], bias [n], residual "
-                             f"[m, n] (have {[(tuple(t.shape), t.dtype) for t in tensors]})")
+                             f"[m, n] (have {given})")
         if x.stride(-1) != 1:
             x = x.contiguous()
         if bias is not None:

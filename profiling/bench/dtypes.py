@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import click
 import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.profiling.bench.runtime import load_engines, pack_in_order
+from tokq.profiling.bench.runtime import load_engines, pack_in_order, timed
 from tokq.profiling.profile.batches import token_ids_for
 from tokq.profiling.results_md import command_line, markers, write_block
 from tokq.profiling.workload import generate
@@ -58,12 +57,6 @@ def compare(ref: np.ndarray, got: np.ndarray) -> dict:
     return {"cos_min": float(cos.min()), "cos_p1": float(np.percentile(cos, 1)),
             "cos_median": float(np.median(cos)), "nn_mean": float(overlap.mean()),
             "nn_min": float(overlap.min()), "finite": bool(np.isfinite(got).all())}
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def run(*, num_queries: int, seed: int, rounds: int, dtypes: list[str], model: str | None,

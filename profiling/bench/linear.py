@@ -14,7 +14,6 @@ above 1, the C kernel is faster).
 from __future__ import annotations
 
 import statistics
-import time
 
 import click
 import numpy as np
@@ -22,18 +21,12 @@ import torch
 
 from tokq.batch import PackedBatch
 from tokq.host import cpu_name, vector_extension
-from tokq.profiling.bench.runtime import forward_linear_calls, load_engines
+from tokq.profiling.bench.runtime import forward_linear_calls, load_engines, timed
 from tokq.profiling.results_md import (command_line, cpu_block_name, cpu_heading, markers, shared_machine_note,
                                       write_block)
 
 BLOCK = "tokq bench linear"
 KERNELS = ("onednn", "c")
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def linear_flops(calls) -> int:

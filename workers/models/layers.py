@@ -90,7 +90,7 @@ def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto")
         if reason is None:
             return cpu_linear.CLinear()
         if kind == "c":
-            raise ValueError(f"{reason}")
+            raise ValueError(reason)
     usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)
     if kind == "onednn" and not usable:
         raise ValueError("oneDNN linear needs fp32 or bf16 on CPU and a torch built with mkldnn")
