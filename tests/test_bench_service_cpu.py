@@ -51,6 +51,7 @@ def test_each_step_says_the_cores_of_tokqs_gateway_worker_redis_and_load_generat
         queries = loadgen.load_queries(None, 200, 5)[0]  # generated, with texts
         options = BenchOptions(rate=20.0, step_duration_s=2.0, timeout_s=10.0, slo_ms=5000.0)
         result = asyncio.run(measure(system, queries, options))
+        embeds = [_embed_calls(system.metrics_port + j) for j in range(2)]
     finally:
         system.close()
     (step,) = result["steps"]
@@ -62,3 +63,16 @@ def test_each_step_says_the_cores_of_tokqs_gateway_worker_redis_and_load_generat
     assert min(cores["gateway"], cores["worker"], cores["load generator"]) > 0, cores
     # the worker's metrics were read past the two gateways' ports: the batch figures are there
     assert step["batches"]["num_batches"] > 0 and step["batches"]["tokens_per_batch"] > 0
+    # the load generator's calls reached both gateway processes (one connection would reach one)
+    assert all(n > 0 for n in embeds) and sum(embeds) >= step["num_ok"], embeds
+
+
+def _embed_calls(metrics_port: int) -> float:
+    """Embed calls one gateway process answered, from its own metrics page."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "tokq_gateway_requests_total" and s.labels.get("rpc") == "Embed")

@@ -15,17 +15,15 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import grpc
 import redis
 
+from tokq.client import AsyncClient, TokqError
 from tokq.health import wait_for_health
 from tokq.keys import QueueKeys
 from tokq.processes import stop_all
 from tokq.profiling.bench.loadgen import Reply
 from tokq.profiling.bench.proc_cpu import children, cmdline, descendants
 from tokq.redis_server import EmbeddedRedis, free_port, free_port_block
-from tokq.v1 import embedder_pb2 as pb
-from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
 START_TIMEOUT_S = 180
 
@@ -60,23 +58,28 @@ class SystemSpec:
 
 
 class GrpcSender:
-    """One Embed call per request over a shared channel; errors come back as status names."""
+    """One Embed call per request through tokq's own client (tokq.AsyncClient): ``connections``
+    connections, each call to the gateway process with the fewest in flight. One channel would
+    send every call down one connection, so `tokq up --gateway-procs N` would serve them all from
+    one process (SO_REUSEPORT spreads connections, not calls). Errors come back as status names."""
 
-    def __init__(self, target: str, timeout_s: float) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
-        self._stub = pb_grpc.EmbedderStub(self._channel)
+    def __init__(self, target: str, timeout_s: float, connections: int = 4) -> None:
+        self._client = AsyncClient(target, connections=connections)
         self.timeout_s = timeout_s
 
     async def __call__(self, texts) -> Reply:
-        request = pb.EmbedRequest(inputs=list(texts), truncate=True)
         try:
-            resp = await self._stub.Embed(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            return Reply(exc.code().name)
-        return Reply("OK", resp.timing.queue_ms, resp.timing.inference_ms)
+            resp = await self._client.embed_full(list(texts), truncate=True, timeout=self.timeout_s)
+        except TokqError as exc:
+            return Reply(exc.code.name)
+        return Reply("OK", resp.timing["queue_ms"], resp.timing["inference_ms"])
+
+    def processes(self) -> dict[str | None, int]:
+        """Connections per gateway process reached (tokq.AsyncClient.processes)."""
+        return self._client.processes()
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._client.close()
 
 
 class HttpSender:
@@ -127,8 +130,6 @@ async def fetch_vectors(system: "RunningSystem", texts: list[str], timeout_s: fl
 
             rows = await asyncio.gather(*(one(t) for t in texts))
         return np.asarray(rows, dtype=np.float32)
-    from tokq import AsyncClient
-
     async with AsyncClient(system.target) as client:
         rows = await asyncio.gather(*(client.embed([t], truncate=True, timeout=timeout_s) for t in texts))
     return np.concatenate(rows).astype(np.float32)
@@ -144,7 +145,8 @@ def min_cosine(got, want) -> float:
 def make_sender(system: "RunningSystem", timeout_s: float):
     if system.spec.kind == "infinity":
         return HttpSender(f"http://{system.target}", "all-MiniLM-L6-v2", timeout_s)
-    return GrpcSender(system.target, timeout_s)
+    # at least one connection per gateway process, so every process can be reached
+    return GrpcSender(system.target, timeout_s, connections=max(4, system.spec.gateway_procs))
 
 
 def _subcommand(pid: int) -> str:
