@@ -25,21 +25,27 @@ def markers(name: str, generated_by: str | None = None) -> tuple[str, str]:
 def cpu_block_name(name: str, machine: dict) -> str:
     """Block ``name`` of a run on a CPU with ``machine``'s vector extension ("AVX2", recorded by
     the run): one block per extension, so an AVX2 machine's run does not overwrite an AVX-512
-    machine's (both "AMD EPYC" here); ``name`` alone for a run that did not record it."""
-    extension = machine.get("vector_extension")
-    return f"{name} ({extension})" if extension else name
+    machine's (both "AMD EPYC" here); a run on a GPU is named by the GPU, so it overwrites
+    neither; ``name`` alone for a run that recorded none of them."""
+    label = machine.get("gpu") or machine.get("vector_extension")
+    return f"{name} ({label})" if label else name
 
 
 def cpu_heading(title: str, machine: dict) -> str:
-    """Such a block's heading: "## Service benchmark, AVX2 CPU" (``title`` alone without one)."""
+    """Such a block's heading: "## Service benchmark, AVX2 CPU", "## Service benchmark,
+    NVIDIA H100 80GB HBM3" (``title`` alone without either)."""
+    if machine.get("gpu"):
+        return f"## {title}, {machine['gpu']}"
     extension = machine.get("vector_extension")
     return f"## {title}, {extension} CPU" if extension else f"## {title}"
 
 
 def cpu_label(machine: dict) -> str:
-    """The run's CPU as its block's machine line names it: "AMD EPYC (AVX2)"."""
+    """The run's machine as its block's machine line names it: "AMD EPYC (AVX2)", or
+    "NVIDIA H100 80GB HBM3 beside Intel Xeon (AVX-512)" on a GPU."""
     extension = machine.get("vector_extension")
-    return f"{machine['cpu']} ({extension})" if extension else machine["cpu"]
+    cpu = f"{machine['cpu']} ({extension})" if extension else machine["cpu"]
+    return f"{machine['gpu']} beside {cpu}" if machine.get("gpu") else cpu
 
 
 def block(name: str, lines: Iterable[str], generated_by: str | None = None) -> str:

@@ -141,14 +141,16 @@ def test_outputs_replace_only_their_own_section(report, tmp_path):
         assert image.shape[0] > 300 and image.shape[1] > 600 and np.std(image) > 0.01
 
 
-def test_each_cpu_vector_extension_keeps_its_own_section(report, tmp_path):
-    """An AVX2 machine's run beside an AVX-512 machine's (both "AMD EPYC"), and the section of a
-    run from before the extension was recorded, each replaced only by its own kind of run."""
+def test_each_cpu_vector_extension_and_gpu_keeps_its_own_section(report, tmp_path):
+    """An AVX2 machine's run beside an AVX-512 machine's (both "AMD EPYC"), the section of a
+    run from before the extension was recorded, and a run on a GPU of an AVX-512 host (`--device
+    cuda`), each replaced only by its own kind of run."""
     results = tmp_path / "RESULTS.md"
-    for extension in (None, "AVX-512", "AVX2", "AVX2"):
+    gpu = {"vector_extension": "AVX-512", "gpu": "NVIDIA H100 80GB HBM3"}
+    for extension in (None, "AVX-512", "AVX2", gpu, "AVX2", gpu):
         machine = {k: v for k, v in report["meta"]["machine"].items() if k != "vector_extension"}
         if extension:
-            machine["vector_extension"] = extension
+            machine.update(extension if isinstance(extension, dict) else {"vector_extension": extension})
         run = {**report, "meta": {**report["meta"], "machine": machine}}
         bench_report.render_outputs(run, plots_dir=None, results_md=str(results), json_path="bench.json")
     text = results.read_text()
@@ -156,6 +158,8 @@ def test_each_cpu_vector_extension_keeps_its_own_section(report, tmp_path):
     assert text.count("## Service benchmark, AVX-512 CPU\n") == 1
     assert text.count("## Service benchmark, AVX2 CPU\n") == 1
     assert text.count("<!-- tokq bench service (AVX2): start") == 1
+    assert text.count("## Service benchmark, NVIDIA H100 80GB HBM3\n") == 1
+    assert text.count("Machine: NVIDIA H100 80GB HBM3 beside ") == 1
 
 
 @pytest.mark.slow

@@ -119,7 +119,9 @@ def own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
+    """The host, and the GPU's name where the systems run on one (their RESULTS.md block is
+    then the GPU's, not the CPU's)."""
     import grpc
     import sentence_transformers
     import torch
@@ -134,7 +136,8 @@ def machine() -> dict:
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__,
                          "sentence_transformers": sentence_transformers.__version__,
-                         "grpcio": grpc.__version__}}
+                         "grpcio": grpc.__version__},
+            **({"gpu": torch.cuda.get_device_name(torch.device(device))} if device.startswith("cuda") else {})}
 
 
 async def check_vectors(system, probe) -> dict:
@@ -164,7 +167,8 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
     started = datetime.now(timezone.utc)
     report = {"meta": {"command": command_line(),
                        "started_at": started.isoformat(timespec="seconds"),
-                       "machine": machine(), "options": asdict(options), "workload": describe(list(queries))},
+                       "machine": machine(next((s.device for s in specs if s.device.startswith("cuda")), "cpu")),
+                       "options": asdict(options), "workload": describe(list(queries))},
               "systems": []}
     log_dir = Path(tempfile.mkdtemp(prefix="tokq-bench-logs-"))
     busy_start_s, own_start_s = cpu_busy_s(), own_cpu_s()
