@@ -94,10 +94,16 @@ def command_line(ctx: click.Context | None = None, group: str = "tokq bench") ->
     return shlex.join(words)
 
 
+def machine_cores(cpus: int | None = None, *, capital: bool = False) -> str:
+    """"a shared 16-CPU machine": the CPUs of the machine running now (os.cpu_count()), or the
+    ``cpus`` a report recorded when re-rendered; "A ..." with ``capital``."""
+    return f"{'A' if capital else 'a'} shared {cpus or os.cpu_count()}-CPU machine"
+
+
 def shared_machine_note() -> str:
     one, five, fifteen = os.getloadavg()
-    return (f"Load average at the end {one:.1f} / {five:.1f} / {fifteen:.1f}: a shared 2-core "
-            "machine, other processes competed for the CPU.")
+    return (f"Load average at the end {one:.1f} / {five:.1f} / {fifteen:.1f}: {machine_cores()}, "
+            "other processes competed for the CPU.")
 
 
 def write_section(path: str | Path, name: str, title: str, command: str, body: list[str]) -> None:

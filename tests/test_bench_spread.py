@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -20,7 +21,7 @@ def result(rnd: int, transport: str, procs: int, clients: int, rate: float, spli
 
 def report(results: list[dict]) -> dict:
     return {"seconds": 8.0, "concurrency": 32, "rounds": 3, "results": results, "loadavg": ["2.0", "2.0", "2.0"],
-            "cpus": 2, "python": "3.11", "date": "2026-01-01 00:00 UTC"}
+            "cpus": os.cpu_count(), "python": "3.11", "date": "2026-01-01 00:00 UTC"}
 
 
 def test_ratios_are_taken_within_a_round_and_medians_over_rounds():
@@ -43,7 +44,7 @@ def test_section_says_the_split_the_ratio_and_the_machine():
     assert text.startswith(bench_spread.SECTION_START) and text.rstrip().endswith(bench_spread.SECTION_END)
     assert "| grpc | 2 | 1 | 1,500 | 1.50x | 51% | 0.30 + 0.30 | 0.50 | 0.10 | 0.40 | 0.30 | 0 |" in text
     assert "One client against `--procs 2`: 1.50x" in text and "Two client processes: 1.50x" in text
-    assert "shared 2-core machine" in text and "load average" in text
+    assert f"shared {os.cpu_count()}-CPU machine" in text and "load average" in text
 
 
 @pytest.mark.slow

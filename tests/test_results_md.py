@@ -4,12 +4,13 @@ running, with the options it was given, as a user can type it again."""
 
 from __future__ import annotations
 
+import os
 import shlex
 
 import click
 from click.testing import CliRunner
 
-from tokq.profiling.results_md import block, command_line, markers, write_block
+from tokq.profiling.results_md import block, command_line, machine_cores, markers, shared_machine_note, write_block
 
 NAME = "tokq bench demo"
 
@@ -58,3 +59,11 @@ def test_command_line_is_the_given_options_in_declared_order():
     assert done.exit_code == 0, done.output
     assert seen == ["tokq bench demo --system a --system b --quiet --note 'an idle machine'"]
     assert shlex.split(seen[0])[3:] == ["--system", "a", "--system", "b", "--quiet", "--note", "an idle machine"]
+
+
+def test_the_machine_is_named_by_its_cpu_count_at_run_time(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert machine_cores() == "a shared 16-CPU machine"
+    assert machine_cores(capital=True) == "A shared 16-CPU machine"
+    assert machine_cores(4) == "a shared 4-CPU machine"  # a re-rendered report's recorded count
+    assert "a shared 16-CPU machine" in shared_machine_note()

@@ -23,7 +23,7 @@ import torch
 from tokq.batch import PackedBatch
 from tokq.profiling.bench.runtime import load_engines, pack_in_order, timed
 from tokq.profiling.profile.batches import token_ids_for
-from tokq.profiling.results_md import command_line, markers, write_block
+from tokq.profiling.results_md import command_line, machine_cores, markers, write_block
 from tokq.profiling.workload import generate
 from tokq.workers import device as device_mod
 from tokq.workers.engine import Engine
@@ -84,7 +84,7 @@ def run(*, num_queries: int, seed: int, rounds: int, dtypes: list[str], model: s
         f"{ref_engine.info.name}; {num_queries} queries of the project's workload generator "
         f"(seed {seed}: {num_tokens:,} tokens, token ids as `tokq profile` draws them), packed "
         f"in {BUDGET}-token batches. torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"load average {os.getloadavg()[0]:.1f} at the end; a shared 2-core machine, so tokens/s "
+        f"load average {os.getloadavg()[0]:.1f} at the end; {machine_cores()}, so tokens/s "
         f"move with other work, the ratios (each dtype timed right after fp32, median of "
         f"{rounds} per-round ratios) much less. `auto` on this CPU: "
         f"{str(auto).removeprefix('torch.')} (native bf16 dot products: "

@@ -37,7 +37,7 @@ from tokq.keys import QueueKeys
 from tokq.model_info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
 from tokq.profiling.bench.proc_cpu import proc_cpu_s
-from tokq.profiling.results_md import block, command_line, write_block
+from tokq.profiling.results_md import block, command_line, machine_cores, write_block
 from tokq.redis_server import EmbeddedRedis, free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -325,7 +325,7 @@ def render(report: dict, command: str) -> str:
     lim = report["limits"]
     lines = ["", "## Hostile input: a one-input call beside six abusive callers", "",
              "Command:", "", f"    {command}", "",
-             f"A 2-core machine, load average "
+             f"{machine_cores(capital=True)}, load average "
              f"{', '.join(f'{x:.1f}' for x in report['load_average'])} at the end (this bench's own "
              "processes included; anything else running shows here too). One gateway, one "
              f"worker (1 torch thread), an embedded Redis; the probe sends `{PROBE_TEXT!r}` alone, "

@@ -28,7 +28,7 @@ import click
 
 from tokq.profiling.bench.gateway_cpu import loadavg
 from tokq.profiling.bench.proc_cpu import proc_cpu_s
-from tokq.profiling.results_md import command_line, markers, write_block
+from tokq.profiling.results_md import command_line, machine_cores, markers, write_block
 
 BLOCK = "tokq bench http-cpu"
 SECTION_START, SECTION_END = markers(BLOCK)
@@ -172,7 +172,7 @@ def markdown_section(report: dict, command: str) -> str:
         SECTION_START,
         "### HTTP API: gateway CPU per call, HTTP against gRPC",
         "",
-        f"`{command}` — {report['date']}, a shared {report['cpus']}-core machine (other sessions' "
+        f"`{command}` — {report['date']}, {machine_cores(report['cpus'])} (other sessions' "
         f"processes compete; load average at the end {' '.join(report['loadavg'])}), Python {report['python']}.",
         f"{report['calls']} single-input calls per transport per round, {report['concurrency']} in flight, "
         f"{len(rounds)} rounds; CPU from /proc per process over exactly the measured calls; medians over rounds.",

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from tokq.config import QueueConfig
 from tokq.connection import connect
 from tokq.entry import encode_body, format_entry
-from tokq.profiling.results_md import block, command_line, markers, write_block
+from tokq.profiling.results_md import block, command_line, machine_cores, markers, write_block
 from tokq.profiling.workload import load_or_generate
 from tokq.queue import Queue
 from tokq.redis_server import EmbeddedRedis
@@ -237,7 +237,7 @@ def markdown(result: dict, command: str) -> str:
         f"Command: `{command}` (starts its own embedded Valkey on loopback; {len(rounds)} rounds, medians; "
         "ratios are taken within a round).", "",
         f"Machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end: "
-        "**a shared 2-core machine**, other processes compete with Redis and the callers (all in this one Python "
+        f"**{machine_cores()}**, other processes compete with Redis and the callers (all in this one Python "
         "process), so client-side throughput and tails are noisy; the Redis-side microseconds (`INFO "
         f"commandstats`) are the steadier figure. Workload: item lengths from {result['workload']}; budget "
         f"{result['budget']} tokens ({c['items_per_claim']:.1f} items per claim on average).", "",

@@ -46,7 +46,7 @@ from tokq.batch import PackedBatch
 from tokq.flops import linear_flops_per_token
 from tokq.host import cpu_name, vector_extension
 from tokq.profiling.bench.loadgen import load_queries
-from tokq.profiling.results_md import block, command_line, write_block
+from tokq.profiling.results_md import block, command_line, machine_cores, write_block
 from tokq.workers import attention, cpu_attention, cpu_build
 from tokq.workers.engine import Engine
 from tokq.workers.layout import build_layout
@@ -302,7 +302,7 @@ def runtime_command(num_queries, rounds, token_budgets, workload, model, threads
         write_block(results_md, name, block(name, generated_by="tokq bench runtime", lines=[
             f"## Model runtime, `--dtype {dtype}`, {vector_extension()} CPU: packed forward vs "
             "sentence-transformers and its own linear-layer limit", "",
-            f"Command: `{command_line()}` (a shared 2-core machine: absolute figures move with other "
+            f"Command: `{command_line()}` ({machine_cores()}: absolute figures move with other "
             "work; each system is timed right after its own limit and peak measurements).",
             "", "```", out.getvalue().rstrip(), "```"]))
 

@@ -38,7 +38,7 @@ import redis
 from tokq.config import QueueConfig
 from tokq.connection import connect
 from tokq.entry import encode_body, encode_ok
-from tokq.profiling.results_md import block, command_line, write_block
+from tokq.profiling.results_md import block, command_line, machine_cores, write_block
 from tokq.profiling.workload import query_lengths
 from tokq.redis_cluster import LocalCluster
 from tokq.shards import ShardedQueue
@@ -278,7 +278,7 @@ def shards_command(**options) -> None:
     load1 = os.getloadavg()
     table = report(by_s, args)
     est = estimate(by_s, args)
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs (**a shared 2-core machine: other "
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs (**{machine_cores()}: other "
                f"engineers' tests ran meanwhile**), load average {load0[0]:.1f} at start, "
                f"{load1[0]:.1f} at end")
     section = block(BLOCK, [
@@ -287,7 +287,7 @@ def shards_command(**options) -> None:
         f"{args.callers} concurrent calls, {ITEMS_PER_REQUEST}-item requests of generated short queries, "
         f"budget {args.token_budget} tokens, {args.rounds} rounds (medians; ratios within a round). "
         f"Machine: {machine}.", "", table, "",
-        "Reading: every process here (6 Redis nodes, the client processes) shares 2 cores, so the "
+        f"Reading: every process here (6 Redis nodes, the client processes) shares {os.cpu_count()} CPUs, so the "
         "client-observed rates are bounded by the client processes' CPU, not by Redis: shards add "
         "server threads that this machine has no cores to run. The Redis time per operation does "
         "not depend on S (each shard is an independent queue in its own slot), which is what "

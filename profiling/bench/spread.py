@@ -34,7 +34,7 @@ from tokq.profiling.bench.gateway_cpu import loadavg
 from tokq.profiling.bench.proc_cpu import children, cmdline, proc_cpu_s
 from tokq.profiling.bench.service.run import cpu_busy_s
 
-from tokq.profiling.results_md import command_line, markers, write_block
+from tokq.profiling.results_md import command_line, machine_cores, markers, write_block
 
 BLOCK = "tokq bench spread"
 SECTION_START, SECTION_END = markers(BLOCK)
@@ -259,7 +259,7 @@ def markdown_section(report: dict, command: str) -> str:
     rows = medians(report)
     lines = [
         SECTION_START, "## One caller against `--procs N`: do calls spread over the gateway's processes?", "",
-        f"`{command}` — {report['date']}, **a shared {report['cpus']}-core machine**: the load generator(s), "
+        f"`{command}` — {report['date']}, **{machine_cores(report['cpus'])}**: the load generator(s), "
         f"every gateway process, the worker (1 torch thread) and Redis compete for the same cores, beside other "
         f"sessions' work (load average at the end {' '.join(report['loadavg'])}). Python {report['python']}.",
         f"Single-input Embed calls, closed loop, {report['concurrency']} in flight per client process, a "

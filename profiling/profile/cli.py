@@ -147,7 +147,7 @@ def block_name(report: dict) -> str:
 
 
 def markdown_block(report: dict, command: str, plot: str | None = None) -> str:
-    from tokq.profiling.results_md import block
+    from tokq.profiling.results_md import block, machine_cores
 
     sweep, w, rec = report["sweep"], report["workload"], report["recommendation"] or {}
     points = report["points"]
@@ -158,7 +158,7 @@ def markdown_block(report: dict, command: str, plot: str | None = None) -> str:
         f"Command: `{command}`  ",
         f"Date: {report['started_at']} ({report['duration_s']:.0f} s); {report['dtype']}, attention "
         f"{report['attn_backend']}, torch {report['torch_version']}, {report['threads']} thread(s); load average "
-        f"{' / '.join(fmt(x) for x in report['load_average'])} before / after. **A shared 2-core machine: "
+        f"{' / '.join(fmt(x) for x in report['load_average'])} before / after. **{machine_cores(capital=True)}: "
         "other processes' load moves every latency; repeats are interleaved across batch sizes so it lands "
         "on every size alike.**  ",
         f"Workload: {w['source']}: {w['num_queries']} queries, tokens p50 {w['p50_tokens']:.0f} / p90 "

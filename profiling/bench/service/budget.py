@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 from tokq.profiling.bench.service.report import fmt, other_cpu, run_header
-from tokq.profiling.results_md import markers, write_block
+from tokq.profiling.results_md import machine_cores, markers, write_block
 
 BLOCK = "tokq bench service --budget-check"
 SECTION_START, SECTION_END = markers(BLOCK)
@@ -96,9 +96,9 @@ def markdown_section(report: dict, profile_png: str | None = None) -> str:
         *run_header(meta),
         f"Machine: {m['cpu']}, {m['num_cpus']} CPUs; device `{check['device']}`; load average at start "
         f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} "
-        "(this run's own processes included). **A shared 2-core machine: load generator, gateway, worker and "
-        "Redis compete for the same cores, and other people's work runs beside them; rates move by 10-20% "
-        f"between runs.** {other_cpu(meta)[:1].upper()}{other_cpu(meta)[1:]}.  ",
+        f"(this run's own processes included). **{machine_cores(m['num_cpus'], capital=True)}: load generator, "
+        "gateway, worker and Redis compete for the same cores, and other people's work runs beside them; rates "
+        f"move by 10-20% between runs.** {other_cpu(meta)[:1].upper()}{other_cpu(meta)[1:]}.  ",
         f"Machine state: {meta.get('note') or 'not stated'}  ",
         f"Load: open loop, {o['arrivals']} arrivals, {o['step_duration_s']:g} s per step, x{o['step_factor']:g} "
         f"per step from {o['start_rate']:g} req/s, then {o['num_refinements']} bisections (resolution "
