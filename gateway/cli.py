@@ -14,7 +14,7 @@ import click
 from tokq import config as cfg
 
 
-def _run_one(gateway_values: dict, queue_values: dict) -> None:
+def _run_one(gateway_values: dict, queue_values: dict, siblings=None) -> None:
     from tokq.gateway.event_loop import loop_factory
     from tokq.gateway.helper_threads import yield_to_loop_thread
     from tokq.gateway.server import serve
@@ -25,16 +25,17 @@ def _run_one(gateway_values: dict, queue_values: dict) -> None:
     # are chosen here, not in serve(): they are the whole process's, and in-process users own theirs.
     with asyncio.Runner(loop_factory=loop_factory(config.event_loop)) as runner:
         runner.run(serve(config, cfg.load(cfg.QueueConfig, queue_values),
-                         on_ready=lambda port: yield_to_loop_thread()))
+                         on_ready=lambda port: yield_to_loop_thread(), siblings=siblings))
 
 
-def _run_child(gateway_values: dict, queue_values: dict) -> None:
+def _run_child(gateway_values: dict, queue_values: dict, listening, procs: int) -> None:
     """One of `--procs N` gateway processes: it dies with the parent (killed outright, its
-    children would hold the ports)."""
+    children would hold the ports); ready once all N listen (``listening``: their shared count)."""
+    from tokq.gateway.readiness import SiblingProcesses
     from tokq.processes import die_with_parent
 
     die_with_parent()
-    _run_one(gateway_values, queue_values)
+    _run_one(gateway_values, queue_values, SiblingProcesses(listening, procs))
 
 
 @click.command("gateway")
@@ -60,12 +61,13 @@ def gateway_command(procs: int, **values) -> None:
         _run_one(gateway_values, queue_values)
         return
     ctx = multiprocessing.get_context("spawn")
+    listening = ctx.Value("i", 0)
     children = []
     for i in range(procs):
         child_values = dict(gateway_values)
         if base.metrics_port:
             child_values["metrics_port"] = base.metrics_port + i
-        proc = ctx.Process(target=_run_child, args=(child_values, queue_values), name=f"tokq-gateway-{i}")
+        proc = ctx.Process(target=_run_child, args=(child_values, queue_values, listening, procs), name=f"tokq-gateway-{i}")
         proc.start()
         children.append(proc)
 

@@ -15,10 +15,32 @@ from tokq.keys import QueueKeys
 log = logging.getLogger(__name__)
 
 
+class SiblingProcesses:
+    """The processes of one `tokq gateway --procs N` that listen on the shared port so far (a
+    counter in shared memory, one add per process). Each reports ready only once all N do, so a
+    health check passing (`tokq up`'s, a load balancer's) means every process serves: SO_REUSEPORT
+    hands a connection made earlier to the processes listening then, for its whole life."""
+
+    def __init__(self, counter, procs: int) -> None:
+        self._counter = counter  # multiprocessing.Value("i"), made by the parent
+        self.procs = procs
+
+    def add(self) -> None:
+        with self._counter.get_lock():
+            self._counter.value += 1
+
+    def missing(self) -> str | None:
+        """Why not ready yet (None: all N listen)."""
+        n = self._counter.value
+        return None if n >= self.procs else f"{n} of {self.procs} gateway processes listening"
+
+
 class Readiness:
     def __init__(self, client, keys: Mapping[str, QueueKeys], period_s: float = 1.0,
-                 on_change: Callable[[bool], Awaitable[None]] | None = None) -> None:
+                 on_change: Callable[[bool], Awaitable[None]] | None = None,
+                 siblings: SiblingProcesses | None = None) -> None:
         self._client = client
+        self._siblings = siblings
         self._keys = dict(keys)  # served model name -> its queue's keys
         self.period_s = period_s
         self._on_change = on_change
@@ -34,6 +56,8 @@ class Readiness:
         return int(await self._client.exists(*(keys.heartbeat(m.decode()) for m in members)))
 
     async def _probe(self) -> tuple[bool, str]:
+        if self._siblings and (waiting := self._siblings.missing()):
+            return False, waiting
         try:
             await self._client.ping()
             for name, keys in self._keys.items():

@@ -23,7 +23,7 @@ from tokq.cancel import cancel_and_wait, raise_if_cancelled
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
-from tokq.gateway.readiness import Readiness
+from tokq.gateway.readiness import Readiness, SiblingProcesses
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
@@ -87,8 +87,10 @@ def gateway_id() -> str:
 
 
 async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None = None,
-                stop: asyncio.Event | None = None, on_ready=None) -> None:
-    """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
+                stop: asyncio.Event | None = None, on_ready=None,
+                siblings: SiblingProcesses | None = None) -> None:
+    """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None). ``siblings``: the
+    other processes of `tokq gateway --procs N`, all of which must listen before this one is ready."""
     api_keys = ApiKeys.from_config(config)
     credentials = server_credentials(config)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
@@ -148,7 +150,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     # report a loaded gateway as unready.
     ready_client = connect(config.redis_url, max_connections=1, cluster=config.redis_cluster)
     readiness = Readiness(ready_client, {m.info.name: m.queue.keys for m in embedder.models.values()},
-                          period_s=config.ready_check_ms / 1000, on_change=report)
+                          period_s=config.ready_check_ms / 1000, on_change=report, siblings=siblings)
     http_server = http_task = None
     http_port = 0
     if config.http_port:
@@ -165,6 +167,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             await model.queue.record_shard_count()  # workers claim from every shard from now on
         await model.router.start()
     await server.start()
+    if siblings:
+        siblings.add()
     if http_server:
         http_task = asyncio.create_task(http_server.serve([sock]), name="http")
     stats_tasks = []

@@ -50,6 +50,31 @@ async def test_ready_only_with_a_live_heartbeat(redis_url):
         await client.aclose()
 
 
+@pytest.mark.redis_kinds("standalone")
+async def test_one_of_several_gateway_processes_is_ready_only_once_all_listen(redis_url):
+    """`tokq gateway --procs N`: a process whose siblings do not listen yet reports not ready,
+    so `tokq up` (waiting on the port's health) says "up" only when every process serves."""
+    import multiprocessing
+
+    from tokq.connection import connect
+    from tokq.gateway.readiness import Readiness, SiblingProcesses
+
+    client = connect(redis_url)
+    try:
+        await client.set(KEYS.heartbeat("w1"), "{}", px=60_000)
+        await client.zadd(KEYS.workers, {"w1": int(time.time() * 1000)})
+        siblings = SiblingProcesses(multiprocessing.get_context("spawn").Value("i", 0), 3)
+        readiness = Readiness(client, {"all-MiniLM-L6-v2": KEYS}, siblings=siblings)
+        siblings.add()
+        siblings.add()
+        assert not await readiness.check() and readiness.reason == "2 of 3 gateway processes listening"
+        siblings.add()
+        assert await readiness.check() and readiness.reason == "ready"
+        assert await Readiness(client, {"all-MiniLM-L6-v2": KEYS}).check()  # one process: no siblings
+    finally:
+        await client.aclose()
+
+
 async def test_unreachable_redis_is_not_ready():
     from tokq.connection import connect
     from tokq.gateway.readiness import Readiness
