@@ -129,13 +129,16 @@ def test_resume_renders_saved_results_without_measuring_or_a_gpu(tmp_path):
     """`tokq bench gpu --resume` reads a model's saved JSON instead of measuring it; with every
     model saved it rewrites the section on any machine (here: no GPU)."""
     from tokq.profiling.bench.gpu import QWEN3_NAME
+    from tokq.up import auto_gateway_procs
 
     out = tmp_path / "gpu"
     out.mkdir()
+    procs = auto_gateway_procs("cuda")  # what `--gateway-procs 0` (the default) expects them to have run
     for name in ("all-MiniLM-L6-v2", QWEN3_NAME):
         (out / f"gpu-profile-{name}.json").write_text(json.dumps(_profile()))
         (out / f"gpu-bench-{name}.json").write_text(json.dumps(_bench(
-            _system("tokq", 900.0, token_budget=4096, budget_source="set"), _system("one-at-a-time", 90.0))))
+            _system("tokq", 900.0, token_budget=4096, budget_source="set", gateway_procs=procs),
+            _system("one-at-a-time", 90.0))))
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n")
     env = {k: v for k, v in os.environ.items() if k != "TOKQ_DEVICE_PEAK_FLOPS"}

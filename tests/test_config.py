@@ -121,9 +121,9 @@ def test_the_docker_image_listens_on_every_interface():
 
 
 def test_tokq_up_takes_its_gateway_processes_from_the_environment_and_bounds_them():
-    assert cfg.load(cfg.UpConfig, env={}).gateway_procs == 1
+    assert cfg.load(cfg.UpConfig, env={}).gateway_procs == 0  # auto (tokq.up.auto_gateway_procs)
     assert cfg.load(cfg.UpConfig, env={"TOKQ_GATEWAY_PROCS": "4"}).gateway_procs == 4
-    for bad in ("0", "65"):
+    for bad in ("-1", "65"):
         with pytest.raises(cfg.ConfigError):
             cfg.load(cfg.UpConfig, env={"TOKQ_GATEWAY_PROCS": bad})
     # every metrics port tokq up may hand out (64 gateway processes, then 256 workers) is a port
@@ -131,3 +131,20 @@ def test_tokq_up_takes_its_gateway_processes_from_the_environment_and_bounds_the
     assert top + 64 + 255 <= 65_535
     with pytest.raises(cfg.ConfigError):
         cfg.load(cfg.UpConfig, env={"TOKQ_METRICS_PORT": str(65_535 - 64 - 255)})
+
+
+def test_tokq_up_chooses_one_gateway_process_for_cpu_workers_and_more_for_gpu_workers():
+    from tokq.up import auto_gateway_procs, cuda_present
+
+    def no_cuda():
+        return False
+
+    def cuda():
+        return True
+
+    assert auto_gateway_procs("cpu", 64, has_cuda=cuda) == 1  # CPU workers need the cores
+    assert auto_gateway_procs("auto", 16, has_cuda=no_cuda) == 1
+    assert auto_gateway_procs("auto", 16, has_cuda=cuda) == 4  # the H100 host's 16 CPUs: 4 measured
+    assert [auto_gateway_procs("cuda:1", n, has_cuda=no_cuda) for n in (2, 8, 12, 64)] == [1, 2, 3, 4]
+    if not any(name.startswith("nvidia") for name in os.listdir("/dev")):
+        assert cuda_present() is False  # answered without starting torch

@@ -247,9 +247,10 @@ class UpConfig(_Validated):
     latency_goal_ms: int = _LATENCY_GOAL_MS
     device: str = setting("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = setting("auto", "the workers' dtype (see tokq worker --help)", choices=DTYPES)
-    gateway_procs: int = setting(1, "gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT): one "
-                                    "serves up to ~3,000 calls/s, so a GPU host that serves more wants several",
-                                 min=1, max=64)
+    gateway_procs: int = setting(0, "gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT): one "
+                                    "serves up to ~3,000 calls/s, so a GPU host that serves more wants several; "
+                                    "0 = auto: 1 with CPU workers, with GPU workers one per 4 CPUs, at most 4",
+                                 min=0, max=64)
     metrics_port: int = setting(9400, "gateway process j's metrics at this port +j, then worker i's at "
                                       "+gateway_procs+i (0 = none)", min=0, max=65_535 - 64 - 256)
     http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)

@@ -86,7 +86,7 @@ def mfu_at(profile: dict, budget: int | None, peak_flops: float | None) -> dict:
             "tokens_per_s": point["tokens_per_s"], "mfu": flops / peak_flops if peak_flops else None}
 
 
-def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gateway_procs: int = 1) -> dict:
+def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gateway_procs: int = 0) -> dict:
     model_args = ["--model", str(model_dir), "--served-model-name", name] if model_dir else []
     profile_json = out_dir / f"gpu-profile-{name}.json"
     sweep = ["--time-per-point-s", "0.3"] if quick else []
@@ -106,7 +106,7 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gat
     # A GPU serves hundreds to thousands of requests a second: quick steps start higher and
     # grow faster, so each system reaches its limit in a few 2-second steps.
     steps = QUICK_STEPS if quick else []
-    gateways = ["--gateway-procs", str(gateway_procs)] if gateway_procs > 1 else []
+    gateways = ["--gateway-procs", str(gateway_procs)] if gateway_procs else []  # 0: as tokq up chooses
     _tokq("bench", "service", "--device", "cuda", *bench_model, *systems, *steps, *gateways,
           "--profile-json", str(profile_json),
           "--out", str(bench_json), "--plots", str(out_dir / name), "--quiet")
@@ -133,7 +133,7 @@ def saved_result(name: str, out_dir: Path, gateway_procs: int = 1) -> dict | Non
 
 
 def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Path, quick: bool,
-               saved: dict[str, dict] | None = None, gateway_procs: int = 1) -> list[dict]:
+               saved: dict[str, dict] | None = None, gateway_procs: int = 0) -> list[dict]:
     """Each model in turn (``models``: name, and what makes its directory, None for the bundled
     one); one that fails is reported with its error and the others still run (a GPU lease is
     too short to lose every figure to one model's failure). A model in ``saved`` (its
@@ -255,13 +255,17 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
                    "about 8 minutes on an H100, for a short GPU lease (the section gives each model's step sizes).")
 @click.option("--resume", is_flag=True,
               help="Read back a model whose profile and bench JSON are already in --out-dir (a run cut short).")
-@click.option("--gateway-procs", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Gateway processes of the tokq systems (one serves up to ~3,000 calls/s).")
+@click.option("--gateway-procs", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Gateway processes of the tokq systems (one serves up to ~3,000 calls/s; 0: as tokq up "
+                   "chooses on a GPU host, one per 4 CPUs, at most 4).")
 def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
     """On a CUDA host: profile and bench the bundled MiniLM and a Qwen3-0.6B-shaped model (`make bench-gpu`)."""
     out = Path(out_dir)
     names = ["all-MiniLM-L6-v2", QWEN3_NAME]
-    saved = {name: r for name in names if (r := saved_result(name, out, gateway_procs))} if resume else {}
+    from tokq.up import auto_gateway_procs
+
+    procs = gateway_procs or auto_gateway_procs("cuda")  # what the saved results must have run
+    saved = {name: r for name in names if (r := saved_result(name, out, procs))} if resume else {}
     for name in saved:
         click.echo(f"bench-gpu: {name}: results of an earlier run in {out}, not measured again", err=True)
     if len(saved) == len(names):

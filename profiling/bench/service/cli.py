@@ -193,8 +193,9 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
               help="Largest batch --budget-check profiles (raise it on a GPU).")
 @click.option("--note", default="", help="Free text for the report (e.g. whether the machine was idle).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
-@click.option("--gateway-procs", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="tokq systems: gateway processes (`tokq up --gateway-procs`; one serves up to ~3,000 calls/s).")
+@click.option("--gateway-procs", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="tokq systems: gateway processes (`tokq up --gateway-procs`; one serves up to ~3,000 calls/s; "
+                   "0: as tokq up chooses).")
 def service_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
                     step_factor, max_steps, step_duration_s, timeout_ms, token_budgets, profile_json, profiled_budget,
                     padded_max_batch, padded_max_wait_ms, infinity_bin, threads, device, model_dir, out_path,
@@ -262,8 +263,9 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
                              infinity_onnx_dir=infinity_onnx_dir)
         specs = [s if s.kind in ("infinity", "onnx-one-at-a-time")
                  else dataclasses.replace(s, model=model_dir or "", device=device) for s in specs]
-        if gateway_procs > 1:  # no longer what `tokq up`'s defaults run: the name says so
-            specs = [dataclasses.replace(s, gateway_procs=gateway_procs, name=f"{s.name}, {gateway_procs} gateways")
+        if gateway_procs:  # maybe no longer what `tokq up`'s defaults run: the name says so
+            specs = [dataclasses.replace(s, gateway_procs=gateway_procs,
+                                         name=f"{s.name}, {gateway_procs} gateway{'s' if gateway_procs > 1 else ''}")
                      if s.kind == "tokq" else s for s in specs]
         infinity_note = (f"measured ({infinity_bin}). {INFINITY_WHY}" if any(s.kind == "infinity" for s in specs)
                          else f"not measured ({'not asked for' if infinity_bin else 'no infinity_emb found'}). "

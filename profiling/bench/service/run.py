@@ -195,7 +195,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
                     result = await measure(system, queries, options, progress, label=name)
             finally:
                 await asyncio.to_thread(system.close)
-            report["systems"].append({**spec.describe(), "name": name, **served, **result, "vectors": vectors,
+            report["systems"].append({**system.spec.describe(), "name": name, **served, **result, "vectors": vectors,
                                       "log": str(log_path)})
             progress.advance(overall)
     duration_s = (datetime.now(timezone.utc) - started).total_seconds()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,7 +42,7 @@ class SystemSpec:
     onnx_dir: str = ""  # onnx-one-at-a-time, infinity optimum: the ONNX export
     model: str = ""  # tokq and the sentence-transformers baselines: model directory ("" = bundled)
     device: str = "cpu"  # tokq and the sentence-transformers baselines
-    gateway_procs: int = 1  # tokq: gateway processes (`tokq up --gateway-procs`)
+    gateway_procs: int = 0  # tokq: gateway processes (`tokq up --gateway-procs`; 0: its own choice)
 
     def label(self, budget: int = 0, source: str = "") -> str:
         """The name; a tokq system at the worker's own budget names ``{budget}`` in it, filled in
@@ -280,6 +281,10 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
     metrics_port = 0
     model_args = ["--model", spec.model] if spec.model else []
     if spec.kind == "tokq":
+        if not spec.gateway_procs:  # as tokq up chooses, said explicitly: the metrics ports follow from it
+            from tokq.up import auto_gateway_procs
+
+            spec = dataclasses.replace(spec, gateway_procs=auto_gateway_procs(spec.device))
         redis_server = EmbeddedRedis().start()
         metrics_port = free_port_block(spec.gateway_procs + 1)  # the gateways', then the worker's
         if spec.lookahead is not None:
