@@ -24,6 +24,7 @@ class SiblingProcesses:
     def __init__(self, counter, procs: int) -> None:
         self._counter = counter  # multiprocessing.Value("i"), made by the parent
         self.procs = procs
+        self._all = False  # once all listen, the shared count (and its lock) is not read again
 
     def add(self) -> None:
         with self._counter.get_lock():
@@ -31,8 +32,11 @@ class SiblingProcesses:
 
     def missing(self) -> str | None:
         """Why not ready yet (None: all N listen)."""
+        if self._all:
+            return None
         n = self._counter.value
-        return None if n >= self.procs else f"{n} of {self.procs} gateway processes listening"
+        self._all = n >= self.procs
+        return None if self._all else f"{n} of {self.procs} gateway processes listening"
 
 
 class Readiness:

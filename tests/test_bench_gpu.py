@@ -129,11 +129,10 @@ def test_resume_renders_saved_results_without_measuring_or_a_gpu(tmp_path):
     """`tokq bench gpu --resume` reads a model's saved JSON instead of measuring it; with every
     model saved it rewrites the section on any machine (here: no GPU)."""
     from tokq.profiling.bench.gpu import QWEN3_NAME
-    from tokq.up import auto_gateway_procs
 
     out = tmp_path / "gpu"
     out.mkdir()
-    procs = auto_gateway_procs("cuda")  # what `--gateway-procs 0` (the default) expects them to have run
+    procs = 4  # the H100 host chose 4; `--gateway-procs 0` (the default) takes what the run chose
     for name in ("all-MiniLM-L6-v2", QWEN3_NAME):
         (out / f"gpu-profile-{name}.json").write_text(json.dumps(_profile()))
         (out / f"gpu-bench-{name}.json").write_text(json.dumps(_bench(
@@ -197,4 +196,5 @@ def test_the_section_says_how_many_gateway_processes_and_resume_keeps_to_them(tm
     (tmp_path / "gpu-profile-m.json").write_text(json.dumps(_profile()))
     (tmp_path / "gpu-bench-m.json").write_text(json.dumps(bench))
     assert saved_result("m", tmp_path, gateway_procs=4) is not None
-    assert saved_result("m", tmp_path) is None  # a run with one gateway process does not reuse it
+    assert saved_result("m", tmp_path, gateway_procs=1) is None  # a run asked for one does not reuse it
+    assert saved_result("m", tmp_path) is not None  # asked for none (tokq up's choice): the run's own

@@ -160,6 +160,15 @@ def test_each_cpu_vector_extension_and_gpu_keeps_its_own_section(report, tmp_pat
     assert text.count("<!-- tokq bench service (AVX2): start") == 1
     assert text.count("## Service benchmark, NVIDIA H100 80GB HBM3\n") == 1
     assert text.count("Machine: NVIDIA H100 80GB HBM3 beside ") == 1
+    # a CUDA run saved before the GPU's name was recorded keeps off the host CPU's block too
+    machine = {**report["meta"]["machine"], "vector_extension": "AVX-512"}
+    machine.pop("gpu", None)
+    old_gpu_run = {**report, "meta": {**report["meta"], "machine": machine,
+                                      "command": "tokq bench service --device cuda --quiet"}}
+    bench_report.render_outputs(old_gpu_run, plots_dir=None, results_md=str(results), json_path="bench.json")
+    text = results.read_text()
+    assert text.count("## Service benchmark, AVX-512 CPU\n") == 1
+    assert text.count("## Service benchmark, a CUDA GPU (name not recorded)\n") == 1
 
 
 @pytest.mark.slow

@@ -252,7 +252,8 @@ class UpConfig(_Validated):
                                     "0 = auto: 1 with CPU workers, with GPU workers one per 4 CPUs, at most 4",
                                  min=0, max=64)
     metrics_port: int = setting(9400, "gateway process j's metrics at this port +j, then worker i's at "
-                                      "+gateway_procs+i (0 = none)", min=0, max=65_535 - 64 - 256)
+                                      "+(gateway processes)+i, as tokq up prints them (0 = none)",
+                                min=0, max=65_535 - 64 - 256)
     http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)
 
 

@@ -29,23 +29,43 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
 AUTO_GATEWAY_PROCS_MAX = 4
 
 
+CUDA_CHECK_TIMEOUT_S = 60
+
+
 def cuda_present() -> bool:
     """Whether the workers' ``--device auto`` will find CUDA: no NVIDIA device node, no (asked
     without importing torch here, which tokq up would then hold for its whole life); else torch
-    answers, in a short-lived process."""
-    if not any(name.startswith("nvidia") for name in os.listdir("/dev")):
+    answers, in a short-lived process (a wedged driver: no, after a minute)."""
+    try:
+        if not any(name.startswith("nvidia") for name in os.listdir("/dev")):
+            return False
+    except OSError:
         return False
     check = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
-    return subprocess.run([sys.executable, "-c", check], capture_output=True).returncode == 0
+    try:
+        return subprocess.run([sys.executable, "-c", check], capture_output=True,
+                              timeout=CUDA_CHECK_TIMEOUT_S).returncode == 0
+    except subprocess.TimeoutExpired:
+        click.echo(f"tokq up: asking torch for CUDA took over {CUDA_CHECK_TIMEOUT_S} s; one gateway process",
+                   err=True)
+        return False
 
 
-def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=cuda_present) -> int:
+def usable_cpus() -> int:
+    """CPUs this process may run on (a container's or taskset's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=None) -> int:
     """`--gateway-procs 0`: one gateway process with CPU workers, which need the cores; with GPU
-    workers (about one core each), one per 4 CPUs, at most 4. On an H100 host with 16 CPUs, one
-    gateway process capped MiniLM at 2,354 calls/s and four served at least 4,325
-    (profiling/RESULTS.md, "GPU benchmark")."""
-    on_gpu = device.startswith("cuda") or (device == "auto" and has_cuda())
-    cpus = cpus or os.cpu_count() or 1
+    workers (about one core each), one per 4 usable CPUs, at most 4. On an H100 host with 16
+    CPUs, one gateway process capped MiniLM at 2,354 calls/s and four served at least 4,325
+    (profiling/RESULTS.md, "GPU benchmark"). A CPU quota (cgroup cpu.max) is not read."""
+    on_gpu = device.startswith("cuda") or (device == "auto" and (has_cuda or cuda_present)())
+    cpus = cpus or usable_cpus()
     return max(1, min(AUTO_GATEWAY_PROCS_MAX, cpus // 4)) if on_gpu else 1
 
 
@@ -65,13 +85,13 @@ def up_command(**values) -> None:
     up_values, queue_values = cfg.split(values, cfg.UpConfig, cfg.QueueConfig)
     conf = cfg.load_or_exit(cfg.UpConfig, up_values)
     queue_conf = cfg.load_or_exit(cfg.QueueConfig, queue_values)
+    num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device)  # before anything starts
     embedded = None
     redis_url = conf.redis_url
     if not redis_url:
         embedded = EmbeddedRedis(binary=conf.redis_server or None).start()
         redis_url = embedded.url
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
-    num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device)
     port = conf.port or free_port(host)
     # Leave a core to the gateway and Redis, and split the rest between the workers.
     threads = max(1, ((os.cpu_count() or 2) - 1) // num_workers)

@@ -113,11 +113,11 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gat
     return {"name": name, "profile": profile, "bench": json.loads(bench_json.read_text())}
 
 
-def saved_result(name: str, out_dir: Path, gateway_procs: int = 1) -> dict | None:
+def saved_result(name: str, out_dir: Path, gateway_procs: int | None = None) -> dict | None:
     """A model's profile and bench JSON from an earlier run into ``out_dir``, if both are there
     and belong together (the bench started after the profile, and served its recommended budget:
     a run stopped after a new profile leaves it beside an older bench) and the bench's tokq ran
-    ``gateway_procs`` gateway processes."""
+    ``gateway_procs`` gateway processes (None: as many as the run chose)."""
     profile_json, bench_json = out_dir / f"gpu-profile-{name}.json", out_dir / f"gpu-bench-{name}.json"
     if not (profile_json.exists() and bench_json.exists()):
         return None
@@ -127,7 +127,8 @@ def saved_result(name: str, out_dir: Path, gateway_procs: int = 1) -> dict | Non
             or (profile.get("recommended_budget") and profile["recommended_budget"] not in budgets)):
         click.echo(f"bench-gpu: {name}: the saved profile and bench in {out_dir} are not from one run", err=True)
         return None
-    if {s.get("gateway_procs", 1) for s in bench["systems"] if s["kind"] == "tokq"} != {gateway_procs}:
+    procs = {s.get("gateway_procs", 1) for s in bench["systems"] if s["kind"] == "tokq"}
+    if gateway_procs is not None and procs != {gateway_procs}:
         return None
     return {"name": name, "profile": profile, "bench": bench}
 
@@ -262,10 +263,8 @@ def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
     """On a CUDA host: profile and bench the bundled MiniLM and a Qwen3-0.6B-shaped model (`make bench-gpu`)."""
     out = Path(out_dir)
     names = ["all-MiniLM-L6-v2", QWEN3_NAME]
-    from tokq.up import auto_gateway_procs
-
-    procs = gateway_procs or auto_gateway_procs("cuda")  # what the saved results must have run
-    saved = {name: r for name in names if (r := saved_result(name, out, procs))} if resume else {}
+    # 0: whatever the saved run chose (on its host, which need not be this one)
+    saved = {name: r for name in names if (r := saved_result(name, out, gateway_procs or None))} if resume else {}
     for name in saved:
         click.echo(f"bench-gpu: {name}: results of an earlier run in {out}, not measured again", err=True)
     if len(saved) == len(names):

@@ -202,14 +202,23 @@ def other_cpu(meta: dict) -> str:
             f"({other['share_of_machine']:.0%} of the machine's CPU time)")
 
 
+def _machine(meta: dict) -> dict:
+    """The run's machine; a run on CUDA from before the GPU's name was recorded is still a GPU
+    run (its block must not replace the host CPU's)."""
+    m = meta["machine"]
+    if "gpu" not in m and "--device cuda" in meta.get("command", ""):
+        return {**m, "gpu": "a CUDA GPU (name not recorded)"}
+    return m
+
+
 def block_name(report: dict) -> str:
-    return cpu_block_name(BLOCK, report["meta"]["machine"])
+    return cpu_block_name(BLOCK, _machine(report["meta"]))
 
 
 def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> str:
     meta = report["meta"]
     slo_ms = meta["options"]["slo_ms"]
-    m, w, o = meta["machine"], meta["workload"], meta["options"]
+    m, w, o = _machine(meta), meta["workload"], meta["options"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     forward = ", ".join(f"b{b}: {ms:.0f} ms" for b, ms in meta.get("forward_ms_by_budget", {}).items())
     start, end = markers(block_name(report), BLOCK)

@@ -137,7 +137,14 @@ def machine(device: str = "cpu") -> dict:
                          "transformers": transformers.__version__,
                          "sentence_transformers": sentence_transformers.__version__,
                          "grpcio": grpc.__version__},
-            **({"gpu": torch.cuda.get_device_name(torch.device(device))} if device.startswith("cuda") else {})}
+            **({"gpu": torch.cuda.get_device_name(torch.device(device if device != "auto" else "cuda"))}
+               if on_cuda(device) else {})}
+
+
+def on_cuda(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 async def check_vectors(system, probe) -> dict:
@@ -167,7 +174,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
     started = datetime.now(timezone.utc)
     report = {"meta": {"command": command_line(),
                        "started_at": started.isoformat(timespec="seconds"),
-                       "machine": machine(next((s.device for s in specs if s.device.startswith("cuda")), "cpu")),
+                       "machine": machine(next((s.device for s in specs if on_cuda(s.device)), "cpu")),
                        "options": asdict(options), "workload": describe(list(queries))},
               "systems": []}
     log_dir = Path(tempfile.mkdtemp(prefix="tokq-bench-logs-"))
