@@ -46,5 +46,5 @@ def test_run_writes_and_rewrites_its_section(tmp_path, monkeypatch):
     assert text.count("<!-- tokq bench prefix (cpu): start") == 1
     assert text.count("<!-- tokq bench prefix (cpu): end -->") == 1
     assert f"Command: `tokq bench prefix {' '.join(args)}`" in text
-    assert f" {os.cpu_count()} CPUs, which other processes may share" in text  # this machine's, not a fixed count
+    assert f" A shared {os.cpu_count()}-CPU machine: the ratios" in text  # this machine's, not a fixed count
     assert "| instruction (20 tok) + 10-token queries | prompt computed once | 1 | 180 | 60 |" in text

@@ -27,8 +27,6 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 
 AUTO_GATEWAY_PROCS_MAX = 4
-
-
 CUDA_CHECK_TIMEOUT_S = 60
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.profiling.results_md import block, command_line, write_block
+from tokq.profiling.results_md import block, command_line, machine_cores, write_block
 from tokq.profiling.workload import query_lengths
 from tokq.workers.device import synchronize
 from tokq.workers.engine import Engine
@@ -179,8 +179,8 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
         f"order flipped every round. tokens/s counts every input token (prompt included) served per "
         f"second; computed tokens/s the tokens run through the model. Load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
         f"this process used {cpu_s:.0f} s CPU in {wall:.0f} s wall ({cpu_s / wall:.1f} cores). "
-        f"{os.cpu_count()} CPUs, which other processes may share: the ratios are measured in the same "
-        "run, the absolute rates vary between runs.",
+        f"{machine_cores(capital=True)}: the ratios are measured in the same run, the absolute rates "
+        "vary between runs.",
         "",
         "| scenario | system | batches | input tokens | tokens computed | input tokens/s | computed tokens/s | queries/s | x full forward (median, range over rounds) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",

@@ -278,7 +278,7 @@ def shards_command(**options) -> None:
     load1 = os.getloadavg()
     table = report(by_s, args)
     est = estimate(by_s, args)
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs (**{machine_cores()}: other "
+    machine = (f"{platform.machine()} (**{machine_cores()}: other "
                f"engineers' tests ran meanwhile**), load average {load0[0]:.1f} at start, "
                f"{load1[0]:.1f} at end")
     section = block(BLOCK, [

@@ -119,9 +119,9 @@ def own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def machine(device: str = "cpu") -> dict:
-    """The host, and the GPU's name where the systems run on one (their RESULTS.md block is
-    then the GPU's, not the CPU's)."""
+def machine(cuda: str | None = None) -> dict:
+    """The host, and the GPU's name where the systems run on one (``cuda``: its device; their
+    RESULTS.md block is then the GPU's, not the CPU's)."""
     import grpc
     import sentence_transformers
     import torch
@@ -137,14 +137,16 @@ def machine(device: str = "cpu") -> dict:
                          "transformers": transformers.__version__,
                          "sentence_transformers": sentence_transformers.__version__,
                          "grpcio": grpc.__version__},
-            **({"gpu": torch.cuda.get_device_name(torch.device(device if device != "auto" else "cuda"))}
-               if on_cuda(device) else {})}
+            **({"gpu": torch.cuda.get_device_name(torch.device(cuda))} if cuda else {})}
 
 
-def on_cuda(device: str) -> bool:
+def cuda_device(device: str) -> str | None:
+    """The CUDA device a system given ``device`` runs on (None: the CPU)."""
     import torch
 
-    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else None
+    return device if device.startswith("cuda") else None
 
 
 async def check_vectors(system, probe) -> dict:
@@ -174,7 +176,7 @@ async def run_bench(specs: list[SystemSpec], queries, options: BenchOptions, *, 
     started = datetime.now(timezone.utc)
     report = {"meta": {"command": command_line(),
                        "started_at": started.isoformat(timespec="seconds"),
-                       "machine": machine(next((s.device for s in specs if on_cuda(s.device)), "cpu")),
+                       "machine": machine(next(filter(None, map(cuda_device, (s.device for s in specs))), None)),
                        "options": asdict(options), "workload": describe(list(queries))},
               "systems": []}
     log_dir = Path(tempfile.mkdtemp(prefix="tokq-bench-logs-"))

@@ -12,8 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import redis
@@ -74,10 +73,6 @@ class GrpcSender:
         except TokqError as exc:
             return Reply(exc.code.name)
         return Reply("OK", resp.timing["queue_ms"], resp.timing["inference_ms"])
-
-    def processes(self) -> dict[str | None, int]:
-        """Connections per gateway process reached (tokq.AsyncClient.processes)."""
-        return self._client.processes()
 
     async def close(self) -> None:
         await self._client.close()
@@ -284,7 +279,7 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
         if not spec.gateway_procs:  # as tokq up chooses, said explicitly: the metrics ports follow from it
             from tokq.up import auto_gateway_procs
 
-            spec = dataclasses.replace(spec, gateway_procs=auto_gateway_procs(spec.device))
+            spec = replace(spec, gateway_procs=auto_gateway_procs(spec.device))
         redis_server = EmbeddedRedis().start()
         metrics_port = free_port_block(spec.gateway_procs + 1)  # the gateways', then the worker's
         if spec.lookahead is not None:
