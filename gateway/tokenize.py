@@ -32,6 +32,7 @@ from tokq.gateway.helper_threads import batch_this_thread
 from tokq.gateway.errors import InvalidArgument
 from tokq.gateway.large_lane import LargeLane
 from tokq.gateway.validate import decode_texts, not_utf8
+from tokq.host import usable_cpus
 from tokq.model_info import ModelInfo
 
 # Our pools are the parallelism; the Rust tokenizer's own (rayon) would let one large batch
@@ -156,7 +157,7 @@ class Tokenizer:
         self._backend = backend
         self._ascii = AsciiPath(backend)  # used on the event loop's thread only
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
-        light = threads or os.cpu_count() or 2
+        light = threads or max(usable_cpus(), 2)
         # Its threads yield to the event loop's (gateway/helper_threads.py), however late they start.
         self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize", initializer=batch_this_thread)
         self._large = LargeLane(max(1, light // 2), large_share)

@@ -134,7 +134,8 @@ def test_tokq_up_takes_its_gateway_processes_from_the_environment_and_bounds_the
 
 
 def test_tokq_up_chooses_one_gateway_process_for_cpu_workers_and_more_for_gpu_workers():
-    from tokq.up import auto_gateway_procs, cuda_present, usable_cpus
+    from tokq.host import usable_cpus
+    from tokq.up import auto_gateway_procs, cuda_present
 
     def no_cuda():
         return False

@@ -16,6 +16,7 @@ import click
 
 from tokq import config as cfg
 from tokq.health import ExitedDuringStartup, wait_for_health
+from tokq.host import usable_cpus
 from tokq.processes import die_with_parent, stop_all
 from tokq.redis_server import EmbeddedRedis, free_port, redact_url
 
@@ -49,19 +50,11 @@ def cuda_present() -> bool:
         return False
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (a container's or taskset's share, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=None) -> int:
     """`--gateway-procs 0`: one gateway process with CPU workers, which need the cores; with GPU
     workers (about one core each), one per 4 usable CPUs, at most 4. On an H100 host with 16
     CPUs, one gateway process capped MiniLM at 2,354 calls/s and four served at least 4,325
-    (profiling/RESULTS.md, "GPU benchmark"). A CPU quota (cgroup cpu.max) is not read."""
+    (profiling/RESULTS.md, "GPU benchmark"). CPUs: affinity and cgroup quota (tokq.host)."""
     on_gpu = device.startswith("cuda") or (device == "auto" and (has_cuda or cuda_present)())
     cpus = cpus or usable_cpus()
     return max(1, min(AUTO_GATEWAY_PROCS_MAX, cpus // 4)) if on_gpu else 1
@@ -92,7 +85,7 @@ def up_command(**values) -> None:
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
     port = conf.port or free_port(host)
     # Leave a core to the gateway and Redis, and split the rest between the workers.
-    threads = max(1, ((os.cpu_count() or 2) - 1) // num_workers)
+    threads = max(1, (max(usable_cpus(), 2) - 1) // num_workers)
     # Every setting resolved here reaches the children explicitly: what this process was told
     # (flags or TOKQ_*) is what they run with.
     env = {**os.environ, cfg.env_var("redis_url"): redis_url,

@@ -20,10 +20,11 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     from tokq.workers.engine import Engine
     from tokq.workers.worker import Worker, default_worker_id
 
-    if config.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(config.threads)
+    from tokq.workers.device import worker_threads
+
+    torch.set_num_threads(worker_threads(config.threads))
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.served_model_name or None,
                          revision=config.revision or None,

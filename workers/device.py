@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from tokq.config import DTYPES
-from tokq.host import cpu_flags
+from tokq.host import cpu_flags, usable_cpus
 
 # The oldest torch tokq runs on: F.scaled_dot_product_attention(enable_gqa=) and F.rms_norm.
 # Tested on 2.13; torch.nn.attention.varlen (CUDA) is used from 2.10 on.
@@ -107,6 +107,15 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels, so a timer around a forward pass measures the pass."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def worker_threads(configured: int, usable: int | None = None) -> int:
+    """A worker's torch CPU threads: ``configured`` (``--threads``), else torch's default (its
+    physical cores) capped by the CPUs this process may use. A container's CPU quota is not in
+    torch's default: 32 threads in a 2-CPU pod stall each other at every OpenMP barrier."""
+    if configured:
+        return configured
+    return max(1, min(torch.get_num_threads(), usable or usable_cpus()))
 
 
 @contextlib.contextmanager
