@@ -172,8 +172,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     if http_server:
         http_task = asyncio.create_task(http_server.serve([sock]), name="http")
     stats_tasks = []
+    metrics_server = None
     if config.metrics_port:
-        metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
+        metrics_server = metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
         stats_tasks = [asyncio.create_task(_export_queue_stats(m.queue, name))
                        for name, m in models.items()]
     await readiness.start()
@@ -215,6 +216,9 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         # Waited for (a little): each releases its exporter lock on the way out, on the client
         # closed below; a Redis that does not answer does not hold up the stop.
         await cancel_and_wait(stats_tasks, timeout_s=STOP_WAIT_S)
+        if metrics_server:  # its port is free for a gateway started next in this process
+            metrics_server.shutdown()
+            metrics_server.server_close()
         for model in models.values():
             await model.router.stop()
             await model.queue.close()

@@ -157,3 +157,20 @@ def test_a_started_gateway_keeps_the_collector_off_its_start_up_and_its_calls_in
 
     assert gc.get_freeze_count() > 100_000  # start-up: the tokenizer, transformers, gRPC (~200,000)
     assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD  # (running_gateway puts both back after)
+
+
+def test_a_stopped_gateway_frees_its_metrics_port(redis_url):
+    # A gateway's /metrics server is a thread of its process: stopping the gateway stops it, so a
+    # gateway started next in the same process (an embedding app's restart, these tests) binds
+    # the same port instead of failing with "address in use".
+    import socket
+    import urllib.request
+
+    metrics_port = free_port()
+    for _ in range(2):
+        with running_gateway(redis_url, metrics_port=metrics_port):
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+            assert b"tokq_gateway" in text
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", metrics_port))  # raises while a server still holds it
