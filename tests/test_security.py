@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -26,7 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway_support import left_for_the_gc, running_gateway
 from tokq import Client, TokqError
-from tokq.redis_server import free_port
+from tokq.redis_server import EmbeddedRedis, free_port
 
 
 def _name(cn: str) -> x509.Name:
@@ -228,53 +227,24 @@ def test_metrics_are_off_unless_a_port_is_set_and_bind_the_grpc_host_by_default(
             urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
 
 
-def _start_tls_redis(binary: str, pki, tmp_path) -> tuple[subprocess.Popen, str]:
-    """redis-server serving TLS only on a free port, and its rediss:// URL; a port taken by
-    another process meanwhile (its bind fails) is tried again on another."""
-    for _ in range(3):
-        port, log = free_port(), tmp_path / "redis.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen([binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                                     "--tls-cert-file", str(pki["server"]), "--tls-key-file", str(pki["server_key"]),
-                                     "--tls-ca-cert-file", str(pki["ca"]), "--tls-auth-clients", "no",
-                                     "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-                                    stdout=out, stderr=subprocess.STDOUT)
-        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={pki['ca']}"
-        deadline = time.monotonic() + 30
-        while proc.poll() is None:
-            try:
-                with contextlib.closing(redis.Redis.from_url(url, socket_timeout=2)) as probe:
-                    probe.ping()
-                return proc, url
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-        said = log.read_text()
-        if "Address already in use" in said:
-            continue
-        if "Bad directive" in said and "tls" in said:  # a build without TLS refuses the options
-            pytest.skip(f"this redis-server has no TLS: {said[-300:]}")
-        raise AssertionError(f"redis-server would not start: {said[-1000:]}")
-    raise AssertionError("three free ports were taken before redis-server could bind them")
-
-
 @pytest.fixture
-def tls_redis_url(pki, tmp_path):
+def tls_redis_url(pki):
     """A real Redis serving TLS only (Debian's redis-server, built with TLS; CI installs it), as
     the rediss:// URL a deployment gives: the CA that signed its certificate in the query."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("no redis-server binary (Debian's has TLS; .ci/run installs it)")
-    proc, url = _start_tls_redis(binary, pki, tmp_path)
+    server = EmbeddedRedis(binary, tls={"cert": str(pki["server"]), "key": str(pki["server_key"]),
+                                        "ca": str(pki["ca"])})
     try:
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.start(timeout_s=30)
+    except RuntimeError as exc:
+        server.close()
+        if "Bad directive" in str(exc) and "tls" in str(exc):  # a build without TLS refuses the options
+            pytest.skip(f"this redis-server has no TLS: {exc}")
+        raise
+    with contextlib.closing(server):
+        yield server.url
 
 
 def test_gateway_and_worker_reach_redis_over_tls_with_a_rediss_url(tls_redis_url):

