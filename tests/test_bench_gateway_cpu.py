@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tokq.profiling.bench.gateway_cpu import PySpy, _this, measure, top_frames
-from tokq.profiling.bench.proc_cpu import proc_cpu_s
+from tokq.profiling.bench.proc_cpu import proc_cpu_s, proc_wakeups
 from tokq.health import wait_for_health
 from tokq.redis_server import free_port
 
@@ -25,6 +25,38 @@ threads = [threading.Thread(target=burn) for _ in range(2)]
 t = os.times()
 print(t.user + t.system, flush=True)
 input()
+"""
+
+
+def test_wakeups_count_the_context_switches_of_every_thread_of_a_process():
+    child = subprocess.Popen([sys.executable, "-c", WAKE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        before = proc_wakeups(child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "slept"
+        after = proc_wakeups(child.pid)
+    finally:
+        child.communicate("\n", timeout=30)
+    assert after - before >= 2 * 50  # two threads, each asleep and woken 50 times
+
+
+WAKE = """
+import threading, time
+done, leave = threading.Semaphore(0), threading.Event()
+def nap():
+    for _ in range(50):
+        time.sleep(0.001)
+    done.release()
+    leave.wait()  # alive while counted: an ended thread's switches leave /proc with it
+threads = [threading.Thread(target=nap) for _ in range(2)]
+print("ready", flush=True)
+input()
+[t.start() for t in threads]; done.acquire(); done.acquire()
+print("slept", flush=True)
+input()
+leave.set()
 """
 
 
@@ -65,6 +97,8 @@ def test_measure_counts_cpu_of_each_process_over_the_measured_calls(echo_server)
     # of /proc tick sums in float seconds, so "equal" may differ in the last bit.
     assert 0 <= run["cpu_s"]["echo server"] <= used_overall + 1e-9
     assert run["cpu_ms_per_call"]["echo server"] == pytest.approx(1000 * run["cpu_s"]["echo server"] / 60, abs=1e-3)
+    # Each call at 100 req/s wakes the server's threads (gRPC's, then the loop's) at least once.
+    assert set(run["wakeups_per_call"]) == {"echo server"} and run["wakeups_per_call"]["echo server"] >= 1
 
 
 def test_a_closed_loop_run_keeps_its_calls_in_flight_and_counts_them_all(echo_server):
@@ -107,11 +141,15 @@ def test_top_frames_leaves_out_waits_and_merges_lines_of_a_function():
     json.dumps(frames)  # goes into the report as is
 
 
-def _round(gateway_ms: float, echo_ms: float, errors: dict | None = None, counters: dict | None = None) -> dict:
+def _round(gateway_ms: float, echo_ms: float, errors: dict | None = None, counters: dict | None = None,
+           wakeups: tuple[float, float] | None = None) -> dict:
     summary = {"latency_ms": {"p99": 40.0}, "errors": errors or {}}
+    woken = ({"wakeups_per_call": {"gateway": wakeups[0]}}, {"wakeups_per_call": {"echo server": wakeups[1]}}) \
+        if wakeups else ({}, {})
     return {"tokq": {"cpu_ms_per_call": {"gateway": gateway_ms, "worker": 3.0, "redis": 0.2, "load client": 0.5},
-                     "summary": summary, **({"counters": counters} if counters else {})},
-            "echo": {"cpu_ms_per_call": {"echo server": echo_ms, "load client": 0.5}, "summary": {"errors": {}}},
+                     "summary": summary, **({"counters": counters} if counters else {}), **woken[0]},
+            "echo": {"cpu_ms_per_call": {"echo server": echo_ms, "load client": 0.5}, "summary": {"errors": {}},
+                     **woken[1]},
             "gateway_vs_echo": round(gateway_ms / echo_ms, 2)}
 
 
@@ -127,23 +165,25 @@ def test_report_judges_the_target_per_load_on_medians_and_only_without_failed_ca
     from tokq.profiling.bench.gateway_cpu import SECTION_START, gateway_cpu_command, markdown_section
 
     report = {"meta": _meta(rates=[60, 200], concurrency=[64]), "loads": [
-        {"rate": 60, "rounds": [_round(0.9, 0.6), _round(1.1, 0.5), _round(0.8, 0.5)]},
+        {"rate": 60, "rounds": [_round(0.9, 0.6, wakeups=(9.0, 5.0)), _round(1.1, 0.5, wakeups=(12.0, 7.5)),
+                                _round(0.8, 0.5, wakeups=(8.5, 6.0))]},
         {"concurrency": 64, "rounds": [_round(0.4, 0.3)] * 3},
         {"rate": 200, "rounds": [_round(0.5, 0.3, counters={"enqueues": 100, "round_trips": 80}),
                                  _round(0.7, 0.3, counters={"enqueues": 100, "round_trips": 40}),
                                  _round(0.55, 0.25, counters={"enqueues": 100, "round_trips": 30})]}]}
     md = markdown_section(report)
     # per load: gateway median, bare median, median of the within-round ratios (1.67, 2.33, 2.2),
-    # verdict, enqueues per round trip over all rounds (300 / 150)
-    assert "| 200 req/s | 0.550 | 0.300 | **2.20x** (1.67, 2.33, 2.2) | **met** | 2.00 |" in md
-    assert "| 60 req/s | 0.900 | 0.500 | **1.60x** (1.5, 2.2, 1.6) | **not met** | - |" in md
-    assert "| 64 in flight | 0.400 | 0.300 | **1.33x** (1.33, 1.33, 1.33) | **met** | - |" in md
+    # verdict, median wake-ups per call (gateway / bare; "-" where a run did not count them),
+    # enqueues per round trip over all rounds (300 / 150)
+    assert "| 200 req/s | 0.550 | 0.300 | **2.20x** (1.67, 2.33, 2.2) | **met** | - | 2.00 |" in md
+    assert "| 60 req/s | 0.900 | 0.500 | **1.60x** (1.5, 2.2, 1.6) | **not met** | 9.0 / 6.0 | - |" in md
+    assert "| 64 in flight | 0.400 | 0.300 | **1.33x** (1.33, 1.33, 1.33) | **met** | - | - |" in md
     assert "| 200 req/s | gateway (tokq run) | 0.550 | 0.500, 0.700, 0.550 |" in md
     assert "open loop (Poisson) at each of 60, 200 req/s and closed loop with each of 64 calls in flight" in md
     report["loads"][2]["rounds"][1] = _round(0.5, 0.3, errors={"DEADLINE_EXCEEDED": 4})
     md = markdown_section(report)
-    assert "| **not judged: some calls failed** | 1.82 | 40, 40, 40 | 0/0, 4/0, 0/0 |" in md
-    assert "| 60 req/s | 0.900 | 0.500 | **1.60x** (1.5, 2.2, 1.6) | **not met** | - |" in md  # the others as before
+    assert "| **not judged: some calls failed** | - | 1.82 | 40, 40, 40 | 0/0, 4/0, 0/0 |" in md
+    assert "| 60 req/s | 0.900 | 0.500 | **1.60x** (1.5, 2.2, 1.6) | **not met** | 9.0 / 6.0 |" in md  # as before
     report["loads"] = [{"rate": 60, "rounds": [_round(0.9, 0.3)] * 3}]
     (tmp_path / "r.json").write_text(json.dumps(report))
     results = tmp_path / "RESULTS.md"

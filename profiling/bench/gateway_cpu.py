@@ -43,7 +43,7 @@ from pathlib import Path
 import click
 
 from tokq.host import cpu_name, vector_extension
-from tokq.profiling.bench.proc_cpu import proc_cpu_s
+from tokq.profiling.bench.proc_cpu import proc_cpu_s, proc_wakeups
 from tokq.profiling.results_md import command_line, cpu_block_name, cpu_heading, cpu_label, markers, write_block
 
 BLOCK = "tokq bench gateway-cpu"
@@ -51,6 +51,7 @@ SECTION_START, SECTION_END = markers(BLOCK)  # a run that did not record its CPU
 TARGET_MS_PER_CALL = 0.6
 HIDDEN_SIZE = 384  # all-MiniLM-L6-v2's vector: what the echo server answers too
 START_TIMEOUT_S = 180
+WAKEUPS_OF = ("gateway", "echo server")  # the servers compared: their threads' wake-ups per call
 
 
 # -- reading CPU time ----------------------------------------------------------------------------
@@ -235,6 +236,7 @@ def measure(target: str, pids: dict[str, int], *, load: dict, calls: int, warmup
         pids = {**pids, "load client": client.pid}
         counted = counters() if counters else {}
         before = {name: proc_cpu_s(pid) for name, pid in pids.items()}
+        woken = {name: proc_wakeups(pids[name]) for name in WAKEUPS_OF if name in pids}
         started = time.perf_counter()
         client.stdin.write("go\n")
         client.stdin.flush()
@@ -242,6 +244,7 @@ def measure(target: str, pids: dict[str, int], *, load: dict, calls: int, warmup
         line = client.stdout.readline()
         wall_s = time.perf_counter() - started
         after = {name: proc_cpu_s(pid) for name, pid in pids.items()}
+        woken = {name: proc_wakeups(pids[name]) - count for name, count in woken.items()}
         if counters:
             counted = {name: value - counted[name] for name, value in counters().items()}
         if extra is not None:
@@ -255,6 +258,7 @@ def measure(target: str, pids: dict[str, int], *, load: dict, calls: int, warmup
     n = max(summary["num_requests"], 1)
     return {"cpu_ms_per_call": {name: round(1000 * (after[name] - before[name]) / n, 4) for name in pids},
             "cpu_s": {name: round(after[name] - before[name], 3) for name in pids},
+            "wakeups_per_call": {name: round(count / n, 2) for name, count in woken.items()},
             "wall_s": round(wall_s, 2), "summary": summary, "counters": counted}
 
 
@@ -425,6 +429,16 @@ def enqueues_per_round_trip(rounds: list[dict]) -> str:
     return f"{sum(c.get('enqueues', 0) for c in counted) / trips:.2f}" if trips else "-"
 
 
+def wakeups(rounds: list[dict]) -> str:
+    """Median context switches per call of the gateway's threads and of the bare server's (see
+    proc_cpu.proc_wakeups), "8.9 / 5.7"; "-" for reports from before they were counted."""
+    if not all("wakeups_per_call" in r["tokq"] and "wakeups_per_call" in r["echo"] for r in rounds):
+        return "-"
+    gateway = statistics.median(r["tokq"]["wakeups_per_call"]["gateway"] for r in rounds)
+    bare = statistics.median(r["echo"]["wakeups_per_call"]["echo server"] for r in rounds)
+    return f"{gateway:.1f} / {bare:.1f}"
+
+
 def verdict(rounds: list[dict]) -> str:
     """The target, judged on one load's median gateway CPU per call, only if no call failed."""
     if any(sum(r[s]["summary"]["errors"].values()) for r in rounds for s in ("tokq", "echo")):
@@ -453,12 +467,13 @@ def markdown_section(report: dict) -> str:
              "bare echo server, then tokq (gateway + worker `--threads 1` + Redis), at the same load. The gateway "
              "serves metrics (`--metrics-port`, on as `tokq up` runs it; read for the enqueues per round trip), so its "
              "queue-stats export every 2 s is counted too. CPU = utime + "
-             "stime of every thread of each process (/proc/<pid>/stat) over the measured calls only; medians over "
-             "a load's rounds.", "",
+             "stime of every thread of each process (/proc/<pid>/stat) over the measured calls only; wake-ups = "
+             "context switches of all the server's threads (/proc/<pid>/task/*/status) over the same calls; medians "
+             "over a load's rounds.", "",
              f"| load | gateway ms/call | bare grpc.aio server ms/call | gateway / bare (within rounds) "
-             f"| target <= {TARGET_MS_PER_CALL} ms | enqueues per Redis round trip | tokq p99 ms per round "
-             "| failed calls per round (tokq, echo) |",
-             "|---:|---:|---:|---:|---|---:|---|---|"]
+             f"| target <= {TARGET_MS_PER_CALL} ms | thread wake-ups per call, gateway / bare "
+             "| enqueues per Redis round trip | tokq p99 ms per round | failed calls per round (tokq, echo) |",
+             "|---:|---:|---:|---:|---|---:|---:|---|---|"]
     for load in per_load:
         rounds, med = load["rounds"], medians(load["rounds"])
         p99 = ", ".join(f"{r['tokq']['summary']['latency_ms']['p99']:.0f}" for r in rounds)
@@ -466,7 +481,8 @@ def markdown_section(report: dict) -> str:
                            for r in rounds)
         lines.append(f"| {load_name(load)} | {med['tokq']['gateway']:.3f} | {med['echo']['echo server']:.3f} "
                      f"| **{med['gateway_vs_echo']:.2f}x** ({', '.join(str(r['gateway_vs_echo']) for r in rounds)}) "
-                     f"| **{verdict(rounds)}** | {enqueues_per_round_trip(rounds)} | {p99} | {errors} |")
+                     f"| **{verdict(rounds)}** | {wakeups(rounds)} | {enqueues_per_round_trip(rounds)} | {p99} "
+                     f"| {errors} |")
     lines += ["", "Every process, CPU ms per call (median over the rounds; per round):", "",
               "| load | process | median | per round |", "|---:|---|---:|---|"]
     for load in per_load:

@@ -15,6 +15,23 @@ def proc_cpu_s(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_wakeups(pid: int) -> int:
+    """Context switches of every live thread of process ``pid`` so far, voluntary (it waited,
+    then was woken) and involuntary (preempted): how often its threads were put back on a CPU.
+    At a low call rate each call wakes the event loop and gRPC's threads on its own, and each
+    wake-up costs CPU (the kernel, the loop's dispatch, cold caches) whatever the call does."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for line in status.splitlines():
+            if "ctxt_switches:" in line:  # voluntary_ and nonvoluntary_
+                total += int(line.split(":")[1])
+    return total
+
+
 def children(pid: int) -> list[int]:
     """The processes ``pid`` started (from any of its threads); none if it is gone."""
     try:
