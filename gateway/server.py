@@ -30,7 +30,7 @@ from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.wire import add_embedder_service
 from tokq import config as cfg
 from tokq import metrics
-from tokq.connection import connect, connect_pubsub
+from tokq.connection import close_client, connect, connect_pubsub
 from tokq.model_info import ModelInfo
 from tokq.shards import ShardedQueue
 from tokq.v1 import embedder_pb2
@@ -223,6 +223,5 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             await model.router.stop()
             await model.queue.close()
             model.tokenizer.close()
-        await client.aclose()
-        await ready_client.aclose()
-        await pubsub_client.aclose()
+        for redis_client in (client, ready_client, pubsub_client):
+            await close_client(redis_client)

@@ -12,6 +12,7 @@ asks the server (``INFO cluster``) once, and in cluster mode the client is redis
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Literal
 
@@ -237,6 +238,16 @@ def connect_sync(url: str, cluster: ClusterMode = "auto") -> redis.Redis | redis
     if is_cluster(url, cluster):
         return redis.RedisCluster.from_url(url, require_full_coverage=False, **kwargs)
     return redis.Redis.from_url(url, **kwargs)
+
+
+async def close_client(client: aioredis.Redis | RedisCluster) -> None:
+    """Close ``client`` on the way out, its sockets given up where closing one takes longer than
+    the connect timeout: redis-py then raises TimeoutError (a loaded host, a Redis that stopped
+    reading), and a stop that raised there would skip what follows it and exit non-zero."""
+    try:
+        await client.aclose()
+    except (redis.exceptions.RedisError, OSError) as exc:
+        logging.getLogger("tokq.connection").warning("closing a Redis client: %s (its sockets left to the OS)", exc)
 
 
 async def _pass_message(message):

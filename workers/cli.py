@@ -15,7 +15,7 @@ from tokq import config as cfg
 
 async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker_id: str | None,
                  burst: bool) -> None:
-    from tokq.connection import connect
+    from tokq.connection import close_client, connect
     from tokq.shards import ShardedQueue
     from tokq.workers.engine import Engine
     from tokq.workers.worker import Worker, default_worker_id
@@ -53,7 +53,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     try:
         await worker.run(burst=burst)
     finally:
-        await client.aclose()
+        await close_client(client)
 
 
 def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = False) -> int:
