@@ -217,7 +217,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         # closed below; a Redis that does not answer does not hold up the stop.
         await cancel_and_wait(stats_tasks, timeout_s=STOP_WAIT_S)
         if metrics_server:  # its port is free for a gateway started next in this process
-            metrics_server.shutdown()
+            await asyncio.to_thread(metrics_server.shutdown)  # waits out its 0.5 s poll: not on the loop
             metrics_server.server_close()
         for model in models.values():
             await model.router.stop()

@@ -157,7 +157,7 @@ class Tokenizer:
         self._backend = backend
         self._ascii = AsciiPath(backend)  # used on the event loop's thread only
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
-        light = threads or max(usable_cpus(), 2)
+        light = threads or usable_cpus()
         # Its threads yield to the event loop's (gateway/helper_threads.py), however late they start.
         self._light = ThreadPoolExecutor(light, thread_name_prefix="tokenize", initializer=batch_this_thread)
         self._large = LargeLane(max(1, light // 2), large_share)

@@ -3,6 +3,7 @@ ephemeral range, and a server that cannot start says why."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -37,3 +38,19 @@ def test_a_server_that_cannot_start_says_why():
     with EmbeddedRedis() as running:
         with pytest.raises(RuntimeError, match=f"on port {running.port} exited at start: .*Address already in use"):
             EmbeddedRedis(port=running.port).start()
+
+
+def test_a_server_that_never_answers_is_stopped_not_left_running(tmp_path):
+    # A start that fails (here: a "server" that never listens) stops what it started: the
+    # process runs in its own session, and nobody else holds it to close.
+    pidfile = tmp_path / "pid"
+    mute = tmp_path / "mute-server"
+    mute.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 60\n")
+    mute.chmod(0o755)
+    server = EmbeddedRedis(binary=str(mute))
+    with pytest.raises(TimeoutError, match="did not answer"):
+        server.start(timeout_s=1.0)
+    assert not server.running
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.read_text()), 0)
+    server.close()

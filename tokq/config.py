@@ -137,7 +137,7 @@ class WorkerConfig(_Validated):
     # Workers sharing a host with each other or with a gateway want fewer: oversubscribed
     # OpenMP threads spin and stall each other.
     threads: int = setting(0, "torch CPU threads; 0 = torch's default (its cores), at most the CPUs "
-                           "a cgroup quota allows", min=0, max=4096)
+                           "this process may use (affinity, cgroup quota)", min=0, max=4096)
     heartbeat_ms: int = setting(2_000, "how often the worker reports alive", min=50, max=600_000)
     metrics_port: int = setting(0, "Prometheus port (0 = no metrics endpoint)", **_PORT_OR_OFF)
     hung_forward_ms: int = setting(30_000, "a forward running past max(this, 20x the warmup "

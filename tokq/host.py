@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
+MOUNTINFO = Path("/proc/self/mountinfo")
 
 
 def cpuinfo_field(name: str, cpuinfo: Path = CPUINFO) -> str | None:
@@ -47,51 +47,97 @@ def vector_extension(flags: set[str] | None = None) -> str:
     return "SSE" if "sse2" in flags else platform.machine()
 
 
-def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
-    """Where this process's CPU controller files may be: its own cgroup's folder (cgroup v2's
-    unified tree, or v1's cpu hierarchy), then the mount's root (inside a container with its own
-    cgroup namespace the root is the container's cgroup)."""
-    found: list[Path] = []
+def _cpu_hierarchies(mountinfo: Path) -> list[tuple[int, str, Path]]:
+    """(version, root within the hierarchy, mount point) of each mounted cgroup hierarchy that
+    may limit CPU:
+    cgroup2 (the unified tree, whatever it holds) and cgroup v1 mounted with the cpu controller
+    (its name, "cpu,cpuacct" or "cpuacct,cpu", is the mount's business, not ours)."""
+    found = []
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        # "ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER-OPTIONS"
+        head, sep, tail = line.partition(" - ")
+        fields, after = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(after) < 3:
+            continue
+        mount_point = Path(fields[4].replace("\\040", " "))  # mountinfo escapes a space
+        if after[0] == "cgroup2":
+            found.append((2, fields[3], mount_point))
+        elif after[0] == "cgroup" and "cpu" in after[2].split(","):
+            found.append((1, fields[3], mount_point))
+    return found
+
+
+def _own_cgroups(proc_cgroup: Path) -> tuple[str | None, str | None]:
+    """This process's cgroup path in the unified (v2) tree and in v1's cpu hierarchy."""
+    v2 = v1 = None
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        lines = []
+        return None, None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
-        rel = path.lstrip("/")
-        if controllers == "":  # v2: "0::/path"
-            found.append(root / rel)
-        elif "cpu" in controllers.split(","):  # v1: "4:cpu,cpuacct:/path"
-            found += [root / controllers / rel, root / "cpu" / rel, root / "cpu,cpuacct" / rel]
-    return found + [root, root / "cpu", root / "cpu,cpuacct"]
-
-
-def cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
-    """The CPUs a cgroup CPU quota allows this process (Kubernetes' CPU limit, `docker --cpus`):
-    cgroup v2's cpu.max, else v1's cpu.cfs_quota_us / cpu.cfs_period_us; None when there is no
-    quota or none can be read. Affinity does not show it: a 2-CPU limit on a 64-CPU host
-    leaves all 64 in the affinity mask."""
-    for folder in _cgroup_dirs(root, proc_cgroup):
-        try:
-            quota, period = (folder / "cpu.max").read_text().split()[:2]
-            return None if quota == "max" else int(quota) / int(period)
-        except (OSError, ValueError):
-            pass
-        try:
-            quota = int((folder / "cpu.cfs_quota_us").read_text())
-            period = int((folder / "cpu.cfs_period_us").read_text())
-            return quota / period if quota > 0 and period > 0 else None  # -1: no quota
-        except (OSError, ValueError):
+        parts = line.split(":", 2)
+        if len(parts) != 3:  # not a cgroup line: skip it, never fail start-up over it
             continue
-    return None
+        _, controllers, path = parts
+        if controllers == "":  # "0::/path"
+            v2 = path
+        elif "cpu" in controllers.split(","):  # "4:cpu,cpuacct:/path"
+            v1 = path
+    return v2, v1
 
 
-def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
+def _quota_in(folder: Path) -> float | None:
+    """The quota set in one cgroup folder (v2 cpu.max, else v1 cfs files); None if none."""
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None  # -1: no quota
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_quota(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> float | None:
+    """The CPUs a cgroup CPU quota allows this process (Kubernetes' CPU limit, `docker --cpus`,
+    systemd's CPUQuota=): the smallest quota set on its own cgroup or any above it, up to the
+    hierarchy's mount (v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us); None when there is
+    none or none can be read. Affinity does not show it: a 2-CPU limit on a 64-CPU host leaves
+    all 64 in the affinity mask. A limit may sit on a parent (a systemd slice, the container's
+    cgroup above a nested init), so the walk goes up, not only to the first folder read."""
+    own_paths = dict(zip((2, 1), _own_cgroups(proc_cgroup)))
+    quotas = []
+    for version, mount_root, mount_point in _cpu_hierarchies(mountinfo):
+        own = own_paths[version]
+        if own is None:
+            continue
+        # A mount of a cgroup below the hierarchy's top (a container without its own cgroup
+        # namespace sees its cgroup mounted at /sys/fs/cgroup) shows paths below that root.
+        rel = Path(own).relative_to(mount_root) if Path(own).is_relative_to(mount_root) else Path(".")
+        folder = mount_point / rel
+        while True:
+            quota = _quota_in(folder)
+            if quota is not None:
+                quotas.append(quota)
+            if folder == mount_point or mount_point not in folder.parents:
+                break
+            folder = folder.parent
+    return min(quotas) if quotas else None
+
+
+def usable_cpus(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> int:
     """CPUs this process may keep busy: those its affinity allows (a taskset's or cpuset's
     share), at most its cgroup CPU quota rounded up; never less than 1."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    quota = cpu_quota(root, proc_cgroup)
+    quota = cpu_quota(proc_cgroup, mountinfo)
     return max(1, min(cpus, math.ceil(quota)) if quota else cpus)

@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 from redis.connection import parse_url
@@ -121,7 +122,7 @@ class EmbeddedRedis:
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         if self.tls:
-            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={self.tls['ca']}"
+            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={quote(self.tls['ca'])}"
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def _write_config(self) -> str:
@@ -155,11 +156,13 @@ class EmbeddedRedis:
                 try:
                     client.ping()
                     return self
-                except redis.ConnectionError:
+                except (redis.ConnectionError, redis.TimeoutError):  # not listening yet; a slow TLS handshake
                     if time.monotonic() > deadline:
-                        self.stop()
-                        raise TimeoutError(f"{self.binary} did not answer on port {self.port}")
+                        raise TimeoutError(f"{self.binary} did not answer on port {self.port}") from None
                     time.sleep(0.02)
+        except BaseException:
+            self.stop()  # never left running by a start that failed: nobody holds it to close
+            raise
         finally:
             client.close()
 
