@@ -105,7 +105,7 @@ def test_a_closed_loop_run_keeps_its_calls_in_flight_and_counts_them_all(echo_se
     target, proc = echo_server
     ticks = iter(range(100))
     run = measure(target, {"echo server": proc.pid}, load={"concurrency": 8}, calls=200, warmup_calls=20, seed=5,
-                  workload=None, counters=lambda: {"probe": next(ticks)})
+                  workload=None, counters=lambda: {"probe": next(ticks)}, connections=1)
     summary = run["summary"]
     assert summary["num_requests"] == summary["num_ok"] == 200
     assert run["cpu_s"]["echo server"] > 0
@@ -206,6 +206,18 @@ def test_report_judges_the_target_per_load_on_medians_and_only_without_failed_ca
     assert text.count(SECTION_START) == 1 and text.count("## Gateway CPU per call\n") == 1
     assert text.count("<!-- tokq bench gateway-cpu (AVX2): start") == 1
     assert text.count("## Gateway CPU per call, AVX2 CPU\n") == 1 and "Machine: cpu (AVX2), 2 CPUs" in text
+
+
+def test_the_report_says_how_the_client_connected_and_the_workers_budget():
+    from tokq.profiling.bench.gateway_cpu import markdown_section
+
+    loads = [{"concurrency": 64, "rounds": [_round(0.4, 0.3)] * 3}]
+    md = markdown_section({"meta": _meta(concurrency=[64], client_connections=1, token_budget=1024), "loads": loads})
+    assert "from a separate client process over 1 connection; the worker's budget 1,024 tokens, after" in md
+    md = markdown_section({"meta": _meta(concurrency=[64], client_connections=4, token_budget=0), "loads": loads})
+    assert "over 4 connections; the worker's budget its own (fitted to the latency goal, as under `tokq up`)" in md
+    md = markdown_section({"meta": _meta(concurrency=[64]), "loads": loads})  # a run from before: nothing claimed
+    assert "from a separate client process, after a warm-up" in md
 
 
 def test_a_report_from_before_rates_renders_as_its_one_load():

@@ -51,6 +51,7 @@ SECTION_START, SECTION_END = markers(BLOCK)  # a run that did not record its CPU
 TARGET_MS_PER_CALL = 0.6
 HIDDEN_SIZE = 384  # all-MiniLM-L6-v2's vector: what the echo server answers too
 START_TIMEOUT_S = 180
+CLIENT_CONNECTIONS = 4  # the load client's, as tokq bench service's: calls come over several connections
 WAKEUPS_OF = ("gateway", "echo server")  # the servers compared: their threads' wake-ups per call
 
 
@@ -120,7 +121,7 @@ async def run_closed_loop(send, arrivals, concurrency: int) -> list:
 
 
 async def drive(target: str, rate: float | None, concurrency: int | None, calls: int, warmup_calls: int, seed: int,
-                workload: str | None) -> None:
+                workload: str | None, connections: int = CLIENT_CONNECTIONS) -> None:
     """Warm up, say "ready", wait for "go" on stdin, send ``calls`` single-input calls (open loop
     at ``rate``, or closed loop with ``concurrency`` in flight), print their summary as one JSON
     line, then wait for stdin to close (so the parent can read this process's CPU time while it
@@ -129,7 +130,7 @@ async def drive(target: str, rate: float | None, concurrency: int | None, calls:
     from tokq.profiling.bench.service.systems import GrpcSender
 
     queries, _ = loadgen.load_queries(workload, 4000, seed)
-    sender = GrpcSender(target, timeout_s=10.0)
+    sender = GrpcSender(target, timeout_s=10.0, connections=connections)
     loop = asyncio.get_running_loop()
     schedule_rate = rate or 100.0  # closed loop: only the schedule's queries are used
     warm = loadgen.poisson_schedule(queries[::-1], schedule_rate, warmup_calls / schedule_rate, seed=seed + 1)
@@ -170,7 +171,7 @@ def _tokq(*args: str, redis_url: str, log) -> subprocess.Popen:
 class Stack:
     """Redis + gateway + worker, and the bare echo server beside them."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, token_budget: int = 0) -> None:
         import redis
 
         from tokq.health import wait_for_health
@@ -187,7 +188,8 @@ class Stack:
         self.gateway = _tokq("gateway", "--host", "127.0.0.1", "--port", self.gateway_target.rsplit(":", 1)[1],
                              "--metrics-port", self.metrics_url.rsplit(":", 1)[1].split("/")[0],
                              redis_url=self.redis.url, log=self.log)
-        self.worker = start_worker(self.redis.url, "cpu-bench", env=_env(), log=self.log)
+        # 0: the worker's own budget, fitted to the latency goal as under `tokq up`
+        self.worker = start_worker(self.redis.url, "cpu-bench", token_budget=token_budget, env=_env(), log=self.log)
         self.echo = _this("echo-server", "--port", self.echo_target.rsplit(":", 1)[1],
                           stdout=self.log, stderr=self.log)
         try:
@@ -221,13 +223,13 @@ class Stack:
 
 
 def measure(target: str, pids: dict[str, int], *, load: dict, calls: int, warmup_calls: int, seed: int,
-            workload: str | None, while_running=None, counters=None) -> dict:
+            workload: str | None, while_running=None, counters=None, connections: int = CLIENT_CONNECTIONS) -> dict:
     """One measured run of the load client against ``target``: CPU-seconds per process
     (``pids`` and the client itself) over exactly the measured calls, the client's summary, and
     how much each of ``counters()`` (name -> number) grew over the same calls."""
     how = ["--concurrency", str(load["concurrency"])] if "concurrency" in load else ["--rate", str(load["rate"])]
     client = _this("load-client", "--target", target, *how, "--calls", str(calls),
-                   "--warmup-calls", str(warmup_calls), "--seed", str(seed),
+                   "--warmup-calls", str(warmup_calls), "--seed", str(seed), "--connections", str(connections),
                    *(["--workload", workload] if workload else []),
                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -349,6 +351,7 @@ def load_name(load: dict) -> str:
 
 
 def run_all(*, calls: int, rates: list[float], concurrency: list[int], rounds: int, warmup_calls: int, seed: int,
+            connections: int = CLIENT_CONNECTIONS, token_budget: int = 0,
             workload: str | None, profile_dir: Path | None, console) -> dict:
     import tempfile
 
@@ -357,13 +360,14 @@ def run_all(*, calls: int, rates: list[float], concurrency: list[int], rounds: i
                        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "machine": machine(), "loadavg_at_start": loadavg(), "log": str(log_path),
                        "calls": calls, "rates": rates, "concurrency": concurrency, "rounds": rounds,
-                       "workload": workload or "default"},
+                       "workload": workload or "default", "client_connections": connections,
+                       "token_budget": token_budget},
               "loads": []}
-    stack = Stack(log_path)
+    stack = Stack(log_path, token_budget)
     try:
         tokq_pids = {"gateway": stack.gateway.pid, "worker": stack.worker.pid, "redis": stack.redis_pid}
         for spec in [{"rate": r} for r in rates] + [{"concurrency": c} for c in concurrency]:
-            kw = dict(load=spec, calls=calls, warmup_calls=warmup_calls, workload=workload)
+            kw = dict(load=spec, calls=calls, warmup_calls=warmup_calls, workload=workload, connections=connections)
             load = {**spec, "rounds": []}
             report["loads"].append(load)
             for r in range(rounds):
@@ -381,7 +385,7 @@ def run_all(*, calls: int, rates: list[float], concurrency: list[int], rounds: i
             out = profile_dir / "gateway-pyspy.txt"
             spec = {k: v for k, v in report["loads"][-1].items() if k != "rounds"}
             profiled = measure(stack.gateway_target, tokq_pids, seed=seed, load=spec, calls=calls,
-                               warmup_calls=warmup_calls, workload=workload,
+                               warmup_calls=warmup_calls, workload=workload, connections=connections,
                                while_running=lambda: PySpy(stack.gateway.pid, out))
             frames = top_frames(out.read_text())
             report["profile"] = {"path": str(gzip_file(out)), "load": load_name(spec),
@@ -446,6 +450,17 @@ def verdict(rounds: list[dict]) -> str:
     return "met" if medians(rounds)["tokq"]["gateway"] <= TARGET_MS_PER_CALL else "not met"
 
 
+def _client_and_budget(meta: dict) -> str:
+    """", over 4 connections; the worker's budget fitted as under `tokq up`": how the run was set
+    up, where it recorded it (runs before these settings existed say nothing)."""
+    if "client_connections" not in meta:
+        return ""
+    n = meta["client_connections"]
+    budget = (f"the worker's budget {meta['token_budget']:,} tokens" if meta.get("token_budget")
+              else "the worker's budget its own (fitted to the latency goal, as under `tokq up`)")
+    return f" over {n} connection{'s' if n != 1 else ''}; {budget}"
+
+
 def markdown_section(report: dict) -> str:
     meta = report["meta"]
     per_load = loads(report)
@@ -463,8 +478,9 @@ def markdown_section(report: dict) -> str:
              f"**shared with other people's builds and tests**: load average {' '.join(meta['loadavg_at_start'])} "
              f"at start, {' '.join(meta['loadavg_at_end'])} at end, so figures are noisy.  ",
              f"Load: {meta['calls']} single-input Embed calls per run, {how} "
-             f"from a separate client process, after a warm-up; {meta['rounds']} rounds per load, each measuring the "
-             "bare echo server, then tokq (gateway + worker `--threads 1` + Redis), at the same load. The gateway "
+             f"from a separate client process{_client_and_budget(meta)}, after a warm-up; {meta['rounds']} rounds per "
+             "load, each measuring the bare echo server, then tokq (gateway + worker `--threads 1` + Redis), at the "
+             "same load. The gateway "
              "serves metrics (`--metrics-port`, on as `tokq up` runs it; read for the enqueues per round trip), so its "
              "queue-stats export every 2 s is counted too. CPU = utime + "
              "stime of every thread of each process (/proc/<pid>/stat) over the measured calls only; wake-ups = "
@@ -543,8 +559,13 @@ def parse_levels(value: str, option: str, kind=float) -> list:
               help="Rewrite the 'Gateway CPU per call' block of this markdown file.")
 @click.option("--from-json", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Render this earlier --json report instead of measuring.")
+@click.option("--client-connections", default=CLIENT_CONNECTIONS, show_default=True, type=click.IntRange(1, 64),
+              help="Connections the load client spreads its calls over (tokq.AsyncClient); runs before session 16 "
+                   "used one.")
+@click.option("--token-budget", default=0, show_default=True, type=click.IntRange(0),
+              help="The worker's token budget; 0 = its own, fitted to the latency goal as under `tokq up`.")
 def gateway_cpu_command(calls, rates, concurrency, rounds, warmup_calls, seed, workload, profile_dir, json_path, results_md,
-                        from_json) -> None:
+                        from_json, client_connections, token_budget) -> None:
     """Gateway CPU per single-input call (gateway, worker, Redis, load client) against a bare gRPC server."""
     from rich.console import Console
 
@@ -557,7 +578,8 @@ def gateway_cpu_command(calls, rates, concurrency, rounds, warmup_calls, seed, w
         report = json.loads(Path(from_json).read_text())
     else:
         report = run_all(calls=calls, rates=rates, concurrency=concurrency, rounds=rounds, warmup_calls=warmup_calls, seed=seed,
-                         workload=workload, profile_dir=Path(profile_dir) if profile_dir else None, console=console)
+                         connections=client_connections, token_budget=token_budget, workload=workload,
+                         profile_dir=Path(profile_dir) if profile_dir else None, console=console)
         for load in report["loads"]:
             load["medians"] = medians(load["rounds"])
     section = markdown_section(report)
@@ -590,10 +612,11 @@ def echo_command(port) -> None:
 @click.option("--warmup-calls", type=int, default=300)
 @click.option("--seed", type=int, default=1)
 @click.option("--workload", default=None)
-def client_command(target, rate, concurrency, calls, warmup_calls, seed, workload) -> None:
+@click.option("--connections", type=int, default=CLIENT_CONNECTIONS)
+def client_command(target, rate, concurrency, calls, warmup_calls, seed, workload, connections) -> None:
     if (rate is None) == (concurrency is None):
         raise click.UsageError("give --rate or --concurrency")
-    asyncio.run(drive(target, rate, concurrency, calls, warmup_calls, seed, workload))
+    asyncio.run(drive(target, rate, concurrency, calls, warmup_calls, seed, workload, connections))
 
 
 if __name__ == "__main__":
