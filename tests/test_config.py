@@ -135,7 +135,7 @@ def test_tokq_up_takes_its_gateway_processes_from_the_environment_and_bounds_the
 
 def test_tokq_up_chooses_one_gateway_process_for_cpu_workers_and_more_for_gpu_workers():
     from tokq.host import usable_cpus
-    from tokq.up import auto_gateway_procs, cuda_present
+    from tokq.up import auto_gateway_procs, cuda_present, threads_per_worker
 
     def no_cuda():
         return False
@@ -148,5 +148,8 @@ def test_tokq_up_chooses_one_gateway_process_for_cpu_workers_and_more_for_gpu_wo
     assert auto_gateway_procs("auto", 16, has_cuda=cuda) == 4  # the H100 host's 16 CPUs: 4 measured
     assert [auto_gateway_procs("cuda:1", n, has_cuda=no_cuda) for n in (2, 8, 12, 64)] == [1, 2, 3, 4]
     assert 1 <= usable_cpus() <= (os.cpu_count() or 1)  # this process's share, as a container's
+    # CPU workers' threads: the CPUs but one (the gateway's and Redis's), split, at least one each
+    assert [threads_per_worker(1, n) for n in (1, 2, 16)] == [1, 1, 15]
+    assert [threads_per_worker(w, 9) for w in (1, 2, 3, 16)] == [8, 4, 2, 1]
     if not any(name.startswith("nvidia") for name in os.listdir("/dev")):
         assert cuda_present() is False  # answered without starting torch

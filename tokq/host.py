@@ -49,9 +49,8 @@ def vector_extension(flags: set[str] | None = None) -> str:
 
 def _cpu_hierarchies(mountinfo: Path) -> list[tuple[int, str, Path]]:
     """(version, root within the hierarchy, mount point) of each mounted cgroup hierarchy that
-    may limit CPU:
-    cgroup2 (the unified tree, whatever it holds) and cgroup v1 mounted with the cpu controller
-    (its name, "cpu,cpuacct" or "cpuacct,cpu", is the mount's business, not ours)."""
+    may limit CPU: cgroup2 (the unified tree, whatever it holds) and cgroup v1 mounted with the
+    cpu controller (its name, "cpu,cpuacct" or "cpuacct,cpu", is the mount's business, not ours)."""
     found = []
     try:
         lines = mountinfo.read_text().splitlines()

@@ -69,6 +69,13 @@ def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) ->
         raise click.ClickException(f"gateway at {target} not serving after {timeout_s:.0f} s") from None
 
 
+def threads_per_worker(num_workers: int, cpus: int | None = None) -> int:
+    """Torch threads for each of ``num_workers`` CPU workers beside one gateway and Redis: the
+    usable CPUs but one (left to those two), split between the workers, at least one each.
+    `tokq bench service` gives its baselines' models the same number."""
+    return max(1, (max(cpus or usable_cpus(), 2) - 1) // num_workers)
+
+
 @click.command("up")
 @cfg.click_options(cfg.UpConfig, cfg.QueueConfig)
 def up_command(**values) -> None:
@@ -76,7 +83,8 @@ def up_command(**values) -> None:
     up_values, queue_values = cfg.split(values, cfg.UpConfig, cfg.QueueConfig)
     conf = cfg.load_or_exit(cfg.UpConfig, up_values)
     queue_conf = cfg.load_or_exit(cfg.QueueConfig, queue_values)
-    num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device)  # before anything starts
+    cpus = usable_cpus()
+    num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
     embedded = None
     redis_url = conf.redis_url
     if not redis_url:
@@ -84,8 +92,7 @@ def up_command(**values) -> None:
         redis_url = embedded.url
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
     port = conf.port or free_port(host)
-    # Leave a core to the gateway and Redis, and split the rest between the workers.
-    threads = max(1, (max(usable_cpus(), 2) - 1) // num_workers)
+    threads = threads_per_worker(num_workers, cpus)
     # Every setting resolved here reaches the children explicitly: what this process was told
     # (flags or TOKQ_*) is what they run with.
     env = {**os.environ, cfg.env_var("redis_url"): redis_url,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import click
 
-from tokq.host import usable_cpus
 from tokq.latency_goal import DEFAULT_SLO_P99_MS
+from tokq.up import threads_per_worker
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_INFINITY_BIN = REPO_ROOT / ".venv-infinity" / "bin" / "infinity_emb"
@@ -233,7 +233,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
 
         with console.status("profiling the worker's engine (tokq profile) under the goal"):
             profile = profile_budget(loadgen.load_queries(workload_path, num_queries, seed)[0], device=device,
-                                     threads=threads or max(1, usable_cpus() - 1),
+                                     threads=threads or threads_per_worker(1),
                                      slo_ms=slo_ms, max_tokens=profile_max_tokens, model_dir=model_dir)
         console.print(profile["summary"])
         if profile["recommended_budget"] is None:
@@ -272,7 +272,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
                          else f"not measured ({'not asked for' if infinity_bin else 'no infinity_emb found'}). "
                               f"{INFINITY_WHY}")
         queries, source = loadgen.load_queries(workload_path, num_queries, seed)
-        threads = threads or max(1, usable_cpus() - 1)
+        threads = threads or threads_per_worker(1)
         with console.status("sentence-transformers' own vectors of the probe queries"):
             probe = reference_vectors(queries, NUM_PROBES, model_dir=model_dir, device=device)
         options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
