@@ -213,6 +213,59 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
         assert exits == []
 
 
+async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_nested(
+        redis_url, engine, monkeypatch):
+    """The heavy forward's thread may start after the pre-empting claim (a busy executor, a
+    loaded machine: CI saw it): light work claimed meanwhile waits in the slot for the heavy
+    forward's first checkpoint. Before, the slot was armed only once the thread ran, the offer
+    was refused and the light batch ran as a second forward beside the heavy one."""
+    gated = GatedEngine(engine)
+    gated.go.set()  # here the thread's start is held instead of the heavy embed
+    thread_may_start = threading.Event()
+    rng = np.random.default_rng(10)
+    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    light_ids = [np.array([101, 7592, 102])]
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="late")
+        real_run_heavy = worker.run_heavy
+
+        def late_run_heavy(claim):
+            assert thread_may_start.wait(60)
+            return real_run_heavy(claim)
+        monkeypatch.setattr(worker, "run_heavy", late_run_heavy)
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("late")), 60, "the first heartbeat")
+
+        async def enqueue(request_id, seqs):
+            await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
+                                 timeout_ms=60_000, channel=client.keys.done_channel("test"))
+
+        async def registered():
+            return await q.redis.sismember(q.keys.preemptible, q.owner_id)
+
+        await enqueue("heavy", heavy_ids)
+        await wait_for(registered, 30, "the worker with a heavy batch to register as pre-emptible")
+        await enqueue("light", light_ids)
+
+        async def offered_or_run():
+            return worker.preemption.waiting is not None or gated.log
+        await wait_for(offered_or_run, 30, "the light batch to be offered, or run")
+        assert gated.log == [] and worker.preemption.waiting is not None
+        thread_may_start.set()
+        gated.finish.set()
+        await wait_for(lambda: q.redis.hexists(q.keys.reply("heavy"), "0"), 60, "the heavy answer")
+        light_n, heavy_n = sum(map(len, light_ids)), sum(map(len, heavy_ids))
+        assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
+        assert worker.num_preemptions == 1
+        for request_id, seqs in (("light", light_ids), ("heavy", heavy_ids)):
+            results = await client.collect(request_id)
+            got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
+            np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+
+
 @pytest.mark.parametrize("race", [False, True], ids=["notice_after_registering", "notice_while_registering"])
 async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_forward(
         redis_url, engine, monkeypatch, race):

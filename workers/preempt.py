@@ -58,9 +58,19 @@ class Preemption:
         waiting = self._waiting
         return waiting[0] if waiting else None
 
+    def arm(self) -> None:
+        """From the event loop, as a heavy forward is handed to its thread: offers are taken
+        from now on. The thread may start after the pre-empting claim (a busy executor, a
+        loaded machine); its first checkpoint runs what waits. A claim left by a forward that
+        never started (cancelled: its worker stops) is dropped; its lease expires."""
+        with self._lock:
+            self._armed = True
+            self._waiting = None
+
     def heavy(self, run_heavy: Callable[[], T]) -> T:
-        """In the forward thread: ``run_heavy()`` with pre-emption on. A batch offered too late
-        to nest (the heavy forward had passed its last block) runs right after it, here."""
+        """In the forward thread: ``run_heavy()`` with pre-emption on (armed here too, if the
+        caller did not ``arm`` first). A batch offered too late to nest (the heavy forward had
+        passed its last block) runs right after it, here."""
         with self._lock:
             self._armed = True
         _local.checkpoint = self.checkpoint
@@ -76,7 +86,8 @@ class Preemption:
 
     def offer(self, claim: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future | None:
         """From the event loop: leave ``claim`` for the heavy forward to run; its outcome comes
-        in the future. None when no heavy forward is running (the caller runs it itself)."""
+        in the future. None when no heavy forward is armed, or it has ended (the caller runs
+        it itself)."""
         with self._lock:
             if not self._armed or self._waiting is not None:
                 return None

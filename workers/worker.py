@@ -174,6 +174,8 @@ class Worker:
             self._forward_since = time.monotonic()
             heavy = is_heavy(claim, self.preempt_budget)
             run = self.run_heavy if heavy else self.run_batch
+            if heavy:
+                self.preemption.arm()  # before the thread starts: the pre-empting claim may be first
             forward = asyncio.create_task(asyncio.to_thread(run, claim))
             preempting = asyncio.create_task(self._preempt_while(forward)) if heavy else None
             if not self._stop.is_set():
