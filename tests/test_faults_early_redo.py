@@ -174,7 +174,6 @@ def test_a_live_worker_taken_for_dead_has_its_batch_redone_and_every_call_answer
         leased_items = sum(r.llen(KEYS.lease(b)) for b in leases)
         assert leased_items > 0
 
-        stack.start_worker("w2")  # it will redo the batch; w1 stays stopped
         # w1's subscriber link resets: Redis drops its owner-channel subscription.
         assert stack.worker_proxy.drop_connections(b"SSUBSCRIBE") >= 1
         wait_for(lambda: owner_subscribers(r, owner) == 0, "w1's subscription to drop")
@@ -198,6 +197,9 @@ def test_a_live_worker_taken_for_dead_has_its_batch_redone_and_every_call_answer
         assert not set(held_leases(r)) & set(leases)  # w1's leases are gone
         assert counters(r)["requeued"] - before.get("requeued", 0) == leased_items
 
+        # Started only now: a worker's own requeue chore, running while a slow start-up (torch,
+        # the model) passed half a lease from w1's claim, would take the lease first.
+        stack.start_worker("w2")  # it redoes the batch; w1 stays stopped
         # w2 redoes the batch while w1 is still stopped: every call is answered by then.
         calls.settle()
         assert w1.poll() is None

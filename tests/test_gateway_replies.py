@@ -52,7 +52,10 @@ async def _call(redis_url, info, tokenizer, texts, vector_size: int, *, listen: 
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
     channels = [k.done_channel(GATEWAY if listen else "elsewhere") for k in queue.shard_keys()]
-    router = ReplyRouter(pubsub, client, queue.reply_key, channels, poll_after_s=0.05, poll_every_s=0.05)
+    # Listening, the poll is held off: on a loaded machine a poll landing between the answer
+    # and its notice collects the results itself, and the notice's delivery goes untested.
+    router = ReplyRouter(pubsub, client, queue.reply_key, channels,
+                         poll_after_s=3600 if listen else 0.05, poll_every_s=0.05)
     await router.start()
     await router.subscribed.wait()
     try:

@@ -19,6 +19,7 @@ from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.entry import decode_result, encode_body
 from tokq.metrics import WorkerMetrics
+from tokq.queue import REPLY_META_FIELDS
 from tokq.workers.worker import Worker, is_heavy
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,17 @@ class GatedEngine:
 
 
 
+async def _vectors(queue, request_id: str, n: int) -> np.ndarray:
+    """``request_id``'s n vectors, collected as soon as all are answered: a reply delivered in
+    its notice is kept only a short grace (lua/lib/reply.lua), which a loaded machine could
+    outlast before a collect at the test's end."""
+    async def answered():
+        return await queue.redis.hlen(queue.keys.reply(request_id)) >= n + len(REPLY_META_FIELDS)
+    await wait_for(answered, 60, f"{request_id}'s answer")
+    results = await queue.collect(request_id)
+    return np.stack([decode_result(results[i]).vector for i in range(n)])
+
+
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
@@ -105,8 +117,9 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
     name = engine.info.queue_name
     metrics = WorkerMetrics(name, "preempt")
     async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        exits: list[int] = []  # a forward held past hung_forward_ms must not end pytest
         worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="preempt",
-                        observer=metrics)
+                        observer=metrics, exit_process=exits.append)
         assert worker.preempt_budget == HEAVY_TOKENS
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("preempt")), 60, "the first heartbeat")
@@ -114,9 +127,6 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         async def enqueue(request_id, seqs):
             await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
                                  timeout_ms=60_000, channel=client.keys.done_channel("test"))
-
-        async def answered(request_id, n):
-            return await q.redis.hlen(q.keys.reply(request_id)) >= n + 3  # + n, ch, t
 
         await enqueue("heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
@@ -131,19 +141,17 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
             return worker.preemption.waiting is not None
         await wait_for(offered, 30, "the light batch to be claimed and offered to the forward")
         gated.go.set()  # the heavy forward starts; its first block's checkpoint runs the light one
-        await wait_for(lambda: answered("light", 1), 60, "the light request's answer")
+        got = {"light": await _vectors(client, "light", len(light_ids))}
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")  # heavy still unanswered
         gated.finish.set()
-        await wait_for(lambda: answered("heavy", 2), 60, "the heavy request's answer")
+        got["heavy"] = await _vectors(client, "heavy", len(heavy_ids))
         heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
         assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
 
         for request_id, seqs in (("light", light_ids), ("heavy", heavy_ids)):
-            results = await client.collect(request_id)
-            got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
             alone = engine.embed(PackedBatch.pack(seqs))
-            assert _cosines(got, alone).min() >= 0.9999, request_id
-            np.testing.assert_allclose(got, alone, atol=1e-5)
+            assert _cosines(got[request_id], alone).min() >= 0.9999, request_id
+            np.testing.assert_allclose(got[request_id], alone, atol=1e-5)
 
         assert worker.num_preemptions == 1 and worker.num_batches == 2
         assert REGISTRY.get_sample_value("tokq_worker_preemptions_total",
@@ -154,6 +162,7 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         worker.stop()
         await asyncio.wait_for(run, 30)
         metrics.close()
+        assert exits == []
 
 
 async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_has_both_redone(
@@ -191,11 +200,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
                       exit_process=exits.append)
         redo_run = asyncio.create_task(redo.run())
         for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
-            async def answered(request_id=request_id, n=len(seqs)):
-                return await q.redis.hlen(q.keys.reply(request_id)) >= n + 3
-            await wait_for(answered, 60, f"the redo of {request_id}")
-            results = await q2.collect(request_id)
-            got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
+            got = await _vectors(q2, request_id, len(seqs))
             np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         stats = await q2.stats()
         assert stats.counters["requeued"] == 3 and stats.counters["acked"] == 3
@@ -227,7 +232,9 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
     light_ids = [np.array([101, 7592, 102])]
     name = engine.info.queue_name
     async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="late")
+        exits: list[int] = []
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="late",
+                        exit_process=exits.append)
         real_run_heavy = worker.run_heavy
 
         def late_run_heavy(claim):
@@ -254,16 +261,16 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
         assert gated.log == [] and worker.preemption.waiting is not None
         thread_may_start.set()
         gated.finish.set()
-        await wait_for(lambda: q.redis.hexists(q.keys.reply("heavy"), "0"), 60, "the heavy answer")
+        got = {"light": await _vectors(client, "light", len(light_ids)),
+               "heavy": await _vectors(client, "heavy", len(heavy_ids))}
         light_n, heavy_n = sum(map(len, light_ids)), sum(map(len, heavy_ids))
         assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
         assert worker.num_preemptions == 1
         for request_id, seqs in (("light", light_ids), ("heavy", heavy_ids)):
-            results = await client.collect(request_id)
-            got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
-            np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
+            np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         worker.stop()
         await asyncio.wait_for(run, 30)
+        assert exits == []
 
 
 @pytest.mark.parametrize("race", [False, True], ids=["notice_after_registering", "notice_while_registering"])
@@ -304,7 +311,9 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
 
     monkeypatch.setattr(preempt, "current_checkpoint", held_checkpoint)
     async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="twice")
+        exits: list[int] = []
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="twice",
+                        exit_process=exits.append)
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("twice")), 60, "the first heartbeat")
 
@@ -317,10 +326,13 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
 
         if race:
             real_mark = worker.queue.mark_preemptible
+            sent = False
 
             async def mark_then_notice(preemptible: bool) -> None:
+                nonlocal sent
                 await real_mark(preemptible)
-                if preemptible and not await q.redis.exists(q.keys.reply("light1")):
+                if preemptible and not sent:  # the first registration only
+                    sent = True
                     await enqueue("light1", light_ids["light1"])  # pops this worker: 'light'
 
                     async def notice_read():
@@ -338,22 +350,21 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
             return worker.preemption.waiting is not None
         await wait_for(offered, 30, "light1 to be offered to the forward")
         gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
-        await wait_for(lambda: q.redis.hexists(q.keys.reply("light1"), "0"), 60, "light1's answer")
+        got = {"light1": await _vectors(client, "light1", 1)}
         await wait_for(registered, 30, "the worker to register again after light1")
         await enqueue("light2", light_ids["light2"])
-        await wait_for(lambda: q.redis.hexists(q.keys.reply("light2"), "0"), 60, "light2's answer")
+        got["light2"] = await _vectors(client, "light2", 1)
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")
         gated.finish.set()
-        await wait_for(lambda: q.redis.hexists(q.keys.reply("heavy"), "0"), 60, "the heavy answer")
+        got["heavy"] = await _vectors(client, "heavy", len(heavy_ids))
         n1, n2, heavy_n = (sum(map(len, light_ids["light1"])), sum(map(len, light_ids["light2"])),
                            sum(map(len, heavy_ids)))
         assert gated.log == [("start", heavy_n), ("start", n1), ("end", n1), ("start", n2),
                              ("end", n2), ("end", heavy_n)]
         assert worker.num_preemptions == 2
         for request_id, seqs in (*light_ids.items(), ("heavy", heavy_ids)):
-            results = await client.collect(request_id)
-            got = np.stack([decode_result(results[i]).vector for i in range(len(seqs))])
-            np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
+            np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         worker.stop()
         await asyncio.wait_for(run, 30)
         assert await q.redis.scard(q.keys.preemptible) == 0
+        assert exits == []
