@@ -146,7 +146,9 @@ async def test_a_silent_cluster_node_is_tried_three_times_then_reported(redis_ur
     client, proxy, owner = _cluster_client_proxied(monkeypatch, redis_cluster, "silent")
     loop = asyncio.get_running_loop()
     try:
-        assert await client.incr("silent") == 1  # connected through the proxy
+        # connected through the proxy (counts are relative: on a loaded machine this first
+        # command too may outlast the 0.5 s timeout and be resent)
+        first = await client.incr("silent")
         proxy.stall()
         start = loop.time()
         with pytest.raises(redis.exceptions.TimeoutError):
@@ -159,7 +161,7 @@ async def test_a_silent_cluster_node_is_tried_three_times_then_reported(redis_ur
     tries = 3 * tokq.connection.SOCKET_TIMEOUT_S
     assert tries <= elapsed < tries + 6  # three socket timeouts (one would be a third of it)
     # The first try ran; the later ones, on new connections, may stop at the silent handshake.
-    assert 2 <= _value_on_node(redis_cluster, owner, "silent") <= 1 + 3
+    assert first + 1 <= _value_on_node(redis_cluster, owner, "silent") <= first + 3
 
 
 @pytest.mark.redis_kinds("cluster")
@@ -170,13 +172,13 @@ async def test_a_timed_out_command_is_sent_again_on_a_cluster(redis_url, redis_c
     # twice, which the queue scripts' idempotency makes safe (tokq/connection.py's _retry).
     client, proxy, owner = _cluster_client_proxied(monkeypatch, redis_cluster, "resent")
     try:
-        assert await client.incr("resent") == 1
+        first = await client.incr("resent")  # 1, or more if resent on a loaded machine
         proxy.hold_next(b"INCR")  # this connection's answers withheld; a new one answers
-        assert await asyncio.wait_for(client.incr("resent"), 30) == 3
+        assert await asyncio.wait_for(client.incr("resent"), 30) == first + 2
     finally:
         await client.aclose()
         proxy.close()
-    assert _value_on_node(redis_cluster, owner, "resent") == 3
+    assert _value_on_node(redis_cluster, owner, "resent") == first + 2
 
 
 @pytest.mark.redis_kinds("standalone")

@@ -58,7 +58,9 @@ def _check(redis_url: str, worker_id: str) -> int:
 
 async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(redis_url, engine):
     qcfg = QueueConfig(lease_ms=1_000)
-    wcfg = WorkerConfig(token_budget=256, heartbeat_ms=200, hung_forward_ms=1_500)
+    # A 3 s heartbeat TTL: the --check subprocesses' start-up competes for the CPUs, and a
+    # shorter TTL could lapse meanwhile (the hang is found by hung_forward_ms, not the beat).
+    wcfg = WorkerConfig(token_budget=256, heartbeat_ms=1_000, hung_forward_ms=1_500)
     hanging = HangingEngine(engine)
     exits: list[int] = []
     ids = [[101, 7592, 2088, 102], [101, 2204, 2851, 102]]

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import re
 import threading
+import time
 
 import grpc
 import pytest
@@ -73,7 +74,16 @@ async def test_busy_script_is_unavailable(own_redis):
     spinning = threading.Thread(target=lambda: _spin(own_redis.url), daemon=True)
     spinning.start()
     try:
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 20
+        while True:  # until Redis answers BUSY: a sleep cannot tell that the script has started
+            try:
+                await asyncio.to_thread(sync.ping)
+            except redis.exceptions.RedisError as exc:
+                if "busy" in str(exc).lower():
+                    break
+                raise
+            assert time.monotonic() < deadline, "the spinning script never made Redis busy"
+            await asyncio.sleep(0.05)
         with pytest.raises(redis.exceptions.RedisError) as err:
             await enqueue_one(own_redis.url)
         assert "busy" in str(err.value).lower(), repr(err.value)

@@ -174,10 +174,14 @@ def test_two_workers_share_a_request(stack, client, reference, bundled_model_dir
     want = reference(texts)
     for out in outs:
         assert_close(out, want)
-    import json
-
     r = stack.client()
-    batches = {w: json.loads(r.get(KEYS.heartbeat(w)))["batches"] for w in ("w1", "w2")}
+    # Read from the heartbeats, written every 2 s: on a fast machine the calls end within one beat.
+    deadline = time.monotonic() + 15
+    while True:
+        batches = {w: json.loads(r.get(KEYS.heartbeat(w)))["batches"] for w in ("w1", "w2")}
+        if all(n > 0 for n in batches.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert all(n > 0 for n in batches.values()), batches
 
 
