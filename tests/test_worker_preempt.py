@@ -68,6 +68,16 @@ class GatedEngine:
 
 
 
+async def _enqueue(queue, request_id: str, seqs) -> None:
+    await queue.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
+                        channel=queue.keys.done_channel("test"))
+
+
+async def _registered(queue) -> bool:
+    """The worker on ``queue`` is in the pre-emptible set (runs a heavy forward, unnoticed)."""
+    return await queue.redis.sismember(queue.keys.preemptible, queue.owner_id)
+
+
 async def _vectors(queue, request_id: str, n: int) -> np.ndarray:
     """``request_id``'s n vectors, collected as soon as all are answered: a reply delivered in
     its notice is kept only a short grace (lua/lib/reply.lua), which a loaded machine could
@@ -124,17 +134,11 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("preempt")), 60, "the first heartbeat")
 
-        async def enqueue(request_id, seqs):
-            await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
-                                 timeout_ms=60_000, channel=client.keys.done_channel("test"))
-
-        await enqueue("heavy", heavy_ids)
+        await _enqueue(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-
-        async def registered():
-            return await q.redis.sismember(q.keys.preemptible, q.owner_id)
-        await wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
-        await enqueue("light", light_ids)  # claimed on its 'light' notice (or by the first
+        await wait_for(lambda: _registered(q), 30,
+                       "the worker in a heavy forward to register as pre-emptible")
+        await _enqueue(client, "light", light_ids)  # claimed on its 'light' notice (or by the first
         # light-only claim, if that ran after this enqueue: it follows the registration)
 
         async def offered():
@@ -183,8 +187,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
         lost_run = asyncio.create_task(lost.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("lost")), 60, "the first heartbeat")
         for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
-            await q2.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
-                             channel=q2.keys.done_channel("test"))
+            await _enqueue(q2, request_id, seqs)
             if request_id == "heavy":
                 assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
 
@@ -244,16 +247,10 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("late")), 60, "the first heartbeat")
 
-        async def enqueue(request_id, seqs):
-            await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
-                                 timeout_ms=60_000, channel=client.keys.done_channel("test"))
-
-        async def registered():
-            return await q.redis.sismember(q.keys.preemptible, q.owner_id)
-
-        await enqueue("heavy", heavy_ids)
-        await wait_for(registered, 30, "the worker with a heavy batch to register as pre-emptible")
-        await enqueue("light", light_ids)
+        await _enqueue(client, "heavy", heavy_ids)
+        await wait_for(lambda: _registered(q), 30,
+                       "the worker with a heavy batch to register as pre-emptible")
+        await _enqueue(client, "light", light_ids)
 
         async def offered_or_run():
             return worker.preemption.waiting is not None or gated.log
@@ -317,13 +314,6 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("twice")), 60, "the first heartbeat")
 
-        async def enqueue(request_id, seqs):
-            await client.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs],
-                                 timeout_ms=60_000, channel=client.keys.done_channel("test"))
-
-        async def registered():
-            return await q.redis.sismember(q.keys.preemptible, q.owner_id)
-
         if race:
             real_mark = worker.queue.mark_preemptible
             sent = False
@@ -333,26 +323,27 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                 await real_mark(preemptible)
                 if preemptible and not sent:  # the first registration only
                     sent = True
-                    await enqueue("light1", light_ids["light1"])  # pops this worker: 'light'
+                    await _enqueue(client, "light1", light_ids["light1"])  # pops this worker: 'light'
 
                     async def notice_read():
                         return worker._notices_read["light"] == 1
                     await wait_for(notice_read, 30, "the worker to read light1's notice")
             monkeypatch.setattr(worker.queue, "mark_preemptible", mark_then_notice)
 
-        await enqueue("heavy", heavy_ids)
+        await _enqueue(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         if not race:
-            await wait_for(registered, 30, "the worker in a heavy forward to register as pre-emptible")
-            await enqueue("light1", light_ids["light1"])
+            await wait_for(lambda: _registered(q), 30,
+                           "the worker in a heavy forward to register as pre-emptible")
+            await _enqueue(client, "light1", light_ids["light1"])
 
         async def offered():
             return worker.preemption.waiting is not None
         await wait_for(offered, 30, "light1 to be offered to the forward")
         gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
         got = {"light1": await _vectors(client, "light1", 1)}
-        await wait_for(registered, 30, "the worker to register again after light1")
-        await enqueue("light2", light_ids["light2"])
+        await wait_for(lambda: _registered(q), 30, "the worker to register again after light1")
+        await _enqueue(client, "light2", light_ids["light2"])
         got["light2"] = await _vectors(client, "light2", 1)
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")
         gated.finish.set()
