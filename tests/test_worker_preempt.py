@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
+from gated_engine import HEAVY_TOKENS, GatedEngine
 from queue_support import QUEUE, open_queue, wait_for
 
 from tokq.batch import PackedBatch
@@ -25,7 +26,6 @@ from tokq.workers.worker import Worker, is_heavy
 pytestmark = pytest.mark.slow
 
 LEASE_MS = 3_000
-HEAVY_TOKENS = 128  # a batch of more is heavy (preempt_budget(512, light_tokens=128))
 
 
 @pytest.fixture(scope="module")
@@ -33,38 +33,6 @@ def engine():
     from tokq.workers.engine import Engine
 
     return Engine.load(None, device="cpu", name=QUEUE)
-
-
-class GatedEngine:
-    """The real engine; a heavy batch's forward waits for ``go`` before it starts and for
-    ``finish`` before it returns, and every forward's start and end is logged."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-        self.go = threading.Event()
-        self.finish = threading.Event()
-        self.heavy_entered = threading.Event()
-        self.log: list[tuple[str, int]] = []
-        self.depth = 0  # forwards running: 2 while a light batch runs nested in a heavy one
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def embed(self, batch):
-        heavy = batch.num_tokens > HEAVY_TOKENS
-        if heavy:
-            self.heavy_entered.set()
-            assert self.go.wait(60)
-        self.log.append(("start", batch.num_tokens))
-        self.depth += 1
-        try:
-            vectors = self._engine.embed(batch)
-        finally:
-            self.depth -= 1
-        self.log.append(("end", batch.num_tokens))
-        if heavy:
-            assert self.finish.wait(60)
-        return vectors
 
 
 

@@ -1,0 +1,148 @@
+"""A worker claiming from several queue shards (QueueConfig.queue_shards) registers as idle, and
+as pre-emptible, in each shard's set; a notice takes it out of one shard's set only. It leaves
+every shard's set once it has work (idle) or its heavy forward ends (pre-emptible): still
+registered, it would take those shards' notices from the workers waiting for them (an idle
+worker would find that work only at its next poll; a worker in a heavy forward would not be told
+of light work). In process, with a real Redis and the real bundled model; the order is forced
+with events (tests/gated_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+from gated_engine import GatedEngine
+from queue_support import QUEUE, wait_for
+
+from tokq.config import QueueConfig, WorkerConfig
+from tokq.connection import close_client, connect
+from tokq.entry import decode_result, encode_body
+from tokq.queue import REPLY_META_FIELDS
+from tokq.shards import ShardedQueue
+from tokq.workers.worker import Worker
+
+pytestmark = pytest.mark.slow
+
+SHARDS = 2
+HEAVY_IDS = [np.concatenate([[101], np.random.default_rng(11).integers(1000, 20000, 148), [102]])]
+LIGHT_IDS = [np.array([101, 7592, 102])]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from tokq.workers.engine import Engine
+
+    return Engine.load(None, device="cpu", name=QUEUE)
+
+
+@contextlib.asynccontextmanager
+async def sharded(redis_url: str, name: str):
+    client = connect(redis_url)
+    try:
+        yield ShardedQueue(client, name, QueueConfig(queue_shards=SHARDS))
+    finally:
+        await close_client(client)
+
+
+async def _in_sets(queue: ShardedQueue, set_name: str) -> list[bool]:
+    """Per shard: is this client's owner id in that shard's ``idle`` or ``preemptible`` set?"""
+    return [bool(await queue.redis.sismember(getattr(queue.shard(i).keys, set_name), queue.shard(i).owner_id))
+            for i in range(SHARDS)]
+
+
+async def _enqueue(queue: ShardedQueue, shard: int, request_id: str, seqs) -> None:
+    q = queue.shard(shard)
+    await q.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
+                    channel=q.keys.done_channel("test"))
+
+
+async def _answered(queue: ShardedQueue, shard: int, request_id: str, n: int) -> np.ndarray:
+    q = queue.shard(shard)
+
+    async def complete():
+        return await q.redis.hlen(q.keys.reply(request_id)) >= n + len(REPLY_META_FIELDS)
+    await wait_for(complete, 60, f"{request_id}'s answer")
+    results = await q.collect(request_id)
+    return np.stack([decode_result(results[i]).vector for i in range(n)])
+
+
+def _worker(gated: GatedEngine, queue: ShardedQueue, exits: list[int]) -> Worker:
+    return Worker(gated, queue, WorkerConfig(token_budget=512), QueueConfig(queue_shards=SHARDS),
+                  worker_id="sharded", exit_process=exits.append)
+
+
+async def test_woken_through_one_shard_it_leaves_every_shard_s_idle_set_before_its_forward(
+        redis_url, engine):
+    gated = GatedEngine(engine)
+    gated.finish.set()
+    exits: list[int] = []
+    async with sharded(redis_url, engine.info.queue_name) as q, \
+            sharded(redis_url, engine.info.queue_name) as client:
+        worker = _worker(gated, q, exits)
+        run = asyncio.create_task(worker.run())
+
+        async def idle_on_every_shard():
+            return all(await _in_sets(q, "idle"))
+        await wait_for(idle_on_every_shard, 60, "the worker to register idle on every shard")
+        await _enqueue(client, 0, "heavy", HEAVY_IDS)  # pops it from shard 0's set: 'work'
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        # Busy: in no idle set (before, it stayed in shard 1's, taking that shard's notices).
+        assert await _in_sets(q, "idle") == [False, False]
+        gated.go.set()
+        got = await _answered(client, 0, "heavy", len(HEAVY_IDS))
+        assert got.shape == (1, engine.info.hidden_size)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+    assert exits == []
+
+
+async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_pre_emptible_set(
+        redis_url, engine, monkeypatch):
+    """The last 'light' notice of a heavy forward (through shard 0) took the worker out of
+    shard 0's set only; the forward ends before it registers again, and it must still leave
+    shard 1's."""
+    gated = GatedEngine(engine)
+    exits: list[int] = []
+    async with sharded(redis_url, engine.info.queue_name) as q, \
+            sharded(redis_url, engine.info.queue_name) as client:
+        worker = _worker(gated, q, exits)
+        forwards: list[asyncio.Task] = []
+        real_preempt_while, real_finish = worker._preempt_while, worker._finish
+
+        async def preempt_while(forward):
+            forwards.append(forward)
+            await real_preempt_while(forward)
+
+        async def finish(claim, outcome):
+            if forwards and claim.num_tokens == sum(map(len, LIGHT_IDS)):
+                await asyncio.wait({forwards[-1]})  # the heavy forward ends first
+            await real_finish(claim, outcome)
+        monkeypatch.setattr(worker, "_preempt_while", preempt_while)
+        monkeypatch.setattr(worker, "_finish", finish)
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("sharded")), 60, "the first heartbeat")
+
+        await _enqueue(client, 0, "heavy", HEAVY_IDS)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+
+        async def preemptible_on_every_shard():
+            return all(await _in_sets(q, "preemptible"))
+        await wait_for(preemptible_on_every_shard, 30, "the worker to register as pre-emptible")
+        await _enqueue(client, 0, "light", LIGHT_IDS)  # pops it from shard 0's set: 'light'
+
+        async def offered():
+            return worker.preemption.waiting is not None
+        await wait_for(offered, 30, "the light batch to be offered to the heavy forward")
+        assert await _in_sets(q, "preemptible") == [False, True]
+        gated.go.set()
+        gated.finish.set()
+        light = await _answered(client, 0, "light", len(LIGHT_IDS))
+        heavy = await _answered(client, 0, "heavy", len(HEAVY_IDS))
+        assert worker.num_preemptions == 1 and light.shape[0] == 1 and heavy.shape[0] == 1
+        # Answered after the pre-empting task ended: registered nowhere now.
+        assert await _in_sets(q, "preemptible") == [False, False]
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+    assert exits == []
