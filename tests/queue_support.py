@@ -11,8 +11,8 @@ import numpy as np
 
 from tokq.config import QueueConfig
 from tokq.connection import close_client, connect
-from tokq.entry import Entry, encode_body, encode_ok, format_entry
-from tokq.queue import COLLECT_GRACE_MS, Queue
+from tokq.entry import Entry, decode_result, encode_body, encode_ok, format_entry
+from tokq.queue import COLLECT_GRACE_MS, REPLY_META_FIELDS, Queue
 
 QUEUE = "test-model"
 CHANNEL = "tokq:{test-model}:done:gw-test"
@@ -86,3 +86,20 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
     while not await predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.02)
+
+
+async def enqueue_ids(queue: Queue, request_id: str, seqs) -> None:
+    """Enqueue one request of these token-id sequences (a minute's deadline)."""
+    await queue.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
+                        channel=queue.keys.done_channel("test"))
+
+
+async def answered_vectors(queue: Queue, request_id: str, n: int) -> np.ndarray:
+    """``request_id``'s n vectors, collected as soon as all are answered: a reply delivered in
+    its notice is kept only a short grace (lua/lib/reply.lua), which a loaded machine could
+    outlast before a collect at a test's end."""
+    async def answered():
+        return await queue.redis.hlen(queue.keys.reply(request_id)) >= n + len(REPLY_META_FIELDS)
+    await wait_for(answered, 60, f"{request_id}'s answer")
+    results = await queue.collect(request_id)
+    return np.stack([decode_result(results[i]).vector for i in range(n)])

@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from gated_engine import HEAVY_TOKENS, GatedEngine
-from queue_support import QUEUE, open_queue, wait_for
+from queue_support import QUEUE, answered_vectors, enqueue_ids, open_queue, wait_for
 
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.entry import decode_result, encode_body
+from tokq.entry import encode_body
 from tokq.metrics import WorkerMetrics
-from tokq.queue import REPLY_META_FIELDS
 from tokq.workers.worker import Worker, is_heavy
 
 pytestmark = pytest.mark.slow
@@ -36,25 +35,9 @@ def engine():
 
 
 
-async def _enqueue(queue, request_id: str, seqs) -> None:
-    await queue.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
-                        channel=queue.keys.done_channel("test"))
-
-
 async def _registered(queue) -> bool:
     """The worker on ``queue`` is in the pre-emptible set (runs a heavy forward, unnoticed)."""
     return await queue.redis.sismember(queue.keys.preemptible, queue.owner_id)
-
-
-async def _vectors(queue, request_id: str, n: int) -> np.ndarray:
-    """``request_id``'s n vectors, collected as soon as all are answered: a reply delivered in
-    its notice is kept only a short grace (lua/lib/reply.lua), which a loaded machine could
-    outlast before a collect at the test's end."""
-    async def answered():
-        return await queue.redis.hlen(queue.keys.reply(request_id)) >= n + len(REPLY_META_FIELDS)
-    await wait_for(answered, 60, f"{request_id}'s answer")
-    results = await queue.collect(request_id)
-    return np.stack([decode_result(results[i]).vector for i in range(n)])
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -102,21 +85,21 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("preempt")), 60, "the first heartbeat")
 
-        await _enqueue(client, "heavy", heavy_ids)
+        await enqueue_ids(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         await wait_for(lambda: _registered(q), 30,
                        "the worker in a heavy forward to register as pre-emptible")
-        await _enqueue(client, "light", light_ids)  # claimed on its 'light' notice (or by the first
+        await enqueue_ids(client, "light", light_ids)  # claimed on its 'light' notice (or by the first
         # light-only claim, if that ran after this enqueue: it follows the registration)
 
         async def offered():
             return worker.preemption.waiting is not None
         await wait_for(offered, 30, "the light batch to be claimed and offered to the forward")
         gated.go.set()  # the heavy forward starts; its first block's checkpoint runs the light one
-        got = {"light": await _vectors(client, "light", len(light_ids))}
+        got = {"light": await answered_vectors(client, "light", len(light_ids))}
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")  # heavy still unanswered
         gated.finish.set()
-        got["heavy"] = await _vectors(client, "heavy", len(heavy_ids))
+        got["heavy"] = await answered_vectors(client, "heavy", len(heavy_ids))
         heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
         assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
 
@@ -155,7 +138,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
         lost_run = asyncio.create_task(lost.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("lost")), 60, "the first heartbeat")
         for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
-            await _enqueue(q2, request_id, seqs)
+            await enqueue_ids(q2, request_id, seqs)
             if request_id == "heavy":
                 assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
 
@@ -171,7 +154,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
                       exit_process=exits.append)
         redo_run = asyncio.create_task(redo.run())
         for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
-            got = await _vectors(q2, request_id, len(seqs))
+            got = await answered_vectors(q2, request_id, len(seqs))
             np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         stats = await q2.stats()
         assert stats.counters["requeued"] == 3 and stats.counters["acked"] == 3
@@ -215,10 +198,10 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("late")), 60, "the first heartbeat")
 
-        await _enqueue(client, "heavy", heavy_ids)
+        await enqueue_ids(client, "heavy", heavy_ids)
         await wait_for(lambda: _registered(q), 30,
                        "the worker with a heavy batch to register as pre-emptible")
-        await _enqueue(client, "light", light_ids)
+        await enqueue_ids(client, "light", light_ids)
 
         async def offered_or_run():
             return worker.preemption.waiting is not None or gated.log
@@ -226,8 +209,8 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
         assert gated.log == [] and worker.preemption.waiting is not None
         thread_may_start.set()
         gated.finish.set()
-        got = {"light": await _vectors(client, "light", len(light_ids)),
-               "heavy": await _vectors(client, "heavy", len(heavy_ids))}
+        got = {"light": await answered_vectors(client, "light", len(light_ids)),
+               "heavy": await answered_vectors(client, "heavy", len(heavy_ids))}
         light_n, heavy_n = sum(map(len, light_ids)), sum(map(len, heavy_ids))
         assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
         assert worker.num_preemptions == 1
@@ -291,31 +274,31 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                 await real_mark(preemptible)
                 if preemptible and not sent:  # the first registration only
                     sent = True
-                    await _enqueue(client, "light1", light_ids["light1"])  # pops this worker: 'light'
+                    await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
 
                     async def notice_read():
                         return worker._notices_read["light"] == 1
                     await wait_for(notice_read, 30, "the worker to read light1's notice")
             monkeypatch.setattr(worker.queue, "mark_preemptible", mark_then_notice)
 
-        await _enqueue(client, "heavy", heavy_ids)
+        await enqueue_ids(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         if not race:
             await wait_for(lambda: _registered(q), 30,
                            "the worker in a heavy forward to register as pre-emptible")
-            await _enqueue(client, "light1", light_ids["light1"])
+            await enqueue_ids(client, "light1", light_ids["light1"])
 
         async def offered():
             return worker.preemption.waiting is not None
         await wait_for(offered, 30, "light1 to be offered to the forward")
         gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
-        got = {"light1": await _vectors(client, "light1", 1)}
+        got = {"light1": await answered_vectors(client, "light1", 1)}
         await wait_for(lambda: _registered(q), 30, "the worker to register again after light1")
-        await _enqueue(client, "light2", light_ids["light2"])
-        got["light2"] = await _vectors(client, "light2", 1)
+        await enqueue_ids(client, "light2", light_ids["light2"])
+        got["light2"] = await answered_vectors(client, "light2", 1)
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")
         gated.finish.set()
-        got["heavy"] = await _vectors(client, "heavy", len(heavy_ids))
+        got["heavy"] = await answered_vectors(client, "heavy", len(heavy_ids))
         n1, n2, heavy_n = (sum(map(len, light_ids["light1"])), sum(map(len, light_ids["light2"])),
                            sum(map(len, heavy_ids)))
         assert gated.log == [("start", heavy_n), ("start", n1), ("end", n1), ("start", n2),

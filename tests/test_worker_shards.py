@@ -14,12 +14,10 @@ import contextlib
 import numpy as np
 import pytest
 from gated_engine import GatedEngine
-from queue_support import QUEUE, wait_for
+from queue_support import QUEUE, answered_vectors, enqueue_ids, wait_for
 
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.connection import close_client, connect
-from tokq.entry import decode_result, encode_body
-from tokq.queue import REPLY_META_FIELDS
 from tokq.shards import ShardedQueue
 from tokq.workers.worker import Worker
 
@@ -52,22 +50,6 @@ async def _in_sets(queue: ShardedQueue, set_name: str) -> list[bool]:
             for i in range(SHARDS)]
 
 
-async def _enqueue(queue: ShardedQueue, shard: int, request_id: str, seqs) -> None:
-    q = queue.shard(shard)
-    await q.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
-                    channel=q.keys.done_channel("test"))
-
-
-async def _answered(queue: ShardedQueue, shard: int, request_id: str, n: int) -> np.ndarray:
-    q = queue.shard(shard)
-
-    async def complete():
-        return await q.redis.hlen(q.keys.reply(request_id)) >= n + len(REPLY_META_FIELDS)
-    await wait_for(complete, 60, f"{request_id}'s answer")
-    results = await q.collect(request_id)
-    return np.stack([decode_result(results[i]).vector for i in range(n)])
-
-
 def _worker(gated: GatedEngine, queue: ShardedQueue, exits: list[int]) -> Worker:
     return Worker(gated, queue, WorkerConfig(token_budget=512), QueueConfig(queue_shards=SHARDS),
                   worker_id="sharded", exit_process=exits.append)
@@ -86,12 +68,12 @@ async def test_woken_through_one_shard_it_leaves_every_shard_s_idle_set_before_i
         async def idle_on_every_shard():
             return all(await _in_sets(q, "idle"))
         await wait_for(idle_on_every_shard, 60, "the worker to register idle on every shard")
-        await _enqueue(client, 0, "heavy", HEAVY_IDS)  # pops it from shard 0's set: 'work'
+        await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)  # pops it from shard 0's set: 'work'
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         # Busy: in no idle set (before, it stayed in shard 1's, taking that shard's notices).
         assert await _in_sets(q, "idle") == [False, False]
         gated.go.set()
-        got = await _answered(client, 0, "heavy", len(HEAVY_IDS))
+        got = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
         assert got.shape == (1, engine.info.hidden_size)
         worker.stop()
         await asyncio.wait_for(run, 30)
@@ -124,13 +106,13 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("sharded")), 60, "the first heartbeat")
 
-        await _enqueue(client, 0, "heavy", HEAVY_IDS)
+        await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
 
         async def preemptible_on_every_shard():
             return all(await _in_sets(q, "preemptible"))
         await wait_for(preemptible_on_every_shard, 30, "the worker to register as pre-emptible")
-        await _enqueue(client, 0, "light", LIGHT_IDS)  # pops it from shard 0's set: 'light'
+        await enqueue_ids(client.shard(0), "light", LIGHT_IDS)  # pops it from shard 0's set: 'light'
 
         async def offered():
             return worker.preemption.waiting is not None
@@ -138,8 +120,8 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
         assert await _in_sets(q, "preemptible") == [False, True]
         gated.go.set()
         gated.finish.set()
-        light = await _answered(client, 0, "light", len(LIGHT_IDS))
-        heavy = await _answered(client, 0, "heavy", len(HEAVY_IDS))
+        light = await answered_vectors(client.shard(0), "light", len(LIGHT_IDS))
+        heavy = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
         assert worker.num_preemptions == 1 and light.shape[0] == 1 and heavy.shape[0] == 1
         # Answered after the pre-empting task ended: registered nowhere now.
         assert await _in_sets(q, "preemptible") == [False, False]

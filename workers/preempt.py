@@ -48,7 +48,7 @@ class Preemption:
     def __init__(self, run: Callable[[Any], Any]) -> None:
         self._run = run
         self._lock = threading.Lock()
-        self._armed = False  # a heavy forward runs and has not reached its end
+        self._armed = False  # a heavy forward is handed to its thread (arm) and not at its end
         self._waiting: tuple[Any, asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self._inside = False  # a nested batch runs: no pre-emption inside it
 

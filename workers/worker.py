@@ -300,7 +300,7 @@ class Worker:
                 continue
             # Picked out of the idle or pre-emptible set (lua/lib/wake.lua): it registers
             # again before its next wait.
-            one_shard = len(self.queue.owner_channels()) == 1
+            one_shard = self.queue.claim_shards == 1
             if notice[1] == b"work":
                 self._idle = False
                 self._idle_left = self._idle_left and not one_shard
@@ -328,7 +328,7 @@ class Worker:
             await self.queue.mark_idle(idle)
             # A notice read meanwhile took this worker out of the set: not registered.
             self._idle = idle and self._notices_read["work"] == read
-            self._idle_left = idle and (self._idle or len(self.queue.owner_channels()) > 1)
+            self._idle_left = idle and (self._idle or self.queue.claim_shards > 1)
         except _REDIS_ERRORS as exc:  # notices then go to the work channel, or the poll claims
             log.warning("idle registration failed: %s", exc)
 
@@ -340,8 +340,7 @@ class Worker:
             # it registered, it would get no notice for the rest of the forward (enqueue.lua
             # tells only registered workers), and a light call would wait for all of it.
             self._preemptible = preemptible and self._notices_read["light"] == read
-            self._preemptible_left = preemptible and (self._preemptible
-                                                      or len(self.queue.owner_channels()) > 1)
+            self._preemptible_left = preemptible and (self._preemptible or self.queue.claim_shards > 1)
         except _REDIS_ERRORS as exc:  # light work then waits for the next claim
             log.warning("pre-emptible registration failed: %s", exc)
 
