@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from gated_engine import HEAVY_TOKENS, GatedEngine
-from queue_support import QUEUE, answered_vectors, enqueue_ids, open_queue, wait_for
+from queue_support import QUEUE, answered_vectors, enqueue_ids, ok_result, open_queue, wait_for
 
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
@@ -305,6 +305,67 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                              ("end", n2), ("end", heavy_n)]
         assert worker.num_preemptions == 2
         for request_id, seqs in (*light_ids.items(), ("heavy", heavy_ids)):
+            np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+        assert await q.redis.scard(q.keys.preemptible) == 0
+        assert exits == []
+
+
+async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_it_registered(
+        redis_url, engine, monkeypatch):
+    """A 'light' notice read while the worker registers as pre-emptible took it out of the set;
+    when another worker then takes that light work first, the worker's claim finds nothing. It
+    must register again: otherwise it waits, in no set, for the rest of the heavy forward, and
+    the next light request gets no notice and waits for all of it."""
+    gated = GatedEngine(engine)
+    rng = np.random.default_rng(11)
+    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    light_ids = {"light1": [np.array([101, 7592, 102])], "light2": [np.array([101, 2088, 2003, 102])]}
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        exits: list[int] = []
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="passed-over",
+                        exit_process=exits.append)
+        real_mark = worker.queue.mark_preemptible
+        stolen = []
+
+        async def mark_then_lose_the_work(preemptible: bool) -> None:
+            await real_mark(preemptible)
+            if preemptible and not stolen:  # the first registration only
+                await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
+
+                async def notice_read():
+                    return worker._notices_read["light"] == 1
+                await wait_for(notice_read, 30, "the worker to read light1's notice")
+                # Another worker's claim lands first; it answers light1 (nothing left leased).
+                claim = await client.claim(512, lanes="light")
+                stolen.append(claim)
+                await client.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        monkeypatch.setattr(worker.queue, "mark_preemptible", mark_then_lose_the_work)
+
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("passed-over")), 60, "the first heartbeat")
+        await enqueue_ids(client, "heavy", heavy_ids)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        async def registered_again():
+            return len(stolen) == 1 and await _registered(q)
+        await wait_for(registered_again, 30, "the worker to register again after its notice's work went elsewhere")
+        assert [e.request_id for e in stolen[0].entries] == ["light1"]
+        await enqueue_ids(client, "light2", light_ids["light2"])
+
+        async def offered():
+            return worker.preemption.waiting is not None
+        await wait_for(offered, 30, "light2 to be offered to the forward")
+        gated.go.set()
+        got = {"light2": await answered_vectors(client, "light2", 1)}
+        assert not await q.redis.hexists(q.keys.reply("heavy"), "0")
+        gated.finish.set()
+        got["heavy"] = await answered_vectors(client, "heavy", len(heavy_ids))
+        n2, heavy_n = sum(map(len, light_ids["light2"])), sum(map(len, heavy_ids))
+        assert gated.log == [("start", heavy_n), ("start", n2), ("end", n2), ("end", heavy_n)]
+        assert worker.num_preemptions == 1
+        for request_id, seqs in (("light2", light_ids["light2"]), ("heavy", heavy_ids)):
             np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         worker.stop()
         await asyncio.wait_for(run, 30)

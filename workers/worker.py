@@ -230,7 +230,11 @@ class Worker:
                     # Registered before the claim: no notice falls between. After a notice
                     # (which took this worker out of the set) the claim goes first, one round
                     # trip sooner; registering and this claim follow it, so nothing is missed.
+                    read = self._notices_read["light"]
                     await self._mark_preemptible(True)
+                    # A notice read meanwhile is cleared below, and took this worker out of the
+                    # set: should its work go elsewhere, register again rather than wait unheard.
+                    noticed = self._notices_read["light"] != read
                 after_notice, noticed = noticed, False
                 self._light_notice.clear()
                 claim = await self._claim(self.preempt_budget, lanes="light")
