@@ -128,3 +128,41 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
         worker.stop()
         await asyncio.wait_for(run, 30)
     assert exits == []
+
+
+async def test_a_registration_whose_answer_was_lost_is_withdrawn_before_its_forward(
+        redis_url, engine, monkeypatch):
+    """Every idle registration reaches Redis but its answer is lost (the connection drops after
+    the command ran): the worker cannot tell whether it is registered, so once it has work it
+    withdraws anyway and takes no other shard's notice while busy."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    gated = GatedEngine(engine)
+    gated.finish.set()
+    exits: list[int] = []
+    async with sharded(redis_url, engine.info.queue_name) as q, \
+            sharded(redis_url, engine.info.queue_name) as client:
+        worker = _worker(gated, q, exits)
+        real_mark = q.mark_idle
+        lost = []
+
+        async def mark_idle_answer_lost(idle: bool) -> None:
+            await real_mark(idle)
+            if idle:
+                lost.append(idle)
+                raise RedisConnectionError("connection lost after the command ran")
+        monkeypatch.setattr(q, "mark_idle", mark_idle_answer_lost)
+        run = asyncio.create_task(worker.run())
+
+        async def idle_on_every_shard():
+            return bool(lost) and all(await _in_sets(q, "idle"))
+        await wait_for(idle_on_every_shard, 60, "the worker's registration to reach every shard")
+        await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)  # pops it from shard 0's set: 'work'
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        assert await _in_sets(q, "idle") == [False, False]
+        gated.go.set()
+        got = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
+        assert got.shape == (1, engine.info.hidden_size)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+    assert exits == []

@@ -118,15 +118,15 @@ class Worker:
         self._subscribed = False
         self._beat_lock = asyncio.Lock()  # a beat in flight must not outlive a give-up
         # Registered in every claimed shard's idle set: a work notice may pick this worker. A
-        # notice takes it out of one shard's set only: with several shards it stays in the
-        # others' (``_idle_left``) until it withdraws, which it does before a forward; else,
+        # notice takes it out of one shard's set only: with several shards it may stay in the
+        # others' (``_maybe_idle``) until it withdraws, which it does before a forward; else,
         # busy, it would take those shards' notices from the idle workers.
         self._idle = False
-        self._idle_left = False
+        self._maybe_idle = False
         self._reader: asyncio.Task | None = None  # _read_notices, the subscription's one reader
         # The same for the pre-emptible sets (a heavy forward running: 'light' may pick it).
         self._preemptible = False
-        self._preemptible_left = False
+        self._maybe_preemptible = False
         self._work_notice = asyncio.Event()  # a notice came (read by _read_notices only)
         self._light_notice = asyncio.Event()  # a 'light' notice came
         self._notices_read = {"work": 0, "light": 0}  # by _read_notices: registrations check them
@@ -166,7 +166,7 @@ class Worker:
         while next_claim is not None:
             claim = await next_claim
             next_claim = None
-            if claim is not None and self._idle_left:
+            if claim is not None and self._maybe_idle:
                 await self._mark_idle(False)
             if claim is None:
                 if self._stop.is_set() or (burst and await self._drained()):
@@ -256,7 +256,7 @@ class Worker:
                         self.observer.observe_preemption()
                 await self._finish(claim, outcome)
         finally:
-            if self._preemptible_left:
+            if self._maybe_preemptible:
                 await self._mark_preemptible(False)
 
     async def _ack(self, claim: Claim, outcome: BatchOutcome) -> None:
@@ -307,11 +307,11 @@ class Worker:
             one_shard = self.queue.claim_shards == 1
             if notice[1] == b"work":
                 self._idle = False
-                self._idle_left = self._idle_left and not one_shard
+                self._maybe_idle = self._maybe_idle and not one_shard
                 self._notices_read["work"] += 1
             elif notice[1] == b"light":
                 self._preemptible = False
-                self._preemptible_left = self._preemptible_left and not one_shard
+                self._maybe_preemptible = self._maybe_preemptible and not one_shard
                 self._notices_read["light"] += 1
                 self._light_notice.set()
             self._work_notice.set()
@@ -332,9 +332,11 @@ class Worker:
             await self.queue.mark_idle(idle)
             # A notice read meanwhile took this worker out of the set: not registered.
             self._idle = idle and self._notices_read["work"] == read
-            self._idle_left = idle and (self._idle or self.queue.claim_shards > 1)
+            self._maybe_idle = idle and (self._idle or self.queue.claim_shards > 1)
         except _REDIS_ERRORS as exc:  # notices then go to the work channel, or the poll claims
             log.warning("idle registration failed: %s", exc)
+            # Its answer may be what was lost (or one shard's of several): withdraw later.
+            self._maybe_idle = self._maybe_idle or idle
 
     async def _mark_preemptible(self, preemptible: bool) -> None:
         read = self._notices_read["light"]
@@ -344,9 +346,10 @@ class Worker:
             # it registered, it would get no notice for the rest of the forward (enqueue.lua
             # tells only registered workers), and a light call would wait for all of it.
             self._preemptible = preemptible and self._notices_read["light"] == read
-            self._preemptible_left = preemptible and (self._preemptible or self.queue.claim_shards > 1)
+            self._maybe_preemptible = preemptible and (self._preemptible or self.queue.claim_shards > 1)
         except _REDIS_ERRORS as exc:  # light work then waits for the next claim
             log.warning("pre-emptible registration failed: %s", exc)
+            self._maybe_preemptible = self._maybe_preemptible or preemptible  # as in _mark_idle
 
     def _prefetch_delay_s(self) -> float:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
