@@ -3,8 +3,9 @@ as pre-emptible, in each shard's set; a notice takes it out of one shard's set o
 every shard's set once it has work (idle) or its heavy forward ends (pre-emptible): still
 registered, it would take those shards' notices from the workers waiting for them (an idle
 worker would find that work only at its next poll; a worker in a heavy forward would not be told
-of light work). In process, with a real Redis and the real bundled model; the order is forced
-with events (tests/gated_engine.py)."""
+of light work). So must a registration whose answer was lost (it may have reached Redis). In
+process, with a real Redis and the real bundled model; the order is forced with events
+(tests/gated_engine.py)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ def engine():
 
 
 @contextlib.asynccontextmanager
-async def sharded(redis_url: str, name: str):
+async def sharded(redis_url: str, name: str, shards: int = SHARDS):
     client = connect(redis_url)
     try:
-        yield ShardedQueue(client, name, QueueConfig(queue_shards=SHARDS))
+        yield ShardedQueue(client, name, QueueConfig(queue_shards=shards))
     finally:
         await close_client(client)
 
@@ -47,11 +48,11 @@ async def sharded(redis_url: str, name: str):
 async def _in_sets(queue: ShardedQueue, set_name: str) -> list[bool]:
     """Per shard: is this client's owner id in that shard's ``idle`` or ``preemptible`` set?"""
     return [bool(await queue.redis.sismember(getattr(queue.shard(i).keys, set_name), queue.shard(i).owner_id))
-            for i in range(SHARDS)]
+            for i in range(queue.claim_shards)]
 
 
 def _worker(gated: GatedEngine, queue: ShardedQueue, exits: list[int]) -> Worker:
-    return Worker(gated, queue, WorkerConfig(token_budget=512), QueueConfig(queue_shards=SHARDS),
+    return Worker(gated, queue, WorkerConfig(token_budget=512), QueueConfig(queue_shards=queue.claim_shards),
                   worker_id="sharded", exit_process=exits.append)
 
 
@@ -160,6 +161,108 @@ async def test_a_registration_whose_answer_was_lost_is_withdrawn_before_its_forw
         await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)  # pops it from shard 0's set: 'work'
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         assert await _in_sets(q, "idle") == [False, False]
+        gated.go.set()
+        got = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
+        assert got.shape == (1, engine.info.hidden_size)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+    assert exits == []
+
+
+async def test_a_pre_emptible_registration_whose_answer_was_lost_is_withdrawn_when_the_forward_ends(
+        redis_url, engine, monkeypatch):
+    """The same for the pre-emptible sets: a heavy forward's registration reaches Redis, its
+    answer is lost; the forward ends with the worker in no pre-emptible set."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    gated = GatedEngine(engine)
+    exits: list[int] = []
+    async with sharded(redis_url, engine.info.queue_name) as q, \
+            sharded(redis_url, engine.info.queue_name) as client:
+        worker = _worker(gated, q, exits)
+        real_mark = q.mark_preemptible
+
+        async def mark_preemptible_answer_lost(preemptible: bool) -> None:
+            await real_mark(preemptible)
+            if preemptible:
+                raise RedisConnectionError("connection lost after the command ran")
+        monkeypatch.setattr(q, "mark_preemptible", mark_preemptible_answer_lost)
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("sharded")), 60, "the first heartbeat")
+        await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+
+        async def preemptible_on_every_shard():
+            return all(await _in_sets(q, "preemptible"))
+        await wait_for(preemptible_on_every_shard, 30, "the worker's registration to reach every shard")
+        gated.go.set()
+        gated.finish.set()
+        heavy = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
+        assert heavy.shape[0] == 1
+        # Withdrawn before the heavy batch's ack (the pre-empting task ends first).
+        assert await _in_sets(q, "preemptible") == [False, False]
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+    assert exits == []
+
+
+async def test_a_failed_registration_returns_only_once_every_shard_has_answered(redis_url):
+    """One shard's command fails at once while another's is still out: the failure is raised
+    only after that one has answered, so a withdrawal sent next cannot overtake it."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async with sharded(redis_url, QUEUE) as q:
+        slow_done = asyncio.Event()
+
+        async def fails(idle: bool) -> None:
+            raise RedisConnectionError("shard 0 unreachable")
+
+        async def slow(idle: bool) -> None:
+            await asyncio.sleep(0.3)
+            slow_done.set()
+        q.shard(0).mark_idle = fails
+        q.shard(1).mark_idle = slow
+        with pytest.raises(RedisConnectionError, match="shard 0"):
+            await q.mark_idle(True)
+        assert slow_done.is_set()
+
+
+async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_leads_to_a_withdrawal(
+        redis_url, engine, monkeypatch):
+    """One shard. The first idle registration lands and its answer is lost; work arrives while
+    the second is out, its notice popping the first, and the second lands after: the worker is
+    in the set again though a notice was read. It must still withdraw before its forward."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    gated = GatedEngine(engine)
+    gated.finish.set()
+    exits: list[int] = []
+    async with sharded(redis_url, engine.info.queue_name, shards=1) as q, \
+            sharded(redis_url, engine.info.queue_name, shards=1) as client:
+        worker = _worker(gated, q, exits)
+        real_mark = q.mark_idle
+        registrations = 0
+
+        async def mark_idle(idle: bool) -> None:
+            nonlocal registrations
+            if not idle:
+                return await real_mark(idle)
+            registrations += 1
+            if registrations == 1:
+                await real_mark(idle)
+                raise RedisConnectionError("connection lost after the command ran")
+            if registrations == 2:  # the work's notice pops the first registration meanwhile
+                await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
+
+                async def notice_read():
+                    return worker._notices_read["work"] == 1
+                await wait_for(notice_read, 30, "the worker to read the work's notice")
+            await real_mark(idle)
+        monkeypatch.setattr(q, "mark_idle", mark_idle)
+        run = asyncio.create_task(worker.run())
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        assert registrations == 2
+        assert await _in_sets(q, "idle") == [False]
         gated.go.set()
         got = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
         assert got.shape == (1, engine.info.hidden_size)

@@ -284,15 +284,22 @@ class ShardedQueue:
 
     async def mark_idle(self, idle: bool) -> None:
         """Queue.mark_idle on every claimed shard."""
-        await asyncio.gather(*(self.shard(i).mark_idle(idle) for i in range(self._claim_shards)))
+        await _on_every_shard(self.shard(i).mark_idle(idle) for i in range(self._claim_shards))
 
     async def mark_preemptible(self, preemptible: bool) -> None:
         """Queue.mark_preemptible on every claimed shard."""
-        await asyncio.gather(*(self.shard(i).mark_preemptible(preemptible)
-                               for i in range(self._claim_shards)))
+        await _on_every_shard(self.shard(i).mark_preemptible(preemptible) for i in range(self._claim_shards))
 
     async def get_budget(self) -> int | None:
         return await self.shard(0).get_budget()
 
     async def set_budget(self, tokens: int) -> None:
         await self.shard(0).set_budget(tokens)
+
+
+async def _on_every_shard(commands) -> None:
+    """Run one command per shard at once; raise the first failure only once every shard has
+    answered: returning earlier, a later command (a withdrawal) could overtake one still out."""
+    for result in await asyncio.gather(*commands, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result

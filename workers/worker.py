@@ -119,8 +119,9 @@ class Worker:
         self._beat_lock = asyncio.Lock()  # a beat in flight must not outlive a give-up
         # Registered in every claimed shard's idle set: a work notice may pick this worker. A
         # notice takes it out of one shard's set only: with several shards it may stay in the
-        # others' (``_maybe_idle``) until it withdraws, which it does before a forward; else,
-        # busy, it would take those shards' notices from the idle workers.
+        # others' (``_maybe_idle``; so may a registration whose answer was lost) until it
+        # withdraws, which it does before a forward; else, busy, it would take those shards'
+        # notices from the idle workers.
         self._idle = False
         self._maybe_idle = False
         self._reader: asyncio.Task | None = None  # _read_notices, the subscription's one reader
@@ -327,29 +328,32 @@ class Worker:
         self._work_notice.clear()
 
     async def _mark_idle(self, idle: bool) -> None:
-        read = self._notices_read["work"]
+        read, was_maybe = self._notices_read["work"], self._maybe_idle
         try:
             await self.queue.mark_idle(idle)
-            # A notice read meanwhile took this worker out of the set: not registered.
+            # A notice read meanwhile took this worker out of a set: not registered. It may be
+            # in a set still: another shard's, or this one's if the notice popped an earlier
+            # registration whose answer was lost and this one landed after it.
             self._idle = idle and self._notices_read["work"] == read
-            self._maybe_idle = idle and (self._idle or self.queue.claim_shards > 1)
-        except _REDIS_ERRORS as exc:  # notices then go to the work channel, or the poll claims
+            self._maybe_idle = idle and (self._idle or was_maybe or self.queue.claim_shards > 1)
+        except _REDIS_ERRORS as exc:
+            # Not registered, or registered with its answer lost: withdrawn before the forward.
             log.warning("idle registration failed: %s", exc)
-            # Its answer may be what was lost (or one shard's of several): withdraw later.
             self._maybe_idle = self._maybe_idle or idle
 
     async def _mark_preemptible(self, preemptible: bool) -> None:
-        read = self._notices_read["light"]
+        read, was_maybe = self._notices_read["light"], self._maybe_preemptible
         try:
             await self.queue.mark_preemptible(preemptible)
             # A notice read while registering took this worker out of the set again: believing
             # it registered, it would get no notice for the rest of the forward (enqueue.lua
             # tells only registered workers), and a light call would wait for all of it.
             self._preemptible = preemptible and self._notices_read["light"] == read
-            self._maybe_preemptible = preemptible and (self._preemptible or self.queue.claim_shards > 1)
-        except _REDIS_ERRORS as exc:  # light work then waits for the next claim
+            self._maybe_preemptible = preemptible and (self._preemptible or was_maybe
+                                                       or self.queue.claim_shards > 1)  # as in _mark_idle
+        except _REDIS_ERRORS as exc:  # as in _mark_idle; light work meanwhile waits for a claim
             log.warning("pre-emptible registration failed: %s", exc)
-            self._maybe_preemptible = self._maybe_preemptible or preemptible  # as in _mark_idle
+            self._maybe_preemptible = self._maybe_preemptible or preemptible
 
     def _prefetch_delay_s(self) -> float:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
