@@ -52,8 +52,11 @@ def test_config_rejects_unknown_keys_and_takes_env_overrides():
 def test_client_refuses_a_bare_string():
     from tokq import Client
 
-    with Client("127.0.0.1:9") as client, pytest.raises(TypeError, match="list of strings"):
-        client.embed("not a list")
+    with Client("127.0.0.1:9") as client:
+        with pytest.raises(TypeError, match="list of strings"):
+            client.embed("not a list")
+        with pytest.raises(TypeError, match="list of strings"):  # not five one-letter inputs
+            client.tokenize("hello")
 
 
 def test_client_raises_unavailable_with_code_when_nothing_listens():

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_stack import ServiceStack
 
 from tokq import AsyncClient, Client
-from tokq.client import DISCOVERY_MISSES, _Pool
+from tokq import client as client_module
+from tokq.client import DISCOVERY_MISSES, REDISCOVER_FIRST_S, REDISCOVER_MAX_S, _Pool
 from tokq.redis_server import free_port_block
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -165,14 +166,22 @@ def test_http_clients_spread_over_processes_by_connection(stack):
 
 # -- the pool's rule, on real (unconnected) channels ----------------------------------------------
 
-def make_pool(size: int) -> tuple[_Pool, list]:
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_pool(size: int, clock: Clock | None = None) -> tuple[_Pool, list]:
     opened = []
 
     def open_channel():
         opened.append(grpc.insecure_channel("127.0.0.1:9"))  # never called: no connection made
         return opened[-1]
 
-    return _Pool(open_channel, size), opened
+    return _Pool(open_channel, size, clock or Clock()), opened
 
 
 def test_calls_go_to_the_process_with_fewest_in_flight_not_the_connection():
@@ -238,6 +247,67 @@ def test_a_new_process_found_resets_the_search():
     assert pool.processes() == {"A": 1, "B": 1}
 
 
+def test_after_the_first_search_a_doubled_up_connection_is_reopened_now_and_again_less_often():
+    """A gateway restarted: its processes may listen one after another, so the search goes on
+    after its first burst, each wait twice the last up to REDISCOVER_MAX_S, from the start again
+    once a new process is found."""
+    clock = Clock()
+    pool, opened = make_pool(2, clock)
+    identify(pool, pool.connections[0], "A")
+    while identify(pool, pool.connections[1], "A") is not None:  # the first search, spent
+        pass
+    reopen_times = []
+    for _ in range(1000):
+        clock.now += 1.0
+        if identify(pool, pool.connections[1], "A") is not None:
+            reopen_times.append(clock.now)
+    waits = [b - a for a, b in zip(reopen_times, reopen_times[1:])]
+    assert reopen_times[0] - 1000.0 == pytest.approx(REDISCOVER_FIRST_S, abs=1.0)
+    assert waits[0] == pytest.approx(2 * REDISCOVER_FIRST_S, abs=1.0)
+    assert all(b >= a for a, b in zip(waits, waits[1:]))
+    assert max(waits) == pytest.approx(REDISCOVER_MAX_S, abs=1.0)
+    assert len(opened) == 2 + DISCOVERY_MISSES + len(reopen_times)
+    clock.now += REDISCOVER_MAX_S
+    assert identify(pool, pool.connections[1], "A") is not None  # reopened: it finds B
+    assert identify(pool, pool.connections[1], "B") is None
+    assert pool.processes() == {"A": 1, "B": 1}
+    clock.now += REDISCOVER_MAX_S
+    assert identify(pool, pool.connections[0], "A") is None  # nothing doubled up: no search
+
+
+def test_a_process_that_answered_unavailable_is_passed_over_for_a_moment():
+    clock = Clock()
+    pool, _ = make_pool(2, clock)
+    a, b = pool.connections
+    identify(pool, a, "A")
+    identify(pool, b, "B")
+    b.outstanding += 1
+    pool.release(b, "B", grpc.StatusCode.UNAVAILABLE)  # failed fast: B looks idle
+    taken = [pool.acquire() for _ in range(4)]
+    assert all(c is a for c in taken)  # though A has more in flight
+    clock.now += client_module.BACKOFF_S
+    assert pool.acquire() is b
+    b.outstanding += 1
+    pool.release(b, "B", grpc.StatusCode.INVALID_ARGUMENT)  # the caller's fault, not B's
+    assert pool.acquire() is b
+    pool.release(a, "A", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    pool.release(b, "B", grpc.StatusCode.UNAVAILABLE)
+    assert pool.acquire() in (a, b)  # every process passed over: calls still go somewhere
+
+
+def test_a_closed_pool_starts_no_call_and_opens_no_connection():
+    pool, opened = make_pool(2)
+    identify(pool, pool.connections[0], "A")
+    dup = pool.connections[1]
+    dup.outstanding += 1
+    channels = pool.close()
+    assert set(channels) == set(opened)
+    assert pool.release(dup, "A") is None  # it reached A too, but no replacement opens now
+    assert len(opened) == 2 and not dup.retired
+    with pytest.raises(ValueError, match="closed"):
+        pool.acquire()
+
+
 def test_a_replaced_connection_closes_only_after_its_calls_finish():
     pool, _ = make_pool(2)
     identify(pool, pool.connections[0], "A")
@@ -245,7 +315,6 @@ def test_a_replaced_connection_closes_only_after_its_calls_finish():
     dup.outstanding = 3
     assert pool.release(dup, "A") is None  # replaced, but two calls are still on it
     assert dup.retired and dup in pool.retired and dup not in pool.connections
-    assert dup.channel in pool.channels()  # close() still closes it
     assert pool.release(dup, "A") is None
     assert pool.release(dup, None) is dup.channel and pool.retired == []
 

@@ -10,14 +10,18 @@ One client holds a few connections (``connections=``, default 4) and spreads cal
 gateway *processes* behind them: ``tokq gateway --procs N`` shares one port by SO_REUSEPORT,
 which spreads connections, not calls, and gRPC sends every call of a channel down one
 connection. Each reply names the process that sent it (trailing metadata), so calls go to the
-process with the fewest calls in flight; a connection that lands on a process another one
-already reaches is reopened a few times to find processes none reaches yet.
+process with the fewest calls in flight, passing over for a moment one that just answered
+UNAVAILABLE or RESOURCE_EXHAUSTED (failing fast, it would otherwise look the least busy and
+draw most calls). A connection that lands on a process another one already reaches is reopened
+a few times at once to find processes none reaches yet, then now and again, less and less often:
+after a gateway restart its processes may start listening one after another.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -77,6 +81,13 @@ DEFAULT_CONNECTIONS = 4
 # Reopen connections that reach an already-reached process until this many in a row found no
 # new one: with 2 processes and 4 connections, the chance one process is never reached is 2^-19.
 DISCOVERY_MISSES = 16
+# Then one connection still doubled up is reopened at most this often, the wait doubling up to
+# the last (a new process found starts over): a few handshakes an hour once nothing is found.
+REDISCOVER_FIRST_S = 5.0
+REDISCOVER_MAX_S = 300.0
+# A process that answered one of these is passed over this long while another can take the call.
+BACKOFF_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+BACKOFF_S = 1.0
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -103,16 +114,23 @@ class _Connection:
 class _Pool:
     """Which connection the next call takes (no I/O: shared by Client and AsyncClient).
 
-    Calls go to the process with the fewest calls in flight, ties taken in turn, then to that
-    process's least busy connection. A connection not yet identified counts as a process of its
-    own but, once others are, takes one call at a time (its reply identifies it)."""
+    Calls go to the process with the fewest calls in flight (one that just failed fast passed
+    over: BACKOFF_CODES), ties taken in turn, then to that process's least busy connection. A
+    connection not yet identified counts as a process of its own but, once others are, takes
+    one call at a time (its reply identifies it)."""
 
-    def __init__(self, open_channel: Callable[[], object], size: int) -> None:
+    def __init__(self, open_channel: Callable[[], object], size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._open = open_channel
+        self._clock = clock
         self._lock = threading.Lock()
         self._turn = 0
         self._misses_left = DISCOVERY_MISSES
+        self._rediscover_s = REDISCOVER_FIRST_S
+        self._next_rediscovery = 0.0
         self._seen: set[str] = set()
+        self._backoff_until: dict[str, float] = {}  # process -> passed over until (clock)
+        self.closed = False
         self.connections = [_Connection(open_channel()) for _ in range(size)]
         self.retired: list[_Connection] = []
 
@@ -123,38 +141,63 @@ class _Pool:
 
     def acquire(self) -> _Connection:
         with self._lock:
+            if self.closed:
+                raise ValueError("this tokq client is closed")
             self._turn += 1
             identified = any(c.process for c in self.connections)
+            now = self._clock()
             groups: dict[object, list[_Connection]] = {}
+            passed_over: dict[object, list[_Connection]] = {}
             for conn in self.connections:
                 if conn.process is None and identified and conn.outstanding:
                     continue  # not identified yet: one call at a time, to find out
-                groups.setdefault(conn.process or id(conn), []).append(conn)
-            group = self._least_busy(list(groups.values()), lambda g: sum(c.outstanding for c in g), self._turn)
+                backing_off = conn.process is not None and self._backoff_until.get(conn.process, 0.0) > now
+                (passed_over if backing_off else groups).setdefault(conn.process or id(conn), []).append(conn)
+            group = self._least_busy(list((groups or passed_over).values()),
+                                     lambda g: sum(c.outstanding for c in g), self._turn)
             conn = self._least_busy(group, lambda c: c.outstanding, self._turn)
             conn.outstanding += 1
             return conn
 
-    def release(self, conn: _Connection, process: str | None) -> object | None:
-        """Record a finished call and which process answered; returns a channel the caller must
-        close (a replaced connection with nothing left in flight), else None."""
+    def release(self, conn: _Connection, process: str | None,
+                code: grpc.StatusCode | None = None) -> object | None:
+        """Record a finished call, which process answered and, if it failed, with what code;
+        returns a channel the caller must close (a replaced connection with nothing left in
+        flight), else None."""
         with self._lock:
             conn.outstanding -= 1
-            if process and not conn.retired and process != conn.process:
-                conn.process = process
-                if process not in self._seen:
+            now = self._clock()
+            if process and code in BACKOFF_CODES:
+                if len(self._backoff_until) > 64:  # ids of processes gone (restarts): forgotten
+                    self._backoff_until = {p: t for p, t in self._backoff_until.items() if t > now}
+                self._backoff_until[process] = now + BACKOFF_S
+            if process and not conn.retired and not self.closed:
+                changed, conn.process = process != conn.process, process
+                if changed and process not in self._seen:
                     self._seen.add(process)
                     self._misses_left = DISCOVERY_MISSES
-                elif self._misses_left > 0 and any(c is not conn and c.process == process
-                                                   for c in self.connections):
-                    self._misses_left -= 1
-                    conn.retired = True
-                    self.retired.append(conn)
-                    self.connections[self.connections.index(conn)] = _Connection(self._open())
+                    self._rediscover_s = REDISCOVER_FIRST_S
+                elif any(c is not conn and c.process == process for c in self.connections):
+                    if changed and self._misses_left > 0:  # the first search: at once
+                        self._misses_left -= 1
+                        self._next_rediscovery = now + self._rediscover_s
+                        self._reopen(conn)
+                    elif self._misses_left == 0 and now >= self._next_rediscovery:  # then now and again
+                        self._rediscover_s = min(2 * self._rediscover_s, REDISCOVER_MAX_S)
+                        self._next_rediscovery = now + self._rediscover_s
+                        self._reopen(conn)
+            if self.closed:
+                return None  # close() took every channel, this one too
             if conn.retired and conn.outstanding == 0 and conn in self.retired:
                 self.retired.remove(conn)
                 return conn.channel
             return None
+
+    def _reopen(self, conn: _Connection) -> None:
+        """Replace ``conn`` by a new connection; it is closed once its calls in flight finish."""
+        conn.retired = True
+        self.retired.append(conn)
+        self.connections[self.connections.index(conn)] = _Connection(self._open())
 
     def processes(self) -> dict[str | None, int]:
         """How many connections reach each gateway process (None: not identified yet)."""
@@ -164,8 +207,10 @@ class _Pool:
                 out[conn.process] = out.get(conn.process, 0) + 1
             return out
 
-    def channels(self) -> list:
+    def close(self) -> list:
+        """Every channel, to close; no call starts and no connection opens after this."""
         with self._lock:
+            self.closed = True
             return [c.channel for c in self.connections + self.retired]
 
 
@@ -198,6 +243,8 @@ class _ClientBase:
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def _tokenize_request(self, texts: Sequence[str], truncate: bool, prompt_name: str | None):
+        if isinstance(texts, str):
+            raise TypeError("tokenize() takes a list of strings; wrap a single text in a list")
         req = pb.TokenizeRequest(inputs=list(texts), truncate=truncate, model=self.model)
         if prompt_name is not None:
             req.prompt_name = prompt_name
@@ -218,16 +265,16 @@ class Client(_ClientBase):
 
     def _call(self, method: str, request, timeout: float | None):
         conn = self._pool.acquire()
-        process = None
+        process = code = None
         try:
             response, call = getattr(conn.stub, method).with_call(request, timeout=timeout, metadata=self._metadata)
             process = _process_of(call.trailing_metadata())
             return response
         except grpc.RpcError as exc:
-            process = _process_of(exc.trailing_metadata())
+            process, code = _process_of(exc.trailing_metadata()), exc.code()
             raise _error(exc) from None
         finally:
-            idle = self._pool.release(conn, process)
+            idle = self._pool.release(conn, process, code)
             if idle is not None:
                 idle.close()
 
@@ -244,7 +291,7 @@ class Client(_ClientBase):
         return _unpack(self._call("Embed", req, timeout))
 
     def info(self, timeout: float | None = None) -> pb.InfoResponse:
-        return self._call("Info", pb.InfoRequest(), timeout)
+        return self._call("Info", pb.InfoRequest(model=self.model), timeout)
 
     def tokenize(self, texts: Sequence[str], *, truncate: bool = False, prompt_name: str | None = None,
                  timeout: float | None = None) -> list[list[int]]:
@@ -252,7 +299,7 @@ class Client(_ClientBase):
         return [list(t.ids) for t in self._call("Tokenize", req, timeout).inputs]
 
     def close(self) -> None:
-        for channel in self._pool.channels():
+        for channel in self._pool.close():
             channel.close()
 
     def __enter__(self) -> Client:
@@ -271,17 +318,17 @@ class AsyncClient(_ClientBase):
 
     async def _call(self, method: str, request, timeout: float | None):
         conn = self._pool.acquire()
-        process = None
+        process = code = None
         try:
             call = getattr(conn.stub, method)(request, timeout=timeout, metadata=self._metadata)
             response = await call
             process = _process_of(await call.trailing_metadata())
             return response
         except grpc.RpcError as exc:
-            process = _process_of(exc.trailing_metadata())
+            process, code = _process_of(exc.trailing_metadata()), exc.code()
             raise _error(exc) from None
         finally:
-            idle = self._pool.release(conn, process)
+            idle = self._pool.release(conn, process, code)
             if idle is not None:
                 await idle.close()
 
@@ -299,7 +346,7 @@ class AsyncClient(_ClientBase):
         return _unpack(await self._call("Embed", req, timeout))
 
     async def info(self, timeout: float | None = None) -> pb.InfoResponse:
-        return await self._call("Info", pb.InfoRequest(), timeout)
+        return await self._call("Info", pb.InfoRequest(model=self.model), timeout)
 
     async def tokenize(self, texts: Sequence[str], *, truncate: bool = False, prompt_name: str | None = None,
                        timeout: float | None = None) -> list[list[int]]:
@@ -307,7 +354,7 @@ class AsyncClient(_ClientBase):
         return [list(t.ids) for t in (await self._call("Tokenize", req, timeout)).inputs]
 
     async def close(self) -> None:
-        for channel in self._pool.channels():
+        for channel in self._pool.close():
             await channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -16,12 +16,16 @@ import click
 @click.option("--prompt-name", help="a prompt the model defines, e.g. query")
 @click.option("--truncate/--no-truncate", default=False, help="cut over-long inputs to the model's limit")
 @click.option("--normalize/--no-normalize", default=True, help="unit-length embeddings (default)")
+@click.option("--model", default="", help="the served model's name (needed where the gateway serves several)")
+@click.option("--api-key", envvar="TOKQ_API_KEY", help="for a gateway started with --api-key (sent as a "
+              "bearer token); prefer the env var: a flag is visible in ps")
 @click.option("--timeout", type=float, default=30.0, show_default=True, help="seconds")
-def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, timeout) -> None:
+def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, model, api_key,
+                  timeout) -> None:
     """Embed TEXTS with the gateway at --target and print JSON."""
     from tokq.client import Client, TokqError
 
-    with Client(target) as client:
+    with Client(target, model=model, api_key=api_key or None) as client:
         try:
             out = client.embed_full(list(texts), truncate=truncate, normalize=normalize,
                                     dimensions=dimensions, prompt_name=prompt_name, timeout=timeout)
