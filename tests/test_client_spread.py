@@ -275,6 +275,25 @@ def test_after_the_first_search_a_doubled_up_connection_is_reopened_now_and_agai
     assert identify(pool, pool.connections[0], "A") is None  # nothing doubled up: no search
 
 
+def test_processes_listening_one_after_another_are_all_found():
+    """A restart whose three processes listen a minute apart: the search goes on after each new
+    one is found, until every process is reached (4 connections)."""
+    import random
+
+    rng = random.Random(5)
+    clock = Clock()
+    pool, _ = make_pool(4, clock)
+    start = clock.now
+    for _ in range(3600):  # a call a second for an hour, each connection's reply in turn
+        listening = ["A", "B", "C"][:1 + int((clock.now - start) // 60)]
+        for conn in list(pool.connections):
+            if conn.process not in listening:
+                conn.process = None  # (re)connected: lands on a process listening now
+            identify(pool, conn, conn.process or rng.choice(listening))
+        clock.now += 1.0
+    assert set(pool.processes()) == {"A", "B", "C"}, pool.processes()
+
+
 def test_a_process_that_answered_unavailable_is_passed_over_for_a_moment():
     clock = Clock()
     pool, _ = make_pool(2, clock)
@@ -290,7 +309,9 @@ def test_a_process_that_answered_unavailable_is_passed_over_for_a_moment():
     b.outstanding += 1
     pool.release(b, "B", grpc.StatusCode.INVALID_ARGUMENT)  # the caller's fault, not B's
     assert pool.acquire() is b
-    pool.release(a, "A", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    pool.release(b, "B", grpc.StatusCode.RESOURCE_EXHAUSTED)  # the queue's cap: shared by all
+    assert pool.acquire() is b
+    pool.release(a, "A", grpc.StatusCode.UNAVAILABLE)
     pool.release(b, "B", grpc.StatusCode.UNAVAILABLE)
     assert pool.acquire() in (a, b)  # every process passed over: calls still go somewhere
 

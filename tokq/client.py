@@ -11,14 +11,16 @@ gateway *processes* behind them: ``tokq gateway --procs N`` shares one port by S
 which spreads connections, not calls, and gRPC sends every call of a channel down one
 connection. Each reply names the process that sent it (trailing metadata), so calls go to the
 process with the fewest calls in flight, passing over for a moment one that just answered
-UNAVAILABLE or RESOURCE_EXHAUSTED (failing fast, it would otherwise look the least busy and
-draw most calls). A connection that lands on a process another one already reaches is reopened
-a few times at once to find processes none reaches yet, then now and again, less and less often:
-after a gateway restart its processes may start listening one after another.
+UNAVAILABLE (failing fast, it would otherwise look the least busy and draw most calls). A
+connection that lands on a process another one already reaches is reopened a few times at once
+to find processes none reaches yet, then now and again, less and less often (after a gateway
+restart its processes may start listening one after another); with more connections than
+processes that goes on, every 5 minutes at most.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -86,7 +88,8 @@ DISCOVERY_MISSES = 16
 REDISCOVER_FIRST_S = 5.0
 REDISCOVER_MAX_S = 300.0
 # A process that answered one of these is passed over this long while another can take the call.
-BACKOFF_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Not RESOURCE_EXHAUSTED: the queue's token cap it stands for is shared by every process.
+BACKOFF_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 BACKOFF_S = 1.0
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -127,7 +130,7 @@ class _Pool:
         self._turn = 0
         self._misses_left = DISCOVERY_MISSES
         self._rediscover_s = REDISCOVER_FIRST_S
-        self._next_rediscovery = 0.0
+        self._next_rediscovery = clock() + REDISCOVER_FIRST_S
         self._seen: set[str] = set()
         self._backoff_until: dict[str, float] = {}  # process -> passed over until (clock)
         self.closed = False
@@ -173,16 +176,17 @@ class _Pool:
                 self._backoff_until[process] = now + BACKOFF_S
             if process and not conn.retired and not self.closed:
                 changed, conn.process = process != conn.process, process
-                if changed and process not in self._seen:
+                if changed and process not in self._seen:  # a new process: search from the start
                     self._seen.add(process)
                     self._misses_left = DISCOVERY_MISSES
                     self._rediscover_s = REDISCOVER_FIRST_S
+                    self._next_rediscovery = now + REDISCOVER_FIRST_S
                 elif any(c is not conn and c.process == process for c in self.connections):
                     if changed and self._misses_left > 0:  # the first search: at once
                         self._misses_left -= 1
                         self._next_rediscovery = now + self._rediscover_s
                         self._reopen(conn)
-                    elif self._misses_left == 0 and now >= self._next_rediscovery:  # then now and again
+                    elif now >= self._next_rediscovery:  # then now and again
                         self._rediscover_s = min(2 * self._rediscover_s, REDISCOVER_MAX_S)
                         self._next_rediscovery = now + self._rediscover_s
                         self._reopen(conn)
@@ -330,7 +334,7 @@ class AsyncClient(_ClientBase):
         finally:
             idle = self._pool.release(conn, process, code)
             if idle is not None:
-                await idle.close()
+                await asyncio.shield(idle.close())  # closed even if this call is cancelled now
 
     async def embed(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
                     dimensions: int | None = None, prompt_name: str | None = None,
