@@ -49,6 +49,8 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 class ServiceError(Exception):
     code = grpc.StatusCode.INTERNAL
     http_status: int | None = None  # None: from HTTP_STATUS by ``code``
+    http_type: str | None = None  # OpenAI's error "type"; None: from HTTP_STATUS by ``code``
+    http_code: str | None = None  # OpenAI's error "code"; None: the gRPC status name
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -74,13 +76,24 @@ class ModelNotFound(ServiceError):
 
     code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 404
+    http_type = "invalid_request_error"
+    http_code = "model_not_found"
 
 
 class PayloadTooLarge(ServiceError):
-    """The request body is over the size limit (gRPC enforces its own message limit the same way)."""
+    """The request body is over the size limit (gRPC enforces its own message limit the same way).
+    On HTTP a 413 of type invalid_request_error, not rate_limit_error: resending it cannot help."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 413
+    http_type = "invalid_request_error"
+
+
+class UnsupportedMediaType(ServiceError):
+    """HTTP only: a body sent as something other than JSON."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 415
 
 
 class Unauthenticated(ServiceError):
@@ -193,9 +206,11 @@ def status_name(exc: BaseException) -> str:
 
 def to_http(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, body) for any exception: OpenAI's {"error": {message, type, param, code}},
-    ``code`` being the gRPC status name so both transports' errors read alike."""
+    ``code`` being the gRPC status name so both transports' errors read alike, except where
+    OpenAI has its own (model_not_found)."""
     code, message = to_status(exc)
     status, kind = HTTP_STATUS.get(code, (500, "server_error"))
     status = getattr(exc, "http_status", None) or status
+    kind = getattr(exc, "http_type", None) or kind
     return status, {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None),
-                              "code": code.name.lower()}}
+                              "code": getattr(exc, "http_code", None) or code.name.lower()}}

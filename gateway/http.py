@@ -18,13 +18,13 @@ import numpy as np
 import orjson
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from tokq.gateway.auth import ApiKeys
 from tokq.gateway.embedding import EmbedInput, Embedder, Timer
-from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, to_http
+from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, UnsupportedMediaType, to_http
 
 # Body fields: OpenAI's, then TEI's extras. Anything else is a 400 naming it (a typo is not ignored).
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "normalize", "prompt_name"}
@@ -49,6 +49,10 @@ def _typed(body: dict, name: str, types: tuple[type, ...], what: str):
     return value
 
 
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)  # JSON true is no id
+
+
 def _inputs(value) -> tuple[list[str], list[list[int]]]:
     """OpenAI's four input shapes: string, list of strings, token-id array, list of those."""
     if isinstance(value, str):
@@ -56,12 +60,26 @@ def _inputs(value) -> tuple[list[str], list[list[int]]]:
     if isinstance(value, list):
         if all(isinstance(v, str) for v in value):
             return value, []
-        if all(type(v) is int for v in value):
+        if _is_ids(value):
             return [], [value]
         if all(isinstance(v, list) for v in value):
+            bad = next((i for i, v in enumerate(value) if not _is_ids(v)), None)
+            if bad is not None:
+                raise InvalidArgument(f"input {bad} is a list, but not of integer token ids", param="input")
             return [], value  # ids are checked against the vocabulary by the embedding path
     raise InvalidArgument("input must be a string, a list of strings, a token-id array or a list "
                           "of token-id arrays", param="input")
+
+
+def _check_json(request: Request) -> None:
+    """A body declared as anything but JSON is refused (415): text/plain and form posts are what
+    a web page can make a browser send to a local gateway without asking (no CORS preflight)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {declared!r}")
 
 
 async def _body(request: Request, max_bytes: int) -> bytes:
@@ -126,11 +144,14 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
     async def embeddings(request: Request) -> Response:
         try:
             authorize(request)
+            _check_json(request)
             params, encoding = parse_request(await _body(request, max_body_bytes))
 
             async def embed(model):
                 return await model.embed(params, Timer())
             out = await embedder.observed("http.Embeddings", params.model, embed)
+        except ClientDisconnect:  # gone while sending its body: no one to answer, nothing wrong here
+            return Response(status_code=499)
         except Exception as exc:  # mapped once, in gateway.errors
             return _error(exc)
         return _json({

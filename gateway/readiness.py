@@ -68,7 +68,11 @@ class Readiness:
                 if not await self._live_workers(keys):
                     return False, f"no live worker serves model {name!r}"
         except Exception as exc:  # any failure to ask Redis is "Redis unreachable"
-            return False, f"Redis unreachable: {type(exc).__name__}: {exc}"
+            # The detail (Redis's host:port) goes to the log only, once: /ready answers anyone.
+            reason = f"Redis unreachable ({type(exc).__name__})"
+            if reason != self.reason:
+                log.warning("readiness: Redis unreachable: %s: %s", type(exc).__name__, exc)
+            return False, reason
         return True, "ready"
 
     async def check(self) -> bool:

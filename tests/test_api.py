@@ -29,8 +29,11 @@ def test_http_statuses_come_from_the_same_mapping_as_grpc_codes():
     status, body = to_http(InvalidArgument("bad dims", param="dimensions"))
     assert status == 400 and body == {"error": {"message": "bad dims", "type": "invalid_request_error",
                                                 "param": "dimensions", "code": "invalid_argument"}}
-    assert to_http(ModelNotFound("nope"))[0] == 404
-    assert to_http(PayloadTooLarge("big"))[0] == 413
+    status, body = to_http(ModelNotFound("nope", param="model"))  # OpenAI's own 404
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert body["error"]["type"] == "invalid_request_error"
+    status, body = to_http(PayloadTooLarge("big"))
+    assert status == 413 and body["error"]["type"] == "invalid_request_error"  # not rate_limit_error
     assert to_http(QueueFull(10, 5, 12))[0] == 429
     assert to_http(Unavailable("down"))[0] == 503
     assert to_http(redis.exceptions.ConnectionError("refused"))[0] == 503
@@ -102,3 +105,31 @@ def test_redis_commands_are_retried_on_connection_errors_only():
 
     assert attempts(redis.exceptions.ConnectionError("connection reset")) == 3  # 2 retries
     assert attempts(redis.exceptions.TimeoutError("no answer in time")) == 1
+
+
+async def test_a_client_gone_while_sending_its_body_is_no_internal_error(caplog):
+    """The connection closes partway through the body (Starlette's ClientDisconnect): nothing is
+    logged as an internal error, and no one is answered."""
+    from types import SimpleNamespace
+
+    from tokq.gateway.embedding import Embedder
+    from tokq.gateway.http import build_app
+
+    app = build_app(Embedder({"m": SimpleNamespace(info=SimpleNamespace(queue_name="m"))}))
+    scope = {"type": "http", "method": "POST", "path": "/v1/embeddings", "raw_path": b"/v1/embeddings",
+             "query_string": b"", "headers": [(b"content-type", b"application/json"),
+                                                (b"content-length", b"1000")],
+             "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 8080),
+             "client": ("127.0.0.1", 5000), "root_path": ""}
+    incoming = [{"type": "http.request", "body": b'{"input": "he', "more_body": True},
+                {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+    await app(scope, receive, send)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] in ([], [499])

@@ -10,6 +10,7 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+import redis
 from grpc_health.v1 import health_pb2
 
 pytestmark = pytest.mark.slow
@@ -80,6 +81,10 @@ def test_single_string_base64_and_tei_extras(http):
     ({"input": [1.5, 2]}, 400, "token-id array"),
     ({"input": [[101, 10 ** 9]]}, 400, "outside"),
     ({"input": [[101, -1]]}, 400, "outside"),
+    ({"input": [[101, None]]}, 400, "input 0 is a list, but not of integer token ids"),
+    ({"input": [[101, 102], [101, [2]]]}, 400, "input 1 is a list, but not of integer token ids"),
+    ({"input": [[[101, 2]]]}, 400, "not of integer token ids"),
+    ({"input": [[101, True]]}, 400, "not of integer token ids"),  # JSON true is no token id 1
     ({"input": "word " * 400}, 400, "at most 256 tokens"),
     ({"input": "hi", "model": "no-such-model"}, 404, "no-such-model"),
 ])
@@ -94,8 +99,17 @@ def test_bad_requests_get_openai_error_objects(http, body, status, needle):
 def test_invalid_json_and_oversized_bodies(http, stack):
     resp = http.post("/v1/embeddings", content=b"{not json", headers={"content-type": "application/json"})
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
+    body = b'{"input": "hi"}'
+    for declared in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        resp = http.post("/v1/embeddings", content=body, headers={"content-type": declared})
+        assert resp.status_code == 415, (declared, resp.text)
+        assert resp.json()["error"]["type"] == "invalid_request_error" and declared in resp.json()["error"]["message"]
+    for declared in ("application/json; charset=utf-8", "Application/JSON", None):
+        headers = {"content-type": declared} if declared else {}
+        assert http.post("/v1/embeddings", content=body, headers=headers).status_code == 200, declared
     big = embed(http, input=["x " * 1000] * 120)  # ~240 kB > 200 kB
     assert big.status_code == 413 and "limit" in big.json()["error"]["message"]
+    assert big.json()["error"]["type"] == "invalid_request_error"  # not a rate limit: resending cannot help
     from tokq.v1 import embedder_pb2 as pb
     from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -141,7 +155,9 @@ def test_not_ready_while_redis_is_down_and_ready_when_it_returns(stack, http):
     stack.redis.stop()
     try:
         _wait(stack, http, ready=False)
-        assert "Redis" in http.get("/ready").json()["reason"]
+        reason = http.get("/ready").json()["reason"]
+        assert "Redis unreachable" in reason  # and not where Redis is: /ready answers anyone
+        assert str(redis.connection.parse_url(stack.redis_url)["port"]) not in reason, reason
         resp = embed(http, input="redis is down")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable"
     finally:

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 import redis
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_tokq_up_serves_and_ctrl_c_stops_everything():
-    from tokq import Client
+    from tokq import Client, TokqError
 
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--workers", "2",
@@ -72,8 +73,16 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
         while len(children := proc_cpu.children(proc.pid)) < 4 or set(workers) & set(children):
             assert time.monotonic() < deadline, "the workers were not started again"
             time.sleep(0.2)
+        # Started again is not ready yet: each loads the model and warms up, which on a loaded
+        # machine outlasted one call's longest deadline (the gateway's 30 s default): asked again.
         with Client(f"127.0.0.1:{port}") as client:
-            assert client.embed(["still served"], timeout=90).shape == (1, 384)
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    assert client.embed(["still served"], timeout=30).shape == (1, 384)
+                    break
+                except TokqError as exc:
+                    assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline, exc
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)  # drained: a full pipe would block its exit
