@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -111,7 +112,8 @@ def parse_request(raw: bytes) -> tuple[EmbedInput, str]:
     if "input" not in body:
         raise InvalidArgument("input is required", param="input")
     texts, token_ids = _inputs(body["input"])
-    encoding = _typed(body, "encoding_format", (str,), '"float" or "base64"') or "float"
+    encoding = _typed(body, "encoding_format", (str,), '"float" or "base64"')
+    encoding = "float" if encoding is None else encoding
     if encoding not in ("float", "base64"):
         raise InvalidArgument(f'encoding_format must be "float" or "base64", got {encoding!r}',
                               param="encoding_format")
@@ -187,7 +189,13 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
             return _json({"status": "ready"})
         return _json({"status": "not ready", "reason": readiness.reason}, 503)
 
-    return Starlette(routes=[
+    async def no_route(request: Request, exc: HTTPException) -> Response:
+        # Starlette's own 404 and 405 answer in plain text: OpenAI's error object instead.
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _json({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
+                                "type": kind, "param": None, "code": None}}, exc.status_code)
+
+    return Starlette(exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),

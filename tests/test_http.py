@@ -77,6 +77,7 @@ def test_single_string_base64_and_tei_extras(http):
     ({"input": "hi", "dimensions": 0}, 400, "dimensions"),
     ({"input": "hi", "dimensions": True}, 400, "dimensions must be an integer"),
     ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"input": "hi", "encoding_format": ""}, 400, "encoding_format"),
     ({"input": "hi", "temperature": 1}, 400, "unknown field(s) temperature"),
     ({"input": [1.5, 2]}, 400, "token-id array"),
     ({"input": [[101, 10 ** 9]]}, 400, "outside"),
@@ -125,7 +126,8 @@ def test_models_health_and_unknown_routes(http):
     assert http.get("/v1/models/nope").status_code == 404
     assert http.get("/health").status_code == 200
     assert http.get("/ready").json() == {"status": "ready"}
-    assert http.get("/v2/nothing").status_code == 404
+    for resp, status in ((http.get("/v2/nothing"), 404), (http.delete("/v1/embeddings"), 405)):
+        assert resp.status_code == status and set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def _wait(stack, http, ready: bool, timeout_s: float = 30) -> None:
