@@ -104,7 +104,8 @@ def test_invalid_json_and_oversized_bodies(http, stack):
     for declared in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
         resp = http.post("/v1/embeddings", content=body, headers={"content-type": declared})
         assert resp.status_code == 415, (declared, resp.text)
-        assert resp.json()["error"]["type"] == "invalid_request_error" and declared in resp.json()["error"]["message"]
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error" and declared in error["message"]
     for declared in ("application/json; charset=utf-8", "Application/JSON", None):
         headers = {"content-type": declared} if declared else {}
         assert http.post("/v1/embeddings", content=body, headers=headers).status_code == 200, declared
@@ -127,7 +128,8 @@ def test_models_health_and_unknown_routes(http):
     assert http.get("/health").status_code == 200
     assert http.get("/ready").json() == {"status": "ready"}
     for resp, status in ((http.get("/v2/nothing"), 404), (http.delete("/v1/embeddings"), 405)):
-        assert resp.status_code == status and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        assert resp.status_code == status
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def _wait(stack, http, ready: bool, timeout_s: float = 30) -> None:
