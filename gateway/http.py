@@ -31,10 +31,10 @@ from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, UnsupportedMed
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "normalize", "prompt_name"}
 
 
-def _json(body, status: int = 200) -> Response:
+def _json(body, status: int = 200, headers: dict | None = None) -> Response:
     # orjson writes numpy float32 arrays directly (see profiling/RESULTS.md, "HTTP API").
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)
 
 
 def _error(exc: BaseException) -> Response:
@@ -73,13 +73,15 @@ def _inputs(value) -> tuple[list[str], list[list[int]]]:
 
 
 def _check_json(request: Request) -> None:
-    """A body declared as anything but JSON is refused (415): text/plain and form posts are what
-    a web page can make a browser send to a local gateway without asking (no CORS preflight)."""
+    """A body declared as anything but JSON is refused (415): text/plain and form posts are most
+    of what a web page can make a browser send to a local gateway without asking (no CORS
+    preflight); a body with no declared type still passes (curl, some clients), so only an API
+    key shuts such pages out."""
     declared = request.headers.get("content-type")
     if declared is None:
         return
     media = declared.split(";", 1)[0].strip().lower()
-    if media != "application/json" and not media.endswith("+json"):
+    if media not in ("application/json", "text/json") and not media.endswith("+json"):
         raise UnsupportedMediaType(f"Content-Type must be application/json, got {declared!r}")
 
 
@@ -190,10 +192,11 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
         return _json({"status": "not ready", "reason": readiness.reason}, 503)
 
     async def no_route(request: Request, exc: HTTPException) -> Response:
-        # Starlette's own 404 and 405 answer in plain text: OpenAI's error object instead.
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        # Starlette's own 404 and 405 answer in plain text: OpenAI's error object instead (405
+        # keeps its Allow header).
         return _json({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
-                                "type": kind, "param": None, "code": None}}, exc.status_code)
+                                "type": "invalid_request_error", "param": None, "code": None}},
+                     exc.status_code, exc.headers)
 
     return Starlette(exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/embeddings", embeddings, methods=["POST"]),

@@ -50,6 +50,7 @@ class Readiness:
         self._on_change = on_change
         self.ready = False
         self.reason = "not checked yet"
+        self._detail_logged = False  # this outage's cause: logged once, until Redis answers again
         self._task: asyncio.Task | None = None
 
     async def _live_workers(self, keys: QueueKeys) -> int:
@@ -64,15 +65,16 @@ class Readiness:
             return False, waiting
         try:
             await self._client.ping()
+            self._detail_logged = False  # it answers
             for name, keys in self._keys.items():
                 if not await self._live_workers(keys):
                     return False, f"no live worker serves model {name!r}"
         except Exception as exc:  # any failure to ask Redis is "Redis unreachable"
             # The detail (Redis's host:port) goes to the log only, once: /ready answers anyone.
-            reason = f"Redis unreachable ({type(exc).__name__})"
-            if reason != self.reason:
+            if not self._detail_logged:
+                self._detail_logged = True
                 log.warning("readiness: Redis unreachable: %s: %s", type(exc).__name__, exc)
-            return False, reason
+            return False, f"Redis unreachable ({type(exc).__name__})"
         return True, "ready"
 
     async def check(self) -> bool:

@@ -106,7 +106,7 @@ def test_invalid_json_and_oversized_bodies(http, stack):
         assert resp.status_code == 415, (declared, resp.text)
         error = resp.json()["error"]
         assert error["type"] == "invalid_request_error" and declared in error["message"]
-    for declared in ("application/json; charset=utf-8", "Application/JSON", None):
+    for declared in ("application/json; charset=utf-8", "Application/JSON", "text/json", None):
         headers = {"content-type": declared} if declared else {}
         assert http.post("/v1/embeddings", content=body, headers=headers).status_code == 200, declared
     big = embed(http, input=["x " * 1000] * 120)  # ~240 kB > 200 kB
@@ -128,7 +128,7 @@ def test_models_health_and_unknown_routes(http):
     assert http.get("/health").status_code == 200
     assert http.get("/ready").json() == {"status": "ready"}
     for resp, status in ((http.get("/v2/nothing"), 404), (http.delete("/v1/embeddings"), 405)):
-        assert resp.status_code == status
+        assert resp.status_code == status and (status == 404 or resp.headers["allow"] == "POST")
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
@@ -160,7 +160,7 @@ def test_not_ready_while_redis_is_down_and_ready_when_it_returns(stack, http):
     try:
         _wait(stack, http, ready=False)
         reason = http.get("/ready").json()["reason"]
-        assert "Redis unreachable" in reason  # and not where Redis is: /ready answers anyone
+        assert reason.startswith("Redis")  # unreachable, or no answer in time; and not where it is
         assert str(redis.connection.parse_url(stack.redis_url)["port"]) not in reason, reason
         resp = embed(http, input="redis is down")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable"

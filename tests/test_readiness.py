@@ -78,15 +78,21 @@ async def test_one_of_several_gateway_processes_is_ready_only_once_all_listen(re
         await client.aclose()
 
 
-async def test_unreachable_redis_is_not_ready():
+async def test_unreachable_redis_is_not_ready(caplog):
     from tokq.connection import connect
     from tokq.gateway.readiness import Readiness
     from tokq.redis_server import free_port
 
-    client = connect(f"redis://127.0.0.1:{free_port()}/0", cluster="no")
+    port = free_port()
+    client = connect(f"redis://127.0.0.1:{port}/0", cluster="no")
     try:
         readiness = Readiness(client, {"m": KEYS})
         assert not await readiness.check() and "Redis unreachable" in readiness.reason
+        assert str(port) not in readiness.reason  # /ready shows the reason to anyone
+        assert not await readiness.check()
+        logged = [r.getMessage() for r in caplog.records
+                  if r.levelname == "WARNING" and "Redis unreachable" in r.getMessage()]
+        assert len(logged) == 1 and str(port) in logged[0]  # the detail, once an outage
     finally:
         await client.aclose()
 
