@@ -14,6 +14,7 @@ import contextlib
 
 import numpy as np
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from gated_engine import GatedEngine
 from queue_support import QUEUE, answered_vectors, enqueue_ids, wait_for
 
@@ -51,33 +52,56 @@ async def _in_sets(queue: ShardedQueue, set_name: str) -> list[bool]:
             for i in range(queue.claim_shards)]
 
 
+async def _answer_heavy_and_stop(gated: GatedEngine, client: ShardedQueue, worker: Worker, run) -> None:
+    """Let the held heavy forward go; its request is answered (through shard 0); stop the worker."""
+    gated.go.set()
+    got = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
+    assert got.shape == (1, gated.info.hidden_size)
+    worker.stop()
+    await asyncio.wait_for(run, 30)
+
+
+async def _in_every_set(queue: ShardedQueue, set_name: str) -> bool:
+    return all(await _in_sets(queue, set_name))
+
+
+def _answer_lost(mark):
+    """``mark`` (a queue's mark_idle or mark_preemptible) whose registrations reach Redis and
+    then lose their answer: the connection drops after the command ran."""
+    async def registered_unheard(flag: bool) -> None:
+        await mark(flag)
+        if flag:
+            raise RedisConnectionError("connection lost after the command ran")
+    return registered_unheard
+
+
 def _worker(gated: GatedEngine, queue: ShardedQueue, exits: list[int]) -> Worker:
     return Worker(gated, queue, WorkerConfig(token_budget=512), QueueConfig(queue_shards=queue.claim_shards),
                   worker_id="sharded", exit_process=exits.append)
 
 
+@pytest.mark.parametrize("answers_lost", [False, True], ids=["answered", "answers_lost"])
 async def test_woken_through_one_shard_it_leaves_every_shard_s_idle_set_before_its_forward(
-        redis_url, engine):
+        redis_url, engine, monkeypatch, answers_lost):
+    """``answers_lost``: every idle registration reaches Redis but its answer is lost (the
+    connection drops after the command ran): the worker cannot tell whether it is registered,
+    so once it has work it withdraws anyway and takes no other shard's notice while busy."""
     gated = GatedEngine(engine)
     gated.finish.set()
     exits: list[int] = []
     async with sharded(redis_url, engine.info.queue_name) as q, \
             sharded(redis_url, engine.info.queue_name) as client:
         worker = _worker(gated, q, exits)
+        if answers_lost:
+            monkeypatch.setattr(q, "mark_idle", _answer_lost(q.mark_idle))
         run = asyncio.create_task(worker.run())
 
-        async def idle_on_every_shard():
-            return all(await _in_sets(q, "idle"))
-        await wait_for(idle_on_every_shard, 60, "the worker to register idle on every shard")
+        await wait_for(lambda: _in_every_set(q, "idle"), 60, "the worker to register idle on every shard")
         await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)  # pops it from shard 0's set: 'work'
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         # Busy: in no idle set (before, it stayed in shard 1's, taking that shard's notices).
         assert await _in_sets(q, "idle") == [False, False]
-        gated.go.set()
-        got = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
-        assert got.shape == (1, engine.info.hidden_size)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
+        await _answer_heavy_and_stop(gated, client, worker, run)
     assert exits == []
 
 
@@ -110,9 +134,7 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
         await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
 
-        async def preemptible_on_every_shard():
-            return all(await _in_sets(q, "preemptible"))
-        await wait_for(preemptible_on_every_shard, 30, "the worker to register as pre-emptible")
+        await wait_for(lambda: _in_every_set(q, "preemptible"), 30, "the worker to register as pre-emptible")
         await enqueue_ids(client.shard(0), "light", LIGHT_IDS)  # pops it from shard 0's set: 'light'
 
         async def offered():
@@ -131,70 +153,23 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
     assert exits == []
 
 
-async def test_a_registration_whose_answer_was_lost_is_withdrawn_before_its_forward(
-        redis_url, engine, monkeypatch):
-    """Every idle registration reaches Redis but its answer is lost (the connection drops after
-    the command ran): the worker cannot tell whether it is registered, so once it has work it
-    withdraws anyway and takes no other shard's notice while busy."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    gated = GatedEngine(engine)
-    gated.finish.set()
-    exits: list[int] = []
-    async with sharded(redis_url, engine.info.queue_name) as q, \
-            sharded(redis_url, engine.info.queue_name) as client:
-        worker = _worker(gated, q, exits)
-        real_mark = q.mark_idle
-        lost = []
-
-        async def mark_idle_answer_lost(idle: bool) -> None:
-            await real_mark(idle)
-            if idle:
-                lost.append(idle)
-                raise RedisConnectionError("connection lost after the command ran")
-        monkeypatch.setattr(q, "mark_idle", mark_idle_answer_lost)
-        run = asyncio.create_task(worker.run())
-
-        async def idle_on_every_shard():
-            return bool(lost) and all(await _in_sets(q, "idle"))
-        await wait_for(idle_on_every_shard, 60, "the worker's registration to reach every shard")
-        await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)  # pops it from shard 0's set: 'work'
-        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-        assert await _in_sets(q, "idle") == [False, False]
-        gated.go.set()
-        got = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
-        assert got.shape == (1, engine.info.hidden_size)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
-    assert exits == []
-
-
 async def test_a_pre_emptible_registration_whose_answer_was_lost_is_withdrawn_when_the_forward_ends(
         redis_url, engine, monkeypatch):
     """The same for the pre-emptible sets: a heavy forward's registration reaches Redis, its
     answer is lost; the forward ends with the worker in no pre-emptible set."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
     gated = GatedEngine(engine)
     exits: list[int] = []
     async with sharded(redis_url, engine.info.queue_name) as q, \
             sharded(redis_url, engine.info.queue_name) as client:
         worker = _worker(gated, q, exits)
-        real_mark = q.mark_preemptible
-
-        async def mark_preemptible_answer_lost(preemptible: bool) -> None:
-            await real_mark(preemptible)
-            if preemptible:
-                raise RedisConnectionError("connection lost after the command ran")
-        monkeypatch.setattr(q, "mark_preemptible", mark_preemptible_answer_lost)
+        monkeypatch.setattr(q, "mark_preemptible", _answer_lost(q.mark_preemptible))
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("sharded")), 60, "the first heartbeat")
         await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
 
-        async def preemptible_on_every_shard():
-            return all(await _in_sets(q, "preemptible"))
-        await wait_for(preemptible_on_every_shard, 30, "the worker's registration to reach every shard")
+        await wait_for(lambda: _in_every_set(q, "preemptible"), 30,
+                       "the worker's registration to reach every shard")
         gated.go.set()
         gated.finish.set()
         heavy = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
@@ -209,8 +184,6 @@ async def test_a_pre_emptible_registration_whose_answer_was_lost_is_withdrawn_wh
 async def test_a_failed_registration_returns_only_once_every_shard_has_answered(redis_url):
     """One shard's command fails at once while another's is still out: the failure is raised
     only after that one has answered, so a withdrawal sent next cannot overtake it."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
     async with sharded(redis_url, QUEUE) as q:
         slow_done = asyncio.Event()
 
@@ -232,8 +205,6 @@ async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_
     """One shard. The first idle registration lands and its answer is lost; work arrives while
     the second is out, its notice popping the first, and the second lands after: the worker is
     in the set again though a notice was read. It must still withdraw before its forward."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
     gated = GatedEngine(engine)
     gated.finish.set()
     exits: list[int] = []
@@ -263,9 +234,5 @@ async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         assert registrations == 2
         assert await _in_sets(q, "idle") == [False]
-        gated.go.set()
-        got = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
-        assert got.shape == (1, engine.info.hidden_size)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
+        await _answer_heavy_and_stop(gated, client, worker, run)
     assert exits == []
