@@ -51,11 +51,16 @@ class Embeddings:
     timing: dict[str, float]
 
 
+def _text_list(texts: Sequence[str], method: str) -> list[str]:
+    if isinstance(texts, str):  # else each character would go as an input of its own
+        raise TypeError(f"{method}() takes a list of strings; wrap a single text in a list")
+    return list(texts)
+
+
 def _request(texts: Sequence[str], truncate: bool, normalize: bool, dimensions: int | None,
              prompt_name: str | None, model: str) -> pb.EmbedRequest:
-    if isinstance(texts, str):
-        raise TypeError("embed() takes a list of strings; wrap a single text in a list")
-    req = pb.EmbedRequest(inputs=list(texts), truncate=truncate, normalize=normalize, model=model)
+    req = pb.EmbedRequest(inputs=_text_list(texts, "embed"), truncate=truncate, normalize=normalize,
+                          model=model)
     if dimensions is not None:
         req.dimensions = dimensions
     if prompt_name is not None:
@@ -247,9 +252,7 @@ class _ClientBase:
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def _tokenize_request(self, texts: Sequence[str], truncate: bool, prompt_name: str | None):
-        if isinstance(texts, str):
-            raise TypeError("tokenize() takes a list of strings; wrap a single text in a list")
-        req = pb.TokenizeRequest(inputs=list(texts), truncate=truncate, model=self.model)
+        req = pb.TokenizeRequest(inputs=_text_list(texts, "tokenize"), truncate=truncate, model=self.model)
         if prompt_name is not None:
             req.prompt_name = prompt_name
         return req

@@ -231,11 +231,9 @@ class Worker:
                     # Registered before the claim: no notice falls between. After a notice
                     # (which took this worker out of the set) the claim goes first, one round
                     # trip sooner; registering and this claim follow it, so nothing is missed.
-                    read = self._notices_read["light"]
-                    await self._mark_preemptible(True)
                     # A notice read meanwhile is cleared below, and took this worker out of the
                     # set: should its work go elsewhere, register again rather than wait unheard.
-                    noticed = self._notices_read["light"] != read
+                    noticed = await self._mark_preemptible(True)
                 after_notice, noticed = noticed, False
                 self._light_notice.clear()
                 claim = await self._claim(self.preempt_budget, lanes="light")
@@ -341,7 +339,8 @@ class Worker:
             log.warning("idle registration failed: %s", exc)
             self._maybe_idle = self._maybe_idle or idle
 
-    async def _mark_preemptible(self, preemptible: bool) -> None:
+    async def _mark_preemptible(self, preemptible: bool) -> bool:
+        """Register or withdraw; True if a 'light' notice was read meanwhile."""
         read, was_maybe = self._notices_read["light"], self._maybe_preemptible
         try:
             await self.queue.mark_preemptible(preemptible)
@@ -354,6 +353,7 @@ class Worker:
         except _REDIS_ERRORS as exc:  # as in _mark_idle; light work meanwhile waits for a claim
             log.warning("pre-emptible registration failed: %s", exc)
             self._maybe_preemptible = self._maybe_preemptible or preemptible
+        return self._notices_read["light"] != read
 
     def _prefetch_delay_s(self) -> float:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
