@@ -83,10 +83,12 @@ bench-gateway-cpu: install
 # On a CUDA host (install with TORCH_SPEC='torch==2.13.0+cu128'): `tokq profile` and `tokq bench
 # service` on the GPU with the bundled MiniLM and a Qwen3-0.6B-shaped random model; writes
 # RESULTS.md's "GPU benchmark" block (GPU name, MFU at the profiled budget, throughput vs
-# one-at-a-time), then the shared-prompt bench's GPU block. Without a GPU each says so and exits 0.
+# one-at-a-time), then the shared-prompt bench's GPU block and CUDA graphs against eager forwards.
+# Without a GPU each says so and exits 0.
 bench-gpu: install
 	$(BIN)/tokq bench gpu --results-md $(RESULTS) --out-dir profiling/gpu
 	$(BIN)/tokq bench prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 --results-md $(RESULTS)
+	$(BIN)/tokq bench graphs --results-md $(RESULTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -56,7 +56,7 @@ def reference_attention(q, k, v, cu_seqlens, causal: bool, scale: float,
     q, k, v = (x.detach().double().cpu() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = torch.empty_like(q)
+    out = torch.full_like(q, float("nan"))  # rows in no sequence: never written, as the kernels
     cu_q = [int(c) for c in cu_seqlens]
     cu_k = cu_q if cu_seqlens_k is None else [int(c) for c in cu_seqlens_k]
     for i in range(len(cu_q) - 1):
@@ -83,20 +83,31 @@ def _check_qkv(q, k, v) -> None:
         assert x.stride(-1) == 1, "the last dimension must be contiguous"
 
 
-def _check_cu(cu, q, max_len, name: str) -> None:
+def _check_cu(cu, q, max_len, name: str, padded: bool = False) -> None:
+    """Without ``padded``: exactly the batch (every row in a sequence, none empty, ``max_len``
+    the longest), as an eager forward passes it. With it, what a CUDA graph's padded shape
+    passes and the kernels accept: empty sequences, rows past the last sequence, ``max_len``
+    an upper bound."""
     assert isinstance(cu, torch.Tensor) and cu.dtype == torch.int32, f"{name} must be int32"
     assert cu.dim() == 1 and cu.is_contiguous(), f"{name} must be a contiguous 1-d tensor"
     assert cu.device == q.device, f"{name} on {cu.device}, q on {q.device}"
     lens = cu[1:] - cu[:-1]
-    assert int(cu[0]) == 0 and int(cu[-1]) == q.shape[0] and (lens > 0).all()
     assert type(max_len) is int, f"max length must be a Python int, got {type(max_len).__name__}"
-    assert max_len == int(lens.max()), (max_len, int(lens.max()))
+    assert int(cu[0]) == 0 and (lens >= 0).all()
+    if padded:
+        assert int(cu[-1]) <= q.shape[0] and max_len >= int(lens.max()), (int(cu[-1]), max_len)
+    else:
+        assert int(cu[-1]) == q.shape[0] and (lens > 0).all()
+        assert max_len == int(lens.max()), (max_len, int(lens.max()))
 
 
 class _VarlenFake:
     """One version of a varlen attention function: calls are bound to its ``signature`` (a
     keyword it lacks raises TypeError, as the real call would), recorded in ``calls`` and
-    answered with ``reference_attention``."""
+    answered with ``reference_attention``. ``padded``: accept a CUDA graph's padded batch
+    (``_check_cu``); rows in no sequence come back NaN, so a forward that reads them shows."""
+
+    padded = False
 
     def __init__(self, version: str, sig: inspect.Signature) -> None:
         self.version = version
@@ -112,7 +123,8 @@ class _VarlenFake:
     def _answer(self, q, k, v, cu_q, cu_k, causal: bool, scale: float | None) -> torch.Tensor:
         assert isinstance(causal, bool)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        self.calls.append({"causal": causal, "heads": (q.shape[1], k.shape[1]), "scale": scale})
+        self.calls.append({"causal": causal, "heads": (q.shape[1], k.shape[1]), "scale": scale,
+                           "tokens": q.shape[0]})
         return reference_attention(q, k, v, cu_q, causal, scale, cu_seqlens_k=cu_k).to(q.dtype)
 
 
@@ -126,8 +138,8 @@ class FlashAttnVarlenFake(_VarlenFake):
         a = self._bind(args, kwargs)
         q, k, v = a["q"], a["k"], a["v"]
         _check_qkv(q, k, v)
-        _check_cu(a["cu_seqlens_q"], q, a["max_seqlen_q"], "cu_seqlens_q")
-        _check_cu(a["cu_seqlens_k"], k, a["max_seqlen_k"], "cu_seqlens_k")
+        _check_cu(a["cu_seqlens_q"], q, a["max_seqlen_q"], "cu_seqlens_q", self.padded)
+        _check_cu(a["cu_seqlens_k"], k, a["max_seqlen_k"], "cu_seqlens_k", self.padded)
         assert a["dropout_p"] == 0.0 and tuple(a["window_size"]) == (-1, -1) and a["softcap"] == 0.0
         assert a["alibi_slopes"] is None and not a["return_attn_probs"] and a["block_table"] is None
         return self._answer(q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], a["causal"], a["softmax_scale"])
@@ -144,8 +156,8 @@ class TorchVarlenFake(_VarlenFake):
         a = self._bind(args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         _check_qkv(q, k, v)
-        _check_cu(a["cu_seq_q"], q, a["max_q"], "cu_seq_q")
-        _check_cu(a["cu_seq_k"], k, a["max_k"], "cu_seq_k")
+        _check_cu(a["cu_seq_q"], q, a["max_q"], "cu_seq_q", self.padded)
+        _check_cu(a["cu_seq_k"], k, a["max_k"], "cu_seq_k", self.padded)
         assert a["return_aux"] is None
         if "window_size" in a:
             window = a["window_size"]

@@ -147,6 +147,11 @@ class WorkerConfig(_Validated):
     prefix_cache_mb: int = setting(256, "memory for shared prompts' K/V, so a decoder computes "
                                    "each prompt once, not per batch (0 = once per batch)",
                                    min=0, max=1 << 20)
+    # Past ~4k tokens an H100's forward is no longer launch-bound (the Qwen3-shaped model's eager
+    # floor ends near 3,000), and padding to a graph's shape would cost real work.
+    cuda_graph_tokens: int = setting(4096, "CUDA, varlen attention: batches of at most this many tokens "
+                                     "replay a CUDA graph captured per batch shape, not one launch per "
+                                     "kernel (0 = every forward eager)", min=0, max=1 << 20)
 
 
 @dataclass(frozen=True)

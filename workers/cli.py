@@ -28,7 +28,8 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                          attn_backend=config.attn_backend, name=config.served_model_name or None,
                          revision=config.revision or None,
-                         prefix_cache_bytes=config.prefix_cache_mb << 20)
+                         prefix_cache_bytes=config.prefix_cache_mb << 20,
+                         cuda_graph_tokens=config.cuda_graph_tokens)
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
     worker_id = worker_id or default_worker_id(engine.device)
     observer = None
@@ -47,9 +48,11 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
     logging.getLogger("tokq.worker").info(
-        "worker %s: %s on %s (%s, attention %s, linear %s), budget %d tokens, queue %s",
+        "worker %s: %s on %s (%s, attention %s, linear %s%s), budget %d tokens, queue %s",
         worker.worker_id, engine.info.name, engine.device, engine.dtype, engine.attn_backend,
-        engine.linear_backend, worker.token_budget, engine.info.queue_name)
+        engine.linear_backend,
+        f", CUDA graphs up to {engine.graphs.max_tokens} tokens" if engine.graphs else "",
+        worker.token_budget, engine.info.queue_name)
     try:
         await worker.run(burst=burst)
     finally:

@@ -9,9 +9,10 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
+from tokq.config import WorkerConfig
 from tokq.flops import forward_flops
 from tokq.model_info import ModelInfo
-from tokq.workers import attention, cpu_memory, pooling, prefix_attention, preempt
+from tokq.workers import attention, cpu_memory, cuda_graphs, pooling, prefix_attention, preempt
 from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
 from tokq.workers.layout import build_layout
 from tokq.workers.loader import load_weights
@@ -24,7 +25,8 @@ DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 
 class Engine:
     def __init__(self, info: ModelInfo, model: Bert | Qwen, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
+                 attn_backend: str, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 cuda_graph_tokens: int = 0):
         self.info = info
         self.model = model
         self.device = device
@@ -36,6 +38,11 @@ class Engine:
         self.prefix_cache = (PrefixCache(prefix_cache_bytes, _fingerprint(info))
                              if model.causal and info.pooling == "last" else None)
         self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
+        # CUDA, varlen attention: batches of at most cuda_graph_tokens replay captured graphs
+        self.graphs = (cuda_graphs.CudaGraphs(lambda layout: model.forward(layout, self._attend), device,
+                                              cuda_graph_tokens, info.max_length)
+                       if cuda_graph_tokens and device.type == "cuda" and attn_backend in cuda_graphs.GRAPH_BACKENDS
+                       else None)
 
     @property
     def linear_backend(self) -> str:
@@ -46,13 +53,16 @@ class Engine:
     def load(cls, path: str | Path | None = None, *, device: str | torch.device = "auto",
              dtype: str | torch.dtype = "auto", attn_backend: str = "auto",
              name: str | None = None, linear: str = "auto", revision: str | None = None,
-             prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> Engine:
+             prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+             cuda_graph_tokens: int = WorkerConfig.cuda_graph_tokens) -> Engine:
         """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
         all-MiniLM-L6-v2). Raises
         ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
         ``linear``: auto | c | onednn | torch, the kernel of the linear layers (auto: the C
         kernel for fp32 on one thread of an AVX2 CPU without AVX-512, else oneDNN on CPU;
-        see workers/models/layers.py)."""
+        see workers/models/layers.py). ``cuda_graph_tokens``: on CUDA with a varlen attention
+        backend, batches of at most this many tokens replay CUDA graphs (workers/cuda_graphs.py);
+        0: every forward eager."""
         check_torch_version()
         info = ModelInfo.load(path, name, revision)
         resolved_device = resolve_device(device)
@@ -66,7 +76,7 @@ class Engine:
             model = Bert(info.config, weights, linear, device=resolved_device)
         else:
             model = Qwen(info.config, weights, info.family, info.max_length, linear, device=resolved_device)
-        return cls(info, model, resolved_device, resolved_dtype, backend, prefix_cache_bytes)
+        return cls(info, model, resolved_device, resolved_dtype, backend, prefix_cache_bytes, cuda_graph_tokens)
 
     @torch.inference_mode()
     def embed(self, batch: PackedBatch) -> np.ndarray:
@@ -85,7 +95,12 @@ class Engine:
             return pooling.finish(pooled, batch.normalize, batch.dimensions)
         layout = build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
                               dtype=self.dtype)
-        hidden = self.model.forward(layout, self._attend, checkpoint=checkpoint)
+        hidden = None
+        if self.graphs is not None and self.graphs.covers(batch.num_tokens):
+            # no checkpoint inside a graph: a batch this small is over in a few milliseconds
+            hidden = self.graphs.forward(layout)
+        if hidden is None:
+            hidden = self.model.forward(layout, self._attend, checkpoint=checkpoint)
         self.tokens_computed += batch.num_tokens
         pooled = pooling.pool(hidden, layout, self.info.pooling)
         return pooling.finish(pooled, batch.normalize, batch.dimensions)

@@ -24,6 +24,7 @@ COMMANDS = {
     "crash-recovery": "tokq.profiling.bench.crash_recovery:crash_recovery_command",
     "idle-workers": "tokq.profiling.bench.idle_workers:idle_workers_command",
     "gpu": "tokq.profiling.bench.gpu:gpu_command",
+    "graphs": "tokq.profiling.bench.graphs:graphs_command",
 }
 
 

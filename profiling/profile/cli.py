@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from tokq.config import DTYPES
+from tokq.config import DTYPES, WorkerConfig
 from tokq.latency_goal import DEFAULT_SLO_P99_MS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -51,6 +51,9 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
               type=click.Choice(DTYPES), help="auto: bf16 where the device runs it natively "
               "(sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on sm70-75 GPUs, else fp32.")
 @click.option("--attn-backend", default="auto", envvar="TOKQ_ATTN_BACKEND", show_default=True)
+@click.option("--cuda-graph-tokens", type=click.IntRange(min=0), default=WorkerConfig.cuda_graph_tokens, envvar="TOKQ_CUDA_GRAPH_TOKENS",
+              show_default=True, help="CUDA: batches of at most this many tokens replay CUDA graphs, as "
+              "the worker's do (0: every forward eager).")
 @click.option("--workload", "workload_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help='JSONL workload ({"id","text","tokens","t"} per line) for the length mix '
                    "[default: generated short queries].")
@@ -81,7 +84,8 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
               help="Rewrite this model and device's block of this file (e.g. profiling/RESULTS.md).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def profile_command(model_path, revision, served_model_name, device, dtype, attn_backend, workload_path, num_queries, seed,
+def profile_command(model_path, revision, served_model_name, device, dtype, attn_backend, cuda_graph_tokens,
+                    workload_path, num_queries, seed,
                     min_tokens, max_tokens, points_per_doubling, time_per_point_s, min_repeats, max_repeats,
                     stop_ms, slo_p99_ms, out_path, plot_path, apply_budget, redis_url, threads,
                     results_md, quiet) -> None:
@@ -109,7 +113,8 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
         with console.status("loading model"):
             try:
                 engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
-                                     name=served_model_name, revision=revision)
+                                     name=served_model_name, revision=revision,
+                                     cuda_graph_tokens=cuda_graph_tokens)
             except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
                 raise click.ClickException(str(exc)) from None
         report = _run_with_progress(console, lambda on_progress: run_profile(

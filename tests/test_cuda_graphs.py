@@ -1,0 +1,238 @@
+"""CUDA graphs for small batches (workers/cuda_graphs.py).
+
+On CPU: the shape buckets, and the padded batch a graph replays, run eagerly through the CUDA
+attention call paths' contract fakes (tests/cuda_fakes.py: rows in no sequence come back NaN),
+against the same engine's unpadded forward; capture failure and the graph budget fall back to
+eager forwards. On a GPU (marked cuda): real captures and replays against eager forwards."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from cuda_fakes import FlashAttnVarlenFake, TorchVarlenFake
+from tiny_models import VOCAB, build
+from tokq.batch import PackedBatch
+from tokq.workers import attention, cuda_graphs
+from tokq.workers.cuda_graphs import CudaGraphs, token_buckets
+from tokq.workers.engine import Engine
+
+MODELS = ("bert", "qwen2_causal_lm", "qwen3_model")
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def _batch(lens, seed: int = 0) -> PackedBatch:
+    rng = np.random.default_rng(seed)
+    return PackedBatch.pack([rng.integers(1, VOCAB, size=n) for n in lens])
+
+
+@pytest.mark.parametrize("max_tokens", [16, 100, 1000, 4096])
+def test_token_buckets_fit_every_size_padding_at_most_half(max_tokens):
+    buckets = token_buckets(max_tokens)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens and buckets[0] >= 1
+    for n in range(1, max_tokens + 1):
+        bucket = next(b for b in buckets if b >= n)
+        assert bucket <= max(16, 1.5 * n), (n, bucket)
+
+
+def test_shape_bounds_the_batch_and_stays_within_the_model():
+    graphs = CudaGraphs(None, torch.device("cpu"), 4096, 512, capture=False)
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        num_tokens = int(rng.integers(1, 4097))
+        num_seqs = int(rng.integers(-(-num_tokens // 512), num_tokens + 1))  # each <= 512 tokens
+        longest = int(rng.integers(-(-num_tokens // num_seqs), min(num_tokens, 512) + 1))
+        shape = graphs.shape_of(num_tokens, num_seqs, longest)
+        assert num_tokens <= shape.num_tokens <= 4096
+        assert num_seqs <= shape.num_seqs <= min(2 * num_seqs, shape.num_tokens)
+        assert longest <= shape.max_seqlen <= 512 and shape.max_seqlen >= min(128, 512)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def tiny_bf16(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    build(request.param, path)
+    return Engine.load(path, device="cpu", dtype="bfloat16")
+
+
+def _install(monkeypatch, backend: str):
+    """The backend's call path on CPU through its padded-batch contract fake."""
+    if backend == "flash_attn":
+        fake = FlashAttnVarlenFake()
+        monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake))
+    else:
+        from torch.nn.attention import varlen
+
+        fake = TorchVarlenFake("installed")
+        monkeypatch.setattr(varlen, "varlen_attn", fake)
+    fake.padded = True
+    return fake
+
+
+def _engines(tiny, backend: str, max_tokens: int = 256, **kwargs) -> tuple[Engine, Engine]:
+    """(eager, graphed) engines sharing the tiny model; graphed replays padded shapes eagerly."""
+    eager = Engine(tiny.info, tiny.model, tiny.device, tiny.dtype, backend)
+    graphed = Engine(tiny.info, tiny.model, tiny.device, tiny.dtype, backend)
+    graphed.graphs = CudaGraphs(lambda layout: graphed.model.forward(layout, graphed._attend), tiny.device,
+                                max_tokens, tiny.info.max_length, capture=False, **kwargs)
+    return eager, graphed
+
+
+@pytest.mark.parametrize("backend", cuda_graphs.GRAPH_BACKENDS)
+def test_padded_shape_gives_the_unpadded_vectors(tiny_bf16, monkeypatch, backend):
+    fake = _install(monkeypatch, backend)
+    eager, graphed = _engines(tiny_bf16, backend)
+    # 11 sequences, 173 tokens: padded to 192 rows and 16 sequences, the last 5 empty
+    batch = _batch([17, 1, 5, 64, 5, 2, 33, 17, 9, 17, 3])
+    want = eager.embed(batch)
+    fake.calls.clear()
+    got = graphed.embed(batch)
+    assert np.isfinite(got).all()  # no NaN from the pad rows reached a vector
+    assert _cos(got, want).min() >= 0.9999, _cos(got, want).min()
+    assert graphed.graphs.num_graphs == 1 and len(fake.calls) == len(tiny_bf16.model.layers)
+
+
+def test_each_batch_on_a_shape_sees_only_its_own_tokens(tiny_bf16, monkeypatch):
+    """The static buffers outlive a batch: a shorter batch of the same shape leaves the longer
+    one's tokens in its pad rows, and fewer sequences leave its sequence ends behind."""
+    _install(monkeypatch, "torch_varlen")
+    eager, graphed = _engines(tiny_bf16, "torch_varlen")
+    batches = [_batch([40, 30, 25, 33], seed=1), _batch([64, 50], seed=2), _batch([40, 30, 25, 33], seed=3),
+               _batch([7], seed=4), _batch([64, 64, 1], seed=5)]
+    for batch in batches:
+        got, want = graphed.embed(batch), eager.embed(batch)
+        assert np.isfinite(got).all() and _cos(got, want).min() >= 0.9999
+    shapes = {graphed.graphs.shape_of(b.num_tokens, b.num_seqs, b.max_seqlen) for b in batches}
+    assert graphed.graphs.num_graphs == len(shapes) < len(batches)  # shapes were shared
+
+
+def test_shapes_past_the_graph_budget_and_batches_past_max_tokens_run_eagerly(tiny_bf16, monkeypatch):
+    fake = _install(monkeypatch, "torch_varlen")
+    eager, graphed = _engines(tiny_bf16, "torch_varlen", max_tokens=64, max_graphs=1)
+    for lens in ([10, 20], [3], [64, 64]):  # a graph, then another shape, then 128 > 64 tokens
+        batch = _batch(lens)
+        fake.calls.clear()
+        got = graphed.embed(batch)
+        padded = {c["tokens"] for c in fake.calls} != {batch.num_tokens}
+        assert padded == (lens == [10, 20]), lens
+        np.testing.assert_allclose(got, eager.embed(batch), atol=1e-3)
+    assert graphed.graphs.num_graphs == 1
+
+
+def test_a_failed_capture_leaves_every_forward_eager(tiny_bf16, monkeypatch, caplog):
+    _install(monkeypatch, "torch_varlen")
+    eager, graphed = _engines(tiny_bf16, "torch_varlen")
+    graphs = graphed.graphs
+    graphs.capture = True  # capture for real, on a torch whose graph capture fails
+
+    def no_stream(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    batch = _batch([5, 9, 30])
+    got = graphed.embed(batch)
+    np.testing.assert_allclose(got, eager.embed(batch), atol=1e-3)
+    assert graphs.failed and "not permitted" in graphs.failed and graphs.num_graphs == 0
+    assert not graphs.covers(batch.num_tokens)
+    assert "CUDA graph capture failed" in caplog.text
+    np.testing.assert_allclose(graphed.embed(_batch([4])), eager.embed(_batch([4])), atol=1e-3)
+
+
+def test_only_cuda_varlen_engines_get_graphs(tiny_bf16):
+    assert Engine(tiny_bf16.info, tiny_bf16.model, tiny_bf16.device, tiny_bf16.dtype, "torch_varlen",
+                  cuda_graph_tokens=4096).graphs is None  # on CPU
+
+
+@pytest.mark.parametrize("size", [1, 16, 700, 4096])
+def test_bench_batches_hold_exactly_their_token_count(size):
+    from tokq.profiling.bench.graphs import workload_batch
+
+    batch = workload_batch(size, max_length=256, vocab=VOCAB)
+    assert batch.num_tokens == size and batch.max_seqlen <= 256 and batch.input_ids.max() < VOCAB
+
+
+def test_bench_without_a_gpu_says_so_and_writes_nothing(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from tokq.profiling.bench.graphs import graphs_command
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    results = tmp_path / "RESULTS.md"
+    out = CliRunner().invoke(graphs_command, ["--results-md", str(results)])
+    assert out.exit_code == 0 and "no CUDA GPU" in out.output and not results.exists()
+
+
+def test_bench_block_gives_each_size_and_the_ratio():
+    from tokq.profiling.bench.graphs import markdown
+
+    rows = [{"tokens": 64, "sequences": 4, "graphed": True, "graphs_ms": 2.0, "eager_ms": 8.0,
+             "graphs_cpu_ms": 1.0, "eager_cpu_ms": 7.5, "min_cos": 0.99991},
+            {"tokens": 8192, "sequences": 500, "graphed": False, "graphs_ms": 50.0, "eager_ms": 50.0,
+             "graphs_cpu_ms": 9.0, "eager_cpu_ms": 9.0, "min_cos": 1.0}]
+    text = markdown("NVIDIA H100 80GB HBM3", "2.11.0", [{"name": "m", "dtype": "bfloat16", "attention": "torch_varlen",
+                                                          "layers": 6, "rows": rows,
+                                                          "graphs": {"count": 3, "capture_s": 0.4, "failed": None}}],
+                    20, "tokq bench graphs")
+    assert "| 64 | 4 | 2.00 | 8.00 | **4.00x** | 1.00 | 7.50 | 0.99991 |" in text
+    assert "| 8,192 (both eager) | 500 |" in text and "3 graphs captured in 0.4 s" in text
+    assert text.startswith("<!-- tokq bench graphs: start") and "NVIDIA H100 80GB HBM3" in text
+
+
+# -- on a real GPU (marked cuda: skipped here) -------------------------------------------------
+
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_engines(path, backend: str) -> tuple[Engine, Engine]:
+    if reason := attention.unavailable_reason(backend, torch.device("cuda"), torch.bfloat16):
+        pytest.skip(reason)
+    graphed = Engine.load(path, device="cuda", dtype="bfloat16", attn_backend=backend)
+    eager = Engine.load(path, device="cuda", dtype="bfloat16", attn_backend=backend, cuda_graph_tokens=0)
+    assert graphed.graphs is not None and eager.graphs is None
+    return eager, graphed
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("backend", cuda_graphs.GRAPH_BACKENDS)
+@pytest.mark.parametrize("model", MODELS)
+def test_cuda_graph_replays_match_eager_forwards(tmp_path, model, backend):
+    build(model, tmp_path)
+    eager, graphed = _gpu_engines(tmp_path, backend)
+    rng = np.random.default_rng(0)
+    batches = [_batch(rng.integers(1, 65, size=int(rng.integers(1, 40))), seed=i) for i in range(30)]
+    batches += [batches[3], batches[0]]  # shapes met again, after others
+    for batch in batches:
+        got, want = graphed.embed(batch), eager.embed(batch)
+        assert np.isfinite(got).all()
+        assert _cos(got, want).min() >= 0.999, _cos(got, want).min()
+    assert graphed.graphs.failed is None and 1 <= graphed.graphs.num_graphs < len(batches)
+
+
+@cuda
+@needs_cuda
+def test_cuda_graphs_on_the_bundled_model_match_eager_over_a_workload():
+    from tokq.profiling import workload
+
+    eager, graphed = _gpu_engines(None, "torch_varlen")
+    lens_all = [min(q.num_tokens, eager.info.max_length) for q in workload.generate(600, seed=2)]
+    rng = np.random.default_rng(1)
+    start = 0
+    worst = 1.0
+    while start < len(lens_all):
+        size = int(rng.integers(1, 64))
+        lens = lens_all[start:start + size]
+        batch = PackedBatch.pack([rng.integers(1000, 30000, size=n) for n in lens])
+        got, want = graphed.embed(batch), eager.embed(batch)
+        worst = min(worst, float(_cos(got, want).min()))
+        start += size
+    assert worst >= 0.999, worst
+    assert graphed.graphs.failed is None and graphed.graphs.num_graphs >= 2

@@ -1,0 +1,165 @@
+"""CUDA: a small batch's forward replayed from a CUDA graph, all its kernels in one launch.
+
+Why: on a GPU a small batch's eager forward is launch-bound. One Python thread issues each
+kernel (~20 a layer), so the forward costs host time, not GPU time: on an H100 the 28-layer
+Qwen3-0.6B-shaped model took ~22 ms a forward at any size up to ~3,000 tokens
+(profiling/RESULTS.md, "GPU benchmark").
+
+A graph has fixed shapes and addresses, so a batch is copied into static buffers, padded to a
+shape bucket:
+  * tokens up to the next of ``token_buckets`` (steps of 1.5x and 2x). The pad tokens belong to
+    no sequence: ``cu_seqlens`` stops at the real count, repeated for the pad sequences (zero
+    length). The varlen attention kernels never read or write a row outside a sequence, and
+    every other op works row by row, so whatever a pad row holds stays in pad rows, which
+    pooling never reads;
+  * sequences up to a power of two, and the longest sequence up to a power of two (at least
+    ``MIN_LEN_BUCKET``): both are host ints that size the attention kernel's grid, fixed at
+    capture.
+Only the varlen backends are captured (``GRAPH_BACKENDS``): their whole batch layout is
+``cu_seqlens`` and one int. A graph is captured the first time its shape is met (about three
+eager forwards' time) and kept, up to ``MAX_GRAPHS``; then that shape runs eagerly. All graphs
+share one memory pool: they run one at a time on the forward thread, and each output is read
+(pooled) before the next replay, in stream order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tokq.workers.layout import Layout
+
+log = logging.getLogger("tokq.cuda_graphs")
+
+GRAPH_BACKENDS = ("flash_attn", "torch_varlen")
+MAX_GRAPHS = 96
+MIN_LEN_BUCKET = 128  # flash attention's query block: shorter maxima give the same grid
+_SMALLEST_BUCKET = 16
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 24, 32, 48, 64, 96, ... (pads at most half a batch, a third from 32 on), ending at
+    ``max_tokens``."""
+    sizes = set()
+    size = _SMALLEST_BUCKET
+    while size < max_tokens:
+        sizes.update((size, size * 3 // 2))
+        size *= 2
+    return sorted(s for s in sizes if s < max_tokens) + [max_tokens]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A graph's static shape: token rows, sequences, and the longest sequence it allows."""
+
+    num_tokens: int
+    num_seqs: int
+    max_seqlen: int
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: replayed eagerly (tests on CPU)
+    out: torch.Tensor | None  # the graph's output [num_tokens, hidden], rewritten by each replay
+
+
+class CudaGraphs:
+    """Forwards of at most ``max_tokens`` tokens, replayed from graphs captured per ``Shape``.
+    ``forward(layout)`` gives the last hidden state ``[T, hidden]`` of the batch, or None when
+    it must run eagerly (the graph budget is spent, or capture failed once: then never again).
+    ``capture=False`` runs the padded batch eagerly instead of capturing: the same buffers,
+    shapes and padding, checkable on a CPU."""
+
+    def __init__(self, forward: Callable[[Layout], torch.Tensor], device: torch.device, max_tokens: int,
+                 max_length: int, *, capture: bool = True, max_graphs: int = MAX_GRAPHS):
+        self._forward = forward
+        self.device = device
+        self.max_tokens = max_tokens
+        self.max_length = max_length
+        self.capture = capture
+        self.max_graphs = max_graphs
+        self.buckets = token_buckets(max_tokens)
+        # one set of static inputs for every graph: each reads a prefix of them
+        self._ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._cu = torch.zeros(max_tokens + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[Shape, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.failed: str | None = None  # why capture was given up
+        self.capture_s = 0.0  # time spent capturing, all graphs
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def covers(self, num_tokens: int) -> bool:
+        return self.failed is None and 0 < num_tokens <= self.max_tokens
+
+    def shape_of(self, num_tokens: int, num_seqs: int, max_seqlen: int) -> Shape:
+        tokens = self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+        seqs = min(_next_pow2(num_seqs), tokens)
+        longest = min(max(MIN_LEN_BUCKET, _next_pow2(max_seqlen)), self.max_length)
+        return Shape(tokens, seqs, longest)
+
+    def forward(self, layout: Layout) -> torch.Tensor | None:
+        num_tokens = layout.input_ids.shape[0]
+        num_seqs = layout.cu_seqlens.shape[0] - 1
+        shape = self.shape_of(num_tokens, num_seqs, layout.max_seqlen)
+        entry = self._graphs.get(shape)
+        if entry is None and (self.failed or len(self._graphs) >= self.max_graphs):
+            return None
+        self._ids[:num_tokens].copy_(layout.input_ids, non_blocking=True)
+        self._positions[:num_tokens].copy_(layout.positions, non_blocking=True)
+        self._cu[:num_seqs + 1].copy_(layout.cu_seqlens, non_blocking=True)
+        self._cu[num_seqs + 1:shape.num_seqs + 1].fill_(num_tokens)  # the pad sequences: empty
+        if entry is None:
+            entry = self._capture(shape)
+            if entry is None:
+                return None
+        if entry.graph is None:
+            return self._forward(self._static_layout(shape))[:num_tokens]
+        entry.graph.replay()
+        return entry.out[:num_tokens]
+
+    def _static_layout(self, shape: Shape) -> Layout:
+        return Layout(input_ids=self._ids[:shape.num_tokens], positions=self._positions[:shape.num_tokens],
+                      cu_seqlens=self._cu[:shape.num_seqs + 1], max_seqlen=shape.max_seqlen,
+                      seq_index=self._ids[:0], runs=(), restore=None)
+
+    def _capture(self, shape: Shape) -> _Graph | None:
+        if not self.capture:
+            entry = self._graphs[shape] = _Graph(None, None)
+            return entry
+        static = self._static_layout(shape)
+        start = time.perf_counter()
+        try:
+            # One eager run on a side stream first: lazy set-up (cuBLAS workspaces, kernel
+            # selection) must not happen inside the capture.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward(static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(static)
+        except Exception as exc:  # noqa: BLE001 - any failure: run eagerly from now on
+            self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            log.warning("CUDA graph capture failed for %s; forwards run eagerly from now on: %s",
+                        shape, self.failed)
+            return None
+        took = time.perf_counter() - start
+        self.capture_s += took
+        entry = self._graphs[shape] = _Graph(graph, out)
+        log.info("CUDA graph %d captured: %d tokens, %d sequences, longest %d, in %.0f ms",
+                 len(self._graphs), shape.num_tokens, shape.num_seqs, shape.max_seqlen, took * 1000)
+        return entry
