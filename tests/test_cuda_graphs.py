@@ -145,6 +145,32 @@ def test_a_failed_capture_leaves_every_forward_eager(tiny_bf16, monkeypatch, cap
     np.testing.assert_allclose(graphed.embed(_batch([4])), eager.embed(_batch([4])), atol=1e-3)
 
 
+def test_captured_before_serving_every_short_query_batch_finds_its_graph(tiny_bf16, monkeypatch):
+    fake = _install(monkeypatch, "torch_varlen")
+    eager, graphed = _engines(tiny_bf16, "torch_varlen", max_tokens=128)
+    graphs = graphed.graphs
+    warm = graphs.warm_shapes()
+    assert graphed.capture_graphs() == len(warm) == graphs.num_graphs
+    assert graphed.capture_graphs() == 0  # all there already
+    rng = np.random.default_rng(3)
+    for _ in range(40):  # short queries (<= 64 tokens here, the model's max), up to 128 tokens a batch
+        lens, total = [], 0
+        while (n := int(rng.integers(1, 65))) + total <= 128 and len(lens) < int(rng.integers(1, 40)):
+            lens.append(n)
+            total += n
+        batch = _batch(lens or [1], seed=int(rng.integers(1 << 30)))
+        fake.calls.clear()
+        got = graphed.embed(batch)
+        assert {c["tokens"] for c in fake.calls} == {graphs.shape_of(batch.num_tokens, batch.num_seqs,
+                                                                     batch.max_seqlen).num_tokens}
+        np.testing.assert_allclose(got, eager.embed(batch), atol=2e-3)
+    assert graphs.num_graphs == len(warm)  # no shape was new
+
+
+def test_engines_without_graphs_capture_nothing_before_serving(tiny_bf16):
+    assert tiny_bf16.graphs is None and tiny_bf16.capture_graphs() == 0
+
+
 def test_only_cuda_varlen_engines_get_graphs(tiny_bf16):
     assert Engine(tiny_bf16.info, tiny_bf16.model, tiny_bf16.device, tiny_bf16.dtype, "torch_varlen",
                   cuda_graph_tokens=4096).graphs is None  # on CPU

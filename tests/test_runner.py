@@ -50,6 +50,9 @@ class FaultyEngine:
     def warmup(self, num_tokens: int) -> None:
         pass
 
+    def capture_graphs(self) -> int:
+        return 0
+
     def embed(self, batch: PackedBatch) -> np.ndarray:
         self.forwards.append(batch.num_seqs)
         self.seen_ids |= set(batch.input_ids.tolist())

@@ -18,8 +18,8 @@ shape bucket:
 Only the varlen backends are captured (``GRAPH_BACKENDS``): their whole batch layout is
 ``cu_seqlens`` and one int. A graph is captured the first time its shape is met (about three
 eager forwards' time) and kept, up to ``MAX_GRAPHS``; then that shape runs eagerly. All graphs
-share one memory pool: they run one at a time on the forward thread, and each output is read
-(pooled) before the next replay, in stream order.
+share one memory pool and one output buffer: they run one at a time on the forward thread,
+and each output is read (pooled) before the next replay, in stream order.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from tokq.workers.layout import Layout
 log = logging.getLogger("tokq.cuda_graphs")
 
 GRAPH_BACKENDS = ("flash_attn", "torch_varlen")
-MAX_GRAPHS = 96
+MAX_GRAPHS = 256  # the warm set (``warm_shapes``, 127 up to 4,096 tokens) and room to spare
 MIN_LEN_BUCKET = 128  # flash attention's query block: shorter maxima give the same grid
 _SMALLEST_BUCKET = 16
 
@@ -66,12 +66,6 @@ class Shape:
     max_seqlen: int
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph | None  # None: replayed eagerly (tests on CPU)
-    out: torch.Tensor | None  # the graph's output [num_tokens, hidden], rewritten by each replay
-
-
 class CudaGraphs:
     """Forwards of at most ``max_tokens`` tokens, replayed from graphs captured per ``Shape``.
     ``forward(layout)`` gives the last hidden state ``[T, hidden]`` of the batch, or None when
@@ -92,7 +86,9 @@ class CudaGraphs:
         self._ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self._positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self._cu = torch.zeros(max_tokens + 1, dtype=torch.int32, device=device)
-        self._graphs: dict[Shape, _Graph] = {}
+        # and one output, which each graph's last node writes (allocated at the first capture)
+        self._out: torch.Tensor | None = None
+        self._graphs: dict[Shape, torch.cuda.CUDAGraph | None] = {}  # None: replayed eagerly
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed: str | None = None  # why capture was given up
         self.capture_s = 0.0  # time spent capturing, all graphs
@@ -104,6 +100,18 @@ class CudaGraphs:
     def covers(self, num_tokens: int) -> bool:
         return self.failed is None and 0 < num_tokens <= self.max_tokens
 
+    def warm_shapes(self) -> list[Shape]:
+        """Every shape of a batch whose sequences are all at most ``MIN_LEN_BUCKET`` tokens (the
+        short queries a search backend sends): captured before the worker serves
+        (``Engine.capture_graphs``). Captured on first use instead, each new shape held the
+        worker for a capture (~50 ms on the H100), and a benchmark's first minutes met dozens."""
+        longest = min(MIN_LEN_BUCKET, self.max_length)
+        shapes = []
+        for tokens in self.buckets:
+            counts = {tokens} | {1 << i for i in range(tokens.bit_length()) if 1 << i < tokens}
+            shapes += [Shape(tokens, n, longest) for n in sorted(counts) if n * longest >= tokens]
+        return shapes
+
     def shape_of(self, num_tokens: int, num_seqs: int, max_seqlen: int) -> Shape:
         tokens = self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
         seqs = min(_next_pow2(num_seqs), tokens)
@@ -114,31 +122,37 @@ class CudaGraphs:
         num_tokens = layout.input_ids.shape[0]
         num_seqs = layout.cu_seqlens.shape[0] - 1
         shape = self.shape_of(num_tokens, num_seqs, layout.max_seqlen)
-        entry = self._graphs.get(shape)
-        if entry is None and (self.failed or len(self._graphs) >= self.max_graphs):
+        if shape not in self._graphs and (self.failed or len(self._graphs) >= self.max_graphs):
             return None
         self._ids[:num_tokens].copy_(layout.input_ids, non_blocking=True)
         self._positions[:num_tokens].copy_(layout.positions, non_blocking=True)
         self._cu[:num_seqs + 1].copy_(layout.cu_seqlens, non_blocking=True)
         self._cu[num_seqs + 1:shape.num_seqs + 1].fill_(num_tokens)  # the pad sequences: empty
-        if entry is None:
-            entry = self._capture(shape)
-            if entry is None:
-                return None
-        if entry.graph is None:
-            return self._forward(self._static_layout(shape))[:num_tokens]
-        entry.graph.replay()
-        return entry.out[:num_tokens]
+        if shape not in self._graphs and not self._capture(shape):
+            return None
+        graph = self._graphs[shape]
+        if graph is None:
+            self._write_out(self._forward(self._static_layout(shape)))
+        else:
+            graph.replay()
+        return self._out[:num_tokens]
 
     def _static_layout(self, shape: Shape) -> Layout:
         return Layout(input_ids=self._ids[:shape.num_tokens], positions=self._positions[:shape.num_tokens],
                       cu_seqlens=self._cu[:shape.num_seqs + 1], max_seqlen=shape.max_seqlen,
                       seq_index=self._ids[:0], runs=(), restore=None)
 
-    def _capture(self, shape: Shape) -> _Graph | None:
+    def _write_out(self, hidden: torch.Tensor) -> None:
+        if self._out is None:
+            self._out = hidden.new_empty((self.max_tokens, hidden.shape[1]))
+        self._out[:hidden.shape[0]].copy_(hidden)
+
+    def _capture(self, shape: Shape) -> bool:
+        """Capture ``shape``'s graph from the batch now in the static inputs; False: capture
+        failed, and every forward runs eagerly from now on."""
         if not self.capture:
-            entry = self._graphs[shape] = _Graph(None, None)
-            return entry
+            self._graphs[shape] = None
+            return True
         static = self._static_layout(shape)
         start = time.perf_counter()
         try:
@@ -147,19 +161,22 @@ class CudaGraphs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._forward(static)
+                self._write_out(self._forward(static))
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(static)
+                # The graph's own output is dropped after the capture (its memory goes back to
+                # the pool for other graphs' scratch): only the copy into the shared output
+                # outlives a replay, so 127 warm graphs hold one output, not 127.
+                self._write_out(self._forward(static))
         except Exception as exc:  # noqa: BLE001 - any failure: run eagerly from now on
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             log.warning("CUDA graph capture failed for %s; forwards run eagerly from now on: %s",
                         shape, self.failed)
-            return None
+            return False
         took = time.perf_counter() - start
         self.capture_s += took
-        entry = self._graphs[shape] = _Graph(graph, out)
+        self._graphs[shape] = graph
         log.info("CUDA graph %d captured: %d tokens, %d sequences, longest %d, in %.0f ms",
                  len(self._graphs), shape.num_tokens, shape.num_seqs, shape.max_seqlen, took * 1000)
-        return entry
+        return True

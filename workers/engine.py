@@ -111,6 +111,24 @@ class Engine:
         cached = batch.prefix_lens if batch.prefix_lens is not None and self.prefix_cache is not None else None
         return float(forward_flops(self.info.config, batch.seqlens, cached))
 
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graphs of short-query batch shapes now (``CudaGraphs.warm_shapes``),
+        one synthetic batch each, so no early batch waits for its shape's capture; how many
+        were captured (0 without graphs)."""
+        graphs = self.graphs
+        if graphs is None:
+            return 0
+        before = graphs.num_graphs
+        vocab = int(self.info.config.get("vocab_size", 1000))
+        for shape in graphs.warm_shapes():
+            if graphs.failed or graphs.num_graphs >= graphs.max_graphs:
+                break
+            per_seq, extra = divmod(shape.num_tokens, shape.num_seqs)
+            seqs = [np.arange(1, per_seq + (i < extra) + 1, dtype=np.int64) % vocab for i in range(shape.num_seqs)]
+            self.embed(PackedBatch.pack(seqs))
+        synchronize(self.device)
+        return graphs.num_graphs - before
+
     def warmup(self, num_tokens: int) -> None:
         """Run one full-budget batch (max-length sequences, then the remainder) so allocator
         pools and kernels are ready before the first real batch."""

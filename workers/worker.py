@@ -148,6 +148,10 @@ class Worker:
         if self.budget_source == "default" and self.config.latency_goal_ms:
             await self._fit_default_budget()
             await self._refresh_budget()  # one published meanwhile wins
+        start = time.perf_counter()
+        if captured := await asyncio.to_thread(self.engine.capture_graphs):
+            log.info("captured %d CUDA graphs of short-query batch shapes in %.1f s", captured,
+                     time.perf_counter() - start)
         await self._subscribe()  # before the first claim, so no notice falls in between
         chores = [asyncio.create_task(c) for c in (self._renew_leases(), self._requeue_expired(),
                                                    self._heartbeat(), self._watch_budget(),
