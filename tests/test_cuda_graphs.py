@@ -202,10 +202,9 @@ def test_bench_block_gives_each_size_and_the_ratio():
              "graphs_cpu_ms": 1.0, "eager_cpu_ms": 7.5, "min_cos": 0.99991},
             {"tokens": 8192, "sequences": 500, "graphed": False, "graphs_ms": 50.0, "eager_ms": 50.0,
              "graphs_cpu_ms": 9.0, "eager_cpu_ms": 9.0, "min_cos": 1.0}]
-    text = markdown("NVIDIA H100 80GB HBM3", "2.11.0", [{"name": "m", "dtype": "bfloat16", "attention": "torch_varlen",
-                                                          "layers": 6, "rows": rows,
-                                                          "graphs": {"count": 3, "capture_s": 0.4, "failed": None}}],
-                    20, "tokq bench graphs")
+    model = {"name": "m", "dtype": "bfloat16", "attention": "torch_varlen", "layers": 6, "rows": rows,
+             "graphs": {"count": 3, "capture_s": 0.4, "failed": None}}
+    text = markdown("NVIDIA H100 80GB HBM3", "2.11.0", [model], 20, "tokq bench graphs")
     assert "| 64 | 4 | 2.00 | 8.00 | **4.00x** | 1.00 | 7.50 | 0.99991 |" in text
     assert "| 8,192 (both eager) | 500 |" in text and "3 graphs captured in 0.4 s" in text
     assert text.startswith("<!-- tokq bench graphs: start") and "NVIDIA H100 80GB HBM3" in text

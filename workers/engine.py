@@ -39,10 +39,10 @@ class Engine:
                              if model.causal and info.pooling == "last" else None)
         self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
         # CUDA, varlen attention: batches of at most cuda_graph_tokens replay captured graphs
+        graphed = device.type == "cuda" and attn_backend in cuda_graphs.GRAPH_BACKENDS
         self.graphs = (cuda_graphs.CudaGraphs(lambda layout: model.forward(layout, self._attend), device,
                                               cuda_graph_tokens, info.max_length)
-                       if cuda_graph_tokens and device.type == "cuda" and attn_backend in cuda_graphs.GRAPH_BACKENDS
-                       else None)
+                       if cuda_graph_tokens and graphed else None)
 
     @property
     def linear_backend(self) -> str:
@@ -76,7 +76,8 @@ class Engine:
             model = Bert(info.config, weights, linear, device=resolved_device)
         else:
             model = Qwen(info.config, weights, info.family, info.max_length, linear, device=resolved_device)
-        return cls(info, model, resolved_device, resolved_dtype, backend, prefix_cache_bytes, cuda_graph_tokens)
+        return cls(info, model, resolved_device, resolved_dtype, backend, prefix_cache_bytes,
+                   cuda_graph_tokens)
 
     @torch.inference_mode()
     def embed(self, batch: PackedBatch) -> np.ndarray:
@@ -124,7 +125,8 @@ class Engine:
             if graphs.failed or graphs.num_graphs >= graphs.max_graphs:
                 break
             per_seq, extra = divmod(shape.num_tokens, shape.num_seqs)
-            seqs = [np.arange(1, per_seq + (i < extra) + 1, dtype=np.int64) % vocab for i in range(shape.num_seqs)]
+            seqs = [np.arange(1, per_seq + (i < extra) + 1, dtype=np.int64) % vocab
+                    for i in range(shape.num_seqs)]
             self.embed(PackedBatch.pack(seqs))
         synchronize(self.device)
         return graphs.num_graphs - before

@@ -76,10 +76,12 @@ def measure(graphed, eager, sizes, repeats: int) -> list[dict]:
         covered = graphed.graphs is not None and graphed.graphs.covers(size)
         rows.append({"tokens": size, "sequences": batch.num_seqs, "graphed": covered,
                      "graphs_ms": graphs_ms, "eager_ms": eager_ms,
-                     "graphs_cpu_ms": cpu["graphs"] / repeats * 1000, "eager_cpu_ms": cpu["eager"] / repeats * 1000,
+                     "graphs_cpu_ms": cpu["graphs"] / repeats * 1000,
+                     "eager_cpu_ms": cpu["eager"] / repeats * 1000,
                      "min_cos": float(cos.min())})
-        click.echo(f"{graphed.info.name}: {size} tokens, {batch.num_seqs} sequences: graphs {graphs_ms:.2f} ms, "
-                   f"eager {eager_ms:.2f} ms ({eager_ms / graphs_ms:.2f}x)", err=True)
+        click.echo(f"{graphed.info.name}: {size} tokens, {batch.num_seqs} sequences: "
+                   f"graphs {graphs_ms:.2f} ms, eager {eager_ms:.2f} ms ({eager_ms / graphs_ms:.2f}x)",
+                   err=True)
     return rows
 
 
