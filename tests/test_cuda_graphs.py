@@ -167,6 +167,14 @@ def test_captured_before_serving_every_short_query_batch_finds_its_graph(tiny_bf
     assert graphs.num_graphs == len(warm)  # no shape was new
 
 
+@pytest.mark.parametrize("budget", [1, 16, 100, 128, 5000])
+def test_the_warm_set_stops_at_the_bucket_a_full_budget_batch_takes(budget):
+    graphs = CudaGraphs(None, torch.device("cpu"), 128, 64, capture=False)
+    sizes = {shape.num_tokens for shape in graphs.warm_shapes(budget)}
+    full = graphs.shape_of(min(budget, 128), 1, 1).num_tokens
+    assert max(sizes) == full and sizes == {b for b in graphs.buckets if b <= full}
+
+
 def test_engines_without_graphs_capture_nothing_before_serving(tiny_bf16):
     assert tiny_bf16.graphs is None and tiny_bf16.capture_graphs() == 0
 

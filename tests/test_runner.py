@@ -50,7 +50,7 @@ class FaultyEngine:
     def warmup(self, num_tokens: int) -> None:
         pass
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, max_tokens: int | None = None) -> int:
         return 0
 
     def embed(self, batch: PackedBatch) -> np.ndarray:

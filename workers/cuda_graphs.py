@@ -100,14 +100,16 @@ class CudaGraphs:
     def covers(self, num_tokens: int) -> bool:
         return self.failed is None and 0 < num_tokens <= self.max_tokens
 
-    def warm_shapes(self) -> list[Shape]:
-        """Every shape of a batch whose sequences are all at most ``MIN_LEN_BUCKET`` tokens (the
-        short queries a search backend sends): captured before the worker serves
-        (``Engine.capture_graphs``). Captured on first use instead, each new shape held the
-        worker for a capture (~50 ms on the H100), and a benchmark's first minutes met dozens."""
+    def warm_shapes(self, max_tokens: int | None = None) -> list[Shape]:
+        """Every shape of a batch of at most ``max_tokens`` tokens (None: ``self.max_tokens``)
+        whose sequences are all at most ``MIN_LEN_BUCKET`` tokens (the short queries a search
+        backend sends): captured before the worker serves (``Engine.capture_graphs``). Captured
+        on first use instead, each new shape holds the worker for a capture (~50 ms on the H100),
+        and a benchmark's first minutes met dozens."""
         longest = min(MIN_LEN_BUCKET, self.max_length)
+        limit = min(max_tokens or self.max_tokens, self.max_tokens)
         shapes = []
-        for tokens in self.buckets:
+        for tokens in self.buckets[:bisect.bisect_left(self.buckets, limit) + 1]:
             counts = {tokens} | {1 << i for i in range(tokens.bit_length()) if 1 << i < tokens}
             shapes += [Shape(tokens, n, longest) for n in sorted(counts) if n * longest >= tokens]
         return shapes

@@ -112,16 +112,17 @@ class Engine:
         cached = batch.prefix_lens if batch.prefix_lens is not None and self.prefix_cache is not None else None
         return float(forward_flops(self.info.config, batch.seqlens, cached))
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, max_tokens: int | None = None) -> int:
         """Capture the CUDA graphs of short-query batch shapes now (``CudaGraphs.warm_shapes``),
-        one synthetic batch each, so no early batch waits for its shape's capture; how many
-        were captured (0 without graphs)."""
+        one synthetic batch each, so no early batch waits for its shape's capture; with
+        ``max_tokens`` (the worker's budget) only shapes a batch of that many tokens may need.
+        How many were captured (0 without graphs)."""
         graphs = self.graphs
         if graphs is None:
             return 0
         before = graphs.num_graphs
         vocab = int(self.info.config.get("vocab_size", 1000))
-        for shape in graphs.warm_shapes():
+        for shape in graphs.warm_shapes(max_tokens):
             if graphs.failed or graphs.num_graphs >= graphs.max_graphs:
                 break
             per_seq, extra = divmod(shape.num_tokens, shape.num_seqs)

@@ -149,7 +149,7 @@ class Worker:
             await self._fit_default_budget()
             await self._refresh_budget()  # one published meanwhile wins
         start = time.perf_counter()
-        if captured := await asyncio.to_thread(self.engine.capture_graphs):
+        if captured := await asyncio.to_thread(self.engine.capture_graphs, self.token_budget):
             log.info("captured %d CUDA graphs of short-query batch shapes in %.1f s", captured,
                      time.perf_counter() - start)
         await self._subscribe()  # before the first claim, so no notice falls in between
