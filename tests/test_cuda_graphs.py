@@ -7,6 +7,8 @@ eager forwards. On a GPU (marked cuda): real captures and replays against eager 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sys
 import types
 
@@ -126,23 +128,149 @@ def test_shapes_past_the_graph_budget_and_batches_past_max_tokens_run_eagerly(ti
     assert graphed.graphs.num_graphs == 1
 
 
-def test_a_failed_capture_leaves_every_forward_eager(tiny_bf16, monkeypatch, caplog):
+class FakeCuda:
+    """torch.cuda's stream, device and graph-capture calls on a CPU, recorded: code under capture
+    runs eagerly here (nothing is recorded for a replay), so a capture is checked for where it
+    runs and how it fails, not for what it replays. ``end_error``: what ending the capture raises
+    (CUDA's error for a capture invalidated by a failure inside it)."""
+
+    def __init__(self, monkeypatch, end_error: Exception | None = None):
+        self.events: list[tuple] = []
+        self.end_error = end_error
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, record: bool = True):
+                self.device = device
+                if record:
+                    fake.events.append(("stream", device))
+
+            def wait_stream(self, other):
+                pass
+
+        self.default = self.current = Stream("default", record=False)
+
+        @contextlib.contextmanager
+        def device(dev):
+            fake.events.append(("device", dev))
+            yield
+
+        @contextlib.contextmanager
+        def stream(s):
+            before, fake.current = fake.current, s
+            yield
+            fake.current = before
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None):
+            fake.events.append(("capture", pool, stream))
+            fake.current = stream
+            try:
+                yield
+            finally:  # torch's __exit__ ends the capture whatever happened inside it
+                if fake.end_error is not None:
+                    raise fake.end_error  # as capture_end does: the stream stays current
+            fake.current = fake.default
+
+        def set_stream(s):
+            fake.current = s
+
+        for name, value in (("Stream", Stream), ("device", device), ("stream", stream), ("graph", graph),
+                            ("set_stream", set_stream), ("current_stream", lambda dev=None: fake.default),
+                            ("CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: None))):
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def _capturing(tiny, monkeypatch, **fake_kwargs):
     _install(monkeypatch, "torch_varlen")
-    eager, graphed = _engines(tiny_bf16, "torch_varlen")
-    graphs = graphed.graphs
-    graphs.capture = True  # capture for real, on a torch whose graph capture fails
+    fake = FakeCuda(monkeypatch, **fake_kwargs)
+    eager, graphed = _engines(tiny, "torch_varlen")
+    graphed.graphs.capture = True  # capture, through the fake
+    return fake, eager, graphed
 
-    def no_stream(*args, **kwargs):
-        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+def test_a_capture_runs_on_the_engines_device_and_leaves_its_stream(tiny_bf16, monkeypatch):
+    fake, eager, graphed = _capturing(tiny_bf16, monkeypatch)
+    graphed.graphs.device = torch.device("cpu", 1)  # as an engine on cuda:1 would have it
     batch = _batch([5, 9, 30])
-    got = graphed.embed(batch)
+    got = graphed.embed(batch)  # the capture's own forward ran, eagerly, here
     np.testing.assert_allclose(got, eager.embed(batch), atol=1e-3)
+    side = [e for e in fake.events if e[0] == "stream"]
+    gpu1 = torch.device("cpu", 1)
+    assert fake.events[0] == ("device", gpu1) and side == [("stream", gpu1)]
+    capture = next(e for e in fake.events if e[0] == "capture")
+    assert capture[2] is not None and capture[2].device == torch.device("cpu", 1)  # not a stream of cuda:0
+    assert fake.current is fake.default and graphed.graphs.num_graphs == 1
+
+
+def test_a_failed_capture_leaves_every_forward_eager_and_names_the_first_error(tiny_bf16, monkeypatch,
+                                                                                caplog):
+    fake, eager, graphed = _capturing(tiny_bf16, monkeypatch, end_error=RuntimeError(
+        "CUDA error: operation failed due to a previous error during capture"))
+    graphs = graphed.graphs
+    monkeypatch.setattr(graphs, "_forward", _failing_in_capture(fake, graphs._forward, RuntimeError(
+        "CUDA error: operation not permitted when stream is capturing")))
+    batch = _batch([5, 9, 30])
+    np.testing.assert_allclose(graphed.embed(batch), eager.embed(batch), atol=1e-3)
     assert graphs.failed and "not permitted" in graphs.failed and graphs.num_graphs == 0
-    assert not graphs.covers(batch.num_tokens)
-    assert "CUDA graph capture failed" in caplog.text
+    assert fake.current is fake.default  # eager work is not left on the capture's stream
+    assert not graphs.covers(batch.num_tokens) and "CUDA graph capture failed" in caplog.text
     np.testing.assert_allclose(graphed.embed(_batch([4])), eager.embed(_batch([4])), atol=1e-3)
+
+
+def test_a_capture_out_of_memory_runs_that_batch_eagerly_and_tries_again_later(tiny_bf16, monkeypatch):
+    fake, eager, graphed = _capturing(tiny_bf16, monkeypatch, end_error=RuntimeError("previous error"))
+    graphs = graphed.graphs
+    forward = graphs._forward
+    monkeypatch.setattr(graphs, "_forward", _failing_in_capture(fake, forward, torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 MiB")))
+    batch = _batch([5, 9, 30])
+    np.testing.assert_allclose(graphed.embed(batch), eager.embed(batch), atol=1e-3)
+    assert graphs.failed is None and graphs.num_graphs == 0 and graphs.covers(batch.num_tokens)
+    fake.end_error = None
+    monkeypatch.setattr(graphs, "_forward", forward)  # memory freed since
+    np.testing.assert_allclose(graphed.embed(batch), eager.embed(batch), atol=1e-3)
+    assert graphs.num_graphs == 1 and sum(e[0] == "capture" for e in fake.events) == 2
+
+
+def _failing_in_capture(fake: FakeCuda, forward, error: Exception):
+    """``forward``, raising ``error`` when called under a capture (not in the warm-up before it)."""
+    def run(layout):
+        if any(e[0] == "capture" for e in fake.events[-1:]):
+            raise error
+        return forward(layout)
+    return run
+
+
+def test_a_heavy_forward_runs_eagerly_and_light_work_nested_in_it_replays_a_graph(tiny_bf16, monkeypatch):
+    """Pre-emption needs the heavy forward's checkpoints, which a graph has not: the heavy batch
+    runs eagerly, a light batch offered meanwhile runs inside it through its graph."""
+    from tokq.workers.preempt import Preemption
+
+    fake = _install(monkeypatch, "torch_varlen")
+    eager, graphed = _engines(tiny_bf16, "torch_varlen")
+    heavy, light = _batch([60, 50, 40], seed=1), _batch([7, 3], seed=2)
+    preemption = Preemption(graphed.embed)
+    loop = asyncio.new_event_loop()
+    offered = []
+
+    def heavy_forward():
+        offered.append(preemption.offer(light, loop))  # arrives while the heavy forward runs
+        return graphed.embed(heavy)
+
+    try:
+        got = preemption.heavy(heavy_forward)
+        loop.run_until_complete(asyncio.sleep(0))  # the nested batch's outcome is resolved here
+    finally:
+        loop.close()
+    tokens = [c["tokens"] for c in fake.calls]
+    layers = len(tiny_bf16.model.layers)
+    # the light batch (10 tokens, padded to 16: its graph's shape) ran at the heavy one's first
+    # checkpoint, before its first attention; every layer of the heavy batch saw its 150
+    # tokens, unpadded
+    assert tokens == [16] * layers + [150] * layers, tokens
+    np.testing.assert_allclose(got, eager.embed(heavy), atol=1e-3)
+    np.testing.assert_allclose(offered[0].result(), eager.embed(light), atol=1e-3)
 
 
 def test_captured_before_serving_every_short_query_batch_finds_its_graph(tiny_bf16, monkeypatch):

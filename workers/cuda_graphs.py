@@ -150,31 +150,51 @@ class CudaGraphs:
         self._out[:hidden.shape[0]].copy_(hidden)
 
     def _capture(self, shape: Shape) -> bool:
-        """Capture ``shape``'s graph from the batch now in the static inputs; False: capture
-        failed, and every forward runs eagerly from now on."""
+        """Capture ``shape``'s graph from the batch now in the static inputs. False: it failed,
+        and the batch runs eagerly; out of memory is left to the next batch of that shape to
+        try again, any other failure turns graphs off for good."""
         if not self.capture:
             self._graphs[shape] = None
             return True
         static = self._static_layout(shape)
         start = time.perf_counter()
+        first_error: BaseException | None = None  # the forward's, not capture_end's after it
         try:
-            # One eager run on a side stream first: lazy set-up (cuBLAS workspaces, kernel
-            # selection) must not happen inside the capture.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._write_out(self._forward(static))
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                # The graph's own output is dropped after the capture (its memory goes back to
-                # the pool for other graphs' scratch): only the copy into the shared output
-                # outlives a replay, so 127 warm graphs hold one output, not 127.
-                self._write_out(self._forward(static))
-        except Exception as exc:  # noqa: BLE001 - any failure: run eagerly from now on
-            self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            log.warning("CUDA graph capture failed for %s; forwards run eagerly from now on: %s",
-                        shape, self.failed)
+            # On the engine's GPU, not the thread's current one (cuda:0 unless set): capture
+            # and replay follow the capture stream's device.
+            with torch.cuda.device(self.device):
+                before = torch.cuda.current_stream(self.device)
+                try:
+                    # One eager run on a side stream first: lazy set-up (cuBLAS workspaces,
+                    # kernel selection) must not happen inside the capture.
+                    side = torch.cuda.Stream(self.device)
+                    side.wait_stream(before)
+                    with torch.cuda.stream(side):
+                        self._write_out(self._forward(static))
+                    before.wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                        # The graph's own output is dropped after the capture (its memory goes
+                        # back to the pool for other graphs' scratch): only the copy into the
+                        # shared output outlives a replay, so the warm graphs hold one output.
+                        try:
+                            self._write_out(self._forward(static))
+                        except BaseException as exc:
+                            first_error = exc
+                            raise
+                finally:
+                    # a capture that failed to end leaves its stream current: not for eager work
+                    torch.cuda.set_stream(before)
+        except Exception as exc:  # noqa: BLE001 - any failure: this batch runs eagerly
+            cause = first_error or exc
+            reason = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
+            if isinstance(cause, torch.OutOfMemoryError):
+                log.warning("CUDA graph capture for %s ran out of memory; this batch runs eagerly, "
+                            "the next of its shape tries again: %s", shape, reason)
+            else:
+                self.failed = reason
+                log.warning("CUDA graph capture failed for %s; forwards run eagerly from now on: %s",
+                            shape, reason)
             return False
         took = time.perf_counter() - start
         self.capture_s += took

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,9 @@ class Engine:
         self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
         # CUDA, varlen attention: batches of at most cuda_graph_tokens replay captured graphs
         graphed = device.type == "cuda" and attn_backend in cuda_graphs.GRAPH_BACKENDS
-        self.graphs = (cuda_graphs.CudaGraphs(lambda layout: model.forward(layout, self._attend), device,
+        # the forward as a partial of the model's, not a lambda holding self: no reference cycle
+        # keeps a dropped engine's graph pool alive until a garbage collection
+        self.graphs = (cuda_graphs.CudaGraphs(functools.partial(model.forward, attend=self._attend), device,
                                               cuda_graph_tokens, info.max_length)
                        if cuda_graph_tokens and graphed else None)
 
@@ -97,8 +100,10 @@ class Engine:
         layout = build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
                               dtype=self.dtype)
         hidden = None
-        if self.graphs is not None and self.graphs.covers(batch.num_tokens):
-            # no checkpoint inside a graph: a batch this small is over in a few milliseconds
+        # A graph has no checkpoint between its steps: a heavy forward (it has one) runs
+        # eagerly, so light work can still run inside it.
+        graphed = self.graphs is not None and checkpoint is preempt.no_checkpoint
+        if graphed and self.graphs.covers(batch.num_tokens):
             hidden = self.graphs.forward(layout)
         if hidden is None:
             hidden = self.model.forward(layout, self._attend, checkpoint=checkpoint)

@@ -107,11 +107,14 @@ class Preemption:
     def _serve(self, waiting: tuple[Any, asyncio.AbstractEventLoop, asyncio.Future]) -> None:
         claim, loop, future = waiting
         self._inside = True
+        # the nested batch has no checkpoint: nothing pre-empts it (and it may replay a CUDA graph)
+        outer, _local.checkpoint = current_checkpoint(), no_checkpoint
         try:
             outcome, exc = self._run(claim), None
         except BaseException as error:  # noqa: BLE001 - the light batch's failure is its own
             outcome, exc = None, error
         finally:
             self._inside = False
+            _local.checkpoint = outer
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
             loop.call_soon_threadsafe(_resolve, future, outcome, exc)
