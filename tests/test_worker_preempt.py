@@ -277,7 +277,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                     await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
 
                     async def notice_read():
-                        return worker._notices_read["light"] == 1
+                        return worker._preemptible.notices == 1
                     await wait_for(notice_read, 30, "the worker to read light1's notice")
             monkeypatch.setattr(worker.queue, "mark_preemptible", mark_then_notice)
 
@@ -336,7 +336,7 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
                 await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
 
                 async def notice_read():
-                    return worker._notices_read["light"] == 1
+                    return worker._preemptible.notices == 1
                 await wait_for(notice_read, 30, "the worker to read light1's notice")
                 # Another worker's claim lands first; it answers light1 (nothing left leased).
                 claim = await client.claim(512, lanes="light")

@@ -226,7 +226,7 @@ async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_
                 await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
 
                 async def notice_read():
-                    return worker._notices_read["work"] == 1
+                    return worker._idle.notices == 1
                 await wait_for(notice_read, 30, "the worker to read the work's notice")
             await real_mark(idle)
         monkeypatch.setattr(q, "mark_idle", mark_idle)

@@ -81,6 +81,47 @@ def is_heavy(claim: Claim, preempt_budget: int) -> bool:
     return claim.num_tokens > preempt_budget and 2 * sum(e.num_tokens for e in heavy) >= claim.num_tokens
 
 
+class Registration:
+    """The worker's place in one kind of wake-up set on every shard it claims from: ``idle`` (a
+    'work' notice may pick it) or ``preemptible`` (a 'light' one may, while a heavy forward
+    runs). A notice pops it out of that one shard's set only (lua/lib/wake.lua): with several
+    shards it may stay in the others' (so may a registration whose answer was lost) until it
+    withdraws; else, busy, it would take those shards' notices from the workers waiting."""
+
+    def __init__(self, queue: ShardedQueue | Queue, kind: str) -> None:
+        self.queue = queue
+        self.kind = kind
+        self.registered = False  # in every claimed shard's set, as far as this worker knows
+        self.maybe = False  # possibly in some shard's set: withdraw before that matters
+        self.notices = 0  # notices of this kind read (Worker._read_notices)
+
+    def noticed(self) -> None:
+        """A notice of this kind was read: the shard that sent it holds this worker no more."""
+        self.registered = False
+        self.maybe = self.maybe and self.queue.claim_shards > 1
+        self.notices += 1
+
+    async def set(self, on: bool) -> bool:
+        """Register (``on``) or withdraw; True if a notice was read meanwhile."""
+        read, was_maybe = self.notices, self.maybe
+        try:
+            await getattr(self.queue, f"mark_{self.kind}")(on)
+            # A notice read meanwhile took this worker out of a set: not registered. (Believing
+            # itself registered, it would hear no more notices: enqueue.lua tells only the
+            # workers in the set.) It may be in a set still: another shard's, or this one's if
+            # the notice popped an earlier registration whose answer was lost and this one
+            # landed after it.
+            self.registered = on and self.notices == read
+            self.maybe = on and (self.registered or was_maybe or self.queue.claim_shards > 1)
+        except _REDIS_ERRORS as exc:
+            # Not registered, or registered with its answer lost: taken for maybe registered,
+            # withdrawn later (idle: before the forward; pre-emptible: as the forward ends).
+            # Meanwhile work waits for a claim.
+            log.warning("%s registration failed: %s", self.kind, exc)
+            self.maybe = self.maybe or on
+        return self.notices != read
+
+
 def default_worker_id(device="cpu") -> str:
     """hostname-device ("gpu-node-3-cuda0"): the same after a restart, so the worker's metric
     series (label ``worker``) carry on instead of a new set per process. Workers sharing one
@@ -117,20 +158,11 @@ class Worker:
         self._notices = ShardedSubscriber(queue.redis)
         self._subscribed = False
         self._beat_lock = asyncio.Lock()  # a beat in flight must not outlive a give-up
-        # Registered in every claimed shard's idle set: a work notice may pick this worker. A
-        # notice takes it out of one shard's set only: with several shards it may stay in the
-        # others' (``_maybe_idle``; so may a registration whose answer was lost) until it
-        # withdraws, which it does before a forward; else, busy, it would take those shards'
-        # notices from the idle workers.
-        self._idle = False
-        self._maybe_idle = False
+        self._idle = Registration(queue, "idle")  # withdrawn before each forward
+        self._preemptible = Registration(queue, "preemptible")  # while a heavy forward runs
         self._reader: asyncio.Task | None = None  # _read_notices, the subscription's one reader
-        # The same for the pre-emptible sets (a heavy forward running: 'light' may pick it).
-        self._preemptible = False
-        self._maybe_preemptible = False
         self._work_notice = asyncio.Event()  # a notice came (read by _read_notices only)
         self._light_notice = asyncio.Event()  # a 'light' notice came
-        self._notices_read = {"work": 0, "light": 0}  # by _read_notices: registrations check them
         self.preemption = Preemption(lambda claim: self.run_batch(claim))
         self.num_preemptions = 0
 
@@ -171,8 +203,8 @@ class Worker:
         while next_claim is not None:
             claim = await next_claim
             next_claim = None
-            if claim is not None and self._maybe_idle:
-                await self._mark_idle(False)
+            if claim is not None and self._idle.maybe:
+                await self._idle.set(False)
             if claim is None:
                 if self._stop.is_set() or (burst and await self._drained()):
                     break
@@ -231,13 +263,13 @@ class Worker:
         noticed = False  # woken by a 'light' notice: claim at once, register again after
         try:
             while not forward.done() and self.healthy and not self._stop.is_set():
-                if not self._preemptible and not noticed:
+                if not self._preemptible.registered and not noticed:
                     # Registered before the claim: no notice falls between. After a notice
                     # (which took this worker out of the set) the claim goes first, one round
                     # trip sooner; registering and this claim follow it, so nothing is missed.
                     # A notice read meanwhile is cleared below, and took this worker out of the
                     # set: should its work go elsewhere, register again rather than wait unheard.
-                    noticed = await self._mark_preemptible(True)
+                    noticed = await self._preemptible.set(True)
                 after_notice, noticed = noticed, False
                 self._light_notice.clear()
                 claim = await self._claim(self.preempt_budget, lanes="light")
@@ -259,8 +291,8 @@ class Worker:
                         self.observer.observe_preemption()
                 await self._finish(claim, outcome)
         finally:
-            if self._maybe_preemptible:
-                await self._mark_preemptible(False)
+            if self._preemptible.maybe:
+                await self._preemptible.set(False)
 
     async def _ack(self, claim: Claim, outcome: BatchOutcome) -> None:
         for attempt in range(ACK_ATTEMPTS):
@@ -307,57 +339,22 @@ class Worker:
                 continue
             # Picked out of the idle or pre-emptible set (lua/lib/wake.lua): it registers
             # again before its next wait.
-            one_shard = self.queue.claim_shards == 1
             if notice[1] == b"work":
-                self._idle = False
-                self._maybe_idle = self._maybe_idle and not one_shard
-                self._notices_read["work"] += 1
+                self._idle.noticed()
             elif notice[1] == b"light":
-                self._preemptible = False
-                self._maybe_preemptible = self._maybe_preemptible and not one_shard
-                self._notices_read["light"] += 1
+                self._preemptible.noticed()
                 self._light_notice.set()
             self._work_notice.set()
 
     async def _wait_for_work(self) -> None:
         """Until a notice arrives or IDLE_FALLBACK_S pass. Notices that came while busy are
         taken at once: one claim answers all of them."""
-        if not self._idle:
-            await self._mark_idle(True)
+        if not self._idle.registered:
+            await self._idle.set(True)
         if not self._work_notice.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._work_notice.wait(), timeout=IDLE_FALLBACK_S)
         self._work_notice.clear()
-
-    async def _mark_idle(self, idle: bool) -> None:
-        read, was_maybe = self._notices_read["work"], self._maybe_idle
-        try:
-            await self.queue.mark_idle(idle)
-            # A notice read meanwhile took this worker out of a set: not registered. It may be
-            # in a set still: another shard's, or this one's if the notice popped an earlier
-            # registration whose answer was lost and this one landed after it.
-            self._idle = idle and self._notices_read["work"] == read
-            self._maybe_idle = idle and (self._idle or was_maybe or self.queue.claim_shards > 1)
-        except _REDIS_ERRORS as exc:
-            # Not registered, or registered with its answer lost: withdrawn before the forward.
-            log.warning("idle registration failed: %s", exc)
-            self._maybe_idle = self._maybe_idle or idle
-
-    async def _mark_preemptible(self, preemptible: bool) -> bool:
-        """Register or withdraw; True if a 'light' notice was read meanwhile."""
-        read, was_maybe = self._notices_read["light"], self._maybe_preemptible
-        try:
-            await self.queue.mark_preemptible(preemptible)
-            # A notice read while registering took this worker out of the set again: believing
-            # it registered, it would get no notice for the rest of the forward (enqueue.lua
-            # tells only registered workers), and a light call would wait for all of it.
-            self._preemptible = preemptible and self._notices_read["light"] == read
-            self._maybe_preemptible = preemptible and (self._preemptible or was_maybe
-                                                       or self.queue.claim_shards > 1)  # as in _mark_idle
-        except _REDIS_ERRORS as exc:  # as in _mark_idle; light work meanwhile waits for a claim
-            log.warning("pre-emptible registration failed: %s", exc)
-            self._maybe_preemptible = self._maybe_preemptible or preemptible
-        return self._notices_read["light"] != read
 
     def _prefetch_delay_s(self) -> float:
         return max(0.0, PREFETCH_AT * self._forward_s_avg - PREFETCH_CLAIMS * self._claim_s_avg)
