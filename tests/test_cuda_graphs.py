@@ -269,8 +269,28 @@ def test_a_heavy_forward_runs_eagerly_and_light_work_nested_in_it_replays_a_grap
     # checkpoint, before its first attention; every layer of the heavy batch saw its 150
     # tokens, unpadded
     assert tokens == [16] * layers + [150] * layers, tokens
+    assert graphed.last_graphed is False  # the heavy batch's, set after the nested one's
     np.testing.assert_allclose(got, eager.embed(heavy), atol=1e-3)
     np.testing.assert_allclose(offered[0].result(), eager.embed(light), atol=1e-3)
+
+
+def test_a_batch_outcome_says_whether_its_forward_replayed_a_graph(tiny_bf16, monkeypatch):
+    """What the worker counts in tokq_worker_graphed_batches_total."""
+    from tokq.entry import encode_body, format_entry, parse_entry
+    from tokq.workers.runner import BatchRunner
+
+    _install(monkeypatch, "torch_varlen")
+    _, graphed = _engines(tiny_bf16, "torch_varlen", max_tokens=64)
+
+    def outcome(lens):
+        rng = np.random.default_rng(0)
+        bodies = [encode_body(rng.integers(1, VOCAB, size=n)) for n in lens]
+        entries = [parse_entry(format_entry(n, 0, f"r{i}", 0, 0, 0, body))
+                   for i, (n, body) in enumerate(zip(lens, bodies))]
+        return BatchRunner(graphed).run(types.SimpleNamespace(entries=entries, batch_id="b", now_ms=0))
+
+    assert outcome([5, 9]).graphed is True
+    assert outcome([60, 60]).graphed is False  # 120 tokens: past the graphs' 64
 
 
 def test_captured_before_serving_every_short_query_batch_finds_its_graph(tiny_bf16, monkeypatch):

@@ -128,11 +128,12 @@ def test_worker_batch_metrics_fill_ratio_and_close():
     w = metrics.WorkerMetrics(model, "w0", model_config=BERT_TINY, device="cpu", dtype="float32")
     w.observe_claim(0.002)
     w.observe_batch([100, 200, 212], token_budget=1024, forward_s=0.05)
-    w.observe_batch([30], token_budget=1024, forward_s=0.004)
+    w.observe_batch([30], token_budget=1024, forward_s=0.004, graphed=True)
     w.observe_error("forward")
     w.heartbeat()
     labels = {"model": model, "worker": "w0"}
     assert _value("tokq_worker_batches_total", **labels) == 2
+    assert _value("tokq_worker_graphed_batches_total", **labels) == 1  # the CUDA graph replay
     assert _value("tokq_worker_forward_tokens_total", **labels) == 542
     assert _value("tokq_worker_batch_items_sum", **labels) == 4
     assert _value("tokq_worker_batch_fill_ratio_sum", **labels) == pytest.approx(542 / 1024)

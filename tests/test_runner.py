@@ -50,6 +50,8 @@ class FaultyEngine:
     def warmup(self, num_tokens: int) -> None:
         pass
 
+    last_graphed = False
+
     def capture_graphs(self, max_tokens: int | None = None) -> int:
         return 0
 

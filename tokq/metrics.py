@@ -44,6 +44,8 @@ Worker (``WorkerMetrics``)
   tokq_worker_nonfinite_vectors_total             counter   NaN/inf vectors refused (INTERNAL)
   tokq_worker_preemptions_total                   counter   light batches run nested in a heavy
       forward (workers/preempt.py; each is also one of batches_total)
+  tokq_worker_graphed_batches_total               counter   forward passes replayed from a CUDA graph
+      (workers/cuda_graphs.py; each is also one of batches_total)
   tokq_worker_device_info{device,dtype}           gauge     always 1; carries the labels
 The gauges over a window show a worker's state on its own /metrics page; dashboards and rules
 use rate() of the counters instead, which does not depend on when a scrape lands.
@@ -147,6 +149,8 @@ WORKER_NONFINITE = Counter("tokq_worker_nonfinite_vectors",
                            "Vectors refused because they held NaN or inf (answered INTERNAL)", _W)
 WORKER_PREEMPTIONS = Counter("tokq_worker_preemptions",
                              "Light batches run nested inside a heavy forward", _W)
+WORKER_GRAPHED = Counter("tokq_worker_graphed_batches",
+                         "Forward passes replayed from a CUDA graph (workers/cuda_graphs.py)", _W)
 WORKER_INFO = Gauge("tokq_worker_device_info", "Always 1; labels describe the worker's device",
                     _W + ("device", "dtype"))
 
@@ -302,8 +306,11 @@ class WorkerMetrics:
     def set_budget(self, token_budget: int) -> None:
         WORKER_BUDGET.labels(*self.labels).set(token_budget)
 
-    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float) -> None:
-        """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens))."""
+    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float, graphed: bool = False) -> None:
+        """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens));
+        ``graphed``: replayed from a CUDA graph."""
+        if graphed:
+            WORKER_GRAPHED.labels(*self.labels).inc()
         lens = [int(n) for n in seqlens]
         num_tokens = sum(lens)
         flops = forward_flops(self.model_config, lens) if self.model_config else 0
@@ -348,7 +355,7 @@ class WorkerMetrics:
         for metric in (WORKER_BATCHES, WORKER_BATCH_TOKENS, WORKER_BATCH_ITEMS, WORKER_FILL_RATIO,
                        WORKER_FORWARD_DURATION, WORKER_CLAIM_DURATION, WORKER_TOKENS, WORKER_FLOPS, WORKER_BUDGET,
                        WORKER_THROUGHPUT, WORKER_PEAK_FLOPS, WORKER_MFU, WORKER_HEARTBEAT,
-                       WORKER_NONFINITE, WORKER_PREEMPTIONS):
+                       WORKER_NONFINITE, WORKER_PREEMPTIONS, WORKER_GRAPHED):
             metric.remove(*self.labels)  # a no-op for a series never created
         WORKER_INFO.remove(*self.labels, *self._info_labels)
         for kind in self._error_kinds:

@@ -39,6 +39,7 @@ class Engine:
         self.prefix_cache = (PrefixCache(prefix_cache_bytes, _fingerprint(info))
                              if model.causal and info.pooling == "last" else None)
         self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
+        self.last_graphed = False  # the last embed() replayed a CUDA graph
         # CUDA, varlen attention: batches of at most cuda_graph_tokens replay captured graphs
         graphed = device.type == "cuda" and attn_backend in cuda_graphs.GRAPH_BACKENDS
         # the forward as a partial of the model's, not a lambda holding self: no reference cycle
@@ -96,6 +97,7 @@ class Engine:
                 self.model, batch, self.prefix_cache, self.attn_backend, self.device, self.dtype,
                 checkpoint)
             self.tokens_computed += computed
+            self.last_graphed = False
             return pooling.finish(pooled, batch.normalize, batch.dimensions)
         layout = build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
                               dtype=self.dtype)
@@ -105,8 +107,10 @@ class Engine:
         graphed = self.graphs is not None and checkpoint is preempt.no_checkpoint
         if graphed and self.graphs.covers(batch.num_tokens):
             hidden = self.graphs.forward(layout)
+        replayed = hidden is not None
         if hidden is None:
             hidden = self.model.forward(layout, self._attend, checkpoint=checkpoint)
+        self.last_graphed = replayed  # after any batch nested in this forward set it
         self.tokens_computed += batch.num_tokens
         pooled = pooling.pool(hidden, layout, self.info.pooling)
         return pooling.finish(pooled, batch.normalize, batch.dimensions)

@@ -49,6 +49,7 @@ class BatchOutcome:
     seqlens: list[int]
     forward_s: float
     num_failed: int
+    graphed: bool = False  # its (last) forward replayed a CUDA graph
 
 
 class BatchRunner:
@@ -78,8 +79,10 @@ class BatchRunner:
                 failures[i] = ("INVALID_ARGUMENT", reason)
         vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
         todo = [i for i in range(len(bodies)) if i not in failures]
+        graphed = False
         if todo:
             self._embed_into(bodies, todo, vectors, failures)
+            graphed = self.engine.last_graphed
         nonfinite = [i for i in todo if i not in failures and not np.isfinite(vectors[i]).all()]
         for i in nonfinite:
             failures[i] = ("INTERNAL", f"the model gave a non-finite (NaN/inf) vector for this input "
@@ -99,7 +102,7 @@ class BatchRunner:
             dims = body.dimensions or vectors.shape[1]
             queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
             results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [e.num_tokens for e in entries], forward_s, len(failures))
+        return BatchOutcome(results, [e.num_tokens for e in entries], forward_s, len(failures), graphed)
 
     def _invalid(self, body: Body) -> str | None:
         ids = body.token_ids

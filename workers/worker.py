@@ -247,7 +247,7 @@ class Worker:
         self.num_batches += 1
         if self.observer:
             self.observer.observe_batch(outcome.seqlens, token_budget=self.token_budget,
-                                        forward_s=outcome.forward_s)
+                                        forward_s=outcome.forward_s, graphed=outcome.graphed)
             for _ in range(outcome.num_failed):
                 self.observer.observe_error("item")
 

@@ -176,12 +176,16 @@ def workers() -> gd.Dashboard:
         .with_panel(panel("Items per batch", "Sequences in one batch.", "none",
                           quantiles("tokq_worker_batch_items", "worker, ", W,
                                     "{{{{worker}}}} {q}", qs=(0.5, 0.99))))
-        .with_panel(panel("Pre-emptions", "Light batches per second run nested inside a heavy "
-                          "forward (workers/preempt.py), beside all batches per second.", "cps",
+        .with_panel(panel("Pre-emptions and CUDA graphs", "Light batches per second run nested "
+                          "inside a heavy forward (workers/preempt.py) and batches replayed from "
+                          "a CUDA graph (workers/cuda_graphs.py), beside all batches per second.",
+                          "cps",
                           [query(f"sum by (worker) (rate(tokq_worker_preemptions_total{{{W}}}"
                                  f"[{RATE}]))", "{{worker}} nested"),
                            query(f"sum by (worker) (rate(tokq_worker_batches_total{{{W}}}"
-                                 f"[{RATE}]))", "{{worker}} all", "B")], span=24))
+                                 f"[{RATE}]))", "{{worker}} all", "B"),
+                           query(f"sum by (worker) (rate(tokq_worker_graphed_batches_total{{{W}}}"
+                                 f"[{RATE}]))", "{{worker}} graphed", "C")], span=24))
         .with_row(gd.Row("Throughput"))
         .with_panel(panel("Tokens/s per worker", "Tokens forwarded per second.", "none",
                           [query(f"sum by (worker) (rate(tokq_worker_forward_tokens_total{{{W}}}"
