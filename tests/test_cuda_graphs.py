@@ -233,6 +233,30 @@ def test_a_capture_out_of_memory_runs_that_batch_eagerly_and_tries_again_later(t
     assert graphs.num_graphs == 1 and sum(e[0] == "capture" for e in fake.events) == 2
 
 
+def test_a_shape_whose_captures_keep_running_out_of_memory_stays_eager(tiny_bf16, monkeypatch):
+    from tokq.workers.cuda_graphs import MAX_OUT_OF_MEMORY
+
+    fake, eager, graphed = _capturing(tiny_bf16, monkeypatch)
+    graphs = graphed.graphs
+    monkeypatch.setattr(graphs, "_forward", _failing_in_capture(fake, graphs._forward, torch.OutOfMemoryError(
+        "CUDA out of memory")))
+    batch = _batch([5, 9, 30])
+    for _ in range(MAX_OUT_OF_MEMORY + 3):
+        np.testing.assert_allclose(graphed.embed(batch), eager.embed(batch), atol=1e-3)
+    # each try costs a synchronize, an emptied cache and a forward: only MAX_OUT_OF_MEMORY of them
+    assert sum(e[0] == "capture" for e in fake.events) == MAX_OUT_OF_MEMORY
+    assert graphs.failed is None and graphs.num_graphs == 0
+
+
+def test_the_warm_set_stops_at_the_first_capture_out_of_memory(tiny_bf16, monkeypatch):
+    fake, eager, graphed = _capturing(tiny_bf16, monkeypatch)
+    graphs = graphed.graphs
+    monkeypatch.setattr(graphs, "_forward", _failing_in_capture(fake, graphs._forward, torch.OutOfMemoryError(
+        "CUDA out of memory")))
+    assert len(graphs.warm_shapes()) > 1
+    assert graphed.capture_graphs() == 0 and sum(e[0] == "capture" for e in fake.events) == 1
+
+
 def _failing_in_capture(fake: FakeCuda, forward, error: Exception):
     """``forward``, raising ``error`` when called under a capture (not in the warm-up before it)."""
     def run(layout):
@@ -291,6 +315,14 @@ def test_a_batch_outcome_says_whether_its_forward_replayed_a_graph(tiny_bf16, mo
 
     assert outcome([5, 9]).graphed is True
     assert outcome([60, 60]).graphed is False  # 120 tokens: past the graphs' 64
+    assert outcome([5, 9]).graphed is True
+
+    def fails(batch):
+        raise RuntimeError("the model fails on this input")
+
+    monkeypatch.setattr(graphed, "embed", fails)
+    failed = outcome([5, 9])  # every forward fails (bisected down to each item)
+    assert failed.num_failed == 2 and failed.graphed is False  # not the last batch's flag
 
 
 def test_captured_before_serving_every_short_query_batch_finds_its_graph(tiny_bf16, monkeypatch):

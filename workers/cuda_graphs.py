@@ -38,6 +38,7 @@ log = logging.getLogger("tokq.cuda_graphs")
 
 GRAPH_BACKENDS = ("flash_attn", "torch_varlen")
 MAX_GRAPHS = 256  # the warm set (``warm_shapes``, 127 up to 4,096 tokens) and room to spare
+MAX_OUT_OF_MEMORY = 2  # captures of one shape that ran out of memory, before it stays eager
 MIN_LEN_BUCKET = 128  # flash attention's query block: shorter maxima give the same grid
 _SMALLEST_BUCKET = 16
 
@@ -89,6 +90,8 @@ class CudaGraphs:
         # and one output, which each graph's last node writes (allocated at the first capture)
         self._out: torch.Tensor | None = None
         self._graphs: dict[Shape, torch.cuda.CUDAGraph | None] = {}  # None: replayed eagerly
+        self._out_of_memory: dict[Shape, int] = {}  # captures that ran out of memory, per shape
+        self.out_of_memory = 0  # all shapes
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed: str | None = None  # why capture was given up
         self.capture_s = 0.0  # time spent capturing, all graphs
@@ -124,7 +127,8 @@ class CudaGraphs:
         num_tokens = layout.input_ids.shape[0]
         num_seqs = layout.cu_seqlens.shape[0] - 1
         shape = self.shape_of(num_tokens, num_seqs, layout.max_seqlen)
-        if shape not in self._graphs and (self.failed or len(self._graphs) >= self.max_graphs):
+        if shape not in self._graphs and (self.failed or len(self._graphs) >= self.max_graphs
+                                          or self._out_of_memory.get(shape, 0) >= MAX_OUT_OF_MEMORY):
             return None
         self._ids[:num_tokens].copy_(layout.input_ids, non_blocking=True)
         self._positions[:num_tokens].copy_(layout.positions, non_blocking=True)
@@ -151,8 +155,8 @@ class CudaGraphs:
 
     def _capture(self, shape: Shape) -> bool:
         """Capture ``shape``'s graph from the batch now in the static inputs. False: it failed,
-        and the batch runs eagerly; out of memory is left to the next batch of that shape to
-        try again, any other failure turns graphs off for good."""
+        and the batch runs eagerly; after out of memory a later batch of that shape tries again
+        (``MAX_OUT_OF_MEMORY`` tries in all), any other failure turns graphs off for good."""
         if not self.capture:
             self._graphs[shape] = None
             return True
@@ -189,8 +193,11 @@ class CudaGraphs:
             cause = first_error or exc
             reason = f"{type(cause).__name__}: {cause}".splitlines()[0][:300]
             if isinstance(cause, torch.OutOfMemoryError):
-                log.warning("CUDA graph capture for %s ran out of memory; this batch runs eagerly, "
-                            "the next of its shape tries again: %s", shape, reason)
+                # Each try costs a synchronize, an emptied cache and a forward: a few, then eager.
+                tries = self._out_of_memory[shape] = self._out_of_memory.get(shape, 0) + 1
+                self.out_of_memory += 1
+                log.warning("CUDA graph capture for %s ran out of memory (%d of %d tries); this batch "
+                            "runs eagerly: %s", shape, tries, MAX_OUT_OF_MEMORY, reason)
             else:
                 self.failed = reason
                 log.warning("CUDA graph capture failed for %s; forwards run eagerly from now on: %s",

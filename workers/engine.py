@@ -131,9 +131,11 @@ class Engine:
             return 0
         before = graphs.num_graphs
         vocab = int(self.info.config.get("vocab_size", 1000))
+        out_of_memory = graphs.out_of_memory
         for shape in graphs.warm_shapes(max_tokens):
-            if graphs.failed or graphs.num_graphs >= graphs.max_graphs:
-                break
+            full = graphs.num_graphs >= graphs.max_graphs
+            if graphs.failed or full or graphs.out_of_memory > out_of_memory:
+                break  # out of memory: the rest are captured on first use, memory allowing
             per_seq, extra = divmod(shape.num_tokens, shape.num_seqs)
             seqs = [np.arange(1, per_seq + (i < extra) + 1, dtype=np.int64) % vocab
                     for i in range(shape.num_seqs)]

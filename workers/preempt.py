@@ -108,7 +108,7 @@ class Preemption:
         claim, loop, future = waiting
         self._inside = True
         # the nested batch has no checkpoint: nothing pre-empts it (and it may replay a CUDA graph)
-        outer, _local.checkpoint = current_checkpoint(), no_checkpoint
+        outer, _local.checkpoint = getattr(_local, "checkpoint", no_checkpoint), no_checkpoint
         try:
             outcome, exc = self._run(claim), None
         except BaseException as error:  # noqa: BLE001 - the light batch's failure is its own

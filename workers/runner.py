@@ -64,6 +64,7 @@ class BatchRunner:
         self.exit = exit
         self.release = release or (lambda: release_memory(engine.device))
         self.healthy = True
+        self._graphed = False  # a successful forward of the batch in hand replayed a CUDA graph
         self.vocab_size = int(engine.info.config.get("vocab_size") or 0)
         self.max_length = engine.info.max_length
 
@@ -79,10 +80,9 @@ class BatchRunner:
                 failures[i] = ("INVALID_ARGUMENT", reason)
         vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
         todo = [i for i in range(len(bodies)) if i not in failures]
-        graphed = False
+        self._graphed = False
         if todo:
             self._embed_into(bodies, todo, vectors, failures)
-            graphed = self.engine.last_graphed
         nonfinite = [i for i in todo if i not in failures and not np.isfinite(vectors[i]).all()]
         for i in nonfinite:
             failures[i] = ("INTERNAL", f"the model gave a non-finite (NaN/inf) vector for this input "
@@ -102,7 +102,7 @@ class BatchRunner:
             dims = body.dimensions or vectors.shape[1]
             queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
             results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [e.num_tokens for e in entries], forward_s, len(failures), graphed)
+        return BatchOutcome(results, [e.num_tokens for e in entries], forward_s, len(failures), self._graphed)
 
     def _invalid(self, body: Body) -> str | None:
         ids = body.token_ids
@@ -128,6 +128,7 @@ class BatchRunner:
         fault = None
         try:
             vectors[items] = self._embed([bodies[i] for i in items])
+            self._graphed = self._graphed or self.engine.last_graphed  # set by that forward
         except Exception as exc:  # noqa: BLE001 - classified below, after the exception is gone
             fault, message = classify(exc), f"{type(exc).__name__}: {exc}".splitlines()[0][:_MAX_MESSAGE]
         if fault is None:
