@@ -127,7 +127,8 @@ def synthetic_traffic(model: str):
             gateway.request_started("Embed")
             gateway.embed_tokenized(1.0, 120)
             worker.observe_claim(0.001)
-            worker.observe_batch([100, 120, 200], token_budget=512, forward_s=0.02)
+            # every other batch replayed from a CUDA graph (workers/cuda_graphs.py)
+            worker.observe_batch([100, 120, 200], token_budget=512, forward_s=0.02, graphed=n % 2 == 0)
             if n % 4 == 0:  # a light batch run inside a heavy forward now and then
                 worker.observe_preemption()
             worker.heartbeat()

@@ -46,6 +46,7 @@ class FaultyEngine:
         self.forwards: list[int] = []  # sequences per forward attempt
         self.seen_ids: set[int] = set()
         self.raised: list[weakref.ref] = []
+        self.captures: list[tuple[int | None, int]] = []  # (max_tokens, forwards before it)
 
     def warmup(self, num_tokens: int) -> None:
         pass
@@ -53,6 +54,7 @@ class FaultyEngine:
     last_graphed = False
 
     def capture_graphs(self, max_tokens: int | None = None) -> int:
+        self.captures.append((max_tokens, len(self.forwards)))
         return 0
 
     def embed(self, batch: PackedBatch) -> np.ndarray:
@@ -131,6 +133,13 @@ async def test_an_input_the_model_fails_on_fails_alone_and_its_batch_mates_are_a
     # bisection: one forward per level and side, not one per item
     assert len(engine.forwards) <= 1 + 2 * math.ceil(math.log2(16)) < 1 + 16
     assert released and all(released), "memory released while the exception was still alive"
+
+
+async def test_the_worker_captures_cuda_graphs_up_to_its_budget_before_its_first_forward(redis_url, minilm):
+    engine = FaultyEngine(minilm)
+    results, *_ = await _serve(redis_url, engine, [[101, 2023, 102]])
+    assert results[0].ok and engine.forwards == [1]
+    assert engine.captures == [(4096, 0)]  # once, with the worker's budget, before any forward
 
 
 async def test_token_id_past_the_vocabulary_is_invalid_argument_before_the_forward(redis_url, minilm):
