@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
+import socket
 import sys
 
 import click
@@ -38,6 +40,22 @@ def _run_child(gateway_values: dict, queue_values: dict, listening, procs: int) 
     _run_one(gateway_values, queue_values, SiblingProcesses(listening, procs))
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a socket already listens on ``host:port``. The gateway's own sockets set
+    SO_REUSEPORT, so that its ``--procs`` share one port; the same option would let it join
+    another process's port (a second gateway, another `tokq up`) without an error and take a
+    share of its calls. So the port is tried first with a plain bind, which fails if anything
+    listens there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+        try:
+            sock.bind((host or "0.0.0.0", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE  # others (an address not here): the server says
+    return False
+
+
 @click.command("gateway")
 @cfg.click_options(cfg.GatewayConfig, cfg.QueueConfig)
 @click.option("--procs", type=click.IntRange(1, 256), default=1, show_default=True,
@@ -57,6 +75,11 @@ def gateway_command(procs: int, **values) -> None:
         loop_factory(base.event_loop)  # uvloop asked for and missing
     except cfg.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    busy = [f"{name} port {port}" for name, port in (("gRPC", base.port), ("HTTP", base.http_port))
+            if port and port_in_use(base.host, port)]
+    if busy:
+        raise click.UsageError(f"{' and '.join(busy)} on {base.host or '0.0.0.0'} already in use (another "
+                               "gateway?): choose another --port / --http-port, or stop that process")
     if procs <= 1:
         _run_one(gateway_values, queue_values)
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,6 +151,8 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         assert sum(per_gateway) == 40 and min(per_gateway) >= 1, per_gateway
         worker_page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 2}/metrics", timeout=10).read()
         assert b"tokq_worker_" in worker_page
+        # on tokq up's host (loopback by default), as the gateways' are; not on every interface
+        assert _listen_addresses(metrics_port + 2) == {"127.0.0.1"}
         # One gateway process dying ends the gateway, and tokq up with it: nothing half-serves.
         everything += [*proc_cpu.children(proc.pid), *gateways]
         os.kill(gateways[1], signal.SIGKILL)
@@ -161,3 +164,15 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
             proc.communicate(timeout=60)
     time.sleep(0.5)
     assert gateways and [pid for pid in everything if alive(pid)] == []
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """The IPv4 addresses a socket listens on ``port`` at (/proc/net/tcp)."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, local_port = local.split(":")
+            if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
+                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found

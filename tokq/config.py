@@ -140,6 +140,8 @@ class WorkerConfig(_Validated):
                            "this process may use (affinity, cgroup quota)", min=0, max=4096)
     heartbeat_ms: int = setting(2_000, "how often the worker reports alive", min=50, max=600_000)
     metrics_port: int = setting(0, "Prometheus port (0 = no metrics endpoint)", **_PORT_OR_OFF)
+    metrics_host: str = setting("0.0.0.0", "address the metrics endpoint listens on (all interfaces: "
+                                "Prometheus scrapes workers from other hosts; tokq up passes its --host)")
     hung_forward_ms: int = setting(30_000, "a forward running past max(this, 20x the warmup "
                                    "forward at the full budget) is hung: the worker drops its "
                                    "heartbeat and leases and exits (code 3) for its supervisor",

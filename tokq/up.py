@@ -85,14 +85,14 @@ def up_command(**values) -> None:
     queue_conf = cfg.load_or_exit(cfg.QueueConfig, queue_values)
     cpus = usable_cpus()
     num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
+    host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
+    port = conf.port or free_port(host)
+    threads = threads_per_worker(num_workers, cpus)
     embedded = None
     redis_url = conf.redis_url
     if not redis_url:
         embedded = EmbeddedRedis(binary=conf.redis_server or None).start()
         redis_url = embedded.url
-    host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
-    port = conf.port or free_port(host)
-    threads = threads_per_worker(num_workers, cpus)
     # Every setting resolved here reaches the children explicitly: what this process was told
     # (flags or TOKQ_*) is what they run with.
     env = {**os.environ, cfg.env_var("redis_url"): redis_url,
@@ -107,7 +107,8 @@ def up_command(**values) -> None:
         args = ["worker", *common, "--device", conf.device, "--dtype", conf.dtype, "--worker-id", f"up-{i}",
                 "--threads", str(threads), "--token-budget", str(conf.token_budget),
                 "--latency-goal-ms", str(conf.latency_goal_ms),
-                "--metrics-port", str(metrics_port + num_gateways + i if metrics_port else 0)]
+                "--metrics-port", str(metrics_port + num_gateways + i if metrics_port else 0),
+                "--metrics-host", host]
         return args
 
     def shutdown(*_):

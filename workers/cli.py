@@ -41,7 +41,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
             engine.info.name, worker_id, model_config=engine.info.config,
             peak_flops=device_peak_flops(engine.device), device=str(engine.device),
             dtype=str(engine.dtype).removeprefix("torch."))
-        metrics.start_metrics_server(config.metrics_port)
+        metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host)
     worker = Worker(engine, ShardedQueue(client, engine.info.queue_name, queue_config), config, queue_config,
                     worker_id=worker_id, observer=observer)
     loop = asyncio.get_running_loop()
