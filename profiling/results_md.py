@@ -81,7 +81,7 @@ def command_line(ctx: click.Context | None = None, group: str = "tokq bench") ->
         if ctx.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE:
             continue
         value = ctx.params[param.name]
-        values = list(value) if param.multiple else [value]
+        values = [_masked(v) for v in (list(value) if param.multiple else [value])]
         if isinstance(param, click.Argument):
             words += [str(v) for v in values]
             continue
@@ -92,6 +92,15 @@ def command_line(ctx: click.Context | None = None, group: str = "tokq bench") ->
             for v in values:
                 words += [opt, *(map(str, v) if isinstance(v, tuple) else [str(v)])]
     return shlex.join(words)
+
+
+def _masked(value):
+    """A URL's password (a Redis URL typed on the command line) never reaches a results file."""
+    if isinstance(value, str) and "://" in value:
+        from tokq.redis_server import redact_url
+
+        return redact_url(value)
+    return value
 
 
 def machine_cores(cpus: int | None = None, *, capital: bool = False) -> str:

@@ -104,6 +104,34 @@ def test_apply_refuses_when_no_batch_fits_the_ceiling(tmp_path, redis_url):
     assert json.loads((tmp_path / "p.json").read_text())["recommended_budget"] is None
 
 
+def test_apply_with_no_redis_answering_fails_before_the_sweep_naming_the_url_masked(tmp_path):
+    from tokq.redis_server import free_port
+
+    url = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"  # nothing listens there
+    result = CliRunner().invoke(profile_command, SHORT_GRID + ["--out", str(tmp_path / "p.json"), "--apply",
+                                                               "--redis-url", url])
+    assert result.exit_code == 1, result.output
+    assert "no Redis answers at redis://:***@127.0.0.1" in result.output and "s3cret-pw" not in result.output
+    assert not (tmp_path / "p.json").exists()  # refused before the sweep, not after it
+
+
+def test_a_redis_password_typed_on_the_command_line_is_masked_in_output_and_results(tmp_path):
+    from tokq.redis_server import EmbeddedRedis
+
+    results = tmp_path / "RESULTS.md"
+    with EmbeddedRedis() as server:  # a generated password, as tokq up's
+        password = server.password
+        args = ["--device", "cpu", "--min-tokens", "4", "--max-tokens", "16", "--points-per-doubling", "1",
+                "--time-per-point-s", "0.05", "--min-repeats", "1", "--out", str(tmp_path / "p.json"),
+                "--threads", "1", "--results-md", str(results), "--quiet", "--slo-p99-ms", "1e9",
+                "--apply", "--redis-url", server.url]
+        result = invoke(args)
+    assert result.exit_code == 0, result.output
+    assert "published token budget" in result.output and ":***@127.0.0.1" in result.output
+    assert password not in result.output and password not in results.read_text()
+    assert "--redis-url 'redis://:***@127.0.0.1" in results.read_text()
+
+
 @pytest.mark.parametrize("args, message", [(["--min-tokens", "64", "--max-tokens", "16"], "min_tokens"),
                                            (["--min-repeats", "0"], "min_repeats"),
                                            (["--slo-p99-ms", "0"], "slo-p99-ms")])

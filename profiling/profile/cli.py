@@ -18,6 +18,25 @@ from tokq.latency_goal import DEFAULT_SLO_P99_MS
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+def check_reachable(redis_url: str) -> None:
+    """``--apply``: Redis answers at ``redis_url``, else a one-line error naming it (password
+    masked)."""
+    import redis
+
+    from tokq.connection import connect_sync
+    from tokq.redis_server import redact_url
+
+    try:
+        client = connect_sync(redis_url)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as exc:
+        raise click.ClickException(f"--apply: no Redis answers at {redact_url(redis_url)} "
+                                   f"({type(exc).__name__}: {exc}); nothing profiled") from None
+
+
 def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
     """Publish the queue's budget with the queue's own writer (tokq.queue.Queue.set_budget);
     running workers poll it. Returns the key."""
@@ -104,6 +123,8 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
                    else workload.generate(num_queries, seed=seed))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if apply_budget:
+        check_reachable(redis_url)  # now, not after a sweep of minutes
 
     from tokq.workers.device import use_threads
     from tokq.workers.engine import Engine
@@ -142,8 +163,10 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
         budget = report["recommended_budget"]
         if budget is None:
             raise click.ClickException("no budget to apply: " + report["summary"])
+        from tokq.redis_server import redact_url
+
         key = publish_budget(redis_url, engine.info.queue_name, budget)
-        click.echo(f"published token budget {budget} to {key} at {redis_url}")
+        click.echo(f"published token budget {budget} to {key} at {redact_url(redis_url)}")
 
 
 def block_name(report: dict) -> str:
