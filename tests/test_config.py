@@ -56,6 +56,7 @@ def test_every_numeric_field_has_a_range():
     ("gateway", [], {"TOKQ_MAX_ATTEMPTS": "0"}, "env TOKQ_MAX_ATTEMPTS"),
     ("gateway", ["--tls-cert", "a.pem"], {}, "tls_cert and tls_key go together"),
     ("worker", [], {"TOKQ_LEASE_MS": "soon"}, "TOKQ_LEASE_MS: expected int, got 'soon'"),
+    ("worker", ["--attn-backend", "bogus"], {}, "'bogus' is not one of"),
 ])
 def test_a_bad_value_is_one_line_and_exit_status_2(name, args, env, needle):
     env = {**os.environ, **env, "PYTHONWARNINGS": "ignore"}
@@ -65,6 +66,12 @@ def test_a_bad_value_is_one_line_and_exit_status_2(name, args, env, needle):
     errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and needle in errors[0], run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_the_attention_backends_a_flag_takes_are_the_workers():
+    from tokq.workers import attention
+
+    assert cfg.ATTN_BACKENDS == ("auto", *attention.BACKENDS)
 
 
 def test_flags_beat_env_vars_beat_defaults():

@@ -134,6 +134,8 @@ def test_a_redis_password_typed_on_the_command_line_is_masked_in_output_and_resu
 
 @pytest.mark.parametrize("args, message", [(["--min-tokens", "64", "--max-tokens", "16"], "min_tokens"),
                                            (["--min-repeats", "0"], "min_repeats"),
+                                           (["--num-queries", "0"], "--num-queries"),
+                                           (["--out", "/nonexistent/p.json"], "its folder does not exist"),
                                            (["--slo-p99-ms", "0"], "slo-p99-ms")])
 def test_bad_sweep_flags_are_usage_errors(args, message):
     result = CliRunner().invoke(profile_command, ["--device", "cpu", *args])

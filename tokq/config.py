@@ -19,6 +19,9 @@ T = TypeVar("T")
 
 # dtypes a worker can run in; workers/ may narrow this per device.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# attention backends (workers/attention.py BACKENDS, kept equal by tests/test_config.py)
+ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "cpu_varlen", "sdpa_packed", "sdpa_grouped",
+                 "sdpa_loop")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # the gateway's (gateway/event_loop.py)
 
 
@@ -128,8 +131,8 @@ class WorkerConfig(_Validated):
     dtype: str = setting("auto", "weights and activations dtype; auto = bf16 where the device "
                          "runs it natively (sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on "
                          "sm70-75 GPUs, else fp32", choices=DTYPES)
-    attn_backend: str = setting("auto", "auto | flash_attn | torch_varlen | cpu_varlen | "
-                                "sdpa_packed | sdpa_grouped | sdpa_loop")
+    attn_backend: str = setting("auto", "attention kernel; auto = the first that runs here "
+                                "(workers/attention.py)", choices=ATTN_BACKENDS)
     token_budget: int = setting(0, "tokens per batch; 0 = the published budget (tokq profile "
                                 "--apply), else a per-device default cut to fit --latency-goal-ms",
                                 min=0, max=10_000_000)

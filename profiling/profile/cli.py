@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from tokq.config import DTYPES, WorkerConfig
+from tokq.config import ATTN_BACKENDS, DTYPES, WorkerConfig
 from tokq.latency_goal import DEFAULT_SLO_P99_MS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -69,14 +69,16 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
 @click.option("--dtype", default="auto", envvar="TOKQ_DTYPE", show_default=True,
               type=click.Choice(DTYPES), help="auto: bf16 where the device runs it natively "
               "(sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on sm70-75 GPUs, else fp32.")
-@click.option("--attn-backend", default="auto", envvar="TOKQ_ATTN_BACKEND", show_default=True)
+@click.option("--attn-backend", default="auto", envvar="TOKQ_ATTN_BACKEND", show_default=True,
+              type=click.Choice(ATTN_BACKENDS))
 @click.option("--cuda-graph-tokens", type=click.IntRange(min=0), default=WorkerConfig.cuda_graph_tokens, envvar="TOKQ_CUDA_GRAPH_TOKENS",
               show_default=True, help="CUDA: batches of at most this many tokens replay CUDA graphs, as "
               "the worker's do (0: every forward eager).")
 @click.option("--workload", "workload_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help='JSONL workload ({"id","text","tokens","t"} per line) for the length mix '
                    "[default: generated short queries].")
-@click.option("--num-queries", default=4000, show_default=True, help="Size of the generated workload.")
+@click.option("--num-queries", default=4000, show_default=True, type=click.IntRange(min=1),
+              help="Size of the generated workload.")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--min-tokens", default=16, show_default=True, help="Smallest batch on the grid.")
 @click.option("--max-tokens", default=16384, show_default=True, help="Largest batch on the grid.")
@@ -123,8 +125,11 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
                    else workload.generate(num_queries, seed=seed))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    for path in (out_path, plot_path, results_md):  # now, not after a sweep of minutes
+        if path and not Path(path).resolve().parent.is_dir():
+            raise click.UsageError(f"{path}: its folder does not exist")
     if apply_budget:
-        check_reachable(redis_url)  # now, not after a sweep of minutes
+        check_reachable(redis_url)
 
     from tokq.workers.device import use_threads
     from tokq.workers.engine import Engine
