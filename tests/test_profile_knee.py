@@ -144,6 +144,16 @@ def test_flat_curve_takes_the_largest_batch_and_says_the_grid_may_be_too_small()
     assert rec.token_budget == 16384 and rec.limited_by == "grid" and "--max-tokens" in rec.reason
 
 
+@pytest.mark.parametrize("stopped, says", [
+    ("a 181-token batch took 11 ms, over the 8 ms bound", "a larger --stop-ms may find a bigger budget"),
+    ("out of memory at 32768 tokens (OutOfMemoryError)", "larger batches ran out of memory"),
+])
+def test_a_sweep_cut_short_names_what_cut_it_not_max_tokens(stopped, says):
+    rec = recommend_budget(GRID, np.full(GRID.size, 5.0), fit_knee(GRID, np.full(GRID.size, 5.0)),
+                           stopped_reason=stopped)
+    assert rec.limited_by == "grid" and says in rec.reason and "--max-tokens" not in rec.reason
+
+
 def test_goal_must_be_positive():
     with pytest.raises(ValueError, match="goal"):
         recommend_budget(GRID, hinge_ms(GRID, 10.0, 600, 0.01), slo_p99_ms=0.0)

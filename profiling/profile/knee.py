@@ -136,8 +136,8 @@ def throughput_saturation(num_tokens: np.ndarray, latency_ms: np.ndarray,
 
 
 def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFit | None = None,
-                     slo_p99_ms: float = DEFAULT_SLO_P99_MS, fraction: float = SATURATION_FRACTION
-                     ) -> Recommendation:
+                     slo_p99_ms: float = DEFAULT_SLO_P99_MS, fraction: float = SATURATION_FRACTION,
+                     stopped_reason: str | None = None) -> Recommendation:
     """The budget that serves best under a p99 latency goal: the largest measured batch whose
     median forward keeps the goal reachable (tokq.latency_goal), but no larger than where
     throughput stops growing (``fraction`` of the peak). Grid points only.
@@ -172,8 +172,16 @@ def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFi
     tokens_per_s = float(x[at] / (y[at] / 1000.0))
     if budget == x[-1]:
         limited_by = "grid"
+        # what would measure larger batches: the sweep's end, or what cut it short
+        if stopped_reason is None:
+            larger = "a larger --max-tokens may find a bigger budget"
+        elif stopped_reason.startswith("out of memory"):
+            larger = f"larger batches ran out of memory ({stopped_reason})"
+        else:
+            larger = (f"the sweep stopped there ({stopped_reason}): a larger --stop-ms may find a "
+                      "bigger budget")
         why = (f"every batch measured fits the goal ({goal}) and throughput still grows at the largest, "
-               f"{budget} tokens: a larger --max-tokens may find a bigger budget")
+               f"{budget} tokens: {larger}")
     elif sat_tokens <= lat_tokens:
         limited_by = "throughput"
         why = (f"{budget} tokens reaches {fraction:.0%} of the peak throughput ({peak:,.0f} tokens/s); larger "

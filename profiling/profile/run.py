@@ -29,15 +29,16 @@ def device_name(device: object) -> str:
     return f"{cpu_name()}, {threads} thread{'' if threads == 1 else 's'}"
 
 
-def analyze(points: Sequence[Point], slo_p99_ms: float = DEFAULT_SLO_P99_MS
+def analyze(points: Sequence[Point], slo_p99_ms: float = DEFAULT_SLO_P99_MS, stopped_reason: str | None = None
             ) -> tuple[KneeFit | None, Recommendation | None]:
-    """Knee fit and recommended budget; (None, None) with fewer than 3 points."""
+    """Knee fit and recommended budget; (None, None) with fewer than 3 points.
+    ``stopped_reason``: why the sweep ended early (the recommendation's advice names it)."""
     if len(points) < 3:
         return None, None
     tokens = np.array([p.num_tokens for p in points], dtype=float)
     latency_ms = np.array([p.median_ms for p in points])
     fit = fit_knee(tokens, latency_ms)
-    return fit, recommend_budget(tokens, latency_ms, fit, slo_p99_ms)
+    return fit, recommend_budget(tokens, latency_ms, fit, slo_p99_ms, stopped_reason=stopped_reason)
 
 
 def _load_average() -> float | None:
@@ -65,7 +66,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, slo_p9
                             lead=len(token_ids.prefix))
     result = sweep(engine.embed, make_batch, config, timer or timer_for(engine.device), on_progress,
                    batch_flops=getattr(engine, "batch_flops", None))
-    fit, rec = analyze(result.points, slo_p99_ms)
+    fit, rec = analyze(result.points, slo_p99_ms, result.stopped_reason)
     summary = describe(list(queries))
     report = {
         "model": engine.info.name,
