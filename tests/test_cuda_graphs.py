@@ -300,18 +300,13 @@ def test_a_heavy_forward_runs_eagerly_and_light_work_nested_in_it_replays_a_grap
 
 def test_a_batch_outcome_says_whether_its_forward_replayed_a_graph(tiny_bf16, monkeypatch):
     """What the worker counts in tokq_worker_graphed_batches_total."""
-    from tokq.entry import encode_body, format_entry, parse_entry
     from tokq.workers.runner import BatchRunner
 
     _install(monkeypatch, "torch_varlen")
     _, graphed = _engines(tiny_bf16, "torch_varlen", max_tokens=64)
 
     def outcome(lens):
-        rng = np.random.default_rng(0)
-        bodies = [encode_body(rng.integers(1, VOCAB, size=n)) for n in lens]
-        entries = [parse_entry(format_entry(n, 0, f"r{i}", 0, 0, 0, body))
-                   for i, (n, body) in enumerate(zip(lens, bodies))]
-        return BatchRunner(graphed).run(types.SimpleNamespace(entries=entries, batch_id="b", now_ms=0))
+        return BatchRunner(graphed).run(_claim(lens))
 
     assert outcome([5, 9]).graphed is True
     assert outcome([60, 60]).graphed is False  # 120 tokens: past the graphs' 64
@@ -323,6 +318,43 @@ def test_a_batch_outcome_says_whether_its_forward_replayed_a_graph(tiny_bf16, mo
     monkeypatch.setattr(graphed, "embed", fails)
     failed = outcome([5, 9])  # every forward fails (bisected down to each item)
     assert failed.num_failed == 2 and failed.graphed is False  # not the last batch's flag
+
+
+def test_a_heavy_batch_outcome_is_not_graphed_by_the_light_batch_nested_in_it(tiny_bf16, monkeypatch):
+    """One runner runs both (the worker's): the nested light batch replays a graph, the heavy
+    one around it does not, and each outcome says so of its own forward."""
+    from tokq.workers.preempt import Preemption
+    from tokq.workers.runner import BatchRunner
+
+    _install(monkeypatch, "torch_varlen")
+    _, graphed = _engines(tiny_bf16, "torch_varlen")
+    runner = BatchRunner(graphed)
+    preemption = Preemption(runner.run)
+    loop = asyncio.new_event_loop()
+    offered = []
+
+    def heavy_run():
+        offered.append(preemption.offer(_claim([7, 3], batch_id="light"), loop))
+        return runner.run(_claim([60, 50, 40], batch_id="heavy"))
+
+    try:
+        heavy = preemption.heavy(heavy_run)
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    assert offered[0].result().graphed is True and heavy.graphed is False
+    assert heavy.num_failed == 0 and offered[0].result().num_failed == 0
+
+
+def _claim(lens, batch_id: str = "b"):
+    """A claim of one entry per length (random token ids), as the queue hands a worker."""
+    from tokq.entry import encode_body, format_entry, parse_entry
+
+    rng = np.random.default_rng(0)
+    bodies = [encode_body(rng.integers(1, VOCAB, size=n)) for n in lens]
+    entries = [parse_entry(format_entry(n, 0, f"r{i}", 0, 0, 0, body))
+               for i, (n, body) in enumerate(zip(lens, bodies))]
+    return types.SimpleNamespace(entries=entries, batch_id=batch_id, now_ms=0)
 
 
 def test_captured_before_serving_every_short_query_batch_finds_its_graph(tiny_bf16, monkeypatch):

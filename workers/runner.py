@@ -64,7 +64,6 @@ class BatchRunner:
         self.exit = exit
         self.release = release or (lambda: release_memory(engine.device))
         self.healthy = True
-        self._graphed = False  # a successful forward of the batch in hand replayed a CUDA graph
         self.vocab_size = int(engine.info.config.get("vocab_size") or 0)
         self.max_length = engine.info.max_length
 
@@ -80,9 +79,7 @@ class BatchRunner:
                 failures[i] = ("INVALID_ARGUMENT", reason)
         vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
         todo = [i for i in range(len(bodies)) if i not in failures]
-        self._graphed = False
-        if todo:
-            self._embed_into(bodies, todo, vectors, failures)
+        graphed = bool(todo) and self._embed_into(bodies, todo, vectors, failures)
         nonfinite = [i for i in todo if i not in failures and not np.isfinite(vectors[i]).all()]
         for i in nonfinite:
             failures[i] = ("INTERNAL", f"the model gave a non-finite (NaN/inf) vector for this input "
@@ -102,7 +99,7 @@ class BatchRunner:
             dims = body.dimensions or vectors.shape[1]
             queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
             results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [e.num_tokens for e in entries], forward_s, len(failures), self._graphed)
+        return BatchOutcome(results, [e.num_tokens for e in entries], forward_s, len(failures), graphed)
 
     def _invalid(self, body: Body) -> str | None:
         ids = body.token_ids
@@ -123,16 +120,15 @@ class BatchRunner:
         return self.engine.embed(batch)
 
     def _embed_into(self, bodies: list[Body], items: list[int], vectors: np.ndarray,
-                    failures: dict[int, tuple[str, str]]) -> None:
-        """Embed ``items`` into ``vectors``; on failure bisect until each bad item fails alone."""
-        fault = None
+                    failures: dict[int, tuple[str, str]]) -> bool:
+        """Embed ``items`` into ``vectors``; on failure bisect until each bad item fails alone.
+        True if a forward that succeeded replayed a CUDA graph. (Returned, not kept on the
+        runner: a light batch nested in this forward runs through this runner too.)"""
         try:
             vectors[items] = self._embed([bodies[i] for i in items])
-            self._graphed = self._graphed or self.engine.last_graphed  # set by that forward
+            return self.engine.last_graphed  # set by that forward, after any batch nested in it
         except Exception as exc:  # noqa: BLE001 - classified below, after the exception is gone
             fault, message = classify(exc), f"{type(exc).__name__}: {exc}".splitlines()[0][:_MAX_MESSAGE]
-        if fault is None:
-            return
         # Out of the except block: the exception and its traceback (the failed forward's
         # frames and activations) are released, so the memory can really be handed back.
         if fault is Fault.DEVICE:
@@ -140,11 +136,11 @@ class BatchRunner:
         self.release()
         if len(items) == 1:
             failures[items[0]] = ("INTERNAL", f"the worker failed on this input: {message}")
-            return
+            return False
         log.warning("%d-item forward failed (%s: %s); splitting it in two", len(items), fault.value, message)
         half = len(items) // 2
-        self._embed_into(bodies, items[:half], vectors, failures)
-        self._embed_into(bodies, items[half:], vectors, failures)
+        first = self._embed_into(bodies, items[:half], vectors, failures)
+        return self._embed_into(bodies, items[half:], vectors, failures) or first
 
     def _device_failed(self, message: str) -> None:
         self.healthy = False
