@@ -130,16 +130,13 @@ class Engine:
         if graphs is None:
             return 0
         before = graphs.num_graphs
-        vocab = int(self.info.config.get("vocab_size", 1000))
         out_of_memory = graphs.out_of_memory
         for shape in graphs.warm_shapes(max_tokens):
             full = graphs.num_graphs >= graphs.max_graphs
             if graphs.failed or full or graphs.out_of_memory > out_of_memory:
                 break  # out of memory: the rest are captured on first use, memory allowing
             per_seq, extra = divmod(shape.num_tokens, shape.num_seqs)
-            seqs = [np.arange(1, per_seq + (i < extra) + 1, dtype=np.int64) % vocab
-                    for i in range(shape.num_seqs)]
-            self.embed(PackedBatch.pack(seqs))
+            self.embed(self._synthetic_batch([per_seq + (i < extra) for i in range(shape.num_seqs)]))
         synchronize(self.device)
         return graphs.num_graphs - before
 
@@ -148,10 +145,13 @@ class Engine:
         pools and kernels are ready before the first real batch."""
         max_len = self.info.max_length
         lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        vocab = int(self.info.config.get("vocab_size", 1000))
-        seqs = [np.arange(1, n + 1, dtype=np.int64) % vocab for n in lens]
-        self.embed(PackedBatch.pack(seqs))
+        self.embed(self._synthetic_batch(lens))
         synchronize(self.device)
+
+    def _synthetic_batch(self, lens: list[int]) -> PackedBatch:
+        """Sequences of these lengths, valid token ids counting up (warm-ups, captures)."""
+        vocab = int(self.info.config.get("vocab_size", 1000))
+        return PackedBatch.pack([np.arange(1, n + 1, dtype=np.int64) % vocab for n in lens])
 
 
 def _fingerprint(info: ModelInfo) -> str:

@@ -71,9 +71,10 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
               "(sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on sm70-75 GPUs, else fp32.")
 @click.option("--attn-backend", default="auto", envvar="TOKQ_ATTN_BACKEND", show_default=True,
               type=click.Choice(ATTN_BACKENDS))
-@click.option("--cuda-graph-tokens", type=click.IntRange(min=0), default=WorkerConfig.cuda_graph_tokens, envvar="TOKQ_CUDA_GRAPH_TOKENS",
-              show_default=True, help="CUDA: batches of at most this many tokens replay CUDA graphs, as "
-              "the worker's do (0: every forward eager).")
+@click.option("--cuda-graph-tokens", type=click.IntRange(min=0), default=WorkerConfig.cuda_graph_tokens,
+              envvar="TOKQ_CUDA_GRAPH_TOKENS", show_default=True,
+              help="CUDA: batches of at most this many tokens replay CUDA graphs, as the worker's do "
+                   "(0: every forward eager).")
 @click.option("--workload", "workload_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help='JSONL workload ({"id","text","tokens","t"} per line) for the length mix '
                    "[default: generated short queries].")
