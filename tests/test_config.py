@@ -90,7 +90,7 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_PORT": str(port), "TOKQ_HOST": "127.0.0.1",
            "TOKQ_DEVICE": "cpu", "TOKQ_METRICS_PORT": "0", "TOKQ_HTTP_PORT": "0", "TOKQ_LEASE_MS": "4321",
-           "TOKQ_LATENCY_GOAL_MS": "1234"}
+           "TOKQ_LATENCY_GOAL_MS": "1234", "TOKQ_LEASE_MSS": "1"}
     env.pop("TOKQ_REDIS_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--redis-url", redis_url],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -110,6 +110,8 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
         for pid in children:  # the queue settings up resolved reach every child
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             assert b"TOKQ_LEASE_MS=4321" in environ and f"TOKQ_REDIS_URL={redis_url}".encode() in environ
+            assert not any(e.startswith(b"TOKQ_LEASE_MSS=") for e in environ)  # warned by up, not each child
+        assert text.count("TOKQ_LEASE_MSS is not a tokq setting") == 1
         with Client(f"127.0.0.1:{port}") as client:
             assert client.embed(["up honours TOKQ_*"], timeout=60).shape == (1, 384)
     finally:
@@ -160,3 +162,47 @@ def test_tokq_up_chooses_one_gateway_process_for_cpu_workers_and_more_for_gpu_wo
     assert [threads_per_worker(w, 9) for w in (1, 2, 3, 16)] == [8, 4, 2, 1]
     if not any(name.startswith("nvidia") for name in os.listdir("/dev")):
         assert cuda_present() is False  # answered without starting torch
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "CPU", "cpu:0"])
+def test_a_misspelled_device_is_a_usage_error_before_torch_loads(device):
+    for cls in (cfg.WorkerConfig, cfg.UpConfig):
+        with pytest.raises(cfg.ConfigError, match="device=.*is not auto | cpu | cuda | cuda:N"):
+            cfg.load(cls, {"device": device}, env={})
+    assert cfg.load(cfg.WorkerConfig, {"device": "cuda:3"}, env={}).device == "cuda:3"
+
+
+def test_a_worker_that_cannot_load_its_model_says_why_in_one_line():
+    result = CliRunner().invoke(worker_command, ["--model", "/nonexistent/model", "--redis-url",
+                                                 "redis://127.0.0.1:1/0"])
+    assert result.exit_code == 1 and not isinstance(result.exception, ValueError | FileNotFoundError)
+    assert "Error: model '/nonexistent/model' is neither" in result.output
+
+
+def _click_envvars(command: click.Command, ctx: click.Context | None = None) -> set[str]:
+    names = {p.envvar for p in command.params if isinstance(p.envvar, str)}
+    if isinstance(command, click.Group):
+        ctx = click.Context(command, parent=ctx)
+        for sub in command.list_commands(ctx):
+            names |= _click_envvars(command.get_command(ctx, sub), ctx)
+    return names
+
+
+def test_every_tokq_variable_a_command_reads_is_known():
+    from tokq.cli import main
+
+    declared = _click_envvars(main) | _click_envvars(worker_command)
+    assert {n for n in declared if n.startswith("TOKQ_")} <= cfg.known_env()
+    assert {"TOKQ_LATENCY_GOAL_MS", "TOKQ_CACHE_DIR", "TOKQ_TARGET"} <= cfg.known_env()
+
+
+def test_a_misspelled_tokq_variable_is_warned_with_the_names_it_is_close_to():
+    env = {"TOKQ_LATENCY_GOL_MS": "3", "TOKQ_LEASE_MS": "500", "TOKQ_NOTHING_LIKE_IT": "1", "PATH": "/"}
+    assert cfg.unknown_env(env) == {"TOKQ_LATENCY_GOL_MS": ["TOKQ_LATENCY_GOAL_MS", "TOKQ_REPLY_TTL_MS"],
+                                    "TOKQ_NOTHING_LIKE_IT": []}
+    out = subprocess.run([sys.executable, "-m", "tokq.cli", "embed", "--help"], capture_output=True, text=True,
+                         env={**os.environ, **env}, check=True)
+    assert "warning: TOKQ_LATENCY_GOL_MS is not a tokq setting and is ignored; did you mean " \
+           "TOKQ_LATENCY_GOAL_MS" in out.stderr
+    assert "TOKQ_NOTHING_LIKE_IT is not a tokq setting and is ignored\n" in out.stderr
+    assert "TOKQ_LEASE_MS" not in out.stderr

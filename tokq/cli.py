@@ -39,6 +39,9 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="tokq")
 def main() -> None:
     """tokq: token-count batching for embedding inference over Redis."""
+    from tokq.config import warn_unknown_env
+
+    warn_unknown_env()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,12 +28,14 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # the gateway's (gateway/event_loop
 
 def setting(default: Any, help: str, *, min: int | None = None, max: int | None = None,
             choices: tuple[str, ...] | None = None, flag: str | None = None,
-            default_text: str | None = None, secret: bool = False) -> Any:
-    """A config field: its default, one-line help, valid range (inclusive) or choices, and how
-    --help shows the default. ``flag`` overrides the generated ``--field-name``."""
+            default_text: str | None = None, secret: bool = False,
+            pattern: str | None = None) -> Any:
+    """A config field: its default, one-line help, valid range (inclusive), choices or a full-match
+    ``pattern`` (regex), and how --help shows the default. ``flag`` overrides the generated
+    ``--field-name``."""
     return dataclasses.field(default=default, metadata={
         "help": help, "min": min, "max": max, "choices": choices, "flag": flag,
-        "default_text": default_text, "secret": secret})
+        "default_text": default_text, "secret": secret, "pattern": pattern})
 
 
 def env_var(name: str) -> str:
@@ -59,6 +62,8 @@ def _check_range(f: dataclasses.Field, value: Any) -> None:
     lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{f.name}={value!r} is not one of {', '.join(choices)} {where}")
+    if meta.get("pattern") and not re.fullmatch(meta["pattern"], str(value)):
+        raise ConfigError(f"{f.name}={value!r} is not {f.metadata['help']} {where}")
     if isinstance(value, bool) or not isinstance(value, int | float):
         return
     if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -120,6 +125,10 @@ _LATENCY_GOAL_MS = setting(int(DEFAULT_SLO_P99_MS), "p99 latency goal an unset b
                            "the default)", min=0, max=86_400_000)
 
 
+# Checked here, so a typo ("gpu") is a usage error before torch loads.
+_DEVICE = setting("auto", "auto | cpu | cuda | cuda:N", pattern=r"auto|cpu|cuda(:\d+)?")
+
+
 @dataclass(frozen=True)
 class WorkerConfig(_Validated):
     redis_url: str = _REDIS_URL
@@ -127,7 +136,7 @@ class WorkerConfig(_Validated):
     model: str = _MODEL
     revision: str = _REVISION
     served_model_name: str = _SERVED_MODEL_NAME
-    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    device: str = _DEVICE
     dtype: str = setting("auto", "weights and activations dtype; auto = bf16 where the device "
                          "runs it natively (sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on "
                          "sm70-75 GPUs, else fp32", choices=DTYPES)
@@ -256,7 +265,7 @@ class UpConfig(_Validated):
     token_budget: int = setting(0, "fixed budget for the workers; 0 = published, else per device",
                                 min=0, max=10_000_000)
     latency_goal_ms: int = _LATENCY_GOAL_MS
-    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    device: str = _DEVICE
     dtype: str = setting("auto", "the workers' dtype (see tokq worker --help)", choices=DTYPES)
     gateway_procs: int = setting(0, "gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT): one "
                                     "serves up to ~3,000 calls/s, so a GPU host that serves more wants several; "
@@ -319,6 +328,43 @@ def load(cls: type[T], values: Mapping[str, Any] | None = None,
         if not _unset(values.get(name)):
             out[name] = _coerce(values[name], hints[name], name)
     return cls(**out)
+
+
+# TOKQ_ variables read outside the config classes, and where.
+OTHER_ENV = {
+    "TOKQ_CACHE_DIR": "workers/cpu_build.py: where the CPU kernels are built",
+    "TOKQ_DEVICE_PEAK_FLOPS": "tokq/flops.py: the device's peak, for MFU",
+    "TOKQ_TARGET": "tokq embed --target", "TOKQ_API_KEY": "tokq embed --api-key",
+    "TOKQ_BENCH_INFINITY_BIN": "tokq bench service --infinity-bin",
+    "TOKQ_TEST_REDIS_SERVER": "tests: the Redis server binary", "TOKQ_FAULTS_RESULTS": "tests",
+}
+
+
+def known_env() -> set[str]:
+    """Every TOKQ_ variable tokq reads: each config class's fields, and OTHER_ENV."""
+    fields = {f.name for cls in _Validated.__subclasses__() for f in dataclasses.fields(cls)}
+    return {env_var(name) for name in fields} | set(OTHER_ENV)
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> dict[str, list[str]]:
+    """TOKQ_ variables in ``env`` that tokq does not read (a typo is otherwise silently ignored),
+    each with the known names it is close to."""
+    import difflib
+
+    env = os.environ if env is None else env
+    known = sorted(known_env())
+    return {name: difflib.get_close_matches(name, known, n=2)
+            for name in sorted(env) if name.startswith("TOKQ_") and name not in known}
+
+
+def warn_unknown_env(env: Mapping[str, str] | None = None) -> None:
+    """One stderr line per unknown TOKQ_ variable: warned, not refused, since a fleet's
+    environment may carry a newer release's settings."""
+    import click
+
+    for name, close in unknown_env(env).items():
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        click.echo(f"warning: {name} is not a tokq setting and is ignored{hint}", err=True)
 
 
 def split(values: Mapping[str, Any], *classes: type) -> list[dict[str, Any]]:

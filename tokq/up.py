@@ -15,6 +15,7 @@ import time
 import click
 
 from tokq import config as cfg
+from tokq.address import host_port, local_host
 from tokq.health import ExitedDuringStartup, wait_for_health
 from tokq.host import usable_cpus
 from tokq.processes import die_with_parent, stop_all
@@ -95,7 +96,9 @@ def up_command(**values) -> None:
         redis_url = embedded.url
     # Every setting resolved here reaches the children explicitly: what this process was told
     # (flags or TOKQ_*) is what they run with.
-    env = {**os.environ, cfg.env_var("redis_url"): redis_url,
+    unknown = cfg.unknown_env()  # warned once, here: not again by each child
+    env = {**{k: v for k, v in os.environ.items() if k not in unknown},
+           cfg.env_var("redis_url"): redis_url,
            **{cfg.env_var(f.name): str(getattr(queue_conf, f.name))
               for f in dataclasses.fields(queue_conf)}}
     common = [*(["--model", conf.model] if conf.model else []),
@@ -121,24 +124,25 @@ def up_command(**values) -> None:
         procs.append(_spawn(gw_args, env))
         workers = [_spawn(worker_args(i), env) for i in range(num_workers)]
         procs += workers
-        shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        _wait_ready(f"{shown_host}:{port}", procs, timeout_s=120)
-        click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host}:{port} "
+        target = host_port(local_host(host), port)
+        _wait_ready(target, procs, timeout_s=120)
+        click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host_port(host, port)} "
                    f"(health and reflection on), {num_gateways} gateway process(es), {num_workers} worker(s)")
         if conf.http_port:
-            click.echo(f"  HTTP:    http://{shown_host}:{conf.http_port}/v1/embeddings (OpenAI-compatible)")
+            http_url = f"http://{host_port(local_host(host), conf.http_port)}/v1/embeddings"
+            click.echo(f"  HTTP:    {http_url} (OpenAI-compatible)")
         click.echo(f"  Redis:   {redact_url(redis_url)}" + (
             " (embedded, loopback, generated password)" if embedded else ""))
         if metrics_port:
             gateways = ", ".join(f":{metrics_port + j}" for j in range(1, num_gateways))
             ports = ", ".join(f"worker {i} :{metrics_port + num_gateways + i}" for i in range(num_workers))
-            click.echo(f"  metrics: gateway http://{shown_host}:{metrics_port}/metrics"
+            click.echo(f"  metrics: gateway http://{host_port(local_host(host), metrics_port)}/metrics"
                        f"{f' (and {gateways})' if gateways else ''}, {ports}")
-        click.echo(f"  try:     tokq embed --target {shown_host}:{port} \"hello world\"")
-        click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {shown_host}:{port} "
+        click.echo(f"  try:     tokq embed --target {target} \"hello world\"")
+        click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {target} "
                    "tokq.v1.Embedder/Embed")
         if conf.http_port:
-            click.echo(f"           curl http://{shown_host}:{conf.http_port}/v1/embeddings -H 'Content-Type: "
+            click.echo(f"           curl {http_url} -H 'Content-Type: "
                        f"application/json' -d '{{\"input\": \"hello\"}}'")
         click.echo("Ctrl-C stops everything.\n", nl=True)
         while True:

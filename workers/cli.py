@@ -25,11 +25,14 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     from tokq.workers.device import worker_threads
 
     torch.set_num_threads(worker_threads(config.threads))
-    engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
-                         attn_backend=config.attn_backend, name=config.served_model_name or None,
-                         revision=config.revision or None,
-                         prefix_cache_bytes=config.prefix_cache_mb << 20,
-                         cuda_graph_tokens=config.cuda_graph_tokens)
+    try:
+        engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
+                             attn_backend=config.attn_backend, name=config.served_model_name or None,
+                             revision=config.revision or None,
+                             prefix_cache_bytes=config.prefix_cache_mb << 20,
+                             cuda_graph_tokens=config.cuda_graph_tokens)
+    except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
+        raise click.ClickException(str(exc)) from None
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
     worker_id = worker_id or default_worker_id(engine.device)
     observer = None
@@ -116,4 +119,5 @@ def worker_command(worker_id, burst, check, this_host, **values) -> None:
 
 
 def main() -> None:
+    cfg.warn_unknown_env()
     worker_command(prog_name="tokq-worker")
