@@ -8,12 +8,14 @@ tail in [100, 512], everything is clipped to [3, 512]; arrivals are a Poisson pr
 
 A workload can also come from a JSONL file, one query per line:
 ``{"id": int, "text": str, "tokens": int, "t": seconds_since_start}`` ("text" may be null when
-only lengths matter). ``tokq profile --workload`` and the benchmarks read both the same way.
+only lengths matter; numbers finite and >= 0, "tokens" >= 1). ``tokq profile --workload`` and
+the benchmarks read both the same way.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,26 +90,55 @@ def load_jsonl(path: str | Path) -> list[Query]:
     """Read a JSONL workload; a malformed line raises ValueError naming the file and line."""
     path = Path(path)
     queries: list[Query] = []
-    with path.open(encoding="utf-8") as f:
+    # surrogateescape: bytes that are not UTF-8 reach the line they sit on, which names them.
+    with path.open(encoding="utf-8", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                num_tokens = int(row["tokens"])
-                if num_tokens < 1:
-                    raise ValueError(f"tokens must be >= 1, got {num_tokens}")
-                text = row.get("text")
-                if text is not None and not isinstance(text, str):
-                    raise ValueError(f"text must be a string or null, got {type(text).__name__}")
-                queries.append(Query(id=int(row.get("id", len(queries))), num_tokens=num_tokens,
-                                     t_s=float(row.get("t", 0.0)), text=text))
+                queries.append(_parse_line(line, default_id=len(queries)))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{line_no}: not a workload line "
                                  f'({{"id", "text", "tokens", "t"}}): {exc!r}') from None
     if not queries:
         raise ValueError(f"{path}: no queries")
     return queries
+
+
+def _parse_line(line: str, default_id: int) -> Query:
+    _check_utf8(line)
+    row = json.loads(line)
+    if not isinstance(row, dict):
+        raise ValueError(f"a line must be a JSON object, got {type(row).__name__}")
+    num_tokens = _number("tokens", row["tokens"], whole=True, minimum=1)
+    text = row.get("text")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"text must be a string or null, got {type(text).__name__}")
+    return Query(id=_number("id", row.get("id", default_id), whole=True, minimum=0), num_tokens=num_tokens,
+                 t_s=_number("t", row.get("t", 0.0), whole=False, minimum=0), text=text)
+
+
+def _check_utf8(line: str) -> None:
+    """A byte that is not UTF-8 was read as a lone surrogate, which will not encode back."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(line[exc.start]) - 0xDC00
+        raise ValueError(f"not UTF-8: byte 0x{byte:02x} at character {exc.start + 1}") from None
+
+
+def _number(key: str, value: object, *, whole: bool, minimum: int) -> int | float:
+    """A field's value, checked: a JSON number (true/false are not), finite (json reads NaN,
+    Infinity and 1e400 as floats), whole where ``whole``, and >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, got {json.dumps(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"{key} must be finite, got {value}")
+    if whole and value != int(value):
+        raise ValueError(f"{key} must be a whole number, got {value}")
+    if value < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, got {value}")
+    return int(value) if whole else float(value)
 
 
 def load_or_generate(path: str | Path | None, num_queries: int, seed: int = 1) -> tuple[list[Query], str]:

@@ -142,6 +142,19 @@ def test_bad_sweep_flags_are_usage_errors(args, message):
     assert result.exit_code == 2 and message in result.output
 
 
+@pytest.mark.parametrize("bad_line, message", [(b'{"tokens": 1e400}', "tokens must be finite, got inf"),
+                                               (b'{"tokens": 3, "t": NaN}', "t must be finite, got nan"),
+                                               (b'{"tokens": 3, "text": "caf\xe9"}', "not UTF-8: byte 0xe9")])
+def test_a_bad_workload_line_is_a_usage_error_naming_file_and_line(tmp_path, bad_line, message):
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b'{"tokens": 3}\n' + bad_line + b"\n")
+    result = CliRunner().invoke(profile_command, ["--device", "cpu", "--workload", str(path),
+                                                  "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 2 and result.exception.__class__ is SystemExit, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and "w.jsonl:2: " in error[0] and message in error[0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_on_a_machine_without_one_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(profile_command, ["--device", "cuda", "--out", str(tmp_path / "p.json")])

@@ -63,6 +63,45 @@ def test_bad_jsonl_line_is_named_by_line_number(tmp_path, bad_line):
         workload.load_jsonl(path)
 
 
+# JSON reads 1e400 as inf and NaN/Infinity as floats; true is an int to Python: none is a number here.
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"id": 1, "tokens": 1e400}', "tokens must be finite, got inf"),
+    ('{"id": 1, "tokens": 3, "t": NaN}', "t must be finite, got nan"),
+    ('{"id": 1, "tokens": 3, "t": Infinity}', "t must be finite, got inf"),
+    ('{"id": 1, "tokens": 3, "t": 1e400}', "t must be finite, got inf"),
+    ('{"id": -Infinity, "tokens": 3}', "id must be finite, got -inf"),
+    ('{"id": 1, "tokens": 3, "t": -0.5}', "t must be >= 0, got -0.5"),
+    ('{"id": -1, "tokens": 3}', "id must be >= 0, got -1"),
+    ('{"id": 1, "tokens": true}', "tokens must be a number, got true"),
+    ('{"id": true, "tokens": 3}', "id must be a number, got true"),
+    ('{"id": 1, "tokens": 3, "t": false}', "t must be a number, got false"),
+    ('{"id": 1, "tokens": "12"}', 'tokens must be a number, got "12"'),
+    ('{"id": 1, "tokens": 2.5}', "tokens must be a whole number, got 2.5"),
+    ('[1, 2]', "a line must be a JSON object, got list")])
+def test_numbers_must_be_finite_non_negative_and_not_booleans(tmp_path, bad_line, message):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"id": 0, "text": "ok", "tokens": 3, "t": 0.0}\n' + bad_line + "\n")
+    with pytest.raises(ValueError, match=r"w\.jsonl:2: ") as info:
+        workload.load_jsonl(path)
+    assert message in str(info.value)
+
+
+def test_whole_floats_are_whole_numbers(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"id": 4.0, "tokens": 7.0, "t": 2}\n')
+    assert workload.load_jsonl(path) == [workload.Query(id=4, num_tokens=7, t_s=2.0)]
+
+
+def test_bytes_that_are_not_utf8_are_named_by_line_number(tmp_path):
+    # Far past the first read buffer: the decoder used to fail there, naming no line.
+    lines = [b'{"id": %d, "text": "query %d", "tokens": 5}\n' % (i, i) for i in range(2000)]
+    lines[1500] = b'{"id": 1500, "text": "caf\xe9", "tokens": 5}\n'  # latin-1
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(ValueError, match=r"w\.jsonl:1501: .*not UTF-8: byte 0xe9 at character 26"):
+        workload.load_jsonl(path)
+
+
 def test_empty_workload_file_is_an_error(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")
