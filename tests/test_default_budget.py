@@ -211,5 +211,48 @@ async def test_the_worker_fits_to_half_the_goal_and_a_budget_published_later_tak
             assert time.monotonic() < deadline, "the newly published budget was not taken"
             await asyncio.sleep(0.05)
         assert worker.token_budget == new_budget
+        # withdrawn: back to what it served before, as a worker started now would
+        await q.redis.delete(q.keys.budget)
+        await _await_budget(q, "fit-model", ("fitted", status["token_budget"]))
         worker.stop()
         await asyncio.wait_for(run, 30)
+
+
+async def _await_budget(q, worker_id: str, expected: tuple[str, int]) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        beat = json.loads(await q.redis.get(q.keys.heartbeat(worker_id)))
+        if (beat["budget_source"], beat["token_budget"]) == expected:
+            return
+        assert time.monotonic() < deadline, f"{beat['budget_source']} {beat['token_budget']}, not {expected}"
+        await asyncio.sleep(0.05)
+
+
+@pytest_slow
+@pytest.mark.parametrize("withdraw", ["delete", "zero"])
+async def test_a_worker_started_on_a_published_budget_fits_its_default_once_that_is_withdrawn(
+        redis_url, engine, monkeypatch, withdraw):
+    """It never fitted (the published budget won at start); withdrawn, it serves the default, then
+    fits it while idle, to what a worker started without a published budget chooses."""
+    monkeypatch.setattr(engine, "warmup", lambda num_tokens: time.sleep(num_tokens * 0.0005))
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q:
+        fresh, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=600), "fit-fresh")
+        fresh.stop()
+        await asyncio.wait_for(run, 30)
+        assert status["budget_source"] == "fitted"
+        await q.set_budget(200)
+        try:
+            worker, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=600, heartbeat_ms=100),
+                                               "fit-withdrawn")
+            assert (status["budget_source"], status["token_budget"]) == ("published", 200)
+            if withdraw == "delete":
+                await q.redis.delete(q.keys.budget)
+            else:  # not a budget: `tokq profile --apply` never writes it, a hand-made SET could
+                await q.redis.set(q.keys.budget, 0)
+            await _await_budget(q, "fit-withdrawn", ("fitted", fresh.token_budget))
+            await _answer_one(q, q, "after-withdrawal")
+            worker.stop()
+            await asyncio.wait_for(run, 30)
+        finally:
+            await q.redis.delete(q.keys.budget)

@@ -146,6 +146,10 @@ class Worker:
         # Where token_budget came from: "set" (--token-budget), "published" (tokq profile
         # --apply), "default" or "fitted" (the default cut to the latency goal at start).
         self.budget_source = "set" if config.token_budget else "default"
+        # What a published budget replaced, served again if it is withdrawn (fitted once idle
+        # when it never was: a worker started then would fit it, and the fleet should agree).
+        self._unpublished = (self.token_budget, self.budget_source)
+        self._refit = False
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
         self.num_batches = 0
@@ -212,6 +216,9 @@ class Worker:
                     heavy = False
                     next_claim = asyncio.create_task(self._claim())
                     continue
+                if self._refit:  # idle, no forward running: the engine is free to time one
+                    self._refit = False
+                    await self._fit_default_budget()
                 await self._wait_for_work()
                 next_claim = asyncio.create_task(self._claim())
                 continue
@@ -495,9 +502,12 @@ class Worker:
                                       max_forward_ms(self.config.latency_goal_ms))
         (log.info if fit.fits else log.warning)("%s; p99 goal %d ms", fit.describe(),
                                                 self.config.latency_goal_ms)
+        if self.budget_source == "published":  # published while the fit ran: that wins
+            return
         if fit.budget != self.token_budget:
             self.token_budget = fit.budget
             self.budget_source = "fitted"
+        self._unpublished = (self.token_budget, self.budget_source)
 
     async def _refresh_budget(self) -> None:
         # Also the shards in use: gateways may have raised (or lowered) the shard count.
@@ -507,10 +517,17 @@ class Worker:
         if self.config.token_budget:
             return
         published = await self.queue.get_budget()
-        if published and (published != self.token_budget or self.budget_source != "published"):
-            log.info("token budget %d -> %d (published)", self.token_budget, published)
-            self.token_budget = published
-            self.budget_source = "published"
+        if published is not None and published > 0:
+            if published != self.token_budget or self.budget_source != "published":
+                log.info("token budget %d -> %d (published)", self.token_budget, published)
+                self.token_budget = published
+                self.budget_source = "published"
+        elif self.budget_source == "published":  # withdrawn (deleted, or not a positive count)
+            budget, source = self._unpublished
+            log.info("published budget withdrawn: token budget %d -> %d (%s)", self.token_budget,
+                     budget, source)
+            self.token_budget, self.budget_source = budget, source
+            self._refit = source == "default" and bool(self.config.latency_goal_ms)
 
     async def _watch_budget(self) -> None:
         await self._every(BUDGET_REFRESH_S, self._refresh_budget)
