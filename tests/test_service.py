@@ -383,12 +383,16 @@ def test_worker_check_reports_liveness(stack):
     import subprocess
     import sys
 
-    def check(worker_id):
-        return subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--check", "--worker-id", worker_id,
-                               "--redis-url", stack.redis.url], capture_output=True).returncode
+    def check(worker_id, flag=True):
+        args, env = ["--worker-id", worker_id], os.environ
+        if not flag:
+            args, env = [], {**os.environ, "TOKQ_WORKER_ID": worker_id}
+        return subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--check", *args,
+                               "--redis-url", stack.redis.url], capture_output=True, env=env).returncode
 
     assert check("w1") == 0
     assert check("w3") == 1  # stopped above
+    assert check("w3", flag=False) == 1  # TOKQ_WORKER_ID names it too (any worker is alive: w1)
 
 
 def test_redis_down_is_unavailable_promptly_and_service_recovers(stack, client):

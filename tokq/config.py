@@ -334,6 +334,7 @@ def load(cls: type[T], values: Mapping[str, Any] | None = None,
 OTHER_ENV = {
     "TOKQ_CACHE_DIR": "workers/cpu_build.py: where the CPU kernels are built",
     "TOKQ_DEVICE_PEAK_FLOPS": "tokq/flops.py: the device's peak, for MFU",
+    "TOKQ_WORKER_ID": "tokq worker --worker-id",
     "TOKQ_TARGET": "tokq embed --target", "TOKQ_API_KEY": "tokq embed --api-key",
     "TOKQ_BENCH_INFINITY_BIN": "tokq bench service --infinity-bin",
     "TOKQ_TEST_REDIS_SERVER": "tests: the Redis server binary", "TOKQ_FAULTS_RESULTS": "tests",

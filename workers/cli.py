@@ -98,8 +98,9 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = Fa
 
 @click.command("worker")
 @cfg.click_options(cfg.WorkerConfig, cfg.QueueConfig)
-@click.option("--worker-id", help="stable across restarts, names the worker's metrics "
-              "[default: hostname-device, e.g. node3-cuda0; workers sharing a device need their own]")
+@click.option("--worker-id", envvar="TOKQ_WORKER_ID",
+              help="stable across restarts, names the worker's metrics [env TOKQ_WORKER_ID; default: "
+                   "hostname-device, e.g. node3-cuda0; workers sharing a device need their own]")
 @click.option("--burst", is_flag=True, help="drain the queue, then exit (tests, batch jobs)")
 @click.option("--check", is_flag=True, help="liveness probe: exit 0 if the heartbeat is fresh, else 1")
 @click.option("--this-host", is_flag=True, help="with --check: only workers started here with the default id")
