@@ -173,3 +173,22 @@ def test_throughput_saturation_is_the_first_batch_near_the_peak():
     assert peak == pytest.approx(tokens_per_s.max())
     assert tokens_per_s[GRID == tokens][0] >= 0.9 * peak
     assert tokens_per_s[GRID < tokens].max() < 0.9 * peak and tokens == 1024
+
+
+# :g writes 10000 as '1e+04': a 10 s goal or a 1.5 s forward must print plainly, small values as before.
+@pytest.mark.parametrize("value, digits, text", [(0.93, 4, "0.93"), (22.0, 4, "22"), (0.04475, 4, "0.04475"),
+                                                 (5000.0, 4, "5,000"), (10_000.0, 4, "10,000"),
+                                                 (12_345.6, 4, "12,346"), (1e9, 4, "1,000,000,000"),
+                                                 (1500.0, 3, "1,500"), (1.26, 3, "1.26"), (1e-6, 4, "1e-06")])
+def test_numbers_print_plainly(value, digits, text):
+    from tokq.profiling.profile.numbers import plain
+
+    assert plain(value, digits) == text
+
+
+def test_a_10_second_goal_and_a_1500_ms_forward_are_not_in_e_notation():
+    latency = np.full(GRID.size, 1500.0)
+    fit = fit_knee(GRID, latency)
+    rec = recommend_budget(GRID, latency, fit, slo_p99_ms=10_000.0)
+    assert "of 1,500 ms up to" in fit.reason
+    assert "p99 <= 10,000 ms allows 5,000 ms per forward" in rec.reason and "e+" not in rec.reason

@@ -8,6 +8,7 @@ on the real clock is exercised in test_profile_cli.py.
 from __future__ import annotations
 
 import gc
+import io
 import json
 import weakref
 from dataclasses import dataclass, field
@@ -274,6 +275,39 @@ def test_figure_and_summary_without_a_fit(bundled_model_dir, tmp_path):
     assert report["fit"] is None and report["recommended_budget"] is None
     assert "Too few points" in report["summary"]
     assert imread(plot_profile(report, tmp_path / "p.png")).shape[:2] == (700, 800)
+
+
+def test_a_workload_with_some_texts_is_labelled_mixed(bundled_model_dir):
+    from tokq.profiling.profile.cli import markdown_block
+
+    queries = [workload.Query(q.id, q.num_tokens, q.t_s, text=f"query {q.id}" if q.id < 300 else None)
+               for q in workload.generate(1000)]
+    fwd = SimulatedForward(hinge())
+    report = run_profile(SimulatedEngine(ModelInfo.load(bundled_model_dir), fwd), queries, FAST,
+                         timer=WallTimer(fwd.clock))
+    label = "mixed: text for 300 of 1000 queries, random for the rest"
+    assert report["workload"]["token_ids"] == label  # was "random"
+    assert f"token ids {label}." in markdown_block(report, "tokq profile")
+    from tokq.profiling.profile.run import token_ids_label
+
+    assert token_ids_label(queries, has_tokenizer=False) == "random"  # no tokenizer reads the texts
+
+
+def test_a_10_second_goal_prints_plainly_in_summary_table_and_results_md(bundled_model_dir):
+    from rich.console import Console
+
+    from tokq.profiling.profile.cli import budget_table, markdown_block
+
+    fwd = SimulatedForward(hinge())
+    report = run_profile(SimulatedEngine(ModelInfo.load(bundled_model_dir), fwd), workload.generate(1000), FAST,
+                         slo_p99_ms=10_000.0, timer=WallTimer(fwd.clock))
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(budget_table(report))
+    table, block = console.export_text(), markdown_block(report, "tokq profile")
+    assert "Latency goal p99 <= 10,000 ms: a forward may take 5,000 ms" in report["summary"]
+    assert "10,000 ms" in table and "5,000 ms" in table and "| 10,000 ms | 5,000 ms |" in block
+    assert "flat at 8 ms" in report["summary"]  # small values as before
+    assert "e+" not in report["summary"] + table + block
 
 
 @pytest.mark.cuda

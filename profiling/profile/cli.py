@@ -14,6 +14,7 @@ import click
 
 from tokq.config import ATTN_BACKENDS, DTYPES, WorkerConfig
 from tokq.latency_goal import DEFAULT_SLO_P99_MS
+from tokq.profiling.profile.numbers import plain
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -186,7 +187,7 @@ def markdown_block(report: dict, command: str, plot: str | None = None) -> str:
     sweep, w, rec = report["sweep"], report["workload"], report["recommendation"] or {}
     points = report["points"]
     peak = max(points, key=lambda p: p["tokens_per_s"]) if points else None
-    fmt = lambda v, unit="": "–" if v is None else f"{v:,.4g}{unit}"  # noqa: E731
+    fmt = lambda v, unit="": "–" if v is None else f"{plain(v)}{unit}"  # noqa: E731
     lines = [
         f"## Profile (`tokq profile`): {report['model']} on {report['device_name']}", "",
         f"Command: `{command}`  ",
@@ -220,8 +221,8 @@ def budget_table(report: dict):
 
     rec = report["recommendation"]
     table = Table(title="token budget", show_header=False)
-    table.add_row("latency goal (p99)", f"{rec['slo_p99_ms']:,.4g} ms")
-    table.add_row("forward time it allows", f"{rec['max_batch_ms']:,.4g} ms")
+    table.add_row("latency goal (p99)", f"{plain(rec['slo_p99_ms'])} ms")
+    table.add_row("forward time it allows", f"{plain(rec['max_batch_ms'])} ms")
     table.add_row("largest batch within it", f"{rec['latency_cap_tokens']} tokens" if rec["latency_cap_tokens"]
                   else "none measured")
     table.add_row(f"{rec['saturation_fraction']:.0%} of peak throughput at",

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tokq.latency_goal import DEFAULT_SLO_P99_MS, max_forward_ms
+from tokq.profiling.profile.numbers import plain
 
 NUM_BREAK_CANDIDATES = 600
 # A rise smaller than this fraction of the flat latency (or than 3x the fit's noise) is no knee.
@@ -90,17 +91,17 @@ def fit_knee(num_tokens: np.ndarray, latency_ms: np.ndarray) -> KneeFit:
     rise = b * max(0.0, x[-1] - k) / a
     if rise < max(MIN_RISE_FRACTION, 3.0 * noise):
         a_flat, _, _ = _fit_at(x, y, w, x[-1])
-        return result("flat", f"latency stays within {rise:.0%} of {a_flat:.3g} ms up to "
+        return result("flat", f"latency stays within {rise:.0%} of {plain(a_flat, 3)} ms up to "
                               f"{x[-1]:.0f} tokens: no knee on this grid; it lies beyond the largest "
                               "batch measured", a=a_flat, b=0.0, k=float(x[-1]))
     num_flat = int((x <= k).sum())
     if num_flat < 2:
         overhead_ms = a - b * k  # the line's latency at zero tokens: the fixed cost per batch
         return result("linear", f"latency grows with tokens from the smallest batch ({x[0]:.0f} tokens): "
-                                "no flat stretch on this grid, so any knee lies below it (fixed "
-                                f"overhead {overhead_ms:.3g} ms, {b * 1000:.3g} ms per 1k tokens)")
-    return result("knee", f"latency is flat at {a:.3g} ms up to ~{k:.0f} tokens, then grows "
-                          f"{b * 1000:.3g} ms per 1k tokens")
+                                "no flat stretch on this grid, so any knee lies below it (fixed overhead "
+                                f"{plain(overhead_ms, 3)} ms, {plain(b * 1000, 3)} ms per 1k tokens)")
+    return result("knee", f"latency is flat at {plain(a, 3)} ms up to ~{k:.0f} tokens, then grows "
+                          f"{plain(b * 1000, 3)} ms per 1k tokens")
 
 
 # The latency model behind the budget: tokq/latency_goal.py.
@@ -160,12 +161,12 @@ def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFi
     within = np.cumprod(y <= ceiling_ms).astype(bool)  # a slow point caps everything above it
     common = dict(slo_p99_ms=float(slo_p99_ms), max_batch_ms=ceiling_ms, throughput_cap_tokens=sat_tokens,
                   peak_tokens_per_s=peak, saturation_fraction=fraction)
-    goal = f"p99 <= {slo_p99_ms:.4g} ms allows {ceiling_ms:.4g} ms per forward"
+    goal = f"p99 <= {plain(slo_p99_ms)} ms allows {plain(ceiling_ms)} ms per forward"
     if not within.any():
         return Recommendation(None, latency_ms=None, tokens_per_s=None, limited_by=None, latency_cap_tokens=None,
                               reason=f"no budget meets the goal: {goal}, and the smallest batch measured "
-                                     f"({x[0]:.0f} tokens) took {y[0]:.3g} ms: raise --slo-p99-ms or lower "
-                                     "--min-tokens", **common)
+                                     f"({x[0]:.0f} tokens) took {plain(y[0], 3)} ms: raise --slo-p99-ms or "
+                                     "lower --min-tokens", **common)
     lat_tokens = int(x[np.flatnonzero(within)[-1]])
     budget = min(lat_tokens, sat_tokens)
     at = int(np.flatnonzero(x == budget)[0])

@@ -17,6 +17,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tokq.profiling.profile.knee import KneeFit  # noqa: E402
+from tokq.profiling.profile.numbers import plain  # noqa: E402
 
 
 def _fit_from(report: dict) -> KneeFit | None:
@@ -52,7 +53,8 @@ def plot_profile(report: dict, path: str | Path) -> Path:
     rec = report.get("recommendation") or {}
     if rec.get("max_batch_ms"):
         ax_ms.axhline(rec["max_batch_ms"], color="grey", ls=":",
-                      label=f"goal p99 <= {rec['slo_p99_ms']:.4g} ms: forward <= {rec['max_batch_ms']:.4g} ms")
+                      label=f"goal p99 <= {plain(rec['slo_p99_ms'])} ms: "
+                            f"forward <= {plain(rec['max_batch_ms'])} ms")
     if rec.get("latency_cap_tokens"):
         ax_ms.axvline(rec["latency_cap_tokens"], color="grey", ls="-.", alpha=0.8,
                       label=f"largest batch within the goal: {rec['latency_cap_tokens']} tokens")
@@ -85,10 +87,10 @@ def plot_profile(report: dict, path: str | Path) -> Path:
     title = (f"tokq profile: {report['model']} on {report['device']} ({report['device_name']}), "
              f"{report['dtype']}")
     if rec.get("token_budget"):
-        title += (f"\nbudget {rec['token_budget']} tokens for p99 <= {rec['slo_p99_ms']:.4g} ms, "
+        title += (f"\nbudget {rec['token_budget']} tokens for p99 <= {plain(rec['slo_p99_ms'])} ms, "
                   f"limited by {rec['limited_by']}")
     elif rec:
-        title += f"\nno budget meets p99 <= {rec['slo_p99_ms']:.4g} ms"
+        title += f"\nno budget meets p99 <= {plain(rec['slo_p99_ms'])} ms"
     fig.suptitle(title, fontsize=10)
     path = Path(path)
     fig.savefig(path, dpi=100)

@@ -14,6 +14,7 @@ import numpy as np
 from tokq.host import cpu_name
 from tokq.latency_goal import DEFAULT_SLO_P99_MS, max_forward_ms
 from tokq.profiling.profile.knee import KneeFit, Recommendation, fit_knee, recommend_budget
+from tokq.profiling.profile.numbers import plain
 from tokq.profiling.profile.sweep import Point, SweepConfig, sweep, timer_for
 from tokq.profiling.profile.batches import BatchMaker, shared_prompt_ids, token_ids_for
 from tokq.profiling.workload import Query, describe
@@ -39,6 +40,17 @@ def analyze(points: Sequence[Point], slo_p99_ms: float = DEFAULT_SLO_P99_MS, sto
     latency_ms = np.array([p.median_ms for p in points])
     fit = fit_knee(tokens, latency_ms)
     return fit, recommend_budget(tokens, latency_ms, fit, slo_p99_ms, stopped_reason=stopped_reason)
+
+
+def token_ids_label(queries: Sequence[Query], has_tokenizer: bool) -> str:
+    """Where the batches' token ids came from: TokenIds tokenizes a query's text where it has one
+    (and the model a tokenizer), else draws random ids, so a file with some texts gets both."""
+    num_texts = sum(q.text is not None for q in queries) if has_tokenizer else 0
+    if num_texts == len(queries):
+        return "text"
+    if num_texts == 0:
+        return "random"
+    return f"mixed: text for {num_texts} of {len(queries)} queries, random for the rest"
 
 
 def _load_average() -> float | None:
@@ -81,7 +93,7 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, slo_p9
         # CPU timings depend on what else runs: the 1-minute load average before and after.
         "load_average": [load_before, _load_average()],
         "workload": {"source": workload_source, **summary,
-                     "token_ids": "text" if summary["has_texts"] and token_ids.has_tokenizer else "random"},
+                     "token_ids": token_ids_label(queries, token_ids.has_tokenizer)},
         "prompt": None if prompt_ids is None else {
             "name": engine.info.default_prompt_name, "tokens": int(prompt_ids.size),
             "counted": False},  # the budget counts the tokens after the prompt
@@ -128,8 +140,9 @@ def summarize(report: dict) -> str:
         parts.append("Too few points to fit a knee (3 needed): no budget recommended.")
         return " ".join(parts)
     parts.append(fit["reason"][0].upper() + fit["reason"][1:] + ".")
-    parts.append(f"Latency goal p99 <= {rec['slo_p99_ms']:.4g} ms: a forward may take {rec['max_batch_ms']:.4g} ms "
-                 f"(a request waits for the batch in progress, then rides in its own).")
+    parts.append(f"Latency goal p99 <= {plain(rec['slo_p99_ms'])} ms: a forward may take "
+                 f"{plain(rec['max_batch_ms'])} ms (a request waits for the batch in progress, then rides "
+                 "in its own).")
     lat_cap = (f"the largest batch within it is {rec['latency_cap_tokens']} tokens"
                if rec["latency_cap_tokens"] else "no batch measured is within it")
     parts.append(f"Throughput reaches {rec['saturation_fraction']:.0%} of its peak ({rec['peak_tokens_per_s']:,.0f} "
@@ -137,6 +150,7 @@ def summarize(report: dict) -> str:
     if rec["token_budget"] is None:
         parts.append(rec["reason"][0].upper() + rec["reason"][1:] + ".")
     else:
-        parts.append(f"Recommended token budget: {rec['token_budget']} ({rec['tokens_per_s']:,.0f} tokens/s at "
-                     f"{rec['latency_ms']:.3g} ms per batch), limited by {rec['limited_by']}: {rec['reason']}.")
+        parts.append(f"Recommended token budget: {rec['token_budget']} ({rec['tokens_per_s']:,.0f} tokens/s "
+                     f"at {plain(rec['latency_ms'], 3)} ms per batch), limited by {rec['limited_by']}: "
+                     f"{rec['reason']}.")
     return " ".join(parts)
