@@ -8,12 +8,12 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
-import socket
 import sys
 
 import click
 
 from tokq import config as cfg
+from tokq.address import bind_error
 
 
 def _run_one(gateway_values: dict, queue_values: dict, siblings=None) -> None:
@@ -46,14 +46,9 @@ def port_in_use(host: str, port: int) -> bool:
     another process's port (a second gateway, another `tokq up`) without an error and take a
     share of its calls. So the port is tried first with a plain bind, which fails if anything
     listens there."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
-        try:
-            sock.bind((host or "0.0.0.0", port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE  # others (an address not here): the server says
-    return False
+    error = bind_error(host, port, reuse_addr=True)  # SO_REUSEADDR: a port in TIME_WAIT is free
+    # Other errors (an address not on this machine, a name that does not resolve): the server says.
+    return error is not None and error.errno == errno.EADDRINUSE
 
 
 @click.command("gateway")

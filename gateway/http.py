@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tokq.address import bind_address
 from tokq.gateway.auth import ApiKeys
 from tokq.gateway.embedding import EmbedInput, Embedder, Timer
 from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, UnsupportedMediaType, to_http
@@ -217,11 +218,11 @@ class _Server(uvicorn.Server):
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket with SO_REUSEPORT, so `--procs` gateway processes share the HTTP port
     as they share the gRPC one. Port 0 picks a free port (read it from getsockname())."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family, address = bind_address(host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    sock.bind(address)
     sock.listen(2048)
     sock.setblocking(False)
     return sock

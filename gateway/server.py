@@ -30,6 +30,7 @@ from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.wire import add_embedder_service
 from tokq import config as cfg
 from tokq import metrics
+from tokq.address import host_port
 from tokq.connection import close_client, connect, connect_pubsub
 from tokq.model_info import ModelInfo
 from tokq.shards import ShardedQueue
@@ -135,7 +136,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
-    address = f"{config.host}:{config.port}"
+    address = host_port(config.host, config.port)
     port = (server.add_secure_port(address, credentials) if credentials
             else server.add_insecure_port(address))
     if port == 0:
@@ -178,14 +179,15 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         stats_tasks = [asyncio.create_task(_export_queue_stats(m.queue, name))
                        for name, m in models.items()]
     await readiness.start()
-    log.info("gateway %s serving %s on %s:%d (%s%s)%s", gid,
+    log.info("gateway %s serving %s on %s (%s%s)%s", gid,
              ", ".join(f"{name} (queue {m.info.queue_name})" for name, m in models.items()),
-             config.host, port, "TLS" if credentials else "plaintext",
+             host_port(config.host, port), "TLS" if credentials else "plaintext",
              ", mutual TLS" if config.tls_client_ca else "", f", HTTP on port {http_port}" if http_port else "")
     log.info("API keys %s; reflection %s; event loop %s; metrics %s", "required" if api_keys else "off",
              "on" if config.reflection else "off",
              type(asyncio.get_running_loop()).__module__.split(".")[0],
-             f"on {config.metrics_host or config.host}:{config.metrics_port}" if config.metrics_port else "off")
+             f"on {host_port(config.metrics_host or config.host, config.metrics_port)}"
+             if config.metrics_port else "off")
     # What start-up loaded (tokenizer, transformers, protobuf, gRPC: ~200,000 objects) lives as
     # long as the process: out of the cyclic collector's reach, its full collections stop
     # rescanning it on every few hundred calls (17% of the gateway's CPU before, by py-spy).

@@ -19,6 +19,7 @@ import redis
 from tokq.profiling.bench import proc_cpu
 from tokq.redis_server import free_port, free_port_block
 from service_stack import alive, ctrl_c_reaches_it, listening_ports, read_until_serving
+from test_address import needs_ipv6
 
 pytestmark = pytest.mark.slow
 
@@ -164,6 +165,35 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
             proc.communicate(timeout=60)
     time.sleep(0.5)
     assert gateways and [pid for pid in everything if alive(pid)] == []
+
+
+@needs_ipv6
+def test_tokq_up_serves_on_ipv6_loopback():
+    """`tokq up --host ::1`: gRPC, the HTTP API and the gateway's and worker's metrics all answer
+    at [::1] (it found no free port there with IPv4 sockets, and wrote ::1:port unbracketed)."""
+    from tokq import Client
+
+    port, http_port, metrics_port = free_port("::1"), free_port("::1"), free_port_block(2, "::1")
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--host", "::1", "--port", str(port),
+                             "--http-port", str(http_port), "--metrics-port", str(metrics_port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=ctrl_c_reaches_it)
+    try:
+        text = "".join(read_until_serving(proc))
+        # quoted: the brackets are a glob to a shell
+        assert f"--target '[::1]:{port}'" in text and f"curl 'http://[::1]:{http_port}/v1/embeddings'" in text
+        with Client(f"[::1]:{port}") as client:
+            assert client.embed(["over IPv6"], timeout=60).shape == (1, 384)
+        request = urllib.request.Request(f"http://[::1]:{http_port}/v1/embeddings", method="POST",
+                                         data=json.dumps({"input": "over IPv6"}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert len(reply["data"][0]["embedding"]) == 384
+        for metrics, family in ((metrics_port, b"tokq_gateway_"), (metrics_port + 1, b"tokq_worker_")):
+            assert family in urllib.request.urlopen(f"http://[::1]:{metrics}/metrics", timeout=10).read()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
 
 
 def _listen_addresses(port: int) -> set[str]:

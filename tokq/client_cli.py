@@ -11,7 +11,7 @@ import click
 @click.command("embed")
 @click.argument("texts", nargs=-1, required=True)
 @click.option("--target", default="localhost:50051", show_default=True, envvar="TOKQ_TARGET",
-              help="gateway address host:port")
+              help="gateway address host:port ([::1]:50051 for IPv6)")
 @click.option("--dimensions", type=int, help="Matryoshka truncation")
 @click.option("--prompt-name", help="a prompt the model defines, e.g. query")
 @click.option("--truncate/--no-truncate", default=False, help="cut over-long inputs to the model's limit")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import redis
 
+from tokq.address import host_port
 from tokq.processes import stop_all
 from tokq.redis_server import default_binary, exit_reason, free_port
 
@@ -93,7 +94,7 @@ class LocalCluster:
         return self.node_url(self.announced.get(self.nodes[0].port, self.nodes[0].port))
 
     def node_url(self, port: int) -> str:
-        return f"redis://{self.host}:{port}/0"
+        return f"redis://{host_port(self.host, port)}/0"
 
     @property
     def ports(self) -> list[int]:

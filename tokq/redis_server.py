@@ -13,7 +13,6 @@ import os
 import random
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,7 @@ from urllib.parse import quote
 import redis
 from redis.connection import parse_url
 
+from tokq.address import bind_error, host_port
 from tokq.processes import stop_all
 
 
@@ -46,12 +46,9 @@ def ephemeral_ports() -> range:
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
+    """Whether ``port`` binds on ``host`` (IPv4 or IPv6), without SO_REUSEADDR: a port in
+    TIME_WAIT is not free, nor is any port of an address not on this machine."""
+    return bind_error(host, port) is None
 
 
 def free_port(host: str = "127.0.0.1", offsets: tuple[int, ...] = (0,), taken=frozenset()) -> int:
@@ -98,7 +95,7 @@ def redact_url(url: str) -> str:
 
 
 class EmbeddedRedis:
-    """A throwaway Redis/Valkey server process on 127.0.0.1."""
+    """A throwaway Redis/Valkey server process on 127.0.0.1 (or ``host``: "::1" serves IPv6)."""
 
     def __init__(self, binary: str | None = None, port: int | None = None,
                  host: str = "127.0.0.1", password: str | None = None, tls: dict[str, str] | None = None) -> None:
@@ -122,8 +119,8 @@ class EmbeddedRedis:
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         if self.tls:
-            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={quote(self.tls['ca'])}"
-        return f"redis://{auth}{self.host}:{self.port}/0"
+            return f"rediss://{auth}{host_port(self.host, self.port)}/0?ssl_ca_certs={quote(self.tls['ca'])}"
+        return f"redis://{auth}{host_port(self.host, self.port)}/0"
 
     def _write_config(self) -> str:
         path = os.path.join(self._dir, "redis.conf")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -124,26 +125,29 @@ def up_command(**values) -> None:
         procs.append(_spawn(gw_args, env))
         workers = [_spawn(worker_args(i), env) for i in range(num_workers)]
         procs += workers
-        target = host_port(local_host(host), port)
+        local = local_host(host)  # what a client here dials: loopback for a wildcard --host
+        target = host_port(local, port)
         _wait_ready(target, procs, timeout_s=120)
         click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host_port(host, port)} "
                    f"(health and reflection on), {num_gateways} gateway process(es), {num_workers} worker(s)")
         if conf.http_port:
-            http_url = f"http://{host_port(local_host(host), conf.http_port)}/v1/embeddings"
+            http_url = f"http://{host_port(local, conf.http_port)}/v1/embeddings"
             click.echo(f"  HTTP:    {http_url} (OpenAI-compatible)")
         click.echo(f"  Redis:   {redact_url(redis_url)}" + (
             " (embedded, loopback, generated password)" if embedded else ""))
         if metrics_port:
             gateways = ", ".join(f":{metrics_port + j}" for j in range(1, num_gateways))
             ports = ", ".join(f"worker {i} :{metrics_port + num_gateways + i}" for i in range(num_workers))
-            click.echo(f"  metrics: gateway http://{host_port(local_host(host), metrics_port)}/metrics"
+            click.echo(f"  metrics: gateway http://{host_port(local, metrics_port)}/metrics"
                        f"{f' (and {gateways})' if gateways else ''}, {ports}")
-        click.echo(f"  try:     tokq embed --target {target} \"hello world\"")
-        click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {target} "
+        # Quoted where a shell would glob them (an IPv6 target's brackets: zsh stops at "no matches").
+        shell_target = shlex.quote(target)
+        click.echo(f"  try:     tokq embed --target {shell_target} \"hello world\"")
+        click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {shell_target} "
                    "tokq.v1.Embedder/Embed")
         if conf.http_port:
-            click.echo(f"           curl {http_url} -H 'Content-Type: "
-                       f"application/json' -d '{{\"input\": \"hello\"}}'")
+            click.echo(f"           curl {shlex.quote(http_url)} -H 'Content-Type: application/json' "
+                       "-d '{\"input\": \"hello\"}'")
         click.echo("Ctrl-C stops everything.\n", nl=True)
         while True:
             if procs[0].poll() is not None:

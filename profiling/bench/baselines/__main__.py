@@ -7,6 +7,8 @@ import signal
 
 import click
 
+from tokq.address import host_port
+
 
 @click.command()
 @click.option("--kind", type=click.Choice(["one-at-a-time", "onnx-one-at-a-time", "padded-batching"]), required=True)
@@ -48,8 +50,8 @@ def main(kind, port, host, model_path, device, max_batch_size, max_wait_ms, onnx
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(runner, model, port=port, host=host, stop=stop,
-                    on_ready=lambda p: click.echo(f"baseline {kind} serving on {host}:{p}", err=True))
+        await serve(runner, model, port=port, host=host, stop=stop, on_ready=lambda p: click.echo(
+            f"baseline {kind} serving on {host_port(host, p)}", err=True))
 
     asyncio.run(run())
 

@@ -16,6 +16,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tokq import __version__
+from tokq.address import host_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -97,9 +98,10 @@ async def serve(runner, model, *, port: int, host: str = "127.0.0.1", name: str 
     pb_grpc.add_EmbedderServicer_to_server(BaselineService(name, model, runner), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = host_port(host, port)
+    bound = server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {address}")
     await runner.start()
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
