@@ -53,8 +53,9 @@ def port_in_use(host: str, port: int) -> bool:
 
 @click.command("gateway")
 @cfg.click_options(cfg.GatewayConfig, cfg.QueueConfig)
-@click.option("--procs", type=click.IntRange(1, 256), default=1, show_default=True,
-              help="gateway processes sharing the port (SO_REUSEPORT); one tops out near 3,000 RPC/s")
+@click.option("--procs", type=click.IntRange(1, 256), default=1, envvar="TOKQ_PROCS",
+              help="gateway processes sharing the port (SO_REUSEPORT); one tops out near 3,000 RPC/s "
+                   "[env TOKQ_PROCS; default: 1]")
 def gateway_command(procs: int, **values) -> None:
     """Serve the tokq.v1.Embedder gRPC API in front of the Redis queue."""
     gateway_values, queue_values = cfg.split(values, cfg.GatewayConfig, cfg.QueueConfig)

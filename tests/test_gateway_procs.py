@@ -35,8 +35,10 @@ def stack():
         s.close()
 
 
-def _start(stack) -> list[int]:
-    stack.start_gateway("--procs", "2")
+def _start(stack, by_env: bool = False) -> list[int]:
+    if by_env:
+        stack.env["TOKQ_PROCS"] = "2"
+    stack.start_gateway(*([] if by_env else ["--procs", "2"]))
     deadline = time.monotonic() + 60
     while len(procs := gateway_children(stack.gateway.pid)) < 2:
         assert time.monotonic() < deadline, "two gateway processes never appeared"
@@ -57,8 +59,9 @@ def test_its_processes_die_with_it_when_it_is_killed_outright(stack):
     assert all(_gone(pid) for pid in procs)
 
 
-def test_asked_to_stop_it_exits_0(stack):
-    procs = _start(stack)
+@pytest.mark.parametrize("by_env", [False, True], ids=["flag", "TOKQ_PROCS"])
+def test_asked_to_stop_it_exits_0(stack, by_env):
+    procs = _start(stack, by_env)
     stack.gateway.send_signal(signal.SIGTERM)
     assert stack.gateway.wait(timeout=60) == 0
     assert all(_gone(pid) for pid in procs)

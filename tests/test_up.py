@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -206,3 +207,54 @@ def _listen_addresses(port: int) -> set[str]:
             if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
                 found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
     return found
+
+
+def test_tokq_up_takes_api_keys_from_a_flag_and_a_file(tmp_path):
+    """`tokq up --api-key K --api-key-file F`: its gateway takes calls with either key only, over
+    gRPC and HTTP; the flag's key reaches it in the environment, not on a command line."""
+    from tokq import Client, TokqError
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# one per line\nfrom-the-file\n")
+    port, http_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--http-port",
+                             str(http_port), "--metrics-port", "0", "--api-key", "from-the-flag",
+                             "--api-key-file", str(key_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_LATENCY_GOAL_MS": "0"},
+                            preexec_fn=ctrl_c_reaches_it)
+    try:
+        text = "".join(read_until_serving(proc))
+        assert "API keys required" in text and '-H "authorization: Bearer $TOKQ_API_KEY"' in text
+        assert "from-the-flag" not in text
+        for pid in proc_cpu.children(proc.pid):
+            assert "from-the-flag" not in " ".join(proc_cpu.cmdline(pid))
+        with Client(f"127.0.0.1:{port}") as client, pytest.raises(TokqError) as err:
+            client.embed(["no key"], timeout=60)
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        for key in ("from-the-flag", "from-the-file"):
+            with Client(f"127.0.0.1:{port}", api_key=key) as client:
+                assert client.embed([f"key {key}"], timeout=60).shape == (1, 384)
+        url = f"http://127.0.0.1:{http_port}/v1/embeddings"
+        body, json_type = json.dumps({"input": "over HTTP"}).encode(), {"Content-Type": "application/json"}
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST", headers=json_type),
+                                   timeout=60)
+        assert http_err.value.code == 401
+        request = urllib.request.Request(url, data=body, method="POST",
+                                         headers={**json_type, "Authorization": "Bearer from-the-file"})
+        assert len(json.loads(urllib.request.urlopen(request, timeout=60).read())["data"]) == 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--api-key-file", "/nonexistent/keys"], "api_key_file '/nonexistent/keys': No such file"),
+    (["--api-key", "a,b"], "an API key with a comma cannot reach the gateway"),
+])
+def test_tokq_up_refuses_api_keys_it_cannot_pass_on_before_starting_anything(args, message):
+    out = subprocess.run([sys.executable, "-m", "tokq.cli", "up", "--port", str(free_port()), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode in (1, 2) and message in out.stderr
+    assert "Redis" not in out.stdout + out.stderr  # stopped before the embedded Redis started

@@ -129,6 +129,12 @@ _LATENCY_GOAL_MS = setting(int(DEFAULT_SLO_P99_MS), "p99 latency goal an unset b
 _DEVICE = setting("auto", "auto | cpu | cuda | cuda:N", pattern=r"auto|cpu|cuda(:\d+)?")
 
 
+_API_KEYS = setting((), "accepted API key (repeatable; callers send 'authorization: Bearer <key>'). "
+                    "Visible in ps: prefer --api-key-file", flag="--api-key", secret=True,
+                    default_text="none")
+_API_KEY_FILE = setting("", "file with one accepted API key per line")
+
+
 @dataclass(frozen=True)
 class WorkerConfig(_Validated):
     redis_url: str = _REDIS_URL
@@ -213,11 +219,8 @@ class GatewayConfig(_Validated):
     tls_key: str = setting("", "PEM private key of --tls-cert")
     tls_client_ca: str = setting("", "PEM CA bundle: require client certificates signed by it "
                                  "(mutual TLS)")
-    api_keys: tuple[str, ...] = setting((), "accepted API key (repeatable; callers send "
-                                        "'authorization: Bearer <key>'). Visible in ps: prefer "
-                                        "--api-key-file", flag="--api-key", secret=True,
-                                        default_text="none")
-    api_key_file: str = setting("", "file with one accepted API key per line")
+    api_keys: tuple[str, ...] = _API_KEYS
+    api_key_file: str = _API_KEY_FILE
     http_port: int = setting(0, "OpenAI-compatible HTTP API port, on --host (0 = off)", **_PORT_OR_OFF)
     max_message_bytes: int = setting(0, "largest gRPC message or HTTP request body "
                                      "(larger: RESOURCE_EXHAUSTED / 413)", min=0, max=1 << 30,
@@ -275,6 +278,14 @@ class UpConfig(_Validated):
                                       "+(gateway processes)+i, as tokq up prints them (0 = none)",
                                 min=0, max=65_535 - 64 - 256)
     http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)
+    api_keys: tuple[str, ...] = _API_KEYS
+    api_key_file: str = _API_KEY_FILE
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any("," in key for key in self.api_keys):  # the gateway gets them comma-separated
+            raise ConfigError("an API key with a comma cannot reach the gateway in TOKQ_API_KEYS: "
+                              "put it in --api-key-file")
 
 
 def _base_type(typ: Any) -> Any:
@@ -334,7 +345,7 @@ def load(cls: type[T], values: Mapping[str, Any] | None = None,
 OTHER_ENV = {
     "TOKQ_CACHE_DIR": "workers/cpu_build.py: where the CPU kernels are built",
     "TOKQ_DEVICE_PEAK_FLOPS": "tokq/flops.py: the device's peak, for MFU",
-    "TOKQ_WORKER_ID": "tokq worker --worker-id",
+    "TOKQ_WORKER_ID": "tokq worker --worker-id", "TOKQ_PROCS": "tokq gateway --procs",
     "TOKQ_TARGET": "tokq embed --target", "TOKQ_API_KEY": "tokq embed --api-key",
     "TOKQ_BENCH_INFINITY_BIN": "tokq bench service --infinity-bin",
     "TOKQ_TEST_REDIS_SERVER": "tests: the Redis server binary", "TOKQ_FAULTS_RESULTS": "tests",

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -62,6 +63,18 @@ def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=None) -> i
     return max(1, min(AUTO_GATEWAY_PROCS_MAX, cpus // 4)) if on_gpu else 1
 
 
+def _api_keys(conf: cfg.UpConfig) -> dict[str, str]:
+    """The gateway's environment for ``conf``'s API keys (secrets travel there, not in argv),
+    checked as the gateway will check them."""
+    from tokq.gateway.auth import ApiKeys
+
+    try:
+        ApiKeys.from_config(cfg.GatewayConfig(api_keys=conf.api_keys, api_key_file=conf.api_key_file))
+    except cfg.ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    return {cfg.env_var("api_keys"): ",".join(conf.api_keys)} if conf.api_keys else {}
+
+
 def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
     try:
         wait_for_health(target, procs, timeout_s)
@@ -85,6 +98,7 @@ def up_command(**values) -> None:
     up_values, queue_values = cfg.split(values, cfg.UpConfig, cfg.QueueConfig)
     conf = cfg.load_or_exit(cfg.UpConfig, up_values)
     queue_conf = cfg.load_or_exit(cfg.QueueConfig, queue_values)
+    auth = _api_keys(conf)  # a missing or empty key file stops here, before anything starts
     cpus = usable_cpus()
     num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
@@ -99,7 +113,7 @@ def up_command(**values) -> None:
     # (flags or TOKQ_*) is what they run with.
     unknown = cfg.unknown_env()  # warned once, here: not again by each child
     env = {**{k: v for k, v in os.environ.items() if k not in unknown},
-           cfg.env_var("redis_url"): redis_url,
+           cfg.env_var("redis_url"): redis_url, **auth,
            **{cfg.env_var(f.name): str(getattr(queue_conf, f.name))
               for f in dataclasses.fields(queue_conf)}}
     common = [*(["--model", conf.model] if conf.model else []),
@@ -121,7 +135,8 @@ def up_command(**values) -> None:
     signal.signal(signal.SIGTERM, shutdown)
     try:
         gw_args = ["gateway", *common, "--host", host, "--port", str(port), "--procs", str(num_gateways),
-                   "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port)]
+                   "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port),
+                   *(["--api-key-file", str(Path(conf.api_key_file).resolve())] if conf.api_key_file else [])]
         procs.append(_spawn(gw_args, env))
         workers = [_spawn(worker_args(i), env) for i in range(num_workers)]
         procs += workers
@@ -142,11 +157,15 @@ def up_command(**values) -> None:
                        f"{f' (and {gateways})' if gateways else ''}, {ports}")
         # Quoted where a shell would glob them (an IPv6 target's brackets: zsh stops at "no matches").
         shell_target = shlex.quote(target)
+        keyed = bool(conf.api_keys or conf.api_key_file)
+        header = ' -H "authorization: Bearer $TOKQ_API_KEY"' if keyed else ""
+        if keyed:
+            click.echo("  auth:    API keys required (set TOKQ_API_KEY to one for these lines)")
         click.echo(f"  try:     tokq embed --target {shell_target} \"hello world\"")
-        click.echo(f"           grpcurl -plaintext -d '{{\"inputs\": [\"hello\"]}}' {shell_target} "
+        click.echo(f"           grpcurl -plaintext{header} -d '{{\"inputs\": [\"hello\"]}}' {shell_target} "
                    "tokq.v1.Embedder/Embed")
         if conf.http_port:
-            click.echo(f"           curl {shlex.quote(http_url)} -H 'Content-Type: application/json' "
+            click.echo(f"           curl {shlex.quote(http_url)}{header} -H 'Content-Type: application/json' "
                        "-d '{\"input\": \"hello\"}'")
         click.echo("Ctrl-C stops everything.\n", nl=True)
         while True:
