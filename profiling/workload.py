@@ -91,7 +91,7 @@ def load_jsonl(path: str | Path) -> list[Query]:
     path = Path(path)
     queries: list[Query] = []
     # surrogateescape: bytes that are not UTF-8 reach the line they sit on, which names them.
-    with path.open(encoding="utf-8", errors="surrogateescape") as f:
+    with path.open(encoding="utf-8-sig", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue

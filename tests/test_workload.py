@@ -102,6 +102,14 @@ def test_bytes_that_are_not_utf8_are_named_by_line_number(tmp_path):
         workload.load_jsonl(path)
 
 
+def test_a_file_starting_with_a_utf8_bom_reads_like_one_without(tmp_path):
+    # Some editors and Windows tools write one; json.loads refuses it ("Unexpected UTF-8 BOM").
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": 0, "text": "caf\xc3\xa9", "tokens": 5}\n')
+    (query,) = workload.load_jsonl(path)
+    assert (query.id, query.text, query.num_tokens) == (0, "caf\u00e9", 5)
+
+
 def test_empty_workload_file_is_an_error(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")
