@@ -11,7 +11,8 @@ stay open: probes carry no keys.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -63,18 +64,24 @@ def _metadata_value(details: grpc.HandlerCallDetails, name: str) -> str | None:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Checks the key before the call reaches a servicer; health stays open."""
+    """Checks the key before the call reaches a servicer; health stays open. ``on_refused(rpc,
+    exc, start)`` counts a refused call of ``service`` (gateway.embedding.Embedder.refused)."""
 
-    def __init__(self, keys: ApiKeys) -> None:
+    def __init__(self, keys: ApiKeys, on_refused: Callable | None = None, service: str = "") -> None:
         self.keys = keys
+        self.on_refused = on_refused
+        self._counted_prefix = f"/{service}/"
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        start = time.perf_counter()
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
             return handler
         try:
             self.keys.check(_metadata_value(details, "authorization"))
         except Unauthenticated as exc:
+            if self.on_refused is not None and details.method.startswith(self._counted_prefix):
+                self.on_refused(details.method.removeprefix(self._counted_prefix), exc, start)
             return _refusing(handler, exc.message)
         return handler
 

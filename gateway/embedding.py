@@ -21,8 +21,8 @@ from tokq import __version__
 from tokq.config import GatewayConfig
 from tokq.entry import decode_result, encode_body
 from tokq.gateway.prompt_boundary import PromptBoundary
-from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, Unavailable,
-                                 from_result_code, status_name)
+from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, ServiceError,
+                                 Unavailable, from_result_code, status_name)
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.validate import Limits, check_text_sizes, check_token_ids
@@ -261,11 +261,14 @@ def _time_out(done: asyncio.Future, timeout_ms: int) -> None:
 class Embedder:
     """The models this gateway serves, looked up per request by name (or queue name)."""
 
-    def __init__(self, models: Mapping[str, ServedModel]) -> None:
+    def __init__(self, models: Mapping[str, ServedModel], unrouted=None) -> None:
+        """``unrouted``: where calls refused before they named a served model are counted
+        (tokq.metrics.RequestCounts, model label ""); None: not counted."""
         if not models:
             raise ValueError("a gateway serves at least one model")
         self.models = dict(models)
         self._aliases = {m.info.queue_name: m for m in self.models.values()}
+        self.unrouted = unrouted
 
     def lookup(self, name: str) -> ServedModel:
         """'' picks the only model; an unknown name is ModelNotFound (INVALID_ARGUMENT / HTTP 404)."""
@@ -280,23 +283,39 @@ class Embedder:
                                 f"{', '.join(repr(n) for n in sorted(self.models))}", param="model")
         return model
 
-    async def observed(self, rpc: str, model_name: str, operation):
+    async def observed(self, rpc: str, model_name: str, operation, deadline: Deadline | None = None):
         """Run ``operation(model)`` for the named model, counted in that model's metrics under
-        ``rpc`` with the gRPC status name it ends with (HTTP and gRPC alike)."""
+        ``rpc`` with the gRPC status name it ends with (HTTP and gRPC alike); a name that is not
+        served is counted as refused. ``deadline``: the call's, to tell its expiry from a
+        cancellation (gRPC cancels the handler when the deadline passes, often before the
+        gateway's own timer answers DEADLINE_EXCEEDED)."""
         start = time.perf_counter()
-        model = None
-        code = "OK"
         try:
             model = self.lookup(model_name)
-            if model.observer:
-                model.observer.request_started(rpc)
+        except ServiceError as exc:
+            self.refused(rpc, exc, start)
+            raise
+        if model.observer:
+            model.observer.request_started(rpc)
+        code = "OK"
+        try:
             return await operation(model)
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            code = "DEADLINE_EXCEEDED" if _expired(deadline) else "CANCELLED"
             raise
         except BaseException as exc:
             code = status_name(exc)
             raise
         finally:
-            if model is not None and model.observer:
+            if model.observer:
                 model.observer.request_finished(rpc, code, time.perf_counter() - start)
+
+    def refused(self, rpc: str, exc: BaseException, start: float) -> None:
+        """Count a call refused before it reached a served model (``start``: its perf_counter)."""
+        if self.unrouted is not None:
+            self.unrouted.count(rpc, status_name(exc), time.perf_counter() - start)
+
+
+def _expired(deadline: Deadline | None) -> bool:
+    remaining = deadline.time_remaining() if deadline is not None else None
+    return remaining is not None and remaining <= 0

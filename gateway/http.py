@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import socket
+import time
 
 import numpy as np
 import orjson
@@ -26,8 +27,9 @@ from starlette.routing import Route
 from tokq.address import bind_address
 from tokq.gateway.auth import ApiKeys
 from tokq.gateway.embedding import EmbedInput, Embedder, Timer
-from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, UnsupportedMediaType, to_http
+from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, ServiceError, UnsupportedMediaType, to_http
 
+EMBEDDINGS_RPC = "http.Embeddings"  # the rpc label of POST /v1/embeddings in the gateway's metrics
 # Body fields: OpenAI's, then TEI's extras. Anything else is a 400 naming it (a typo is not ignored).
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "normalize", "prompt_name"}
 
@@ -147,14 +149,19 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
             api_keys.check(request.headers.get("authorization"))  # Unauthenticated -> 401
 
     async def embeddings(request: Request) -> Response:
+        start = time.perf_counter()
         try:
-            authorize(request)
-            _check_json(request)
-            params, encoding = parse_request(await _body(request, max_body_bytes))
+            try:
+                authorize(request)
+                _check_json(request)
+                params, encoding = parse_request(await _body(request, max_body_bytes))
+            except ServiceError as exc:  # refused before it named a model: counted as such
+                embedder.refused(EMBEDDINGS_RPC, exc, start)
+                raise
 
             async def embed(model):
                 return await model.embed(params, Timer())
-            out = await embedder.observed("http.Embeddings", params.model, embed)
+            out = await embedder.observed(EMBEDDINGS_RPC, params.model, embed)
         except ClientDisconnect:  # gone while sending its body: no one to answer, nothing wrong here
             return Response(status_code=499)
         except Exception as exc:  # mapped once, in gateway.errors

@@ -114,11 +114,12 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         models[info.name] = ServedModel(info, Tokenizer(info, threads=config.tokenize_threads,
                                                             large_share=config.large_share),
                                         queue, router, config, gid, observer=observer)
-    embedder = Embedder(models)
+    embedder = Embedder(models, unrouted=metrics.RequestCounts(""))
     max_message_bytes = max(m.limits.max_message_bytes for m in models.values())
     service = EmbedderService(embedder, gid)
 
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else None, options=[
+    interceptors = [ApiKeyInterceptor(api_keys, embedder.refused, SERVICE_NAME)] if api_keys else None
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.so_reuseport", 1),
         # gRPC core starts cancelling calls at random once 1,000 wait to be picked up by the
         # application (3,000 hard): a burst of short queries must queue in Redis, not die here.

@@ -30,7 +30,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if self._identity:
             context.set_trailing_metadata(self._identity)
         try:
-            return await self.embedder.observed(rpc, model_name, operation)
+            return await self.embedder.observed(rpc, model_name, operation, context)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # mapped once, in gateway.errors

@@ -5,7 +5,8 @@ are tokens or items. Labels: ``model`` on everything, ``worker`` on worker metri
 and ``code`` (gRPC status name) on requests. Importable without torch.
 
 Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/embedding.py)
-  tokq_gateway_requests_total{rpc,code}           counter   finished RPCs
+  tokq_gateway_requests_total{rpc,code}           counter   finished RPCs (model="": refused before
+      naming a served model; rpc "Embed" on gRPC, "http.Embeddings" on HTTP)
   tokq_gateway_request_duration_seconds{rpc}      histogram whole RPC, as the gateway saw it
   tokq_gateway_tokenize_duration_seconds          histogram tokenizing one Embed request
   tokq_gateway_queue_duration_seconds             histogram queue wait of a request (its slowest item)
@@ -232,29 +233,19 @@ def observe_queue_stats(stats, *, model: str) -> None:
     QUEUE_COUNTER_COLLECTOR.update(model, stats.counters)
 
 
-class GatewayMetrics:
-    """The gateway's observer: gateway/embedding.py calls these hooks (``enqueues_sent``: the
-    queue's pipeliner, wired in gateway/server.py)."""
+class RequestCounts:
+    """Finished calls of one model label: counted by status code and timed. The model label is
+    "" for calls refused before they named a served model (unknown model, unparsable body,
+    unauthenticated): those are counted too, never under a name a caller chose."""
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self._inflight = GATEWAY_INFLIGHT.labels(model)
-        self._inflight.set(0)
         # Each call's children looked up once, not per call (``labels`` locks and hashes).
-        self._tokenize = GATEWAY_TOKENIZE_DURATION.labels(model)
-        self._input_tokens = GATEWAY_INPUT_TOKENS.labels(model)
-        self._queue = GATEWAY_QUEUE_DURATION.labels(model)
-        self._inference = GATEWAY_INFERENCE_DURATION.labels(model)
-        self._enqueue_batch = GATEWAY_ENQUEUE_BATCH.labels(model)
         self._requests: dict[tuple[str, str], object] = {}
         self._durations: dict[str, object] = {}
 
-    def request_started(self, rpc: str) -> None:
-        self._inflight.inc()
-
-    def request_finished(self, rpc: str, code: str, duration_s: float) -> None:
+    def count(self, rpc: str, code: str, duration_s: float) -> None:
         """``code`` is the gRPC status name ("OK", "INVALID_ARGUMENT", ...)."""
-        self._inflight.dec()
         requests = self._requests.get((rpc, code))
         if requests is None:
             requests = self._requests[rpc, code] = GATEWAY_REQUESTS.labels(self.model, rpc, code)
@@ -263,6 +254,28 @@ class GatewayMetrics:
         if duration is None:
             duration = self._durations[rpc] = GATEWAY_REQUEST_DURATION.labels(self.model, rpc)
         duration.observe(duration_s)
+
+
+class GatewayMetrics(RequestCounts):
+    """The gateway's observer: gateway/embedding.py calls these hooks (``enqueues_sent``: the
+    queue's pipeliner, wired in gateway/server.py)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self._inflight = GATEWAY_INFLIGHT.labels(model)
+        self._inflight.set(0)
+        self._tokenize = GATEWAY_TOKENIZE_DURATION.labels(model)
+        self._input_tokens = GATEWAY_INPUT_TOKENS.labels(model)
+        self._queue = GATEWAY_QUEUE_DURATION.labels(model)
+        self._inference = GATEWAY_INFERENCE_DURATION.labels(model)
+        self._enqueue_batch = GATEWAY_ENQUEUE_BATCH.labels(model)
+
+    def request_started(self, rpc: str) -> None:
+        self._inflight.inc()
+
+    def request_finished(self, rpc: str, code: str, duration_s: float) -> None:
+        self._inflight.dec()
+        self.count(rpc, code, duration_s)
 
     def embed_tokenized(self, tokenize_ms: float, num_tokens: int) -> None:
         self._tokenize.observe(tokenize_ms / 1000.0)

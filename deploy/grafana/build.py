@@ -32,6 +32,9 @@ M = 'model=~"$model"'
 W = 'model=~"$model", worker=~"$worker"'
 # tokq.metrics.ERROR_CODES: the service failed, not the caller
 SERVER_ERRORS = 'code=~"UNKNOWN|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|INTERNAL|UNAVAILABLE|DATA_LOSS"'
+# model="": calls refused before they named a served model, the caller's fault whatever the code
+ROUTED = 'model!=""'
+EMBED_RPCS = 'rpc=~"Embed|http.Embeddings"'  # the Embed call over gRPC and HTTP
 
 
 def query(expr: str, legend: str, ref_id: str = "A") -> prometheus.Dataquery:
@@ -90,6 +93,9 @@ def base(uid: str, title: str, description: str, with_worker: bool) -> gd.Dashbo
 
 def overview() -> gd.Dashboard:
     req = f"tokq_gateway_requests_total{{{M}}}"
+    # "or vector(0)": no failed request is 0 %, not an empty graph
+    server_errors = (f"(sum(rate(tokq_gateway_requests_total{{{M}, {ROUTED}, {SERVER_ERRORS}}}[{RATE}])) "
+                     "or vector(0))")
     return (
         base("tokq-overview", "tokq / Overview",
              "Requests, latency and the queue: is tokq keeping up?", with_worker=False)
@@ -99,16 +105,13 @@ def overview() -> gd.Dashboard:
                                           "{{rpc}} {{code}}")]))
         .with_panel(panel(
             "Error rate", "Share of requests that failed: server errors (tokq's fault) and "
-            "client errors (bad input, unknown model).", "percentunit",
-            # "or vector(0)": no failed request is 0 %, not an empty graph
-            [query(f"(sum(rate(tokq_gateway_requests_total{{{M}, {SERVER_ERRORS}}}[{RATE}])) "
-                   f"or vector(0)) / sum(rate({req}[{RATE}]))", "server errors"),
-             query(f'(sum(rate(tokq_gateway_requests_total{{{M}, code!="OK", code!~'
-                   f'"{SERVER_ERRORS[7:-1]}"}}[{RATE}])) or vector(0)) / sum(rate({req}[{RATE}]))',
-                   "client errors", "B")]))
-        .with_panel(panel("Embed latency", "Whole Embed RPC as the gateway saw it.", "s",
-                          quantiles("tokq_gateway_request_duration_seconds", "",
-                                    f'{M}, rpc="Embed"', "{q}")))
+            "client errors (bad input, unknown model, no API key).", "percentunit",
+            [query(f"{server_errors} / sum(rate({req}[{RATE}]))", "server errors"),
+             query(f'((sum(rate(tokq_gateway_requests_total{{{M}, code!="OK"}}[{RATE}])) or vector(0)) '
+                   f"- {server_errors}) / sum(rate({req}[{RATE}]))", "client errors", "B")]))
+        .with_panel(panel("Embed latency", "Whole Embed call (gRPC and HTTP) as the gateway saw it.",
+                          "s", quantiles("tokq_gateway_request_duration_seconds", "",
+                                         f"{M}, {EMBED_RPCS}", "{q}")))
         .with_panel(panel(
             "Where a request's time goes (p90)",
             "Tokenizing in the gateway, waiting in the Redis queue, and the forward pass, "
