@@ -1,13 +1,15 @@
 -- ack.lua: write a batch's results into their reply keys and release its lease, atomically.
 -- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
 -- KEYS[2] inflight  STRING claimed, unacknowledged items
--- KEYS[3] counters  HASH   acked, failed
+-- KEYS[3] counters  HASH   acked (items answered with an embedding), failed (with an error)
 -- KEYS[4] lease     LIST   lease:<batch_id>, the batch's entries
 -- ARGV[1] reply key prefix
 -- ARGV[2] batch_id
--- ARGV[3..] (request_id, index, result) triples; result is tokq.entry's ok or error bytes
+-- ARGV[3..] (request_id, index, result) triples; result is tokq.entry's ok ('+' ...) or error
+--           ('-' ...) bytes: its first byte says which counter a stored result goes to
 -- Idempotent: results are first-write-wins; a late ack (the lease was already requeued)
--- still delivers its results but leaves inflight alone.
+-- still delivers its results but leaves inflight alone. Only results this run stored are
+-- counted, so a repeated ack (its answer lost) counts nothing twice.
 -- Each gateway waiting on requests this ack completes gets one completion message for all of
 -- them on its shard channel (lib/reply.lua), not one per request.
 -- Returns {results stored, items released from the lease}
@@ -16,10 +18,17 @@
 --#include lib/reply.lua
 
 local reply_prefix = ARGV[1]
-local num_stored = 0
+local num_stored, num_errors = 0, 0 -- results stored; those of them that are errors
+local OK_BYTE = string.byte('+')
 local notices = {} -- one message per waiting gateway for the whole batch (lib/reply.lua)
 for i = 3, #ARGV, 3 do
-  num_stored = num_stored + write_result(reply_prefix, ARGV[i], ARGV[i + 1], ARGV[i + 2], notices)
+  local result = ARGV[i + 2]
+  if write_result(reply_prefix, ARGV[i], ARGV[i + 1], result, notices) == 1 then
+    num_stored = num_stored + 1
+    if string.byte(result, 1) ~= OK_BYTE then
+      num_errors = num_errors + 1 -- the worker's error answer (refused, failed, non-finite)
+    end
+  end
 end
 
 local entries = redis.call('LRANGE', KEYS[4], 0, -1)
@@ -39,6 +48,6 @@ if #entries > 0 then
   redis.call('ZREM', KEYS[1], ARGV[2])
   add_to_count(KEYS[2], -#entries)
 end
-add_to_counter(KEYS[3], 'acked', num_stored)
-add_to_counter(KEYS[3], 'failed', num_missing)
+add_to_counter(KEYS[3], 'acked', num_stored - num_errors)
+add_to_counter(KEYS[3], 'failed', num_errors + num_missing)
 return {num_stored, #entries}

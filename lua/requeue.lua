@@ -5,7 +5,7 @@
 -- KEYS[2] heavy     LIST   heavy lane, head = oldest
 -- KEYS[3] tokens    STRING sum of the tokens in both lanes
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
--- KEYS[5] counters  HASH   requeued, failed, orphaned
+-- KEYS[5] counters  HASH   requeued, failed (answered with an error), orphaned
 -- KEYS[6] idle      SET    owner ids of idle workers (lib/wake.lua)
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] max_attempts
@@ -53,9 +53,9 @@ for _, batch_id in ipairs(batch_ids) do
     if redis.call('EXISTS', reply_prefix .. request_id) == 0 then
       num_orphaned = num_orphaned + 1
     elseif attempt + 1 >= max_attempts then
-      write_result(reply_prefix, request_id, index, string.format(
+      -- Counted as failed only if this error is its answer (not an earlier result's).
+      num_failed = num_failed + write_result(reply_prefix, request_id, index, string.format(
         '-INTERNAL:item failed %d times (worker crashed or timed out)', attempt + 1), notices)
-      num_failed = num_failed + 1
     else
       back[#back + 1] = with_attempt(raw, attempt + 1)
       back_tokens = back_tokens + tokens

@@ -180,6 +180,55 @@ async def test_worker_can_ack_an_item_with_an_error(redis_url):
             "INVALID_ARGUMENT", "too long")
 
 
+async def test_an_ack_counts_embeddings_as_acked_and_every_error_answer_as_failed(redis_url):
+    """acked: items answered with an embedding; failed: with an error, the worker's own error
+    results included (they were counted as acked), and items it left out."""
+    async with open_queue(redis_url) as q:
+        await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
+        claim = await q.claim(600)
+        refused, good, _left_out = claim.entries
+        sent = [(refused, encode_error("INVALID_ARGUMENT", "token id 40000 is out of range")),
+                (good, ok_result(good))]
+        for _ in range(2):  # repeated (its answer lost): the stored results are not counted again
+            await q.ack(claim.batch_id, sent)
+            counters = (await q.stats()).counters
+            assert (counters["acked"], counters["failed"]) == (1, 2)
+        results = {i: decode_result(r) for i, r in (await q.collect("r")).items()}
+        assert [results[i].code for i in range(3)] == ["INVALID_ARGUMENT", "", "INTERNAL"]
+
+
+async def test_a_late_error_ack_after_the_redo_counts_nothing(redis_url):
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000) as q:
+        await q.enqueue("r", items(5, 5), timeout_ms=60_000, channel=CHANNEL)
+        slow = await q.claim(600)
+        clock.advance(1_000)
+        assert await q.requeue_expired() == (2, 0)
+        redo = await q.claim(600)
+        await q.ack(redo.batch_id, [(e, ok_result(e)) for e in redo.entries])
+        await q.ack(slow.batch_id, [(e, encode_error("INTERNAL", "stale")) for e in slow.entries])
+        counters = (await q.stats()).counters
+        assert (counters["acked"], counters.get("failed", 0)) == (2, 0)
+
+
+async def test_an_item_answered_by_a_late_ack_is_not_failed_when_its_redo_runs_out(redis_url):
+    """Its slow first worker answered it after the lease was requeued; the redo's worker then
+    crashed on its last attempt: its answer stays the embedding, and it is not counted failed."""
+    clock = ManualClock()
+    async with open_queue(redis_url, clock, lease_ms=1_000, max_attempts=2) as q:
+        await q.enqueue("r", items(5), timeout_ms=600_000, channel=CHANNEL)
+        slow = await q.claim(600)
+        clock.advance(1_000)
+        assert await q.requeue_expired() == (1, 0)
+        await q.ack(slow.batch_id, [(e, ok_result(e)) for e in slow.entries])  # late, stored
+        assert (await q.claim(600)).entries[0].attempt == 1  # the redo; its worker crashes
+        clock.advance(1_000)
+        assert await q.requeue_expired() == (0, 0)  # out of attempts, but already answered
+        assert decode_result((await q.collect("r"))[0]).ok
+        counters = (await q.stats()).counters
+        assert (counters["acked"], counters.get("failed", 0)) == (1, 0)
+
+
 async def test_items_left_out_of_an_ack_are_answered_with_an_error(redis_url):
     async with open_queue(redis_url) as q:
         await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)

@@ -11,7 +11,7 @@ import pytest
 from fault_proxy import FaultProxy, script_sha
 from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
-from tokq.entry import decode_result
+from tokq.entry import decode_result, encode_error
 from tokq.queue import COLLECT_GRACE_MS, LostAnswer
 from tokq.scripts import script_names, script_source
 
@@ -141,6 +141,25 @@ async def test_a_script_run_again_after_its_answer_was_lost_changes_nothing(redi
     assert state_twice == state_once
     if CASES[script][2]:
         assert twice == once
+
+
+async def test_an_ack_run_again_after_its_answer_was_lost_counts_each_answer_once(redis_url):
+    """A batch with one refused item (the worker's error result) and one embedded item: the ack
+    runs twice (answer cut, redis-py retries); acked and failed each count their one item."""
+    proxy = FaultProxy(redis_url).start()
+    try:
+        async with open_queue(proxy.url) as q:
+            await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
+            claim = await q.claim(600)
+            refused, good = claim.entries
+            proxy.cut_next(script_sha("ack"))
+            await q.ack(claim.batch_id, [(refused, encode_error("INVALID_ARGUMENT", "bad id")),
+                                         (good, ok_result(good))])
+            assert proxy.cuts == 1
+            counters = (await q.stats()).counters
+            assert (counters["acked"], counters["failed"]) == (1, 1)
+    finally:
+        proxy.close()
 
 
 async def test_a_repeated_enqueue_is_never_rejected_by_the_cap(redis_url):

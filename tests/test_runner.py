@@ -22,6 +22,7 @@ from tokq import metrics
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.entry import decode_result, encode_body
+from tokq.flops import forward_flops
 from tokq.workers.engine import Engine
 from tokq.workers.errors import Fault, classify
 from tokq.workers.runner import EXIT_DEVICE_ERROR, BatchRunner, DeviceUnhealthy
@@ -197,6 +198,64 @@ async def test_nonfinite_vectors_are_never_returned_and_are_counted(redis_url, m
     assert results[0].ok and results[2].ok and np.isfinite(results[0].vector).all()
     assert REGISTRY.get_sample_value("tokq_worker_nonfinite_vectors_total", labels) == before + 1
     observer.close()
+
+
+def _sample(name: str, model: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, {"model": model, "worker": "w-runner", **labels}) or 0.0
+
+
+async def _serve_observed(redis_url, minilm, model, bodies, fail=lambda batch: None, nan_token=None):
+    observer = metrics.WorkerMetrics(model, "w-runner", model_config=minilm.info.config)
+    engine = FaultyEngine(minilm, fail, nan_token=nan_token)
+    try:
+        results, _, _, _, stats, _ = await _serve(redis_url, engine, bodies, observer=observer)
+        counted = {name: _sample(f"tokq_worker_{name}", model) for name in (
+            "forward_tokens_total", "forward_flops_total", "batches_total", "batch_tokens_sum",
+            "batch_items_sum", "batch_fill_ratio_sum")}
+        counted["item_errors"] = _sample("tokq_worker_errors_total", model, kind="item")
+    finally:
+        observer.close()
+    return results, stats.counters, counted, engine
+
+
+async def test_an_item_refused_before_the_forward_is_failed_not_acked_nor_forwarded(redis_url, minilm):
+    """The bug hunt's repro: a token id past MiniLM's vocabulary beside a good item."""
+    bodies = [np.array([101, 40000, 102]), np.array([101, 7592, 2088, 102])]
+    results, counters, counted, engine = await _serve_observed(redis_url, minilm, "runner-refused", bodies)
+    assert results[0].code == "INVALID_ARGUMENT" and results[1].ok and engine.forwards == [1]
+    assert (counters["acked"], counters.get("failed", 0)) == (1, 1)
+    assert counted == {"forward_tokens_total": 4, "batches_total": 1, "batch_tokens_sum": 4,
+                       "batch_items_sum": 1, "batch_fill_ratio_sum": pytest.approx(4 / 4096),
+                       "forward_flops_total": forward_flops(minilm.info.config, [4]), "item_errors": 1}
+
+
+async def test_a_batch_with_no_item_forwarded_is_no_forward_pass(redis_url, minilm):
+    results, counters, counted, engine = await _serve_observed(
+        redis_url, minilm, "runner-none", [np.array([101, VOCAB, 102])])
+    assert results[0].code == "INVALID_ARGUMENT" and engine.forwards == []
+    assert (counters.get("acked", 0), counters["failed"]) == (0, 1)
+    assert counted == {"forward_tokens_total": 0, "forward_flops_total": 0, "batches_total": 0,
+                       "batch_tokens_sum": 0, "batch_items_sum": 0, "batch_fill_ratio_sum": 0,
+                       "item_errors": 1}
+
+
+async def test_an_item_a_failed_forward_gave_up_on_is_failed_and_not_forwarded(redis_url, minilm):
+    bodies = [_ids(0), np.array([101, POISON, 102]), _ids(2), _ids(3)]
+    results, counters, counted, _ = await _serve_observed(redis_url, minilm, "runner-poison", bodies,
+                                                          _poisoned)
+    assert results[1].code == "INTERNAL" and all(results[i].ok for i in (0, 2, 3))
+    assert (counters["acked"], counters["failed"]) == (3, 1)
+    assert (counted["forward_tokens_total"], counted["batch_items_sum"]) == (15, 3)
+    assert counted["forward_flops_total"] == forward_flops(minilm.info.config, [5, 5, 5])
+
+
+async def test_a_nonfinite_vector_is_failed_not_acked_but_was_forwarded(redis_url, minilm):
+    bodies = [_ids(0), np.array([101, NAN_TOKEN, 102]), _ids(2)]
+    results, counters, counted, _ = await _serve_observed(redis_url, minilm, "runner-nan", bodies,
+                                                          nan_token=NAN_TOKEN)
+    assert results[1].code == "INTERNAL" and results[0].ok and results[2].ok
+    assert (counters["acked"], counters["failed"]) == (2, 1)
+    assert counted["forward_tokens_total"] == 13  # its tokens did run: the device's work counts
 
 
 @pytest.mark.parametrize("exc,fault", [

@@ -26,11 +26,14 @@ lock (gateway/server.py), so each series exists once and sum() over processes ad
       express them; a custom collector reports the last value read as a true counter (TYPE
       counter), which keeps rate() and increase() correct and treats a Redis restart as a reset.
 
-Worker (``WorkerMetrics``)
+Worker (``WorkerMetrics``). The batch and forward metrics describe what a batch's forward ran,
+not what was claimed: an item refused before the forward (a token id past the vocabulary, too
+long) or given up by a failed forward is in none of them (it is an errors_total{kind="item"});
+a batch none of whose items was forwarded is no forward pass at all.
   tokq_worker_batches_total                       counter   forward passes
-  tokq_worker_batch_tokens                        histogram tokens per batch (16..65536, x2)
-  tokq_worker_batch_items                         histogram sequences per batch
-  tokq_worker_batch_fill_ratio                    histogram batch tokens / token budget
+  tokq_worker_batch_tokens                        histogram tokens forwarded per batch (16..65536, x2)
+  tokq_worker_batch_items                         histogram sequences forwarded per batch
+  tokq_worker_batch_fill_ratio                    histogram batch tokens forwarded / token budget
   tokq_worker_forward_duration_seconds            histogram forward pass (its tokens: batch_tokens
       and forward_tokens_total; no size-class label, which would multiply every worker's series)
   tokq_worker_claim_duration_seconds              histogram one claim-script call
@@ -90,7 +93,11 @@ _QUEUE_COUNTER_HELP = {
     "expired": "Items dropped because their deadline passed before they ran",
     "orphaned": "Queued items dropped because their request was cancelled or timed out",
     "requeued": "Items put back after a worker's lease ran out",
-    "failed": "Items answered with an error",
+    # Every answer is one of acked or failed, whoever wrote it: a worker's error result (an
+    # invalid input, a failed forward, a non-finite vector), an item a worker's ack left out,
+    # an item that failed max_attempts times. Only the first answer of an item counts (a
+    # repeated or late ack counts nothing). Deadline drops are expired, not failed.
+    "failed": "Items answered with an error (by a worker, or after max_attempts)",
     "acked": "Items answered with an embedding",
 }
 
@@ -124,16 +131,17 @@ QUEUE_INFLIGHT_ITEMS = Gauge("tokq_queue_inflight_items", "Claimed items not yet
 QUEUE_INFLIGHT_BATCHES = Gauge("tokq_queue_inflight_batches", "Batches under a live lease", _M)
 
 WORKER_BATCHES = Counter("tokq_worker_batches", "Forward passes run", _W)
-WORKER_BATCH_TOKENS = Histogram("tokq_worker_batch_tokens", "Tokens per batch", _W,
+WORKER_BATCH_TOKENS = Histogram("tokq_worker_batch_tokens", "Tokens forwarded per batch", _W,
                                 buckets=BATCH_TOKENS_BUCKETS)
-WORKER_BATCH_ITEMS = Histogram("tokq_worker_batch_items", "Sequences per batch", _W,
+WORKER_BATCH_ITEMS = Histogram("tokq_worker_batch_items", "Sequences forwarded per batch", _W,
                                buckets=BATCH_ITEMS_BUCKETS)
-WORKER_FILL_RATIO = Histogram("tokq_worker_batch_fill_ratio", "Batch tokens / token budget", _W,
-                              buckets=FILL_RATIO_BUCKETS)
+WORKER_FILL_RATIO = Histogram("tokq_worker_batch_fill_ratio", "Batch tokens forwarded / token budget",
+                              _W, buckets=FILL_RATIO_BUCKETS)
 WORKER_FORWARD_DURATION = Histogram("tokq_worker_forward_duration_seconds", "One forward pass",
                                     _W, buckets=LATENCY_BUCKETS_S)
 WORKER_CLAIM_DURATION = Histogram("tokq_worker_claim_duration_seconds",
                                   "One call of the claim script", _W, buckets=LATENCY_BUCKETS_S)
+# Only items the forward ran (workers/runner.py BatchOutcome.seqlens): MFU is the device's work.
 WORKER_TOKENS = Counter("tokq_worker_forward_tokens", "Tokens forwarded", _W)
 WORKER_FLOPS = Counter("tokq_worker_forward_flops", "Model FLOPs forwarded", _W)
 WORKER_BUDGET = Gauge("tokq_worker_budget_tokens", "Token budget in force", _W)
@@ -320,8 +328,9 @@ class WorkerMetrics:
         WORKER_BUDGET.labels(*self.labels).set(token_budget)
 
     def observe_batch(self, seqlens, *, token_budget: int, forward_s: float, graphed: bool = False) -> None:
-        """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens));
-        ``graphed``: replayed from a CUDA graph."""
+        """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens)): the
+        items it ran, not those refused before it (BatchOutcome.seqlens); ``graphed``: replayed
+        from a CUDA graph."""
         if graphed:
             WORKER_GRAPHED.labels(*self.labels).inc()
         lens = [int(n) for n in seqlens]

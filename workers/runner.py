@@ -46,6 +46,10 @@ def exit_for_supervisor(code: int) -> None:
 @dataclass
 class BatchOutcome:
     results: list  # (Entry, result bytes)
+    # Tokens of each item whose forward completed (its vector may still have been refused as
+    # non-finite), in batch order: items refused before the forward (a token id past the
+    # vocabulary, too long) and those a failed forward gave up on are not in it. [] when no
+    # forward completed. The worker's forward metrics (tokens, FLOPs, MFU) count these.
     seqlens: list[int]
     forward_s: float
     num_failed: int
@@ -80,6 +84,7 @@ class BatchRunner:
         vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
         todo = [i for i in range(len(bodies)) if i not in failures]
         graphed = bool(todo) and self._embed_into(bodies, todo, vectors, failures)
+        forwarded = [i for i in todo if i not in failures]  # before non-finite refusals: those ran
         nonfinite = [i for i in todo if i not in failures and not np.isfinite(vectors[i]).all()]
         for i in nonfinite:
             failures[i] = ("INTERNAL", f"the model gave a non-finite (NaN/inf) vector for this input "
@@ -99,7 +104,8 @@ class BatchRunner:
             dims = body.dimensions or vectors.shape[1]
             queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
             results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [e.num_tokens for e in entries], forward_s, len(failures), graphed)
+        return BatchOutcome(results, [int(bodies[i].token_ids.size) for i in forwarded], forward_s,
+                            len(failures), graphed)
 
     def _invalid(self, body: Body) -> str | None:
         ids = body.token_ids

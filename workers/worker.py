@@ -253,8 +253,9 @@ class Worker:
         self._held.discard(claim.batch_id)
         self.num_batches += 1
         if self.observer:
-            self.observer.observe_batch(outcome.seqlens, token_budget=self.token_budget,
-                                        forward_s=outcome.forward_s, graphed=outcome.graphed)
+            if outcome.seqlens:  # else no forward completed (every item refused or failed)
+                self.observer.observe_batch(outcome.seqlens, token_budget=self.token_budget,
+                                            forward_s=outcome.forward_s, graphed=outcome.graphed)
             for _ in range(outcome.num_failed):
                 self.observer.observe_error("item")
 

@@ -124,7 +124,9 @@ def overview() -> gd.Dashboard:
         .with_panel(panel("In-flight requests", "RPCs being served now, all gateways.", "none",
                           [query(f"sum(tokq_gateway_inflight_requests{{{M}}})", "in flight")],
                           span=8))
-        .with_panel(panel("Queue flow", "Items entering the queue and answered per second.",
+        .with_panel(panel("Queue flow", "Items entering the queue, and answered with an "
+                          "embedding (acked), per second. Error answers: failed, under Requeues "
+                          "and expirations.",
                           "cps", [query(f"sum by (model) (rate(tokq_queue_{c}_total{{{M}}}"
                                         f"[{RATE}]))", f"{{{{model}}}} {c}", ref)
                                   for c, ref in (("enqueued", "A"), ("acked", "B"))], span=8))
@@ -157,7 +159,8 @@ def workers() -> gd.Dashboard:
              "Batches, throughput and MFU per worker: are batches full, should GPUs be added?",
              with_worker=True)
         .with_row(gd.Row("Batches"))
-        .with_panel(panel("Batch fill ratio", "Mean batch tokens / token budget. Low with a "
+        .with_panel(panel("Batch fill ratio", "Mean tokens forwarded per batch / token budget "
+                          "(items refused before the forward are not forwarded). Low with a "
                           "deep queue: the claim rule is starved; low with an empty queue: "
                           "more workers than traffic.", "percentunit",
                           [query(f"sum by (worker) (rate(tokq_worker_batch_fill_ratio_sum{{{W}}}"
@@ -170,13 +173,13 @@ def workers() -> gd.Dashboard:
                     .with_target(query(f"sum by (le) (increase(tokq_worker_batch_fill_ratio_"
                                        f"bucket{{{W}}}[{RATE}]))", "{{le}}")
                                  .format(PromQueryFormat.HEATMAP)))
-        .with_panel(panel("Batch tokens vs budget", "Median tokens per batch against the "
+        .with_panel(panel("Batch tokens vs budget", "Median tokens forwarded per batch against the "
                           "token budget in force.", "none",
                           quantiles("tokq_worker_batch_tokens", "worker, ", W,
                                     "{{{{worker}}}} {q}", qs=(0.5,))
                           + [query(f"max by (worker) (tokq_worker_budget_tokens{{{W}}})",
                                    "{{worker}} budget", "B")]))
-        .with_panel(panel("Items per batch", "Sequences in one batch.", "none",
+        .with_panel(panel("Items per batch", "Sequences forwarded in one batch.", "none",
                           quantiles("tokq_worker_batch_items", "worker, ", W,
                                     "{{{{worker}}}} {q}", qs=(0.5, 0.99))))
         .with_panel(panel("Pre-emptions and CUDA graphs", "Light batches per second run nested "
