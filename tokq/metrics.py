@@ -44,7 +44,9 @@ a batch none of whose items was forwarded is no forward pass at all.
   tokq_worker_device_peak_flops_per_second        gauge     dense 16-bit peak of the device
   tokq_worker_mfu_ratio                           gauge     FLOP/s over the last window_s / peak
   tokq_worker_heartbeat_timestamp_seconds         gauge     unix time of the last heartbeat
-  tokq_worker_errors_total{kind}                  counter   failed batches, Redis errors, ...
+  tokq_worker_errors_total{kind}                  counter   item: one per item answered with an error;
+      redis: a failed Redis call; device: a device error (the worker exits); hung: a forward
+      past --hung-forward-ms (the worker exits)
   tokq_worker_nonfinite_vectors_total             counter   NaN/inf vectors refused (INTERNAL)
   tokq_worker_preemptions_total                   counter   light batches run nested in a heavy
       forward (workers/preempt.py; each is also one of batches_total)
@@ -153,7 +155,8 @@ WORKER_MFU = Gauge("tokq_worker_mfu_ratio",
                    "Model FLOP/s over the last window / device peak FLOP/s", _W)
 WORKER_HEARTBEAT = Gauge("tokq_worker_heartbeat_timestamp_seconds",
                          "Unix time of the worker's last heartbeat", _W)
-WORKER_ERRORS = Counter("tokq_worker_errors", "Worker errors by kind", _W + ("kind",))
+WORKER_ERRORS = Counter("tokq_worker_errors", "Worker errors by kind: item (per item answered with an "
+                        "error), redis, device, hung", _W + ("kind",))
 WORKER_NONFINITE = Counter("tokq_worker_nonfinite_vectors",
                            "Vectors refused because they held NaN or inf (answered INTERNAL)", _W)
 WORKER_PREEMPTIONS = Counter("tokq_worker_preemptions",
