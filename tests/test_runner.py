@@ -105,7 +105,8 @@ async def _serve(redis_url, engine, bodies, *, exit=None, observer=None):
         worker.runner = BatchRunner(engine, observer=observer, release=release,
                                     exit=exit or exits.append)
         request_id = uuid.uuid4().hex
-        items = [(len(ids), encode_body(ids)) for ids in bodies]
+        # bytes: an entry body as is (what a foreign or mismatched writer could queue)
+        items = [(3, ids) if isinstance(ids, bytes) else (len(ids), encode_body(ids)) for ids in bodies]
         await queue.enqueue(request_id, items, timeout_ms=60_000, channel=CHANNEL)
         error = None
         try:
@@ -150,6 +151,19 @@ async def test_token_id_past_the_vocabulary_is_invalid_argument_before_the_forwa
     assert results[1].code == "INVALID_ARGUMENT" and "30522" in results[1].message
     assert results[0].ok and results[2].ok
     assert engine.forwards == [2] and VOCAB not in engine.seen_ids
+
+
+@pytest.mark.parametrize("raw", [b"\x02\x00\x00", b"\x07\x00\x00\x00\x65\x00",
+                                 b"\x02\x00\x00\x00\x65\x00\x01"],
+                         ids=["short header", "id width 7", "half an id"])
+async def test_a_malformed_entry_body_is_invalid_argument_and_the_worker_goes_on(redis_url, minilm, raw):
+    """One unreadable body (a foreign or mismatched writer) killed the worker, and after its
+    lease the next one: now it is answered alone and its batch mates are served."""
+    engine = FaultyEngine(minilm)
+    results, _, exits, error, _, _ = await _serve(redis_url, engine, [_ids(0), raw, _ids(2)])
+    assert error is None and exits == []
+    assert results[1].code == "INVALID_ARGUMENT" and "malformed queue entry body" in results[1].message
+    assert results[0].ok and results[2].ok and engine.forwards == [2]
 
 
 async def test_out_of_memory_splits_the_batch_and_retries_after_the_exception_is_released(redis_url, minilm):

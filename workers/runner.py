@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,19 @@ log = logging.getLogger("tokq.worker")
 
 EXIT_DEVICE_ERROR = 3  # the worker's exit status after a sticky device error
 _MAX_MESSAGE = 300
+
+
+_NO_IDS = Body(np.zeros(0, dtype=np.int64), normalize=True, dimensions=0)
+
+
+def _decoded(raw: bytes) -> tuple[Body, str | None]:
+    """``raw``'s body, or a stand-in and why it cannot be read: one malformed entry (a foreign
+    or mismatched writer) is answered INVALID_ARGUMENT, and must not take the worker down with
+    it, then the next worker its lease's redo reaches."""
+    try:
+        return decode_body(raw), None
+    except (struct.error, ValueError) as exc:
+        return _NO_IDS, f"malformed queue entry body ({len(raw)} bytes): {exc}"
 
 
 class DeviceUnhealthy(RuntimeError):
@@ -75,11 +89,13 @@ class BatchRunner:
         if not self.healthy:
             raise DeviceUnhealthy("the worker's device failed earlier; it must be restarted")
         entries = claim.entries
-        bodies = [decode_body(e.body) for e in entries]
         start = time.perf_counter()
         failures: dict[int, tuple[str, str]] = {}  # item -> (gRPC code name, message)
-        for i, body in enumerate(bodies):
-            if reason := self._invalid(body):
+        bodies = []
+        for i, entry in enumerate(entries):
+            body, reason = _decoded(entry.body)
+            bodies.append(body)
+            if reason := reason or self._invalid(body):
                 failures[i] = ("INVALID_ARGUMENT", reason)
         vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
         todo = [i for i in range(len(bodies)) if i not in failures]
