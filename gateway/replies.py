@@ -26,9 +26,9 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from tokq.cancel import cancel_and_wait, raise_if_cancelled
-from tokq.connection import ShardedSubscriber
 from tokq.gateway.errors import Unavailable
 from tokq.queue import REPLY_META_FIELDS, parse_notices
+from tokq.subscriber import ShardedSubscriber
 
 log = logging.getLogger(__name__)
 _NET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)

@@ -9,10 +9,11 @@ import pytest
 import redis
 from queue_support import QUEUE, items, ok_result
 
-from tokq.connection import ShardedSubscriber, connect, connect_pubsub, is_cluster
+from tokq.connection import connect, connect_pubsub, is_cluster
 from tokq.keys import QueueKeys
 from tokq.queue import Queue
 from tokq.redis_cluster import NUM_SLOTS
+from tokq.subscriber import ShardedSubscriber
 
 
 def _non_owner_url(cluster, key: str) -> str:

@@ -151,7 +151,7 @@ async def test_lowering_the_shard_count_keeps_draining_the_retired_shards(redis_
 
 
 async def test_a_worker_in_a_heavy_forward_hears_light_work_on_any_shard_and_claims_it_alone(redis_url):
-    from tokq.connection import ShardedSubscriber
+    from tokq.subscriber import ShardedSubscriber
 
     async with open_sharded(redis_url, 3) as worker, open_sharded(redis_url, 3, seed=2) as gateway:
         sub = ShardedSubscriber(worker.redis)

@@ -11,8 +11,8 @@ import pytest
 import redis.utils
 from queue_support import CHANNEL, items, open_queue
 
-from tokq.connection import ShardedSubscriber
 from tokq.queue import Queue
+from tokq.subscriber import ShardedSubscriber
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 

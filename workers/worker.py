@@ -35,10 +35,10 @@ import redis.exceptions
 from tokq.cancel import cancel_and_wait, raise_if_cancelled
 from tokq.claim_rule import Lanes, preempt_budget
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.connection import ShardedSubscriber
 from tokq.latency_goal import max_forward_ms
 from tokq.queue import Claim, Queue
 from tokq.shards import ShardedQueue
+from tokq.subscriber import ShardedSubscriber
 from tokq.workers.default_budget import default_budget, fit_budget, timer
 from tokq.workers.preempt import Preemption
 from tokq.workers.runner import BatchOutcome, BatchRunner

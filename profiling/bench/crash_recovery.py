@@ -34,7 +34,7 @@ import time
 import click
 import redis
 
-from tokq.connection import ShardedSubscriber, connect
+from tokq.connection import connect
 from tokq.entry import encode_body
 from tokq.keys import QueueKeys
 from tokq.processes import stop_all
@@ -42,6 +42,7 @@ from tokq.profiling.bench.workers import QUEUE, start_worker, wait_heartbeats
 from tokq.profiling.results_md import command_line, shared_machine_note, write_section
 from tokq.queue import Queue, QueueFull, parse_notices
 from tokq.redis_server import EmbeddedRedis
+from tokq.subscriber import ShardedSubscriber
 
 ITEM = [101, 7592, 2088, 102]  # 4 tokens
 WINDOW_S = 1.0
