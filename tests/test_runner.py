@@ -90,6 +90,16 @@ def _ids(i: int) -> np.ndarray:
     return np.array([101, 2000 + i, 3000 + i, 4000 + i, 102])
 
 
+def _item(ids) -> tuple[int, bytes]:
+    """(queued tokens, entry body) as a gateway enqueues it. ``ids`` bytes: a body as is (what a
+    foreign or mismatched writer could queue); (ids, p): its first p ids a shared prompt, which
+    the queue does not count."""
+    if isinstance(ids, bytes):
+        return 3, ids
+    ids, prefix_len = ids if isinstance(ids, tuple) else (ids, 0)
+    return len(ids) - prefix_len, encode_body(ids, prefix_len=prefix_len)
+
+
 async def _serve(redis_url, engine, bodies, *, exit=None, observer=None):
     """Enqueue one request of these token-id lists, let a burst worker drain it, collect."""
     released = []
@@ -105,8 +115,7 @@ async def _serve(redis_url, engine, bodies, *, exit=None, observer=None):
         worker.runner = BatchRunner(engine, observer=observer, release=release,
                                     exit=exit or exits.append)
         request_id = uuid.uuid4().hex
-        # bytes: an entry body as is (what a foreign or mismatched writer could queue)
-        items = [(3, ids) if isinstance(ids, bytes) else (len(ids), encode_body(ids)) for ids in bodies]
+        items = [_item(ids) for ids in bodies]
         await queue.enqueue(request_id, items, timeout_ms=60_000, channel=CHANNEL)
         error = None
         try:
@@ -156,13 +165,14 @@ async def test_token_id_past_the_vocabulary_is_invalid_argument_before_the_forwa
 @pytest.mark.parametrize("raw", [b"\x02\x00\x00", b"\x07\x00\x00\x00\x65\x00",
                                  b"\x02\x00\x00\x00\x65\x00\x01"],
                          ids=["short header", "id width 7", "half an id"])
-async def test_a_malformed_entry_body_is_invalid_argument_and_the_worker_goes_on(redis_url, minilm, raw):
+async def test_a_malformed_entry_body_is_internal_and_the_worker_goes_on(redis_url, minilm, raw):
     """One unreadable body (a foreign or mismatched writer) killed the worker, and after its
-    lease the next one: now it is answered alone and its batch mates are served."""
+    lease the next one: now it is answered alone, INTERNAL (the service's fault: a server
+    error, which the error-rate alert counts), and its batch mates are served."""
     engine = FaultyEngine(minilm)
     results, _, exits, error, _, _ = await _serve(redis_url, engine, [_ids(0), raw, _ids(2)])
     assert error is None and exits == []
-    assert results[1].code == "INVALID_ARGUMENT" and "malformed queue entry body" in results[1].message
+    assert results[1].code == "INTERNAL" and "malformed queue entry body" in results[1].message
     assert results[0].ok and results[2].ok and engine.forwards == [2]
 
 
@@ -241,6 +251,14 @@ async def test_an_item_refused_before_the_forward_is_failed_not_acked_nor_forwar
     assert counted == {"forward_tokens_total": 4, "batches_total": 1, "batch_tokens_sum": 4,
                        "batch_items_sum": 1, "batch_fill_ratio_sum": pytest.approx(4 / 4096),
                        "forward_flops_total": forward_flops(minilm.info.config, [4]), "item_errors": 1}
+
+
+async def test_forward_tokens_are_the_queued_tokens_without_a_shared_prompt(redis_url, minilm):
+    """What the budget counts: a prompt shared by a batch is computed once (from cache), so an
+    item's forwarded tokens are its queued ones, not its prompt-inclusive ids."""
+    bodies = [(np.array([101, 7592, 2088, 1010, 2023, 102]), 4), np.array([101, 7592, 102])]
+    _, _, counted, _ = await _serve_observed(redis_url, minilm, "runner-prefix", bodies)
+    assert (counted["forward_tokens_total"], counted["batch_tokens_sum"]) == (2 + 3, 2 + 3)
 
 
 async def test_a_batch_with_no_item_forwarded_is_no_forward_pass(redis_url, minilm):

@@ -40,7 +40,7 @@ _NO_IDS = Body(np.zeros(0, dtype=np.int64), normalize=True, dimensions=0)
 
 def _decoded(raw: bytes) -> tuple[Body, str | None]:
     """``raw``'s body, or a stand-in and why it cannot be read: one malformed entry (a foreign
-    or mismatched writer) is answered INVALID_ARGUMENT, and must not take the worker down with
+    or mismatched writer) is answered INTERNAL alone, and must not take the worker down with
     it, then the next worker its lease's redo reaches."""
     try:
         return decode_body(raw), None
@@ -93,9 +93,11 @@ class BatchRunner:
         failures: dict[int, tuple[str, str]] = {}  # item -> (gRPC code name, message)
         bodies = []
         for i, entry in enumerate(entries):
-            body, reason = _decoded(entry.body)
+            body, malformed = _decoded(entry.body)
             bodies.append(body)
-            if reason := reason or self._invalid(body):
+            if malformed:  # the service's fault (a writer of another version), not the caller's
+                failures[i] = ("INTERNAL", malformed)
+            elif reason := self._invalid(body):
                 failures[i] = ("INVALID_ARGUMENT", reason)
         vectors = np.zeros((len(bodies), self.engine.info.hidden_size), dtype=np.float32)
         todo = [i for i in range(len(bodies)) if i not in failures]
@@ -120,7 +122,8 @@ class BatchRunner:
             dims = body.dimensions or vectors.shape[1]
             queue_ms = max(0.0, float(claim.now_ms - entry.ts_ms))
             results.append((entry, encode_ok(vectors[i, :dims], queue_ms, forward_ms)))
-        return BatchOutcome(results, [int(bodies[i].token_ids.size) for i in forwarded], forward_s,
+        # The queued tokens (a shared prompt's are not: the engine computes it once, from cache)
+        return BatchOutcome(results, [entries[i].num_tokens for i in forwarded], forward_s,
                             len(failures), graphed)
 
     def _invalid(self, body: Body) -> str | None:
