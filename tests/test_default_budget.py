@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 
 import numpy as np
@@ -256,3 +257,64 @@ async def test_a_worker_started_on_a_published_budget_fits_its_default_once_that
             await asyncio.wait_for(run, 30)
         finally:
             await q.redis.delete(q.keys.budget)
+
+
+@pytest_slow
+async def test_a_worker_refitting_is_not_registered_idle(redis_url, engine, monkeypatch):
+    """The refit times forwards for seconds: meanwhile a new item's one wake-up must go to a free
+    worker, so the refitting one leaves the queue's idle set first."""
+    fitting, members = threading.Event(), []
+
+    def warmup(num_tokens):
+        fitting.set()
+        time.sleep(num_tokens * 0.0005)
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q:
+        await q.set_budget(200)
+        try:
+            worker, run, _ = await _start(q, engine, WorkerConfig(latency_goal_ms=600, heartbeat_ms=100),
+                                          "refit-idle")
+            while not worker._idle.registered:
+                await asyncio.sleep(0.02)
+            assert await q.redis.smembers(q.keys.idle)  # registered while it waits
+            monkeypatch.setattr(engine, "warmup", warmup)
+            await q.redis.delete(q.keys.budget)
+            deadline = time.monotonic() + 10
+            while not fitting.is_set():
+                assert time.monotonic() < deadline, "no refit"
+                await asyncio.sleep(0.01)
+            members = await q.redis.smembers(q.keys.idle)
+            deadline = time.monotonic() + 10
+            while worker.budget_source != "fitted":  # 0.5 ms a token against 300 ms a forward
+                assert time.monotonic() < deadline, "the refit did not end"
+                await asyncio.sleep(0.05)
+            assert 256 <= worker.token_budget <= 512
+            worker.stop()
+            await asyncio.wait_for(run, 30)
+        finally:
+            await q.redis.delete(q.keys.budget)
+    assert not members, "the refitting worker stayed in the idle set: a new item would wake it"
+
+
+@pytest_slow
+async def test_a_default_timed_once_is_not_timed_again_when_a_published_budget_is_withdrawn(
+        redis_url, engine, monkeypatch):
+    timed = []
+    monkeypatch.setattr(engine, "warmup", lambda num_tokens: timed.append(num_tokens))  # every forward fits
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q:
+        worker, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=600, heartbeat_ms=100),
+                                           "timed-once")
+        assert (status["budget_source"], status["token_budget"]) == ("default", 1024)
+        at_start = len(timed)
+        try:
+            await q.set_budget(200)
+            await _await_budget(q, "timed-once", ("published", 200))
+            await q.redis.delete(q.keys.budget)
+            await _await_budget(q, "timed-once", ("default", 1024))
+            await asyncio.sleep(0.3)  # a refit would have started by now: the worker is idle
+            assert len(timed) == at_start
+        finally:
+            await q.redis.delete(q.keys.budget)
+        worker.stop()
+        await asyncio.wait_for(run, 30)

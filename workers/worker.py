@@ -150,6 +150,7 @@ class Worker:
         # when it never was: a worker started then would fit it, and the fleet should agree).
         self._unpublished = (self.token_budget, self.budget_source)
         self._refit = False
+        self._fitted = False  # the default was timed once: it is not timed again
         self._held: set[str] = set()  # batch ids whose leases we renew
         self._stop = asyncio.Event()
         self.num_batches = 0
@@ -218,6 +219,8 @@ class Worker:
                     continue
                 if self._refit:  # idle, no forward running: the engine is free to time one
                     self._refit = False
+                    if self._idle.maybe:  # busy for seconds: new work must wake another worker
+                        await self._idle.set(False)
                     await self._fit_default_budget()
                 await self._wait_for_work()
                 next_claim = asyncio.create_task(self._claim())
@@ -499,16 +502,15 @@ class Worker:
         """No budget set or published: cut the device's default to the latency goal
         (workers/default_budget.py). Timed after the warm-up, whose first forward pays one-time
         costs."""
-        fit = await asyncio.to_thread(fit_budget, timer(self.engine.warmup), self.token_budget,
+        self._fitted = True
+        default = default_budget(self.engine.device.type)
+        fit = await asyncio.to_thread(fit_budget, timer(self.engine.warmup), default,
                                       max_forward_ms(self.config.latency_goal_ms))
         (log.info if fit.fits else log.warning)("%s; p99 goal %d ms", fit.describe(),
                                                 self.config.latency_goal_ms)
-        if self.budget_source == "published":  # published while the fit ran: that wins
-            return
-        if fit.budget != self.token_budget:
-            self.token_budget = fit.budget
-            self.budget_source = "fitted"
-        self._unpublished = (self.token_budget, self.budget_source)
+        self._unpublished = (fit.budget, "fitted" if fit.budget != default else "default")
+        if self.budget_source != "published":  # one published while the fit ran wins
+            self.token_budget, self.budget_source = self._unpublished
 
     async def _refresh_budget(self) -> None:
         # Also the shards in use: gateways may have raised (or lowered) the shard count.
@@ -528,7 +530,7 @@ class Worker:
             log.info("published budget withdrawn: token budget %d -> %d (%s)", self.token_budget,
                      budget, source)
             self.token_budget, self.budget_source = budget, source
-            self._refit = source == "default" and bool(self.config.latency_goal_ms)
+            self._refit = not self._fitted and bool(self.config.latency_goal_ms)
 
     async def _watch_budget(self) -> None:
         await self._every(BUDGET_REFRESH_S, self._refresh_budget)
