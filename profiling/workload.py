@@ -25,6 +25,9 @@ import numpy as np
 # The team's recorded search workload, beside the repository; where it is absent (a fresh clone),
 # the benchmarks use the generator below instead and say so.
 SHARED_PATH = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "short_queries.jsonl"
+# What a workload line may hold: longer than any model takes (each is cut to the model's max
+# length), an id that fits int64, arrivals within a year.
+LINE_MAX_TOKENS, LINE_MAX_ID, LINE_MAX_T_S = 1 << 20, (1 << 63) - 1, 365 * 86_400
 MEDIAN_TOKENS = 10.0
 SIGMA = 0.857  # lognormal sigma: p90 = median * exp(1.2816 * sigma) ~= 30 tokens
 TAIL_FRACTION = 0.005
@@ -110,12 +113,13 @@ def _parse_line(line: str, default_id: int) -> Query:
     row = json.loads(line)
     if not isinstance(row, dict):
         raise ValueError(f"a line must be a JSON object, got {type(row).__name__}")
-    num_tokens = _number("tokens", row["tokens"], whole=True, minimum=1)
+    num_tokens = _number("tokens", row["tokens"], whole=True, minimum=1, maximum=LINE_MAX_TOKENS)
     text = row.get("text")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"text must be a string or null, got {type(text).__name__}")
-    return Query(id=_number("id", row.get("id", default_id), whole=True, minimum=0), num_tokens=num_tokens,
-                 t_s=_number("t", row.get("t", 0.0), whole=False, minimum=0), text=text)
+    return Query(id=_number("id", row.get("id", default_id), whole=True, minimum=0, maximum=LINE_MAX_ID),
+                 num_tokens=num_tokens, text=text,
+                 t_s=_number("t", row.get("t", 0.0), whole=False, minimum=0, maximum=LINE_MAX_T_S))
 
 
 def _check_utf8(line: str) -> None:
@@ -127,17 +131,20 @@ def _check_utf8(line: str) -> None:
         raise ValueError(f"not UTF-8: byte 0x{byte:02x} at character {exc.start + 1}") from None
 
 
-def _number(key: str, value: object, *, whole: bool, minimum: int) -> int | float:
+def _number(key: str, value: object, *, whole: bool, minimum: int, maximum: int) -> int | float:
     """A field's value, checked: a JSON number (true/false are not), finite (json reads NaN,
-    Infinity and 1e400 as floats), whole where ``whole``, and >= ``minimum``."""
+    Infinity and 1e400 as floats), whole where ``whole``, and in ``minimum..maximum`` (json
+    reads any integer, 10**400 included)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{key} must be a number, got {json.dumps(value)}")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{key} must be finite, got {value}")
     if whole and value != int(value):
         raise ValueError(f"{key} must be a whole number, got {value}")
-    if value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value}")
+    if not minimum <= value <= maximum:
+        big = isinstance(value, int) and abs(value) >= 10**30  # as a float it could overflow
+        shown = f"a {len(str(value))}-digit number" if big else value
+        raise ValueError(f"{key} must be in {minimum}..{maximum:,}, got {shown}")
     return int(value) if whole else float(value)
 
 
