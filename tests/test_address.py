@@ -9,6 +9,7 @@ import socket
 import pytest
 import redis
 
+from tokq import address
 from tokq.address import host_port, local_host
 from tokq.gateway.cli import port_in_use
 from tokq.redis_server import EmbeddedRedis, free_port, port_free
@@ -70,3 +71,14 @@ def test_an_embedded_redis_on_ipv6_loopback_has_a_bracketed_url_that_answers():
         assert server.url.startswith("redis://:") and f"@[::1]:{server.port}/0" in server.url
         with redis.Redis.from_url(server.url) as client:
             assert client.ping()
+
+
+def test_a_name_binds_its_ipv4_address_where_it_has_one(monkeypatch):
+    """Some /etc/hosts list localhost as ::1 first: the HTTP port bound there alone would refuse
+    every IPv4 caller (gRPC binds all of a name's addresses)."""
+    answers = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 8080, 0, 0)),
+               (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 8080))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: answers)
+    assert address.bind_address("localhost", 8080) == (socket.AF_INET, ("127.0.0.1", 8080))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: answers[:1])  # IPv6 only
+    assert address.bind_address("v6-only-name", 8080) == (socket.AF_INET6, ("::1", 8080, 0, 0))

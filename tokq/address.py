@@ -20,10 +20,11 @@ def local_host(host: str) -> str:
 
 def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
     """The family and socket address to bind ``host:port`` with: IPv6 for "::1" or "::", IPv4 for
-    "127.0.0.1" or "" (every IPv4 interface), a name's first address. Raises socket.gaierror for
-    a name that does not resolve."""
-    family, _, _, _, address = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM,
-                                                  flags=socket.AI_PASSIVE)[0]
+    "127.0.0.1" or "" (every IPv4 interface); for a name, its IPv4 address where it has one
+    ("localhost" is ::1 first in some /etc/hosts, which would leave IPv4 callers out). Raises
+    socket.gaierror for a name that does not resolve."""
+    found = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = next((a for a in found if a[0] == socket.AF_INET), found[0])
     return family, address
 
 
