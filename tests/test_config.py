@@ -200,8 +200,8 @@ def test_a_misspelled_tokq_variable_is_warned_with_the_names_it_is_close_to():
     env = {"TOKQ_LATENCY_GOL_MS": "3", "TOKQ_LEASE_MS": "500", "TOKQ_NOTHING_LIKE_IT": "1", "PATH": "/"}
     assert cfg.unknown_env(env) == {"TOKQ_LATENCY_GOL_MS": ["TOKQ_LATENCY_GOAL_MS", "TOKQ_REPLY_TTL_MS"],
                                     "TOKQ_NOTHING_LIKE_IT": []}
-    out = subprocess.run([sys.executable, "-m", "tokq.cli", "embed", "--help"], capture_output=True, text=True,
-                         env={**os.environ, **env}, check=True)
+    out = subprocess.run([sys.executable, "-m", "tokq.cli", "embed", "--help"], capture_output=True,
+                         text=True, env={**os.environ, **env}, check=True)
     assert "warning: TOKQ_LATENCY_GOL_MS is not a tokq setting and is ignored; did you mean " \
            "TOKQ_LATENCY_GOAL_MS" in out.stderr
     assert "TOKQ_NOTHING_LIKE_IT is not a tokq setting and is ignored\n" in out.stderr

@@ -67,8 +67,9 @@ def test_calls_refused_before_naming_a_served_model_are_counted_under_no_model(r
             client.embed(["hello"], timeout=10)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         url = f"http://127.0.0.1:{http_port}/v1/embeddings"
+        as_json = {"Content-Type": "application/json"}
         statuses = [httpx.post(url, json={"input": "x", "model": "another-made-up-name"}).status_code,
-                    httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"}).status_code,
+                    httpx.post(url, content=b"{not json", headers=as_json).status_code,
                     httpx.post(url, content=b"hello", headers={"Content-Type": "text/plain"}).status_code,
                     httpx.post(url, json={"input": "x", "inputs": "typo"}).status_code]
         assert statuses == [404, 400, 415, 400]

@@ -299,8 +299,8 @@ def test_a_10_second_goal_prints_plainly_in_summary_table_and_results_md(bundled
     from tokq.profiling.profile.cli import budget_table, markdown_block
 
     fwd = SimulatedForward(hinge())
-    report = run_profile(SimulatedEngine(ModelInfo.load(bundled_model_dir), fwd), workload.generate(1000), FAST,
-                         slo_p99_ms=10_000.0, timer=WallTimer(fwd.clock))
+    engine = SimulatedEngine(ModelInfo.load(bundled_model_dir), fwd)
+    report = run_profile(engine, workload.generate(1000), FAST, slo_p99_ms=10_000.0, timer=WallTimer(fwd.clock))
     console = Console(record=True, width=200, file=io.StringIO())
     console.print(budget_table(report))
     table, block = console.export_text(), markdown_block(report, "tokq profile")
