@@ -19,9 +19,11 @@ from typing import Any, Literal
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions
-from redis.asyncio.cluster import RedisCluster
+from redis._parsers import AsyncCommandsParser
+from redis.asyncio.cluster import ClusterNode, NodesManager, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.cluster import PRIMARY
 
 CONNECT_TIMEOUT_S = 0.5
 CONNECT_ATTEMPTS = 3  # a connect that times out is tried again, up to this many times in all
@@ -147,15 +149,59 @@ def _guard_pool(client: aioredis.Redis) -> aioredis.Redis:
     return client
 
 
+class _AnyNodeCommandsParser(AsyncCommandsParser):
+    """redis-py's key finder (COMMAND's table), made independent of any one node.
+
+    redis-py reads the table from the default node, the first primary of the slot map, on every
+    (re)initialize of the client, which follows any connection error; when that read fails the
+    initialize fails, and so does every command, on every node. A killed primary stays listed
+    until its replica takes over (for good if the replica is gone too): meanwhile a tokq process
+    reached none of its shards, not only the dead node's. The table is read once, from the first
+    node that answers; each initialize then makes the first node that answers a PING the default
+    node (PING and other keyless commands go there, COMMAND GETKEYS too), a node that does not
+    moved to the end of redis-py's list so the next initialize tries it last."""
+
+    def __init__(self, nodes_manager: NodesManager) -> None:
+        super().__init__()
+        self._nodes_manager = nodes_manager
+
+    async def initialize(self, node: ClusterNode | None = None) -> None:
+        # Without a node: redis-py met a command missing from the table (a server upgraded
+        # under the client): read it again.
+        manager = self._nodes_manager
+        read_table = node is None or not self.commands
+        candidates = [node or manager.default_node, *manager.nodes_cache.values()]
+        candidates = [n for n in dict.fromkeys(candidates) if n is not None]
+        candidates.sort(key=lambda n: n.server_type != PRIMARY)  # primaries first, in order
+        error: Exception | None = None
+        for candidate in candidates:
+            try:
+                if read_table:
+                    await super().initialize(candidate)
+                else:
+                    await candidate.execute_command("PING")
+            except redis.exceptions.RedisError as exc:
+                error = exc
+                manager.move_node_to_end_of_cached_nodes(candidate.name)
+                continue
+            self.node = manager.default_node = candidate
+            return
+        if error is None:
+            raise redis.exceptions.RedisClusterException("no cluster node known to ask")
+        raise error
+
+
 class BoundedRedisCluster(RedisCluster):
     """redis-py's cluster client raises MaxConnectionsError when a node's pool is used up; the
     gateway runs thousands of concurrent calls, so commands wait for one of
     ``max_connections`` slots instead (as the standalone BlockingConnectionPool does). Its
-    connections are guarded (``_guarded``)."""
+    connections are guarded (``_guarded``), and no one node's death fails its (re)initialize
+    (``_AnyNodeCommandsParser``)."""
 
     def __init__(self, *args: Any, max_connections: int = 32, **kwargs: Any) -> None:
         super().__init__(*args, max_connections=max_connections, **kwargs)
         self._bound = asyncio.Semaphore(max_connections)
+        self.commands_parser = _AnyNodeCommandsParser(self.nodes_manager)
         # redis-py takes no connection class for a cluster: set it where nodes get theirs.
         guarded = _guarded(self.connection_kwargs["connection_class"])
         for node_kwargs in (self.connection_kwargs, self.nodes_manager.connection_kwargs):

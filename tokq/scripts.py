@@ -2,8 +2,8 @@
 
 One ``.lua`` file per operation. A line ``--#include lib/<name>.lua`` is replaced by that
 snippet, so logic shared by several scripts (writing a result, parsing an entry) exists once.
-``register_script`` sends EVALSHA and reloads on NOSCRIPT, so a Redis restart or a SCRIPT
-FLUSH needs no code here.
+A script runs by EVALSHA, and by EVAL where the server answers NOSCRIPT (``Scripts.run``), so
+a Redis restart or a SCRIPT FLUSH needs no code elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 LUA_PACKAGE = "tokq.lua"
 _INCLUDE = re.compile(r"^--#include (lib/[A-Za-z0-9_]+\.lua)$", re.MULTILINE)
@@ -43,6 +44,7 @@ class Scripts:
     """All queue scripts registered on one client; ``calls`` counts runs per script."""
 
     def __init__(self, client: aioredis.Redis) -> None:
+        self._client = client
         self._scripts = {name: client.register_script(script_source(name))
                          for name in script_names()}
         self.calls: Counter[str] = Counter()
@@ -57,4 +59,12 @@ class Scripts:
 
     async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         self.calls[name] += 1
-        return await self._scripts[name](keys=keys, args=args)
+        script = self._scripts[name]
+        try:
+            return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            # Not in the cache of the server that runs it (a restart, a promoted replica, SCRIPT
+            # FLUSH): EVAL runs it there, by its keys' slot, and leaves it cached for the next
+            # EVALSHA. redis-py's own fallback, SCRIPT LOAD, goes to every primary of a cluster,
+            # and failed while any one was down: a dead node stopped the others' queues.
+            return await self._client.eval(script.script, len(keys), *keys, *args)
