@@ -123,8 +123,17 @@ def is_retryable_redis_error(exc: BaseException) -> bool:
                         redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
                         redis.exceptions.MasterDownError, redis.exceptions.AuthenticationError,
                         # Redis Cluster mid-failover or resharding: the slot map is changing.
-                        redis.exceptions.SlotNotCoveredError, redis.exceptions.AskError)):
+                        # ClusterError is redis-py's "TTL exhausted.": it followed a command's
+                        # ASK/TRYAGAIN/MOVED redirections 16 times (a slot migrating: a script's
+                        # keys split between its two nodes) and gave up.
+                        redis.exceptions.SlotNotCoveredError, redis.exceptions.AskError,
+                        redis.exceptions.ClusterError)):
         return True  # AuthenticationError: misconfigured; the caller can only wait for a fix
+    # Not retryable here: "Attempted to access a non local key in a cluster node script". Only
+    # the worker's scripts (claim, ack, requeue) name keys they were not given (a reply hash,
+    # built from its request id), and a worker retries every Redis error (the lease redo covers
+    # an ack it gives up on); the gateway's scripts declare every key, so a caller meeting it
+    # means a key outside its queue's slot: a bug, INTERNAL.
     if isinstance(exc, redis.exceptions.ResponseError):
         # A script's redis.call error arrives with its own prefix (OOM ...), or inside
         # "ERR Error running script ...: BUSY ..."-style text on older servers.
