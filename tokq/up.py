@@ -104,6 +104,13 @@ def up_command(**values) -> None:
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
     port = conf.port or free_port(host)
     threads = threads_per_worker(num_workers, cpus)
+    if conf.redis_url:  # a URL or cluster setting that cannot work: one line, before anything starts
+        from tokq.connection import check_redis_or_exit
+
+        check_redis_or_exit(conf.redis_url, conf.redis_cluster)
+    elif conf.redis_cluster == "yes":
+        raise click.UsageError("--redis-cluster yes (TOKQ_REDIS_CLUSTER) needs --redis-url: the embedded "
+                               "Redis is a standalone server")
     embedded = None
     redis_url = conf.redis_url
     if not redis_url:
@@ -113,7 +120,7 @@ def up_command(**values) -> None:
     # (flags or TOKQ_*) is what they run with.
     unknown = cfg.unknown_env()  # warned once, here: not again by each child
     env = {**{k: v for k, v in os.environ.items() if k not in unknown},
-           cfg.env_var("redis_url"): redis_url, **auth,
+           cfg.env_var("redis_url"): redis_url, cfg.env_var("redis_cluster"): conf.redis_cluster, **auth,
            **{cfg.env_var(f.name): str(getattr(queue_conf, f.name))
               for f in dataclasses.fields(queue_conf)}}
     common = [*(["--model", conf.model] if conf.model else []),

@@ -15,7 +15,7 @@ from tokq import config as cfg
 
 async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker_id: str | None,
                  burst: bool) -> None:
-    from tokq.connection import close_client, connect
+    from tokq.connection import check_redis_or_exit, close_client, connect
     from tokq.shards import ShardedQueue
     from tokq.workers.engine import Engine
     from tokq.workers.worker import Worker, default_worker_id
@@ -33,6 +33,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
                              cuda_graph_tokens=config.cuda_graph_tokens)
     except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
         raise click.ClickException(str(exc)) from None
+    check_redis_or_exit(config.redis_url, config.redis_cluster)  # a setting that cannot work: one line
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
     worker_id = worker_id or default_worker_id(engine.device)
     observer = None

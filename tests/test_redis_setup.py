@@ -1,0 +1,134 @@
+"""A Redis setting that cannot work stops the gateway, the worker and `tokq up` at start with one
+line naming it (tokq.connection.check_redis), never a traceback, a password or a process that
+runs on failing every call:
+
+- ``--redis-cluster yes`` against a standalone server (the gateway served, failing every call
+  INTERNAL and logging a traceback 5 times a second; the worker exited with 70 lines);
+- ``--redis-cluster no`` against a cluster node (the gateway said ready, its calls drew
+  CROSSSLOT/MOVED);
+- a password the server refuses, or none where it asks for one (70 lines, after ~10 s)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from tokq.connection import RedisSetupError, check_redis, is_cluster
+from tokq.redis_cluster import LocalCluster
+from tokq.redis_server import free_port
+
+
+def _wrong_password(url: str, password: str) -> str:
+    return url.replace(f":{password}@", ":not-the-password@")
+
+
+def _no_password(url: str, password: str) -> str:
+    return url.replace(f":{password}@", "")
+
+
+@pytest.fixture(scope="module")
+def password_cluster():
+    """A one-node cluster (all slots) that asks for a password: (URL with it, the password)."""
+    try:
+        cluster = LocalCluster(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None,
+                               num_primaries=1, replicas_per_primary=0)
+    except (FileNotFoundError, ImportError) as exc:
+        pytest.skip(f"no Redis server binary to start a cluster with: {exc}")
+    cluster.start()
+    password = "cluster-secret"
+    with cluster.nodes[0].client(cluster.host) as c:
+        c.config_set("requirepass", password)
+    yield cluster.url.replace("redis://", f"redis://:{password}@"), password
+    cluster.close()
+
+
+def test_each_mistake_is_one_error_naming_the_setting(redis_server, redis_url, redis_cluster_url, password_cluster):
+    pw = redis_server.password
+    cases = [
+        (redis_url, "yes", "--redis-cluster yes (TOKQ_REDIS_CLUSTER)", "cluster_enabled:0"),
+        (redis_cluster_url, "no", "--redis-cluster no (TOKQ_REDIS_CLUSTER)", "cluster_enabled:1"),
+        (_wrong_password(redis_url, pw), "auto", "refused the password", "--redis-url (TOKQ_REDIS_URL)"),
+        (_wrong_password(redis_url, pw), "no", "refused the password", "--redis-url (TOKQ_REDIS_URL)"),
+        (_no_password(redis_url, pw), "auto", "asks for a password", "--redis-url (TOKQ_REDIS_URL) has none"),
+        (_wrong_password(*password_cluster), "auto", "refused the password", "--redis-url"),
+        (_wrong_password(*password_cluster), "yes", "refused the password", "--redis-url"),
+    ]
+    for url, mode, *needles in cases:
+        with pytest.raises(RedisSetupError) as err:
+            check_redis(url, mode)
+        message = str(err.value)
+        assert all(n in message for n in needles), (url, mode, message)
+        assert "\n" not in message and pw not in message and password_cluster[1] not in message
+
+
+def test_what_can_work_passes_and_an_absent_server_is_not_a_mistake(redis_url, redis_cluster_url, password_cluster):
+    assert check_redis(redis_url) is False and check_redis(redis_url, "no") is False
+    assert check_redis(redis_cluster_url) is True and check_redis(redis_cluster_url, "yes") is True
+    assert check_redis(password_cluster[0]) is True
+    assert is_cluster(redis_cluster_url) is True
+    # Not up yet: an explicit setting is taken as given (commands wait for the server, as after
+    # an outage); auto, which needs the server's answer, is an error.
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    assert check_redis(nowhere, "yes") is True and check_redis(nowhere, "no") is False
+
+
+def _run(args: list[str], env: dict[str, str], timeout_s: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKQ_DEVICE": "cpu", "TOKQ_METRICS_PORT": "0",
+           "TOKQ_HTTP_PORT": "0", "TOKQ_HOST": "127.0.0.1", "TOKQ_PORT": str(free_port()), **env}
+    return subprocess.run([sys.executable, "-m", "tokq.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout_s)
+
+
+def _assert_one_line(run: subprocess.CompletedProcess, needle: str, secret: str) -> None:
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1, run.stderr[-3000:]
+    assert lines[0].startswith("Error: ") and needle in lines[0], lines[0]
+    assert secret not in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize("command", ["gateway", "worker", "up"])
+def test_cluster_yes_on_a_standalone_redis_stops_each_command(command, redis_server, redis_url):
+    args = [command, "--redis-url", redis_url] if command == "up" else [command]
+    run = _run(args, {"TOKQ_REDIS_URL": redis_url, "TOKQ_REDIS_CLUSTER": "yes"})
+    _assert_one_line(run, "--redis-cluster yes (TOKQ_REDIS_CLUSTER)", redis_server.password)
+
+
+@pytest.mark.parametrize("command", ["gateway", "worker"])
+def test_cluster_no_on_a_cluster_node_stops_each_command(command, redis_cluster_url):
+    run = _run([command], {"TOKQ_REDIS_URL": redis_cluster_url, "TOKQ_REDIS_CLUSTER": "no",
+                           "TOKQ_QUEUE_SHARDS": "4"})
+    _assert_one_line(run, "--redis-cluster no (TOKQ_REDIS_CLUSTER)", "\0")
+
+
+def test_a_wrong_password_stops_the_gateway_on_a_cluster(password_cluster):
+    url, password = password_cluster
+    run = _run(["gateway"], {"TOKQ_REDIS_URL": _wrong_password(url, password)})
+    _assert_one_line(run, "refused the password", "not-the-password")
+
+
+@pytest.mark.parametrize("command", ["gateway", "worker"])
+def test_a_wrong_or_missing_password_stops_each_command_on_a_standalone_redis(command, redis_server, redis_url):
+    run = _run([command], {"TOKQ_REDIS_URL": _wrong_password(redis_url, redis_server.password)})
+    _assert_one_line(run, "refused the password", "not-the-password")
+    run = _run([command], {"TOKQ_REDIS_URL": _no_password(redis_url, redis_server.password)})
+    _assert_one_line(run, "asks for a password", redis_server.password)
+
+
+def test_tokq_up_refuses_cluster_yes_with_its_embedded_redis():
+    run = _run(["up"], {"TOKQ_REDIS_CLUSTER": "yes"})
+    assert run.returncode == 2 and "--redis-cluster yes (TOKQ_REDIS_CLUSTER) needs --redis-url" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_server_that_answers_nothing_is_one_line_with_auto(monkeypatch):
+    import tokq.connection
+
+    monkeypatch.setattr(tokq.connection, "_PROBE_ATTEMPTS", 2)
+    with pytest.raises(RedisSetupError, match="did not answer"):
+        check_redis(f"redis://:hidden@127.0.0.1:{free_port()}/0")
+    with pytest.raises(redis.exceptions.ConnectionError):  # what connect() meets: unchanged
+        is_cluster(f"redis://127.0.0.1:{free_port()}/0")
