@@ -46,7 +46,8 @@ def password_cluster():
     cluster.close()
 
 
-def test_each_mistake_is_one_error_naming_the_setting(redis_server, redis_url, redis_cluster_url, password_cluster):
+def test_each_mistake_is_one_error_naming_the_setting(redis_server, redis_url, redis_cluster_url,
+                                                       password_cluster):
     pw = redis_server.password
     cases = [
         (redis_url, "yes", "--redis-cluster yes (TOKQ_REDIS_CLUSTER)", "cluster_enabled:0"),
@@ -65,7 +66,8 @@ def test_each_mistake_is_one_error_naming_the_setting(redis_server, redis_url, r
         assert "\n" not in message and pw not in message and password_cluster[1] not in message
 
 
-def test_what_can_work_passes_and_an_absent_server_is_not_a_mistake(redis_url, redis_cluster_url, password_cluster):
+def test_what_can_work_passes_and_an_absent_server_is_not_a_mistake(redis_url, redis_cluster_url,
+                                                                    password_cluster):
     assert check_redis(redis_url) is False and check_redis(redis_url, "no") is False
     assert check_redis(redis_cluster_url) is True and check_redis(redis_cluster_url, "yes") is True
     assert check_redis(password_cluster[0]) is True
@@ -111,7 +113,8 @@ def test_a_wrong_password_stops_the_gateway_on_a_cluster(password_cluster):
 
 
 @pytest.mark.parametrize("command", ["gateway", "worker"])
-def test_a_wrong_or_missing_password_stops_each_command_on_a_standalone_redis(command, redis_server, redis_url):
+def test_a_wrong_or_missing_password_stops_each_command_on_a_standalone_redis(command, redis_server,
+                                                                              redis_url):
     run = _run([command], {"TOKQ_REDIS_URL": _wrong_password(redis_url, redis_server.password)})
     _assert_one_line(run, "refused the password", "not-the-password")
     run = _run([command], {"TOKQ_REDIS_URL": _no_password(redis_url, redis_server.password)})

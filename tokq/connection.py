@@ -160,7 +160,8 @@ def check_redis(url: str, mode: ClusterMode = "auto") -> bool:
         if explicit:
             return mode == "yes"
         raise RedisSetupError(f"Redis at {where} (--redis-url, TOKQ_REDIS_URL) did not answer: {exc} "
-                              "(--redis-cluster auto asks it at start whether it is a cluster node)") from None
+                              "(--redis-cluster auto asks it at start whether it is a cluster "
+                              "node)") from None
     except redis.exceptions.ResponseError as exc:
         if explicit:
             return mode == "yes"
