@@ -6,13 +6,15 @@ node on Redis Cluster), one message per gateway for all the requests a batch com
 notice carries the results themselves unless they are large (tokq.queue.parse_notices), and then
 the waiting call needs no second round trip to collect them.
 One subscription per gateway process serves all waiting calls, so thousands of concurrent
-requests hold no Redis connection each. A notice can be missed (a reconnect), so every
-``poll_every_s`` the calls waiting longer than ``poll_after_s`` are also checked directly:
-complete replies wake their call, and a reply hash that has vanished (Redis restarted and lost
-it) fails the call UNAVAILABLE at once instead of leaving it to its deadline. A subscription
-that breaks is restored by redis-py's reconnect while Redis answers (the calls keep waiting;
-the poll makes up for notices lost in between); when the reconnect fails, every waiting call
-fails UNAVAILABLE.
+requests hold no Redis connection each (one per node that owns a shard: tokq.subscriber, which
+reads every node at once). A notice can be missed (a reconnect), so every ``poll_every_s`` the
+calls waiting longer than ``poll_after_s`` are also checked directly: complete replies wake
+their call, and a reply hash that has vanished (Redis restarted and lost it) fails the call
+UNAVAILABLE at once instead of leaving it to its deadline. A node's connection that breaks is
+reopened at once while the node answers (the calls keep waiting; they are polled at once, for
+notices lost in between); when the reopen fails, the calls waiting on that node's shards fail
+UNAVAILABLE at once, and only those: the other shards' calls keep being answered, and the lost
+channels are subscribed again in the background (after a failover, on the new primary).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
-import redis.exceptions
 
 from tokq.cancel import cancel_and_wait, raise_if_cancelled
 from tokq.gateway.errors import Unavailable
@@ -31,7 +32,6 @@ from tokq.queue import REPLY_META_FIELDS, parse_notices
 from tokq.subscriber import ShardedSubscriber
 
 log = logging.getLogger(__name__)
-_NET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 MAX_POLLED = 1000  # calls checked per poll round (oldest first)
 
 
@@ -47,18 +47,24 @@ class _Waiter:
 class ReplyRouter:
     def __init__(self, pubsub_client: aioredis.Redis, client: aioredis.Redis,
                  reply_key: Callable[[str], str], channels: Sequence[str],
-                 poll_after_s: float = 1.0, poll_every_s: float = 0.25) -> None:
-        """``channels``: this gateway's done channel on every queue shard it enqueues to;
-        ``reply_key``: a request id's reply hash (on the shard it was enqueued to)."""
+                 poll_after_s: float = 1.0, poll_every_s: float = 0.25,
+                 shard_of: Callable[[str], int | None] | None = None) -> None:
+        """``channels``: this gateway's done channel on every queue shard it enqueues to (shard
+        i's at i); ``reply_key``: a request id's reply hash (on the shard it was enqueued to);
+        ``shard_of``: a request id's shard (None: not known yet). Without ``shard_of``, a lost
+        channel fails every waiting call."""
         self._pubsub_client = pubsub_client
         self._client = client
         self._reply_key = reply_key
         self.channels = list(channels)
+        self._shard_of = shard_of
+        self._repoll = False  # a channel was subscribed again: poll every waiting call now
         self._poll_after_s = poll_after_s
         self._poll_every_s = poll_every_s
         self._waiting: dict[str, _Waiter] = {}
         self._task: asyncio.Task | None = None
-        self.subscribed = asyncio.Event()
+        self._subscriber: ShardedSubscriber | None = None
+        self.subscribed = asyncio.Event()  # set while every channel is subscribed
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="reply-router")
@@ -98,17 +104,38 @@ class ReplyRouter:
         for request_id in list(self._waiting):
             self._settle(request_id, exc)
 
+    def _channels_down(self, channels: list[str], exc: BaseException) -> None:
+        """Those channels' notices will not come: fail the calls waiting on their shards (all
+        calls without ``shard_of``). A call not yet given a shard is left to its enqueue."""
+        self.subscribed.clear()
+        error = Unavailable(f"lost the connection to Redis while waiting: {exc}")
+        if self._shard_of is None:
+            self._fail_all(error)
+            return
+        lost = {i for i, channel in enumerate(self.channels) if channel in channels}
+        for request_id in list(self._waiting):
+            if self._shard_of(request_id) in lost:
+                self._settle(request_id, error)
+
+    def _channels_up(self, channels: list[str]) -> None:
+        self._repoll = True  # notices published before are lost: check everyone
+        if self._subscriber is not None and not self._subscriber.down:
+            self.subscribed.set()
+
     async def _run(self) -> None:
-        subscriber = ShardedSubscriber(self._pubsub_client)
+        self._subscriber = subscriber = ShardedSubscriber(
+            self._pubsub_client, on_down=self._channels_down, on_up=self._channels_up,
+            label="completion notices")
         while True:
             try:
-                await subscriber.subscribe(*self.channels)
-                self.subscribed.set()
-                # A notice published while we were not subscribed is lost: check everyone now.
-                await self._poll(min_age_s=0.0)
-                next_poll = time.monotonic() + self._poll_every_s
+                await subscriber.subscribe(*self.channels)  # never raises for Redis down
+                next_poll = time.monotonic()
                 while True:
                     raise_if_cancelled()
+                    if self._repoll:  # (re)subscribed: what was published before is lost
+                        self._repoll = False
+                        await self._poll(min_age_s=0.0)
+                        next_poll = time.monotonic() + self._poll_every_s
                     msg = await subscriber.get_message(timeout=self._poll_every_s)
                     if msg is not None:
                         for request_id, results in parse_notices(msg[1]):
@@ -118,11 +145,7 @@ class ReplyRouter:
                         next_poll = time.monotonic() + self._poll_every_s
             except asyncio.CancelledError:
                 raise
-            except _NET_ERRORS as exc:
-                self.subscribed.clear()
-                self._fail_all(Unavailable(f"lost the connection to Redis while waiting: {exc}"))
-                await asyncio.sleep(0.2)
-            except Exception:  # e.g. -BUSY or -READONLY: resubscribe, never die silently
+            except Exception:  # a bug, or a notice that does not parse: never die silently
                 self.subscribed.clear()
                 log.exception("reply subscription failed; resubscribing")
                 await asyncio.sleep(0.2)

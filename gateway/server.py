@@ -107,7 +107,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
                                   "own --served-model-name")
         queue = ShardedQueue(client, info.queue_name, queue_config)
         router = ReplyRouter(pubsub_client, client, queue.reply_key,
-                             [k.done_channel(gid) for k in queue.shard_keys()])
+                             [k.done_channel(gid) for k in queue.shard_keys()],
+                             shard_of=queue.shard_of_request)
         observer = metrics.GatewayMetrics(info.name)
         queue.observe_enqueues = observer.enqueues_sent
         queue.enqueue_hold_s = config.enqueue_hold_us / 1e6

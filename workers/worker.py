@@ -94,6 +94,7 @@ class Registration:
         self.registered = False  # in every claimed shard's set, as far as this worker knows
         self.maybe = False  # possibly in some shard's set: withdraw before that matters
         self.notices = 0  # notices of this kind read (Worker._read_notices)
+        self._failing = False  # the last try failed (logged once per outage)
 
     def noticed(self) -> None:
         """A notice of this kind was read: the shard that sent it holds this worker no more."""
@@ -113,11 +114,18 @@ class Registration:
             # landed after it.
             self.registered = on and self.notices == read
             self.maybe = on and (self.registered or was_maybe or self.queue.claim_shards > 1)
+            if self._failing:
+                self._failing = False
+                log.warning("%s registration works again", self.kind)
         except _REDIS_ERRORS as exc:
             # Not registered, or registered with its answer lost: taken for maybe registered,
             # withdrawn later (idle: before the forward; pre-emptible: as the forward ends).
-            # Meanwhile work waits for a claim.
-            log.warning("%s registration failed: %s", self.kind, exc)
+            # Meanwhile work waits for a claim. With one shard's node down this fails at every
+            # wait (the other shards' sets are still written): logged once per outage.
+            if not self._failing:
+                log.warning("%s registration failed: %s (not logged again until it works)",
+                            self.kind, exc)
+            self._failing = True
             self.maybe = self.maybe or on
         return self.notices != read
 
@@ -160,7 +168,7 @@ class Worker:
         self.healthy = True
         self.hung_after_s = config.hung_forward_ms / 1000
         self._forward_since: float | None = None  # monotonic start of the running forward
-        self._notices = ShardedSubscriber(queue.redis)
+        self._notices = ShardedSubscriber(queue.redis, label="work notices")
         self._subscribed = False
         self._beat_lock = asyncio.Lock()  # a beat in flight must not outlive a give-up
         self._idle = Registration(queue, "idle")  # withdrawn before each forward
@@ -322,9 +330,12 @@ class Worker:
         try:
             # Every shard's work channel, and this process's owner channels: while it lives,
             # they tell requeue not to take its leases early (tokq.queue.Queue.owner_channel).
+            # A node that cannot be reached costs only its shards' channels, which the
+            # subscriber subscribes again in the background (tokq.subscriber); claims still
+            # happen every IDLE_FALLBACK_S meanwhile.
             await self._notices.subscribe(*self.queue.work_channels(), *self.queue.owner_channels())
             self._subscribed = True
-        except _REDIS_ERRORS as exc:  # claims still happen every IDLE_FALLBACK_S meanwhile
+        except _REDIS_ERRORS as exc:
             log.warning("work-notice subscription failed: %s", exc)
             self._subscribed = False
 
