@@ -57,6 +57,7 @@ async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
     lock = queue.redis.lock(queue.keys.metrics_exporter, timeout=3 * QUEUE_STATS_PERIOD_S,
                             thread_local=False)
     holding = False
+    unreadable: tuple[int, ...] = ()
     try:
         while True:
             try:
@@ -69,7 +70,16 @@ async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
                     holding = await lock.acquire(blocking=False)
                 await queue.refresh_shard_count()  # shards other gateways still use count too
                 if holding:
-                    metrics.observe_queue_stats(await queue.stats(), model=model)
+                    stats = await queue.stats()
+                    metrics.observe_queue_stats(stats, model=model)
+                    if stats.unreadable_shards != unreadable:  # logged as it changes
+                        unreadable = stats.unreadable_shards
+                        if unreadable:
+                            log.warning("queue %s: stats of shard(s) %s unreadable (their node "
+                                        "is unreachable); the queue gauges sum the other shards",
+                                        queue.name, ", ".join(map(str, unreadable)))
+                        else:
+                            log.info("queue %s: every shard's stats readable again", queue.name)
                 else:
                     metrics.forget_queue_stats(model)
             except Exception as exc:  # Redis down: stale figures would add to the next exporter's

@@ -7,9 +7,9 @@ and one node out (killed with its replica) costing only its own shards.
 - With one primary and its replica killed: the subscriber reports that node's channels lost
   (once) and keeps delivering the others'; once the node is back, its channels are subscribed
   again. The gateway's calls waiting on that node's shards are answered UNAVAILABLE at once,
-  those on the other shards are answered normally, new calls on them too. A worker goes on
-  hearing the live shards' work notices (before, its whole subscription failed and it only
-  found work by its 0.5 s claims).
+  those on the other shards are answered normally, new calls on them too; the queue stats sum
+  the shards that answer and name the others. A worker goes on hearing the live shards' work
+  notices (before, its whole subscription failed and it only found work by its 0.5 s claims).
 - A primary killed alone: the calls waiting on its shards are answered UNAVAILABLE at once, not
   after the failover; once its replica has taken over, calls there are answered by notices.
 
@@ -293,6 +293,16 @@ async def test_a_dead_node_fails_only_the_calls_on_its_shards(healthy, info, tok
             await _answer_shard(queue, shard)
             out = await asyncio.wait_for(call, 10)
             assert [v.tolist() for v in out.vectors] == [[1.0] * 4]
+
+        # The stats sum the shards that answer, and name the others.
+        leftover = call_on(alive[0], "left queued")
+        await wait_for(lambda: queued_on(alive[0]), 20, "an entry queued on a live shard")
+        stats = await queue.stats()
+        assert stats.unreadable_shards == tuple(dead) and stats.num_shards == SHARDS
+        assert stats.queued_entries == 1
+        assert stats.counters["enqueued"] >= len(alive) * 2 + 1
+        leftover.cancel()
+        await asyncio.gather(leftover, return_exceptions=True)
     finally:
         for task in calls.values():
             task.cancel()

@@ -38,6 +38,8 @@ class FakeStats:  # the fields of tokq.queue.QueueStats
     inflight_items: int = 0
     inflight_batches: int = 0
     counters: dict = field(default_factory=dict)
+    num_shards: int = 1
+    unreadable_shards: tuple = ()
 
 
 def test_every_metric_name_follows_the_convention():
@@ -88,6 +90,21 @@ def test_queue_stats_export_gauges_and_redis_totals_as_counters():
     metrics.observe_queue_stats(stats, model=model)
     assert _value("tokq_queue_enqueued_total", model=model) == 25
     assert _value("tokq_queue_expired_total", model=model) == 4
+    assert _value("tokq_queue_unreadable_shards_ratio", model=model) == 0  # a one-shard reading
+
+
+def test_queue_stats_say_what_share_of_the_shards_went_unread():
+    # tokq.shards.ShardedQueue.stats with one of 4 shards' node down: the gauges sum the other 3
+    # (tests/test_cluster_node_down.py), and the ratio says a quarter is missing from them.
+    model = _model()
+    metrics.observe_queue_stats(FakeStats(queued_entries=5, num_shards=4, unreadable_shards=(2,)),
+                                model=model)
+    assert _value("tokq_queue_queued_entries", model=model) == 5
+    assert _value("tokq_queue_unreadable_shards_ratio", model=model) == 0.25
+    metrics.observe_queue_stats(FakeStats(queued_entries=6, num_shards=4), model=model)
+    assert _value("tokq_queue_unreadable_shards_ratio", model=model) == 0
+    metrics.forget_queue_stats(model)
+    assert _value("tokq_queue_unreadable_shards_ratio", model=model) is None
 
 
 def test_gateway_observer_counts_requests_by_rpc_and_code():

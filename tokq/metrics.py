@@ -21,6 +21,10 @@ lock (gateway/server.py), so each series exists once and sum() over processes ad
   tokq_queue_queued_entries / tokq_queue_queued_tokens       gauge   waiting to be claimed
   tokq_queue_oldest_age_seconds                              gauge   age of the head entry
   tokq_queue_inflight_items / tokq_queue_inflight_batches    gauge   claimed, not yet acked
+  tokq_queue_unreadable_shards_ratio                         gauge   share of the queue's shards
+      whose stats the last reading could not get (their node unreachable; the exporter logs
+      which): the gauges above then sum the other shards only, and the totals below keep
+      those shards' last reading. 0 while every shard answers
   tokq_queue_{enqueued,rejected,cancelled,claimed,expired,orphaned,requeued,failed,acked}_total   counter
       The totals live in a Redis hash shared by every process, so a Counter's inc() cannot
       express them; a custom collector reports the last value read as a true counter (TYPE
@@ -131,6 +135,9 @@ QUEUE_TOKENS = Gauge("tokq_queue_queued_tokens", "Tokens waiting to be claimed",
 QUEUE_OLDEST_AGE = Gauge("tokq_queue_oldest_age_seconds", "Age of the oldest waiting entry", _M)
 QUEUE_INFLIGHT_ITEMS = Gauge("tokq_queue_inflight_items", "Claimed items not yet answered", _M)
 QUEUE_INFLIGHT_BATCHES = Gauge("tokq_queue_inflight_batches", "Batches under a live lease", _M)
+QUEUE_UNREADABLE_SHARDS = Gauge("tokq_queue_unreadable_shards_ratio",
+                                "Share of the queue's shards the last stats reading could not read "
+                                "(left out of the other queue gauges)", _M)
 
 WORKER_BATCHES = Counter("tokq_worker_batches", "Forward passes run", _W)
 WORKER_BATCH_TOKENS = Histogram("tokq_worker_batch_tokens", "Tokens forwarded per batch", _W,
@@ -229,7 +236,7 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0"):
 def forget_queue_stats(model: str) -> None:
     """Stop exporting ``model``'s queue metrics (this process is not its exporter)."""
     for gauge in (QUEUE_ENTRIES, QUEUE_TOKENS, QUEUE_OLDEST_AGE, QUEUE_INFLIGHT_ITEMS,
-                  QUEUE_INFLIGHT_BATCHES):
+                  QUEUE_INFLIGHT_BATCHES, QUEUE_UNREADABLE_SHARDS):
         gauge.remove(model)  # a no-op for a series never created
     QUEUE_COUNTER_COLLECTOR.forget(model)
 
@@ -241,6 +248,8 @@ def observe_queue_stats(stats, *, model: str) -> None:
     QUEUE_OLDEST_AGE.labels(model).set(stats.oldest_age_ms / 1000.0)
     QUEUE_INFLIGHT_ITEMS.labels(model).set(stats.inflight_items)
     QUEUE_INFLIGHT_BATCHES.labels(model).set(stats.inflight_batches)
+    unreadable = len(getattr(stats, "unreadable_shards", ()))
+    QUEUE_UNREADABLE_SHARDS.labels(model).set(unreadable / max(1, getattr(stats, "num_shards", 1)))
     QUEUE_COUNTER_COLLECTOR.update(model, stats.counters)
 
 

@@ -126,6 +126,10 @@ class QueueStats:
     inflight_items: int
     inflight_batches: int
     counters: dict[str, int]
+    num_shards: int = 1  # the shards read (tokq.shards.ShardedQueue.stats)
+    # Those whose stats could not be read (their node unreachable): the figures above leave
+    # them out, but for their counters' last reading.
+    unreadable_shards: tuple[int, ...] = ()
 
 
 def _pairs(flat: Sequence[bytes]) -> list[tuple[bytes, bytes]]:

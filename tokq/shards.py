@@ -68,6 +68,7 @@ class ShardedQueue:
         self._load_task: asyncio.Task | None = None
         self._count_at = -SHARD_COUNT_REFRESH_S
         self._shard_of_request: dict[str, int] = {}
+        self._last_counters: dict[int, dict[str, int]] = {}  # per shard, as stats() last read them
         self._batch_token = secrets.token_hex(8)
 
     # -- shards -----------------------------------------------------------------------------
@@ -257,15 +258,32 @@ class ShardedQueue:
 
     # -- both -------------------------------------------------------------------------------
     async def stats(self) -> QueueStats:
-        """Every shard's stats summed (oldest age: the oldest of all)."""
+        """Every shard's stats summed (oldest age: the oldest of all). A shard that cannot be
+        read (its node unreachable) does not take the others' down: the sums are of the shards
+        that answered, ``unreadable_shards`` names the others, and the event totals keep the
+        last totals those shards answered (a counter must not fall and jump back). Raises only
+        when no shard answered."""
         n = max(self.num_shards, self._claim_shards)
-        parts = await asyncio.gather(*(self.shard(i).stats() for i in range(n)))
+        answers = await asyncio.gather(*(self.shard(i).stats() for i in range(n)),
+                                       return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+                raise answer  # cancelled
+        parts = [a for a in answers if not isinstance(a, BaseException)]
+        if not parts:
+            raise answers[0]
         counters: Counter[str] = Counter()
-        for p in parts:
-            counters.update(p.counters)
+        unreadable = []
+        for i, answer in enumerate(answers):
+            if isinstance(answer, BaseException):
+                unreadable.append(i)
+                counters.update(self._last_counters.get(i, {}))
+            else:
+                self._last_counters[i] = answer.counters
+                counters.update(answer.counters)
         return QueueStats(sum(p.queued_entries for p in parts), sum(p.queued_tokens for p in parts),
                           max(p.oldest_age_ms for p in parts), sum(p.inflight_items for p in parts),
-                          sum(p.inflight_batches for p in parts), dict(counters))
+                          sum(p.inflight_batches for p in parts), dict(counters), n, tuple(unreadable))
 
     def work_channels(self) -> list[str]:
         """The channels an idle worker listens on: every shard it claims from."""

@@ -414,8 +414,8 @@ class Worker:
         return claim
 
     async def _drained(self) -> bool:
-        stats = await self.queue.stats()
-        return stats.queued_entries == 0 and stats.inflight_items == 0
+        stats = await self.queue.stats()  # a shard it cannot read may still hold work
+        return not stats.unreadable_shards and stats.queued_entries == 0 and stats.inflight_items == 0
 
     # -- compute (runs in a thread) -----------------------------------------------------------
 
