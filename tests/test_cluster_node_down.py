@@ -294,6 +294,28 @@ async def test_a_dead_node_fails_only_the_calls_on_its_shards(healthy, info, tok
             out = await asyncio.wait_for(call, 10)
             assert [v.tolist() for v in out.vectors] == [[1.0] * 4]
 
+        # Left to pick shards itself, the gateway sends new calls to live shards: a dead one is
+        # left out once a load read or an enqueue failed to reach it (it was picked as often
+        # as any other: its last read load stayed low).
+        del queue.pick_shard
+        refused = 0
+        for i in range(24):
+            before = sum([(await queue.shard(s).stats()).queued_entries for s in alive])
+            task = asyncio.create_task(served.embed(EmbedInput(texts=[f"picked {i}"]), Timer(60)))
+            calls[100 + i] = task
+
+            async def settled() -> bool:
+                return task.done() or sum([(await queue.shard(s).stats()).queued_entries
+                                           for s in alive]) > before
+            await wait_for(settled, 20, f"call {i} queued or refused")
+            refused += task.done()
+        assert refused <= 1, f"{refused} of 24 new calls went to the dead shards {dead} of {SHARDS}"
+        for task in list(calls.values()):
+            task.cancel()
+        await asyncio.gather(*calls.values(), return_exceptions=True)
+        for shard in alive:
+            await _answer_shard(queue, shard)  # the cancelled calls' entries, if any are left
+
         # The stats sum the shards that answer, and name the others.
         leftover = call_on(alive[0], "left queued")
         await wait_for(lambda: queued_on(alive[0]), 20, "an entry queued on a live shard")

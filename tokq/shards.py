@@ -63,6 +63,7 @@ class ShardedQueue:
         self._claim_shards = config.queue_shards  # workers claim from these (see refresh)
         self._next_claim = self._rng.randrange(self.num_shards)
         self._loads = [0] * self.num_shards
+        self._unreachable = [False] * self.num_shards  # its last load read or enqueue failed
         self._since_read = [0] * self.num_shards  # tokens enqueued since the last read began
         self._loads_at = 0.0
         self._load_task: asyncio.Task | None = None
@@ -125,10 +126,15 @@ class ShardedQueue:
 
     # -- gateway side -----------------------------------------------------------------------
     def pick_shard(self) -> int:
-        """The less loaded of two random shards (by queued tokens, as last read + enqueued)."""
+        """The less loaded of two random shards (by queued tokens, as last read + enqueued),
+        among those Redis answered for last; all of them if none did."""
         if self.num_shards == 1:
             return 0
-        a, b = self._rng.sample(range(self.num_shards), 2)
+        reachable = [i for i in range(self.num_shards) if not self._unreachable[i]]
+        candidates = reachable or range(self.num_shards)
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(candidates, 2)
         return a if self._loads[a] <= self._loads[b] else b
 
     async def enqueue(self, request_id: str, items: Sequence[tuple[int, bytes]], *,
@@ -146,6 +152,9 @@ class ShardedQueue:
                                            channel=shard.keys.done_channel(gateway_id))
         except ValueError:
             self._shard_of_request.pop(request_id, None)
+            raise
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            self._unreachable[index] = True  # till a load read reaches it again
             raise
         tokens = sum(t for t, _ in items)
         self._loads[index] += tokens
@@ -178,9 +187,13 @@ class ShardedQueue:
     async def _refresh_loads(self) -> None:
         with contextlib.suppress(Exception):  # stale loads only skew the pick a little
             self._since_read = [0] * self.num_shards
-            values = await asyncio.gather(*(self.redis.get(k.tokens) for k in self.shard_keys()))
-            # What this process enqueued while the GETs ran may be missing from them.
-            self._loads = [int(v or 0) + d for v, d in zip(values, self._since_read)]
+            values = await asyncio.gather(*(self.redis.get(k.tokens) for k in self.shard_keys()),
+                                          return_exceptions=True)
+            for i, value in enumerate(values):
+                # A shard Redis does not answer for (its node down) is left out of the picks.
+                self._unreachable[i] = isinstance(value, Exception)
+                if not self._unreachable[i]:  # plus what this process enqueued while GETs ran
+                    self._loads[i] = int(value or 0) + self._since_read[i]
             if time.monotonic() - self._count_at >= SHARD_COUNT_REFRESH_S:
                 self._count_at = time.monotonic()
                 await self.record_shard_count()
