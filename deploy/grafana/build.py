@@ -148,7 +148,12 @@ def overview() -> gd.Dashboard:
             [query(f"sum by (model) (rate(tokq_queue_{c}_total{{{M}}}[{RATE}]))",
                    f"{{{{model}}}} {c}", ref)
              for c, ref in (("requeued", "A"), ("expired", "B"), ("rejected", "C"),
-                            ("failed", "D"))], span=24))
+                            ("failed", "D"))], span=16))
+        .with_panel(panel("Queue shards not answering", "Share of a model's queue shards whose "
+                          "Redis node is out: calls on them fail UNAVAILABLE, and the gauges "
+                          "above cover the others only.", "percentunit",
+                          [query(f"max by (model) (tokq_queue_unreadable_shards_ratio{{{M}}})",
+                                 "{{model}}")], span=8))
     )
 
 
