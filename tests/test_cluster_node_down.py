@@ -354,26 +354,31 @@ def engine():
     return Engine.load(None, device="cpu")
 
 
-def _queue_name_with_a_dead_shard(cluster: LocalCluster, dead: set[int]) -> str:
-    """A queue whose shard 0 (the model-wide keys: heartbeats, budget) is on a live node and at
-    least one other shard on the dead one."""
+def _queue_name_with_a_dead_shard(cluster: LocalCluster, dead: set[int], shard0_dead: bool = False) -> str:
+    """A queue whose shard 0 (the model-wide keys: heartbeats, budget) is on a live node, or
+    with ``shard0_dead`` on the dead one, and at least one other shard on each."""
     for attempt in range(100):
         name = f"worker-node-down-{attempt}"
         owners = [cluster.owner_port(QueueKeys(shard_queue_name(name, i)).work_channel)
                   for i in range(SHARDS)]
-        if owners[0] not in dead and any(o in dead for o in owners[1:]) \
+        if (owners[0] in dead) == shard0_dead and any(o in dead for o in owners[1:]) \
                 and not all(o in dead for o in owners[1:]):
             return name
     raise AssertionError("no queue name spreads its shards as needed")
 
 
-async def test_a_worker_hears_the_live_shards_notices_while_a_node_is_down(cluster, pair_down, engine):
+@pytest.mark.parametrize("shard0_dead", [False, True], ids=["shard 0 live", "shard 0 dead"])
+async def test_a_worker_hears_the_live_shards_notices_while_a_node_is_down(cluster, pair_down, engine,
+                                                                         shard0_dead):
+    """With shard 0's node out too (the shard count, budget and heartbeats live there), the
+    worker starts all the same (it ended at its first read of the shard count) and serves the
+    shards that answer."""
     from queue_support import answered_vectors, enqueue_ids
 
     from tokq.config import WorkerConfig
     from tokq.workers.worker import Worker
 
-    name = _queue_name_with_a_dead_shard(cluster, pair_down)
+    name = _queue_name_with_a_dead_shard(cluster, pair_down, shard0_dead)
     config = QueueConfig(queue_shards=SHARDS)
     owners = [cluster.owner_port(QueueKeys(shard_queue_name(name, i)).work_channel)
               for i in range(SHARDS)]

@@ -186,7 +186,11 @@ class Worker:
     # -- the loop -----------------------------------------------------------------------------
 
     async def run(self, *, burst: bool = False) -> None:
-        await self._refresh_budget()
+        try:
+            await self._refresh_budget()
+        except _REDIS_ERRORS as exc:  # shard 0's node out: serve the other shards meanwhile
+            log.warning("reading the shard count and budget failed, read again every %.0f s: %s",
+                        BUDGET_REFRESH_S, exc)
         start = time.perf_counter()
         await asyncio.to_thread(self.engine.warmup, self.token_budget)
         self.hung_after_s = max(self.hung_after_s, HUNG_FACTOR * (time.perf_counter() - start))
