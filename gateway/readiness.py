@@ -65,16 +65,19 @@ class Readiness:
             return False, waiting
         try:
             await self._client.ping()
-            self._detail_logged = False  # it answers
             for name, keys in self._keys.items():
                 if not await self._live_workers(keys):
+                    self._detail_logged = False  # Redis answered every question: the outage is over
                     return False, f"no live worker serves model {name!r}"
         except Exception as exc:  # any failure to ask Redis is "Redis unreachable"
             # The detail (Redis's host:port) goes to the log only, once: /ready answers anyone.
+            # (Once per outage, even when the ping answers and a later read fails: in a cluster,
+            # the node of the workers' keys can be out while the pinged one is not.)
             if not self._detail_logged:
                 self._detail_logged = True
                 log.warning("readiness: Redis unreachable: %s: %s", type(exc).__name__, exc)
             return False, f"Redis unreachable ({type(exc).__name__})"
+        self._detail_logged = False
         return True, "ready"
 
     async def check(self) -> bool:

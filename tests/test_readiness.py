@@ -110,3 +110,26 @@ def test_worker_check_this_host_sees_only_this_hosts_workers(redis_url):
     beat(client, f"{socket.gethostname()}-4321")
     assert check("--this-host") == 0
     client.close()
+
+
+async def test_a_worker_check_that_fails_while_ping_answers_is_logged_once(redis_url, caplog):
+    """Ping answers but the workers' key cannot be read (in a cluster: shard 0's node out while
+    the node the client asks answers; here: the key of the wrong type): one warning for the
+    outage, not one a second."""
+    import logging
+
+    from tokq.connection import connect
+    from tokq.gateway.readiness import Readiness
+
+    client = connect(redis_url)
+    caplog.set_level(logging.WARNING, logger="tokq.gateway.readiness")
+    try:
+        await client.set(KEYS.workers, "not a sorted set")  # ZRANGE: WRONGTYPE
+        readiness = Readiness(client, {"all-MiniLM-L6-v2": KEYS})
+        for _ in range(3):
+            assert not await readiness.check() and readiness.reason.startswith("Redis unreachable")
+        warned = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in warned]
+    finally:
+        await client.delete(KEYS.workers)
+        await client.aclose()
