@@ -129,6 +129,10 @@ def is_retryable_redis_error(exc: BaseException) -> bool:
                         redis.exceptions.SlotNotCoveredError, redis.exceptions.AskError,
                         redis.exceptions.ClusterError)):
         return True  # AuthenticationError: misconfigured; the caller can only wait for a fix
+    if isinstance(exc, redis.exceptions.RedisClusterException) and exc.__cause__ is not None:
+        # "Redis Cluster cannot be connected": no node of the slot map answered; the error
+        # that stopped the last one says whether waiting can help (a refused connect can).
+        return is_retryable_redis_error(exc.__cause__)
     # Not retryable here: "Attempted to access a non local key in a cluster node script". Only
     # the worker's scripts (claim, ack, requeue) name keys they were not given (a reply hash,
     # built from its request id), and a worker retries every Redis error (the lease redo covers

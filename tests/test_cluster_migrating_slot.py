@@ -12,7 +12,7 @@ import redis.exceptions
 from queue_support import items
 
 from tokq.connection import connect
-from tokq.gateway.errors import UNAVAILABLE_MESSAGE, to_http, to_status
+from tokq.gateway.errors import UNAVAILABLE_MESSAGE, code_of, to_http, to_status
 from tokq.keys import QueueKeys
 from tokq.queue import Queue
 
@@ -54,3 +54,16 @@ async def test_a_collect_while_its_slot_migrates_is_unavailable(redis_cluster, r
         assert await Queue(client, QUEUE).collect("r1") == {}  # served again once the move is off
     finally:
         await client.aclose()
+
+
+async def test_a_cluster_no_node_of_which_answers_is_unavailable_not_internal():
+    """redis-py raises RedisClusterException("Redis Cluster cannot be connected ...") from the
+    connection error when no node answers (the whole cluster down): retry, as for one node."""
+    from tokq.connection import connect
+    from tokq.redis_server import free_port
+
+    client = connect(f"redis://127.0.0.1:{free_port()}/0", cluster="yes")  # nothing listens there
+    with pytest.raises(redis.exceptions.RedisClusterException) as err:
+        await client.get("k")
+    assert code_of(err.value) == grpc.StatusCode.UNAVAILABLE
+    assert code_of(redis.exceptions.RedisClusterException("a bug, no cause")) == grpc.StatusCode.INTERNAL
