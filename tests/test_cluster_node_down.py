@@ -408,3 +408,28 @@ async def test_a_worker_hears_the_live_shards_notices_while_a_node_is_down(clust
         await close_client(client)
         await close_client(worker_client)
     assert exits == []
+
+
+async def test_a_node_that_stops_answering_is_left_out_of_the_picks_within_a_second(healthy):
+    """A node paused (SIGSTOP: no reset, its connections just go quiet) held every shard's load
+    read for the cluster client's retries of the 5 s socket timeout, so no shard's flag moved;
+    each read is now bounded."""
+    import signal
+
+    client = connect(healthy.url)
+    queue = ShardedQueue(client, "node-paused", QueueConfig(queue_shards=SHARDS))
+    owners = [healthy.owner_port(k.tokens) for k in queue.shard_keys()]
+    victim = owners[0]
+    node = next(n for n in healthy.nodes if n.port == victim)
+    try:
+        await queue._refresh_loads()
+        assert not any(queue._unreachable)
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        await asyncio.wait_for(queue._refresh_loads(), 5)
+        assert time.monotonic() - start < 2
+        assert queue._unreachable == [owner == victim for owner in owners]
+        assert queue.pick_shard() != 0
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+        await close_client(client)

@@ -39,6 +39,7 @@ from tokq.keys import MAX_SHARDS, QueueKeys, shard_queue_name
 from tokq.queue import Claim, Enqueued, Queue, QueueStats
 
 LOAD_REFRESH_S = 0.1
+LOAD_READ_TIMEOUT_S = 0.5  # a shard's load read not answered by then: left out of the picks
 SHARD_COUNT_REFRESH_S = 5.0
 SHARD_COUNT_HORIZON_MS = 3_600_000  # an hour: far past any request deadline and its redo
 
@@ -187,8 +188,11 @@ class ShardedQueue:
     async def _refresh_loads(self) -> None:
         with contextlib.suppress(Exception):  # stale loads only skew the pick a little
             self._since_read = [0] * self.num_shards
-            values = await asyncio.gather(*(self.redis.get(k.tokens) for k in self.shard_keys()),
-                                          return_exceptions=True)
+            # Each read bounded: a node that stops answering without a reset would hold its GET
+            # for the client's retries of the socket timeout (~15 s in a cluster), and with it
+            # every shard's update.
+            values = await asyncio.gather(*(asyncio.wait_for(self.redis.get(k.tokens), LOAD_READ_TIMEOUT_S)
+                                            for k in self.shard_keys()), return_exceptions=True)
             for i, value in enumerate(values):
                 # A shard Redis does not answer for (its node down) is left out of the picks.
                 self._unreachable[i] = isinstance(value, Exception)
