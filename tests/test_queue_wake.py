@@ -167,3 +167,21 @@ async def test_a_published_message_is_handed_over_without_being_formatted_for_a_
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert [r.getMessage()[:40] for r in records] == []
+
+
+async def test_a_subscriber_callback_that_raises_is_logged_and_changes_nothing(redis_url, caplog):
+    """A caller's on_up/on_down raising inside the subscriber would end the task that called it
+    (the background resubscribe: channels left down for good); it is logged instead."""
+    def on_up(channels):
+        raise RuntimeError("a caller's bug")
+
+    caplog.set_level(logging.ERROR, logger="tokq.subscriber")
+    async with open_queue(redis_url) as q:
+        sub = ShardedSubscriber(q.redis, on_up=on_up, label="test notices")
+        try:
+            await sub.subscribe(q.keys.work_channel)  # announces the channel up: on_up raises
+            await q.redis.spublish(q.keys.work_channel, b"still heard")
+            assert await _heard(sub) == 1
+        finally:
+            await sub.aclose()
+    assert any("test notices: on_up failed" in r.getMessage() for r in caplog.records)

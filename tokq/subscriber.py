@@ -34,6 +34,8 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.crc import key_slot
 from redis.utils import str_if_bytes
 
+from tokq.cancel import raise_if_cancelled
+
 log = logging.getLogger("tokq.subscriber")
 
 PING_AFTER_S = 5.0  # a connection silent this long is pinged; silent as long again: broken
@@ -209,7 +211,7 @@ class ShardedSubscriber:
             if self._on_up is not None:
                 up = [c for c in channels if c not in self._down]
                 if up:
-                    self._on_up(up)
+                    self._notify(self._on_up, up)
 
     async def _by_server(self, channels: list[str]) -> dict[tuple[str, Any], list[str]]:
         """``channels`` grouped by the server that owns each now (keys: (host:port, node))."""
@@ -273,6 +275,7 @@ class ShardedSubscriber:
     async def _read(self, link: _Link) -> None:
         pinged_at: float | None = None
         while True:
+            raise_if_cancelled()  # a cancel dropped by a send's wait_for (3.11) must still end it
             try:
                 msg = await link.pubsub.get_message(timeout=PING_AFTER_S)
                 if msg is None:
@@ -339,7 +342,7 @@ class ShardedSubscriber:
             log.warning("%s: %d channel(s) on %s not subscribed (%s%s); subscribing them again "
                         "in the background", self._label, len(lost), where, cause, _describe(exc))
             if self._on_down is not None:
-                self._on_down(lost, exc)
+                self._notify(self._on_down, lost, exc)
         if self._down and (self._healer is None or self._healer.done()):
             self._healer = asyncio.create_task(self._heal(), name=f"{self._label} resubscribe")
 
@@ -351,12 +354,21 @@ class ShardedSubscriber:
         if not self._down:
             self._down_since = None
         if announce and self._on_up is not None:
-            self._on_up(list(channels))
+            self._notify(self._on_up, list(channels))
+
+    def _notify(self, callback: Callable, *args: Any) -> None:
+        """A caller's callback, its failure logged: raised here, it would end the resubscribe
+        task (or a link's reader) and leave channels down for good."""
+        try:
+            callback(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: %s failed", self._label, getattr(callback, "__name__", callback))
 
     async def _heal(self) -> None:
         """Subscribe the down channels again, with backoff, until none is left."""
         attempt = 0
         while self._down:
+            raise_if_cancelled()
             attempt += 1
             await asyncio.sleep(RESUBSCRIBE_BACKOFF.compute(attempt))
             await self._attach(sorted(self._down))
