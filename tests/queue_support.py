@@ -103,3 +103,13 @@ async def answered_vectors(queue: Queue, request_id: str, n: int) -> np.ndarray:
     await wait_for(answered, 60, f"{request_id}'s answer")
     results = await queue.collect(request_id)
     return np.stack([decode_result(results[i]).vector for i in range(n)])
+
+
+async def queue_cycle(q: Queue, request_id: str = "r1") -> None:
+    """One request of two items (3 and 4 tokens) enqueued, claimed, acked and collected: the
+    whole cycle through ``q``, checked at each step."""
+    await q.enqueue(request_id, items(3, 4), timeout_ms=10_000, channel=q.keys.done_channel("gw"))
+    claim = await q.claim(100)
+    assert [e.num_tokens for e in claim.entries] == [3, 4]
+    await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+    assert sorted(await q.collect(request_id)) == [0, 1]

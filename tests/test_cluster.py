@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import redis
-from queue_support import QUEUE, items, ok_result
+from queue_support import QUEUE, queue_cycle
 
 from tokq.connection import connect, connect_pubsub, is_cluster
 from tokq.keys import QueueKeys
@@ -49,11 +49,7 @@ async def test_queue_cycle_through_a_node_that_does_not_own_the_slot(redis_clust
     client = connect(url)
     try:
         q = Queue(client, QUEUE)
-        await q.enqueue("r1", items(3, 4), timeout_ms=10_000, channel=keys.done_channel("gw"))
-        claim = await q.claim(100)
-        assert [e.num_tokens for e in claim.entries] == [3, 4]
-        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-        assert sorted(await q.collect("r1")) == [0, 1]
+        await queue_cycle(q)
         assert (await q.stats()).queued_entries == 0
     finally:
         await client.aclose()

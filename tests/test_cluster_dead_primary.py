@@ -14,28 +14,22 @@ The cluster is this module's own (a node is killed for good).
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import redis
-from queue_support import items, ok_result
+from cluster_support import local_cluster
+from queue_support import queue_cycle
 
 from tokq.connection import connect, connect_sync
 from tokq.keys import QueueKeys
 from tokq.queue import Queue
-from tokq.redis_cluster import LocalCluster, _slots
+from tokq.redis_cluster import _slots
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    try:
-        cluster = LocalCluster(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None,
-                               num_primaries=3, replicas_per_primary=0)
-    except (FileNotFoundError, ImportError) as exc:
-        pytest.skip(f"no Redis server binary to start a cluster with: {exc}")
-    cluster.start()
-    yield cluster
-    cluster.close()
+    with local_cluster(num_primaries=3, replicas_per_primary=0) as cluster:
+        yield cluster
 
 
 def _first_listed_primary(cluster) -> int:
@@ -124,17 +118,11 @@ def test_a_queue_on_a_live_node_serves_whose_scripts_were_never_loaded(dead, clu
     # runs (redis-py's SCRIPT LOAD went to every primary, the dead one too).
     first, live, url, *_ = dead
     name = _queue_on(cluster, live)
-    keys = QueueKeys(name)
 
     async def check():
         client = connect(url)
         try:
-            q = Queue(client, name)
-            await q.enqueue("r1", items(3, 4), timeout_ms=10_000, channel=keys.done_channel("gw"))
-            claim = await q.claim(100)
-            assert [e.num_tokens for e in claim.entries] == [3, 4]
-            await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-            assert sorted(await q.collect("r1")) == [0, 1]
+            await queue_cycle(Queue(client, name))
         finally:
             await client.aclose()
 

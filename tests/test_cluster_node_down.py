@@ -25,6 +25,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from cluster_support import local_cluster
 from queue_support import wait_for
 
 from tokq.config import GatewayConfig, QueueConfig
@@ -49,13 +50,8 @@ GATEWAY = "gw-node-down"
 
 @pytest.fixture(scope="module")
 def cluster():
-    try:
-        cluster = LocalCluster(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None)
-    except (FileNotFoundError, ImportError) as exc:
-        pytest.skip(f"no Redis server binary to start a cluster with: {exc}")
-    cluster.start()
-    yield cluster
-    cluster.close()
+    with local_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 import redis
+from cluster_support import local_cluster
 
 from tokq.connection import RedisSetupError, check_redis, is_cluster
-from tokq.redis_cluster import LocalCluster
 from tokq.redis_server import free_port
 
 
@@ -33,17 +33,11 @@ def _no_password(url: str, password: str) -> str:
 @pytest.fixture(scope="module")
 def password_cluster():
     """A one-node cluster (all slots) that asks for a password: (URL with it, the password)."""
-    try:
-        cluster = LocalCluster(binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None,
-                               num_primaries=1, replicas_per_primary=0)
-    except (FileNotFoundError, ImportError) as exc:
-        pytest.skip(f"no Redis server binary to start a cluster with: {exc}")
-    cluster.start()
-    password = "cluster-secret"
-    with cluster.nodes[0].client(cluster.host) as c:
-        c.config_set("requirepass", password)
-    yield cluster.url.replace("redis://", f"redis://:{password}@"), password
-    cluster.close()
+    with local_cluster(num_primaries=1, replicas_per_primary=0) as cluster:
+        password = "cluster-secret"
+        with cluster.nodes[0].client(cluster.host) as c:
+            c.config_set("requirepass", password)
+        yield cluster.url.replace("redis://", f"redis://:{password}@"), password
 
 
 def test_each_mistake_is_one_error_naming_the_setting(redis_server, redis_url, redis_cluster_url,
