@@ -13,7 +13,7 @@ import pytest
 from tokq.redis_cluster import LocalCluster
 
 
-def test_server_binary() -> str | None:
+def server_binary() -> str | None:
     """The Redis/Valkey binary the tests run (Debian's redis-server in CI's second pass)."""
     return os.environ.get("TOKQ_TEST_REDIS_SERVER") or None
 
@@ -22,7 +22,7 @@ def test_server_binary() -> str | None:
 def local_cluster(**kwargs) -> Iterator[LocalCluster]:
     """A started LocalCluster(**kwargs), closed on the way out."""
     try:
-        cluster = LocalCluster(binary=test_server_binary(), **kwargs)
+        cluster = LocalCluster(binary=server_binary(), **kwargs)
     except (FileNotFoundError, ImportError) as exc:
         pytest.skip(f"no Redis server binary to start a cluster with: {exc}")
     cluster.start()

