@@ -429,3 +429,29 @@ async def test_a_node_that_stops_answering_is_left_out_of_the_picks_within_a_sec
     finally:
         os.kill(node.proc.pid, signal.SIGCONT)
         await close_client(client)
+
+
+async def test_a_worker_logs_a_shard_it_cannot_requeue_once_per_outage(cluster, pair_down, engine, caplog):
+    """Every half lease the worker redoes expired leases on every shard: with one shard's node
+    out each check failed and was logged (here every 0.1 s); now once for the outage."""
+    import logging
+
+    from tokq.config import WorkerConfig
+    from tokq.workers.worker import Worker
+
+    caplog.set_level(logging.WARNING, logger="tokq.worker")
+    name = _queue_name_with_a_dead_shard(cluster, pair_down)
+    config = QueueConfig(queue_shards=SHARDS, lease_ms=200)
+    url = cluster.node_url(next(n.port for n in cluster.nodes if n.running))
+    client = connect(url)
+    worker = Worker(engine, ShardedQueue(client, name, config), WorkerConfig(token_budget=512), config,
+                    worker_id="requeue-down", exit_process=lambda code: None)
+    run = asyncio.create_task(worker.run())
+    try:
+        await asyncio.sleep(3)  # ~30 checks
+    finally:
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+        await close_client(client)
+    failed = [r for r in caplog.records if "requeue_expired failed" in r.getMessage()]
+    assert len(failed) == 1, len(failed)

@@ -258,8 +258,13 @@ class ShardedQueue:
         await self.shard(self.shard_of_batch(batch_id)).ack(batch_id, results)
 
     async def requeue_expired(self) -> tuple[int, int]:
+        """Every shard's expired leases redone; a shard whose node is out does not stop the
+        others' (its error is raised once they have all run)."""
         shards = [self.shard(i) for i in range(self._claim_shards)]
-        done = await asyncio.gather(*(q.requeue_expired() for q in shards))
+        done = await asyncio.gather(*(q.requeue_expired() for q in shards), return_exceptions=True)
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result
         return sum(r for r, _ in done), sum(f for _, f in done)
 
     def owner_channels(self) -> list[str]:

@@ -457,13 +457,19 @@ class Worker:
         before its deadline): a lease that missed a renewal is redone then if its owner's
         process is gone (its owner channel has no subscriber), else when it expires."""
         period_s = self.queue_config.lease_ms / 2000
+        failing = False  # logged once per outage: with a shard's node out, every check fails
         while True:
             try:
                 await self.queue.requeue_expired()
+                if failing:
+                    failing = False
+                    log.warning("requeue_expired works again")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis blips must not kill the worker
-                log.warning("requeue_expired failed: %s", exc)
+                if not failing:
+                    log.warning("requeue_expired failed: %s (not logged again until it works)", exc)
+                failing = True
             next_ms = self.queue.next_expiry_ms
             wait_s = period_s if next_ms is None else min(period_s, next_ms / 1000 + EXPIRY_SLACK_S)
             raise_if_cancelled()
