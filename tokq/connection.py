@@ -28,6 +28,8 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
 from redis.connection import parse_url
 
+from tokq.redis_server import redact_url
+
 CONNECT_TIMEOUT_S = 0.5
 CONNECT_ATTEMPTS = 3  # a connect that times out is tried again, up to this many times in all
 SOCKET_TIMEOUT_S = 5.0
@@ -146,7 +148,7 @@ def check_redis(url: str, mode: ClusterMode = "auto") -> bool:
     needs the answer, also a server that does not answer within ~10 s. With yes or no, a server
     that is not up yet (asked once) or does not let INFO be run (an ACL, a proxy) leaves the
     setting unchecked: tokq starts and its commands wait for the server, as after any outage."""
-    where = _redact(url)
+    where = redact_url(url)
     explicit = mode in ("yes", "no")
     try:
         enabled = _cluster_enabled(url, 1 if explicit else _PROBE_ATTEMPTS)
@@ -187,12 +189,6 @@ def check_redis_or_exit(url: str, mode: ClusterMode = "auto") -> bool:
         return check_redis(url, mode)
     except RedisSetupError as exc:
         raise click.ClickException(str(exc)) from None
-
-
-def _redact(url: str) -> str:
-    from tokq.redis_server import redact_url
-
-    return redact_url(url)
 
 
 def _guarded(base: type[aioredis.Connection]) -> type[aioredis.Connection]:

@@ -260,11 +260,7 @@ class ShardedQueue:
     async def requeue_expired(self) -> tuple[int, int]:
         """Every shard's expired leases redone; a shard whose node is out does not stop the
         others' (its error is raised once they have all run)."""
-        shards = [self.shard(i) for i in range(self._claim_shards)]
-        done = await asyncio.gather(*(q.requeue_expired() for q in shards), return_exceptions=True)
-        for result in done:
-            if isinstance(result, BaseException):
-                raise result
+        done = await _on_every_shard(self.shard(i).requeue_expired() for i in range(self._claim_shards))
         return sum(r for r, _ in done), sum(f for _, f in done)
 
     def owner_channels(self) -> list[str]:
@@ -337,9 +333,12 @@ class ShardedQueue:
         await self.shard(0).set_budget(tokens)
 
 
-async def _on_every_shard(commands) -> None:
-    """Run one command per shard at once; raise the first failure only once every shard has
-    answered: returning earlier, a later command (a withdrawal) could overtake one still out."""
-    for result in await asyncio.gather(*commands, return_exceptions=True):
+async def _on_every_shard(commands) -> list:
+    """Run one command per shard at once and return their answers; raise the first failure only
+    once every shard has answered: returning earlier, a later command (a withdrawal) could
+    overtake one still out, and one shard's node out would stop the others' work midway."""
+    results = await asyncio.gather(*commands, return_exceptions=True)
+    for result in results:
         if isinstance(result, BaseException):
             raise result
+    return results
