@@ -81,6 +81,25 @@ def is_heavy(claim: Claim, preempt_budget: int) -> bool:
     return claim.num_tokens > preempt_budget and 2 * sum(e.num_tokens for e in heavy) >= claim.num_tokens
 
 
+class OutageLog:
+    """A failure that recurs while it lasts, logged once, and once more when it works again:
+    with one shard's node out, a chore fails at every round for as long as the node is out."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failing = False
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.failing:
+            log.warning("%s failed: %s (not logged again until it works)", self.what, exc)
+        self.failing = True
+
+    def worked(self) -> None:
+        if self.failing:
+            self.failing = False
+            log.warning("%s works again", self.what)
+
+
 class Registration:
     """The worker's place in one kind of wake-up set on every shard it claims from: ``idle`` (a
     'work' notice may pick it) or ``preemptible`` (a 'light' one may, while a heavy forward
@@ -94,7 +113,7 @@ class Registration:
         self.registered = False  # in every claimed shard's set, as far as this worker knows
         self.maybe = False  # possibly in some shard's set: withdraw before that matters
         self.notices = 0  # notices of this kind read (Worker._read_notices)
-        self._failing = False  # the last try failed (logged once per outage)
+        self._outage = OutageLog(f"{kind} registration")
 
     def noticed(self) -> None:
         """A notice of this kind was read: the shard that sent it holds this worker no more."""
@@ -114,18 +133,13 @@ class Registration:
             # landed after it.
             self.registered = on and self.notices == read
             self.maybe = on and (self.registered or was_maybe or self.queue.claim_shards > 1)
-            if self._failing:
-                self._failing = False
-                log.warning("%s registration works again", self.kind)
+            self._outage.worked()
         except _REDIS_ERRORS as exc:
             # Not registered, or registered with its answer lost: taken for maybe registered,
             # withdrawn later (idle: before the forward; pre-emptible: as the forward ends).
             # Meanwhile work waits for a claim. With one shard's node down this fails at every
             # wait (the other shards' sets are still written): logged once per outage.
-            if not self._failing:
-                log.warning("%s registration failed: %s (not logged again until it works)",
-                            self.kind, exc)
-            self._failing = True
+            self._outage.failed(exc)
             self.maybe = self.maybe or on
         return self.notices != read
 
@@ -432,16 +446,20 @@ class Worker:
 
     # -- chores -------------------------------------------------------------------------------
 
-    async def _every(self, period_s: float, chore) -> None:
+    async def _every(self, period_s: float | Callable[[], float], chore) -> None:
+        """``chore`` again and again, ``period_s`` apart (a callable: asked after each round);
+        its failures logged once per outage."""
+        outage = OutageLog(chore.__name__)
         while True:
             try:
                 await chore()
+                outage.worked()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis blips must not kill the worker
-                log.warning("%s failed: %s", chore.__name__, exc)
+                outage.failed(exc)
             raise_if_cancelled()
-            await asyncio.sleep(period_s)
+            await asyncio.sleep(period_s() if callable(period_s) else period_s)
 
     async def _renew_leases(self) -> None:
         async def renew():
@@ -457,23 +475,11 @@ class Worker:
         before its deadline): a lease that missed a renewal is redone then if its owner's
         process is gone (its owner channel has no subscriber), else when it expires."""
         period_s = self.queue_config.lease_ms / 2000
-        failing = False  # logged once per outage: with a shard's node out, every check fails
-        while True:
-            try:
-                await self.queue.requeue_expired()
-                if failing:
-                    failing = False
-                    log.warning("requeue_expired works again")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis blips must not kill the worker
-                if not failing:
-                    log.warning("requeue_expired failed: %s (not logged again until it works)", exc)
-                failing = True
+
+        def wait_s() -> float:
             next_ms = self.queue.next_expiry_ms
-            wait_s = period_s if next_ms is None else min(period_s, next_ms / 1000 + EXPIRY_SLACK_S)
-            raise_if_cancelled()
-            await asyncio.sleep(wait_s)
+            return period_s if next_ms is None else min(period_s, next_ms / 1000 + EXPIRY_SLACK_S)
+        await self._every(wait_s, self.queue.requeue_expired)
 
     async def _heartbeat(self) -> None:
         period_ms = self.config.heartbeat_ms
