@@ -44,11 +44,19 @@ def reference(bundled_model_dir):
 
 @pytest.fixture(scope="module")
 def stack():
-    from service_stack import gateway_and_worker
+    from service_stack import ServiceStack
 
     # Short leases so a killed worker's batch is redone quickly; a small token cap to test overload.
-    with gateway_and_worker(env={"TOKQ_LEASE_MS": "1500", "TOKQ_MAX_QUEUED_TOKENS": "40000"}) as s:
+    s = ServiceStack(env={"TOKQ_LEASE_MS": "1500", "TOKQ_MAX_QUEUED_TOKENS": "40000"})
+    try:
+        # The gateway reaches Redis through its Unix socket (unix://), the workers over TCP: every
+        # test below runs on both kinds of URL, against one server.
+        s.start_gateway(redis_url=s.redis.unix_url)
+        s.start_worker("w1")
+        s.wait_ready()
         yield s
+    finally:
+        s.close()
 
 
 @pytest.fixture(scope="module")
@@ -388,8 +396,11 @@ def test_worker_check_reports_liveness(stack):
         if not flag:
             args, env = [], {**os.environ, "TOKQ_WORKER_ID": worker_id}
         return subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--check", *args,
-                               "--redis-url", stack.redis.url], capture_output=True, env=env).returncode
+                               "--redis-url", url], capture_output=True, env=env).returncode
 
+    url = stack.redis.url
+    assert check("w1") == 0
+    url = stack.redis.unix_url
     assert check("w1") == 0
     assert check("w3") == 1  # stopped above
     assert check("w3", flag=False) == 1  # TOKQ_WORKER_ID names it too (any worker is alive: w1)

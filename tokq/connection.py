@@ -302,13 +302,19 @@ class BoundedRedisCluster(RedisCluster):
         return pipe
 
 
+def _keepalive(url: str) -> dict:
+    """TCP keepalive (a peer gone without a reset is noticed) where the URL is TCP: redis-py's
+    unix-socket connection takes no such option (a TypeError at connect)."""
+    return {} if url.lower().startswith("unix:") else {"socket_keepalive": True}
+
+
 def _cluster_client(url: str, max_connections: int) -> RedisCluster:
     return BoundedRedisCluster.from_url(
         url,
         max_connections=max_connections,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=SOCKET_TIMEOUT_S,
-        socket_keepalive=True,
+        socket_keepalive=True,  # a cluster is TCP only
         # Connection errors, timeouts and CLUSTERDOWN are retried after re-reading the slot map
         # (how a failover is followed; see _retry).
         retry=_retry(),
@@ -330,7 +336,7 @@ def connect(url: str, *, max_connections: int = 32, pool_timeout_s: float = 5.0,
         timeout=pool_timeout_s,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=SOCKET_TIMEOUT_S,
-        socket_keepalive=True,
+        **_keepalive(url),
         retry=_retry(),
         decode_responses=False,
     )
@@ -343,8 +349,8 @@ def connect_pubsub(url: str, cluster: ClusterMode = "auto") -> aioredis.Redis | 
     owns the channel's slot."""
     if is_cluster(url, cluster):
         return _cluster_client(url, max_connections=4)
-    return _guard_pool(aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                               socket_keepalive=True, retry=_retry(), decode_responses=False))
+    return _guard_pool(aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, **_keepalive(url),
+                                               retry=_retry(), decode_responses=False))
 
 
 def connect_sync(url: str, cluster: ClusterMode = "auto") -> redis.Redis | redis.RedisCluster:

@@ -109,6 +109,7 @@ class EmbeddedRedis:
         self.password = password if password is not None else secrets.token_urlsafe(24)
         self.tls = tls
         self._dir = tempfile.mkdtemp(prefix="tokq-redis-")  # 0700
+        self._unix_socket = len(os.fsencode(self.socket_path)) < 100  # sun_path holds 108 bytes
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -121,6 +122,19 @@ class EmbeddedRedis:
         if self.tls:
             return f"rediss://{auth}{host_port(self.host, self.port)}/0?ssl_ca_certs={quote(self.tls['ca'])}"
         return f"redis://{auth}{host_port(self.host, self.port)}/0"
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self._dir, "redis.sock")  # in the server's 0700 directory
+
+    @property
+    def unix_url(self) -> str:
+        """The same server through its Unix socket (served beside the TCP port; none where the
+        temporary directory's path is too long for a socket's, ~107 bytes: ValueError)."""
+        if not self._unix_socket:
+            raise ValueError(f"no Unix socket: {self.socket_path} is too long for one")
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"unix://{auth}{self.socket_path}?db=0"
 
     def _write_config(self) -> str:
         path = os.path.join(self._dir, "redis.conf")
@@ -138,6 +152,7 @@ class EmbeddedRedis:
                       "--tls-auth-clients", "no"]
         args = [self.binary, self._write_config(), *listen, "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
+                *(["--unixsocket", self.socket_path, "--unixsocketperm", "700"] if self._unix_socket else []),
                 "--loglevel", "warning", "--logfile", self.log_path]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       start_new_session=True)
