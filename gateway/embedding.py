@@ -81,6 +81,7 @@ class ServedModel:
         self.gateway_id = gateway_id
         self.observer = observer  # metrics hooks (tokq.metrics.GatewayMetrics), optional
         self._ids = itertools.count()
+        self._withdrawals: set[asyncio.Task] = set()  # cancel scripts still running
         self.limits = Limits.resolve(info, config)  # byte caps, checked before tokenizing
         self._prompt_boundary = PromptBoundary(info, tokenizer)
 
@@ -139,13 +140,14 @@ class ServedModel:
         return 0 if dims == self.info.hidden_size else dims
 
     def _timeout_ms(self, context: Deadline) -> int:
+        """What is left of the call's own deadline (longer or shorter than the default), or
+        the default for a call that set none."""
         remaining = context.time_remaining()
-        default = self.config.default_timeout_ms
         if remaining is None:
-            return default
+            return self.config.default_timeout_ms
         if remaining <= 0:
             raise DeadlineExceeded("the call's deadline passed before it was queued")
-        return max(1, min(default, int(remaining * 1000)))
+        return max(1, int(remaining * 1000))
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -227,14 +229,25 @@ class ServedModel:
             if not collected:
                 # Cancelled, timed out or failed, possibly while the enqueue was in flight or
                 # with its answer lost (LostAnswer: queued or not, we cannot tell): withdraw it
-                # (O(1)) so no worker spends time on it and nothing stays behind.
-                await asyncio.shield(self._cancel_quietly(request_id))
+                # (O(1)) so no worker spends time on it and nothing stays behind. The caller
+                # is answered without waiting for that: a Redis that stopped answering would
+                # hold its error for another socket timeout. (Started only now, once the
+                # enqueue has answered: it cannot overtake it; see tokq.pipeliner.)
+                task = asyncio.get_running_loop().create_task(self._cancel_quietly(request_id))
+                self._withdrawals.add(task)
+                task.add_done_callback(self._withdrawals.discard)
 
     async def _cancel_quietly(self, request_id: str) -> None:
         try:
             await self.queue.cancel(request_id)
         except Exception:  # Redis gone: the reply key expires by its TTL anyway
             pass
+
+    async def finish_withdrawals(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) for the withdrawals still running: at shutdown, before
+        the Redis clients close under them."""
+        if self._withdrawals:
+            await asyncio.wait(set(self._withdrawals), timeout=timeout_s)
 
     async def tokenize(self, texts, *, truncate: bool = False, prompt_name: str | None = None) -> list[list[int]]:
         texts = self._check_texts(texts)

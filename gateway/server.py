@@ -234,6 +234,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             await asyncio.to_thread(metrics_server.shutdown)  # waits out its 0.5 s poll: not on the loop
             metrics_server.server_close()
         for model in models.values():
+            await model.finish_withdrawals(STOP_WAIT_S)
             await model.router.stop()
             await model.queue.close()
             model.tokenizer.close()

@@ -1,0 +1,64 @@
+"""How long the gateway keeps a call: the caller's own deadline (longer or shorter than the
+default), and an error answered without waiting for the call's withdrawal. Real gateway in this
+process, real Redis; no worker (nothing is ever answered)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import redis
+from gateway_support import running_gateway
+
+import tokq.connection
+from tokq import Client, TokqError
+from tokq.redis_server import EmbeddedRedis
+
+
+def _failed_call(port: int, timeout_s: float) -> tuple[TokqError, float]:
+    with Client(f"127.0.0.1:{port}") as client:
+        start = time.monotonic()
+        with pytest.raises(TokqError) as err:
+            client.embed(["no worker answers this"], timeout=timeout_s)
+        return err.value, time.monotonic() - start
+
+
+def test_a_call_deadline_longer_than_the_default_is_kept(redis_url):
+    with running_gateway(redis_url, default_timeout_ms=300) as port:
+        err, elapsed = _failed_call(port, timeout_s=2.0)
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    # Before: cut to the 300 ms default ("within the deadline (300 ms)").
+    assert elapsed >= 1.5, (elapsed, err)
+    assert "(300 ms)" not in str(err), err
+
+
+def test_a_call_deadline_shorter_than_the_default_is_kept(redis_url):
+    with running_gateway(redis_url, default_timeout_ms=60_000) as port:
+        err, elapsed = _failed_call(port, timeout_s=0.5)
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    assert elapsed < 30, elapsed
+
+
+def test_a_redis_that_stops_answering_is_answered_after_one_socket_timeout(monkeypatch):
+    """Its enqueue times out; the withdrawal that follows (a cancel script, which would time out
+    too) runs after the answer, not before it: one socket timeout, not two."""
+    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 2.0)
+    server = EmbeddedRedis().start()
+    try:
+        pid = int(redis.Redis.from_url(server.url).info("server")["process_id"])
+        with running_gateway(server.url) as port:
+            with Client(f"127.0.0.1:{port}") as client:  # the gateway's connections are open
+                with pytest.raises(TokqError):
+                    client.embed(["warm"], timeout=0.3)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                err, elapsed = _failed_call(port, timeout_s=30)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+    finally:
+        server.close()
+    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+    assert elapsed < 3.5, elapsed  # before: ~4 s (the enqueue's 2 s, then the cancel's 2 s)
