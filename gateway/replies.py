@@ -58,7 +58,7 @@ class ReplyRouter:
         self._reply_key = reply_key
         self.channels = list(channels)
         self._shard_of = shard_of
-        self._repoll = False  # a channel was subscribed again: poll every waiting call now
+        self._repoll = asyncio.Event()  # a channel was subscribed again: poll every waiting call now
         self._poll_after_s = poll_after_s
         self._poll_every_s = poll_every_s
         self._waiting: dict[str, _Waiter] = {}
@@ -118,34 +118,42 @@ class ReplyRouter:
                 self._settle(request_id, error)
 
     def _channels_up(self, channels: list[str]) -> None:
-        self._repoll = True  # notices published before are lost: check everyone
+        self._repoll.set()  # notices published before are lost: check everyone
         if self._subscriber is not None and not self._subscriber.down:
             self.subscribed.set()
 
+    def _on_notice(self, channel: bytes, data: bytes) -> None:
+        """A completion notice, handed over by the subscriber's reader as it is read."""
+        for request_id, results in parse_notices(data):
+            self._settle(request_id, results=results)
+
     async def _run(self) -> None:
+        # Notices settle their calls as they are read (_on_notice); this task subscribes, and
+        # polls: every poll_every_s, and at once after a (re)subscribe.
         self._subscriber = subscriber = ShardedSubscriber(
             self._pubsub_client, on_down=self._channels_down, on_up=self._channels_up,
-            label="completion notices")
+            on_message=self._on_notice, label="completion notices")
         while True:
             try:
                 await subscriber.subscribe(*self.channels)  # never raises for Redis down
-                next_poll = time.monotonic()
+                next_poll = time.monotonic() + self._poll_every_s
                 while True:
                     raise_if_cancelled()
-                    if self._repoll:  # (re)subscribed: what was published before is lost
-                        self._repoll = False
+                    if self._repoll.is_set():  # (re)subscribed: what was published before is lost
+                        self._repoll.clear()
                         await self._poll(min_age_s=0.0)
                         next_poll = time.monotonic() + self._poll_every_s
-                    msg = await subscriber.get_message(timeout=self._poll_every_s)
-                    if msg is not None:
-                        for request_id, results in parse_notices(msg[1]):
-                            self._settle(request_id, results=results)
-                    if time.monotonic() >= next_poll:  # even while notices keep coming
+                    elif time.monotonic() >= next_poll:
                         await self._poll(min_age_s=self._poll_after_s)
                         next_poll = time.monotonic() + self._poll_every_s
+                    try:
+                        async with asyncio.timeout(max(0.0, next_poll - time.monotonic())):
+                            await self._repoll.wait()
+                    except TimeoutError:
+                        pass
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a bug, or a notice that does not parse: never die silently
+            except Exception:  # a bug: never die silently
                 self.subscribed.clear()
                 log.exception("reply subscription failed; resubscribing")
                 await asyncio.sleep(0.2)

@@ -45,6 +45,7 @@ MAX_BUFFERED = 10_000  # messages read and not yet taken (the node readers wait 
 
 OnDown = Callable[[list[str], BaseException], None]
 OnUp = Callable[[list[str]], None]
+OnMessage = Callable[[bytes, bytes], None]
 
 
 async def _pass_message(message):
@@ -122,14 +123,21 @@ class ShardedSubscriber:
     messages come again after ``on_up``). ``on_up(channels)``: those channels are subscribed
     (again): anything published on them before may have been missed. Both are called on the
     event loop, from the subscriber's tasks or from ``subscribe``; they must not block.
-    ``label`` names the subscription in the log."""
+    ``label`` names the subscription in the log.
+
+    ``on_message(channel, data)``, if given, is handed each message by the node's reader as it
+    is read, instead of queueing it for ``get_message``: no task switch and no timer per message
+    (the gateway's completion notices, one per call at low load). It must not block; what it
+    raises is logged and that message dropped."""
 
     def __init__(self, client: aioredis.Redis | RedisCluster, *, on_down: OnDown | None = None,
-                 on_up: OnUp | None = None, label: str = "sharded subscription") -> None:
+                 on_up: OnUp | None = None, on_message: OnMessage | None = None,
+                 label: str = "sharded subscription") -> None:
         self._client = client
         self._cluster = isinstance(client, RedisCluster)
         self._on_down = on_down
         self._on_up = on_up
+        self._on_message = on_message
         self._label = label
         self._messages: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue(MAX_BUFFERED)
         self._links: set[_Link] = set()
@@ -162,7 +170,7 @@ class ShardedSubscriber:
 
     async def get_message(self, timeout: float) -> tuple[bytes, bytes] | None:
         """The next (channel, data) published on any subscribed channel, or None after
-        ``timeout`` seconds."""
+        ``timeout`` seconds (always None with ``on_message``, which takes every message)."""
         try:
             return self._messages.get_nowait()
         except asyncio.QueueEmpty:
@@ -258,7 +266,7 @@ class ShardedSubscriber:
                     if kind == "ssubscribe":
                         pending.discard(_name(msg["channel"]))
                     elif kind == "smessage":
-                        await self._messages.put((msg["channel"], msg["data"]))
+                        await self._deliver(msg["channel"], msg["data"])
         except BaseException as exc:
             await link.close()
             if isinstance(exc, TimeoutError):
@@ -295,7 +303,7 @@ class ShardedSubscriber:
             pinged_at = None  # it answers
             kind = str_if_bytes(msg["type"])
             if kind == "smessage":
-                await self._messages.put((msg["channel"], msg["data"]))
+                await self._deliver(msg["channel"], msg["data"])
             elif kind == "sunsubscribe":
                 # Redis dropped it: its slot moved (failover of a primary left alive,
                 # resharding). Subscribe it again where its slot is now.
@@ -308,6 +316,15 @@ class ShardedSubscriber:
                     self._links.discard(link)
                     await link.close()
                     return
+
+    async def _deliver(self, channel: bytes, data: bytes) -> None:
+        if self._on_message is None:
+            await self._messages.put((channel, data))
+            return
+        try:
+            self._on_message(channel, data)
+        except Exception:  # noqa: BLE001 - one bad message must not end the node's reader
+            log.exception("%s: a message on %s was not handled", self._label, _name(channel))
 
     async def _broken(self, link: _Link, exc: BaseException) -> None:
         """``link`` failed: reopen it on the same server at once (a reset connection, a
