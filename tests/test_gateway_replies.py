@@ -136,10 +136,45 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
         proxy.close()  # the subscriber's Redis is gone: its reconnects are refused
         with pytest.raises(Unavailable, match="lost the connection to Redis"):
             await asyncio.wait_for(waiting, 5)  # its deadline is 30 s away
-        assert (await queue.stats()).counters["cancelled"] == 1  # withdrawn (claims drop it)
+        async def withdrawn():  # (after the answer: the withdrawal is not waited for)
+            return (await queue.stats()).counters["cancelled"] == 1
+        await wait_for(withdrawn, 10, "the call to be withdrawn")  # claims drop it
     finally:
         if router is not None:
             await router.stop()
         await client.aclose()
         await pubsub.aclose()
         proxy.close()
+
+
+async def test_a_notice_that_does_not_parse_costs_nothing_but_itself(redis_url, info, tokenizer, caplog):
+    """Logged and dropped by the subscriber's reader: the subscription stays (no resubscribe,
+    which would lose the notices published meanwhile) and the next notice answers its call."""
+    client, pubsub = connect(redis_url), connect_pubsub(redis_url)
+    queue = ShardedQueue(client, info.queue_name, QueueConfig())
+    channel = queue.shard_keys()[0].done_channel(GATEWAY)
+    router = ReplyRouter(pubsub, client, queue.reply_key, [k.done_channel(GATEWAY) for k in queue.shard_keys()],
+                         poll_after_s=3600)
+    await router.start()
+
+    async def ssubscribes() -> int:
+        stats = await client.info("commandstats")
+        return int(stats.get("cmdstat_ssubscribe", {}).get("calls", 0))
+    try:
+        await asyncio.wait_for(router.subscribed.wait(), 20)
+        before = await ssubscribes()
+        served = ServedModel(info, tokenizer, queue, router, GATEWAY_CONFIG, GATEWAY)
+        call = asyncio.create_task(served.embed(EmbedInput(texts=["after a bad notice"]), Timer(30)))
+        await wait_for(lambda: _queued(queue, call), 20, "the call's entry")
+        await client.spublish(channel, b"99:not a notice")
+        await wait_for(lambda: asyncio.sleep(0, "was not handled" in caplog.text), 10, "the bad notice logged")
+        await _answer(queue, call, 4)
+        out = await asyncio.wait_for(call, 20)  # by its notice: the poll is an hour away
+        assert [v.tolist() for v in out.vectors] == [[1.0] * 4]
+        assert queue.shard(0).scripts.calls["collect"] == 0
+        await asyncio.sleep(0.5)  # a resubscribe (the old way) would have happened by now
+        assert await ssubscribes() == before and router.subscribed.is_set()
+    finally:
+        await router.stop()
+        await client.aclose()
+        await pubsub.aclose()
