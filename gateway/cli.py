@@ -71,6 +71,12 @@ def gateway_command(procs: int, **values) -> None:
         loop_factory(base.event_loop)  # uvloop asked for and missing
     except cfg.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    from tokq.model_info import ModelInfo
+    from tokq.model_source import model_errors_as_one_line
+
+    with model_errors_as_one_line():  # as the worker says it, once, before Redis is asked or anything forks
+        for path, name in base.models():
+            ModelInfo.load(path, name=name, revision=base.revision or None)
     busy = [f"{name} port {port}" for name, port in (("gRPC", base.port), ("HTTP", base.http_port))
             if port and port_in_use(base.host, port)]
     if busy:

@@ -57,6 +57,7 @@ def test_every_numeric_field_has_a_range():
     ("gateway", ["--tls-cert", "a.pem"], {}, "tls_cert and tls_key go together"),
     ("worker", [], {"TOKQ_LEASE_MS": "soon"}, "TOKQ_LEASE_MS: expected int, got 'soon'"),
     ("worker", ["--attn-backend", "bogus"], {}, "'bogus' is not one of"),
+    ("gateway", ["--lease-msx", "500"], {}, "No such option '--lease-msx'. Did you mean '--lease-ms'?"),
 ])
 def test_a_bad_value_is_one_line_and_exit_status_2(name, args, env, needle):
     env = {**os.environ, **env, "PYTHONWARNINGS": "ignore"}
@@ -66,6 +67,12 @@ def test_a_bad_value_is_one_line_and_exit_status_2(name, args, env, needle):
     errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and needle in errors[0], run.stderr
     assert "Traceback" not in run.stderr
+    # as the README says: click's Usage and Try lines, then the one Error line (`python -m tokq.cli`
+    # is the program's name here, `tokq` when installed)
+    usage, try_help, error = [line for line in run.stderr.splitlines() if line.strip()]
+    assert usage.startswith("Usage: ") and usage.endswith(f" {name} [OPTIONS]"), run.stderr
+    assert try_help.startswith("Try '") and try_help.endswith(f" {name} --help' for help."), run.stderr
+    assert error == errors[0]
 
 
 def test_the_attention_backends_a_flag_takes_are_the_workers():
@@ -177,6 +184,18 @@ def test_a_worker_that_cannot_load_its_model_says_why_in_one_line():
                                                  "redis://127.0.0.1:1/0"])
     assert result.exit_code == 1 and not isinstance(result.exception, ValueError | FileNotFoundError)
     assert "Error: model '/nonexistent/model' is neither" in result.output
+    check = CliRunner().invoke(worker_command, ["--check", "--model", "/nonexistent/model"])
+    assert check.exit_code == 1 and not isinstance(check.exception, ValueError | FileNotFoundError)
+    assert "Error: model '/nonexistent/model' is neither" in check.output
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_the_tokq_worker_script_takes_h_for_help_as_tokq_worker_does(flag):
+    # tokq-worker runs tokq.workers.cli:main (pyproject's [project.scripts]), outside the tokq group
+    run = subprocess.run([sys.executable, "-c", "from tokq.workers.cli import main; main()", flag],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Usage: tokq-worker [OPTIONS]") and "--worker-id" in run.stdout
 
 
 def _click_envvars(command: click.Command, ctx: click.Context | None = None) -> set[str]:

@@ -93,6 +93,24 @@ def test_offline_and_missing_is_a_clear_error(hub_cache, monkeypatch):
         resolve("no/such/thing")
 
 
+@pytest.mark.parametrize("command", ["gateway", "up"])
+@pytest.mark.parametrize("model,needle", [
+    ("acme/not-cached", "acme/not-cached is not in the Hugging Face cache"),
+    ("/no/such/dir", "model '/no/such/dir' is neither a local directory nor a Hugging Face repo id"),
+])
+def test_a_missing_model_is_one_error_line_for_the_gateway_and_tokq_up(hub_cache, command, model, needle):
+    # As for the worker and `tokq profile`: exit status 1 and one line, before Redis is asked
+    # (an unreachable one here) or any process starts.
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}  # hub_cache set HF_HUB_CACHE and HF_HUB_OFFLINE=1
+    run = subprocess.run([sys.executable, "-m", "tokq.cli", command, "--model", model,
+                          "--redis-url", "redis://127.0.0.1:1/0"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {needle}"), run.stderr
+
+
 class LoopbackHub:
     """The part of the Hugging Face Hub's HTTP API that huggingface_hub's snapshot_download uses
     (revision info, the file tree, HEAD and GET of each file at a commit), serving the bundled

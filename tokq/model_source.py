@@ -10,6 +10,7 @@ path, so the gateway, workers and ``tokq profile`` agree on the name (and queue)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -81,6 +82,19 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
                 f"forbids downloading it: fetch it first (`hf download {repo_id}`) or unset "
                 f"{offline.split('=')[0]}") from None
     return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache))
+
+
+@contextlib.contextmanager
+def model_errors_as_one_line():
+    """A model that is missing or unsupported (or a device, dtype or backend it cannot use):
+    click's one-line ``Error: ...``, exit status 1, not a traceback. Every command that loads a
+    model says it the same way: the worker, the gateway, `tokq up`, `tokq profile`."""
+    import click
+
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def resolve(spec: str | Path | None, revision: str | None = None) -> ModelSource:

@@ -20,6 +20,8 @@ from tokq import config as cfg
 from tokq.address import host_port, local_host
 from tokq.health import ExitedDuringStartup, wait_for_health
 from tokq.host import usable_cpus
+from tokq.model_info import ModelInfo
+from tokq.model_source import model_errors_as_one_line
 from tokq.processes import die_with_parent, stop_all
 from tokq.redis_server import EmbeddedRedis, free_port, redact_url
 
@@ -99,6 +101,9 @@ def up_command(**values) -> None:
     conf = cfg.load_or_exit(cfg.UpConfig, up_values)
     queue_conf = cfg.load_or_exit(cfg.QueueConfig, queue_values)
     auth = _api_keys(conf)  # a missing or empty key file stops here, before anything starts
+    with model_errors_as_one_line():  # a missing model too: one line here, not a traceback per child
+        ModelInfo.load(conf.model or None, name=conf.served_model_name or None,
+                       revision=conf.revision or None)
     cpus = usable_cpus()
     num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port

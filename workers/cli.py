@@ -16,6 +16,7 @@ from tokq import config as cfg
 async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker_id: str | None,
                  burst: bool) -> None:
     from tokq.connection import check_redis_or_exit, close_client, connect
+    from tokq.model_source import model_errors_as_one_line
     from tokq.shards import ShardedQueue
     from tokq.workers.engine import Engine
     from tokq.workers.worker import Worker, default_worker_id
@@ -25,14 +26,12 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     from tokq.workers.device import worker_threads
 
     torch.set_num_threads(worker_threads(config.threads))
-    try:
+    with model_errors_as_one_line():  # unsupported or missing model, device, dtype, backend
         engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                              attn_backend=config.attn_backend, name=config.served_model_name or None,
                              revision=config.revision or None,
                              prefix_cache_bytes=config.prefix_cache_mb << 20,
                              cuda_graph_tokens=config.cuda_graph_tokens)
-    except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
-        raise click.ClickException(str(exc)) from None
     check_redis_or_exit(config.redis_url, config.redis_cluster)  # a setting that cannot work: one line
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)
     worker_id = worker_id or default_worker_id(engine.device)
@@ -71,9 +70,11 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = Fa
     from tokq.connection import connect_sync
     from tokq.keys import QueueKeys
     from tokq.model_info import ModelInfo
+    from tokq.model_source import model_errors_as_one_line
 
-    info = ModelInfo.load(config.model or None, name=config.served_model_name or None,
-                          revision=config.revision or None)
+    with model_errors_as_one_line():  # a probe's log shows one line too, not a traceback
+        info = ModelInfo.load(config.model or None, name=config.served_model_name or None,
+                              revision=config.revision or None)
     keys = QueueKeys(info.queue_name)
     try:
         client = connect_sync(config.redis_url, config.redis_cluster)
@@ -97,7 +98,8 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = Fa
     return 0 if alive else 1
 
 
-@click.command("worker")
+# -h too: `tokq worker` inherits it from the tokq group; the `tokq-worker` script has no group
+@click.command("worker", context_settings={"help_option_names": ["-h", "--help"]})
 @cfg.click_options(cfg.WorkerConfig, cfg.QueueConfig)
 @click.option("--worker-id", envvar="TOKQ_WORKER_ID",
               help="stable across restarts, names the worker's metrics [env TOKQ_WORKER_ID; default: "

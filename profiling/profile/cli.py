@@ -133,18 +133,17 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
     if apply_budget:
         check_reachable(redis_url)
 
+    from tokq.model_source import model_errors_as_one_line
     from tokq.workers.device import use_threads
     from tokq.workers.engine import Engine
 
     console = Console(stderr=True, quiet=quiet)
     with use_threads(threads):  # process-wide: put back before the report is drawn
         with console.status("loading model"):
-            try:
+            with model_errors_as_one_line():  # unsupported or missing model, device, dtype, backend
                 engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
                                      name=served_model_name, revision=revision,
                                      cuda_graph_tokens=cuda_graph_tokens)
-            except (ValueError, FileNotFoundError) as exc:  # unsupported or missing model, device, dtype, backend
-                raise click.ClickException(str(exc)) from None
         report = _run_with_progress(console, lambda on_progress: run_profile(
             engine, queries, config, slo_p99_ms=slo_p99_ms, seed=seed, on_progress=on_progress,
             workload_source=str(workload_path) if workload_path else f"generated (n={num_queries}, seed={seed})"))
