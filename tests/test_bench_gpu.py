@@ -198,3 +198,12 @@ def test_the_section_says_how_many_gateway_processes_and_resume_keeps_to_them(tm
     assert saved_result("m", tmp_path, gateway_procs=4) is not None
     assert saved_result("m", tmp_path, gateway_procs=1) is None  # a run asked for one does not reuse it
     assert saved_result("m", tmp_path) is not None  # asked for none (tokq up's choice): the run's own
+
+
+def test_make_bench_gpu_runs_the_prefix_and_graphs_benchmarks_after_tokq_bench_gpu():
+    # The README's promise: `make bench-gpu` runs both after `tokq bench gpu`, which runs neither.
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    recipe = makefile.split("\nbench-gpu:", 1)[1].split("\n\n", 1)[0]
+    commands = [line.split()[1:4] for line in recipe.splitlines()[1:] if line.startswith("\t")]
+    assert commands == [["bench", "gpu", "--results-md"], ["bench", "prefix", "--device"],
+                        ["bench", "graphs", "--results-md"]]

@@ -105,7 +105,12 @@ def test_default_caps_come_from_the_models_max_length():
     limits = Limits.resolve(ModelInfo.load(), cfg.load(cfg.GatewayConfig, env={}))
     assert limits.max_input_bytes == 256 * 256  # max_length 256 x 256 bytes
     assert limits.max_request_bytes == 512 * 256 * 16  # max_inputs x max_length x 16 bytes
-    assert limits.max_message_bytes > 2 * limits.max_request_bytes
+    # the message limit: twice the request cap plus 1 MiB of framing (README, --max-message-bytes) ...
+    assert limits.max_message_bytes == 2 * limits.max_request_bytes + (1 << 20)
+    # ... or a full request of token ids (<= 5 bytes each) plus 1 MiB, where that is larger
+    small = Limits.resolve(ModelInfo.load(), cfg.load(cfg.GatewayConfig, {"max_request_bytes": 3000},
+                                                      env={}))
+    assert small.max_message_bytes == 512 * 256 * 5 + (1 << 20)
 
 
 @pytest.mark.slow

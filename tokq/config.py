@@ -225,7 +225,7 @@ class GatewayConfig(_Validated):
     max_message_bytes: int = setting(0, "largest gRPC message or HTTP request body "
                                      "(larger: RESOURCE_EXHAUSTED / 413)", min=0, max=1 << 30,
                                      default_text="0 = follows the byte caps: twice "
-                                     "--max-request-bytes + 1 MiB")
+                                     "--max-request-bytes (or a request of token ids if larger) + 1 MiB")
     ready_check_ms: int = setting(1_000, "how often readiness (Redis answers, a worker of the model "
                                   "is alive) is checked for gRPC health and /ready", min=50, max=60_000)
     event_loop: str = setting("auto", "the gateway's event loop: uvloop (less CPU per call) or "
