@@ -208,7 +208,7 @@ class ServedModel:
             self.router.enqueued(request_id)
             # A timer on the reply's own future, not asyncio.wait_for (a waiter future, a
             # callback and a handle more per call).
-            timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, _time_out, done, timeout_ms)
+            timer = done.get_loop().call_later(timeout_ms / 1000, _time_out, done, timeout_ms)
             try:
                 raw = await done
             finally:

@@ -63,10 +63,12 @@ class ReplyRouter:
         self._poll_every_s = poll_every_s
         self._waiting: dict[str, _Waiter] = {}
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._subscriber: ShardedSubscriber | None = None
         self.subscribed = asyncio.Event()  # set while every channel is subscribed
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()  # for expect(): asking each time costs a getpid() (3.11)
         self._task = asyncio.create_task(self._run(), name="reply-router")
 
     async def stop(self) -> None:
@@ -75,7 +77,7 @@ class ReplyRouter:
     def expect(self, request_id: str, num_items: int) -> asyncio.Future:
         """Register before enqueueing, so a fast reply cannot be missed. The future's result:
         the results (index -> raw result) when the notice carried them, else None (collect)."""
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._loop.create_future()
         self._waiting[request_id] = _Waiter(fut, num_items)
         return fut
 

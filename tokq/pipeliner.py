@@ -95,12 +95,16 @@ class ScriptPipeliner:
         self._release_timer: asyncio.TimerHandle | None = None
         self._releases: set[asyncio.Task] = set()
         self._sending: asyncio.Task | None = None  # the round trip in flight, if any
+        # The loop its connection is bound to, taken at the first run: asking asyncio for the
+        # running loop costs a getpid() system call each time on CPython 3.11 (its fork check),
+        # four times per run here.
+        self._loop: asyncio.AbstractEventLoop | None = None
         # What was sent: runs and round trips (tests and benchmarks read them).
         self.commands = 0
         self.pipelines = 0
 
     async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        loop = asyncio.get_running_loop()
+        loop = self._loop or self._bind_loop()
         item = _Run(name, keys, args, loop.create_future())
         self._waiting.append(item)
         if not self._in_flight:
@@ -120,10 +124,14 @@ class ScriptPipeliner:
                 self._waiting.remove(item)
             raise
 
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
+
     def _linger(self) -> None:
         """Idle: give the held connection (if any) back after RELEASE_AFTER_S more of it."""
         if self._conn is not None:
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             self._idle_since = loop.time()
             if self._release_timer is None:  # one timer per RELEASE_AFTER_S, not per round trip
                 self._release_timer = loop.call_later(RELEASE_AFTER_S, self._release_if_idle)
@@ -132,7 +140,7 @@ class ScriptPipeliner:
         self._release_timer = None
         if self._in_flight or self._conn is None:  # busy again: the next idle spell rearms it
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         left = self._idle_since + RELEASE_AFTER_S - loop.time()
         if left > 0:  # a round trip came and went meanwhile
             self._release_timer = loop.call_later(left, self._release_if_idle)
@@ -205,9 +213,9 @@ class ScriptPipeliner:
             return
         self._count(len(runs))
         if self.hold_s:
-            self._last_start = asyncio.get_running_loop().time()
+            self._last_start = self._loop.time()
         # Its own task: one caller cancelled must not cut the pipeline the others wait on.
-        task = self._sending = asyncio.get_running_loop().create_task(self._send(runs))
+        task = self._sending = self._loop.create_task(self._send(runs))
         for r in runs:
             r.sent = task
 
