@@ -377,14 +377,21 @@ def test_kill_9_of_a_worker_under_load_loses_nothing(stack, client, reference, b
 
 
 def test_sigterm_to_a_worker_under_load_loses_nothing(stack, client, reference, bundled_model_dir):
+    # README: on SIGTERM a worker stops claiming, finishes and acknowledges the batches in hand,
+    # and exits: nothing of its is left to be redone when its lease runs out.
     stack.start_worker("w3")
+    r = stack.client()
     texts = make_texts(120, seed=13, bundled_model_dir=bundled_model_dir)
     with under_load(client, texts, reference(texts)) as (errors, done):
+        requeued = int(r.hget(KEYS.counters, "requeued") or 0)
         assert stack.stop_worker("w3") == 0
         time.sleep(1)
     assert errors == [] and len(done) > 20
-    assert not stack.client().exists(KEYS.heartbeat("w3"))
+    assert not r.exists(KEYS.heartbeat("w3"))
     assert no_request_keys_left(stack) == []
+    time.sleep(2)  # past the 1.5 s lease of anything w3 might have left behind
+    assert int(r.hget(KEYS.counters, "requeued") or 0) == requeued
+    assert r.zcard(KEYS.leases) == 0
 
 
 def test_worker_check_reports_liveness(stack):
