@@ -236,3 +236,24 @@ async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_
         assert await _in_sets(q, "idle") == [False]
         await _answer_heavy_and_stop(gated, client, worker, run)
     assert exits == []
+
+
+async def test_an_idle_worker_registers_on_the_shards_a_raised_count_adds(redis_url, engine):
+    """Idle on its one shard when a gateway starts with 2: it registers on both at its next wait
+    (before, it stayed in shard 0's set alone until a notice came, so every request that filled
+    shard 1 woke every idle worker through that shard's work channel, not one)."""
+    gated = GatedEngine(engine)
+    exits: list[int] = []
+    async with sharded(redis_url, engine.info.queue_name, shards=1) as q, \
+            sharded(redis_url, engine.info.queue_name) as gateway:
+        worker = _worker(gated, q, exits)
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: _in_every_set(q, "idle"), 60, "the worker to register idle")
+        await gateway.record_shard_count()
+
+        async def on_both() -> bool:
+            return q.claim_shards == SHARDS and await _in_every_set(q, "idle")
+        await wait_for(on_both, 5, "the worker to register idle on the new shard too")
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+    assert exits == []

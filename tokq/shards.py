@@ -13,9 +13,9 @@ caps one model's fleet however many nodes a cluster has. S shards land on differ
   per claim. A batch id starts with its shard (``<shard>.<id>``): ack and renew go there.
 - Changing S live loses nothing: shard 0 is the unsharded queue, and every gateway records its
   S in ``shard_counts`` (last seen, ms). Workers claim from the most shards any gateway used
-  within ``SHARD_COUNT_HORIZON_MS``, which outlasts every deadline, lease and redo of the
-  entries a gateway with more shards may have left; requests and batches are routed by their
-  ids, not by the current S.
+  within ``SHARD_COUNT_HORIZON_MS``, and from an older count's shards while they hold entries or
+  leases (a deadline may outlast the horizon, a fleet may be down as long); requests and
+  batches are routed by their ids, not by the current S.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from tokq.queue import Claim, Enqueued, Queue, QueueStats
 LOAD_REFRESH_S = 0.1
 LOAD_READ_TIMEOUT_S = 0.5  # a shard's load read not answered by then: left out of the picks
 SHARD_COUNT_REFRESH_S = 5.0
-SHARD_COUNT_HORIZON_MS = 3_600_000  # an hour: far past any request deadline and its redo
+SHARD_COUNT_HORIZON_MS = 3_600_000  # an hour; an older count's shards are claimed till empty
 
 
 class ShardedQueue:
@@ -215,14 +215,38 @@ class ShardedQueue:
     # -- worker side ------------------------------------------------------------------------
     async def refresh_shard_count(self) -> int:
         """Claim from the most shards any gateway used within the horizon (or this config's,
-        if more); forget counts older than that. Returns the shard count claimed from."""
-        now_ms = int(time.time() * 1000)
+        if more), and from an older count's shards while they still hold entries or leases;
+        forget older counts once they do not. Returns the shard count claimed from."""
         key = self.keys.shard_counts
-        await self.redis.zremrangebyscore(key, 0, now_ms - SHARD_COUNT_HORIZON_MS)
-        seen = [int(m) for m in await self.redis.zrange(key, 0, -1)]
-        self._claim_shards = max([self.config.queue_shards, *seen])
-        self._next_claim %= self._claim_shards
-        return self._claim_shards
+        cutoff_ms = int(time.time() * 1000) - SHARD_COUNT_HORIZON_MS
+        counts = [(int(m), score) for m, score in await self.redis.zrange(key, 0, -1, withscores=True)]
+        n = max([self.config.queue_shards, *(c for c, score in counts if score > cutoff_ms)])
+        top = max([n, *(c for c, _ in counts)])
+        # A deadline may outlast the horizon (default_timeout_ms goes to 24 h), and a fleet may
+        # be down for longer: dropped at the horizon, such shards' work was never claimed.
+        if top > n and await self._hold_work(range(n, top)):
+            n = top
+        else:  # by score: a count a gateway records again meanwhile stays
+            await self.redis.zremrangebyscore(key, 0, cutoff_ms)
+        # Shards no longer claimed from: out of their wake-up sets, else this process's id stays
+        # there for good. One that fails is claimed from until the next refresh, which tries again.
+        retired = range(n, self._claim_shards)
+        left = await asyncio.gather(*(self.shard(i).mark_idle(False) for i in retired),
+                                    *(self.shard(i).mark_preemptible(False) for i in retired),
+                                    return_exceptions=True)
+        if any(isinstance(r, BaseException) for r in left):
+            n = self._claim_shards
+        self._claim_shards = n
+        self._next_claim %= n
+        return n
+
+    async def _hold_work(self, shards: range) -> bool:
+        """Whether any of ``shards`` holds queued entries or leases (one that cannot be read
+        may: True)."""
+        answers = await asyncio.gather(*(self.redis.exists(k.pending, k.heavy, k.leases)
+                                         for k in (self.shard(i).keys for i in shards)),
+                                       return_exceptions=True)
+        return any(isinstance(a, BaseException) or a > 0 for a in answers)
 
     @property
     def claim_shards(self) -> int:
@@ -299,6 +323,9 @@ class ShardedQueue:
             else:
                 self._last_counters[i] = answer.counters
                 counters.update(answer.counters)
+        for i, last in self._last_counters.items():
+            if i >= n:  # a retired shard no longer read: its totals stay in, or the counters fall
+                counters.update(last)
         return QueueStats(sum(p.queued_entries for p in parts), sum(p.queued_tokens for p in parts),
                           max(p.oldest_age_ms for p in parts), sum(p.inflight_items for p in parts),
                           sum(p.inflight_batches for p in parts), dict(counters), n, tuple(unreadable))

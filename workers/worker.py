@@ -544,6 +544,8 @@ class Worker:
         before = self.queue.claim_shards
         if await self.queue.refresh_shard_count() != before:
             self._subscribed = False  # listen for work on the new shards too
+            # and register on them at the next wait: else their work wakes every idle worker
+            self._idle.registered = False
         if self.config.token_budget:
             return
         published = await self.queue.get_budget()
