@@ -129,3 +129,52 @@ def test_a_server_that_answers_nothing_is_one_line_with_auto(monkeypatch):
         check_redis(f"redis://:hidden@127.0.0.1:{free_port()}/0")
     with pytest.raises(redis.exceptions.ConnectionError):  # what connect() meets: unchanged
         is_cluster(f"redis://127.0.0.1:{free_port()}/0")
+
+
+def test_a_worker_started_before_its_redis_waits_for_it_then_serves():
+    """The README: with ``--redis-cluster no``, a server not up yet is not an error. A worker with
+    the default budget (fitted to the latency goal after its warm-up, then read again from Redis:
+    that second read exited it with a traceback) waits, and serves once the server is up."""
+    import threading
+    import time
+
+    from gateway_support import running_gateway
+
+    from tokq import Client
+    from tokq.keys import QueueKeys
+    from tokq.model_info import ModelInfo
+    from tokq.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis()  # its address and password known, not started yet
+    env = {**os.environ, "TOKQ_REDIS_URL": server.url, "PYTHONUNBUFFERED": "1"}
+    env.pop("TOKQ_LATENCY_GOAL_MS", None)  # the default goal: the budget is fitted
+    worker = subprocess.Popen([sys.executable, "-m", "tokq.cli", "worker", "--worker-id", "early",
+                               "--redis-cluster", "no"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(worker.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("its forward took" in line for line in lines):  # fitted, then read again
+            assert worker.poll() is None, "".join(lines[-20:])
+            assert time.monotonic() < deadline, "".join(lines[-20:])
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert worker.poll() is None, "".join(lines[-20:])
+        server.start()
+        try:
+            client = redis.Redis.from_url(server.url)
+            heartbeat = QueueKeys(ModelInfo.load().queue_name).heartbeat("early")
+            while not client.exists(heartbeat):
+                assert worker.poll() is None, "".join(lines[-20:])
+                assert time.monotonic() < deadline + 60, "no heartbeat once Redis was up"
+                time.sleep(0.1)
+            with running_gateway(server.url) as port, Client(f"127.0.0.1:{port}") as c:
+                assert c.embed(["served once Redis came up"], timeout=60).shape == (1, 384)
+        finally:
+            server.close()
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    assert not any("Traceback" in line for line in lines), "".join(lines)

@@ -200,17 +200,13 @@ class Worker:
     # -- the loop -----------------------------------------------------------------------------
 
     async def run(self, *, burst: bool = False) -> None:
-        try:
-            await self._refresh_budget()
-        except _REDIS_ERRORS as exc:  # shard 0's node out: serve the other shards meanwhile
-            log.warning("reading the shard count and budget failed, read again every %.0f s: %s",
-                        BUDGET_REFRESH_S, exc)
+        await self._refresh_budget_at_start()
         start = time.perf_counter()
         await asyncio.to_thread(self.engine.warmup, self.token_budget)
         self.hung_after_s = max(self.hung_after_s, HUNG_FACTOR * (time.perf_counter() - start))
         if self.budget_source == "default" and self.config.latency_goal_ms:
             await self._fit_default_budget()
-            await self._refresh_budget()  # one published meanwhile wins
+            await self._refresh_budget_at_start()  # one published meanwhile wins
         start = time.perf_counter()
         if captured := await asyncio.to_thread(self.engine.capture_graphs, self.token_budget):
             log.info("captured %d CUDA graphs of short-query batch shapes in %.1f s", captured,
@@ -538,6 +534,13 @@ class Worker:
         self._unpublished = (fit.budget, "fitted" if fit.budget != default else "default")
         if self.budget_source != "published":  # one published while the fit ran wins
             self.token_budget, self.budget_source = self._unpublished
+
+    async def _refresh_budget_at_start(self) -> None:
+        try:
+            await self._refresh_budget()
+        except _REDIS_ERRORS as exc:  # Redis not up yet, or shard 0's node out: serve meanwhile
+            log.warning("reading the shard count and budget failed, read again every %.0f s: %s",
+                        BUDGET_REFRESH_S, exc)
 
     async def _refresh_budget(self) -> None:
         # Also the shards in use: gateways may have raised (or lowered) the shard count.
