@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from tokq import __version__
+from tokq.cancel import cancel_and_wait
 from tokq.config import GatewayConfig
 from tokq.entry import decode_result, encode_body
 from tokq.gateway.prompt_boundary import PromptBoundary
@@ -140,14 +141,14 @@ class ServedModel:
         return 0 if dims == self.info.hidden_size else dims
 
     def _timeout_ms(self, context: Deadline) -> int:
-        """What is left of the call's own deadline (longer or shorter than the default), or
-        the default for a call that set none."""
+        """What is left of the call's own deadline (longer or shorter than the default, up to
+        max_timeout_ms), or the default for a call that set none."""
         remaining = context.time_remaining()
         if remaining is None:
             return self.config.default_timeout_ms
         if remaining <= 0:
             raise DeadlineExceeded("the call's deadline passed before it was queued")
-        return max(1, int(remaining * 1000))
+        return max(1, min(self.config.max_timeout_ms, int(remaining * 1000)))
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -231,11 +232,15 @@ class ServedModel:
                 # with its answer lost (LostAnswer: queued or not, we cannot tell): withdraw it
                 # (O(1)) so no worker spends time on it and nothing stays behind. The caller
                 # is answered without waiting for that: a Redis that stopped answering would
-                # hold its error for another socket timeout. (Started only now, once the
-                # enqueue has answered: it cannot overtake it; see tokq.pipeliner.)
-                task = asyncio.get_running_loop().create_task(self._cancel_quietly(request_id))
-                self._withdrawals.add(task)
-                task.add_done_callback(self._withdrawals.discard)
+                # hold its error for another socket timeout. (Started once the enqueue has
+                # answered, so it does not overtake it; a handler cancelled twice, or an enqueue
+                # whose answer was lost and that Redis runs late, still can: tokq.pipeliner.)
+                loop = asyncio.get_running_loop()
+                self._track_withdrawal(loop.create_task(self._cancel_quietly(request_id)))
+
+    def _track_withdrawal(self, task: asyncio.Task) -> None:
+        self._withdrawals.add(task)
+        task.add_done_callback(self._withdrawals.discard)
 
     async def _cancel_quietly(self, request_id: str) -> None:
         try:
@@ -244,10 +249,16 @@ class ServedModel:
             pass
 
     async def finish_withdrawals(self, timeout_s: float) -> None:
-        """Wait (up to ``timeout_s``) for the withdrawals still running: at shutdown, before
-        the Redis clients close under them."""
-        if self._withdrawals:
-            await asyncio.wait(set(self._withdrawals), timeout=timeout_s)
+        """At shutdown, before the Redis clients close under them: wait up to ``timeout_s`` for
+        the withdrawals running, and for those started meanwhile (a call cancelled by the
+        server's stop starts its own once its enqueue has answered); then cancel what is left
+        (a Redis that does not answer: the reply keys expire by their TTL)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while ((running := {t for t in self._withdrawals if not t.done()})
+               and (left := deadline - loop.time()) > 0):
+            await asyncio.wait(running, timeout=left)
+        await cancel_and_wait(list(self._withdrawals))
 
     async def tokenize(self, texts, *, truncate: bool = False, prompt_name: str | None = None) -> list[list[int]]:
         texts = self._check_texts(texts)

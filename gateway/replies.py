@@ -77,7 +77,7 @@ class ReplyRouter:
     def expect(self, request_id: str, num_items: int) -> asyncio.Future:
         """Register before enqueueing, so a fast reply cannot be missed. The future's result:
         the results (index -> raw result) when the notice carried them, else None (collect)."""
-        fut = self._loop.create_future()
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
         self._waiting[request_id] = _Waiter(fut, num_items)
         return fut
 

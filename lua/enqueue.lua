@@ -63,7 +63,7 @@ local light_was_empty = light and redis.call('LLEN', KEYS[1]) == 0
 push_values('RPUSH', light and KEYS[1] or KEYS[5], entries)
 add_to_count(KEYS[2], request_tokens)
 add_to_counter(KEYS[3], 'enqueued', num_items)
-redis.call('HSET', KEYS[4], 'n', num_items, 'ch', ARGV[6], 't', now .. ':' .. deadline_ms)
+redis.call('HSET', KEYS[4], 'n', num_items, 'ch', ARGV[6], 't', string.format('%d:%d', now, deadline_ms))
 redis.call('PEXPIRE', KEYS[4], timeout_ms + tonumber(ARGV[5]))
 -- Only the empty -> non-empty step of the queue, or of its light lane, wakes an idle worker
 -- (one: its claim wakes the next if work is left); a busy fleet gets no work notices. Light

@@ -62,3 +62,53 @@ def test_a_redis_that_stops_answering_is_answered_after_one_socket_timeout(monke
         server.close()
     assert err.code == grpc.StatusCode.UNAVAILABLE, err
     assert elapsed < 3.5, elapsed  # before: ~4 s (the enqueue's 2 s, then the cancel's 2 s)
+
+
+def test_a_call_deadline_is_cut_to_max_timeout_ms(redis_url):
+    # A caller's deadline sets how long its entries and reply key may live in Redis (should its
+    # gateway die): bounded by the gateway, not by the caller.
+    with running_gateway(redis_url, max_timeout_ms=400) as port:
+        err, elapsed = _failed_call(port, timeout_s=60)
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    assert "(400 ms)" in str(err) and elapsed < 30, (elapsed, err)
+
+
+async def test_shutdown_waits_for_the_withdrawals_started_meanwhile_then_cancels_the_rest(redis_url):
+    import asyncio
+
+    from tokq.config import GatewayConfig, QueueConfig
+    from tokq.connection import connect, connect_pubsub
+    from tokq.gateway.embedding import ServedModel
+    from tokq.gateway.replies import ReplyRouter
+    from tokq.gateway.tokenize import Tokenizer
+    from tokq.model_info import ModelInfo
+    from tokq.shards import ShardedQueue
+
+    info = ModelInfo.load()
+    client, pubsub = connect(redis_url), connect_pubsub(redis_url)
+    queue = ShardedQueue(client, info.queue_name, QueueConfig())
+    router = ReplyRouter(pubsub, client, queue.reply_key,  # never started: no call goes through it
+                         [k.done_channel("gw") for k in queue.shard_keys()])
+    served = ServedModel(info, Tokenizer(info), queue, router, GatewayConfig(), "gw")
+    finished = []
+
+    async def withdrawal(delay_s: float, then=None):
+        await asyncio.sleep(delay_s)
+        finished.append(delay_s)
+        if then is not None:  # starts another one, as a call cancelled by the stop does
+            served._track_withdrawal(asyncio.create_task(withdrawal(then)))
+
+    try:
+        served._track_withdrawal(asyncio.create_task(withdrawal(0.1, then=0.2)))
+        stuck = asyncio.create_task(withdrawal(3600))  # a Redis that does not answer
+        served._track_withdrawal(stuck)
+        start = asyncio.get_running_loop().time()
+        await served.finish_withdrawals(1.0)
+        assert finished == [0.1, 0.2]  # the one started meanwhile was waited for too
+        assert stuck.cancelled() and not served._withdrawals
+        assert asyncio.get_running_loop().time() - start < 5
+    finally:
+        served.tokenizer.close()
+        await queue.close()
+        await client.aclose()
+        await pubsub.aclose()
