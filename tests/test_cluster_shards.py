@@ -119,6 +119,19 @@ async def test_cancel_reaches_the_request_shard(redis_url):
         assert await q.claim(100) is None  # the orphaned entry is dropped, never claimed
 
 
+async def test_a_rejected_request_leaves_nothing_behind_in_the_gateway(redis_url):
+    # Its shard was kept for good (the gateway neither collects nor cancels a rejected
+    # request): one dict entry per 429 under a sustained overload.
+    from tokq.queue import QueueFull
+
+    async with open_sharded(redis_url, 1, max_queued_tokens=10) as q:
+        await q.enqueue("first", items(20), timeout_ms=60_000, gateway_id=GW)  # an empty queue takes one
+        for i in range(3):
+            with pytest.raises(QueueFull):
+                await q.enqueue(f"big{i}", items(20), timeout_ms=60_000, gateway_id=GW)
+            assert q.shard_of_request(f"big{i}") is None
+
+
 async def test_raising_the_shard_count_live_loses_nothing(redis_url):
     """Gateways move from 2 to 4 shards while old workers (configured for 1) still run."""
     async with open_sharded(redis_url, 2) as gw2, open_sharded(redis_url, 4, seed=2) as gw4, \

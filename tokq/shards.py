@@ -36,7 +36,7 @@ from tokq.claim_rule import Lanes
 from tokq.config import QueueConfig
 from tokq.entry import Entry
 from tokq.keys import MAX_SHARDS, QueueKeys, shard_queue_name
-from tokq.queue import Claim, Enqueued, Queue, QueueStats
+from tokq.queue import Claim, Enqueued, Queue, QueueFull, QueueStats
 
 LOAD_REFRESH_S = 0.1
 LOAD_READ_TIMEOUT_S = 0.5  # a shard's load read not answered by then: left out of the picks
@@ -151,7 +151,7 @@ class ShardedQueue:
         try:
             enqueued = await shard.enqueue(request_id, items, timeout_ms=timeout_ms,
                                            channel=shard.keys.done_channel(gateway_id))
-        except ValueError:
+        except (ValueError, QueueFull):  # nothing queued, nothing to cancel: else kept for good
             self._shard_of_request.pop(request_id, None)
             raise
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
@@ -222,7 +222,7 @@ class ShardedQueue:
         counts = [(int(m), score) for m, score in await self.redis.zrange(key, 0, -1, withscores=True)]
         n = max([self.config.queue_shards, *(c for c, score in counts if score > cutoff_ms)])
         top = max([n, *(c for c, _ in counts)])
-        # A deadline may outlast the horizon (default_timeout_ms goes to 24 h), and a fleet may
+        # A deadline may outlast the horizon (a call's may be up to 24 h: max_timeout_ms), and a fleet may
         # be down for longer: dropped at the horizon, such shards' work was never claimed.
         if top > n and await self._hold_work(range(n, top)):
             n = top
