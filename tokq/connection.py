@@ -116,6 +116,14 @@ def _cluster_enabled(url: str, attempts: int) -> bool:
     try:
         for attempt in range(attempts):
             try:
+                server = client.info("server")
+                if "sentinel" in (server.get("redis_mode"), server.get("server_mode")):  # Redis, Valkey
+                    # It answers INFO and PING, so it passed for a standalone server, and every
+                    # queue command then failed (EVALSHA: unknown command).
+                    raise RedisSetupError(
+                        f"Redis at {redact_url(url)} is a Sentinel (INFO: mode sentinel), which "
+                        "holds no data: give --redis-url (TOKQ_REDIS_URL) the primary it names "
+                        "(SENTINEL get-master-addr-by-name NAME)")
                 return bool(client.info("cluster").get("cluster_enabled"))
             except redis.exceptions.AuthenticationError:
                 raise
@@ -349,8 +357,8 @@ def connect_pubsub(url: str, cluster: ClusterMode = "auto") -> aioredis.Redis | 
     owns the channel's slot."""
     if is_cluster(url, cluster):
         return _cluster_client(url, max_connections=4)
-    return _guard_pool(aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S, **_keepalive(url),
-                                               retry=_retry(), decode_responses=False))
+    return _guard_pool(aioredis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                               **_keepalive(url), retry=_retry(), decode_responses=False))
 
 
 def connect_sync(url: str, cluster: ClusterMode = "auto") -> redis.Redis | redis.RedisCluster:
