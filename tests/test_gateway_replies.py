@@ -147,14 +147,15 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
         proxy.close()
 
 
-async def test_a_notice_that_does_not_parse_costs_nothing_but_itself(redis_url, info, tokenizer, caplog):
+async def test_a_notice_that_does_not_parse_costs_nothing_but_itself(redis_url, info, tokenizer,
+                                                                       caplog):
     """Logged and dropped by the subscriber's reader: the subscription stays (no resubscribe,
     which would lose the notices published meanwhile) and the next notice answers its call."""
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
     channel = queue.shard_keys()[0].done_channel(GATEWAY)
-    router = ReplyRouter(pubsub, client, queue.reply_key, [k.done_channel(GATEWAY) for k in queue.shard_keys()],
-                         poll_after_s=3600)
+    router = ReplyRouter(pubsub, client, queue.reply_key,
+                         [k.done_channel(GATEWAY) for k in queue.shard_keys()], poll_after_s=3600)
     await router.start()
 
     async def ssubscribes() -> int:
@@ -167,7 +168,8 @@ async def test_a_notice_that_does_not_parse_costs_nothing_but_itself(redis_url, 
         call = asyncio.create_task(served.embed(EmbedInput(texts=["after a bad notice"]), Timer(30)))
         await wait_for(lambda: _queued(queue, call), 20, "the call's entry")
         await client.spublish(channel, b"99:not a notice")
-        await wait_for(lambda: asyncio.sleep(0, "was not handled" in caplog.text), 10, "the bad notice logged")
+        await wait_for(lambda: asyncio.sleep(0, "was not handled" in caplog.text), 10,
+                       "the bad notice logged")
         await _answer(queue, call, 4)
         out = await asyncio.wait_for(call, 20)  # by its notice: the poll is an hour away
         assert [v.tolist() for v in out.vectors] == [[1.0] * 4]

@@ -2,10 +2,10 @@
 client, with one interface (``ShardedSubscriber``).
 
 A shard channel lives on the node that owns its slot, so a subscription is one connection per
-such node (one in all on a standalone Redis), each read by its own task into one queue: a
-message published on any node is handed on at once. (redis-py's ``ClusterPubSub`` reads the
-nodes one after another, each for the whole timeout, so a notice on the third node waited up to
-twice the read timeout: 0.5-1 s for a worker's work notice.)
+such node (one in all on a standalone Redis), each read by its own task, which hands each
+message on at once (to ``on_message``, or into one queue for ``get_message``). (redis-py's
+``ClusterPubSub`` reads the nodes one after another, each for the whole timeout, so a notice on
+the third node waited up to twice the read timeout: 0.5-1 s for a worker's work notice.)
 
 A node that cannot be reached takes only its own channels down: ``on_down`` is told which, and
 why, once per outage, and the other nodes' channels keep delivering; the lost channels are
@@ -284,7 +284,7 @@ class ShardedSubscriber:
         # Straight from the connection, as PubSub.get_message reads it, without the layers
         # around that read (a health check, a retry wrapper with no retries, a message dict,
         # an observability hook): ~14 us of Python per message read on loopback, against ~28.
-        # Its retries are off and health checks unset (_OneConnection): nothing is skipped.
+        # Its retries are off (_OneConnection) and tokq sets no health-check interval.
         conn = link.pubsub.connection
         pinged_at: float | None = None
         while True:
