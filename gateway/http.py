@@ -10,6 +10,7 @@ the same embedding path as gRPC (gateway/embedding.py).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import socket
@@ -80,6 +81,10 @@ def _check_json(request: Request) -> None:
     of what a web page can make a browser send to a local gateway without asking (no CORS
     preflight); a body with no declared type still passes (curl, some clients), so only an API
     key shuts such pages out."""
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding != "identity":  # not decompressed here: else a 400 "not valid JSON" hides the cause
+        raise UnsupportedMediaType(f"Content-Encoding {coding!r} is not supported: send the body "
+                                   "uncompressed")
     declared = request.headers.get("content-type")
     if declared is None:
         return
@@ -100,6 +105,13 @@ async def _body(request: Request, max_bytes: int) -> bytes:
             raise PayloadTooLarge(f"request body is over the limit of {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns once the client has gone. Called after the body is read: the server answers
+    receive() then only when the connection is lost (or the response is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def parse_request(raw: bytes) -> tuple[EmbedInput, str]:
@@ -161,7 +173,19 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
 
             async def embed(model):
                 return await model.embed(params, Timer())
-            out = await embedder.observed(EMBEDDINGS_RPC, params.model, embed)
+            call = asyncio.ensure_future(embedder.observed(EMBEDDINGS_RPC, params.model, embed))
+            # A caller that hangs up (an SDK's timeout, then its retry) cancels the call, which
+            # withdraws its queued inputs, as gRPC does: else a worker embeds them for nobody.
+            hangup = asyncio.ensure_future(_hung_up(request))
+            hangup.add_done_callback(lambda h: h.cancelled() or call.cancel())
+            try:
+                out = await call
+            except asyncio.CancelledError:
+                if call.cancelled() and hangup.done() and not hangup.cancelled():
+                    return Response(status_code=499)  # nobody reads it
+                raise
+            finally:
+                hangup.cancel()
         except ClientDisconnect:  # gone while sending its body: no one to answer, nothing wrong here
             return Response(status_code=499)
         except Exception as exc:  # mapped once, in gateway.errors
@@ -187,7 +211,10 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
     async def model(request: Request) -> Response:
         try:
             authorize(request)
-            return _json(_model_card(embedder.lookup(request.path_params["name"]).info.name))
+            name = request.path_params["name"]
+            if not name:  # /v1/models/: the list, not the one model lookup("") would pick
+                return await models(request)
+            return _json(_model_card(embedder.lookup(name).info.name))
         except Exception as exc:
             return _error(exc)
 

@@ -4,6 +4,8 @@ a real gateway with --http-port, a real worker and Redis, each stopped and start
 from __future__ import annotations
 
 import base64
+import gzip
+import signal
 import time
 
 import grpc
@@ -109,6 +111,11 @@ def test_invalid_json_and_oversized_bodies(http, stack):
     for declared in ("application/json; charset=utf-8", "Application/JSON", "text/json", None):
         headers = {"content-type": declared} if declared else {}
         assert http.post("/v1/embeddings", content=body, headers=headers).status_code == 200, declared
+    resp = http.post("/v1/embeddings", content=gzip.compress(body),
+                     headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert resp.status_code == 415 and "Content-Encoding 'gzip'" in resp.json()["error"]["message"], resp.text
+    headers = {"content-type": "application/json", "content-encoding": "identity"}
+    assert http.post("/v1/embeddings", content=body, headers=headers).status_code == 200
     big = embed(http, input=["x " * 1000] * 120)  # ~240 kB > 200 kB
     assert big.status_code == 413 and "limit" in big.json()["error"]["message"]
     assert big.json()["error"]["type"] == "invalid_request_error"  # not a rate limit: resending cannot help
@@ -124,12 +131,31 @@ def test_models_health_and_unknown_routes(http):
     assert http.get("/v1/models").json() == {
         "object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "tokq"}]}
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert http.get("/v1/models/").json() == http.get("/v1/models").json()  # no model named ""
     assert http.get("/v1/models/nope").status_code == 404
     assert http.get("/health").status_code == 200
     assert http.get("/ready").json() == {"status": "ready"}
     for resp, status in ((http.get("/v2/nothing"), 404), (http.delete("/v1/embeddings"), 405)):
         assert resp.status_code == status and (status == 404 or resp.headers["allow"] == "POST")
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_caller_that_hangs_up_has_its_inputs_withdrawn(stack, http):
+    # An SDK that times out closes its connection and retries: the inputs it left queued are
+    # withdrawn then, as a cancelled gRPC call's are, not left to a worker until the 30 s deadline.
+    r, keys = stack.client(), stack.keys
+    cancelled = int(r.hget(keys.counters, "cancelled") or 0)
+    stack.signal_worker("w1", signal.SIGSTOP)  # nobody claims: the inputs stay queued
+    try:
+        with httpx.Client(base_url=stack.http_url, timeout=1) as impatient, pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/embeddings", json={"model": MODEL, "input": ["token " * 50] * 4})
+        deadline = time.monotonic() + 5
+        while int(r.hget(keys.counters, "cancelled") or 0) == cancelled:
+            assert time.monotonic() < deadline, "a call whose caller left was not withdrawn"
+            time.sleep(0.05)
+    finally:
+        stack.signal_worker("w1", signal.SIGCONT)
+    assert embed(http, input="still serving").status_code == 200
 
 
 def _wait(stack, http, ready: bool, timeout_s: float = 30) -> None:

@@ -91,9 +91,13 @@ def test_langchain_openai_embeddings(stack, reference):
 
     # check_embedding_ctx_length=False: send text, not tiktoken ids (another model's vocabulary).
     emb = OpenAIEmbeddings(model=MODEL, base_url=f"{stack.http_url}/v1", api_key=API_KEY,
-                           check_embedding_ctx_length=False, max_retries=0)
+                           check_embedding_ctx_length=False, max_retries=0, chunk_size=512)
     assert_close(emb.embed_documents(TEXTS), reference(TEXTS))
     assert_close([emb.embed_query(TEXTS[0])], reference(TEXTS[:1]))
+    # The README's settings: more documents than one request may carry (512) go in several
+    # (langchain's own chunk_size, 1,000, is refused).
+    many = [TEXTS[i % len(TEXTS)] for i in range(600)]
+    assert_close(emb.embed_documents(many), reference(many))
 
 
 def test_models_list(client):
