@@ -85,6 +85,9 @@ def test_token_ids_are_checked_against_the_vocabulary():
     assert first_out_of_vocab([101, info.vocab_size, 102], info.vocab_size) == info.vocab_size
     assert first_out_of_vocab([-1], info.vocab_size) == -1
     assert first_out_of_vocab([True], info.vocab_size) is True
+    # Past int64, numpy holds them as floats (or objects): named as sent, not wrapped or rounded.
+    assert first_out_of_vocab([2**63, -1], info.vocab_size) == 2**63
+    assert first_out_of_vocab([5, 2**64 + 1], info.vocab_size) == 2**64 + 1
     with pytest.raises(InvalidArgument, match="input 1 has token id 30522 outside all-MiniLM-L6-v2's "
                                               r"vocabulary \(0..30521\)"):
         check_token_ids([[101, 102], [101, 30522, 102]], info)

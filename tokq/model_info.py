@@ -112,11 +112,8 @@ def first_out_of_vocab(ids, vocab_size: int) -> int | None:
     """The first id outside 0..vocab_size-1, else None. An id past the embedding table would
     index out of bounds in the forward (on CUDA, a device assert that poisons the process)."""
     arr = np.asarray(ids)
-    if arr.dtype.kind not in "iu":
-        bad = next((t for t in ids if type(t) is not int), None)  # bool or float: no token id
-        if bad is not None:
-            return bad
-        arr = arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":  # a bool or float, or an int past int64 (numpy: float, object)
+        return next((t for t in ids if type(t) is not int or not 0 <= t < vocab_size), None)
     mask = (arr < 0) | (arr >= vocab_size)
     return int(arr[np.argmax(mask)]) if mask.any() else None
 
