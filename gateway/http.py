@@ -41,9 +41,15 @@ def _json(body, status: int = 200, headers: dict | None = None) -> Response:
                     media_type="application/json", headers=headers)
 
 
+RETRY_AFTER_S = 1  # sent with 429 (queue full) and 503: the SDKs wait this long, not their own backoff
+
+
 def _error(exc: BaseException) -> Response:
     status, body = to_http(exc)
-    return _json(body, status)
+    response = _json(body, status)
+    if status in (429, 503):
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def _typed(body: dict, name: str, types: tuple[type, ...], what: str):

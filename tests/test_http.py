@@ -190,6 +190,7 @@ def test_not_ready_while_redis_is_down_and_ready_when_it_returns(stack, http):
         assert str(redis.connection.parse_url(stack.redis_url)["port"]) not in reason, reason
         resp = embed(http, input="redis is down")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable"
+        assert resp.headers["retry-after"] == "1"  # the openai SDK waits this long before its retry
     finally:
         stack.redis.start()
     _wait(stack, http, ready=True, timeout_s=60)

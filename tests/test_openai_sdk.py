@@ -139,7 +139,7 @@ def test_a_stalled_worker_gives_504_and_overload_429(stack, client):
             # the 2,000-token cap of a non-empty queue: the whole request is refused
             with pytest.raises(openai.RateLimitError) as err:
                 client.embeddings.create(model=MODEL, input=["token " * 120] * 6)
-            assert err.value.status_code == 429
+            assert err.value.status_code == 429 and err.value.response.headers["retry-after"] == "1"
             with pytest.raises(openai.InternalServerError) as err:
                 waiting.result()
             assert err.value.status_code == 504  # its 3 s default deadline passed
