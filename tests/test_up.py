@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,9 +30,13 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
     from tokq import Client, TokqError
 
     port, http_port = free_port(), free_port()
+    # PATH as in a new user's shell after `make run`: without the venv's bin directory
+    venv_bin = os.path.dirname(sys.executable)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PATH": os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep) if d != venv_bin)}
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--workers", "2",
                              "--metrics-port", "0", "--http-port", str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=ctrl_c_reaches_it)
+                            text=True, env=env, preexec_fn=ctrl_c_reaches_it)
     lines = []
     try:
         lines += read_until_serving(proc)
@@ -58,9 +63,10 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
             vectors = client.embed(["make run works", "and answers"], timeout=60)
         assert vectors.shape == (2, 384)
         np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
-        cli = subprocess.run([sys.executable, "-m", "tokq.cli", "embed", "--target", f"127.0.0.1:{port}",
-                              "hello"], capture_output=True, text=True, timeout=60)
-        assert cli.returncode == 0 and '"model": "all-MiniLM-L6-v2"' in cli.stdout
+        # the `tokq embed` line as printed, from that shell (it said `tokq`, which it does not find)
+        embed = next(line.split("try:", 1)[1].strip() for line in lines if "try:" in line)
+        cli = subprocess.run(embed, shell=True, capture_output=True, text=True, timeout=60, env=env)
+        assert cli.returncode == 0 and '"model": "all-MiniLM-L6-v2"' in cli.stdout, cli.stderr
         # the HTTP API, with the curl line tokq up printed
         curl = next(line.strip() for line in lines if line.strip().startswith("curl "))
         assert f"http://127.0.0.1:{http_port}/v1/embeddings" in curl
@@ -93,13 +99,145 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
     assert [pid for pid in children if alive(pid)] == []
 
 
-def _read_until(proc: subprocess.Popen, needle: str) -> None:
+def _read_until(proc: subprocess.Popen, needle: str, timeout_s: float = 300) -> None:
     """Read `tokq up`'s output (its children's log lines share the pipe) up to a line with
-    ``needle``; fails if it exits first."""
+    ``needle``; fails if it exits first, or at the first line after ``timeout_s``."""
     seen = []
+    deadline = time.monotonic() + timeout_s
     while needle not in (line := proc.stdout.readline()):
         assert line, "tokq up exited:\n" + "".join(seen[-20:])
+        assert time.monotonic() < deadline, f"no {needle!r} from tokq up:\n" + "".join(seen[-20:])
         seen.append(line)
+
+
+def _role(pid: int) -> str:
+    """What a child of `tokq up` runs: "redis", "gateway" or "worker" ("up" before its exec)."""
+    args = proc_cpu.cmdline(pid)
+    if len(args) > 3 and args[1:3] == ["-m", "tokq.cli"]:
+        return args[3]
+    return "redis" if args else "gone"
+
+
+def _redis_child(pid: int) -> int | None:
+    """`tokq up`'s embedded Redis."""
+    return next((c for c in proc_cpu.children(pid) if _role(c) == "redis"), None)
+
+
+def test_tokq_up_restarts_its_redis_and_a_stop_signalled_twice_still_stops_everything(tmp_path):
+    """The embedded Redis killed: `tokq up` starts it again on its port and the service comes back.
+    SIGHUP (the terminal closed) stops everything as Ctrl-C does, and a second signal while it
+    stops does not cut that short: once it left the embedded Redis running, its directory (the
+    password file) behind, and SIGHUP ended `tokq up` at once."""
+    from tokq import Client, TokqError
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--http-port", "0",
+                             "--metrics-port", str(free_port_block(2))],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)},
+                            preexec_fn=ctrl_c_reaches_it)
+    children: list[int] = []
+    try:
+        read_until_serving(proc)
+        redis_pid = _redis_child(proc.pid)
+        os.kill(redis_pid, signal.SIGKILL)
+        _read_until(proc, "the embedded Redis exited; restarting it", timeout_s=30)
+        with Client(f"127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 120
+            while True:  # the workers find the new server and claim again
+                try:
+                    assert client.embed(["after a Redis restart"], timeout=30).shape == (1, 384)
+                    break
+                except TokqError as exc:
+                    assert time.monotonic() < deadline, exc
+                    time.sleep(0.5)
+        children = proc_cpu.children(proc.pid)
+        assert len(children) == 3 and redis_pid not in children
+        proc.send_signal(signal.SIGHUP)
+        _read_until(proc, "stopping tokq", timeout_s=30)
+        proc.send_signal(signal.SIGHUP)  # while the gateway and the worker stop
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=60)
+    time.sleep(0.5)
+    assert children and [pid for pid in children if alive(pid)] == []
+    assert list(tmp_path.glob("tokq-redis-*")) == []
+
+
+def test_tokq_up_killed_outright_takes_its_redis_with_it():
+    """kill -9 of `tokq up` (the OOM killer): its children die with it, the embedded Redis too
+    (in a session of its own, so that Ctrl-C reaches it only through tokq up, after the rest)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(free_port()),
+                             "--http-port", "0", "--metrics-port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    redis_dir = None
+    try:
+        deadline = time.monotonic() + 60
+        # Redis, gateway and worker started: each past its exec, so its PR_SET_PDEATHSIG is set
+        while sorted(map(_role, children := proc_cpu.children(proc.pid))) != ["gateway", "redis", "worker"]:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        redis_pid = _redis_child(proc.pid)
+        redis_dir = os.readlink(f"/proc/{redis_pid}/cwd")  # its --dir, to clean up below
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while left := [pid for pid in children if alive(pid)]:
+            assert time.monotonic() < deadline, f"outlived tokq up: {[proc_cpu.cmdline(p) for p in left]}"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in children:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if redis_dir:
+            shutil.rmtree(redis_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("taken,args,message", [
+    ("port", [], "gRPC port {taken} on 127.0.0.1 already in use (another tokq up?)"),
+    ("metrics+1", [], "metrics port {taken} on 127.0.0.1 already in use (another tokq up?)"),  # the worker's
+    (None, ["--redis-server", "/bin/false"], "the embedded Redis did not start: /bin/false on port"),
+])
+def test_tokq_up_that_cannot_start_says_why_in_one_line_and_leaves_nothing(tmp_path, taken, args, message):
+    """A port another process listens on (another `tokq up`), or a Redis server that does not start:
+    one line, nothing started or left on disk. A metrics port's was a traceback from the child that
+    found it taken, and a server that did not start left its directory with the password file."""
+    port, metrics_port = free_port(), free_port_block(2)
+    taken = {"port": port, "metrics+1": metrics_port + 1, None: None}[taken]
+    with socket.socket() as holder:
+        if taken:
+            holder.bind(("127.0.0.1", taken))
+            holder.listen()
+        out = subprocess.run([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--http-port", "0",
+                              "--metrics-port", str(metrics_port), *args], capture_output=True, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("Error: " + message.format(taken=taken)), out.stderr
+    assert list(tmp_path.glob("tokq-redis-*")) == []
+
+
+def test_tokq_up_waits_for_a_slow_model_load_and_says_so(monkeypatch, capsys):
+    """A worker still loading a large model when the wait's period ends: `tokq up` says it still
+    waits, and goes on (it gave up after 120 s, stopping the worker it waited for)."""
+    from tokq import up
+
+    waits = []
+
+    def loading(target, procs, timeout_s):
+        waits.append(timeout_s)
+        if len(waits) < 3:
+            raise TimeoutError(target)
+
+    monkeypatch.setattr(up, "wait_for_health", loading)
+    up._wait_ready("127.0.0.1:1", [], 30)
+    assert waits == [30, 30, 30]
+    assert capsys.readouterr().err.count("waiting for a worker to load the model") == 2
 
 
 def test_tokq_ups_http_port_defaults_to_8080():

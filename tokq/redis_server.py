@@ -23,7 +23,7 @@ import redis
 from redis.connection import parse_url
 
 from tokq.address import bind_error, host_port
-from tokq.processes import stop_all
+from tokq.processes import die_with_parent, stop_all
 
 
 def default_binary() -> str:
@@ -98,9 +98,12 @@ class EmbeddedRedis:
     """A throwaway Redis/Valkey server process on 127.0.0.1 (or ``host``: "::1" serves IPv6)."""
 
     def __init__(self, binary: str | None = None, port: int | None = None,
-                 host: str = "127.0.0.1", password: str | None = None, tls: dict[str, str] | None = None) -> None:
+                 host: str = "127.0.0.1", password: str | None = None, tls: dict[str, str] | None = None,
+                 with_parent: bool = False) -> None:
         """``tls``: {"cert", "key", "ca"} PEM paths: serve TLS only on ``port`` (no plaintext port),
-        clients not asked for certificates; ``url`` is then rediss:// naming the CA."""
+        clients not asked for certificates; ``url`` is then rediss:// naming the CA. ``with_parent``:
+        the server dies with the thread that starts it (tokq.processes.die_with_parent), so a
+        supervisor killed outright (`tokq up`) leaves no server behind; only for the main thread."""
         self.binary = binary or default_binary()
         if shutil.which(self.binary) is None and not Path(self.binary).exists():
             raise FileNotFoundError(f"redis server binary {self.binary!r} not found")
@@ -108,6 +111,7 @@ class EmbeddedRedis:
         self.port = port or free_port(host)
         self.password = password if password is not None else secrets.token_urlsafe(24)
         self.tls = tls
+        self.with_parent = with_parent
         self._dir = tempfile.mkdtemp(prefix="tokq-redis-")  # 0700
         self._unix_socket = len(os.fsencode(self.socket_path)) < 100  # sun_path holds 108 bytes
         self._proc: subprocess.Popen | None = None
@@ -155,7 +159,8 @@ class EmbeddedRedis:
                 *(["--unixsocket", self.socket_path, "--unixsocketperm", "700"] if self._unix_socket else []),
                 "--loglevel", "warning", "--logfile", self.log_path]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      start_new_session=True)
+                                      start_new_session=True,
+                                      preexec_fn=die_with_parent if self.with_parent else None)
         deadline = time.monotonic() + timeout_s
         tls = {"ssl": True, "ssl_ca_certs": self.tls["ca"]} if self.tls else {}
         client = redis.Redis(host=self.host, port=self.port, password=self.password or None,

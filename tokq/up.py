@@ -1,13 +1,15 @@
 """`tokq up`: the whole service on one machine — an embedded Redis (none with --redis-url), the
 gateway (one process or --gateway-procs), N workers — as child processes supervised here. Ctrl-C
-(or SIGTERM) stops them all; children also die with this process (PR_SET_PDEATHSIG), and the
-gateway's own processes with it, so nothing is left behind."""
+(or SIGTERM, SIGHUP) stops them all; children, the embedded Redis included, also die with this
+process (PR_SET_PDEATHSIG), and the gateway's own processes with it, so nothing is left behind."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from pathlib import Path
 import click
 
 from tokq import config as cfg
-from tokq.address import host_port, local_host
+from tokq.address import bind_error, host_port, local_host
 from tokq.health import ExitedDuringStartup, wait_for_health
 from tokq.host import usable_cpus
 from tokq.model_info import ModelInfo
@@ -77,13 +79,47 @@ def _api_keys(conf: cfg.UpConfig) -> dict[str, str]:
     return {cfg.env_var("api_keys"): ",".join(conf.api_keys)} if conf.api_keys else {}
 
 
-def _wait_ready(target: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
-    try:
-        wait_for_health(target, procs, timeout_s)
-    except ExitedDuringStartup:
-        raise click.ClickException("a tokq process exited during start-up (see its log above)") from None
-    except TimeoutError:
-        raise click.ClickException(f"gateway at {target} not serving after {timeout_s:.0f} s") from None
+def _wait_ready(target: str, procs: list[subprocess.Popen], report_every_s: float = 30) -> None:
+    """Wait for the gateway to report ready (a worker has loaded the model and warmed up), for as
+    long as every process lives: a large model can take minutes (a fixed limit killed workers
+    still loading), so say every ``report_every_s`` what it is waiting for instead."""
+    started = time.monotonic()
+    while True:
+        try:
+            wait_for_health(target, procs, report_every_s)
+            return
+        except ExitedDuringStartup:
+            raise click.ClickException("a tokq process exited during start-up (see its log above)") from None
+        except TimeoutError:
+            click.echo(f"tokq up: not ready after {time.monotonic() - started:.0f} s: waiting for a worker "
+                       "to load the model and warm up (Ctrl-C to give up)", err=True)
+
+
+def _check_ports(host: str, ports: dict[str, list[int]]) -> None:
+    """One line, before anything starts, for a port another process (another `tokq up`) listens
+    on: the gateway's and workers' own checks come after Redis started, a metrics port's as a
+    traceback. SO_REUSEADDR: a port left in TIME_WAIT by the last run is free."""
+    def in_use(port: int) -> bool:  # other errors (an address not on this machine): the gateway says
+        error = bind_error(host, port, reuse_addr=True)
+        return error is not None and error.errno == errno.EADDRINUSE
+
+    busy = []
+    for name, group in ports.items():
+        if taken := [str(port) for port in group if port and in_use(port)]:
+            busy.append(f"{name} port{'s' if len(taken) > 1 else ''} {', '.join(taken)}")
+    if busy:
+        raise click.ClickException(f"{', '.join(busy)} on {host} already in use (another tokq up?): choose "
+                                   "other --port / --http-port / --metrics-port, or stop that process")
+
+
+def tokq_command() -> str:
+    """How a shell here runs this tokq: `tokq` where PATH finds it, else its path (`make run`
+    starts .venv/bin/tokq, whose directory a user's shell rarely has on its PATH)."""
+    script = Path(sys.executable).parent / "tokq"
+    found = shutil.which("tokq")
+    if not script.exists() or (found and Path(found).resolve() == script.resolve()):
+        return "tokq"
+    return shlex.quote(str(script.absolute()))
 
 
 def threads_per_worker(num_workers: int, cpus: int | None = None) -> int:
@@ -108,6 +144,9 @@ def up_command(**values) -> None:
     num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
     port = conf.port or free_port(host)
+    _check_ports(host, {"gRPC": [port], "HTTP": [conf.http_port],
+                        "metrics": list(range(metrics_port, metrics_port + num_gateways + num_workers))
+                        if metrics_port else []})
     threads = threads_per_worker(num_workers, cpus)
     if conf.redis_url:  # a URL or cluster setting that cannot work: one line, before anything starts
         from tokq.connection import check_redis_or_exit
@@ -119,7 +158,13 @@ def up_command(**values) -> None:
     embedded = None
     redis_url = conf.redis_url
     if not redis_url:
-        embedded = EmbeddedRedis(binary=conf.redis_server or None).start()
+        try:  # one line, and its directory (the password file) removed, when the server cannot start
+            embedded = EmbeddedRedis(binary=conf.redis_server or None, with_parent=True)
+            embedded.start()
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            if embedded:
+                embedded.close()
+            raise click.ClickException(f"the embedded Redis did not start: {exc}") from None
         redis_url = embedded.url
     # Every setting resolved here reaches the children explicitly: what this process was told
     # (flags or TOKQ_*) is what they run with.
@@ -142,9 +187,15 @@ def up_command(**values) -> None:
         return args
 
     def shutdown(*_):
+        for sig in stops:  # once: a second Ctrl-C must not cut the stopping short (Redis left behind)
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, shutdown)
+    # SIGHUP (the terminal closed) too, unless ignored: nohup, or a background job's SIGINT.
+    stops = [signal.SIGTERM, *(sig for sig in (signal.SIGINT, signal.SIGHUP)
+                               if signal.getsignal(sig) is not signal.SIG_IGN)]
+    for sig in stops:
+        signal.signal(sig, shutdown)
     try:
         gw_args = ["gateway", *common, "--host", host, "--port", str(port), "--procs", str(num_gateways),
                    "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port),
@@ -154,7 +205,7 @@ def up_command(**values) -> None:
         procs += workers
         local = local_host(host)  # what a client here dials: loopback for a wildcard --host
         target = host_port(local, port)
-        _wait_ready(target, procs, timeout_s=120)
+        _wait_ready(target, procs)
         click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host_port(host, port)} "
                    f"(health and reflection on), {num_gateways} gateway process(es), {num_workers} worker(s)")
         if conf.http_port:
@@ -173,7 +224,7 @@ def up_command(**values) -> None:
         header = ' -H "authorization: Bearer $TOKQ_API_KEY"' if keyed else ""
         if keyed:
             click.echo("  auth:    API keys required (set TOKQ_API_KEY to one for these lines)")
-        click.echo(f"  try:     tokq embed --target {shell_target} \"hello world\"")
+        click.echo(f"  try:     {tokq_command()} embed --target {shell_target} \"hello world\"")
         click.echo(f"           grpcurl -plaintext{header} -d '{{\"inputs\": [\"hello\"]}}' {shell_target} "
                    "tokq.v1.Embedder/Embed")
         if conf.http_port:
@@ -187,10 +238,18 @@ def up_command(**values) -> None:
                 if proc.poll() is not None:
                     click.echo(f"worker {i} exited ({proc.returncode}); restarting it", err=True)
                     workers[i] = procs[1 + i] = _spawn(worker_args(i), env)
+            if embedded and not embedded.running:  # its queue is lost; calls in flight fail retryable
+                click.echo(f"the embedded Redis exited; restarting it on port {embedded.port}", err=True)
+                try:
+                    embedded.restart()
+                except (OSError, RuntimeError, TimeoutError) as exc:
+                    raise click.ClickException(f"the embedded Redis did not start again: {exc}") from None
             time.sleep(0.5)
     except KeyboardInterrupt:
         click.echo("stopping tokq ...", err=True)
     finally:
+        for sig in stops:  # as in shutdown(): the gateway's exit ends up here without a signal
+            signal.signal(sig, signal.SIG_IGN)
         stop_all(procs)
         if embedded:
             embedded.close()
