@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -13,7 +12,7 @@ import sys
 import click
 
 from tokq import config as cfg
-from tokq.address import bind_error
+from tokq.address import port_in_use
 
 
 def _run_one(gateway_values: dict, queue_values: dict, siblings=None) -> None:
@@ -38,17 +37,6 @@ def _run_child(gateway_values: dict, queue_values: dict, listening, procs: int) 
 
     die_with_parent()
     _run_one(gateway_values, queue_values, SiblingProcesses(listening, procs))
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Whether a socket already listens on ``host:port``. The gateway's own sockets set
-    SO_REUSEPORT, so that its ``--procs`` share one port; the same option would let it join
-    another process's port (a second gateway, another `tokq up`) without an error and take a
-    share of its calls. So the port is tried first with a plain bind, which fails if anything
-    listens there."""
-    error = bind_error(host, port, reuse_addr=True)  # SO_REUSEADDR: a port in TIME_WAIT is free
-    # Other errors (an address not on this machine, a name that does not resolve): the server says.
-    return error is not None and error.errno == errno.EADDRINUSE
 
 
 @click.command("gateway")
@@ -77,11 +65,14 @@ def gateway_command(procs: int, **values) -> None:
     with model_errors_as_one_line():  # as the worker says it, once, before Redis is asked or anything forks
         for path, name in base.models():
             ModelInfo.load(path, name=name, revision=base.revision or None)
-    busy = [f"{name} port {port}" for name, port in (("gRPC", base.port), ("HTTP", base.http_port))
-            if port and port_in_use(base.host, port)]
-    if busy:
-        raise click.UsageError(f"{' and '.join(busy)} on {base.host or '0.0.0.0'} already in use (another "
-                               "gateway?): choose another --port / --http-port, or stop that process")
+    metrics_host = base.metrics_host or base.host
+    ports = [("gRPC", base.host, base.port), ("HTTP", base.host, base.http_port),
+             *(("metrics", metrics_host, base.metrics_port + i) for i in range(procs) if base.metrics_port)]
+    busy = [f"{name} port {port} on {host or '0.0.0.0'}" for name, host, port in ports
+            if port and port_in_use(host, port)]
+    if busy:  # (a metrics port was a traceback from each process once it had started)
+        raise click.UsageError(f"{' and '.join(busy)} already in use (another gateway?): choose another "
+                               "--port / --http-port / --metrics-port, or stop that process")
     from tokq.connection import check_redis_or_exit
 
     check_redis_or_exit(base.redis_url, base.redis_cluster)  # a setting that cannot work: one line

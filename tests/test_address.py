@@ -11,7 +11,7 @@ import redis
 
 from tokq import address
 from tokq.address import host_port, local_host
-from tokq.gateway.cli import port_in_use
+from tokq.address import port_in_use
 from tokq.redis_server import EmbeddedRedis, free_port, port_free
 
 

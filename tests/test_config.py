@@ -225,3 +225,21 @@ def test_a_misspelled_tokq_variable_is_warned_with_the_names_it_is_close_to():
            "TOKQ_LATENCY_GOAL_MS" in out.stderr
     assert "TOKQ_NOTHING_LIKE_IT is not a tokq setting and is ignored\n" in out.stderr
     assert "TOKQ_LEASE_MS" not in out.stderr
+
+
+def test_a_worker_refuses_a_metrics_port_another_process_listens_on():
+    # One line before the model loads (it was a traceback once the model had loaded).
+    import socket
+
+    from click.testing import CliRunner
+
+    from tokq.workers.cli import worker_command
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        result = CliRunner().invoke(worker_command, ["--metrics-port", str(port), "--metrics-host", "127.0.0.1",
+                                                     "--redis-url", "redis://127.0.0.1:1/0"])
+    assert result.exit_code == 2, result.output
+    assert f"metrics port {port} on 127.0.0.1 already in use" in result.output

@@ -67,7 +67,7 @@ def test_asked_to_stop_it_exits_0(stack, by_env):
     assert all(_gone(pid) for pid in procs)
 
 
-@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+@pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
 def test_a_gateway_refuses_a_port_another_process_listens_on(flag):
     """The gateway's sockets set SO_REUSEPORT (its --procs share the port), which would let it
     join a port another gateway listens on, silently, and take a share of its calls."""
@@ -80,9 +80,9 @@ def test_a_gateway_refuses_a_port_another_process_listens_on(flag):
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        ports = {"--port": "0", "--http-port": "0", flag: str(port)}
+        ports = {"--port": "0", "--http-port": "0", "--metrics-port": "0", flag: str(port)}
         args = ["--host", "127.0.0.1", "--redis-url", "redis://127.0.0.1:1/0"]
         result = CliRunner().invoke(gateway_command, [*args, *[x for kv in ports.items() for x in kv]])
     assert result.exit_code == 2, result.output
-    name = "gRPC" if flag == "--port" else "HTTP"
+    name = {"--port": "gRPC", "--http-port": "HTTP", "--metrics-port": "metrics"}[flag]
     assert f"{name} port {port} on 127.0.0.1 already in use" in result.output

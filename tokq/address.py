@@ -3,6 +3,7 @@ gRPC targets and URLs need it) and whether a port can be bound, in the host's ow
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
@@ -40,3 +41,14 @@ def bind_error(host: str, port: int, *, reuse_addr: bool = False) -> OSError | N
     except OSError as exc:  # socket.gaierror included: a name that does not resolve
         return exc
     return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a socket already listens on ``host:port``. The gateway's own sockets set
+    SO_REUSEPORT, so that its ``--procs`` share one port; the same option would let it join
+    another process's port (a second gateway, another `tokq up`) without an error and take a
+    share of its calls. So the port is tried first with a plain bind, which fails if anything
+    listens there."""
+    error = bind_error(host, port, reuse_addr=True)  # SO_REUSEADDR: a port in TIME_WAIT is free
+    # Other errors (an address not on this machine, a name that does not resolve): the server says.
+    return error is not None and error.errno == errno.EADDRINUSE

@@ -6,7 +6,6 @@ process (PR_SET_PDEATHSIG), and the gateway's own processes with it, so nothing 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import shlex
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 import click
 
 from tokq import config as cfg
-from tokq.address import bind_error, host_port, local_host
+from tokq.address import host_port, local_host, port_in_use
 from tokq.health import ExitedDuringStartup, wait_for_health
 from tokq.host import usable_cpus
 from tokq.model_info import ModelInfo
@@ -99,13 +98,9 @@ def _check_ports(host: str, ports: dict[str, list[int]]) -> None:
     """One line, before anything starts, for a port another process (another `tokq up`) listens
     on: the gateway's and workers' own checks come after Redis started, a metrics port's as a
     traceback. SO_REUSEADDR: a port left in TIME_WAIT by the last run is free."""
-    def in_use(port: int) -> bool:  # other errors (an address not on this machine): the gateway says
-        error = bind_error(host, port, reuse_addr=True)
-        return error is not None and error.errno == errno.EADDRINUSE
-
     busy = []
     for name, group in ports.items():
-        if taken := [str(port) for port in group if port and in_use(port)]:
+        if taken := [str(port) for port in group if port and port_in_use(host, port)]:
             busy.append(f"{name} port{'s' if len(taken) > 1 else ''} {', '.join(taken)}")
     if busy:
         raise click.ClickException(f"{', '.join(busy)} on {host} already in use (another tokq up?): choose "
