@@ -93,10 +93,20 @@ def test_tokq_up_serves_and_ctrl_c_stops_everything():
                 except TokqError as exc:
                     assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline, exc
     finally:
+        _stop(proc)
+    assert _all_gone(children)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C a tokq up still running (a test that failed midway), its output drained."""
+    if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)  # drained: a full pipe would block its exit
-    time.sleep(0.5)
-    assert [pid for pid in children if alive(pid)] == []
+
+
+def _all_gone(pids) -> bool:
+    time.sleep(0.5)  # reaped by the kernel after their parent's exit
+    return [pid for pid in pids if alive(pid)] == []
 
 
 def _read_until(proc: subprocess.Popen, needle: str, timeout_s: float = 300) -> None:
@@ -159,11 +169,8 @@ def test_tokq_up_restarts_its_redis_and_a_stop_signalled_twice_still_stops_every
         proc.communicate(timeout=60)
         assert proc.returncode == 0
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=60)
-    time.sleep(0.5)
-    assert children and [pid for pid in children if alive(pid)] == []
+        _stop(proc)
+    assert children and _all_gone(children)
     assert list(tmp_path.glob("tokq-redis-*")) == []
 
 
@@ -299,11 +306,8 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 1 and "the gateway exited" in out
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=60)
-    time.sleep(0.5)
-    assert gateways and [pid for pid in everything if alive(pid)] == []
+        _stop(proc)
+    assert gateways and _all_gone(everything)
 
 
 @needs_ipv6
