@@ -45,10 +45,12 @@ def delivered_reply(r: redis.Redis, key: bytes) -> bool:
 
 
 def ctrl_c_reaches_it() -> None:
-    """``preexec_fn`` for a child the test stops as Ctrl-C would: SIGINT's default action, even
-    when the suite itself runs where it is ignored (a background job of a non-interactive shell:
-    `tokq up` then rightly ignores Ctrl-C, as any such job does)."""
+    """``preexec_fn`` for a child the test stops as Ctrl-C (or a closed terminal) would:
+    SIGINT's and SIGHUP's default actions, even when the suite itself runs where they are
+    ignored (a background job of a non-interactive shell, nohup: `tokq up` then rightly
+    ignores them, as any such job does)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def listening_ports(pid: int) -> set[int]:
@@ -79,8 +81,8 @@ def read_until_serving(proc: subprocess.Popen, timeout_s: float = 180) -> list[s
         assert line or proc.poll() is None, "tokq up exited:\n" + "".join(lines)
         lines.append(line)
         if "Ctrl-C stops everything" in line:
-            break
-    return lines
+            return lines
+    raise AssertionError(f"tokq up not serving after {timeout_s:.0f} s:\n" + "".join(lines))
 
 
 class ServiceStack:

@@ -174,6 +174,33 @@ def test_tokq_up_restarts_its_redis_and_a_stop_signalled_twice_still_stops_every
     assert list(tmp_path.glob("tokq-redis-*")) == []
 
 
+def test_a_closed_terminal_stops_tokq_up_and_then_its_children_in_order():
+    """A terminal's hang-up reaches its whole process group: the gateway and workers died of it
+    where they stood (no withdrawals, claims held to their lease, heartbeats left); now they
+    ignore it and `tokq up` stops them as on Ctrl-C. Its Redis is the test's, to look after."""
+    from tokq.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(free_port()),
+                                 "--http-port", "0", "--metrics-port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_REDIS_URL": server.url},
+                                preexec_fn=ctrl_c_reaches_it, start_new_session=True)  # its own group
+        try:
+            read_until_serving(proc)
+            client = redis.Redis.from_url(server.url)
+            assert client.keys("*:heartbeat:*")
+            os.killpg(proc.pid, signal.SIGHUP)
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, out
+        finally:
+            _stop(proc)
+        assert client.keys("*:heartbeat:*") == []  # each worker stopped cleanly, forgetting itself
+    finally:
+        server.close()
+
+
 def test_tokq_up_killed_outright_takes_its_redis_with_it():
     """kill -9 of `tokq up` (the OOM killer): its children die with it, the embedded Redis too
     (in a session of its own, so that Ctrl-C reaches it only through tokq up, after the rest)."""
@@ -242,9 +269,36 @@ def test_tokq_up_waits_for_a_slow_model_load_and_says_so(monkeypatch, capsys):
             raise TimeoutError(target)
 
     monkeypatch.setattr(up, "wait_for_health", loading)
-    up._wait_ready("127.0.0.1:1", [], 30)
+    up._wait_ready("127.0.0.1:1", [], report_every_s=0, check_every_s=30)
     assert waits == [30, 30, 30]
-    assert capsys.readouterr().err.count("waiting for a worker to load the model") == 2
+    assert capsys.readouterr().err.count("no worker ready yet (loading the model") == 2
+
+
+def test_tokq_up_restarts_its_redis_while_waiting_for_readiness(monkeypatch, capsys):
+    """Its Redis dead during start-up (the OOM killer during a model load), nothing would ever
+    become ready: `tokq up` said it waited for the model, forever."""
+    import signal as signals
+
+    from tokq import up
+    from tokq.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        port, waits = server.port, []
+
+        def not_ready(target, procs, timeout_s):
+            waits.append(server.running)
+            if len(waits) < 2:
+                raise TimeoutError(target)
+
+        monkeypatch.setattr(up, "wait_for_health", not_ready)
+        server._proc.send_signal(signals.SIGKILL)
+        server._proc.wait()
+        up._wait_ready("127.0.0.1:1", [], server, check_every_s=0.1)
+        assert waits == [False, True] and server.running and server.port == port
+        assert "the embedded Redis exited; restarting it" in capsys.readouterr().err
+    finally:
+        server.close()
 
 
 def test_tokq_ups_http_port_defaults_to_8080():

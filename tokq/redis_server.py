@@ -9,6 +9,7 @@ only (``tls``: a build with TLS, as Debian's redis-server).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import secrets
@@ -160,7 +161,8 @@ class EmbeddedRedis:
                 "--loglevel", "warning", "--logfile", self.log_path]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       start_new_session=True,
-                                      preexec_fn=die_with_parent if self.with_parent else None)
+                                      preexec_fn=functools.partial(die_with_parent, os.getpid())
+                                      if self.with_parent else None)
         deadline = time.monotonic() + timeout_s
         tls = {"ssl": True, "ssl_ca_certs": self.tls["ca"]} if self.tls else {}
         client = redis.Redis(host=self.host, port=self.port, password=self.password or None,

@@ -23,14 +23,14 @@ from tokq.health import ExitedDuringStartup, wait_for_health
 from tokq.host import usable_cpus
 from tokq.model_info import ModelInfo
 from tokq.model_source import model_errors_as_one_line
-from tokq.processes import die_with_parent, stop_all
+from tokq.processes import stop_all, supervised_child
 from tokq.redis_server import EmbeddedRedis, free_port, redact_url
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     # Secrets (the Redis URL's password, API keys) travel in the environment, never in argv:
     # any local user can read a process's command line with `ps`.
     return subprocess.Popen([sys.executable, "-m", "tokq.cli", *args], env=env,
-                            preexec_fn=die_with_parent)
+                            preexec_fn=supervised_child(os.getpid()))
 
 
 AUTO_GATEWAY_PROCS_MAX = 4
@@ -78,20 +78,37 @@ def _api_keys(conf: cfg.UpConfig) -> dict[str, str]:
     return {cfg.env_var("api_keys"): ",".join(conf.api_keys)} if conf.api_keys else {}
 
 
-def _wait_ready(target: str, procs: list[subprocess.Popen], report_every_s: float = 30) -> None:
+def _keep_up(embedded: EmbeddedRedis | None) -> None:
+    """Start the embedded Redis again if it died (its queue is lost; calls in flight fail
+    retryable), or stop with one line if it cannot start."""
+    if embedded and not embedded.running:
+        click.echo(f"the embedded Redis exited; restarting it on port {embedded.port}", err=True)
+        try:
+            embedded.restart()
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            raise click.ClickException(f"the embedded Redis did not start again: {exc}") from None
+
+
+def _wait_ready(target: str, procs: list[subprocess.Popen], embedded: EmbeddedRedis | None = None,
+                report_every_s: float = 30, check_every_s: float = 2) -> None:
     """Wait for the gateway to report ready (a worker has loaded the model and warmed up), for as
     long as every process lives: a large model can take minutes (a fixed limit killed workers
-    still loading), so say every ``report_every_s`` what it is waiting for instead."""
-    started = time.monotonic()
+    still loading), so say every ``report_every_s`` what it is waiting for instead. The embedded
+    Redis is kept up meanwhile too: dead, nothing would ever become ready."""
+    started = last_report = time.monotonic()
     while True:
         try:
-            wait_for_health(target, procs, report_every_s)
+            wait_for_health(target, procs, check_every_s)
             return
         except ExitedDuringStartup:
             raise click.ClickException("a tokq process exited during start-up (see its log above)") from None
         except TimeoutError:
-            click.echo(f"tokq up: not ready after {time.monotonic() - started:.0f} s: waiting for a worker "
-                       "to load the model and warm up (Ctrl-C to give up)", err=True)
+            _keep_up(embedded)
+            if time.monotonic() - last_report >= report_every_s:
+                last_report = time.monotonic()
+                click.echo(f"tokq up: not ready after {last_report - started:.0f} s: no worker ready yet "
+                           "(loading the model and warming up, or not reaching Redis: see the log above; "
+                           "Ctrl-C to give up)", err=True)
 
 
 def _check_ports(host: str, ports: dict[str, list[int]]) -> None:
@@ -156,10 +173,12 @@ def up_command(**values) -> None:
         try:  # one line, and its directory (the password file) removed, when the server cannot start
             embedded = EmbeddedRedis(binary=conf.redis_server or None, with_parent=True)
             embedded.start()
-        except (OSError, RuntimeError, TimeoutError) as exc:
+        except BaseException as exc:  # Ctrl-C meanwhile too: the directory holds the password
             if embedded:
                 embedded.close()
-            raise click.ClickException(f"the embedded Redis did not start: {exc}") from None
+            if isinstance(exc, (OSError, RuntimeError, TimeoutError)):
+                raise click.ClickException(f"the embedded Redis did not start: {exc}") from None
+            raise
         redis_url = embedded.url
     # Every setting resolved here reaches the children explicitly: what this process was told
     # (flags or TOKQ_*) is what they run with.
@@ -200,7 +219,7 @@ def up_command(**values) -> None:
         procs += workers
         local = local_host(host)  # what a client here dials: loopback for a wildcard --host
         target = host_port(local, port)
-        _wait_ready(target, procs)
+        _wait_ready(target, procs, embedded)
         click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host_port(host, port)} "
                    f"(health and reflection on), {num_gateways} gateway process(es), {num_workers} worker(s)")
         if conf.http_port:
@@ -233,12 +252,7 @@ def up_command(**values) -> None:
                 if proc.poll() is not None:
                     click.echo(f"worker {i} exited ({proc.returncode}); restarting it", err=True)
                     workers[i] = procs[1 + i] = _spawn(worker_args(i), env)
-            if embedded and not embedded.running:  # its queue is lost; calls in flight fail retryable
-                click.echo(f"the embedded Redis exited; restarting it on port {embedded.port}", err=True)
-                try:
-                    embedded.restart()
-                except (OSError, RuntimeError, TimeoutError) as exc:
-                    raise click.ClickException(f"the embedded Redis did not start again: {exc}") from None
+            _keep_up(embedded)
             time.sleep(0.5)
     except KeyboardInterrupt:
         click.echo("stopping tokq ...", err=True)
