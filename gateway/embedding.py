@@ -83,6 +83,7 @@ class ServedModel:
         self.observer = observer  # metrics hooks (tokq.metrics.GatewayMetrics), optional
         self._ids = itertools.count()
         self._withdrawals: set[asyncio.Task] = set()  # cancel scripts still running
+        self._enqueuing = 0  # enqueues awaiting their answer: a cancelled one withdraws after it
         self.limits = Limits.resolve(info, config)  # byte caps, checked before tokenizing
         self._prompt_boundary = PromptBoundary(info, tokenizer)
 
@@ -145,7 +146,7 @@ class ServedModel:
         max_timeout_ms), or the default for a call that set none."""
         remaining = context.time_remaining()
         if remaining is None:
-            return self.config.default_timeout_ms
+            return min(self.config.default_timeout_ms, self.config.max_timeout_ms)
         if remaining <= 0:
             raise DeadlineExceeded("the call's deadline passed before it was queued")
         return max(1, min(self.config.max_timeout_ms, int(remaining * 1000)))
@@ -204,8 +205,12 @@ class ServedModel:
         collected = False
         try:
             timeout_ms = self._timeout_ms(context)  # what is left after tokenizing
-            await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
-                                     gateway_id=self.gateway_id)
+            self._enqueuing += 1
+            try:
+                await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
+                                         gateway_id=self.gateway_id)
+            finally:
+                self._enqueuing -= 1
             self.router.enqueued(request_id)
             # A timer on the reply's own future, not asyncio.wait_for (a waiter future, a
             # callback and a handle more per call).
@@ -255,9 +260,13 @@ class ServedModel:
         (a Redis that does not answer: the reply keys expire by their TTL)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while ((running := {t for t in self._withdrawals if not t.done()})
-               and (left := deadline - loop.time()) > 0):
-            await asyncio.wait(running, timeout=left)
+        while (left := deadline - loop.time()) > 0:
+            if running := {t for t in self._withdrawals if not t.done()}:
+                await asyncio.wait(running, timeout=left)
+            elif self._enqueuing:  # its withdrawal, if its call was cancelled, starts on its answer
+                await asyncio.sleep(min(left, 0.01))
+            else:
+                break
         await cancel_and_wait(list(self._withdrawals))
 
     async def tokenize(self, texts, *, truncate: bool = False, prompt_name: str | None = None) -> list[list[int]]:

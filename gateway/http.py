@@ -113,6 +113,15 @@ async def _body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+def _cancel_on_hang_up(call: asyncio.Future):
+    def done(hangup: asyncio.Future) -> None:
+        # Only a hang-up: not the watcher cancelled (the answer is out) or failing (logged, not
+        # taken for one: the caller may be there still).
+        if not hangup.cancelled() and hangup.exception() is None:
+            call.cancel()
+    return done
+
+
 async def _hung_up(request: Request) -> None:
     """Returns once the client has gone. Called after the body is read: the server answers
     receive() then only when the connection is lost (or the response is sent)."""
@@ -183,7 +192,7 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
             # A caller that hangs up (an SDK's timeout, then its retry) cancels the call, which
             # withdraws its queued inputs, as gRPC does: else a worker embeds them for nobody.
             hangup = asyncio.ensure_future(_hung_up(request))
-            hangup.add_done_callback(lambda h: h.cancelled() or call.cancel())
+            hangup.add_done_callback(_cancel_on_hang_up(call))
             try:
                 out = await call
             except asyncio.CancelledError:

@@ -239,7 +239,7 @@ def test_a_worker_refuses_a_metrics_port_another_process_listens_on():
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        result = CliRunner().invoke(worker_command, ["--metrics-port", str(port), "--metrics-host", "127.0.0.1",
-                                                     "--redis-url", "redis://127.0.0.1:1/0"])
+        args = ["--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--redis-url", "redis://127.0.0.1:1/0"]
+        result = CliRunner().invoke(worker_command, args)
     assert result.exit_code == 2, result.output
     assert f"metrics port {port} on 127.0.0.1 already in use" in result.output

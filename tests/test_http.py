@@ -143,12 +143,21 @@ def test_models_health_and_unknown_routes(http):
 def test_a_caller_that_hangs_up_has_its_inputs_withdrawn(stack, http):
     # An SDK that times out closes its connection and retries: the inputs it left queued are
     # withdrawn then, as a cancelled gRPC call's are, not left to a worker until the 30 s deadline.
+    import json
+    import socket
+
     r, keys = stack.client(), stack.keys
     cancelled = int(r.hget(keys.counters, "cancelled") or 0)
     stack.signal_worker("w1", signal.SIGSTOP)  # nobody claims: the inputs stay queued
     try:
-        with httpx.Client(base_url=stack.http_url, timeout=1) as impatient, pytest.raises(httpx.ReadTimeout):
-            impatient.post("/v1/embeddings", json={"model": MODEL, "input": ["token " * 50] * 4})
+        body = json.dumps({"model": MODEL, "input": ["token " * 50] * 4}).encode()
+        with socket.create_connection(("127.0.0.1", stack.http_port)) as impatient:
+            impatient.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: tokq\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 30
+            while not int(r.get(keys.tokens) or 0):  # queued: then it hangs up
+                assert time.monotonic() < deadline, "the call's inputs were never queued"
+                time.sleep(0.02)
         deadline = time.monotonic() + 5
         while int(r.hget(keys.counters, "cancelled") or 0) == cancelled:
             assert time.monotonic() < deadline, "a call whose caller left was not withdrawn"

@@ -204,8 +204,8 @@ class GatewayConfig(_Validated):
                                       max=86_400_000)
     # A request's entries and reply key live in Redis as long as its deadline (if its gateway
     # dies): a caller's own deadline is kept up to this, not left to the caller to bound.
-    max_timeout_ms: int = setting(86_400_000, "longest deadline a call may set; a longer one is "
-                                  "cut to this", min=1, max=86_400_000)
+    max_timeout_ms: int = setting(86_400_000, "longest deadline a call may have; a longer one (or "
+                                  "--default-timeout-ms) is cut to this", min=1, max=86_400_000)
     redis_max_connections: int = setting(32, "Redis connections per gateway process", min=1,
                                          max=10_000)
     # Calls arriving faster than one per hold share round trips (tokq.pipeliner); 0 = never hold.

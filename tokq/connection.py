@@ -116,7 +116,10 @@ def _cluster_enabled(url: str, attempts: int) -> bool:
     try:
         for attempt in range(attempts):
             try:
-                server = client.info("server")
+                try:
+                    server = client.info("server")
+                except redis.exceptions.ResponseError:  # an ACL without INFO server: not a Sentinel's
+                    server = {}
                 if "sentinel" in (server.get("redis_mode"), server.get("server_mode")):  # Redis, Valkey
                     # It answers INFO and PING, so it passed for a standalone server, and every
                     # queue command then failed (EVALSHA: unknown command).
