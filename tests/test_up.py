@@ -142,7 +142,7 @@ def test_tokq_up_restarts_its_redis_and_a_stop_signalled_twice_still_stops_every
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--http-port", "0",
-                             "--metrics-port", str(free_port_block(2))],
+                             "--gateway-procs", "1", "--metrics-port", str(free_port_block(2))],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)},
                             preexec_fn=ctrl_c_reaches_it)
@@ -249,6 +249,7 @@ def test_tokq_up_that_cannot_start_says_why_in_one_line_and_leaves_nothing(tmp_p
             holder.bind(("127.0.0.1", taken))
             holder.listen()
         out = subprocess.run([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--http-port", "0",
+                              "--gateway-procs", "1",  # one gateway and one worker: a block of 2 ports
                               "--metrics-port", str(metrics_port), *args], capture_output=True, text=True,
                              env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
@@ -372,7 +373,8 @@ def test_tokq_up_serves_on_ipv6_loopback():
 
     port, http_port, metrics_port = free_port("::1"), free_port("::1"), free_port_block(2, "::1")
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--host", "::1", "--port", str(port),
-                             "--http-port", str(http_port), "--metrics-port", str(metrics_port)],
+                             "--http-port", str(http_port), "--metrics-port", str(metrics_port),
+                             "--gateway-procs", "1"],  # a block of 2 ports: auto picks more on a GPU host
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=ctrl_c_reaches_it)
     try:
