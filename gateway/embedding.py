@@ -28,7 +28,7 @@ from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.validate import Limits, check_text_sizes, check_token_ids
 from tokq.model_info import ModelInfo
-from tokq.queue import QueueFull
+from tokq.queue import QueueFull, Withdrawn
 from tokq.shards import ShardedQueue
 
 
@@ -203,12 +203,15 @@ class ServedModel:
     async def _submit_and_wait(self, request_id: str, items, context) -> dict[int, bytes]:
         done = self.router.expect(request_id, len(items))
         collected = False
+        sent = answered = False  # the enqueue started; its answer came (it ran, and cannot later)
         try:
             timeout_ms = self._timeout_ms(context)  # what is left after tokenizing
             self._enqueuing += 1
+            sent = True
             try:
                 await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
                                          gateway_id=self.gateway_id)
+                answered = True
             finally:
                 self._enqueuing -= 1
             self.router.enqueued(request_id)
@@ -230,26 +233,30 @@ class ServedModel:
         except QueueFull:
             collected = True  # a rejected enqueue queues nothing (a repeat is never rejected)
             raise
+        except Withdrawn:  # already withdrawn: this call was cancelled while its enqueue was out
+            collected = True
+            raise Unavailable("the request was withdrawn before it was queued; retry it") from None
         finally:
             self.router.forget(request_id)
-            if not collected:
+            if sent and not collected:  # (nothing to withdraw for a call refused before it)
                 # Cancelled, timed out or failed, possibly while the enqueue was in flight or
                 # with its answer lost (LostAnswer: queued or not, we cannot tell): withdraw it
                 # (O(1)) so no worker spends time on it and nothing stays behind. The caller
                 # is answered without waiting for that: a Redis that stopped answering would
                 # hold its error for another socket timeout. (Started once the enqueue has
-                # answered, so it does not overtake it; a handler cancelled twice, or an enqueue
-                # whose answer was lost and that Redis runs late, still can: tokq.pipeliner.)
+                # answered, so it does not overtake it: tokq.pipeliner. Where no answer came, a
+                # handler cancelled twice or an enqueue given up on a stalled Redis, that may yet
+                # run later: the withdrawal then marks it, and a late run queues nothing.)
                 loop = asyncio.get_running_loop()
-                self._track_withdrawal(loop.create_task(self._cancel_quietly(request_id)))
+                self._track_withdrawal(loop.create_task(self._cancel_quietly(request_id, answered)))
 
     def _track_withdrawal(self, task: asyncio.Task) -> None:
         self._withdrawals.add(task)
         task.add_done_callback(self._withdrawals.discard)
 
-    async def _cancel_quietly(self, request_id: str) -> None:
+    async def _cancel_quietly(self, request_id: str, enqueue_answered: bool = True) -> None:
         try:
-            await self.queue.cancel(request_id)
+            await self.queue.cancel(request_id, enqueue_answered=enqueue_answered)
         except Exception:  # Redis gone: the reply key expires by its TTL anyway
             pass
 

@@ -8,6 +8,7 @@
 -- KEYS[7] preemptible SET  owner ids of workers running a heavy forward (lib/wake.lua): one
 --                          is told 'light' when the light lane stops being empty and no idle
 --                          worker was woken
+-- KEYS[8] withdrawn STRING withdrawn:<request_id> (cancel.lua): this request was withdrawn
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] request_id (no ':')
 -- ARGV[3] timeout_ms, relative: deadline_ms = now_ms + timeout_ms
@@ -21,13 +22,18 @@
 -- ARGV[10..] (token_count, body) pairs, one per item
 -- Idempotent by request id, so a client may run it again after a lost answer: if the reply
 -- hash exists with the same item count, this is a repeat and gets the first run's answer
--- (checked before the cap, so a repeat is never QUEUE_FULL). QUEUE_FULL queues nothing.
--- Returns {'OK', ts_ms, deadline_ms} | {'QUEUE_FULL', queued_tokens} | {'DUPLICATE'}
+-- (checked before the cap, so a repeat is never QUEUE_FULL). QUEUE_FULL queues nothing; nor
+-- does WITHDRAWN: a run that comes after the request's withdrawal (an answer lost, then run
+-- late by a Redis that stalled, or a caller cancelled while this was in flight).
+-- Returns {'OK', ts_ms, deadline_ms} | {'QUEUE_FULL', queued_tokens} | {'DUPLICATE'} | {'WITHDRAWN'}
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/wake.lua
 
 local num_items = (#ARGV - 9) / 2
+if redis.call('EXISTS', KEYS[8]) == 1 then
+  return {'WITHDRAWN'}
+end
 local first = redis.call('HMGET', KEYS[4], 'n', 't')
 if first[1] then
   if tonumber(first[1]) ~= num_items then

@@ -167,10 +167,11 @@ def enqueued_items(stack) -> int:
 def keys_left(stack, settle_s: float = 30) -> list[bytes]:
     """Keys of requests still in Redis once in-flight work and grace periods are over (waits
     up to ``settle_s``); the counters, budget, shard counts, worker registries and the metrics
-    exporter's lock are not request keys."""
+    exporter's lock are not request keys, nor a withdrawn request's mark (set where its enqueue's
+    answer was lost; it expires by itself, tests/queue_support.keys_left checks how soon)."""
     r = stack.client()
     keep = re.compile(
-        rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|idle|heartbeat:.*|metrics-exporter)$")
+        rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|idle|heartbeat:.*|metrics-exporter|withdrawn:.*)$")
     deadline = time.monotonic() + settle_s
     while True:
         found = r.keys("*", target_nodes="primaries") if stack.cluster else r.keys("*")

@@ -216,3 +216,25 @@ async def test_an_answer_lost_on_every_retry_raises_lost_answer(redis_url):
             assert await q.cancel("r") is True
     finally:
         proxy.close()
+
+
+async def test_an_enqueue_run_after_its_withdrawal_queues_nothing(redis_url):
+    """A call whose enqueue got no answer (given up on a stalled Redis, or cancelled while it was
+    out) is withdrawn with a mark: that enqueue, run late, queues nothing (its entries would be
+    embedded for nobody and its reply key live to its deadline). A withdrawal after an answered
+    enqueue leaves no mark."""
+    from tokq.queue import WITHDRAWN_TTL_MS, Withdrawn
+
+    async with open_queue(redis_url) as q:
+        assert await q.cancel("late", enqueue_answered=False) is False  # it had not run yet
+        assert 0 < await q.redis.pttl(q.keys.withdrawn("late")) <= WITHDRAWN_TTL_MS
+        with pytest.raises(Withdrawn):
+            await q.enqueue("late", items(3), timeout_ms=60_000, channel=CHANNEL)
+        assert (await q.stats()).queued_entries == 0
+        assert not await q.redis.exists(q.keys.reply("late"))
+
+        await q.enqueue("answered", items(3), timeout_ms=60_000, channel=CHANNEL)
+        assert await q.cancel("answered") is True
+        assert not await q.redis.exists(q.keys.withdrawn("answered"))
+        assert await q.claim(600) is None  # its entry dropped as an orphan
+        assert await keys_left(q) == set()

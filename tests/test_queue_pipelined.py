@@ -251,7 +251,8 @@ async def test_a_run_whose_arguments_cannot_be_sent_fails_alone(redis_url):
         await q.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
         first = asyncio.ensure_future(q.enqueue("r0", items(1), timeout_ms=60_000, channel=CHANNEL))
         await asyncio.sleep(0)  # out alone: the next ones share the round trip after it
-        bad = asyncio.ensure_future(q.pipeliner.run("cancel", [q.keys.reply("x"), q.keys.counters], [object()]))
+        bad = asyncio.ensure_future(q.pipeliner.run("cancel", [q.keys.reply("x"), q.keys.counters,
+                                                              q.keys.withdrawn("x")], [object()]))
         rest = [asyncio.ensure_future(q.enqueue(f"r{i}", items(1), timeout_ms=60_000, channel=CHANNEL))
                 for i in (1, 2)]
         pipelines, cancels = q.pipeliner.pipelines, q.scripts.calls["cancel"]

@@ -99,6 +99,11 @@ class QueueKeys:
     def reply(self, request_id: str) -> str:
         return self.reply_prefix + request_id
 
+    def withdrawn(self, request_id: str) -> str:
+        """STRING: a withdrawn request's mark (cancel.lua), for a while: an enqueue of it that
+        Redis runs after the withdrawal (its answer lost, its caller gone) queues nothing."""
+        return f"{self.base}:withdrawn:{request_id}"
+
     def collected(self, request_id: str) -> str:
         """HASH: a collected reply, kept a short grace so a repeated collect (after a lost
         answer) gets the same results; it expires by itself."""

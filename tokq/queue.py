@@ -40,6 +40,9 @@ MAX_BATCHES_PER_REQUEUE = 100
 # and retries (tokq.connection), short enough that nothing lingers. A reply delivered in its
 # notice is kept as long (DELIVERED_TTL_MS in lua/lib/reply.lua).
 COLLECT_GRACE_MS = 5_000
+# A withdrawn request's mark outlives any enqueue of it still on its way: a connection given up
+# after redis-py's tries of the 5 s socket timeout (a cluster's three), and a Redis stalled as long.
+WITHDRAWN_TTL_MS = 60_000
 # Fields of a reply hash besides the answered items: n, ch, t (lua/lib/reply.lua).
 REPLY_META_FIELDS = (b"n", b"ch", b"t")
 
@@ -85,6 +88,11 @@ class LostAnswer(redis.exceptions.ConnectionError):
         super().__init__(f"no answer from Redis to {script} ({type(cause).__name__}); "
                          "it may or may not have run")
         self.script = script
+
+
+class Withdrawn(Exception):
+    """Enqueue refused: the request was withdrawn before this run reached Redis (its caller is
+    gone; nothing was queued)."""
 
 
 class QueueFull(Exception):
@@ -185,19 +193,24 @@ class Queue:
         k = self.keys
         reply = await self._run(
             "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy, k.idle,
-                        k.preemptible], args, pipelined=True)
+                        k.preemptible, k.withdrawn(request_id)], args, pipelined=True)
         status = reply[0]
         if status == b"QUEUE_FULL":
             raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)
+        if status == b"WITHDRAWN":
+            raise Withdrawn(f"request {request_id!r} was withdrawn before its enqueue ran")
         if status == b"DUPLICATE":
             raise ValueError(f"request id {request_id!r} is already used by another request")
         return Enqueued(request_id, int(reply[1]), int(reply[2]))
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str, *, enqueue_answered: bool = True) -> bool:
         """Withdraw a request: its reply key goes now, its queued entries at the next claim
-        that reaches them (O(1) here). False if it was already collected or gone."""
+        that reaches them (O(1) here). False if it was already collected or gone. With
+        ``enqueue_answered`` False (its enqueue failed or was given up without an answer: it may
+        yet run), it is marked withdrawn for WITHDRAWN_TTL_MS, so that a late run queues nothing."""
         k = self.keys
-        return bool(await self._run("cancel", [k.reply(request_id), k.counters], []))
+        return bool(await self._run("cancel", [k.reply(request_id), k.counters, k.withdrawn(request_id)],
+                                    [0 if enqueue_answered else WITHDRAWN_TTL_MS]))
 
     async def collect(self, request_id: str) -> dict[int, bytes]:
         """Take a request's results (index -> raw result); its reply key goes (a copy stays

@@ -36,7 +36,7 @@ from tokq.claim_rule import Lanes
 from tokq.config import QueueConfig
 from tokq.entry import Entry
 from tokq.keys import MAX_SHARDS, QueueKeys, shard_queue_name
-from tokq.queue import Claim, Enqueued, Queue, QueueFull, QueueStats
+from tokq.queue import Claim, Enqueued, Queue, QueueFull, QueueStats, Withdrawn
 
 LOAD_REFRESH_S = 0.1
 LOAD_READ_TIMEOUT_S = 0.5  # a shard's load read not answered by then: left out of the picks
@@ -151,7 +151,7 @@ class ShardedQueue:
         try:
             enqueued = await shard.enqueue(request_id, items, timeout_ms=timeout_ms,
                                            channel=shard.keys.done_channel(gateway_id))
-        except (ValueError, QueueFull):  # nothing queued, nothing to cancel: else kept for good
+        except (ValueError, QueueFull, Withdrawn):  # nothing queued or to cancel: else kept for good
             self._shard_of_request.pop(request_id, None)
             raise
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
@@ -168,9 +168,9 @@ class ShardedQueue:
         self._shard_of_request.pop(request_id, None)
         return raw
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str, *, enqueue_answered: bool = True) -> bool:
         index = self._shard_of_request.pop(request_id, 0)
-        return await self.shard(index).cancel(request_id)
+        return await self.shard(index).cancel(request_id, enqueue_answered=enqueue_answered)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's shard without touching Redis (rejected whole, or its results came
