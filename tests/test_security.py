@@ -163,8 +163,14 @@ def test_embedded_redis_password_is_in_a_private_file_not_on_its_command_line():
 
     with EmbeddedRedis() as server:
         assert len(server.password) >= 20 and server.host == "127.0.0.1"
-        conf = os.path.join(server._dir, "redis.conf")
-        assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600
+        # Written 0600 for the server to read at start, then removed: on no disk while it runs.
+        assert not os.path.exists(os.path.join(server._dir, "redis.conf"))
+        written = server._write_config()
+        assert stat.S_IMODE(os.stat(written).st_mode) == 0o600
+        os.unlink(written)
+        server.stop()
+        server.start()  # and so again for a restart (tokq up restarts a Redis that died)
+        assert not os.path.exists(os.path.join(server._dir, "redis.conf"))
         assert server.password.encode() not in open(f"/proc/{server._proc.pid}/cmdline", "rb").read()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(host=server.host, port=server.port).ping()

