@@ -456,3 +456,19 @@ def test_tokq_up_refuses_api_keys_it_cannot_pass_on_before_starting_anything(arg
                          capture_output=True, text=True, timeout=60)
     assert out.returncode in (1, 2) and message in out.stderr
     assert "Redis" not in out.stdout + out.stderr  # stopped before the embedded Redis started
+
+
+def test_a_worker_that_keeps_dying_is_started_again_ever_later():
+    """A worker dying at start (a device it cannot use, out of memory) was started again twice a
+    second for ever, loading its model each time. One that ran a while is started at once."""
+    from tokq.up import RESTART_MAX_S, RESTART_STABLE_S, RestartBackoff
+
+    again, now, waits = RestartBackoff(0.0), 0.0, []
+    for _ in range(7):
+        now += 0.5  # dies half a second after each start
+        waits.append(again.died(now))
+        assert not again.ready(now + waits[-1] - 0.01) and again.ready(now + waits[-1])
+        now += waits[-1]
+        again.restarted(now)
+    assert waits == [1, 2, 4, 8, 16, RESTART_MAX_S, RESTART_MAX_S]
+    assert again.died(now + RESTART_STABLE_S) == 0  # it had run a minute: at once

@@ -34,6 +34,33 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 
 AUTO_GATEWAY_PROCS_MAX = 4
+RESTART_STABLE_S = 60.0  # a worker that ran this long before it died is started again at once
+RESTART_MAX_S = 30.0
+
+
+class RestartBackoff:
+    """When to start a dead worker again: at once after a long run, else after a wait that
+    doubles with each quick death (1, 2, 4, ... s, at most RESTART_MAX_S). A worker that dies at
+    start (a device it cannot use, out of memory) was started again twice a second, loading its
+    model each time."""
+
+    def __init__(self, now: float) -> None:
+        self.started_at = now
+        self.delay = 0.0
+        self.due: float | None = None  # when to start it again, once found dead
+
+    def died(self, now: float) -> float:
+        """Found dead at ``now``: the wait before its restart."""
+        quick = now - self.started_at < RESTART_STABLE_S
+        self.delay = min(max(1.0, 2 * self.delay), RESTART_MAX_S) if quick else 0.0
+        self.due = now + self.delay
+        return self.delay
+
+    def ready(self, now: float) -> bool:
+        return self.due is not None and now >= self.due
+
+    def restarted(self, now: float) -> None:
+        self.started_at, self.due = now, None
 CUDA_CHECK_TIMEOUT_S = 60
 
 
@@ -216,6 +243,7 @@ def up_command(**values) -> None:
                    *(["--api-key-file", str(Path(conf.api_key_file).resolve())] if conf.api_key_file else [])]
         procs.append(_spawn(gw_args, env))
         workers = [_spawn(worker_args(i), env) for i in range(num_workers)]
+        restarts = [RestartBackoff(time.monotonic()) for _ in workers]
         procs += workers
         local = local_host(host)  # what a client here dials: loopback for a wildcard --host
         target = host_port(local, port)
@@ -250,8 +278,14 @@ def up_command(**values) -> None:
                 raise click.ClickException(f"the gateway exited ({procs[0].returncode})")
             for i, proc in enumerate(workers):
                 if proc.poll() is not None:
-                    click.echo(f"worker {i} exited ({proc.returncode}); restarting it", err=True)
-                    workers[i] = procs[1 + i] = _spawn(worker_args(i), env)
+                    now, again = time.monotonic(), restarts[i]
+                    if again.due is None:
+                        wait = again.died(now)
+                        click.echo(f"worker {i} exited ({proc.returncode}); restarting it"
+                                   + (f" in {wait:.0f} s" if wait else ""), err=True)
+                    if again.ready(now):
+                        workers[i] = procs[1 + i] = _spawn(worker_args(i), env)
+                        again.restarted(now)
             _keep_up(embedded)
             time.sleep(0.5)
     except KeyboardInterrupt:
