@@ -12,7 +12,7 @@ import sys
 import click
 
 from tokq import config as cfg
-from tokq.address import port_in_use
+from tokq.address import ports_taken
 
 
 def _run_one(gateway_values: dict, queue_values: dict, siblings=None) -> None:
@@ -66,12 +66,11 @@ def gateway_command(procs: int, **values) -> None:
         for path, name in base.models():
             ModelInfo.load(path, name=name, revision=base.revision or None)
     metrics_host = base.metrics_host or base.host
-    ports = [("gRPC", base.host, base.port), ("HTTP", base.host, base.http_port),
-             *(("metrics", metrics_host, base.metrics_port + i) for i in range(procs) if base.metrics_port)]
-    busy = [f"{name} port {port} on {host or '0.0.0.0'}" for name, host, port in ports
-            if port and port_in_use(host, port)]
-    if busy:  # (a metrics port was a traceback from each process once it had started)
-        raise click.UsageError(f"{' and '.join(busy)} already in use (another gateway?): choose another "
+    if busy := ports_taken([("gRPC", base.host, base.port), ("HTTP", base.host, base.http_port),
+                            *(("metrics", metrics_host, base.metrics_port + i)
+                              for i in range(procs) if base.metrics_port)]):
+        # (a metrics port was a traceback from each process once it had started)
+        raise click.UsageError(f"{busy} already in use (another gateway?): choose another "
                                "--port / --http-port / --metrics-port, or stop that process")
     from tokq.connection import check_redis_or_exit
 

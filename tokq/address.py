@@ -52,3 +52,10 @@ def port_in_use(host: str, port: int) -> bool:
     error = bind_error(host, port, reuse_addr=True)  # SO_REUSEADDR: a port in TIME_WAIT is free
     # Other errors (an address not on this machine, a name that does not resolve): the server says.
     return error is not None and error.errno == errno.EADDRINUSE
+
+
+def ports_taken(ports) -> str:
+    """Of ``ports`` ((name, host, port) each; port 0: off), those another process listens on, for
+    a one-line error: "gRPC port 50051 on 127.0.0.1 and metrics port 9400 on 0.0.0.0"; "" if none."""
+    return " and ".join(f"{name} port {port} on {host or '0.0.0.0'}" for name, host, port in ports
+                        if port and port_in_use(host, port))

