@@ -119,6 +119,7 @@ def synthetic_traffic(model: str):
         queued_entries, queued_tokens, oldest_age_ms = 12, 3000, 800
         inflight_items, inflight_batches = 4, 1
         counters = {"enqueued": 0, "acked": 0, "requeued": 0}
+        num_shards, unreadable_shards = 1, ()
 
     def run():
         n = 0

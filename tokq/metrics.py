@@ -248,8 +248,7 @@ def observe_queue_stats(stats, *, model: str) -> None:
     QUEUE_OLDEST_AGE.labels(model).set(stats.oldest_age_ms / 1000.0)
     QUEUE_INFLIGHT_ITEMS.labels(model).set(stats.inflight_items)
     QUEUE_INFLIGHT_BATCHES.labels(model).set(stats.inflight_batches)
-    unreadable = len(getattr(stats, "unreadable_shards", ()))
-    QUEUE_UNREADABLE_SHARDS.labels(model).set(unreadable / max(1, getattr(stats, "num_shards", 1)))
+    QUEUE_UNREADABLE_SHARDS.labels(model).set(len(stats.unreadable_shards) / max(1, stats.num_shards))
     QUEUE_COUNTER_COLLECTOR.update(model, stats.counters)
 
 
