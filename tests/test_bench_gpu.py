@@ -102,6 +102,23 @@ def test_report_bounds_what_a_short_ramp_could_not_pin_down():
     assert "peak FLOP/s unknown" in md
 
 
+def test_a_rate_the_load_generator_could_not_offer_bounds_tokq_below():
+    """A ramp that stopped because the load generator fell behind says nothing of the server's
+    limit: the rate it met is 'at least', and so is the best tokq's ratio to one-at-a-time (the
+    first GPU run with the warm set printed MiniLM's 2,883 and 47.1x as if measured limits)."""
+    bench = _bench(_system("tokq", 2883.0, token_budget=16384, budget_source="set", generator_limited=True,
+                           limit="load generator fell behind (send lag p99 44 ms): this rate was not really offered"),
+                   _system("tokq", 4325.0, token_budget=4096, budget_source="default",
+                           limit="no step failed up to 4325 req/s"),
+                   _system("one-at-a-time", 92.0))
+    md = markdown_section("NVIDIA H100 80GB HBM3", None, [{"name": "m", "profile": _profile(), "bench": bench}], "c")
+    assert "| >= 2883 | >= 4325 (4096) | 92 | >= 47.0x | – |" in md
+    assert "the load generator could not offer the next" in md
+    measured = _bench(_system("tokq", 3000.0, token_budget=4096, budget_source="set"), _system("one-at-a-time", 500.0))
+    md = markdown_section("GPU", None, [{"name": "m", "profile": _profile(), "bench": measured}], "c")
+    assert "| 3000 | – | 500 | 6.0x |" in md
+
+
 def test_a_failed_model_is_reported_and_the_next_still_runs(tmp_path, monkeypatch):
     from tokq.profiling.bench import gpu
 

@@ -156,12 +156,17 @@ def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Pat
     return results
 
 
+def _at_least(system: dict) -> bool:
+    """Whether a system's rate is a lower bound: no step failed (the ramp ended first), or the
+    load generator could not offer the next rate (the server was never shown its limit)."""
+    return system.get("generator_limited", False) or str(system.get("limit", "")).startswith("no step failed")
+
+
 def _rate(system: dict | None) -> str:
-    """A system's p99-bounded rate; '>=' where no step failed (the ramp ended first)."""
+    """A system's p99-bounded rate, '>=' where it is a lower bound (_at_least)."""
     if not system:
         return "–"
-    at_least = str(system.get("limit", "")).startswith("no step failed")
-    return f"{'>= ' if at_least else ''}{system['sustainable_rps']:.0f}"
+    return f"{'>= ' if _at_least(system) else ''}{system['sustainable_rps']:.0f}"
 
 
 def _best_served(system: dict) -> float:
@@ -173,7 +178,7 @@ def _ratio(tokq: dict | None, ref: dict | None) -> str:
     if not tokq or not ref:
         return "–"
     if ref["sustainable_rps"]:
-        return f"{tokq['sustainable_rps'] / ref['sustainable_rps']:.1f}x"
+        return f"{'>= ' if _at_least(tokq) else ''}{tokq['sustainable_rps'] / ref['sustainable_rps']:.1f}x"
     if failed := [s["offered_rps"] for s in ref.get("steps", []) if s.get("offered_rps")]:
         # No step met the SLO: its sustainable rate lies below the lowest rate it failed at.
         lowest = min(failed)
@@ -213,7 +218,7 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
              "Each model: `tokq profile --device cuda`, then `tokq bench service --device cuda` (tokq at the profiled "
              "budget and at `tokq up`'s defaults; sentence-transformers one request at a time on the same GPU, "
              "fp32). Rates are requests a second at p99 <= the SLO; '>=' where the ramp ended before any step "
-             "failed.", "",
+             "failed or the load generator could not offer the next rate.", "",
              "| model | dtype | profiled budget (tokens) | forward at budget | model FLOP/s at budget | MFU at budget "
              "| tokq at profiled budget | tokq up defaults (budget) | one-at-a-time | best tokq / one-at-a-time "
              "| tokq vectors vs sentence-transformers (min cos) |",
