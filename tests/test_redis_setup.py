@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import redis
@@ -124,11 +125,79 @@ def test_tokq_up_refuses_cluster_yes_with_its_embedded_redis():
 def test_a_server_that_answers_nothing_is_one_line_with_auto(monkeypatch):
     import tokq.connection
 
-    monkeypatch.setattr(tokq.connection, "_PROBE_ATTEMPTS", 2)
+    monkeypatch.setattr(tokq.connection, "_PROBE_WAIT_S", 1.0)
     with pytest.raises(RedisSetupError, match="did not answer"):
         check_redis(f"redis://:hidden@127.0.0.1:{free_port()}/0")
     with pytest.raises(redis.exceptions.ConnectionError):  # what connect() meets: unchanged
         is_cluster(f"redis://127.0.0.1:{free_port()}/0")
+
+
+class _SlowToAccept:
+    """A TCP front for a Redis that answers no connect until ``open_after_s`` has passed (its
+    accept queue full, so the kernel drops each new SYN: the client's connect times out, as with
+    a pod not up yet or a firewall), then forwards every connection to ``target``."""
+
+    def __init__(self, target: tuple[str, int], open_after_s: float) -> None:
+        import socket
+
+        self._target, self._open_after_s = target, open_after_s
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+        self.port = self._listener.getsockname()[1]
+        # One connection nobody accepts fills the queue (Linux keeps backlog + 1).
+        self._filler = socket.create_connection(("127.0.0.1", self.port))
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket
+
+        if self._stop.wait(self._open_after_s):
+            return
+        self._listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            upstream = socket.create_connection(self._target)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._filler.close()
+        self._listener.close()
+
+
+def test_auto_waits_about_10_s_for_a_server_whose_connects_time_out(redis_server, redis_url):
+    """The README's '(with auto) no answer within ~10 s': a server whose connects time out (not
+    refused) stopped the probe after its first connect's three tries (~1.6 s). A server that
+    starts answering 3 s in is found."""
+    from urllib.parse import urlsplit
+
+    where = urlsplit(redis_url)
+    front = _SlowToAccept((where.hostname, where.port), open_after_s=3.0)
+    try:
+        url = redis_url.replace(f"{where.hostname}:{where.port}", f"127.0.0.1:{front.port}")
+        assert check_redis(url) is False
+    finally:
+        front.close()
 
 
 def test_a_worker_started_before_its_redis_waits_for_it_then_serves():

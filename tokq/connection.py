@@ -35,7 +35,7 @@ CONNECT_ATTEMPTS = 3  # a connect that times out is tried again, up to this many
 SOCKET_TIMEOUT_S = 5.0
 ClusterMode = Literal["auto", "yes", "no"]
 CLUSTER_MODES = ("auto", "yes", "no")
-_PROBE_ATTEMPTS = 20  # x ~0.5 s: a Redis still starting (compose, k8s) gets ~10 s
+_PROBE_WAIT_S = 10.0  # a Redis still starting (compose, k8s) or not reachable yet gets this long
 
 _cluster_by_url: dict[str, bool] = {}
 
@@ -105,16 +105,19 @@ class RedisSetupError(Exception):
     one-line, user-facing error (no password in it), for the CLIs to stop on at start."""
 
 
-def _cluster_enabled(url: str, attempts: int) -> bool:
-    """The server's ``cluster_enabled`` (INFO cluster), asked ``attempts`` times ~0.5 s apart
-    while no connection can be made. A refused password is not asked again (redis-py's
+def _cluster_enabled(url: str, wait_s: float) -> bool:
+    """The server's ``cluster_enabled`` (INFO cluster), asked again ~0.5 s apart for ``wait_s``
+    (0: once) while no connection can be made or the server does not answer: a refused connect
+    fails at once, a timed-out one only after its tries (~1.6 s), and both mean a server not up
+    or not reachable yet. A refused password is not asked again (redis-py's
     AuthenticationError is a ConnectionError)."""
     client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                   socket_timeout=SOCKET_TIMEOUT_S)
     pool = client.connection_pool
     pool.connection_class = _connect_retried_sync(pool.connection_class)  # the URL scheme's
+    deadline = time.monotonic() + wait_s
     try:
-        for attempt in range(attempts):
+        while True:
             try:
                 try:
                     server = client.info("server")
@@ -130,13 +133,12 @@ def _cluster_enabled(url: str, attempts: int) -> bool:
                 return bool(client.info("cluster").get("cluster_enabled"))
             except redis.exceptions.AuthenticationError:
                 raise
-            except redis.exceptions.ConnectionError:
-                if attempt == attempts - 1:
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                if time.monotonic() + 0.5 >= deadline:
                     raise
                 time.sleep(0.5)
     finally:
         client.close()
-    raise AssertionError("unreachable")
 
 
 def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
@@ -147,7 +149,7 @@ def is_cluster(url: str, mode: ClusterMode = "auto") -> bool:
     if mode != "auto":
         return mode == "yes"
     if url not in _cluster_by_url:
-        _cluster_by_url[url] = _cluster_enabled(url, _PROBE_ATTEMPTS)
+        _cluster_by_url[url] = _cluster_enabled(url, _PROBE_WAIT_S)
     return _cluster_by_url[url]
 
 
@@ -162,7 +164,7 @@ def check_redis(url: str, mode: ClusterMode = "auto") -> bool:
     where = redact_url(url)
     explicit = mode in ("yes", "no")
     try:
-        enabled = _cluster_enabled(url, 1 if explicit else _PROBE_ATTEMPTS)
+        enabled = _cluster_enabled(url, 0 if explicit else _PROBE_WAIT_S)
     except redis.exceptions.AuthenticationError as exc:
         if not parse_url(url).get("password"):
             raise RedisSetupError(f"Redis at {where} asks for a password, and --redis-url (TOKQ_REDIS_URL) "
