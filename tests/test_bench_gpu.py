@@ -195,8 +195,10 @@ def test_each_model_runs_tokq_up_defaults_before_the_profiled_budget(tmp_path, m
         out.write_text(json.dumps(_profile(budget=8192) if args[0] == "profile" else _bench()))
 
     monkeypatch.setattr(gpu, "_tokq", tokq)
+    monkeypatch.setattr("tokq.host.usable_cpus", lambda: 16)
     gpu.run_model("m", None, tmp_path, quick=True)
     bench = calls[1]
+    assert bench[bench.index("--generator-procs") + 1] == "3"  # one Python process sends ~3,000 calls/s
     systems = [bench[i + 1] for i, a in enumerate(bench) if a == "--system"]
     assert systems == ["tokq-defaults", "tokq", "one-at-a-time"]
     assert bench[bench.index("--token-budgets") + 1] == "8192" and "--gateway-procs" not in bench
@@ -210,6 +212,9 @@ def test_the_section_says_how_many_gateway_processes_and_resume_keeps_to_them(tm
     bench = _bench(_system("tokq", 900.0, token_budget=4096, budget_source="set", gateway_procs=4))
     md = markdown_section("GPU", None, [{"name": "m", "profile": _profile(), "bench": bench}], "c")
     assert "tokq with 4 gateway processes." in md
+    bench["meta"]["options"]["generator_procs"] = 3
+    md = markdown_section("GPU", None, [{"name": "m", "profile": _profile(), "bench": bench}], "c")
+    assert "tokq with 4 gateway processes, load from 3 processes." in md
     (tmp_path / "gpu-profile-m.json").write_text(json.dumps(_profile()))
     (tmp_path / "gpu-bench-m.json").write_text(json.dumps(bench))
     assert saved_result("m", tmp_path, gateway_procs=4) is not None

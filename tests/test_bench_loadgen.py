@@ -4,7 +4,9 @@ request at a time and sleeps a fixed time: a server of known capacity."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -66,6 +68,43 @@ async def test_latency_counts_from_intended_time_including_queueing():
     summary = loadgen.summarize(samples, offered_rate_per_s=50)
     assert summary["latency_ms"]["max"] == pytest.approx(max(s.latency_ms for s in samples), abs=1e-3)
     assert summary["num_ok"] == 5 and summary["errors"] == {}
+
+
+class PidSender:
+    """Answers at once, its process id as the queue time: which process sent each request."""
+
+    async def __call__(self, texts) -> loadgen.Reply:
+        return loadgen.Reply("OK", queue_ms=float(os.getpid()))
+
+
+async def test_generator_processes_send_every_arrival_at_its_time_and_share_them():
+    offsets = [i * 0.01 for i in range(40)]
+    procs = await asyncio.to_thread(loadgen.GeneratorProcs, PidSender, 2)
+    try:
+        first = await procs.run(arrivals_at(offsets))
+        again = await procs.run(arrivals_at(offsets[:10]))  # the same processes serve the next run
+        pids = set(procs.pids)
+    finally:
+        await asyncio.to_thread(procs.close)
+    assert [s.intended_s for s in first] == offsets and [s.status for s in first] == ["OK"] * 40
+    senders = {int(s.queue_ms) for s in first}
+    assert senders == pids and len(pids) == 2 and os.getpid() not in pids
+    assert [int(s.queue_ms) for s in first[:4]] == [first[0].queue_ms, first[1].queue_ms] * 2  # every other
+    # one clock: each left at (not before) its time, and the run took about the schedule's span
+    assert all(s.sent_s >= s.intended_s - 1e-3 for s in first)
+    assert len(again) == 10 and {int(s.queue_ms) for s in again} == pids
+    assert all(not p.is_alive() for p in procs._procs)
+
+
+async def test_generator_processes_reach_a_grpc_server():
+    server, target = await start_sleeper(0.001)
+    procs = await asyncio.to_thread(loadgen.GeneratorProcs, functools.partial(GrpcSender, target, 10.0), 2)
+    try:
+        samples = await procs.run(arrivals_at([0.0, 0.01, 0.02, 0.03]))
+    finally:
+        await asyncio.to_thread(procs.close)
+        await server.stop(None)
+    assert [s.status for s in samples] == ["OK"] * 4
 
 
 async def test_a_stalled_server_shows_as_deadline_errors_not_a_lower_rate():

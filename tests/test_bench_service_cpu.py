@@ -34,7 +34,10 @@ def test_cpu_of_a_busy_child_is_counted_and_a_gone_one_is_not():
     assert cores_between(before, after, 3.0) == {"a": 0.75} and cores_between({}, after, 0) == {}
 
 
-def test_each_step_says_the_cores_of_tokqs_gateway_worker_redis_and_load_generator(monkeypatch):
+@pytest.mark.parametrize("generator_procs", [1, 2])
+def test_each_step_says_the_cores_of_tokqs_gateway_worker_redis_and_load_generator(monkeypatch, generator_procs):
+    """With ``generator_procs`` > 1 the load comes from that many processes (GeneratorProcs),
+    whose CPU is the load generator's too."""
     from tokq.profiling.bench.service.cli import system_specs
     from tokq.profiling.bench.service.run import BenchOptions, measure
     from tokq.profiling.bench.service.systems import start_system
@@ -49,7 +52,8 @@ def test_each_step_says_the_cores_of_tokqs_gateway_worker_redis_and_load_generat
         assert len(roles["worker"]) == 1 and len(roles["redis"]) == 1
         assert len(roles["gateway"]) >= 3  # the parent and its two processes (and the resource tracker)
         queries = loadgen.load_queries(None, 200, 5)[0]  # generated, with texts
-        options = BenchOptions(rate=20.0, step_duration_s=2.0, timeout_s=10.0, slo_ms=5000.0)
+        options = BenchOptions(rate=20.0, step_duration_s=2.0, timeout_s=10.0, slo_ms=5000.0,
+                               generator_procs=generator_procs)
         result = asyncio.run(measure(system, queries, options))
         embeds = [_embed_calls(system.metrics_port + j) for j in range(2)]
     finally:

@@ -35,7 +35,17 @@ from tokq.profiling.results_md import command_line, markers, write_block
 BLOCK = "tokq bench gpu"
 SECTION_START, SECTION_END = markers(BLOCK)
 QWEN3_NAME = "qwen3-0.6b-random"
-QUICK_STEPS = ["--start-rate", "50", "--step-factor", "1.5", "--step-duration-s", "2", "--max-steps", "12"]
+QUICK_STEPS = ["--start-rate", "50", "--step-factor", "1.5", "--step-duration-s", "2", "--max-steps", "14"]
+CPUS_PER_GENERATOR = 5  # load-generator processes: one per this many CPUs (the gateways need the rest)
+
+
+def generator_procs() -> int:
+    """Load-generator processes for the service bench on this host: one Python process sends
+    ~3,000 calls a second, where session 23's H100 run ended every ramp (the service never failed
+    a step), so a host with the cores gets more (3 on 16 CPUs), a small one keeps one."""
+    from tokq.host import usable_cpus
+
+    return max(1, usable_cpus() // CPUS_PER_GENERATOR)
 
 
 def build_qwen3_shaped(path: Path, *, num_hidden_layers: int = 28, vocab_size: int = 151_669,
@@ -108,6 +118,7 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gat
     steps = QUICK_STEPS if quick else []
     gateways = ["--gateway-procs", str(gateway_procs)] if gateway_procs else []  # 0: as tokq up chooses
     _tokq("bench", "service", "--device", "cuda", *bench_model, *systems, *steps, *gateways,
+          "--generator-procs", str(generator_procs()),
           "--profile-json", str(profile_json),
           "--out", str(bench_json), "--plots", str(out_dir / name), "--quiet")
     return {"name": name, "profile": profile, "bench": json.loads(bench_json.read_text())}
@@ -193,7 +204,12 @@ def _sizes(result: dict) -> str:
     procs = max((s.get("gateway_procs", 1) for s in result["bench"]["systems"] if s["kind"] == "tokq"), default=1)
     return (f"Profile: {sweep.get('target_s_per_point')} s a point; load steps of {opts.get('step_duration_s')} s "
             f"from {opts.get('start_rate')} req/s, x{opts.get('step_factor')} each, at most {opts.get('max_steps')}; "
-            f"tokq with {'one gateway process' if procs == 1 else f'{procs} gateway processes'}.")
+            f"tokq with {'one gateway process' if procs == 1 else f'{procs} gateway processes'}"
+            f"{_generators(opts.get('generator_procs', 1))}.")
+
+
+def _generators(n: int) -> str:
+    return f", load from {n} processes" if n > 1 else ""
 
 
 def _cpu(result: dict) -> str:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
+import signal
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -140,11 +143,13 @@ def load_queries(workload_path: str | None, num_queries: int, seed: int) -> tupl
 
 async def run_open_loop(send: Send, arrivals: Sequence[Arrival], *,
                         on_done: Callable[[Sample], None] | None = None,
-                        lead_s: float = 0.02) -> list[Sample]:
+                        lead_s: float = 0.02, start_at: float | None = None) -> list[Sample]:
     """Send every arrival at its intended time without waiting for replies; wait for all
-    replies (the sender enforces any deadline) and return the samples in schedule order."""
+    replies (the sender enforces any deadline) and return the samples in schedule order.
+    ``start_at``: the run's start on ``time.monotonic()``'s clock (shared by every process of
+    the machine) instead of ``lead_s`` from now, for a run split over processes."""
     loop = asyncio.get_running_loop()
-    start = loop.time() + lead_s
+    start = loop.time() + (lead_s if start_at is None else start_at - time.monotonic())
     samples: list[Sample | None] = [None] * len(arrivals)
 
     async def one(i: int, arrival: Arrival) -> None:
@@ -176,6 +181,81 @@ async def run_open_loop(send: Send, arrivals: Sequence[Arrival], *,
             gc.enable()
         gc.collect()
     return [s for s in samples if s is not None]
+
+
+class GeneratorProcs:
+    """Load from ``n`` processes, each with its own sender (``make_sender``, picklable: a
+    module-level class or a partial of one) and event loop, each sending its share of a run's
+    arrivals (every n-th) at their intended times on one shared clock. One Python process sends
+    ~3,000 calls a second before it falls behind (its send lag fails the run as not really
+    offered): a GPU-served tokq needs more to find its limit. The processes start once and serve
+    every run; their senders stay connected between runs."""
+
+    def __init__(self, make_sender: Callable[[], Send], n: int) -> None:
+        if n < 1:
+            raise ValueError("need at least one generator process")
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding gRPC threads
+        self._conns, self._procs = [], []
+        for _ in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_generator_main, args=(child, make_sender), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        for conn in self._conns:  # started and connected: the first run's lead need not cover it
+            if conn.recv() != "ready":
+                raise RuntimeError("a load-generator process failed to start")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    async def run(self, arrivals: Sequence[Arrival], lead_s: float = 0.25) -> list[Sample]:
+        """``run_open_loop`` over the processes: the samples of every arrival, in schedule order."""
+        start_at = time.monotonic() + lead_s
+        n = len(self._conns)
+        for i, conn in enumerate(self._conns):
+            conn.send((list(arrivals[i::n]), start_at))
+        parts = await asyncio.gather(*(asyncio.to_thread(conn.recv) for conn in self._conns))
+        return sorted((s for part in parts for s in part), key=lambda s: s.intended_s)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+
+
+def _generator_main(conn, make_sender: Callable[[], Send]) -> None:
+    """A GeneratorProcs process: one loop and sender for its life; runs until told None (or its
+    parent is gone). Ctrl-C is the parent's to handle: it closes the processes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    loop = asyncio.new_event_loop()
+
+    async def made() -> Send:  # inside the loop: a gRPC channel binds to the loop it is made on
+        return make_sender()
+
+    send = loop.run_until_complete(made())
+    conn.send("ready")
+    try:
+        while (job := conn.recv()) is not None:
+            arrivals, start_at = job
+            conn.send(loop.run_until_complete(run_open_loop(send, arrivals, start_at=start_at)))
+    except (EOFError, BrokenPipeError):  # the parent ended without a word
+        pass
+    finally:
+        if close := getattr(send, "close", None):
+            loop.run_until_complete(close())
+        loop.close()
 
 
 # -- figures -----------------------------------------------------------------------------------

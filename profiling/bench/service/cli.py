@@ -197,11 +197,13 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
 @click.option("--gateway-procs", type=click.IntRange(0, 64), default=0, show_default=True,
               help="tokq systems: gateway processes (`tokq up --gateway-procs`; one serves up to ~3,000 calls/s; "
                    "0: as tokq up chooses).")
+@click.option("--generator-procs", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Load-generator processes (one sends up to ~3,000 calls/s; a GPU-served tokq needs more).")
 def service_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
                     step_factor, max_steps, step_duration_s, timeout_ms, token_budgets, profile_json, profiled_budget,
                     padded_max_batch, padded_max_wait_ms, infinity_bin, threads, device, model_dir, out_path,
                     plots_dir, results_md, budget_check, refinements, profile_max_tokens, note, quiet,
-                    gateway_procs) -> None:
+                    gateway_procs, generator_procs) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     from rich.console import Console
 
@@ -278,7 +280,8 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
         options = BenchOptions(arrivals=arrivals, rate=rate, slo_ms=slo_ms, start_rate=start_rate,
                                step_factor=step_factor, max_steps=max_steps, step_duration_s=step_duration_s,
                                timeout_s=timeout_ms / 1000, threads=threads, seed=seed,
-                               num_refinements=refinements if refinements is not None else (3 if budget_check else 1))
+                               num_refinements=refinements if refinements is not None else (3 if budget_check else 1),
+                               generator_procs=generator_procs)
         report = asyncio.run(run_bench(specs, queries, options, console=console, probe=probe))
         # The budgets tokq served at: a worker left to its default fits it at start.
         tokq_budgets = sorted({s["token_budget"] for s in report["systems"] if s["kind"] == "tokq"})

@@ -17,7 +17,7 @@ from tokq.host import cpu_name, vector_extension
 from tokq.profiling.bench import loadgen
 from tokq.profiling.bench.proc_cpu import cores_between, cpu_by_role
 from tokq.profiling.bench.service.systems import (SystemSpec, batch_stats, fetch_vectors, make_sender,
-                                                  min_cosine, start_system)
+                                                  min_cosine, sender_factory, start_system)
 from tokq.profiling.results_md import command_line
 
 WARMUP_S = 2.0
@@ -39,6 +39,7 @@ class BenchOptions:
     threads: int = 1
     seed: int = 1
     num_refinements: int = 1
+    generator_procs: int = 1  # load-generator processes (loadgen.GeneratorProcs past one)
 
 
 def schedule(queries, options: BenchOptions, rate: float, duration_s: float) -> list[loadgen.Arrival]:
@@ -47,25 +48,37 @@ def schedule(queries, options: BenchOptions, rate: float, duration_s: float) -> 
     return loadgen.poisson_schedule(queries, rate, duration_s, seed=options.seed)
 
 
-def _cpu_now(system) -> dict[str, dict[int, float]]:
-    """CPU-seconds so far of the system's processes by role, and of this process (the load
-    generator: its sending and receiving threads)."""
-    return {**cpu_by_role(system.process_roles()), "load generator": {os.getpid(): time.process_time()}}
+def _cpu_now(system, generator_pids: list[int]) -> dict[str, dict[int, float]]:
+    """CPU-seconds so far of the system's processes by role, and of the load generator: this
+    process (its sending and receiving threads) and any generator processes."""
+    return {**cpu_by_role(system.process_roles()),
+            "load generator": {os.getpid(): time.process_time(),
+                               **cpu_by_role({"g": generator_pids})["g"]}}
 
 
 async def measure(system, queries, options: BenchOptions, progress=None, *, label: str = "") -> dict:
     """Drive one system through the step search (or one fixed rate) and, for tokq, a run at
     half its sustainable rate."""
-    sender = make_sender(system, options.timeout_s)
+    generators = None
+    if options.generator_procs > 1:
+        generators = await asyncio.to_thread(loadgen.GeneratorProcs, sender_factory(system, options.timeout_s),
+                                             options.generator_procs)
+        sender = None
+    else:
+        sender = make_sender(system, options.timeout_s)
+    pids = generators.pids if generators else []
 
     async def run_at(rate: float, duration_s: float = options.step_duration_s) -> dict:
         arrivals = schedule(queries, options, rate, duration_s)
         task = progress.add_task(f"{label} @ {rate:.0f} req/s", total=len(arrivals)) if progress else None
         on_done = (lambda _s: progress.advance(task)) if progress else None
         before = system.batch_snapshot()
-        cpu_before, wall_before = _cpu_now(system), time.monotonic()
-        samples = await loadgen.run_open_loop(sender, arrivals, on_done=on_done)
-        cpu_after, wall_s = _cpu_now(system), time.monotonic() - wall_before
+        cpu_before, wall_before = _cpu_now(system, pids), time.monotonic()
+        if generators:  # the processes report at the end of the run, not per reply
+            samples = await generators.run(arrivals)
+        else:
+            samples = await loadgen.run_open_loop(sender, arrivals, on_done=on_done)
+        cpu_after, wall_s = _cpu_now(system, pids), time.monotonic() - wall_before
         summary = loadgen.summarize(samples, rate, duration_s)
         summary["batches"] = batch_stats(before, system.batch_snapshot())
         # Cores each part used during the step: a single-threaded part near 1.0 limits it.
@@ -99,7 +112,10 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
             result["half_load"] = await run_at(result["sustainable_rps"] / 2)
         return result
     finally:
-        await sender.close()
+        if generators:
+            await asyncio.to_thread(generators.close)
+        else:
+            await sender.close()
 
 
 def cpu_busy_s() -> float | None:

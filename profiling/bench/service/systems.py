@@ -6,12 +6,14 @@ sender the load generator drives them with, and the per-batch figures read from 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -138,11 +140,16 @@ def min_cosine(got, want) -> float:
     return float(cos.min())
 
 
-def make_sender(system: "RunningSystem", timeout_s: float):
+def sender_factory(system: "RunningSystem", timeout_s: float) -> Callable[[], GrpcSender | HttpSender]:
+    """What makes a sender for ``system``, picklable (a load-generator process makes its own)."""
     if system.spec.kind == "infinity":
-        return HttpSender(f"http://{system.target}", "all-MiniLM-L6-v2", timeout_s)
+        return functools.partial(HttpSender, f"http://{system.target}", "all-MiniLM-L6-v2", timeout_s)
     # at least one connection per gateway process, so every process can be reached
-    return GrpcSender(system.target, timeout_s, connections=max(4, system.spec.gateway_procs))
+    return functools.partial(GrpcSender, system.target, timeout_s, connections=max(4, system.spec.gateway_procs))
+
+
+def make_sender(system: "RunningSystem", timeout_s: float):
+    return sender_factory(system, timeout_s)()
 
 
 def _subcommand(pid: int) -> str:
