@@ -1,7 +1,7 @@
 """How the gateway reads and writes tokq.v1 messages on the wire.
 
-``Embed`` requests are parsed as ``EmbedRequestUtf8``: tokq.v1.EmbedRequest with ``inputs`` read
-as ``bytes`` instead of ``string``. The two are the same on the wire (both are length-delimited
+``Embed`` and ``Tokenize`` requests are parsed as ``EmbedRequestUtf8`` and ``TokenizeRequestUtf8``:
+the published messages with ``inputs`` read as ``bytes`` instead of ``string``. The two are the same on the wire (both are length-delimited
 field 1), so every client's request parses alike; what changes is the work before any check:
 a ``string`` field is UTF-8-validated by protobuf, decoded into a str, and then had to be encoded
 again to measure it against the byte caps. Read as bytes, an input's size is ``len()`` and the
@@ -9,8 +9,10 @@ caps run first; inputs are decoded once, after them (``validate.decode_texts``, 
 bad UTF-8 as INVALID_ARGUMENT, not the INTERNAL a failed deserializer gives). For a request at
 the 2 MiB cap that is ~0.13 ms of parsing instead of ~2.9 ms of parsing, decoding and re-encoding.
 
-The class is derived from the generated descriptor at import, so it cannot drift from the
-published message: only that one field's type differs (tests/test_gateway_wire.py).
+The classes are derived from the generated descriptor at import, so they cannot drift from the
+published messages: only that one field's type differs (tests/test_gateway_wire.py). A request
+that does not parse at all (bad UTF-8 in another string field, a corrupt message) is refused
+INVALID_ARGUMENT by its handler (``Malformed``).
 
 ``Embed`` replies are written as bytes (``embed_response``), not built as protobuf objects and
 serialized: a vector's float32s are copied once into the packed field, ~4.5 us a reply against
@@ -21,32 +23,67 @@ protobuf's own serialization.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 
+from tokq.gateway.errors import refuse
 from tokq.v1 import embedder_pb2 as pb
 
 
-def _embed_request_utf8() -> type:
+def _inputs_as_bytes(published: type) -> type:
+    """``published`` (a request message with ``repeated string inputs``) with ``inputs`` read as bytes."""
     file = descriptor_pb2.FileDescriptorProto()
     pb.DESCRIPTOR.CopyToProto(file)
-    [message] = [m for m in file.message_type if m.name == pb.EmbedRequest.DESCRIPTOR.name]
+    [message] = [m for m in file.message_type if m.name == published.DESCRIPTOR.name]
     [inputs] = [f for f in message.field if f.name == "inputs"]
     inputs.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
     pool = descriptor_pool.DescriptorPool()  # its own pool: the same names as the real file
     pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(pb.EmbedRequest.DESCRIPTOR.full_name))
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(published.DESCRIPTOR.full_name))
 
 
-EmbedRequestUtf8 = _embed_request_utf8()
+EmbedRequestUtf8 = _inputs_as_bytes(pb.EmbedRequest)
+TokenizeRequestUtf8 = _inputs_as_bytes(pb.TokenizeRequest)
 
 # Per method: the request type the gateway parses, where it is not the published one.
-_READ_AS = {"Embed": EmbedRequestUtf8}
+_READ_AS = {"Embed": EmbedRequestUtf8, "Tokenize": TokenizeRequestUtf8}
 # Methods whose handlers return their reply's wire bytes.
 _WRITTEN_AS_BYTES = {"Embed"}
+
+
+class Malformed:
+    """What a request that does not parse is read as: its handler refuses it INVALID_ARGUMENT
+    (``_refusing_malformed``). A deserializer that raised instead made gRPC answer UNKNOWN with
+    protobuf's exception text and log a traceback (bad UTF-8 in ``model``, a corrupt message)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parse_or_malformed(parse: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def read(data: bytes) -> object:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Malformed(str(exc))
+    return read
+
+
+def _refusing_malformed(handler: Callable, full_name: str) -> Callable:
+    async def handle(request, context: grpc.aio.ServicerContext):
+        if type(request) is Malformed:
+            refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"the request is not a valid {full_name} ({request.reason}): string fields must be UTF-8")
+            return None
+        return await handler(request, context)
+    return handle
+
 
 # Timing's fields in field-number order: (tag byte, name); each a double (wire type 1).
 _TIMING = tuple((f.number << 3 | 1, f.name) for f in sorted(pb.Timing.DESCRIPTOR.fields, key=lambda f: f.number)
@@ -101,7 +138,8 @@ def add_embedder_service(servicer, server: grpc.aio.Server) -> None:
         request = _READ_AS.get(method.name) or message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name), request_deserializer=request.FromString,
+            _refusing_malformed(getattr(servicer, method.name), method.input_type.full_name),
+            request_deserializer=_parse_or_malformed(request.FromString),
             response_serializer=None if method.name in _WRITTEN_AS_BYTES else response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

@@ -89,6 +89,35 @@ def test_inputs_that_are_not_utf8_are_invalid_argument_naming_input_and_byte(red
     assert nothing_queued(redis_url)
 
 
+def test_tokenize_inputs_and_other_fields_that_are_not_utf8_are_invalid_argument(redis_url):
+    """Only Embed's inputs were read as bytes: bad UTF-8 in Tokenize's inputs, or in a string
+    field of any request (model, prompt_name), or a corrupt message, got UNKNOWN with protobuf's
+    exception text and a traceback in the gateway's log."""
+    from tokq.gateway.wire import TokenizeRequestUtf8
+
+    def raw(channel, method, message: bytes) -> grpc.RpcError:
+        call = channel.unary_unary(f"/tokq.v1.Embedder/{method}", request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        return rejected(call, message)
+
+    bad_model = pb.EmbedRequest(inputs=["ok"]).SerializeToString() + b"\x12\x02\xff\xfe"  # model = 0xff 0xfe
+    bad_prompt = pb.TokenizeRequest(inputs=["ok"]).SerializeToString() + b"\x22\x01\xc3"  # prompt_name
+    with running_gateway(redis_url) as port, grpc.insecure_channel(f"127.0.0.1:{port}", OPTIONS) as channel:
+        err = raw(channel, "Tokenize", TokenizeRequestUtf8(inputs=[b"ok", b"caf\xc3"]).SerializeToString())
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert "input 1 is not valid UTF-8 (byte 3)" in err.details()
+        for method, message in [("Embed", bad_model), ("Tokenize", bad_prompt),
+                                ("Info", pb.InfoRequest().SerializeToString() + b"\x0a\x01\xff"),
+                                ("Embed", b"\x0a\x05ab")]:  # a field longer than the message
+            err = raw(channel, method, message)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.code(), err.details())
+            assert f"the request is not a valid tokq.v1.{method}Request" in err.details()
+            assert "Unexpected" not in err.details() and "<class" not in err.details()
+        ok = pb_grpc.EmbedderStub(channel).Tokenize(pb.TokenizeRequest(inputs=["café"]), timeout=30)
+        assert ok.inputs[0].tokens  # a valid request is still read
+    assert nothing_queued(redis_url)
+
+
 def test_just_under_the_caps_is_tokenized(small_caps):
     reply = small_caps.Tokenize(pb.TokenizeRequest(inputs=["word " * 199 + "x"] * 3, truncate=True), timeout=30)
     assert [len(t.ids) for t in reply.inputs] == [202] * 3  # 1,000 bytes each (200 words), 3,000 in all

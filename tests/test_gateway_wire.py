@@ -5,6 +5,7 @@ keeping every bit; and Embed's requests are read with their inputs as UTF-8 byte
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -45,10 +46,11 @@ def test_embed_response_keeps_nan_and_infinities_and_takes_any_float_view():
     assert list(parsed.embeddings[0].values) == view.tolist()
 
 
-def test_embed_requests_are_read_with_inputs_as_utf8_bytes_and_nothing_else_changed():
-    from tokq.gateway.wire import EmbedRequestUtf8
+@pytest.mark.parametrize("name", ["EmbedRequest", "TokenizeRequest"])
+def test_requests_are_read_with_inputs_as_utf8_bytes_and_nothing_else_changed(name):
+    from tokq.gateway import wire
 
-    published, ours = pb.EmbedRequest.DESCRIPTOR, EmbedRequestUtf8.DESCRIPTOR
+    published, ours = getattr(pb, name).DESCRIPTOR, getattr(wire, f"{name}Utf8").DESCRIPTOR
     assert published.full_name == ours.full_name
     fields = {f.name: (f.number, f.type, f.is_repeated, f.has_presence) for f in published.fields}
     read = {f.name: (f.number, f.type, f.is_repeated, f.has_presence) for f in ours.fields}
