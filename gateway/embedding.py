@@ -27,6 +27,7 @@ from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFoun
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.validate import Limits, check_text_sizes, check_token_ids
+from tokq.gateway.wire import embed_response_max_bytes
 from tokq.model_info import ModelInfo
 from tokq.queue import QueueFull, Withdrawn
 from tokq.shards import ShardedQueue
@@ -59,6 +60,7 @@ class EmbedInput:
     normalize: bool | None = None  # None: true (unit length)
     dimensions: int | None = None  # None: the model's full dimension
     prompt_name: str | None = None  # None: the model's default prompt, if any
+    max_reply_bytes: int | None = None  # the transport's message limit (gRPC's), None: none
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,17 @@ class ServedModel:
         if num_inputs > self.config.max_inputs:
             raise InvalidArgument(f"{num_inputs} inputs in one request; the limit is "
                                   f"{self.config.max_inputs}: split the request", param="input")
+
+    def _check_reply_size(self, num_inputs: int, dims: int, max_bytes: int | None) -> None:
+        """Refuse before any work a request whose reply could not be sent (it was computed in
+        full, then failed RESOURCE_EXHAUSTED, which callers retry): 100,000 inputs are allowed
+        (--max-inputs), 64 MiB hold ~43,000 of MiniLM's 384 floats, 4,096 of a 4,096-wide model's."""
+        dims = dims or self.info.hidden_size
+        if max_bytes is None or embed_response_max_bytes(num_inputs, dims) <= max_bytes:
+            return
+        fit = (max_bytes - embed_response_max_bytes(0, dims)) // (dims * 4 + 8)
+        raise InvalidArgument(f"{num_inputs:,} inputs of {dims} dimensions do not fit one reply (at most "
+                              f"{max_bytes >> 20} MiB): send at most {fit:,} inputs a request", param="input")
 
     def _check_texts(self, inputs) -> list[str] | list[bytes]:
         texts = list(inputs)
@@ -164,10 +177,12 @@ class ServedModel:
                 raise InvalidArgument("prompt_name applies to text inputs only: token-id inputs are "
                                       "used as given", param="prompt_name")
             ids = self._check_token_ids(request.token_ids, request.truncate)
+            self._check_reply_size(len(ids), dims, request.max_reply_bytes)
             prompt = ""
             self._timeout_ms(context)
         else:
             texts = self._check_texts(request.texts)
+            self._check_reply_size(len(texts), dims, request.max_reply_bytes)
             sizes = check_text_sizes(texts, self.limits)  # bytes (gRPC) are decoded by the tokenizer
             prompt = self._prompt(request.prompt_name)
             self._timeout_ms(context)  # a call already past its deadline is not tokenized

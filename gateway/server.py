@@ -27,7 +27,7 @@ from tokq.gateway.readiness import Readiness, SiblingProcesses
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.service import EmbedderService
 from tokq.gateway.tokenize import Tokenizer
-from tokq.gateway.wire import add_embedder_service
+from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES, add_embedder_service
 from tokq import config as cfg
 from tokq import metrics
 from tokq.address import host_port
@@ -38,7 +38,6 @@ from tokq.v1 import embedder_pb2
 
 log = logging.getLogger("tokq.gateway")
 SERVICE_NAME = embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name
-MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 QUEUE_STATS_PERIOD_S = 2.0

@@ -9,7 +9,7 @@ import grpc
 
 from tokq.gateway.embedding import EmbedInput, Embedder
 from tokq.gateway.errors import refuse, to_status
-from tokq.gateway.wire import embed_response
+from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES, embed_response
 from tokq.client import GATEWAY_ID_METADATA
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -44,7 +44,7 @@ class EmbedderService(pb_grpc.EmbedderServicer):
             texts=list(request.inputs), token_ids=[list(t.ids) for t in request.token_inputs],
             model=request.model, truncate=request.truncate,
             normalize=_optional(request, "normalize"), dimensions=_optional(request, "dimensions"),
-            prompt_name=_optional(request, "prompt_name"))
+            prompt_name=_optional(request, "prompt_name"), max_reply_bytes=MAX_SEND_MESSAGE_BYTES)
 
         async def embed(model):
             out = await model.embed(params, context)

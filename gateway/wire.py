@@ -85,6 +85,18 @@ def _refusing_malformed(handler: Callable, full_name: str) -> Callable:
     return handle
 
 
+# What a gateway sends in one message at most (gRPC's max_send_message_length; tokq.Client
+# receives as much): an Embed reply larger fails only once every vector is computed.
+MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
+_REPLY_OVERHEAD_BYTES = 4096  # model name, usage, timing: well under this
+
+
+def embed_response_max_bytes(num_vectors: int, dims: int) -> int:
+    """At least ``embed_response``'s size for that many vectors of ``dims`` floats: each vector is
+    two length-delimited headers (a tag and a length of at most 3 bytes each) and its float32s."""
+    return num_vectors * (dims * 4 + 8) + _REPLY_OVERHEAD_BYTES
+
+
 # Timing's fields in field-number order: (tag byte, name); each a double (wire type 1).
 _TIMING = tuple((f.number << 3 | 1, f.name) for f in sorted(pb.Timing.DESCRIPTOR.fields, key=lambda f: f.number)
                 if f.type == f.TYPE_DOUBLE)

@@ -14,6 +14,8 @@ import httpx
 import numpy as np
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway_support import left_for_the_gc, running_gateway
 from tokq import config as cfg
@@ -116,6 +118,35 @@ def test_tokenize_inputs_and_other_fields_that_are_not_utf8_are_invalid_argument
         ok = pb_grpc.EmbedderStub(channel).Tokenize(pb.TokenizeRequest(inputs=["café"]), timeout=30)
         assert ok.inputs[0].tokens  # a valid request is still read
     assert nothing_queued(redis_url)
+
+
+def test_a_reply_too_large_to_send_is_refused_before_any_work(redis_url):
+    """--max-inputs allows 100,000, but 64 MiB (gRPC's send limit) hold ~43,000 of MiniLM's
+    vectors: such a call was embedded in full, then failed RESOURCE_EXHAUSTED (which callers
+    retry, computing it all again). Fewer dimensions fit more."""
+    from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES
+
+    fit = (MAX_SEND_MESSAGE_BYTES - 4096) // (384 * 4 + 8)
+    with running_gateway(redis_url, max_inputs=100_000) as port, \
+            grpc.insecure_channel(f"127.0.0.1:{port}", OPTIONS) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        err = rejected(stub.Embed, pb.EmbedRequest(inputs=["hi"] * (fit + 1)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert f"{fit + 1:,} inputs of 384 dimensions do not fit one reply (at most 64 MiB): send at most " \
+               f"{fit:,} inputs a request" in err.details()
+        err = rejected(stub.Embed, pb.EmbedRequest(token_inputs=[pb.TokenIds(ids=[101, 102])] * (fit + 1)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "do not fit one reply" in err.details()
+    assert nothing_queued(redis_url)
+
+
+@settings(deadline=None, max_examples=50)
+@given(st.integers(0, 40), st.integers(1, 2048), st.integers(0, 10**6), st.text(max_size=40))
+def test_the_reply_bound_is_never_below_a_real_reply(num_vectors, dims, num_tokens, model):
+    from tokq.gateway.wire import embed_response, embed_response_max_bytes
+
+    vectors = [np.ones(dims, np.float32)] * num_vectors
+    timing = {f.name: 1e300 for f in pb.Timing.DESCRIPTOR.fields}
+    assert len(embed_response(vectors, model, num_tokens, timing)) <= embed_response_max_bytes(num_vectors, dims)
 
 
 def test_just_under_the_caps_is_tokenized(small_caps):
