@@ -15,7 +15,7 @@ from tokq import config as cfg
 from tokq.address import ports_taken
 
 
-def _run_one(gateway_values: dict, queue_values: dict, siblings=None) -> None:
+def _run_one(gateway_values: dict, queue_values: dict, siblings=None, queue_exporter: bool = True) -> None:
     from tokq.gateway.event_loop import loop_factory
     from tokq.gateway.helper_threads import yield_to_loop_thread
     from tokq.gateway.server import serve
@@ -26,17 +26,20 @@ def _run_one(gateway_values: dict, queue_values: dict, siblings=None) -> None:
     # are chosen here, not in serve(): they are the whole process's, and in-process users own theirs.
     with asyncio.Runner(loop_factory=loop_factory(config.event_loop)) as runner:
         runner.run(serve(config, cfg.load(cfg.QueueConfig, queue_values),
-                         on_ready=lambda port: yield_to_loop_thread(), siblings=siblings))
+                         on_ready=lambda port: yield_to_loop_thread(), siblings=siblings,
+                         queue_exporter=queue_exporter))
 
 
-def _run_child(gateway_values: dict, queue_values: dict, listening, procs: int) -> None:
+def _run_child(gateway_values: dict, queue_values: dict, listening, procs: int, index: int) -> None:
     """One of `--procs N` gateway processes: it dies with the parent (killed outright, its
-    children would hold the ports); ready once all N listen (``listening``: their shared count)."""
+    children would hold the ports); ready once all N listen (``listening``: their shared count).
+    Only the first (``index`` 0, on --metrics-port itself) may export the queue's metrics: the
+    port a scrape config names for the gateway (the others serve port+1 .. port+N-1)."""
     from tokq.gateway.readiness import SiblingProcesses
     from tokq.processes import die_with_parent
 
     die_with_parent()
-    _run_one(gateway_values, queue_values, SiblingProcesses(listening, procs))
+    _run_one(gateway_values, queue_values, SiblingProcesses(listening, procs), queue_exporter=index == 0)
 
 
 @click.command("gateway")
@@ -85,7 +88,8 @@ def gateway_command(procs: int, **values) -> None:
         child_values = dict(gateway_values)
         if base.metrics_port:
             child_values["metrics_port"] = base.metrics_port + i
-        proc = ctx.Process(target=_run_child, args=(child_values, queue_values, listening, procs), name=f"tokq-gateway-{i}")
+        proc = ctx.Process(target=_run_child, args=(child_values, queue_values, listening, procs, i),
+                           name=f"tokq-gateway-{i}")
         proc.start()
         children.append(proc)
 

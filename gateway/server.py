@@ -98,9 +98,11 @@ def gateway_id() -> str:
 
 async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None = None,
                 stop: asyncio.Event | None = None, on_ready=None,
-                siblings: SiblingProcesses | None = None) -> None:
+                siblings: SiblingProcesses | None = None, queue_exporter: bool = True) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None). ``siblings``: the
-    other processes of `tokq gateway --procs N`, all of which must listen before this one is ready."""
+    other processes of `tokq gateway --procs N`, all of which must listen before this one is ready.
+    ``queue_exporter``: whether this process (with a metrics port) competes to export the queue's
+    metrics (_export_queue_stats)."""
     api_keys = ApiKeys.from_config(config)
     credentials = server_credentials(config)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
@@ -187,6 +189,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     metrics_server = None
     if config.metrics_port:
         metrics_server = metrics.start_metrics_server(config.metrics_port, addr=config.metrics_host or config.host)
+    if config.metrics_port and queue_exporter:
         stats_tasks = [asyncio.create_task(_export_queue_stats(m.queue, name))
                        for name, m in models.items()]
     await readiness.start()

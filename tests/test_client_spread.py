@@ -358,7 +358,9 @@ def queue_series(metrics_ports: list[int]) -> list[list[str]]:
 
 def test_one_gateway_process_exports_the_queue_metrics(stack):
     """The queue is one shared state: one process exports it (a Redis lock elects it), so a
-    sum() over every process's scrape counts each figure once."""
+    sum() over every process's scrape counts each figure once. It is the first process, on
+    --metrics-port itself: a scrape config that names the gateway's port (deploy/'s) saw no
+    queue metrics whenever another process won the lock."""
     deadline = time.monotonic() + 30
     while not any(series := queue_series(stack.metrics_ports)):
         assert time.monotonic() < deadline, "no gateway process exported the queue metrics"
@@ -366,6 +368,6 @@ def test_one_gateway_process_exports_the_queue_metrics(stack):
     time.sleep(5)  # past two export periods: had the other process been elected too, it shows now
     series = queue_series(stack.metrics_ports)
     exporting = [names for names in series if names]
-    assert len(exporting) == 1, series
+    assert len(exporting) == 1 and series[0], series
     assert "tokq_queue_queued_tokens" in exporting[0] and "tokq_queue_acked_total" in exporting[0]
     assert stack.client().exists(stack.keys.metrics_exporter)
