@@ -166,6 +166,38 @@ async def test_a_published_budget_wins_over_fitting(redis_url, engine):
             await q.redis.delete(q.keys.budget)
 
 
+@pytest.mark.parametrize("value", [b"128.0", b"abc", b"-5", b"0", b"99999999999", b" 12", b""])
+def test_what_is_not_a_budget_reads_as_none_with_one_warning(value, caplog):
+    from tokq.queue import MAX_TOKEN_BUDGET, budget_from
+
+    caplog.set_level(logging.WARNING, logger="tokq.queue")
+    assert budget_from(value, f"k-{value!r}") is None and budget_from(value, f"k-{value!r}") is None
+    assert len([r for r in caplog.records if "not a token budget" in r.getMessage()]) == 1
+    assert budget_from(b"128") == 128 and budget_from(str(MAX_TOKEN_BUDGET)) == MAX_TOKEN_BUDGET
+    with pytest.raises(Exception, match="token_budget"):  # the same bound as --token-budget's
+        WorkerConfig(token_budget=MAX_TOKEN_BUDGET + 1)
+
+
+@pytest_slow
+async def test_a_worker_ignores_what_is_not_a_budget_at_start_and_later(redis_url, engine):
+    """A value set by hand that is not a budget crashed a starting worker (128.0), or was taken
+    (99999999999, a warm-up of that many tokens); a running worker drops it as withdrawn."""
+    name = engine.info.queue_name
+    async with open_queue(redis_url, queue=name) as q:
+        await q.redis.set(q.keys.budget, b"128.0")
+        try:
+            worker, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=0), "not-a-budget")
+            assert (status["budget_source"], status["token_budget"]) == ("default", 1024)
+            await q.set_budget(200)
+            await _await_budget(q, "not-a-budget", ("published", 200))
+            await q.redis.set(q.keys.budget, b"99999999999")
+            await _await_budget(q, "not-a-budget", ("default", 1024))
+            worker.stop()
+            await asyncio.wait_for(run, 30)
+        finally:
+            await q.redis.delete(q.keys.budget)
+
+
 @pytest_slow
 def test_the_service_bench_reports_the_budget_tokq_ups_worker_chose(monkeypatch):
     """`tokq bench service`'s "tokq up defaults" system is named, and its forward timed, at the

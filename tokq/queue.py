@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -31,9 +32,12 @@ from tokq.keys import QueueKeys
 from tokq.pipeliner import ScriptPipeliner
 from tokq.scripts import Scripts
 
+log = logging.getLogger(__name__)
 # Expired or orphaned entries one claim may drop before it answers; the client calls again,
 # so a long run of dead entries is cleared in bounded steps, never in one long script.
 MAX_DROPS_PER_CLAIM = 1000
+MAX_TOKEN_BUDGET = 10_000_000  # the most --token-budget accepts (tokq/config.py): past it is no budget
+_warned_budgets: dict[str, bytes] = {}  # key -> the unusable value last warned about
 # Expired leases handled per requeue call.
 MAX_BATCHES_PER_REQUEUE = 100
 # How long a collected reply is kept for a repeated collect: longer than redis-py's reconnect
@@ -78,6 +82,23 @@ def _parse_notice(record: bytes) -> tuple[str, dict[int, bytes] | None]:
         pos = end
     return request_id.decode(), results
 
+
+def budget_from(value: bytes | str | None, key: str = "") -> int | None:
+    """A published budget as Redis holds it: a whole count of 1..MAX_TOKEN_BUDGET tokens, else
+    None, as if none were published, with one warning per unusable value. Anything else set by
+    hand (128.0, abc, -5, 99999999999) crashed a starting worker, left a running one on its old
+    budget logging a failure each second, made a worker warm up with billions of tokens, or made
+    the gateway's Info fail INTERNAL."""
+    if value is None:
+        return None
+    raw = value.encode() if isinstance(value, str) else value
+    if raw.isdigit() and 1 <= (tokens := int(raw)) <= MAX_TOKEN_BUDGET:
+        return tokens
+    if _warned_budgets.get(key) != raw:
+        _warned_budgets[key] = raw
+        log.warning("%s holds %r, not a token budget of 1..%s: ignored, as if none were published "
+                    "(tokq profile --apply writes one)", key, raw[:40], f"{MAX_TOKEN_BUDGET:,}")
+    return None
 
 class LostAnswer(redis.exceptions.ConnectionError):
     """A queue script got no answer from Redis (connection lost or timed out, even after
@@ -343,10 +364,10 @@ class Queue:
                           {f.decode(): int(v) for f, v in _pairs(counters)})
 
     async def get_budget(self) -> int | None:
-        value = await self.redis.get(self.keys.budget)
-        return int(value) if value is not None else None
+        """The published budget, None where none is (or what is there is not one: budget_from)."""
+        return budget_from(await self.redis.get(self.keys.budget), self.keys.budget)
 
     async def set_budget(self, tokens: int) -> None:
-        if tokens < 1:
-            raise ValueError(f"budget must be positive, got {tokens}")
+        if not 1 <= tokens <= MAX_TOKEN_BUDGET:
+            raise ValueError(f"budget must be 1..{MAX_TOKEN_BUDGET:,} tokens, got {tokens}")
         await self.redis.set(self.keys.budget, int(tokens))
