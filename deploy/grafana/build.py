@@ -168,9 +168,9 @@ def workers() -> gd.Dashboard:
                           "(items refused before the forward are not forwarded). Low with a "
                           "deep queue: the claim rule is starved; low with an empty queue: "
                           "more workers than traffic.", "percentunit",
-                          [query(f"sum by (worker) (rate(tokq_worker_batch_fill_ratio_sum{{{W}}}"
-                                 f"[{RATE}])) / sum by (worker) (rate(tokq_worker_batch_fill_"
-                                 f"ratio_count{{{W}}}[{RATE}]))", "{{worker}}")], max_val=1))
+                          [query(f"sum by (model, worker) (rate(tokq_worker_batch_fill_ratio_sum{{{W}}}"
+                                 f"[{RATE}])) / sum by (model, worker) (rate(tokq_worker_batch_fill_"
+                                 f"ratio_count{{{W}}}[{RATE}]))", "{{model}} {{worker}}")], max_val=1))
         .with_panel(heatmap.Panel().title("Batch fill ratio distribution")
                     .description("Batches per fill-ratio bucket.").datasource(DATASOURCE)
                     .span(12).height(8).calculate(False).show_tooltip().show_legend()
@@ -180,53 +180,54 @@ def workers() -> gd.Dashboard:
                                  .format(PromQueryFormat.HEATMAP)))
         .with_panel(panel("Batch tokens vs budget", "Median tokens forwarded per batch against the "
                           "token budget in force.", "none",
-                          quantiles("tokq_worker_batch_tokens", "worker, ", W,
-                                    "{{{{worker}}}} {q}", qs=(0.5,))
-                          + [query(f"max by (worker) (tokq_worker_budget_tokens{{{W}}})",
-                                   "{{worker}} budget", "B")]))
+                          quantiles("tokq_worker_batch_tokens", "model, worker, ", W,
+                                    "{{{{model}}}} {{{{worker}}}} {q}", qs=(0.5,))
+                          + [query(f"max by (model, worker) (tokq_worker_budget_tokens{{{W}}})",
+                                   "{{model}} {{worker}} budget", "B")]))
         .with_panel(panel("Items per batch", "Sequences forwarded in one batch.", "none",
-                          quantiles("tokq_worker_batch_items", "worker, ", W,
-                                    "{{{{worker}}}} {q}", qs=(0.5, 0.99))))
+                          quantiles("tokq_worker_batch_items", "model, worker, ", W,
+                                    "{{{{model}}}} {{{{worker}}}} {q}", qs=(0.5, 0.99))))
         .with_panel(panel("Pre-emptions and CUDA graphs", "Light batches per second run nested "
                           "inside a heavy forward (workers/preempt.py) and batches replayed from "
                           "a CUDA graph (workers/cuda_graphs.py), beside all batches per second.",
                           "cps",
-                          [query(f"sum by (worker) (rate(tokq_worker_preemptions_total{{{W}}}"
-                                 f"[{RATE}]))", "{{worker}} nested"),
-                           query(f"sum by (worker) (rate(tokq_worker_batches_total{{{W}}}"
-                                 f"[{RATE}]))", "{{worker}} all", "B"),
-                           query(f"sum by (worker) (rate(tokq_worker_graphed_batches_total{{{W}}}"
-                                 f"[{RATE}]))", "{{worker}} graphed", "C")], span=24))
+                          [query(f"sum by (model, worker) (rate(tokq_worker_preemptions_total{{{W}}}"
+                                 f"[{RATE}]))", "{{model}} {{worker}} nested"),
+                           query(f"sum by (model, worker) (rate(tokq_worker_batches_total{{{W}}}"
+                                 f"[{RATE}]))", "{{model}} {{worker}} all", "B"),
+                           query(f"sum by (model, worker) (rate(tokq_worker_graphed_batches_total{{{W}}}"
+                                 f"[{RATE}]))", "{{model}} {{worker}} graphed", "C")], span=24))
         .with_row(gd.Row("Throughput"))
         .with_panel(panel("Tokens/s per worker", "Tokens forwarded per second.", "none",
-                          [query(f"sum by (worker) (rate(tokq_worker_forward_tokens_total{{{W}}}"
-                                 f"[{RATE}]))", "{{worker}}")]))
+                          [query(f"sum by (model, worker) (rate(tokq_worker_forward_tokens_total{{{W}}}"
+                                 f"[{RATE}]))", "{{model}} {{worker}}")]))
         .with_panel(panel("MFU", "Model FLOPs per second / the device's dense 16-bit peak. "
                           "Empty for devices with no known peak (set TOKQ_DEVICE_PEAK_FLOPS).",
                           "percentunit",
-                          [query(f"sum by (worker) (rate(tokq_worker_forward_flops_total{{{W}}}"
-                                 f"[{RATE}])) / on (worker) max by (worker) "
+                          [query(f"sum by (model, worker) (rate(tokq_worker_forward_flops_total{{{W}}}"
+                                 f"[{RATE}])) / on (model, worker) max by (model, worker) "
                                  f"(tokq_worker_device_peak_flops_per_second{{{W}}} > 0)",
-                                 "{{worker}}")], max_val=1))
+                                 "{{model}} {{worker}}")], max_val=1))
         .with_panel(panel("Forward time per 1,000 tokens", "Forward seconds per 1,000 tokens "
                           "forwarded. Falling while batches grow: a larger budget is nearly "
                           "free (tokq profile measures the curve).", "s",
-                          [query(f"1000 * sum by (worker) (rate({fwd}_sum{{{W}}}[{RATE}])) / "
-                                 f"sum by (worker) (rate(tokq_worker_forward_tokens_total{{{W}}}"
-                                 f"[{RATE}]))", "{{worker}}")]))
+                          [query(f"1000 * sum by (model, worker) (rate({fwd}_sum{{{W}}}[{RATE}])) / "
+                                 f"sum by (model, worker) (rate(tokq_worker_forward_tokens_total{{{W}}}"
+                                 f"[{RATE}]))", "{{model}} {{worker}}")]))
         .with_panel(panel("Forward latency", "Forward pass per worker.", "s",
-                          quantiles(fwd, "worker, ", W, "{{{{worker}}}} {q}", qs=(0.5, 0.99))))
+                          quantiles(fwd, "model, worker, ", W, "{{{{model}}}} {{{{worker}}}} {q}",
+                                    qs=(0.5, 0.99))))
         .with_row(gd.Row("Health"))
         .with_panel(panel("Claim latency", "One call of the claim script.", "s",
-                          quantiles("tokq_worker_claim_duration_seconds", "worker, ", W,
-                                    "{{{{worker}}}} {q}", qs=(0.5, 0.99)), span=8))
+                          quantiles("tokq_worker_claim_duration_seconds", "model, worker, ", W,
+                                    "{{{{model}}}} {{{{worker}}}} {q}", qs=(0.5, 0.99)), span=8))
         .with_panel(panel("Worker errors", "Errors per second by kind.", "cps",
-                          [query(f"sum by (worker, kind) (rate(tokq_worker_errors_total{{{W}}}"
-                                 f"[{RATE}]))", "{{worker}} {{kind}}")], span=8))
+                          [query(f"sum by (model, worker, kind) (rate(tokq_worker_errors_total{{{W}}}"
+                                 f"[{RATE}]))", "{{model}} {{worker}} {{kind}}")], span=8))
         .with_panel(panel("Heartbeat age", "Seconds since each worker's last heartbeat.", "s",
-                          [query(f"time() - max by (worker) "
+                          [query(f"time() - max by (model, worker) "
                                  f"(tokq_worker_heartbeat_timestamp_seconds{{{W}}})",
-                                 "{{worker}}")], span=8))
+                                 "{{model}} {{worker}}")], span=8))
     )
 
 
