@@ -16,12 +16,20 @@ connection that lands on a process another one already reaches is reopened a few
 to find processes none reaches yet, then now and again, less and less often (after a gateway
 restart its processes may start listening one after another); with more connections than
 processes that goes on, every 5 minutes at most.
+
+A connection with calls in flight that stays silent is pinged: a gateway that stops answering
+fails its calls UNAVAILABLE after about 40 s (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS), with or
+without a deadline. ``timeout=None`` or ``math.inf`` sets none (the gateway's own default then
+applies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import numbers
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,9 +60,36 @@ class Embeddings:
 
 
 def _text_list(texts: Sequence[str], method: str) -> list[str]:
-    if isinstance(texts, str):  # else each character would go as an input of its own
+    # else each character (each byte, as an int) would go as an input of its own
+    if isinstance(texts, (str, bytes, bytearray)):
         raise TypeError(f"{method}() takes a list of strings; wrap a single text in a list")
-    return list(texts)
+    items = list(texts)
+    for i, text in enumerate(items):
+        if not isinstance(text, str):
+            raise TypeError(f"{method}() takes a list of strings; input {i} is {type(text).__name__}")
+        if not text.isascii():  # ASCII is UTF-8: the common case costs one check
+            try:
+                text.encode()
+            except UnicodeEncodeError as exc:  # a lone surrogate: protobuf would raise it raw
+                raise ValueError(f"input {i} is not valid UTF-8 (a lone surrogate, "
+                                 f"{text[exc.start]!r}, at character {exc.start:,}): text inputs "
+                                 "must be UTF-8") from None
+    return items
+
+
+UINT32_MAX = 2**32 - 1  # EmbedRequest.dimensions is a uint32
+
+
+def _check_dimensions(dimensions) -> int:
+    if isinstance(dimensions, bool):
+        raise TypeError(f"dimensions must be an integer, got {dimensions!r}")
+    try:
+        dims = operator.index(dimensions)  # ints and numpy integers, not 1.5
+    except TypeError:
+        raise TypeError(f"dimensions must be an integer, got {dimensions!r}") from None
+    if not 0 <= dims <= UINT32_MAX:  # 0 is the gateway's to refuse, naming the model's range
+        raise ValueError(f"dimensions={dims} is out of range: it must be a positive integer")
+    return dims
 
 
 def _request(texts: Sequence[str], truncate: bool, normalize: bool, dimensions: int | None,
@@ -62,7 +97,7 @@ def _request(texts: Sequence[str], truncate: bool, normalize: bool, dimensions: 
     req = pb.EmbedRequest(inputs=_text_list(texts, "embed"), truncate=truncate, normalize=normalize,
                           model=model)
     if dimensions is not None:
-        req.dimensions = dimensions
+        req.dimensions = _check_dimensions(dimensions)
     if prompt_name is not None:
         req.prompt_name = prompt_name
     return req
@@ -83,6 +118,25 @@ def _error(exc: grpc.RpcError) -> TokqError:
     return TokqError(exc.code(), exc.details() or "")
 
 
+# The gateway's --max-timeout-ms default and highest value: it cuts longer deadlines to this
+# anyway, and grpc overflows one past ~1e10 s (the call fails at once: DEADLINE_EXCEEDED).
+MAX_TIMEOUT_S = 86_400.0
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """``timeout`` as grpc takes it: None or inf for none (the gateway's --default-timeout-ms
+    then applies), at most MAX_TIMEOUT_S; NaN, 0 and negatives refused (grpc fails them at once
+    with DEADLINE_EXCEEDED, as if the gateway were slow)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if math.isnan(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds (or None/inf for no "
+                         f"deadline), got {timeout!r}")
+    return None if math.isinf(timeout) else min(float(timeout), MAX_TIMEOUT_S)
+
+
 GATEWAY_ID_METADATA = "tokq-gateway"  # trailing metadata: the answering gateway process's id
 DEFAULT_CONNECTIONS = 4
 # Reopen connections that reach an already-reached process until this many in a row found no
@@ -96,16 +150,33 @@ REDISCOVER_MAX_S = 300.0
 # Not RESOURCE_EXHAUSTED: the queue's token cap it stands for is shared by every process.
 BACKOFF_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 BACKOFF_S = 1.0
+# While calls are in flight, a connection silent this long is pinged and closed if no answer
+# comes within the timeout: a call to a gateway that stopped answering (frozen, its host gone
+# without a reset) then fails UNAVAILABLE instead of hanging where it has no deadline.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
 
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                    # Each channel its own connection: grpc-python otherwise shares one between
-                    # all channels to the same target.
-                    ("grpc.use_local_subchannel_pool", 1),
-                    # A name with several addresses (a headless Service): each connection takes
-                    # a random one instead of all taking the first.
-                    ("grpc.service_config", json.dumps(
-                        {"loadBalancingConfig": [{"pick_first": {"shuffleAddressList": True}}]}))]
+
+def _channel_options() -> list[tuple[str, object]]:
+    return [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            # Each channel its own connection: grpc-python otherwise shares one between all
+            # channels to the same target.
+            ("grpc.use_local_subchannel_pool", 1),
+            # A name with several addresses (a headless Service): each connection takes a random
+            # one instead of all taking the first.
+            ("grpc.service_config", json.dumps(
+                {"loadBalancingConfig": [{"pick_first": {"shuffleAddressList": True}}]})),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            # the timer that closes the connection on an unanswered ping: grpc core waits this
+            # long (1 min by default once keepalive is on), not keepalive_timeout_ms alone
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            # Pings only while calls are in flight and (grpc's default max_pings_without_data)
+            # at most 2 in a row while nothing else is sent: more would draw GOAWAY
+            # too_many_pings from a gateway on grpc's default ping policy (one ping per 5 min
+            # without data), failing a call that waits that long for its reply.
+            ("grpc.keepalive_permit_without_calls", 0)]
 
 
 class _Connection:
@@ -236,6 +307,22 @@ def _check_connections(connections: int) -> int:
     return connections
 
 
+def _auth_metadata(api_key: str | None) -> tuple | None:
+    """The call metadata carrying ``api_key``, stripped as the gateway strips keys (a key read
+    from a file or variable often ends in a newline); None for no key or a blank one."""
+    if api_key is None:
+        return None
+    if not isinstance(api_key, str):
+        raise TypeError(f"api_key must be a string, got {type(api_key).__name__}")
+    key = api_key.strip()
+    if not key:
+        return None
+    if not (key.isascii() and key.isprintable()):  # else grpc fails each call: INTERNAL, no why
+        raise ValueError("api_key must be printable ASCII (it goes in gRPC metadata); it holds "
+                         "a control or non-ASCII character")
+    return (("authorization", f"Bearer {key}"),)
+
+
 class _ClientBase:
     """What both clients share: ``connections`` channels to ``target``, the model asked for,
     and the call metadata. ``grpc_module`` is ``grpc`` or ``grpc.aio``."""
@@ -243,13 +330,13 @@ class _ClientBase:
     def __init__(self, grpc_module, target: str, credentials: grpc.ChannelCredentials | None,
                  model: str, connections: int, api_key: str | None) -> None:
         def open_channel():
-            return (grpc_module.secure_channel(target, credentials, _CHANNEL_OPTIONS) if credentials
-                    else grpc_module.insecure_channel(target, _CHANNEL_OPTIONS))
+            return (grpc_module.secure_channel(target, credentials, _channel_options()) if credentials
+                    else grpc_module.insecure_channel(target, _channel_options()))
 
+        # a gateway started with --api-key checks this on every call
+        self._metadata = _auth_metadata(api_key)
         self._pool = _Pool(open_channel, _check_connections(connections))
         self.model = model
-        # a gateway started with --api-key checks this on every call
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def _tokenize_request(self, texts: Sequence[str], truncate: bool, prompt_name: str | None):
         req = pb.TokenizeRequest(inputs=_text_list(texts, "tokenize"), truncate=truncate, model=self.model)
@@ -271,6 +358,7 @@ class Client(_ClientBase):
         super().__init__(grpc, target, credentials, model, connections, api_key)
 
     def _call(self, method: str, request, timeout: float | None):
+        timeout = _deadline(timeout)
         conn = self._pool.acquire()
         process = code = None
         try:
@@ -321,9 +409,15 @@ class AsyncClient(_ClientBase):
 
     def __init__(self, target: str = "localhost:50051", *, credentials: grpc.ChannelCredentials | None = None,
                  model: str = "", connections: int = DEFAULT_CONNECTIONS, api_key: str | None = None) -> None:
+        try:  # its channels bind to the loop running now; made outside one, the first call fails
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("create tokq.AsyncClient inside a coroutine (a running event loop): "
+                               "its gRPC channels belong to the loop that creates them") from None
         super().__init__(grpc.aio, target, credentials, model, connections, api_key)
 
     async def _call(self, method: str, request, timeout: float | None):
+        timeout = _deadline(timeout)
         conn = self._pool.acquire()
         process = code = None
         try:

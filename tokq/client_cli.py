@@ -3,35 +3,49 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import click
+
+
+def _timeout(ctx, param, value: float) -> float:
+    if math.isnan(value):  # FloatRange lets NaN through: it compares false with every bound
+        raise click.BadParameter("nan is not a number of seconds")
+    return value
 
 
 @click.command("embed")
 @click.argument("texts", nargs=-1, required=True)
 @click.option("--target", default="localhost:50051", show_default=True, envvar="TOKQ_TARGET",
               help="gateway address host:port ([::1]:50051 for IPv6)")
-@click.option("--dimensions", type=int, help="Matryoshka truncation")
+@click.option("--dimensions", type=click.IntRange(min=1, max=2**32 - 1), help="Matryoshka truncation")
 @click.option("--prompt-name", help="a prompt the model defines, e.g. query")
 @click.option("--truncate/--no-truncate", default=False, help="cut over-long inputs to the model's limit")
 @click.option("--normalize/--no-normalize", default=True, help="unit-length embeddings (default)")
 @click.option("--model", default="", help="the served model's name (needed where the gateway serves several)")
 @click.option("--api-key", envvar="TOKQ_API_KEY", help="for a gateway started with --api-key (sent as a "
               "bearer token); prefer the env var: a flag is visible in ps")
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="seconds")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              callback=_timeout, help="seconds (inf: none of its own, the gateway's default applies)")
 def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, model, api_key,
                   timeout) -> None:
     """Embed TEXTS with the gateway at --target and print JSON."""
     from tokq.client import Client, TokqError
 
-    with Client(target, model=model, api_key=api_key or None) as client:
+    try:
+        client = Client(target, model=model, api_key=api_key or None)
+    except (ValueError, TypeError) as exc:  # e.g. a key holding a newline or non-ASCII character
+        raise click.UsageError(f"{exc} (--api-key / TOKQ_API_KEY)") from None
+    with client:
         try:
             out = client.embed_full(list(texts), truncate=truncate, normalize=normalize,
                                     dimensions=dimensions, prompt_name=prompt_name, timeout=timeout)
         except TokqError as exc:
             click.echo(json.dumps({"error": {"code": exc.code.name, "message": exc.message}}), err=True)
             sys.exit(1)
+        except (ValueError, TypeError) as exc:  # refused before sending, e.g. text not UTF-8
+            raise click.UsageError(str(exc)) from None
     click.echo(json.dumps({
         "model": out.model,
         "embeddings": [[round(float(x), 7) for x in row] for row in out.vectors],
