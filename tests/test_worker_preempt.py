@@ -371,3 +371,162 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
         await asyncio.wait_for(run, 30)
         assert await q.redis.scard(q.keys.preemptible) == 0
         assert exits == []
+
+
+class _RecordingMetrics(WorkerMetrics):
+    """WorkerMetrics that also keeps each batch's (tokens, forward_s, token_budget)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: list[tuple[int, float, int]] = []
+
+    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float, graphed: bool = False) -> None:
+        self.batches.append((sum(seqlens), forward_s, token_budget))
+        super().observe_batch(seqlens, token_budget=token_budget, forward_s=forward_s, graphed=graphed)
+
+
+class _SlowLightEngine:
+    """The gated engine; a light batch's forward takes ``light_s`` longer, and the heavy
+    forward's wall time (nested batches in it) is kept."""
+
+    def __init__(self, gated: GatedEngine, light_s: float) -> None:
+        self._gated, self.light_s = gated, light_s
+        self.heavy_wall_s = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._gated, name)
+
+    def embed(self, batch):
+        start = time.perf_counter()
+        vectors = self._gated.embed(batch)
+        if batch.num_tokens > HEAVY_TOKENS:
+            self.heavy_wall_s = time.perf_counter() - start
+        else:
+            time.sleep(self.light_s)
+        return vectors
+
+
+async def _nest_one_light_batch(redis_url, engine, worker_id: str, *, light_s: float = 0.0):
+    """A worker runs one heavy batch with one light batch nested at its first checkpoint.
+    Returns (worker, its recording metrics, the engine, heavy tokens, light tokens)."""
+    gated = GatedEngine(engine)
+    slow = _SlowLightEngine(gated, light_s)
+    rng = np.random.default_rng(12)
+    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 98), [102]]) for _ in range(2)]
+    light_ids = [np.array([101, 7592, 2088, 102])]
+    name = engine.info.queue_name
+    metrics = _RecordingMetrics(name, worker_id)
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        exits: list[int] = []
+        worker = Worker(slow, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id=worker_id,
+                        observer=metrics, exit_process=exits.append)
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat(worker_id)), 60, "the first heartbeat")
+        await enqueue_ids(client, "heavy", heavy_ids)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        await wait_for(lambda: _registered(q), 30, "the worker in a heavy forward to register")
+        await enqueue_ids(client, "light", light_ids)
+
+        async def offered():
+            return worker.preemption.waiting is not None
+        await wait_for(offered, 30, "the light batch to be offered to the forward")
+        gated.go.set()
+        await answered_vectors(client, "light", len(light_ids))
+        gated.finish.set()
+        await answered_vectors(client, "heavy", len(heavy_ids))
+        heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
+        assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
+        assert worker.num_preemptions == 1
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+        assert exits == []
+    return worker, metrics, slow, heavy_n, light_n
+
+
+def _sample(metric: str, worker_id: str, model: str) -> float | None:
+    return REGISTRY.get_sample_value(metric, {"model": model, "worker": worker_id})
+
+
+async def test_a_nested_light_batch_is_left_out_of_the_fill_ratio(redis_url, engine):
+    """A light batch claimed to pre-empt a heavy forward (up to the pre-emption budget, 1/4 of
+    512 here) is not a measure of how full the worker's batches run: it is counted as a batch,
+    but not in the fill ratio. Before, it was observed against the full budget (4/512), and a
+    saturated worker under mixed load read a mean fill of 0.066, firing TokqBatchFillRatioLow."""
+    worker, metrics, _, heavy_n, light_n = await _nest_one_light_batch(redis_url, engine, "fill")
+    model = engine.info.queue_name
+    try:
+        assert sorted(metrics.batches)[0][0] == light_n  # observed as a batch all the same
+        assert _sample("tokq_worker_batches_total", "fill", model) == 2
+        assert _sample("tokq_worker_batch_fill_ratio_count", "fill", model) == 1  # the heavy one
+        assert _sample("tokq_worker_batch_fill_ratio_sum", "fill", model) == pytest.approx(heavy_n / 512)
+        assert _sample("tokq_worker_budget_tokens", "fill", model) == 512  # never the light budget
+    finally:
+        metrics.close()
+
+
+async def test_a_heavy_forwards_time_leaves_out_the_light_batch_nested_in_it(redis_url, engine):
+    """The light batch nested in a heavy forward is timed in its own forward; the heavy one's
+    leaves it out, so the forward seconds add up to no more than the wall clock. Before, the
+    nested time counted in both (24.6 forward seconds in a 20 s run on one CPU worker)."""
+    light_s = 0.5
+    worker, metrics, slow, heavy_n, light_n = await _nest_one_light_batch(
+        redis_url, engine, "forward-s", light_s=light_s)
+    model = engine.info.queue_name
+    try:
+        forward_s = {tokens: seconds for tokens, seconds, _ in metrics.batches}
+        assert forward_s[light_n] >= light_s
+        # The heavy run's wall time holds the light batch's; out of it only decoding and
+        # packing two items, milliseconds (the slack is for a loaded machine).
+        assert slow.heavy_wall_s >= light_s
+        assert forward_s[heavy_n] < slow.heavy_wall_s - light_s + light_s / 2
+        total = _sample("tokq_worker_forward_duration_seconds_sum", "forward-s", model)
+        assert total == pytest.approx(forward_s[heavy_n] + forward_s[light_n])
+        assert total < slow.heavy_wall_s + light_s / 2
+        assert _sample("tokq_worker_forward_tokens_total", "forward-s", model) == heavy_n + light_n
+        # The next claim's timing still sees the forward's wall time, the nested batch in it.
+        assert worker._forward_s_avg >= light_s
+    finally:
+        metrics.close()
+
+
+async def test_a_light_batch_offered_too_late_to_nest_is_not_counted_as_a_preemption(redis_url, engine):
+    """Light work offered after the heavy forward's last checkpoint runs right after it, in its
+    thread (Preemption.heavy): answered, counted as a batch, but it pre-empted nothing.
+    Before, every offered batch counted in tokq_worker_preemptions_total."""
+    gated = GatedEngine(engine)
+    rng = np.random.default_rng(13)
+    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    light_ids = [np.array([101, 7592, 102])]
+    name = engine.info.queue_name
+    metrics = WorkerMetrics(name, "too-late")
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        exits: list[int] = []
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="too-late",
+                        observer=metrics, exit_process=exits.append)
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("too-late")), 60, "the first heartbeat")
+        await enqueue_ids(client, "heavy", heavy_ids)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        await wait_for(lambda: _registered(q), 30, "the worker in a heavy forward to register")
+        gated.go.set()  # the heavy forward runs through all its checkpoints, then holds
+        heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
+
+        async def heavy_passed_its_checkpoints():
+            return ("end", heavy_n) in gated.log
+        await wait_for(heavy_passed_its_checkpoints, 30, "the heavy forward to pass its last checkpoint")
+        await enqueue_ids(client, "light", light_ids)
+
+        async def offered():
+            return worker.preemption.waiting is not None
+        await wait_for(offered, 30, "the light batch to be offered to the (still armed) forward")
+        gated.finish.set()
+        await answered_vectors(client, "light", len(light_ids))
+        await answered_vectors(client, "heavy", len(heavy_ids))
+        assert gated.log == [("start", heavy_n), ("end", heavy_n), ("start", light_n), ("end", light_n)]
+        assert worker.num_preemptions == 0 and worker.num_batches == 2
+        assert REGISTRY.get_sample_value("tokq_worker_preemptions_total",
+                                         {"model": name, "worker": "too-late"}) in (None, 0.0)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+        metrics.close()
+        assert exits == []

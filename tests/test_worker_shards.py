@@ -122,10 +122,10 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
             forwards.append(forward)
             await real_preempt_while(forward)
 
-        async def finish(claim, outcome):
+        async def finish(claim, outcome, **kwargs):
             if forwards and claim.num_tokens == sum(map(len, LIGHT_IDS)):
                 await asyncio.wait({forwards[-1]})  # the heavy forward ends first
-            await real_finish(claim, outcome)
+            await real_finish(claim, outcome, **kwargs)
         monkeypatch.setattr(worker, "_preempt_while", preempt_while)
         monkeypatch.setattr(worker, "_finish", finish)
         run = asyncio.create_task(worker.run())

@@ -37,9 +37,13 @@ a batch none of whose items was forwarded is no forward pass at all.
   tokq_worker_batches_total                       counter   forward passes
   tokq_worker_batch_tokens                        histogram tokens forwarded per batch (16..65536, x2)
   tokq_worker_batch_items                         histogram sequences forwarded per batch
-  tokq_worker_batch_fill_ratio                    histogram batch tokens forwarded / token budget
+  tokq_worker_batch_fill_ratio                    histogram batch tokens forwarded / token budget, of
+      batches claimed up to the budget only: a light batch claimed to pre-empt a heavy forward
+      holds what landed meanwhile (often one query) however busy the worker, so it is left out
   tokq_worker_forward_duration_seconds            histogram forward pass (its tokens: batch_tokens
-      and forward_tokens_total; no size-class label, which would multiply every worker's series)
+      and forward_tokens_total; no size-class label, which would multiply every worker's series).
+      A heavy forward's leaves out the light batches nested in it (timed on their own): the
+      seconds add up to the device's, not more
   tokq_worker_claim_duration_seconds              histogram one claim-script call
   tokq_worker_forward_tokens_total                counter   tokens forwarded
   tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (tokq.flops)
@@ -49,11 +53,14 @@ a batch none of whose items was forwarded is no forward pass at all.
   tokq_worker_mfu_ratio                           gauge     FLOP/s over the last window_s / peak
   tokq_worker_heartbeat_timestamp_seconds         gauge     unix time of the last heartbeat
   tokq_worker_errors_total{kind}                  counter   item: one per item answered with an error;
-      redis: a failed Redis call; device: a device error (the worker exits); hung: a forward
-      past --hung-forward-ms (the worker exits)
+      redis: a failed Redis call; device: a device error; hung: a forward past
+      --hung-forward-ms. device and hung are counted (and logged) but seldom scraped: the
+      worker exits at once after them. Restarts are alerted on from process_start_time_seconds
+      (TokqWorkerRestarted)
   tokq_worker_nonfinite_vectors_total             counter   NaN/inf vectors refused (INTERNAL)
   tokq_worker_preemptions_total                   counter   light batches run nested in a heavy
-      forward (workers/preempt.py; each is also one of batches_total)
+      forward (workers/preempt.py; each is also one of batches_total), counted as it ends; one
+      offered too late, run right after it, is not
   tokq_worker_graphed_batches_total               counter   forward passes replayed from a CUDA graph
       (workers/cuda_graphs.py; each is also one of batches_total)
   tokq_worker_device_info{device,dtype}           gauge     always 1; carries the labels
@@ -341,7 +348,8 @@ class WorkerMetrics:
     def observe_batch(self, seqlens, *, token_budget: int, forward_s: float, graphed: bool = False) -> None:
         """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens)): the
         items it ran, not those refused before it (BatchOutcome.seqlens); ``graphed``: replayed
-        from a CUDA graph."""
+        from a CUDA graph. ``token_budget``: the budget it was claimed up to; 0 for a
+        pre-empting claim, left out of the fill ratio."""
         if graphed:
             WORKER_GRAPHED.labels(*self.labels).inc()
         lens = [int(n) for n in seqlens]
@@ -366,8 +374,9 @@ class WorkerMetrics:
     def observe_nonfinite(self, num_vectors: int) -> None:
         WORKER_NONFINITE.labels(*self.labels).inc(num_vectors)
 
-    def observe_preemption(self) -> None:
-        WORKER_PREEMPTIONS.labels(*self.labels).inc()
+    def observe_preemption(self, num_batches: int = 1) -> None:
+        """``num_batches`` light batches ran nested in a heavy forward."""
+        WORKER_PREEMPTIONS.labels(*self.labels).inc(num_batches)
 
     def heartbeat(self) -> None:
         WORKER_HEARTBEAT.labels(*self.labels).set_to_current_time()

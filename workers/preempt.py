@@ -8,6 +8,8 @@ call ``checkpoint``) and runs a waiting batch to completion right there, nested,
 one-word call waits for one step of the heavy forward (one linear layer), not for all of it. On CUDA the nested
 kernels queue behind the heavy ones already launched, in stream order, so this holds there too.
 The nested forward shares no tensor with the heavy one: both batches' vectors are as if run alone.
+The slot counts the batches that ran nested, and their seconds: the heavy batch's forward time
+leaves those out (workers/worker.py), so the forward seconds of both add up to the device's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,6 +54,10 @@ class Preemption:
         self._armed = False  # a heavy forward is handed to its thread (arm) and not at its end
         self._waiting: tuple[Any, asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self._inside = False  # a nested batch runs: no pre-emption inside it
+        # Batches run nested in the heavy forward running (or the last one), and their seconds;
+        # one offered too late, run after the forward, is in neither: it pre-empted nothing.
+        self.nested_runs = 0
+        self.nested_s = 0.0
 
     @property
     def waiting(self) -> Any:
@@ -70,9 +77,11 @@ class Preemption:
     def heavy(self, run_heavy: Callable[[], T]) -> T:
         """In the forward thread: ``run_heavy()`` with pre-emption on (armed here too, if the
         caller did not ``arm`` first). A batch offered too late to nest (the heavy forward had
-        passed its last block) runs right after it, here."""
+        passed its last block) runs right after it, here. ``nested_runs`` and ``nested_s`` are
+        this forward's once it returns."""
         with self._lock:
             self._armed = True
+        self.nested_runs, self.nested_s = 0, 0.0  # only this thread serves: no checkpoint yet
         _local.checkpoint = self.checkpoint
         try:
             return run_heavy()
@@ -82,7 +91,7 @@ class Preemption:
                 self._armed = False
                 waiting, self._waiting = self._waiting, None
             if waiting:
-                self._serve(waiting)
+                self._serve(waiting, nested=False)
 
     def offer(self, claim: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future | None:
         """From the event loop: leave ``claim`` for the heavy forward to run; its outcome comes
@@ -102,10 +111,12 @@ class Preemption:
         with self._lock:
             waiting, self._waiting = self._waiting, None
         if waiting:
-            self._serve(waiting)
+            self._serve(waiting, nested=True)
 
-    def _serve(self, waiting: tuple[Any, asyncio.AbstractEventLoop, asyncio.Future]) -> None:
+    def _serve(self, waiting: tuple[Any, asyncio.AbstractEventLoop, asyncio.Future], *,
+               nested: bool) -> None:
         claim, loop, future = waiting
+        start = time.perf_counter()
         self._inside = True
         # the nested batch has no checkpoint: nothing pre-empts it (and it may replay a CUDA graph)
         outer, _local.checkpoint = getattr(_local, "checkpoint", no_checkpoint), no_checkpoint
@@ -116,5 +127,8 @@ class Preemption:
         finally:
             self._inside = False
             _local.checkpoint = outer
+            if nested:
+                self.nested_runs += 1
+                self.nested_s += time.perf_counter() - start
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
             loop.call_soon_threadsafe(_resolve, future, outcome, exc)

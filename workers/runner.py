@@ -65,9 +65,14 @@ class BatchOutcome:
     # vocabulary, too long) and those a failed forward gave up on are not in it. [] when no
     # forward completed. The worker's forward metrics (tokens, FLOPs, MFU) count these.
     seqlens: list[int]
+    # Its forward's seconds; a heavy batch's leave out the light batches nested in it
+    # (Worker.run_heavy), which have their own. (The forward_ms in its items' replies does not:
+    # their callers did wait that long.)
     forward_s: float
     num_failed: int
     graphed: bool = False  # its (last) forward replayed a CUDA graph
+    nested: int = 0  # light batches run nested in this (heavy) forward: pre-emptions
+    nested_s: float = 0.0  # their seconds, left out of forward_s
 
 
 class BatchRunner:
