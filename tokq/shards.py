@@ -71,6 +71,8 @@ class ShardedQueue:
         self._count_at = -SHARD_COUNT_REFRESH_S
         self._shard_of_request: dict[str, int] = {}
         self._last_counters: dict[int, dict[str, int]] = {}  # per shard, as stats() last read them
+        self._counted: dict[int, Counter[str]] = {}  # per shard, the totals stats() reports (_count)
+        self._stats_read = False  # a first stats() round answered: a shard first read later is late
         self._batch_token = secrets.token_hex(8)
 
     # -- shards -----------------------------------------------------------------------------
@@ -303,8 +305,8 @@ class ShardedQueue:
         """Every shard's stats summed (oldest age: the oldest of all). A shard that cannot be
         read (its node unreachable) does not take the others' down: the sums are of the shards
         that answered, ``unreadable_shards`` names the others, and the event totals keep the
-        last totals those shards answered (a counter must not fall and jump back). Raises only
-        when no shard answered."""
+        last totals those shards answered (a counter must not fall and jump back). The event
+        totals only ever grow, by new events (_count). Raises only when no shard answered."""
         n = max(self.num_shards, self._claim_shards)
         answers = await asyncio.gather(*(self.shard(i).stats() for i in range(n)),
                                        return_exceptions=True)
@@ -314,21 +316,37 @@ class ShardedQueue:
         parts = [a for a in answers if not isinstance(a, BaseException)]
         if not parts:
             raise answers[0]
-        counters: Counter[str] = Counter()
         unreadable = []
         for i, answer in enumerate(answers):
             if isinstance(answer, BaseException):
-                unreadable.append(i)
-                counters.update(self._last_counters.get(i, {}))
+                unreadable.append(i)  # its totals stay as last counted: a counter must not fall
             else:
-                self._last_counters[i] = answer.counters
-                counters.update(answer.counters)
-        for i, last in self._last_counters.items():
-            if i >= n:  # a retired shard no longer read: its totals stay in, or the counters fall
-                counters.update(last)
+                self._count(i, answer.counters)
+        self._stats_read = True
+        counters: Counter[str] = Counter()
+        for counted in self._counted.values():  # retired shards' too: their totals stay in
+            counters.update(counted)
         return QueueStats(sum(p.queued_entries for p in parts), sum(p.queued_tokens for p in parts),
                           max(p.oldest_age_ms for p in parts), sum(p.inflight_items for p in parts),
                           sum(p.inflight_batches for p in parts), dict(counters), n, tuple(unreadable))
+
+    def _count(self, shard: int, read: dict[str, int]) -> None:
+        """Shard ``shard``'s event totals as read now, added to what stats() reports so that the
+        sum only grows by new events: a total that fell (the shard's node restarted empty: no
+        persistence, before a failover) counts from zero again instead of pulling the sum down
+        (which Prometheus reads as a reset of the whole sum, then its whole rest as new events);
+        a shard first read after the first round (unreadable until then) adds only what happens
+        from then on, not its history as a burst."""
+        last = self._last_counters.get(shard)
+        counted = self._counted.setdefault(shard, Counter())
+        if last is None:
+            if not self._stats_read:
+                counted.update(read)  # the first reading: the totals so far, as Redis has them
+        else:
+            for name, total in read.items():
+                before = last.get(name, 0)
+                counted[name] += total - before if total >= before else total
+        self._last_counters[shard] = dict(read)
 
     def work_channels(self) -> list[str]:
         """The channels an idle worker listens on: every shard it claims from."""
