@@ -144,7 +144,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         # tokq.Client pings a connection silent for 30 s while its calls wait (a frozen gateway
         # then fails them): accept pings that far apart (grpc's default wants 5 min without data
         # and answers more with GOAWAY too_many_pings).
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
     ])
     add_embedder_service(service, server)  # Embed's inputs read as UTF-8 bytes
     health_servicer = health.aio.HealthServicer()

@@ -26,6 +26,12 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         # connections by it (SO_REUSEPORT spreads connections, not calls, over `--procs`).
         self._identity = ((GATEWAY_ID_METADATA, gateway_id),) if gateway_id else None
 
+    def count_refused(self, rpc: str, code: str) -> None:
+        """A call refused before any model was named (a request that does not parse, gateway/
+        wire.py): counted under model "", as the embedder counts such calls."""
+        if self.embedder.unrouted is not None:
+            self.embedder.unrouted.count(rpc, code, 0.0)
+
     async def _call(self, rpc: str, model_name: str, operation, context: grpc.aio.ServicerContext):
         if self._identity:
             context.set_trailing_metadata(self._identity)

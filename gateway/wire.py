@@ -75,11 +75,17 @@ def _parse_or_malformed(parse: Callable[[bytes], object]) -> Callable[[bytes], o
     return read
 
 
-def _refusing_malformed(handler: Callable, full_name: str) -> Callable:
+def _refusing_malformed(handler: Callable, full_name: str,
+                        count: Callable[[str, str], None] | None) -> Callable:
+    """``handler``, refusing a Malformed request (and counting it: ``count(rpc, code)``)."""
+    rpc = full_name.rsplit(".", 1)[-1].removesuffix("Request")
+
     async def handle(request, context: grpc.aio.ServicerContext):
         if type(request) is Malformed:
             refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"the request is not a valid {full_name} ({request.reason}): string fields must be UTF-8")
+            if count:
+                count(rpc, grpc.StatusCode.INVALID_ARGUMENT.name)
             return None
         return await handler(request, context)
     return handle
@@ -141,7 +147,9 @@ def embed_response(vectors: Sequence[np.ndarray], model: str, num_tokens: int,
 
 
 def add_embedder_service(servicer, server: grpc.aio.Server) -> None:
-    """What the generated ``add_EmbedderServicer_to_server`` does, with ``_READ_AS`` applied."""
+    """What the generated ``add_EmbedderServicer_to_server`` does, with ``_READ_AS`` applied and
+    requests that do not parse refused (counted by the servicer's ``count_refused``, if any)."""
+    count = getattr(servicer, "count_refused", None)
     service = pb.DESCRIPTOR.services_by_name["Embedder"]
     handlers = {}
     for method in service.methods:
@@ -150,7 +158,7 @@ def add_embedder_service(servicer, server: grpc.aio.Server) -> None:
         request = _READ_AS.get(method.name) or message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _refusing_malformed(getattr(servicer, method.name), method.input_type.full_name),
+            _refusing_malformed(getattr(servicer, method.name), method.input_type.full_name, count),
             request_deserializer=_parse_or_malformed(request.FromString),
             response_serializer=None if method.name in _WRITTEN_AS_BYTES else response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

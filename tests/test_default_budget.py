@@ -166,7 +166,7 @@ async def test_a_published_budget_wins_over_fitting(redis_url, engine):
             await q.redis.delete(q.keys.budget)
 
 
-@pytest.mark.parametrize("value", [b"128.0", b"abc", b"-5", b"0", b"99999999999", b" 12", b""])
+@pytest.mark.parametrize("value", [b"128.0", b"abc", b"-5", b"0", b"99999999999", b" 12", b"", b"1" * 5000])
 def test_what_is_not_a_budget_reads_as_none_with_one_warning(value, caplog):
     from tokq.queue import MAX_TOKEN_BUDGET, budget_from
 

@@ -73,7 +73,13 @@ def test_calls_refused_before_naming_a_served_model_are_counted_under_no_model(r
                     httpx.post(url, content=b"hello", headers={"Content-Type": "text/plain"}).status_code,
                     httpx.post(url, json={"input": "x", "inputs": "typo"}).status_code]
         assert statuses == [404, 400, 415, 400]
-        assert _added(grpc_before, "", "Embed", 1) == {"INVALID_ARGUMENT": 1}
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # a message that does not parse
+            raw = channel.unary_unary("/tokq.v1.Embedder/Embed", request_serializer=lambda b: b,
+                                      response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as bad:
+                raw(b"\x0a\x01a\x12\x02\xff\xfe", timeout=10)  # model: bad UTF-8
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _added(grpc_before, "", "Embed", 2) == {"INVALID_ARGUMENT": 2}
         assert _added(http_before, "", "http.Embeddings", 4) == {"INVALID_ARGUMENT": 4}
     names = {s.labels["model"] for f in REGISTRY.collect() if f.name == "tokq_gateway_requests"
              for s in f.samples}

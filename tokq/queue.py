@@ -92,7 +92,8 @@ def budget_from(value: bytes | str | None, key: str = "") -> int | None:
     if value is None:
         return None
     raw = value.encode() if isinstance(value, str) else value
-    if raw.isdigit() and 1 <= (tokens := int(raw)) <= MAX_TOKEN_BUDGET:
+    # at most 8 digits before int(): past 4,300 it raises, the crash this guards against
+    if raw.isdigit() and len(raw) <= 8 and 1 <= (tokens := int(raw)) <= MAX_TOKEN_BUDGET:
         return tokens
     if _warned_budgets.get(key) != raw:
         _warned_budgets[key] = raw

@@ -332,11 +332,12 @@ class ShardedQueue:
 
     def _count(self, shard: int, read: dict[str, int]) -> None:
         """Shard ``shard``'s event totals as read now, added to what stats() reports so that the
-        sum only grows by new events: a total that fell (the shard's node restarted empty: no
-        persistence, before a failover) counts from zero again instead of pulling the sum down
-        (which Prometheus reads as a reset of the whole sum, then its whole rest as new events);
-        a shard first read after the first round (unreadable until then) adds only what happens
-        from then on, not its history as a burst."""
+        sum only grows by new events: a total that fell (the shard's node restarted empty, or a
+        replica a few writes behind took over) is counted on from its new value, adding nothing
+        (at most one export period's events lost), instead of pulling the sum down (which
+        Prometheus reads as a reset of the whole sum, then its whole rest as new events); a shard
+        first read after the first round (unreadable until then) adds only what happens from
+        then on, not its history as a burst."""
         last = self._last_counters.get(shard)
         counted = self._counted.setdefault(shard, Counter())
         if last is None:
@@ -345,7 +346,7 @@ class ShardedQueue:
         else:
             for name, total in read.items():
                 before = last.get(name, 0)
-                counted[name] += total - before if total >= before else total
+                counted[name] += max(0, total - before)
         self._last_counters[shard] = dict(read)
 
     def work_channels(self) -> list[str]:
