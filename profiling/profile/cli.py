@@ -6,39 +6,45 @@ Parses flags and delegates: the sweep in ``sweep.py``, the fit in ``knee.py``, b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 import click
 
-from tokq.config import ATTN_BACKENDS, DTYPES, WorkerConfig
+from tokq.config import ATTN_BACKENDS, DTYPES, ConfigError, WorkerConfig, env_var, load
 from tokq.latency_goal import DEFAULT_SLO_P99_MS
 from tokq.profiling.profile.numbers import plain
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def check_reachable(redis_url: str) -> None:
-    """``--apply``: Redis answers at ``redis_url``, else a one-line error naming it (password
-    masked)."""
+def check_reachable(redis_url: str, cluster: str = "auto") -> None:
+    """``--apply``: Redis answers at ``redis_url`` and the workers' setup checks pass there
+    (check_redis: a Sentinel, a refused password, a --redis-cluster setting the server
+    contradicts or, with auto, cannot answer), else a one-line error naming it (password masked)."""
     import redis
 
-    from tokq.connection import connect_sync
+    from tokq.connection import RedisSetupError, check_redis, connect_sync
     from tokq.redis_server import redact_url
 
     try:
-        client = connect_sync(redis_url)
+        check_redis(redis_url, cluster)
+        # yes/no skip a server that is not up or does not let INFO run: the PING finds the former.
+        client = connect_sync(redis_url, cluster)
         try:
             client.ping()
         finally:
             client.close()
+    except RedisSetupError as exc:
+        raise click.ClickException(f"--apply: {exc}; nothing profiled") from None
     except (redis.RedisError, OSError, ValueError) as exc:
         raise click.ClickException(f"--apply: no Redis answers at {redact_url(redis_url)} "
                                    f"({type(exc).__name__}: {exc}); nothing profiled") from None
 
 
-def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
+def publish_budget(redis_url: str, queue_name: str, token_budget: int, cluster: str = "auto") -> str:
     """Publish the queue's budget with the queue's own writer (tokq.queue.Queue.set_budget);
     running workers poll it. Returns the key."""
     import asyncio
@@ -47,7 +53,7 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
     from tokq.queue import Queue
 
     async def publish() -> str:
-        client = connect(redis_url, max_connections=1)
+        client = connect(redis_url, max_connections=1, cluster=cluster)
         try:
             queue = Queue(client, queue_name)
             await queue.set_budget(token_budget)
@@ -58,6 +64,39 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
     return asyncio.run(publish())
 
 
+def worker_settings(device: str | None, threads: str | None, redis_cluster: str | None) -> WorkerConfig:
+    """The settings profile shares with the workers, read as a worker reads them (flag, else
+    ``TOKQ_`` env var, else default) and checked by the same rules: a bad one is the worker's
+    one-line usage error, before the model loads."""
+    names = ("device", "threads", "redis_cluster")
+    # Only these env vars: profile does not refuse a fleet env's other worker settings.
+    env = {env_var(n): os.environ[env_var(n)] for n in names if env_var(n) in os.environ}
+    try:
+        return load(WorkerConfig, {"device": device, "threads": threads, "redis_cluster": redis_cluster},
+                    env=env)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def fleet_slo_p99_ms() -> float:
+    """--slo-p99-ms's default: the workers' TOKQ_LATENCY_GOAL_MS, read by their rules, where set
+    and not 0; else DEFAULT_SLO_P99_MS. Workers take 0 as no goal (they keep their per-device
+    default); profile must size a budget to some goal, and with none it would be any batch
+    short of throughput's saturation, however long its forward."""
+    name = env_var("latency_goal_ms")
+    raw = os.environ.get(name)
+    if raw is None:
+        return DEFAULT_SLO_P99_MS
+    try:
+        goal = load(WorkerConfig, env={name: raw}).latency_goal_ms
+    except ConfigError:  # its message names the workers' --latency-goal-ms, not a profile flag
+        meta = {f.name: f.metadata for f in dataclasses.fields(WorkerConfig)}["latency_goal_ms"]
+        raise click.UsageError(f"{name}={raw!r} is not a latency goal workers take (whole ms, "
+                               f"{meta['min']}..{meta['max']}); it is --slo-p99-ms's default: fix it, "
+                               "or give --slo-p99-ms") from None
+    return float(goal or DEFAULT_SLO_P99_MS)
+
+
 @click.command("profile")
 @click.option("--model", "model_path", default=None, envvar="TOKQ_MODEL",
               help="Local model directory or Hugging Face repo id (ORG/NAME, from the HF cache) "
@@ -65,8 +104,8 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
 @click.option("--revision", default=None, envvar="TOKQ_REVISION", help="Hugging Face revision of a repo id.")
 @click.option("--served-model-name", "served_model_name", default=None, envvar="TOKQ_SERVED_MODEL_NAME",
               help="Model name served (names the queue) [default: the repo id or directory name].")
-@click.option("--device", default="auto", envvar="TOKQ_DEVICE", show_default=True,
-              help="auto | cpu | cuda | cuda:N.")
+@click.option("--device", default=None, metavar="DEVICE",
+              help="auto | cpu | cuda | cuda:N [env TOKQ_DEVICE; default: auto].")
 @click.option("--dtype", default="auto", envvar="TOKQ_DTYPE", show_default=True,
               type=click.Choice(DTYPES), help="auto: bf16 where the device runs it natively "
               "(sm80+ GPUs, CPUs with AVX512_BF16/AMX), fp16 on sm70-75 GPUs, else fp32.")
@@ -91,19 +130,24 @@ def publish_budget(redis_url: str, queue_name: str, token_budget: int) -> str:
 @click.option("--max-repeats", default=50, show_default=True)
 @click.option("--stop-ms", default=2000.0, show_default=True,
               help="Stop the sweep once a batch takes longer than this.")
-@click.option("--slo-p99-ms", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_SLO_P99_MS,
-              show_default=True,
+@click.option("--slo-p99-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="The service's p99 latency goal. The budget is the largest batch whose forward takes at "
                    "most half of it (a request waits for the batch in progress, then its own), and no "
-                   "larger than where throughput reaches 95% of its peak.")
+                   "larger than where throughput reaches 95% of its peak. [default: the workers' goal, "
+                   "TOKQ_LATENCY_GOAL_MS, where set; else, and where it is 0 (workers: no goal), "
+                   f"{plain(DEFAULT_SLO_P99_MS)} ms]")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="profile.json", show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG to write.")
 @click.option("--apply", "apply_budget", is_flag=True, help="Publish the recommended budget to Redis.")
 @click.option("--redis-url", default=lambda: os.environ.get("TOKQ_REDIS_URL", DEFAULT_REDIS_URL),
               show_default=DEFAULT_REDIS_URL, help="Where --apply publishes (env TOKQ_REDIS_URL).")
-@click.option("--threads", "threads", type=click.IntRange(min=1), default=None, envvar="TOKQ_THREADS",
-              help="CPU threads for torch [default: torch's own choice]. Fewer than the cores "
+@click.option("--threads", "threads", default=None, metavar="N",
+              help="CPU threads for torch, as the worker's --threads [env TOKQ_THREADS; default: 0 = torch's "
+                   "default capped by the CPUs this process may use; range 0..4096]. Fewer than the cores "
                    "helps on a shared machine: busy cores make multi-threaded ops wait on each other.")
+@click.option("--redis-cluster", default=None, metavar="[auto|yes|no]",
+              help="Redis Cluster mode of --apply's Redis: auto asks the server (INFO), yes or no skip that "
+                   "(a user without INFO) [env TOKQ_REDIS_CLUSTER; default: auto].")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
               help="Rewrite this model and device's block of this file (e.g. profiling/RESULTS.md).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -111,7 +155,7 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
                     workload_path, num_queries, seed,
                     min_tokens, max_tokens, points_per_doubling, time_per_point_s, min_repeats, max_repeats,
                     stop_ms, slo_p99_ms, out_path, plot_path, apply_budget, redis_url, threads,
-                    results_md, quiet) -> None:
+                    redis_cluster, results_md, quiet) -> None:
     """Find the token count where forward latency stops being flat, and the budget to serve at."""
     from rich.console import Console
 
@@ -119,6 +163,9 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
     from tokq.profiling.profile.sweep import SweepConfig
     from tokq.profiling.profile.run import run_profile
 
+    settings = worker_settings(device, threads, redis_cluster)
+    if slo_p99_ms is None:  # the fleet's goal, read only where no flag overrides it
+        slo_p99_ms = fleet_slo_p99_ms()
     try:
         config = SweepConfig(min_tokens=min_tokens, max_tokens=max_tokens,
                              points_per_doubling=points_per_doubling, min_repeats=min_repeats,
@@ -131,18 +178,18 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
         if path and not Path(path).resolve().parent.is_dir():
             raise click.UsageError(f"{path}: its folder does not exist")
     if apply_budget:
-        check_reachable(redis_url)
+        check_reachable(redis_url, settings.redis_cluster)
 
     from tokq.model_source import model_errors_as_one_line
-    from tokq.workers.device import use_threads
+    from tokq.workers.device import use_threads, worker_threads
     from tokq.workers.engine import Engine
 
     console = Console(stderr=True, quiet=quiet)
-    with use_threads(threads):  # process-wide: put back before the report is drawn
+    with use_threads(worker_threads(settings.threads)):  # process-wide: put back before the report is drawn
         with console.status("loading model"):
             with model_errors_as_one_line():  # unsupported or missing model, device, dtype, backend
-                engine = Engine.load(model_path, device=device, dtype=dtype, attn_backend=attn_backend,
-                                     name=served_model_name, revision=revision,
+                engine = Engine.load(model_path, device=settings.device, dtype=dtype,
+                                     attn_backend=attn_backend, name=served_model_name, revision=revision,
                                      cuda_graph_tokens=cuda_graph_tokens)
         report = _run_with_progress(console, lambda on_progress: run_profile(
             engine, queries, config, slo_p99_ms=slo_p99_ms, seed=seed, on_progress=on_progress,
@@ -169,9 +216,17 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
         budget = report["recommended_budget"]
         if budget is None:
             raise click.ClickException("no budget to apply: " + report["summary"])
+        import redis
+
         from tokq.redis_server import redact_url
 
-        key = publish_budget(redis_url, engine.info.queue_name, budget)
+        try:
+            key = publish_budget(redis_url, engine.info.queue_name, budget, settings.redis_cluster)
+        except (redis.RedisError, OSError) as exc:  # Redis gone during the sweep: the report stays
+            why = " ".join(f"{type(exc).__name__}: {exc}".split())
+            raise click.ClickException(f"token budget {budget} not published: Redis at "
+                                       f"{redact_url(redis_url)} failed ({why}); the profile is in "
+                                       f"{out_path}") from None
         click.echo(f"published token budget {budget} to {key} at {redact_url(redis_url)}")
 
 
