@@ -11,8 +11,9 @@ stay open: probes carry no keys.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import grpc
@@ -54,6 +55,23 @@ class ApiKeys:
             raise Unauthenticated("an API key is required: send 'authorization: Bearer <key>'")
         if _digest(key.strip()) not in self._digests:
             raise Unauthenticated("API key not accepted")
+
+
+CLIENT_KEY_ENV = "TOKQ_API_KEY"  # the client's (tokq embed --api-key), one letter from the gateway's
+
+
+def client_key_warning(keyed: bool, env: Mapping[str, str] | None = None,
+                       who: str = "the gateway") -> str | None:
+    """The warning for a gateway started without keys (``keyed`` False) from an environment holding
+    the client's TOKQ_API_KEY, else None: it served every caller, saying only "API keys off" in
+    an info line. Warned, not refused: a shell holding the client's key may start a keyless dev
+    gateway. The key's value is not shown."""
+    env = os.environ if env is None else env
+    if keyed or not env.get(CLIENT_KEY_ENV):
+        return None
+    return (f"warning: API keys are OFF: {who} takes calls without a key. {CLIENT_KEY_ENV} is set, "
+            f"but it is the client's (tokq embed); {who} reads TOKQ_API_KEYS, --api-key or "
+            "--api-key-file")
 
 
 def _metadata_value(details: grpc.HandlerCallDetails, name: str) -> str | None:

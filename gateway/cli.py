@@ -52,16 +52,19 @@ def gateway_command(procs: int, **values) -> None:
     gateway_values, queue_values = cfg.split(values, cfg.GatewayConfig, cfg.QueueConfig)
     base = cfg.load_or_exit(cfg.GatewayConfig, gateway_values)  # validate before forking
     cfg.load_or_exit(cfg.QueueConfig, queue_values)
-    from tokq.gateway.auth import ApiKeys, server_credentials
+    from tokq.gateway.auth import ApiKeys, client_key_warning, server_credentials
 
     from tokq.gateway.event_loop import loop_factory
 
     try:  # unreadable certificates or key files: one line now, not a traceback per process
+        cfg.check_distinct_ports(base.port_uses(procs))  # its processes' metrics ports count up
         server_credentials(base)
-        ApiKeys.from_config(base)
+        keys = ApiKeys.from_config(base)
         loop_factory(base.event_loop)  # uvloop asked for and missing
     except cfg.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    if warning := client_key_warning(keys is not None):  # once, here: not by each process
+        click.echo(warning, err=True)
     from tokq.model_info import ModelInfo
     from tokq.model_source import model_errors_as_one_line
 

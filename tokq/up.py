@@ -95,14 +95,32 @@ def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=None) -> i
 
 def _api_keys(conf: cfg.UpConfig) -> dict[str, str]:
     """The gateway's environment for ``conf``'s API keys (secrets travel there, not in argv),
-    checked as the gateway will check them."""
-    from tokq.gateway.auth import ApiKeys
+    checked as the gateway will check them; warned about when off while the client's
+    TOKQ_API_KEY is set (meant for the gateway, likely)."""
+    from tokq.gateway.auth import ApiKeys, client_key_warning
 
     try:
-        ApiKeys.from_config(cfg.GatewayConfig(api_keys=conf.api_keys, api_key_file=conf.api_key_file))
+        keys = ApiKeys.from_config(cfg.GatewayConfig(api_keys=conf.api_keys, api_key_file=conf.api_key_file))
     except cfg.ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    if warning := client_key_warning(keys is not None, who="tokq up"):
+        click.echo(warning, err=True)
     return {cfg.env_var("api_keys"): ",".join(conf.api_keys)} if conf.api_keys else {}
+
+
+def _check_distinct_ports(conf: cfg.UpConfig, num_gateways: int) -> None:
+    """One line for one port given to two settings, the metrics ports counted as handed out:
+    gateway process j's at --metrics-port + j, then worker i's (a gRPC port on the HTTP port
+    waited for ever for a worker that was ready; the gateway could not take a call)."""
+    gateways = "the gateway's metrics" if num_gateways == 1 else "gateway process {}'s metrics"
+    metrics = [*(("metrics_port", conf.metrics_port, j, gateways.format(j)) for j in range(num_gateways)),
+               *(("metrics_port", conf.metrics_port, num_gateways + i, f"worker {i}'s metrics")
+                 for i in range(conf.workers))]
+    try:
+        cfg.check_distinct_ports([("port", conf.port, 0, ""), ("http_port", conf.http_port, 0, ""),
+                                  *metrics])
+    except cfg.ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _keep_up(embedded: EmbeddedRedis | None) -> None:
@@ -178,10 +196,11 @@ def up_command(**values) -> None:
     cpus = usable_cpus()
     num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
-    port = conf.port or free_port(host)
+    _check_distinct_ports(conf, num_gateways)
+    metrics_ports = range(metrics_port, metrics_port + num_gateways + num_workers) if metrics_port else ()
+    port = conf.port or free_port(host, taken=frozenset({conf.http_port, *metrics_ports}))
     _check_ports([("gRPC", host, port), ("HTTP", host, conf.http_port),
-                  *(("metrics", host, p) for p in range(metrics_port, metrics_port + num_gateways + num_workers)
-                    if metrics_port)])
+                  *(("metrics", host, p) for p in metrics_ports)])
     threads = threads_per_worker(num_workers, cpus)
     if conf.redis_url:  # a URL or cluster setting that cannot work: one line, before anything starts
         from tokq.connection import check_redis_or_exit
@@ -206,7 +225,8 @@ def up_command(**values) -> None:
     # Every setting resolved here reaches the children explicitly: what this process was told
     # (flags or TOKQ_*) is what they run with.
     unknown = cfg.unknown_env()  # warned once, here: not again by each child
-    env = {**{k: v for k, v in os.environ.items() if k not in unknown},
+    # TOKQ_API_KEY too (the client's, warned about above): no child reads it
+    env = {**{k: v for k, v in os.environ.items() if k not in unknown and k != "TOKQ_API_KEY"},
            cfg.env_var("redis_url"): redis_url, cfg.env_var("redis_cluster"): conf.redis_cluster, **auth,
            **{cfg.env_var(f.name): str(getattr(queue_conf, f.name))
               for f in dataclasses.fields(queue_conf)}}
