@@ -30,3 +30,34 @@ def local_cluster(**kwargs) -> Iterator[LocalCluster]:
         yield cluster
     finally:
         cluster.close()
+
+
+@contextlib.contextmanager
+def running_sentinel(tmp_path) -> Iterator[str]:
+    """A Redis Sentinel on loopback, once it answers PING: yields its redis:// URL."""
+    import subprocess
+    import time
+
+    import redis
+
+    from tokq.processes import stop_all
+    from tokq.redis_server import default_binary, free_port
+
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"  # written by the Sentinel as it runs
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n")
+    sentinel = subprocess.Popen([server_binary() or default_binary(), str(conf), "--sentinel"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert sentinel.poll() is None and time.monotonic() < deadline, "no Sentinel"
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop_all([sentinel])

@@ -55,30 +55,10 @@ def _budget(url: str) -> bytes | None:
 # --apply against a Sentinel, an ACL user without INFO, a Redis that stops during the sweep.
 
 def test_apply_to_a_sentinel_is_one_line_naming_it_before_the_sweep(tmp_path):
-    from cluster_support import server_binary
+    from cluster_support import running_sentinel
 
-    from tokq.processes import stop_all
-    from tokq.redis_server import default_binary
-
-    port = free_port()
-    conf = tmp_path / "sentinel.conf"  # written by the Sentinel as it runs
-    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n")
-    sentinel = subprocess.Popen([server_binary() or default_binary(), str(conf), "--sentinel"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(port=port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert sentinel.poll() is None and time.monotonic() < deadline, "no Sentinel"
-                time.sleep(0.05)
-        run = _run([*TINY, "--out", str(tmp_path / "p.json"), "--apply",
-                    "--redis-url", f"redis://127.0.0.1:{port}/0"])
-    finally:
-        stop_all([sentinel])
+    with running_sentinel(tmp_path) as url:
+        run = _run([*TINY, "--out", str(tmp_path / "p.json"), "--apply", "--redis-url", url])
     _one_error_line(run, "is a Sentinel")
     assert not (tmp_path / "p.json").exists()  # refused before the sweep
 

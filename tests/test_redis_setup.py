@@ -253,29 +253,7 @@ def test_a_worker_started_before_its_redis_waits_for_it_then_serves():
 def test_a_sentinel_is_one_line_naming_it(tmp_path, mode):
     """A Sentinel answers PING and INFO, so it passed for a standalone server; every queue
     command then failed (EVALSHA: unknown command)."""
-    import time
+    from cluster_support import running_sentinel
 
-    from cluster_support import server_binary
-
-    from tokq.processes import stop_all
-    from tokq.redis_server import default_binary
-
-    port = free_port()
-    conf = tmp_path / "sentinel.conf"  # written by the Sentinel as it runs
-    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n")
-    sentinel = subprocess.Popen([server_binary() or default_binary(), str(conf), "--sentinel"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(port=port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert sentinel.poll() is None and time.monotonic() < deadline, "no Sentinel"
-                time.sleep(0.05)
-        with pytest.raises(RedisSetupError, match="is a Sentinel"):
-            check_redis(f"redis://127.0.0.1:{port}/0", mode)
-    finally:
-        stop_all([sentinel])
+    with running_sentinel(tmp_path) as url, pytest.raises(RedisSetupError, match="is a Sentinel"):
+        check_redis(url, mode)
