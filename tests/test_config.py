@@ -113,6 +113,9 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
         worker = next(c for c in cmdlines if b"worker" in c)
         assert worker[worker.index(b"--device") + 1] == b"cpu"
         assert worker[worker.index(b"--latency-goal-ms") + 1] == b"1234"
+        # on a Redis other hosts may share, its worker ids name this host (every host's were up-0)
+        import socket
+        assert worker[worker.index(b"--worker-id") + 1] == f"{socket.gethostname()}-up-0".encode()
         assert redis_server.password.encode() not in b" ".join(b" ".join(c) for c in cmdlines)
         for pid in children:  # the queue settings up resolved reach every child
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")

@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -235,8 +236,13 @@ def up_command(**values) -> None:
               *(["--served-model-name", conf.served_model_name] if conf.served_model_name else [])]
     procs: list[subprocess.Popen] = []
 
+    def worker_id(i: int) -> str:
+        # Another host's tokq up may share a Redis given by --redis-url: its workers were up-0 too,
+        # one heartbeat key and one metrics label for two workers.
+        return f"up-{i}" if embedded else f"{socket.gethostname()}-up-{i}"
+
     def worker_args(i: int) -> list[str]:
-        args = ["worker", *common, "--device", conf.device, "--dtype", conf.dtype, "--worker-id", f"up-{i}",
+        args = ["worker", *common, "--device", conf.device, "--dtype", conf.dtype, "--worker-id", worker_id(i),
                 "--threads", str(threads), "--token-budget", str(conf.token_budget),
                 "--latency-goal-ms", str(conf.latency_goal_ms),
                 "--metrics-port", str(metrics_port + num_gateways + i if metrics_port else 0),
