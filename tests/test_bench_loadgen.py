@@ -96,6 +96,19 @@ async def test_generator_processes_send_every_arrival_at_its_time_and_share_them
     assert all(not p.is_alive() for p in procs._procs)
 
 
+class BrokenSender:
+    def __init__(self) -> None:
+        raise OSError("no route to the target")
+
+
+def test_a_generator_process_that_cannot_make_its_sender_says_why_and_none_is_left():
+    import multiprocessing
+
+    with pytest.raises(RuntimeError, match="could not make its sender: OSError: no route to the target"):
+        loadgen.GeneratorProcs(BrokenSender, 2)
+    assert not multiprocessing.active_children()  # the one that started was stopped
+
+
 async def test_generator_processes_reach_a_grpc_server():
     server, target = await start_sleeper(0.001)
     procs = await asyncio.to_thread(loadgen.GeneratorProcs, functools.partial(GrpcSender, target, 10.0), 2)

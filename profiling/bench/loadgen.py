@@ -203,9 +203,16 @@ class GeneratorProcs:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        for conn in self._conns:  # started and connected: the first run's lead need not cover it
-            if conn.recv() != "ready":
-                raise RuntimeError("a load-generator process failed to start")
+        try:
+            for conn in self._conns:  # started and connected: the first run's lead need not cover it
+                if (said := conn.recv()) != "ready":
+                    raise RuntimeError(f"a load-generator process could not make its sender: {said}")
+        except (EOFError, OSError) as exc:  # it died before a word (killed, out of memory)
+            self.close()
+            raise RuntimeError("a load-generator process died at start") from exc
+        except RuntimeError:
+            self.close()
+            raise
 
     @property
     def pids(self) -> list[int]:
@@ -220,14 +227,17 @@ class GeneratorProcs:
         parts = await asyncio.gather(*(asyncio.to_thread(conn.recv) for conn in self._conns))
         return sorted((s for part in parts for s in part), key=lambda s: s.intended_s)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the processes: each ends after its run in progress, if any; past ``wait_s`` in
+        all (a run cut short by Ctrl-C goes on to its end) they are terminated."""
         for conn in self._conns:
             try:
                 conn.send(None)
             except OSError:
                 pass
+        deadline = time.monotonic() + wait_s
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
@@ -244,7 +254,12 @@ def _generator_main(conn, make_sender: Callable[[], Send]) -> None:
     async def made() -> Send:  # inside the loop: a gRPC channel binds to the loop it is made on
         return make_sender()
 
-    send = loop.run_until_complete(made())
+    try:
+        send = loop.run_until_complete(made())
+    except Exception as exc:  # said to the parent, which raises it: not a bare EOFError there
+        conn.send(f"{type(exc).__name__}: {exc}")
+        loop.close()
+        return
     conn.send("ready")
     try:
         while (job := conn.recv()) is not None:

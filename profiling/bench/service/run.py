@@ -76,6 +76,8 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
         cpu_before, wall_before = _cpu_now(system, pids), time.monotonic()
         if generators:  # the processes report at the end of the run, not per reply
             samples = await generators.run(arrivals)
+            if progress:
+                progress.advance(task, len(samples))
         else:
             samples = await loadgen.run_open_loop(sender, arrivals, on_done=on_done)
         cpu_after, wall_s = _cpu_now(system, pids), time.monotonic() - wall_before
