@@ -116,8 +116,9 @@ def test_shapes_and_dtypes_are_checked_before_the_kernel_reads_memory():
 def test_a_worker_says_which_linear_kernel_its_threads_got(redis_url, threads):
     """The threads are set before the model loads, so ``auto`` sees them; the start line says
     what it chose."""
+    budget = ["--token-budget", "300"] if threads == 2 else []
     run = subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--device", "cpu", "--threads",
-                          str(threads), "--burst"], env={**os.environ, "TOKQ_REDIS_URL": redis_url},
+                          str(threads), *budget, "--burst"], env={**os.environ, "TOKQ_REDIS_URL": redis_url},
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]
     if cpu_linear.preferred(threads=threads):
@@ -125,3 +126,6 @@ def test_a_worker_says_which_linear_kernel_its_threads_got(redis_url, threads):
     else:
         expected = "onednn" if layers._onednn_works() else "torch"
     assert "(torch.float32, attention " in run.stderr and f", linear {expected})" in run.stderr
+    # a set budget is known at start; else the line says it is read, not the default it has then
+    assert ("), budget 300 tokens, queue " if budget else
+            "), budget: the published one, else the 1024-token default fitted to its goal, queue ") in run.stderr

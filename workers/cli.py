@@ -51,12 +51,16 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
+    # Only a set budget is known yet: a published one is read, or the default fitted, as it runs
+    # (this line said the default's 1,024 just before "token budget 1024 -> 64 (published)").
+    budget = (f"budget {worker.token_budget} tokens" if config.token_budget else
+              f"budget: the published one, else the {worker.token_budget}-token default fitted to its goal")
     logging.getLogger("tokq.worker").info(
-        "worker %s: %s on %s (%s, attention %s, linear %s%s), budget %d tokens, queue %s",
+        "worker %s: %s on %s (%s, attention %s, linear %s%s), %s, queue %s",
         worker.worker_id, engine.info.name, engine.device, engine.dtype, engine.attn_backend,
         engine.linear_backend,
         f", CUDA graphs up to {engine.graphs.max_tokens} tokens" if engine.graphs else "",
-        worker.token_budget, engine.info.queue_name)
+        budget, engine.info.queue_name)
     try:
         await worker.run(burst=burst)
     finally:
