@@ -69,8 +69,8 @@ def gateway_command(procs: int, **values) -> None:
     from tokq.model_source import model_errors_as_one_line
 
     with model_errors_as_one_line():  # as the worker says it, once, before Redis is asked or anything forks
-        for path, name in base.models():
-            ModelInfo.load(path, name=name, revision=base.revision or None)
+        for path, name in base.models():  # a gateway tokenizes: it needs the tokenizer's files
+            ModelInfo.load(path, name=name, revision=base.revision or None).require_tokenizer()
     metrics_host = base.metrics_host or base.host
     if busy := ports_taken([("gRPC", base.host, base.port), ("HTTP", base.host, base.http_port),
                             *(("metrics", metrics_host, base.metrics_port + i)

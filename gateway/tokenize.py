@@ -19,12 +19,14 @@ import asyncio
 import codecs
 import concurrent.futures
 import copy
+import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import normalizers
 from transformers import AutoTokenizer
 
 from tokq.gateway.ascii_text import AsciiPath
@@ -144,16 +146,31 @@ def _prefix_is_settled(enc: Encoding, keep: int) -> bool:
     return last_kept is not None and last is not None and last_kept < last and None not in words[:keep]
 
 
+def lowercase_first(backend: RustTokenizer) -> None:
+    """A Lowercase step in front of ``backend``'s normalizer, unless it has one: what
+    sentence-transformers does for do_lower_case=true (a BertNormalizer's own lowercasing does
+    not count there; lowercasing twice changes nothing). The ASCII path reads the new normalizer."""
+    spec = json.loads(backend.to_str()).get("normalizer") or {}
+    steps = spec.get("normalizers", []) if spec.get("type") == "Sequence" else [spec]
+    if any(step.get("type") == "Lowercase" for step in steps):
+        return
+    current = backend.normalizer
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Lowercase()] + ([current] if current is not None else []))
+
+
 class Tokenizer:
     def __init__(self, info: ModelInfo, threads: int = 0, heavy_bytes: int = 0,
                  large_share: float = 1.0) -> None:
         self.info = info
-        self._tok = AutoTokenizer.from_pretrained(str(info.path))
+        self._tok = AutoTokenizer.from_pretrained(str(info.require_tokenizer().path))
         # Our own copy, never truncating or padding by itself: the HF wrapper sets those on its
         # backend per call, and ``encode_truncated`` does the truncation.
         backend = copy.deepcopy(self._tok.backend_tokenizer)
         backend.no_truncation()
         backend.no_padding()
+        if info.lowercase:
+            lowercase_first(backend)
         self._backend = backend
         self._ascii = AsciiPath(backend)  # used on the event loop's thread only
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"

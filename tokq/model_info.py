@@ -23,6 +23,22 @@ DECODER_ARCHS = {"Qwen2Model": "qwen2", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3Model": "qwen3", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {"bert": "bert", "qwen2": "qwen2", "qwen3": "qwen3"}
 POOLINGS = ("mean", "cls", "last")
+# sentence-transformers' pooling modes that tokq computes; its others (max, weightedmean,
+# mean_sqrt_len_tokens) are refused.
+ST_POOLINGS = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+# sentence-transformers' legacy pooling flags, in the order it concatenates their modes.
+ST_POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
+}
+# The sentence-transformers modules tokq computes: any other (Dense, LayerNorm, ...) changes the
+# vector, so a model with one is refused rather than served wrong.
+ST_MODULES = ("Transformer", "Pooling", "Normalize")
+# Files a tokenizer is built from; without any, transformers builds an empty one (every text
+# then tokenizes to [UNK]s and embeds alike). vocab.json takes merges.txt with it (BPE).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
 
 
 class UnsupportedModel(ValueError):
@@ -48,6 +64,7 @@ class ModelInfo:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     config: dict = field(default_factory=dict, repr=False)
+    lowercase: bool = False  # sentence_bert_config.json's do_lower_case: lowercase text first
 
     @cached_property
     def fingerprint(self) -> str:
@@ -68,6 +85,17 @@ class ModelInfo:
     @property
     def is_decoder(self) -> bool:
         return self.family in ("qwen2", "qwen3")
+
+    def require_tokenizer(self) -> ModelInfo:
+        """This, when the directory has tokenizer files; else FileNotFoundError in one line. Not
+        in ``load``: a worker (and `tokq profile`) runs a model without them, from token ids."""
+        has = any((self.path / f).is_file() for f in TOKENIZER_FILES) or all(
+            (self.path / f).is_file() for f in ("vocab.json", "merges.txt"))
+        if not has:
+            raise FileNotFoundError(
+                f"{self.path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}, or "
+                "vocab.json with merges.txt): tokq cannot tokenize text for this model")
+        return self
 
     def prompt(self, prompt_name: str | None) -> str:
         """The text prepended to each input; '' when none applies. Unknown names raise KeyError."""
@@ -91,20 +119,32 @@ class ModelInfo:
         family = _family(cfg)
         st_cfg = _read_json(path / "sentence_bert_config.json") or {}
         st_prompts = _read_json(path / "config_sentence_transformers.json") or {}
-        pooling, normalize = _pooling(path, family)
-        max_pos = int(cfg.get("max_position_embeddings", 512))
-        max_length = int(st_cfg.get("max_seq_length") or max_pos)
+        prompts = {k: v for k, v in (st_prompts.get("prompts") or {}).items() if isinstance(v, str)}
+        default_prompt_name = st_prompts.get("default_prompt_name")
+        if default_prompt_name is not None and default_prompt_name not in prompts:
+            # as sentence-transformers refuses it: else every call without prompt_name fails
+            raise UnsupportedModel(
+                f"default_prompt_name {default_prompt_name!r} in config_sentence_transformers.json is "
+                f"not among its prompts ({', '.join(sorted(prompts)) or 'none'})")
+        pooling, normalize, include_prompt = _pooling(path, family)
+        if not include_prompt and pooling != "last" and any(prompts.values()):
+            # sentence-transformers leaves the prompt's tokens out of the pooled ones; tokq's
+            # workers pool every token (the last one, for last-token pooling, is the text's own)
+            named = ", ".join(sorted(k for k, v in prompts.items() if v))
+            raise UnsupportedModel(f"unsupported pooling: include_prompt=false with {pooling} pooling and "
+                                   f"prompts ({named}); tokq pools the prompt's tokens too")
         return cls(
             path=path,
             name=name or source.name,
             family=family,
             hidden_size=int(cfg["hidden_size"]),
-            max_length=min(max_length, max_pos),
+            max_length=_max_length(path, cfg, st_cfg),
             pooling=pooling,
             normalize=normalize,
-            prompts={k: v for k, v in (st_prompts.get("prompts") or {}).items() if isinstance(v, str)},
-            default_prompt_name=st_prompts.get("default_prompt_name"),
+            prompts=prompts,
+            default_prompt_name=default_prompt_name,
             config=cfg,
+            lowercase=bool(st_cfg.get("do_lower_case")),
         )
 
 
@@ -132,26 +172,57 @@ def _family(cfg: dict) -> str:
         f"model_type={cfg.get('model_type')!r}; supported: {', '.join(supported)}")
 
 
-def _pooling(path: Path, family: str) -> tuple[str, bool]:
-    """Pooling and normalization from sentence-transformers' modules, else per family."""
-    default = ("last", True) if family in ("qwen2", "qwen3") else ("mean", True)
+def _max_length(path: Path, cfg: dict, st_cfg: dict) -> int:
+    """Tokens per input as sentence-transformers sets them: the tokenizer arguments' or
+    sentence_bert_config.json's max_seq_length, else the tokenizer's model_max_length (where
+    sentence-transformers 6 saves it); never past max_position_embeddings, the most the model reads."""
+    max_pos = int(cfg.get("max_position_embeddings", 512))
+    tok_args = st_cfg.get("tokenizer_args", st_cfg.get("processor_kwargs")) or {}
+    length = tok_args.get("model_max_length") or st_cfg.get("max_seq_length")
+    if not length:
+        length = (_read_json(path / "tokenizer_config.json") or {}).get("model_max_length")
+    # none there either: transformers' tokenizer is unbounded, so max_position_embeddings
+    return min(int(length), max_pos) if length else max_pos
+
+
+def _pooling(path: Path, family: str) -> tuple[str, bool, bool]:
+    """Pooling, normalization and include_prompt from sentence-transformers' modules, else per family."""
+    default = ("last", True, True) if family in ("qwen2", "qwen3") else ("mean", True, True)
     modules = _read_json(path / "modules.json")
-    if not isinstance(modules, list):
+    if modules is None:
         return default
-    pooling, normalize = default[0], False
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise UnsupportedModel(f"{path / 'modules.json'} is not a list of sentence-transformers modules")
+    pooling, normalize, include_prompt = default[0], False, True
     for mod in modules:
         kind = str(mod.get("type", ""))
-        if kind.endswith("Pooling"):
-            pcfg = _read_json(path / mod.get("path", "") / "config.json") or {}
-            if pcfg.get("pooling_mode_cls_token"):
-                pooling = "cls"
-            elif pcfg.get("pooling_mode_lasttoken"):
-                pooling = "last"
-            elif pcfg.get("pooling_mode_mean_tokens"):
-                pooling = "mean"
-            else:
-                modes = [k for k, v in pcfg.items() if k.startswith("pooling_mode") and v]
-                raise UnsupportedModel(f"unsupported pooling {modes}; supported: {POOLINGS}")
-        elif kind.endswith("Normalize"):
+        name = kind.rsplit(".", 1)[-1]
+        if not kind.startswith("sentence_transformers.") or name not in ST_MODULES:
+            raise UnsupportedModel(f"unsupported sentence-transformers module {kind!r} in modules.json; "
+                                   f"supported: {', '.join(ST_MODULES)}")
+        if name == "Pooling":
+            where = path / mod.get("path", "") / "config.json"
+            pcfg = _read_json(where)
+            if not isinstance(pcfg, dict):
+                raise FileNotFoundError(f"{where} is missing: modules.json names a Pooling module there")
+            pooling = _pooling_mode(pcfg, where)
+            include_prompt = pcfg.get("include_prompt", True) is not False
+        elif name == "Normalize":
             normalize = True
-    return pooling, normalize
+    return pooling, normalize, include_prompt
+
+
+def _pooling_mode(pcfg: dict, where: Path) -> str:
+    """tokq's pooling for a Pooling config, read as sentence-transformers reads it: pooling_mode
+    (6.x: a name or a list), else the legacy pooling_mode_* flags on (none on: mean)."""
+    mode = pcfg.get("pooling_mode")
+    if mode is None:
+        modes = [m for key, m in ST_POOLING_FLAGS.items() if pcfg.get(key)] or ["mean"]
+    else:
+        modes = [mode] if isinstance(mode, str) else list(mode) if isinstance(mode, list) else [mode]
+    supported = ", ".join(ST_POOLINGS)
+    if len(modes) != 1:  # sentence-transformers concatenates one vector per mode
+        raise UnsupportedModel(f"unsupported pooling {modes} in {where}: one mode only, of {supported}")
+    if modes[0] not in ST_POOLINGS:
+        raise UnsupportedModel(f"unsupported pooling {modes[0]!r} in {where}; supported: {supported}")
+    return ST_POOLINGS[modes[0]]
