@@ -472,3 +472,29 @@ def test_a_worker_that_keeps_dying_is_started_again_ever_later():
         again.restarted(now)
     assert waits == [1, 2, 4, 8, 16, RESTART_MAX_S, RESTART_MAX_S]
     assert again.died(now + RESTART_STABLE_S) == 0  # it had run a minute: at once
+
+
+def test_tokq_up_gives_its_workers_the_threads_tokq_threads_says():
+    """TOKQ_THREADS (the workers' setting; tokq up has no flag of its own for it) reaches them:
+    the --threads tokq up computed went on their command line after it and won, silently."""
+    proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(free_port()),
+                             "--http-port", "0", "--metrics-port", "0", "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_THREADS": "3"},
+                            preexec_fn=ctrl_c_reaches_it)
+    try:
+        # Serving before Ctrl-C: one sent during start-up can land in a finalizer and be lost
+        read_until_serving(proc)
+        workers = [args for args in map(proc_cpu.cmdline, proc_cpu.children(proc.pid)) if "--threads" in args]
+        assert [args[args.index("--threads") + 1] for args in workers] == ["3", "3"]
+    finally:
+        _stop(proc)
+
+
+def test_tokq_up_refuses_a_tokq_threads_out_of_range_before_starting_anything():
+    out = subprocess.run([sys.executable, "-m", "tokq.cli", "up", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "TOKQ_THREADS": "-1"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == ("Error: threads=-1 is out of range, must be 0..4096 (flag "
+                                                   "--threads, env TOKQ_THREADS)"), out.stderr
+    assert "Redis" not in out.stdout + out.stderr  # stopped before the embedded Redis started

@@ -9,6 +9,36 @@ import sys
 import click
 
 
+def _pem(path: str, flag: str, env: str) -> bytes:
+    """A PEM file's bytes, or one usage-error line: gRPC takes bytes that are not PEM and fails
+    every call with "Failed to create security handshaker", logging to stderr."""
+    from pathlib import Path
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise click.UsageError(f"{flag} {path!r}: {exc.strerror} ({env})") from None
+    if b"-----BEGIN " not in data:
+        raise click.UsageError(f"{flag} {path!r} is not a PEM file ({env})")
+    return data
+
+
+def _credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):
+    """TLS channel credentials from the flags, None (plaintext) when none is given."""
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together (env TOKQ_CLIENT_TLS_CERT/"
+                               "TOKQ_CLIENT_TLS_KEY)")
+    if not (tls_ca or tls_cert):
+        return None
+    import grpc
+
+    # No --tls-ca: the system's roots verify the gateway (a certificate from a public CA).
+    return grpc.ssl_channel_credentials(
+        root_certificates=_pem(tls_ca, "--tls-ca", "TOKQ_TLS_CA") if tls_ca else None,
+        private_key=_pem(tls_key, "--tls-key", "TOKQ_CLIENT_TLS_KEY") if tls_key else None,
+        certificate_chain=_pem(tls_cert, "--tls-cert", "TOKQ_CLIENT_TLS_CERT") if tls_cert else None)
+
+
 def _timeout(ctx, param, value: float) -> float:
     if math.isnan(value):  # FloatRange lets NaN through: it compares false with every bound
         raise click.BadParameter("nan is not a number of seconds")
@@ -26,15 +56,22 @@ def _timeout(ctx, param, value: float) -> float:
 @click.option("--model", default="", help="the served model's name (needed where the gateway serves several)")
 @click.option("--api-key", envvar="TOKQ_API_KEY", help="for a gateway started with --api-key (sent as a "
               "bearer token); prefer the env var: a flag is visible in ps")
+# Not TOKQ_TLS_CERT/TOKQ_TLS_KEY: those are the gateway's own certificate (tokq gateway, tokq up).
+@click.option("--tls-ca", envvar="TOKQ_TLS_CA", metavar="FILE",
+              help="PEM roots that verify a gateway serving TLS (tokq gateway --tls-cert)")
+@click.option("--tls-cert", envvar="TOKQ_CLIENT_TLS_CERT", metavar="FILE",
+              help="PEM client certificate, for a gateway with --tls-client-ca (mutual TLS; needs --tls-key)")
+@click.option("--tls-key", envvar="TOKQ_CLIENT_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               callback=_timeout, help="seconds (inf: none of its own, the gateway's default applies)")
 def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, model, api_key,
-                  timeout) -> None:
+                  tls_ca, tls_cert, tls_key, timeout) -> None:
     """Embed TEXTS with the gateway at --target and print JSON."""
     from tokq.client import Client, TokqError
 
+    credentials = _credentials(tls_ca, tls_cert, tls_key)
     try:
-        client = Client(target, model=model, api_key=api_key or None)
+        client = Client(target, credentials=credentials, model=model, api_key=api_key or None)
     except (ValueError, TypeError) as exc:  # e.g. a key holding a newline or non-ASCII character
         raise click.UsageError(f"{exc} (--api-key / TOKQ_API_KEY)") from None
     with client:

@@ -347,9 +347,31 @@ class UpConfig(_Validated):
     http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)
     api_keys: tuple[str, ...] = _API_KEYS
     api_key_file: str = _API_KEY_FILE
+    # The gateway's TLS under its TOKQ_TLS_* names: in the environment they reached the gateway
+    # while tokq up's readiness check spoke plaintext and waited for ever.
+    tls_cert: str = setting("", "PEM certificate chain: the gateway serves gRPC and HTTP over TLS "
+                            "(needs --tls-key)")
+    tls_key: str = setting("", "PEM private key of --tls-cert")
+    tls_client_ca: str = setting("", "PEM CA bundle: the gateway requires client certificates signed "
+                                 "by it (mutual TLS; needs --client-tls-cert/--client-tls-key)")
+    # tokq embed's names: one TOKQ_TLS_CA serves both
+    tls_ca: str = setting("", "PEM roots that verify --tls-cert, for tokq up's readiness check and "
+                          "the lines it prints", default_text="--tls-cert itself")
+    client_tls_cert: str = setting("", "client certificate for tokq up's readiness check with "
+                                   "--tls-client-ca")
+    client_tls_key: str = setting("", "PEM private key of --client-tls-cert")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together (flags --tls-cert/--tls-key, env "
+                              "TOKQ_TLS_CERT/TOKQ_TLS_KEY)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca needs a server certificate too (--tls-cert/--tls-key)")
+        if self.tls_client_ca and not (self.client_tls_cert and self.client_tls_key):
+            raise ConfigError("tls_client_ca (mutual TLS) needs a client certificate for tokq up's "
+                              "readiness check: --client-tls-cert and --client-tls-key (env "
+                              "TOKQ_CLIENT_TLS_CERT/TOKQ_CLIENT_TLS_KEY)")
         if any("," in key for key in self.api_keys):  # the gateway gets them comma-separated
             raise ConfigError("an API key with a comma cannot reach the gateway in TOKQ_API_KEYS: "
                               "put it in --api-key-file")
@@ -417,6 +439,9 @@ OTHER_ENV = {
     "TOKQ_DEVICE_PEAK_FLOPS": "tokq/flops.py: the device's peak, for MFU",
     "TOKQ_WORKER_ID": "tokq worker --worker-id", "TOKQ_PROCS": "tokq gateway --procs",
     "TOKQ_TARGET": "tokq embed --target", "TOKQ_API_KEY": "tokq embed --api-key",
+    # the client's TLS (not TOKQ_TLS_CERT/TOKQ_TLS_KEY: the gateway's); tokq up's UpConfig reads them too
+    "TOKQ_TLS_CA": "tokq embed --tls-ca", "TOKQ_CLIENT_TLS_CERT": "tokq embed --tls-cert",
+    "TOKQ_CLIENT_TLS_KEY": "tokq embed --tls-key",
     "TOKQ_BENCH_INFINITY_BIN": "tokq bench service --infinity-bin",
     "TOKQ_TEST_REDIS_SERVER": "tests: the Redis server binary", "TOKQ_FAULTS_RESULTS": "tests",
 }

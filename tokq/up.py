@@ -20,7 +20,7 @@ import click
 
 from tokq import config as cfg
 from tokq.address import host_port, local_host, ports_taken
-from tokq.health import ExitedDuringStartup, wait_for_health
+from tokq.health import SERVING, ExitedDuringStartup, wait_for_health
 from tokq.host import usable_cpus
 from tokq.model_info import ModelInfo
 from tokq.model_source import model_errors_as_one_line
@@ -135,26 +135,84 @@ def _keep_up(embedded: EmbeddedRedis | None) -> None:
             raise click.ClickException(f"the embedded Redis did not start again: {exc}") from None
 
 
+def _tls_credentials(conf: cfg.UpConfig):
+    """What the readiness check dials a gateway serving --tls-cert with: its certificate verified
+    by --tls-ca (default: the certificate itself, which gRPC takes as a root), and under mutual
+    TLS the client certificate. None: plaintext. A file that is unreadable or not PEM: one line
+    here, before anything starts (gRPC would fail every check, and log, for ever)."""
+    if not conf.tls_cert:
+        return None
+    import grpc
+
+    def read(name: str) -> bytes | None:
+        if not (path := getattr(conf, name)):
+            return None
+        where = f"(flag --{name.replace('_', '-')}, env {cfg.env_var(name)})"
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise click.ClickException(f"{name} {path!r}: {exc.strerror} {where}") from None
+        if b"-----BEGIN " not in data:
+            raise click.ClickException(f"{name} {path!r} is not a PEM file {where}")
+        return data
+
+    # every file read, the gateway's own too: it would find them unreadable after Redis started
+    files = {name: read(name) for name in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca",
+                                           "client_tls_cert", "client_tls_key")}
+    mutual = bool(conf.tls_client_ca)
+    return grpc.ssl_channel_credentials(files["tls_ca"] or files["tls_cert"],
+                                        private_key=files["client_tls_key"] if mutual else None,
+                                        certificate_chain=files["client_tls_cert"] if mutual else None)
+
+
+def _wait_for_tls_health(target: str, procs: list[subprocess.Popen], timeout_s: float, credentials) -> None:
+    """tokq.health.wait_for_health (which speaks plaintext) over TLS; its TimeoutError says why
+    the last check failed ("" when the gateway answered), a certificate the check cannot verify
+    being for ever."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline, why = time.monotonic() + timeout_s, ""
+    with grpc.secure_channel(target, credentials) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if any(proc.poll() is not None for proc in procs):
+                raise ExitedDuringStartup(target)
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING:
+                    return
+                why = ""
+            except grpc.RpcError as exc:
+                why = exc.details() or exc.code().name
+            time.sleep(0.2)
+    raise TimeoutError(why)
+
+
 def _wait_ready(target: str, procs: list[subprocess.Popen], embedded: EmbeddedRedis | None = None,
-                report_every_s: float = 30, check_every_s: float = 2) -> None:
+                report_every_s: float = 30, check_every_s: float = 2, credentials=None) -> None:
     """Wait for the gateway to report ready (a worker has loaded the model and warmed up), for as
     long as every process lives: a large model can take minutes (a fixed limit killed workers
     still loading), so say every ``report_every_s`` what it is waiting for instead. The embedded
-    Redis is kept up meanwhile too: dead, nothing would ever become ready."""
+    Redis is kept up meanwhile too: dead, nothing would ever become ready. ``credentials``: the
+    gateway serves TLS."""
     started = last_report = time.monotonic()
     while True:
         try:
-            wait_for_health(target, procs, check_every_s)
+            if credentials is None:
+                wait_for_health(target, procs, check_every_s)
+            else:
+                _wait_for_tls_health(target, procs, check_every_s, credentials)
             return
         except ExitedDuringStartup:
             raise click.ClickException("a tokq process exited during start-up (see its log above)") from None
-        except TimeoutError:
+        except TimeoutError as exc:
             _keep_up(embedded)
             if time.monotonic() - last_report >= report_every_s:
                 last_report = time.monotonic()
+                why = f"; the last TLS health check said: {exc}" if credentials and str(exc) else ""
                 click.echo(f"tokq up: not ready after {last_report - started:.0f} s: no worker ready yet "
                            "(loading the model and warming up, or not reaching Redis: see the log above; "
-                           "Ctrl-C to give up)", err=True)
+                           f"Ctrl-C to give up){why}", err=True)
 
 
 def _check_ports(ports: list[tuple[str, str, int]]) -> None:
@@ -164,6 +222,21 @@ def _check_ports(ports: list[tuple[str, str, int]]) -> None:
     if busy := ports_taken(ports):
         raise click.ClickException(f"{busy} already in use (another tokq up?): choose other --port / "
                                    "--http-port / --metrics-port, or stop that process")
+
+
+def _client_tls(conf: cfg.UpConfig, ca_flag: str, cert_flag: str, key_flag: str) -> str:
+    """A client's TLS flags in the lines tokq up prints ("" for plaintext), the files absolute:
+    the lines may be run from another directory."""
+    if not conf.tls_cert:
+        return ""
+
+    def path(name: str) -> str:
+        return shlex.quote(str(Path(getattr(conf, name)).resolve()))
+
+    out = f" {ca_flag} {path('tls_ca' if conf.tls_ca else 'tls_cert')}"
+    if conf.tls_client_ca:
+        out += f" {cert_flag} {path('client_tls_cert')} {key_flag} {path('client_tls_key')}"
+    return out
 
 
 def tokq_command() -> str:
@@ -183,6 +256,18 @@ def threads_per_worker(num_workers: int, cpus: int | None = None) -> int:
     return max(1, (max(cpus or usable_cpus(), 2) - 1) // num_workers)
 
 
+def _worker_threads(num_workers: int, cpus: int) -> int:
+    """TOKQ_THREADS where set (the workers' own setting: what tokq up is told is what they run
+    with; --threads on their command line overrode it), else ``threads_per_worker``."""
+    name = cfg.env_var("threads")
+    if name not in os.environ:
+        return threads_per_worker(num_workers, cpus)
+    try:
+        return cfg.load(cfg.WorkerConfig, {}, env={name: os.environ[name]}).threads
+    except cfg.ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 @click.command("up")
 @cfg.click_options(cfg.UpConfig, cfg.QueueConfig)
 def up_command(**values) -> None:
@@ -191,9 +276,10 @@ def up_command(**values) -> None:
     conf = cfg.load_or_exit(cfg.UpConfig, up_values)
     queue_conf = cfg.load_or_exit(cfg.QueueConfig, queue_values)
     auth = _api_keys(conf)  # a missing or empty key file stops here, before anything starts
+    credentials = _tls_credentials(conf)  # and so does a certificate file
     with model_errors_as_one_line():  # a missing model too: one line here, not a traceback per child
         ModelInfo.load(conf.model or None, name=conf.served_model_name or None,
-                       revision=conf.revision or None)
+                       revision=conf.revision or None).require_tokenizer()  # its gateway tokenizes
     cpus = usable_cpus()
     num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
@@ -202,7 +288,7 @@ def up_command(**values) -> None:
     port = conf.port or free_port(host, taken=frozenset({conf.http_port, *metrics_ports}))
     _check_ports([("gRPC", host, port), ("HTTP", host, conf.http_port),
                   *(("metrics", host, p) for p in metrics_ports)])
-    threads = threads_per_worker(num_workers, cpus)
+    threads = _worker_threads(num_workers, cpus)
     if conf.redis_url:  # a URL or cluster setting that cannot work: one line, before anything starts
         from tokq.connection import check_redis_or_exit
 
@@ -262,18 +348,21 @@ def up_command(**values) -> None:
     try:
         gw_args = ["gateway", *common, "--host", host, "--port", str(port), "--procs", str(num_gateways),
                    "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port),
-                   *(["--api-key-file", str(Path(conf.api_key_file).resolve())] if conf.api_key_file else [])]
+                   *(["--api-key-file", str(Path(conf.api_key_file).resolve())] if conf.api_key_file else []),
+                   *(arg for name in ("tls_cert", "tls_key", "tls_client_ca") if getattr(conf, name)
+                     for arg in (f"--{name.replace('_', '-')}", str(Path(getattr(conf, name)).resolve())))]
         procs.append(_spawn(gw_args, env))
         workers = [_spawn(worker_args(i), env) for i in range(num_workers)]
         restarts = [RestartBackoff(time.monotonic()) for _ in workers]
         procs += workers
         local = local_host(host)  # what a client here dials: loopback for a wildcard --host
         target = host_port(local, port)
-        _wait_ready(target, procs, embedded)
-        click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host_port(host, port)} "
-                   f"(health and reflection on), {num_gateways} gateway process(es), {num_workers} worker(s)")
+        _wait_ready(target, procs, embedded, credentials=credentials)
+        tls = ("mutual TLS, " if conf.tls_client_ca else "TLS, ") if credentials else ""
+        click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host_port(host, port)} ({tls}health and "
+                   f"reflection on), {num_gateways} gateway process(es), {num_workers} worker(s)")
         if conf.http_port:
-            http_url = f"http://{host_port(local, conf.http_port)}/v1/embeddings"
+            http_url = f"http{'s' if credentials else ''}://{host_port(local, conf.http_port)}/v1/embeddings"
             click.echo(f"  HTTP:    {http_url} (OpenAI-compatible)")
         click.echo(f"  Redis:   {redact_url(redis_url)}" + (
             " (embedded, loopback, generated password)" if embedded else ""))
@@ -288,11 +377,15 @@ def up_command(**values) -> None:
         header = ' -H "authorization: Bearer $TOKQ_API_KEY"' if keyed else ""
         if keyed:
             click.echo("  auth:    API keys required (set TOKQ_API_KEY to one for these lines)")
-        click.echo(f"  try:     {tokq_command()} embed --target {shell_target} \"hello world\"")
-        click.echo(f"           grpcurl -plaintext{header} -d '{{\"inputs\": [\"hello\"]}}' {shell_target} "
-                   "tokq.v1.Embedder/Embed")
+        embed_tls = _client_tls(conf, "--tls-ca", "--tls-cert", "--tls-key")
+        click.echo(f"  try:     {tokq_command()} embed --target {shell_target}{embed_tls} \"hello world\"")
+        grpcurl_tls = _client_tls(conf, "-cacert", "-cert", "-key").lstrip() or "-plaintext"
+        click.echo(f"           grpcurl {grpcurl_tls}{header} -d '{{\"inputs\": [\"hello\"]}}' "
+                   f"{shell_target} tokq.v1.Embedder/Embed")
         if conf.http_port:
-            click.echo(f"           curl {shlex.quote(http_url)}{header} -H 'Content-Type: application/json' "
+            curl_tls = _client_tls(conf, "--cacert", "--cert", "--key")
+            click.echo(f"           curl {shlex.quote(http_url)}{curl_tls}{header} "
+                       "-H 'Content-Type: application/json' "
                        "-d '{\"input\": \"hello\"}'")
         click.echo("Ctrl-C stops everything.\n", nl=True)
         while True:
