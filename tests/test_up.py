@@ -498,3 +498,22 @@ def test_tokq_up_refuses_a_tokq_threads_out_of_range_before_starting_anything():
     assert out.stderr.strip().splitlines()[-1] == ("Error: threads=-1 is out of range, must be 0..4096 (flag "
                                                    "--threads, env TOKQ_THREADS)"), out.stderr
     assert "Redis" not in out.stdout + out.stderr  # stopped before the embedded Redis started
+
+
+def test_a_stop_signal_swallowed_by_a_finalizer_still_stops_tokq_up():
+    """The first Ctrl-C raised KeyboardInterrupt and turned stop signals off; raised inside a
+    finalizer (Redis.__del__) Python swallowed it, and tokq up then ignored every later Ctrl-C
+    until a SIGKILL. Its loops now check whether a stop was asked for."""
+    from tokq.up import StopRequest
+
+    stop = StopRequest()
+    stop.check()  # nothing asked: goes on
+    try:
+        stop.handler()
+    except KeyboardInterrupt:
+        pass  # what a finalizer's "Exception ignored" does to it
+    else:
+        raise AssertionError("the first stop signal must interrupt")
+    stop.handler()  # a second one does not cut the clean-up short
+    with pytest.raises(KeyboardInterrupt):
+        stop.check()  # but the loop stops

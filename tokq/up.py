@@ -40,6 +40,27 @@ RESTART_MAX_S = 30.0
 CUDA_CHECK_TIMEOUT_S = 60
 
 
+class StopRequest:
+    """What a stop signal (Ctrl-C, SIGTERM, SIGHUP) does to `tokq up`: the first raises
+    KeyboardInterrupt, later ones are ignored (a second Ctrl-C must not cut the stopping short:
+    Redis left behind). A first one raised inside a finalizer is swallowed by Python ("Exception
+    ignored in: Redis.__del__"), which had left tokq up ignoring every later Ctrl-C: its loops
+    also call ``check`` and stop once one was asked for."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def handler(self, _sig=None, _frame=None) -> None:
+        if self.asked:
+            return
+        self.asked = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+
+
 class RestartBackoff:
     """When to start a dead worker again: at once after a long run, else after a wait that
     doubles with each quick death (1, 2, 4, ... s, at most RESTART_MAX_S). A worker that dies at
@@ -189,7 +210,8 @@ def _wait_for_tls_health(target: str, procs: list[subprocess.Popen], timeout_s: 
 
 
 def _wait_ready(target: str, procs: list[subprocess.Popen], embedded: EmbeddedRedis | None = None,
-                report_every_s: float = 30, check_every_s: float = 2, credentials=None) -> None:
+                report_every_s: float = 30, check_every_s: float = 2, credentials=None,
+                stop: StopRequest | None = None) -> None:
     """Wait for the gateway to report ready (a worker has loaded the model and warmed up), for as
     long as every process lives: a large model can take minutes (a fixed limit killed workers
     still loading), so say every ``report_every_s`` what it is waiting for instead. The embedded
@@ -206,6 +228,8 @@ def _wait_ready(target: str, procs: list[subprocess.Popen], embedded: EmbeddedRe
         except ExitedDuringStartup:
             raise click.ClickException("a tokq process exited during start-up (see its log above)") from None
         except TimeoutError as exc:
+            if stop:
+                stop.check()
             _keep_up(embedded)
             if time.monotonic() - last_report >= report_every_s:
                 last_report = time.monotonic()
@@ -335,16 +359,12 @@ def up_command(**values) -> None:
                 "--metrics-host", host]
         return args
 
-    def shutdown(*_):
-        for sig in stops:  # once: a second Ctrl-C must not cut the stopping short (Redis left behind)
-            signal.signal(sig, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
+    stop = StopRequest()
     # SIGHUP (the terminal closed) too, unless ignored: nohup, or a background job's SIGINT.
     stops = [signal.SIGTERM, *(sig for sig in (signal.SIGINT, signal.SIGHUP)
                                if signal.getsignal(sig) is not signal.SIG_IGN)]
     for sig in stops:
-        signal.signal(sig, shutdown)
+        signal.signal(sig, stop.handler)
     try:
         gw_args = ["gateway", *common, "--host", host, "--port", str(port), "--procs", str(num_gateways),
                    "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port),
@@ -357,7 +377,7 @@ def up_command(**values) -> None:
         procs += workers
         local = local_host(host)  # what a client here dials: loopback for a wildcard --host
         target = host_port(local, port)
-        _wait_ready(target, procs, embedded, credentials=credentials)
+        _wait_ready(target, procs, embedded, credentials=credentials, stop=stop)
         tls = ("mutual TLS, " if conf.tls_client_ca else "TLS, ") if credentials else ""
         click.echo(f"\ntokq is up: gRPC tokq.v1.Embedder on {host_port(host, port)} ({tls}health and "
                    f"reflection on), {num_gateways} gateway process(es), {num_workers} worker(s)")
@@ -389,6 +409,7 @@ def up_command(**values) -> None:
                        "-d '{\"input\": \"hello\"}'")
         click.echo("Ctrl-C stops everything.\n", nl=True)
         while True:
+            stop.check()
             if procs[0].poll() is not None:
                 raise click.ClickException(f"the gateway exited ({procs[0].returncode})")
             for i, proc in enumerate(workers):
@@ -406,7 +427,7 @@ def up_command(**values) -> None:
     except KeyboardInterrupt:
         click.echo("stopping tokq ...", err=True)
     finally:
-        for sig in stops:  # as in shutdown(): the gateway's exit ends up here without a signal
+        for sig in stops:  # as after a stop signal: the gateway's exit ends up here without one
             signal.signal(sig, signal.SIG_IGN)
         stop_all(procs)
         if embedded:
