@@ -226,3 +226,30 @@ def test_do_lower_case_lowercases_as_sentence_transformers_does(cased_do_lower_c
     finally:
         tok.close()
     _assert_matches_st(cased_do_lower_case, MIXED_CASE)
+
+
+def test_vectors_are_unit_length_by_default_also_for_a_model_without_normalize(bundled_model_dir, tmp_path):
+    """README: unit length unless a call sends normalize=false, as TEI and OpenAI, whatever the
+    model's modules; normalize=false gives the model's own (sentence-transformers') vectors."""
+    from service_stack import ServiceStack
+
+    from tokq import Client
+
+    path = _copy_model(bundled_model_dir, tmp_path / "no-normalize")
+    modules = json.loads((path / "modules.json").read_text())
+    (path / "modules.json").write_text(json.dumps([m for m in modules if not m["type"].endswith("Normalize")]))
+    texts = ["red running shoes", "a second, longer text about queues and batches"]
+    raw = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True)
+    assert np.all(np.abs(np.linalg.norm(raw, axis=1) - 1) > 0.1)  # the model itself does not normalize
+    stack = ServiceStack(model=str(path))
+    try:
+        stack.start_gateway()
+        stack.start_worker("w1")
+        stack.wait_ready()
+        with Client(stack.target) as client:
+            default = client.embed(texts, timeout=60)
+            unnormalized = client.embed(texts, normalize=False, timeout=60)
+    finally:
+        stack.close()
+    assert np.allclose(np.linalg.norm(default, axis=1), 1, atol=1e-4)
+    assert np.allclose(unnormalized, raw, atol=1e-3 * np.abs(raw).max())
