@@ -473,13 +473,29 @@ class Worker:
             await asyncio.sleep(period_s() if callable(period_s) else period_s)
 
     async def _renew_leases(self) -> None:
+        period_s = self.queue_config.lease_ms / 3000
+
+        async def renew_one(batch_id: str) -> None:
+            # Bounded by the period: a silent node (3 x 5 s on a cluster) must not hold up the
+            # next round's renewals on the others past their lease.
+            if not await asyncio.wait_for(self.queue.renew(batch_id), period_s) and batch_id in self._held:
+                # Requeued already (we stalled past the lease): another worker may redo it;
+                # our ack still counts once, the first answer wins.
+                log.warning("lease of batch %s expired before it finished", batch_id)
+
         async def renew():
-            for batch_id in list(self._held if self.healthy else ()):
-                if not await self.queue.renew(batch_id) and batch_id in self._held:
-                    # Requeued already (we stalled past the lease): another worker may redo it;
-                    # our ack still counts once, the first answer wins.
-                    log.warning("lease of batch %s expired before it finished", batch_id)
-        await self._every(self.queue_config.lease_ms / 3000, renew)
+            # Every held batch at once: one shard's node out (refusing, or silent) failed the
+            # round at its batch, and the batches after it on healthy shards went unrenewed
+            # until another worker redid them (a queue bug hunt).
+            held = list(self._held if self.healthy else ())
+            failed = [r for r in await asyncio.gather(*map(renew_one, held), return_exceptions=True)
+                      if isinstance(r, BaseException)]
+            for error in failed:
+                if not isinstance(error, Exception):
+                    raise error  # cancelled
+            if failed:
+                raise failed[0]  # logged once per outage by _every
+        await self._every(period_s, renew)
 
     async def _requeue_expired(self) -> None:
         """Every half lease, and as soon as the earliest lease is due a check (half a lease
