@@ -218,6 +218,29 @@ async def test_an_answer_lost_on_every_retry_raises_lost_answer(redis_url):
         proxy.close()
 
 
+async def test_the_claim_after_a_claim_that_lost_its_answer_gets_that_batch(redis_url):
+    """A claim that ran but whose answer was lost after every retry: the worker's next claim
+    drew a new batch id, so the leased batch sat leased to a live worker until its lease ended
+    (10 s; a 3 s deadline passed meanwhile). The next claim repeats the lost one's id."""
+    proxy = FaultProxy(redis_url).start()
+    try:
+        async with open_queue(proxy.url) as q:
+            assert await q.claim(100) is None  # the claim script loaded (else NOSCRIPT is all that is lost)
+            await q.enqueue("r", items(5, 5), timeout_ms=3_000, channel=CHANNEL)
+            proxy.cut_rate(1.0, script_sha("claim"))
+            with pytest.raises(LostAnswer, match="claim"):
+                await q.claim(100)
+            proxy.reset()
+            assert (await q.stats()).inflight_batches == 1  # it ran: leased, its answer lost
+            again = await q.claim(100)
+            assert again is not None and len(again.entries) == 2  # the same batch, at once
+            assert (await q.stats()).inflight_batches == 1
+            await q.ack(again.batch_id, [(e, ok_result(e)) for e in again.entries])
+            assert await q.claim(100) is None  # and the ids go on from there
+    finally:
+        proxy.close()
+
+
 async def test_an_enqueue_run_after_its_withdrawal_queues_nothing(redis_url):
     """A call whose enqueue got no answer (given up on a stalled Redis, or cancelled while it was
     out) is withdrawn with a mark: that enqueue, run late, queues nothing (its entries would be

@@ -181,6 +181,9 @@ class Queue:
         # (tokq.shards puts the shard first: "<shard>.<random>", so an ack finds its shard.)
         self._batch_prefix = batch_prefix or secrets.token_hex(8)
         self._batch_numbers = itertools.count(1)
+        # A claim whose answer was lost: the next claim runs under its id, so that if it ran it
+        # returns its lease (else that batch sat leased to a live worker until its lease ended).
+        self._unanswered_claim: str | None = None
         # Set by requeue_expired: ms until the earliest lease is due a check (None: no lease).
         self.next_expiry_ms: int | None = None
 
@@ -264,17 +267,23 @@ class Queue:
                          lanes: Lanes = "both") -> tuple[Claim | None, int, int]:
         """One run of claim.lua: (the batch or None, entries dropped as expired, entries
         dropped because their request is gone). It stops after ``max_drop`` drops. The batch
-        id is picked here, so a run repeated after a lost answer returns the same batch."""
+        id is picked here, so a run repeated after a lost answer returns the same batch: the
+        next call after a LostAnswer repeats the lost one's id."""
         if token_budget < 1:
             raise ValueError(f"budget must be positive, got {token_budget}")
         k, cfg = self.keys, self.config
+        asked_id = self._unanswered_claim or f"{self._batch_prefix}-{next(self._batch_numbers)}"
         args = [self._now_arg(), token_budget, cfg.lease_ms,
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
-                max_drop, k.reply_prefix, k.lease_prefix,
-                f"{self._batch_prefix}-{next(self._batch_numbers)}",
+                max_drop, k.reply_prefix, k.lease_prefix, asked_id,
                 isolate_attempt_for(cfg.max_attempts), k.owner_prefix, lanes]
-        batch_id, now_ms, expired, orphaned, raw, num_heavy = await self._run(
-            "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
+        try:
+            batch_id, now_ms, expired, orphaned, raw, num_heavy = await self._run(
+                "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
+        except LostAnswer:
+            self._unanswered_claim = asked_id
+            raise
+        self._unanswered_claim = None
         claim = None
         if batch_id:
             claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired,
