@@ -179,6 +179,19 @@ def _channel_options() -> list[tuple[str, object]]:
             ("grpc.keepalive_permit_without_calls", 0)]
 
 
+def read_pem(path: str) -> bytes:
+    """A PEM file's bytes for grpc's TLS credentials; ValueError saying why not (unreadable, or
+    not PEM: gRPC takes such bytes and fails every call with "Failed to create security
+    handshaker", logging to stderr)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"{path!r}: {exc.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{path!r} is not a PEM file")
+    return data
+
 class _Connection:
     __slots__ = ("channel", "stub", "outstanding", "process", "retired")
 

@@ -10,17 +10,13 @@ import click
 
 
 def _pem(path: str, flag: str, env: str) -> bytes:
-    """A PEM file's bytes, or one usage-error line: gRPC takes bytes that are not PEM and fails
-    every call with "Failed to create security handshaker", logging to stderr."""
-    from pathlib import Path
+    """A PEM file's bytes, or one usage-error line naming the flag."""
+    from tokq.client import read_pem
 
     try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise click.UsageError(f"{flag} {path!r}: {exc.strerror} ({env})") from None
-    if b"-----BEGIN " not in data:
-        raise click.UsageError(f"{flag} {path!r} is not a PEM file ({env})")
-    return data
+        return read_pem(path)
+    except ValueError as exc:
+        raise click.UsageError(f"{flag} {exc} ({env})") from None
 
 
 def _credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):

@@ -168,14 +168,13 @@ def _tls_credentials(conf: cfg.UpConfig):
     def read(name: str) -> bytes | None:
         if not (path := getattr(conf, name)):
             return None
-        where = f"(flag --{name.replace('_', '-')}, env {cfg.env_var(name)})"
+        from tokq.client import read_pem
+
         try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise click.ClickException(f"{name} {path!r}: {exc.strerror} {where}") from None
-        if b"-----BEGIN " not in data:
-            raise click.ClickException(f"{name} {path!r} is not a PEM file {where}")
-        return data
+            return read_pem(path)
+        except ValueError as exc:
+            raise click.ClickException(f"{name} {exc} (flag --{name.replace('_', '-')}, "
+                                       f"env {cfg.env_var(name)})") from None
 
     # every file read, the gateway's own too: it would find them unreadable after Redis started
     files = {name: read(name) for name in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca",
