@@ -40,6 +40,12 @@ RESTART_MAX_S = 30.0
 CUDA_CHECK_TIMEOUT_S = 60
 
 
+def up_worker_id(i: int, *, shared: bool) -> str:
+    """tokq up's worker ``i``'s id. ``shared``: on a --redis-url, which other hosts' tokq up may
+    share: their workers were up-0 too (one heartbeat key, one metrics label for several)."""
+    return f"{socket.gethostname()}-up-{i}" if shared else f"up-{i}"
+
+
 class StopRequest:
     """What a stop signal (Ctrl-C, SIGTERM, SIGHUP) does to `tokq up`: the first raises
     KeyboardInterrupt, later ones are ignored (a second Ctrl-C must not cut the stopping short:
@@ -345,13 +351,9 @@ def up_command(**values) -> None:
               *(["--served-model-name", conf.served_model_name] if conf.served_model_name else [])]
     procs: list[subprocess.Popen] = []
 
-    def worker_id(i: int) -> str:
-        # Another host's tokq up may share a Redis given by --redis-url: its workers were up-0 too,
-        # one heartbeat key and one metrics label for two workers.
-        return f"up-{i}" if embedded else f"{socket.gethostname()}-up-{i}"
-
     def worker_args(i: int) -> list[str]:
-        args = ["worker", *common, "--device", conf.device, "--dtype", conf.dtype, "--worker-id", worker_id(i),
+        worker_id = up_worker_id(i, shared=embedded is None)
+        args = ["worker", *common, "--device", conf.device, "--dtype", conf.dtype, "--worker-id", worker_id,
                 "--threads", str(threads), "--token-budget", str(conf.token_budget),
                 "--latency-goal-ms", str(conf.latency_goal_ms),
                 "--metrics-port", str(metrics_port + num_gateways + i if metrics_port else 0),

@@ -256,7 +256,9 @@ def _wait_http_health(target: str, proc: subprocess.Popen, timeout_s: float) -> 
 
 def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float, queue: str) -> dict:
     """The worker's first heartbeat's status (it appears after the warm-up and the budget's fit)."""
-    key = QueueKeys(queue).heartbeat("up-0")
+    from tokq.up import up_worker_id
+
+    key = QueueKeys(queue).heartbeat(up_worker_id(0, shared=True))  # tokq up on this Redis's URL
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     try:
