@@ -16,10 +16,7 @@
 -- ARGV[9] batch id, chosen by the client (unique prefix + its own counter): a repeat of the
 --         same claim after a lost answer finds the lease and gets the same batch back, instead
 --         of leasing a second one that nobody would ever process
--- ARGV[10] isolate_attempt: an entry redone this many times or more is claimed alone; when one
---          heads the heavy lane, the claim is light-only (within all of token_budget) if the light
---          lane's first live entry has waited max_skip_age_ms, else that entry alone: a crash's run
---          of isolated entries holds light work back about max_skip_age_ms, not the whole run
+-- ARGV[10] isolate_attempt: an entry redone this many times or more is claimed alone
 -- ARGV[11] owner channel prefix: a claim that leaves work queued wakes one more idle worker
 -- ARGV[12] lanes: "light" = a pre-empting claim (a worker in a heavy forward runs it nested,
 --          workers/preempt.py): light-lane entries only, up to all of token_budget; "heavy" =
@@ -67,10 +64,9 @@ local taken, taken_tokens = {}, 0
 local expired, num_orphaned, dropped_tokens = {}, 0, 0
 local done = false -- an isolated item was taken, or max_drop reached: the claim ends
 
--- Takes from `lane` up to `share` tokens in all (its first live item always; when `gated`, only
--- if it has waited max_skip_age_ms); returns the entries passed over and the number of head
--- entries consumed.
-local function scan(lane, share, gated)
+-- Takes from `lane` up to `share` tokens in all (its first live item always); returns the
+-- entries passed over and the number of head entries consumed.
+local function scan(lane, share)
   local skipped, lane_taken, num_scanned, stopped = {}, 0, 0, false
   while not stopped do
     local window = redis.call('LRANGE', lane, num_scanned, num_scanned + window_size - 1)
@@ -83,9 +79,6 @@ local function scan(lane, share, gated)
       elseif not is_live(request_id) then
         num_orphaned = num_orphaned + 1
         dropped_tokens = dropped_tokens + tokens
-      elseif gated and lane_taken == 0 and now - tonumber(ts_ms) < max_skip_age_ms then
-        stopped = true -- young enough to wait one claim (behind an isolated heavy head)
-        break
       elseif #taken > 0 and attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
         stopped = true -- an item that failed repeatedly goes alone (below): it ends this batch
         break
@@ -122,27 +115,22 @@ local function scan(lane, share, gated)
   return skipped, num_scanned
 end
 
--- The light lane first, within its share (tokq.claim_rule.light_share). A heavy head to isolate
--- cannot share a batch: a light head that has waited max_skip_age_ms gets a light-only claim
--- (the whole budget), so a crash's run of isolated entries cannot hold it back; else the
--- isolated entry goes alone now.
+-- The light lane first, within its share (tokq.claim_rule.light_share); not at all when the
+-- heavy lane's head is a redo to isolate (it goes alone now).
 local light_skipped, light_scanned, heavy_skipped, heavy_scanned = {}, 0, {}, 0
 local heavy_head = (not light_only) and redis.call('LINDEX', heavy, 0)
 local share = token_budget
 local isolated_head = false
 if heavy_head then
   local head_tokens, _, _, _, _, head_attempt = parse_entry(heavy_head)
+  share = math.max(0, math.min(math.floor(token_budget / 2), token_budget - head_tokens))
   isolated_head = tonumber(head_attempt) >= isolate_attempt
-  if not isolated_head then -- else the head is not in this batch: no room to leave for it
-    share = math.max(0, math.min(math.floor(token_budget / 2), token_budget - head_tokens))
-  end
 end
-if lanes ~= 'heavy' then
-  light_skipped, light_scanned = scan(pending, share, isolated_head)
+if not isolated_head and lanes ~= 'heavy' then
+  light_skipped, light_scanned = scan(pending, share)
 end
 local num_light = #taken
--- An empty heavy lane costs no LRANGE (idle workers claim often).
-if heavy_head and not done and not (isolated_head and num_light > 0) then
+if heavy_head and not done then -- an empty heavy lane costs no LRANGE (idle workers claim often)
   heavy_skipped, heavy_scanned = scan(heavy, token_budget)
 end
 

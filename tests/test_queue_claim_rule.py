@@ -138,18 +138,6 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
 @example(case=_case([("a", 10, 0, 500, b"")], heavy=[("b", 10, 0, -1, b"", 2), ("b", 10, 0, 500, b"", 2)]))
 @example(case=_case([("d", 10, 0, 500, b""), ("a", 10, 0, 500, b"")],
                     heavy=[("b", 10, 0, 500, b"")], max_drop=1))
-# An isolated heavy head: a light head that has waited the skip age gets a light-only claim (the
-# whole budget), a younger one waits; dead light entries before it are dropped either way.
-@example(case=_case([("a", 60, 50, 500, b""), ("a", 30, 0, 500, b"")], heavy=[("b", 10, 0, 500, b"", 2)]))
-@example(case=_case([("a", 10, 49, 500, b"")], heavy=[("b", 10, 0, 500, b"", 2)]))
-@example(case=_case([("d", 10, 0, 500, b""), ("a", 10, 0, -1, b""), ("a", 10, 60, 500, b"")],
-                    heavy=[("b", 90, 0, 500, b"", 2)]))
-@example(case=_case([("d", 10, 0, 500, b""), ("a", 10, 0, 500, b"")],
-                    heavy=[("b", 10, 0, 500, b"", 2)]))
-@example(case=_case([("d", 10, 0, 500, b""), ("a", 10, 60, 500, b"")],
-                    heavy=[("b", 10, 0, 500, b"", 2)], max_drop=1))
-@example(case=_case([("a", 10, 60, 500, b"", 2), ("a", 10, 60, 500, b"")],
-                    heavy=[("b", 10, 0, 500, b"", 2)]))
 # Light-only (pre-empting) claims: the whole budget for the light lane, the heavy lane untouched
 # even when its head is an isolated redo or expired.
 @example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 40, 0, 500, b"")] * 3, lanes="light"))
@@ -274,37 +262,3 @@ def test_neither_lane_starves_the_other_and_each_stays_in_order():
     light_order = [i for b in batches for lane, i in b if lane == "light"]
     assert heavy_order == list(range(20))
     assert light_order == list(range(30 * 61))  # FIFO among equals, all served
-
-
-def _redone(n, tokens, attempt, start=0):
-    return [parse_entry(format_entry(tokens, NOW_MS, "b", start + i, NOW_MS + 10_000, attempt, b"x"))
-            for i in range(n)]
-
-
-def test_behind_an_isolated_heavy_head_a_light_head_waits_at_most_the_skip_age():
-    heavy = _redone(3, 10, 2)  # a crashed batch redone twice: each item alone
-    young, old = _entries((10, 49), (10, 0)), _entries((10, 50), (30, 0), (600, 0))
-    plan = _plan(young, heavy)
-    assert plan.taken == (heavy[0],) and plan.num_scanned == 0  # the light lane waits this claim
-    plan = _plan(old, heavy)
-    # Light-only, within the whole budget (the isolated item takes none of it); it goes next.
-    assert [e.num_tokens for e in plan.taken] == [10, 30] and plan.num_heavy == 0
-    assert plan.remaining_heavy(heavy) == heavy and plan.heavy_scanned == 0
-
-
-def test_a_run_of_isolated_redos_and_a_light_stream_both_progress():
-    # A crashed batch redone twice (40 items, one claim each) beside one light request arriving
-    # per claim; a claim every 10 ms. Light work waits no longer than the skip age, not the run,
-    # and the run is not starved by the stream.
-    light, heavy = [], _redone(40, 10, 2)
-    now, waits, isolated = NOW_MS, [], []
-    for n in range(200):
-        light.append(parse_entry(format_entry(10, now, "a", n, now + 10_000, 0, b"x")))
-        plan = _plan(light, heavy, now_ms=now, lookahead=0)
-        assert plan.num_heavy in (0, 1) and (plan.num_heavy == 0 or len(plan.taken) == 1)
-        waits += [now - e.ts_ms for e in plan.taken if e.request_id == "a"]
-        isolated += [e.index for e in plan.taken if e.request_id == "b"]
-        light, heavy = plan.remaining(light), plan.remaining_heavy(heavy)
-        now += 10
-    assert max(waits) <= 50  # the skip age: every light request waited at most that
-    assert isolated == list(range(40))  # all served, in order, while the stream went on

@@ -273,26 +273,3 @@ async def test_a_crashed_workers_many_items_come_back_in_full_batches(redis_url)
         redo = [await q.claim(400) for _ in range(2)]
         assert [len(c.entries) for c in held] == [len(c.entries) for c in redo] == [100, 100]
         assert {e.attempt for c in redo for e in c.entries} == {1}
-
-
-async def test_a_run_of_isolated_redos_holds_a_light_request_back_the_skip_age_not_the_run(redis_url):
-    """A batch redone twice comes back as a run of items claimed one per forward; a light request
-    queued behind it waits about max_skip_age_ms (5 claims of 10 ms here), not the whole run, which
-    goes on after it, each item still alone."""
-    clock = ManualClock()
-    async with open_queue(redis_url, clock, lease_ms=1_000, max_skip_age_ms=50) as q:
-        await q.enqueue("big", items(*[20] * 30), timeout_ms=600_000, channel=CHANNEL)  # heavy lane
-        for _ in range(2):  # its worker dies twice holding it (a poison item in it)
-            assert len((await q.claim(10_000)).entries) == 30
-            clock.advance(1_000)
-            assert await q.requeue_expired() == (30, 0)
-        await q.enqueue("light", items(5), timeout_ms=600_000, channel=CHANNEL)
-        batches = []
-        while (claim := await q.claim(10_000)) is not None:
-            batches.append([(e.request_id, e.index, e.attempt) for e in claim.entries])
-            await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-            clock.advance(10)  # a single-item forward takes a while
-        served_at = batches.index([("light", 0, 0)])
-        assert served_at <= 5  # it had waited 50 ms by then
-        assert [b for b in batches if b[0][0] == "big"] == [[("big", i, 2)] for i in range(30)]
-        assert len(batches) == 31

@@ -9,8 +9,7 @@ redone item. A claim serves the light lane first, but while heavy work waits the
 gets at most half the budget (less when the heavy head needs more room), and each lane with
 work gets at least one item per batch: a flood of heavy requests cannot starve a one-word call
 (it waits for its own forward and the one in flight, or one block of it: see below), and a flood
-of light ones cannot starve heavy requests (but for redos claimed alone: see ``plan_claim``).
-Within a lane the rule is FIFO with bounded lookahead.
+of light ones cannot starve heavy requests. Within a lane the rule is FIFO with bounded lookahead.
 
 A *light-only* claim (``lanes="light"``) takes light-lane entries alone, up to all of its
 (small) budget: a worker running a heavy forward runs that batch nested between two steps of
@@ -91,14 +90,7 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
     lane) so that smaller ones behind it fill the batch, unless it has waited
     ``max_skip_age_ms``: then that lane's part ends and it goes first next time, so nothing
     starves. An item redone ``isolate_attempt`` times or more (see ``isolate_attempt_for``) is
-    claimed alone. When one heads the heavy lane, the light lane's first live item decides: if
-    it has waited ``max_skip_age_ms`` (or more), this claim is light-only, within all of
-    ``token_budget``, and the isolated item waits; else the isolated item goes alone and the
-    light lane waits this one claim. A crashed batch leaves a run of isolated items, one claim
-    each: so light work waits behind that run no longer than it may be passed over anywhere
-    else (about ``max_skip_age_ms`` and a single-item forward), not the whole run; and the
-    run goes on as soon as the light lane's head is younger than that (a light backlog that
-    stays older holds it back, until its deadlines pass).
+    claimed alone; when it heads the heavy lane, the light lane waits this one claim.
     ``lanes``: "light" = the light lane alone, within all of ``token_budget`` (``heavy`` is not
     read); "heavy" = the heavy lane alone; "both" = the rule above.
     """
@@ -107,8 +99,7 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
     orphaned: list[Entry] = []
     done = False  # an isolated item was taken, or max_drop reached: the claim ends
 
-    def scan(lane: Sequence[Entry], share: int, gated: bool = False) -> tuple[list[Entry], int]:
-        """gated: the lane's first live item goes only if it has waited max_skip_age_ms."""
+    def scan(lane: Sequence[Entry], share: int) -> tuple[list[Entry], int]:
         nonlocal done
         skipped: list[Entry] = []
         lane_taken = 0
@@ -119,8 +110,6 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
                 expired.append(entry)
             elif not is_live(entry.request_id):
                 orphaned.append(entry)
-            elif gated and lane_taken == 0 and now_ms - entry.ts_ms < max_skip_age_ms:
-                break  # young enough to wait one claim (behind an isolated heavy head)
             elif taken and entry.attempt >= isolate_attempt:
                 break  # an item that failed repeatedly goes alone (below): it ends this batch
             elif lane_taken == 0 or tokens + entry.num_tokens <= share:
@@ -147,20 +136,14 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
     if lanes == "light":
         heavy = ()
     heavy_head = heavy[0] if heavy else None
-    # An isolated heavy head cannot share a batch: a light head that has waited the skip age
-    # gets a light-only claim first, so a crash's run of isolated items cannot hold it back.
-    isolated_head = heavy_head is not None and heavy_head.attempt >= isolate_attempt
     skipped: list[Entry] = []
     num_scanned = 0
-    if lanes != "heavy":
-        if isolated_head:
-            skipped, num_scanned = scan(pending, token_budget, gated=True)
-        else:
-            skipped, num_scanned = scan(pending, light_share(token_budget, heavy_head))
+    if lanes != "heavy" and (heavy_head is None or heavy_head.attempt < isolate_attempt):
+        skipped, num_scanned = scan(pending, light_share(token_budget, heavy_head))
     heavy_skipped: list[Entry] = []
     heavy_scanned = 0
     num_light = len(taken)
-    if not done and not (isolated_head and taken):
+    if not done:
         heavy_skipped, heavy_scanned = scan(heavy, token_budget)
     return ClaimPlan(tuple(taken), tuple(expired), tuple(orphaned), tuple(skipped), num_scanned,
                      tuple(heavy_skipped), heavy_scanned, len(taken) - num_light)
