@@ -232,6 +232,9 @@ async def test_the_claim_after_a_claim_that_lost_its_answer_gets_that_batch(redi
                 await q.claim(100)
             proxy.reset()
             assert (await q.stats()).inflight_batches == 1  # it ran: leased, its answer lost
+            # another kind of claim (a light pre-empting one, a smaller budget) does not get it
+            assert await q.claim(10, lanes="light") is None
+            assert await q.claim(50) is None
             again = await q.claim(100)
             assert again is not None and len(again.entries) == 2  # the same batch, at once
             assert (await q.stats()).inflight_batches == 1

@@ -517,3 +517,14 @@ def test_a_stop_signal_swallowed_by_a_finalizer_still_stops_tokq_up():
     stop.handler()  # a second one does not cut the clean-up short
     with pytest.raises(KeyboardInterrupt):
         stop.check()  # but the loop stops
+
+
+def test_tokq_threads_0_under_tokq_up_splits_the_cores(monkeypatch):
+    """0 is torch's default for one worker; tokq up passing it on gave each of its workers every
+    core (oversubscribed). It splits them, as when TOKQ_THREADS is unset; 3 is taken as given."""
+    from tokq.up import _worker_threads, threads_per_worker
+
+    monkeypatch.setenv("TOKQ_THREADS", "0")
+    assert _worker_threads(2, 8) == threads_per_worker(2, 8) == 3
+    monkeypatch.setenv("TOKQ_THREADS", "3")
+    assert _worker_threads(4, 8) == 3

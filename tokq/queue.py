@@ -181,9 +181,11 @@ class Queue:
         # (tokq.shards puts the shard first: "<shard>.<random>", so an ack finds its shard.)
         self._batch_prefix = batch_prefix or secrets.token_hex(8)
         self._batch_numbers = itertools.count(1)
-        # A claim whose answer was lost: the next claim runs under its id, so that if it ran it
-        # returns its lease (else that batch sat leased to a live worker until its lease ended).
-        self._unanswered_claim: str | None = None
+        # A claim whose answer was lost, (id, lanes, budget): the next claim of the same kind runs
+        # under its id, so that if it ran it returns its lease (else that batch sat leased to a
+        # live worker until its lease ended). Only the same kind: a light pre-empting claim must
+        # not get a full-budget batch to run nested.
+        self._unanswered_claim: tuple[str, str, int] | None = None
         # Set by requeue_expired: ms until the earliest lease is due a check (None: no lease).
         self.next_expiry_ms: int | None = None
 
@@ -272,7 +274,12 @@ class Queue:
         if token_budget < 1:
             raise ValueError(f"budget must be positive, got {token_budget}")
         k, cfg = self.keys, self.config
-        asked_id = self._unanswered_claim or f"{self._batch_prefix}-{next(self._batch_numbers)}"
+        lost = self._unanswered_claim
+        if lost and lost[1:] == (lanes, token_budget):
+            self._unanswered_claim = None  # taken before the await: a claim beside it never shares it
+            asked_id = lost[0]
+        else:  # another kind of claim (a pre-empting one beside a prefetch): its own id
+            asked_id = f"{self._batch_prefix}-{next(self._batch_numbers)}"
         args = [self._now_arg(), token_budget, cfg.lease_ms,
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
                 max_drop, k.reply_prefix, k.lease_prefix, asked_id,
@@ -281,9 +288,8 @@ class Queue:
             batch_id, now_ms, expired, orphaned, raw, num_heavy = await self._run(
                 "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
         except LostAnswer:
-            self._unanswered_claim = asked_id
+            self._unanswered_claim = (asked_id, lanes, token_budget)
             raise
-        self._unanswered_claim = None
         claim = None
         if batch_id:
             claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired,

@@ -286,15 +286,17 @@ def threads_per_worker(num_workers: int, cpus: int | None = None) -> int:
 
 
 def _worker_threads(num_workers: int, cpus: int) -> int:
-    """TOKQ_THREADS where set (the workers' own setting: what tokq up is told is what they run
-    with; --threads on their command line overrode it), else ``threads_per_worker``."""
+    """TOKQ_THREADS where set and not 0 (the workers' own setting: what tokq up is told is what
+    they run with; --threads on their command line overrode it), else ``threads_per_worker``: 0,
+    torch's default, would give each of its workers every core (oversubscribed, up to 27x)."""
     name = cfg.env_var("threads")
     if name not in os.environ:
         return threads_per_worker(num_workers, cpus)
     try:
-        return cfg.load(cfg.WorkerConfig, {}, env={name: os.environ[name]}).threads
+        threads = cfg.load(cfg.WorkerConfig, {}, env={name: os.environ[name]}).threads
     except cfg.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    return threads or threads_per_worker(num_workers, cpus)
 
 
 @click.command("up")
