@@ -261,13 +261,14 @@ def test_tokq_up_waits_for_a_slow_model_load_and_says_so(monkeypatch, capsys):
     """A worker still loading a large model when the wait's period ends: `tokq up` says it still
     waits, and goes on (it gave up after 120 s, stopping the worker it waited for)."""
     from tokq import up
+    from tokq.health import NotHealthy
 
     waits = []
 
-    def loading(target, procs, timeout_s):
+    def loading(target, procs, timeout_s, credentials=None):
         waits.append(timeout_s)
         if len(waits) < 3:
-            raise TimeoutError(target)
+            raise NotHealthy(target, "")
 
     monkeypatch.setattr(up, "wait_for_health", loading)
     up._wait_ready("127.0.0.1:1", [], report_every_s=0, check_every_s=30)
@@ -281,16 +282,17 @@ def test_tokq_up_restarts_its_redis_while_waiting_for_readiness(monkeypatch, cap
     import signal as signals
 
     from tokq import up
+    from tokq.health import NotHealthy
     from tokq.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     try:
         port, waits = server.port, []
 
-        def not_ready(target, procs, timeout_s):
+        def not_ready(target, procs, timeout_s, credentials=None):
             waits.append(server.running)
             if len(waits) < 2:
-                raise TimeoutError(target)
+                raise NotHealthy(target, "")
 
         monkeypatch.setattr(up, "wait_for_health", not_ready)
         server._proc.send_signal(signals.SIGKILL)

@@ -26,16 +26,27 @@ def health_status(target: str, timeout_s: float = 2.0, service: str = "") -> int
                                                          timeout=timeout_s).status
 
 
+class NotHealthy(TimeoutError):
+    """The server did not report a wanted status in time; ``last_error``: why its last check
+    failed ("" when it answered, with another status), e.g. a certificate it cannot verify."""
+
+    def __init__(self, message: str, last_error: str) -> None:
+        super().__init__(message)
+        self.last_error = last_error
+
+
 def wait_for_health(target: str, procs: Iterable[subprocess.Popen], timeout_s: float,
-                    wanted: Collection[int] = (SERVING,)) -> int:
+                    wanted: Collection[int] = (SERVING,), credentials=None) -> int:
     """Poll ``target`` until its health status is one of ``wanted`` and return it; raise
-    ExitedDuringStartup if any of ``procs`` exits first, TimeoutError after ``timeout_s``."""
+    ExitedDuringStartup if any of ``procs`` exits first, NotHealthy (a TimeoutError) after
+    ``timeout_s``. ``credentials``: grpc channel credentials for a server serving TLS."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     procs = list(procs)
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    last_error = ""
+    with (grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             for proc in procs:
@@ -45,7 +56,8 @@ def wait_for_health(target: str, procs: Iterable[subprocess.Popen], timeout_s: f
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
                 if status in wanted:
                     return status
-            except grpc.RpcError:
-                pass
+                last_error = ""
+            except grpc.RpcError as exc:
+                last_error = exc.details() or exc.code().name
             time.sleep(0.2)
-    raise TimeoutError(f"{target} health not in {sorted(wanted)} after {timeout_s:.0f} s")
+    raise NotHealthy(f"{target} health not in {sorted(wanted)} after {timeout_s:.0f} s", last_error)

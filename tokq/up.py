@@ -20,7 +20,7 @@ import click
 
 from tokq import config as cfg
 from tokq.address import host_port, local_host, ports_taken
-from tokq.health import SERVING, ExitedDuringStartup, wait_for_health
+from tokq.health import ExitedDuringStartup, NotHealthy, wait_for_health
 from tokq.host import usable_cpus
 from tokq.model_info import ModelInfo
 from tokq.model_source import model_errors_as_one_line
@@ -191,29 +191,6 @@ def _tls_credentials(conf: cfg.UpConfig):
                                         certificate_chain=files["client_tls_cert"] if mutual else None)
 
 
-def _wait_for_tls_health(target: str, procs: list[subprocess.Popen], timeout_s: float, credentials) -> None:
-    """tokq.health.wait_for_health (which speaks plaintext) over TLS; its TimeoutError says why
-    the last check failed ("" when the gateway answered), a certificate the check cannot verify
-    being for ever."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline, why = time.monotonic() + timeout_s, ""
-    with grpc.secure_channel(target, credentials) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if any(proc.poll() is not None for proc in procs):
-                raise ExitedDuringStartup(target)
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING:
-                    return
-                why = ""
-            except grpc.RpcError as exc:
-                why = exc.details() or exc.code().name
-            time.sleep(0.2)
-    raise TimeoutError(why)
-
-
 def _wait_ready(target: str, procs: list[subprocess.Popen], embedded: EmbeddedRedis | None = None,
                 report_every_s: float = 30, check_every_s: float = 2, credentials=None,
                 stop: StopRequest | None = None) -> None:
@@ -225,20 +202,18 @@ def _wait_ready(target: str, procs: list[subprocess.Popen], embedded: EmbeddedRe
     started = last_report = time.monotonic()
     while True:
         try:
-            if credentials is None:
-                wait_for_health(target, procs, check_every_s)
-            else:
-                _wait_for_tls_health(target, procs, check_every_s, credentials)
+            wait_for_health(target, procs, check_every_s, credentials=credentials)
             return
         except ExitedDuringStartup:
             raise click.ClickException("a tokq process exited during start-up (see its log above)") from None
-        except TimeoutError as exc:
+        except NotHealthy as exc:
             if stop:
                 stop.check()
             _keep_up(embedded)
             if time.monotonic() - last_report >= report_every_s:
                 last_report = time.monotonic()
-                why = f"; the last TLS health check said: {exc}" if credentials and str(exc) else ""
+                why = (f"; the last TLS health check said: {exc.last_error}"
+                       if credentials and exc.last_error else "")
                 click.echo(f"tokq up: not ready after {last_report - started:.0f} s: no worker ready yet "
                            "(loading the model and warming up, or not reaching Redis: see the log above; "
                            f"Ctrl-C to give up){why}", err=True)
