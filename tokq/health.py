@@ -46,7 +46,8 @@ def wait_for_health(target: str, procs: Iterable[subprocess.Popen], timeout_s: f
     procs = list(procs)
     deadline = time.monotonic() + timeout_s
     last_error = ""
-    with (grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)) as channel:
+    channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             for proc in procs:
