@@ -98,6 +98,15 @@ def _port_use(name: str, value: int, offset: int, what: str) -> str:
             f"flag --{name.replace('_', '-')}, env {env_var(name)})")
 
 
+def _check_server_tls(conf: Any) -> None:
+    """The gateway's TLS settings, as the gateway and `tokq up` (which passes them on) take them."""
+    if bool(conf.tls_cert) != bool(conf.tls_key):
+        raise ConfigError("tls_cert and tls_key go together (flags --tls-cert/--tls-key, env "
+                          "TOKQ_TLS_CERT/TOKQ_TLS_KEY)")
+    if conf.tls_client_ca and not conf.tls_cert:
+        raise ConfigError("tls_client_ca needs a server certificate too (--tls-cert/--tls-key)")
+
+
 def _hide_password(url: str) -> str:
     """``url`` with everything between its scheme and its last @ (user, password) masked: it
     may not parse (redact_url needs it to), and "user:pw@host" without a scheme has no
@@ -290,11 +299,7 @@ class GatewayConfig(_Validated):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("tls_cert and tls_key go together (flags --tls-cert/--tls-key, env "
-                              "TOKQ_TLS_CERT/TOKQ_TLS_KEY)")
-        if self.tls_client_ca and not self.tls_cert:
-            raise ConfigError("tls_client_ca needs a server certificate too (--tls-cert/--tls-key)")
+        _check_server_tls(self)
         if len(self.served_model_name) > max(1, len(self.model)):
             raise ConfigError(f"{len(self.served_model_name)} served model names for "
                               f"{max(1, len(self.model))} model(s): give at most one per --model")
@@ -363,11 +368,7 @@ class UpConfig(_Validated):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("tls_cert and tls_key go together (flags --tls-cert/--tls-key, env "
-                              "TOKQ_TLS_CERT/TOKQ_TLS_KEY)")
-        if self.tls_client_ca and not self.tls_cert:
-            raise ConfigError("tls_client_ca needs a server certificate too (--tls-cert/--tls-key)")
+        _check_server_tls(self)
         if self.tls_client_ca and not (self.client_tls_cert and self.client_tls_key):
             raise ConfigError("tls_client_ca (mutual TLS) needs a client certificate for tokq up's "
                               "readiness check: --client-tls-cert and --client-tls-key (env "
