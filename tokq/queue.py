@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from tokq.claim_rule import Lanes, isolate_attempt_for
-from tokq.config import QueueConfig
+from tokq.config import MAX_TOKEN_BUDGET, QueueConfig
 from tokq.entry import Entry, parse_entry
 from tokq.keys import QueueKeys
 from tokq.pipeliner import ScriptPipeliner
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 # Expired or orphaned entries one claim may drop before it answers; the client calls again,
 # so a long run of dead entries is cleared in bounded steps, never in one long script.
 MAX_DROPS_PER_CLAIM = 1000
-MAX_TOKEN_BUDGET = 10_000_000  # the most --token-budget accepts (tokq/config.py): past it is no budget
 _warned_budgets: dict[str, bytes] = {}  # key -> the unusable value last warned about
 # Expired leases handled per requeue call.
 MAX_BATCHES_PER_REQUEUE = 100
