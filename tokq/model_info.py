@@ -22,7 +22,6 @@ ENCODER_ARCHS = {"BertModel": "bert", "BertForMaskedLM": "bert"}
 DECODER_ARCHS = {"Qwen2Model": "qwen2", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3Model": "qwen3", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = {"bert": "bert", "qwen2": "qwen2", "qwen3": "qwen3"}
-POOLINGS = ("mean", "cls", "last")
 # sentence-transformers' pooling modes that tokq computes; its others (max, weightedmean,
 # mean_sqrt_len_tokens) are refused.
 ST_POOLINGS = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
