@@ -9,13 +9,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from test_hub_models import COMMIT, REPO, build_hub_cache
+from test_hub_models import COMMIT, REPO, LoopbackHub, build_hub_cache
 from tiny_models import build
 from tokq.fingerprint import model_fingerprint
 from tokq.model_info import ModelInfo, bundled_model_path
@@ -79,41 +77,22 @@ def test_a_relative_snapshot_path_is_named_by_repo_id_not_commit_hash(tmp_path, 
     assert resolve(spelling).name == REPO
 
 
-class StatusHub:
+class StatusHub(LoopbackHub):
     """A hub on loopback that answers every request with one status and X-Error-Code, as the
     Hugging Face Hub answers a repo or revision it does not have, or a gated one."""
 
     def __init__(self, status: int, error_code: str | None) -> None:
-        self.paths: list[str] = []
-        hub = self
+        self.status, self.error_code = status, error_code
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
+    def answer(self, path: str) -> tuple[int, bytes, dict[str, str]]:
+        headers = {"X-Error-Code": self.error_code} if self.error_code else {}
+        headers |= {"X-Error-Message": "nope", "Content-Type": "application/json"}
+        return self.status, json.dumps({"error": "nope"}).encode(), headers
 
-            def do_HEAD(self) -> None:
-                self.do_GET()
-
-            def do_GET(self) -> None:
-                hub.paths.append(self.path)
-                body = json.dumps({"error": "nope"}).encode()
-                self.send_response(status)
-                if error_code:
-                    self.send_header("X-Error-Code", error_code)
-                self.send_header("X-Error-Message", "nope")
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command == "GET":
-                    self.wfile.write(body)
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_port}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    @property
+    def paths(self) -> list[str]:
+        return [path for _, path in self.requests]
 
 
 def closed_port() -> int:
