@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-queue proto dashboards bench bench-gpu bench-gateway-cpu clean
+.PHONY: install run test test-queue proto dashboards docs bench bench-gpu bench-gateway-cpu clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,10 @@ proto: install
 
 dashboards: install
 	$(BIN)/python deploy/grafana/build.py
+
+# docs/configuration.md from the typed settings in tokq/config.py (a test fails on drift).
+docs: install
+	$(BIN)/python -m tokq.config_doc --write
 
 # Infinity (a baseline of `tokq bench service`) lives in its own venv: its extras would downgrade
 # packages tokq needs (transformers 4, numpy 1). Its optimum extra also does the ONNX export
