@@ -65,8 +65,8 @@ def gateway_command(procs: int, **values) -> None:
         raise click.UsageError(str(exc)) from None
     if warning := client_key_warning(keys is not None):  # once, here: not by each process
         click.echo(warning, err=True)
-    from tokq.model_info import ModelInfo
-    from tokq.model_source import model_errors_as_one_line
+    from tokq.model.info import ModelInfo
+    from tokq.model.source import model_errors_as_one_line
 
     with model_errors_as_one_line():  # as the worker says it, once, before Redis is asked or anything forks
         for path, name in base.models():  # a gateway tokenizes: it needs the tokenizer's files
@@ -78,7 +78,7 @@ def gateway_command(procs: int, **values) -> None:
         # (a metrics port was a traceback from each process once it had started)
         raise click.UsageError(f"{busy} already in use (another gateway?): choose another "
                                "--port / --http-port / --metrics-port, or stop that process")
-    from tokq.connection import check_redis_or_exit
+    from tokq.redis.connection import check_redis_or_exit
 
     check_redis_or_exit(base.redis_url, base.redis_cluster)  # a setting that cannot work: one line
     if procs <= 1:

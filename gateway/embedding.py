@@ -18,9 +18,9 @@ from typing import Protocol
 import numpy as np
 
 from tokq import __version__
-from tokq.cancel import cancel_and_wait
+from tokq.tasks import cancel_and_wait
 from tokq.config import GatewayConfig
-from tokq.entry import decode_result, encode_body
+from tokq.queue.wire import decode_result, encode_body
 from tokq.gateway.prompt_boundary import PromptBoundary
 from tokq.gateway.errors import (DeadlineExceeded, InvalidArgument, ModelNotFound, ServiceError,
                                  Unavailable, from_result_code, status_name)
@@ -28,9 +28,9 @@ from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.validate import Limits, check_text_sizes, check_token_ids
 from tokq.gateway.wire import embed_response_max_bytes
-from tokq.model_info import ModelInfo
-from tokq.queue import QueueFull, Withdrawn
-from tokq.shards import ShardedQueue
+from tokq.model.info import ModelInfo
+from tokq.queue.shard import QueueFull, Withdrawn
+from tokq.queue.sharded import ShardedQueue
 
 
 class Deadline(Protocol):
@@ -238,7 +238,7 @@ class ServedModel:
             finally:
                 timer.cancel()
             if raw is None:  # the notice did not carry the results (large, or a poll found them)
-                raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue
+                raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue.shard
             else:  # delivered in the notice: Redis drops the reply by itself after a short grace
                 self.queue.forget(request_id)
             collected = True
@@ -259,7 +259,7 @@ class ServedModel:
                 # (O(1)) so no worker spends time on it and nothing stays behind. The caller
                 # is answered without waiting for that: a Redis that stopped answering would
                 # hold its error for another socket timeout. (Started once the enqueue has
-                # answered, so it does not overtake it: tokq.pipeliner. Where no answer came, a
+                # answered, so it does not overtake it: tokq.redis.pipeline. Where no answer came, a
                 # handler cancelled twice or an enqueue given up on a stalled Redis, that may yet
                 # run later: the withdrawal then marks it, and a late run queues nothing.)
                 loop = asyncio.get_running_loop()

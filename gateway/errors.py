@@ -149,7 +149,7 @@ def is_retryable_redis_error(exc: BaseException) -> bool:
 
 def code_of(exc: BaseException) -> grpc.StatusCode:
     """The status an exception ends a call with (no logging: safe for metrics)."""
-    from tokq.queue import QueueFull
+    from tokq.queue.shard import QueueFull
 
     if isinstance(exc, ServiceError):
         return exc.code
@@ -184,7 +184,7 @@ def _internal_message(cid: str) -> str:
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(gRPC code, caller-safe message); internal detail is logged with a correlation id."""
-    from tokq.queue import QueueFull
+    from tokq.queue.shard import QueueFull
 
     code = code_of(exc)
     if isinstance(exc, ServiceError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokq.model_info import ModelInfo
+from tokq.model.info import ModelInfo
 
 
 class PromptBoundary:

@@ -9,8 +9,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from tokq.cancel import cancel_and_wait, raise_if_cancelled
-from tokq.keys import QueueKeys
+from tokq.tasks import cancel_and_wait, raise_if_cancelled
+from tokq.queue.keys import QueueKeys
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@
 Workers (through ack.lua) SPUBLISH a notice on the request's gateway's shard channel once every
 input of it is answered (sharded pub/sub: Redis >= 7, and the only kind that stays on the queue's
 node on Redis Cluster), one message per gateway for all the requests a batch completes; the
-notice carries the results themselves unless they are large (tokq.queue.parse_notices), and then
+notice carries the results themselves unless they are large (tokq.queue.shard.parse_notices), and then
 the waiting call needs no second round trip to collect them.
 One subscription per gateway process serves all waiting calls, so thousands of concurrent
-requests hold no Redis connection each (one per node that owns a shard: tokq.subscriber, which
+requests hold no Redis connection each (one per node that owns a shard: tokq.redis.pubsub, which
 reads every node at once). A notice can be missed (a reconnect), so every ``poll_every_s`` the
 calls waiting longer than ``poll_after_s`` are also checked directly: complete replies wake
 their call, and a reply hash that has vanished (Redis restarted and lost it) fails the call
@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from tokq.cancel import cancel_and_wait, raise_if_cancelled
+from tokq.tasks import cancel_and_wait, raise_if_cancelled
 from tokq.gateway.errors import Unavailable
-from tokq.queue import REPLY_META_FIELDS, parse_notices
-from tokq.subscriber import ShardedSubscriber
+from tokq.queue.shard import REPLY_META_FIELDS, parse_notices
+from tokq.redis.pubsub import ShardedSubscriber
 
 log = logging.getLogger(__name__)
 MAX_POLLED = 1000  # calls checked per poll round (oldest first)

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redis.exceptions import LockNotOwnedError
 
-from tokq.cancel import cancel_and_wait, raise_if_cancelled
+from tokq.tasks import cancel_and_wait, raise_if_cancelled
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
@@ -31,9 +31,9 @@ from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES, add_embedder_service
 from tokq import config as cfg
 from tokq import metrics
 from tokq.address import host_port
-from tokq.connection import close_client, connect, connect_pubsub
-from tokq.model_info import ModelInfo
-from tokq.shards import ShardedQueue
+from tokq.redis.connection import close_client, connect, connect_pubsub
+from tokq.model.info import ModelInfo
+from tokq.queue.sharded import ShardedQueue
 from tokq.v1 import embedder_pb2
 
 log = logging.getLogger("tokq.gateway")

@@ -35,7 +35,7 @@ from tokq.gateway.errors import InvalidArgument
 from tokq.gateway.large_lane import LargeLane
 from tokq.gateway.validate import decode_texts, not_utf8
 from tokq.host import usable_cpus
-from tokq.model_info import ModelInfo
+from tokq.model.info import ModelInfo
 
 # Our pools are the parallelism; the Rust tokenizer's own (rayon) would let one large batch
 # take every core and undo the lanes. An operator's explicit setting still wins.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tokq.config import GatewayConfig
 from tokq.gateway.errors import InvalidArgument
-from tokq.model_info import ModelInfo, first_out_of_vocab
+from tokq.model.info import ModelInfo, first_out_of_vocab
 
 INPUT_BYTES_PER_TOKEN = 256
 REQUEST_BYTES_PER_TOKEN = 16

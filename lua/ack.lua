@@ -5,7 +5,7 @@
 -- KEYS[4] lease     LIST   lease:<batch_id>, the batch's entries
 -- ARGV[1] reply key prefix
 -- ARGV[2] batch_id
--- ARGV[3..] (request_id, index, result) triples; result is tokq.entry's ok ('+' ...) or error
+-- ARGV[3..] (request_id, index, result) triples; result is tokq.queue.wire's ok ('+' ...) or error
 --           ('-' ...) bytes: its first byte says which counter a stored result goes to
 -- Idempotent: results are first-write-wins; a late ack (the lease was already requeued)
 -- still delivers its results but leaves inflight alone. Only results this run stored are

@@ -7,7 +7,7 @@
 -- KEYS[6] heavy     LIST   heavy lane: larger requests' entries and redone items
 -- KEYS[7] idle      SET    owner ids of idle workers (lib/wake.lua)
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
--- ARGV[2] token_budget: max summed tokens (a lane's first item still goes; see tokq/claim_rule.py)
+-- ARGV[2] token_budget: max summed tokens (a lane's first item still goes; see tokq/queue/claim_rule.py)
 -- ARGV[3] lease_ms: how long the worker has before the batch is requeued
 -- ARGV[4] lookahead: entries per lane that may be passed over to fill the budget (0 = strict FIFO)
 -- ARGV[5] max_skip_age_ms: an entry this old is never passed over
@@ -22,7 +22,7 @@
 --          workers/preempt.py): light-lane entries only, up to all of token_budget; "heavy" =
 --          the heavy lane only (the next batch of a worker in a heavy forward: light work that
 --          arrives meanwhile goes to its light-only claims); "" or "both" = the usual claim
--- The rule is tokq/claim_rule.py, entry for entry. Returns
+-- The rule is tokq/queue/claim_rule.py, entry for entry. Returns
 --   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}, num_heavy}
 -- num_heavy: how many of the taken entries (the last ones) came from the heavy lane; -1 on a
 -- repeat (unknown): a worker pre-empts only a forward holding heavy work (workers/preempt.py)
@@ -115,7 +115,7 @@ local function scan(lane, share)
   return skipped, num_scanned
 end
 
--- The light lane first, within its share (tokq.claim_rule.light_share); not at all when the
+-- The light lane first, within its share (tokq.queue.claim_rule.light_share); not at all when the
 -- heavy lane's head is a redo to isolate (it goes alone now).
 local light_skipped, light_scanned, heavy_skipped, heavy_scanned = {}, 0, {}, 0
 local heavy_head = (not light_only) and redis.call('LINDEX', heavy, 0)

@@ -3,7 +3,7 @@
 -- KEYS[2] tokens    STRING sum of the tokens in both lanes
 -- KEYS[3] counters  HASH   enqueued, rejected (items)
 -- KEYS[4] reply     HASH   reply:<request_id>, created here
--- KEYS[5] heavy     LIST   heavy lane: entries of larger requests (tokq/claim_rule.py)
+-- KEYS[5] heavy     LIST   heavy lane: entries of larger requests (tokq/queue/claim_rule.py)
 -- KEYS[6] idle      SET    owner ids of idle workers (lib/wake.lua)
 -- KEYS[7] preemptible SET  owner ids of workers running a heavy forward (lib/wake.lua): one
 --                          is told 'light' when the light lane stops being empty and no idle

@@ -97,7 +97,7 @@ def command_line(ctx: click.Context | None = None, group: str = "tokq bench") ->
 def _masked(value):
     """A URL's password (a Redis URL typed on the command line) never reaches a results file."""
     if isinstance(value, str) and "://" in value:
-        from tokq.redis_server import redact_url
+        from tokq.redis.embedded import redact_url
 
         return redact_url(value)
     return value

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tokq.redis_cluster import LocalCluster
+from tokq.testing.cluster import LocalCluster
 
 
 def server_binary() -> str | None:
@@ -41,7 +41,7 @@ def running_sentinel(tmp_path) -> Iterator[str]:
     import redis
 
     from tokq.processes import stop_all
-    from tokq.redis_server import default_binary, free_port
+    from tokq.redis.embedded import default_binary, free_port
 
     port = free_port()
     conf = tmp_path / "sentinel.conf"  # written by the Sentinel as it runs

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from cluster_support import local_cluster, server_binary
-from tokq.redis_server import EmbeddedRedis
+from tokq.redis.embedded import EmbeddedRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -77,7 +77,7 @@ def redis_cluster_url(redis_cluster):
 
 @pytest.fixture(scope="session")
 def bundled_model_dir():
-    from tokq.model_info import bundled_model_path
+    from tokq.model.info import bundled_model_path
 
     return bundled_model_path()
 

@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from tokq.config import QueueConfig
-from tokq.connection import close_client, connect
-from tokq.entry import Entry, decode_result, encode_body, encode_ok, format_entry
-from tokq.queue import COLLECT_GRACE_MS, REPLY_META_FIELDS, WITHDRAWN_TTL_MS, Queue
+from tokq.redis.connection import close_client, connect
+from tokq.queue.wire import Entry, decode_result, encode_body, encode_ok, format_entry
+from tokq.queue.shard import COLLECT_GRACE_MS, REPLY_META_FIELDS, WITHDRAWN_TTL_MS, Queue
 
 QUEUE = "test-model"
 CHANNEL = "tokq:{test-model}:done:gw-test"
@@ -44,7 +44,7 @@ async def open_queue(redis_url: str, clock: ManualClock | None = None, *, queue:
 
 
 def stored_entries(enqueued, items_: list[tuple[int, bytes]]) -> tuple[bytes, ...]:
-    """The entries enqueue.lua must have stored for these items (tokq.entry's format)."""
+    """The entries enqueue.lua must have stored for these items (tokq.queue.wire's format)."""
     return tuple(format_entry(tokens, enqueued.ts_ms, enqueued.request_id, index,
                               enqueued.deadline_ms, 0, body)
                  for index, (tokens, body) in enumerate(items_))
@@ -66,7 +66,7 @@ async def all_keys(queue: Queue) -> set[str]:
 
 async def keys_left(queue: Queue) -> set[str]:
     """Keys still in Redis besides the event counters. A collected reply stays a short grace
-    for a repeated collect (tokq.queue.COLLECT_GRACE_MS), a withdrawn request's mark a while
+    for a repeated collect (tokq.queue.shard.COLLECT_GRACE_MS), a withdrawn request's mark a while
     for an enqueue run late (WITHDRAWN_TTL_MS): each checked to expire by itself within it,
     then left out."""
     left = set()

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 import redis
 from grpc_health.v1 import health_pb2
 
-from tokq.health import health_status, wait_for_health
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo
+from tokq.processes import health_status, wait_for_health
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo
 from tokq.processes import stop_all
-from tokq.queue import COLLECT_GRACE_MS, REPLY_META_FIELDS
-from tokq.redis_server import EmbeddedRedis, free_port
+from tokq.queue.shard import COLLECT_GRACE_MS, REPLY_META_FIELDS
+from tokq.redis.embedded import EmbeddedRedis, free_port
 
 
 def alive(pid: int) -> bool:
@@ -34,7 +34,7 @@ def alive(pid: int) -> bool:
 
 def delivered_reply(r: redis.Redis, key: bytes) -> bool:
     """A complete reply whose results went out in its completion notice: kept only a short grace
-    (tokq.queue.COLLECT_GRACE_MS) for a gateway that missed the notice, then gone by itself. A
+    (tokq.queue.shard.COLLECT_GRACE_MS) for a gateway that missed the notice, then gone by itself. A
     key whose grace ends while it is being looked at (it was listed, then expired) counts too."""
     n = r.hget(key, "n")
     complete = n is not None and r.hlen(key) == int(n) + len(REPLY_META_FIELDS)
@@ -88,7 +88,7 @@ def read_until_serving(proc: subprocess.Popen, timeout_s: float = 180) -> list[s
 class ServiceStack:
     def __init__(self, env: dict[str, str] | None = None, model: str | None = None, http: bool = False,
                  cluster=None) -> None:
-        # Its own Redis server, or a node of ``cluster`` (a running tokq.redis_cluster.LocalCluster).
+        # Its own Redis server, or a node of ``cluster`` (a running tokq.testing.cluster.LocalCluster).
         self.cluster = cluster
         self.redis = None if cluster else EmbeddedRedis(
             binary=os.environ.get("TOKQ_TEST_REDIS_SERVER") or None).start()

@@ -12,7 +12,7 @@ import redis
 from tokq import address
 from tokq.address import host_port, local_host
 from tokq.address import port_in_use
-from tokq.redis_server import EmbeddedRedis, free_port, port_free
+from tokq.redis.embedded import EmbeddedRedis, free_port, port_free
 
 
 def ipv6_loopback() -> bool:

@@ -24,7 +24,7 @@ def test_generated_code_matches_the_proto(tmp_path):
 def test_http_statuses_come_from_the_same_mapping_as_grpc_codes():
     from tokq.gateway.errors import (InvalidArgument, ModelNotFound, PayloadTooLarge, Unavailable,
                                      to_http)
-    from tokq.queue import QueueFull
+    from tokq.queue.shard import QueueFull
 
     status, body = to_http(InvalidArgument("bad dims", param="dimensions"))
     assert status == 400 and body == {"error": {"message": "bad dims", "type": "invalid_request_error",
@@ -64,7 +64,7 @@ def test_client_refuses_a_bare_string():
 
 def test_client_raises_unavailable_with_code_when_nothing_listens():
     from tokq import Client, TokqError
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
 
     with Client(f"127.0.0.1:{free_port()}") as client, pytest.raises(TokqError) as err:
         client.embed(["hi"], timeout=2)
@@ -84,7 +84,7 @@ def test_cli_lists_every_subcommand():
 def test_redis_commands_are_retried_on_connection_errors_only():
     # After a timeout a script may already have run; enqueue, claim and collect must not run
     # twice. A refused or reset connection (a restarted Redis) is safe to retry.
-    from tokq.connection import connect
+    from tokq.redis.connection import connect
 
     # The retry every connection of the pool runs its commands through, run on failing calls.
     retry = connect("redis://127.0.0.1:1/0", cluster="no").connection_pool.connection_kwargs["retry"]

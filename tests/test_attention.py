@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.workers import attention, cpu_attention, cpu_build, matmul_attention
+from tokq.workers import attention, matmul_attention
+from tokq.workers.kernels import cpu_attention, cpu_build
 from tokq.host import cpu_flags
 from tokq.workers.layout import build_layout
 

@@ -146,9 +146,9 @@ async def test_bench_vector_check_refuses_a_server_whose_vectors_are_not_the_mod
     server of bench_gateway_cpu), and against the real one-at-a-time baseline."""
     from tokq.profiling.bench.gateway_cpu import _this
     from tokq.profiling.bench.service.run import check_vectors
-    from tokq.health import wait_for_health
+    from tokq.processes import wait_for_health
     from tokq.profiling.bench.service.systems import RunningSystem, SystemSpec
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
 
     texts = texts_of_mixed_lengths(bundled_model_dir, 6, seed=7)
     probe = (texts, np.stack([model.encode([t], normalize_embeddings=True)[0] for t in texts]))

@@ -11,8 +11,8 @@ import pytest
 
 from tokq.profiling.bench.gateway_cpu import PySpy, _this, measure, top_frames
 from tokq.profiling.bench.proc_cpu import proc_cpu_s, proc_wakeups
-from tokq.health import wait_for_health
-from tokq.redis_server import free_port
+from tokq.processes import wait_for_health
+from tokq.redis.embedded import free_port
 
 BURN = """
 import threading, time, os
@@ -125,7 +125,7 @@ def test_py_spy_profile_of_a_run_shows_the_servers_handler(echo_server, tmp_path
 
 def test_top_frames_leaves_out_waits_and_merges_lines_of_a_function():
     collapsed = "\n".join([
-        "thread (1): MainThread;run (asyncio/runners.py:190);_embed (gateway/service.py:10);encode (tokq/entry.py:5) 6",
+        "thread (1): MainThread;run (asyncio/runners.py:190);_embed (gateway/service.py:10);encode (tokq/queue/wire.py:5) 6",
         "thread (1): MainThread;run (asyncio/runners.py:190);_embed (gateway/service.py:12);sendmsg (libc.so.6) 3",
         "thread (1): MainThread;run (asyncio/runners.py:190);select (selectors.py:468);epoll_wait (libc.so.6) 50",
         "thread (7): tokenize_0;_worker (concurrent/futures/thread.py:81);pthread_cond_timedwait (libc.so.6) 40",
@@ -134,10 +134,10 @@ def test_top_frames_leaves_out_waits_and_merges_lines_of_a_function():
     frames = top_frames(collapsed)
     assert frames["samples"] == 100 and frames["busy_samples"] == 10
     assert dict(frames["threads"]) == {"MainThread": 0.9, "tokenize": 0.1}
-    assert dict(frames["python"]) == {"encode (tokq/entry.py)": 0.6, "_embed (gateway/service.py)": 0.3,
+    assert dict(frames["python"]) == {"encode (tokq/queue/wire.py)": 0.6, "_embed (gateway/service.py)": 0.3,
                                       "_worker (concurrent/futures/thread.py)": 0.1}
     assert dict(frames["native"]) == {"sendmsg (libc.so.6)": 0.3, "[tokenizers.abi3.so]": 0.1}
-    assert dict(frames["ours"]) == {"_embed (gateway/service.py)": 0.9, "encode (tokq/entry.py)": 0.6}
+    assert dict(frames["ours"]) == {"_embed (gateway/service.py)": 0.9, "encode (tokq/queue/wire.py)": 0.6}
     json.dumps(frames)  # goes into the report as is
 
 

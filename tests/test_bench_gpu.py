@@ -29,7 +29,7 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
 
 def test_qwen3_shaped_model_is_served_alike_by_tokq_and_sentence_transformers(tmp_path):
     from tokq.batch import PackedBatch
-    from tokq.model_info import ModelInfo
+    from tokq.model.info import ModelInfo
     from tokq.profiling.bench.baselines.server import load_model
     from tokq.workers.engine import Engine
 

@@ -43,7 +43,7 @@ def test_the_reference_server_refuses_embed_unread_and_answers_info():
 
     import grpc
 
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
     from tokq.v1 import embedder_pb2 as pb
     from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -89,7 +89,7 @@ def test_drain_waits_for_an_empty_queue_and_an_idle_worker(redis_url):
     registered as idle (a worker still finishing claimed work would be measured otherwise)."""
     import redis
 
-    from tokq.keys import QueueKeys
+    from tokq.queue.keys import QueueKeys
 
     keys = QueueKeys("hostile-drain")
     r = redis.Redis.from_url(redis_url)

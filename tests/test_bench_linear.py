@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from tokq.profiling.bench.linear import linear_command
-from tokq.workers import cpu_linear
+from tokq.workers.kernels import cpu_linear
 from tokq.workers.models import layers
 
 

@@ -1,4 +1,4 @@
-"""tokq.cancel: Python 3.11's asyncio.wait_for (under redis-py's sends) returns the result when
+"""tokq.tasks: Python 3.11's asyncio.wait_for (under redis-py's sends) returns the result when
 a cancel lands as it arrives, and a background loop then runs on. ``raise_if_cancelled`` ends
 such a loop at its next check; ``cancel_and_wait`` stops tasks, cancelling again after a grace."""
 
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from tokq.cancel import GRACE_S, cancel_and_wait, raise_if_cancelled
-from tokq.connection import connect
+from tokq.tasks import GRACE_S, cancel_and_wait, raise_if_cancelled
+from tokq.redis.connection import connect
 
 
 def dropping(cancels_dropped: int | None):

@@ -12,7 +12,7 @@ import pytest
 
 from tokq import client as client_module
 from tokq.client import GATEWAY_ID_METADATA, Client, TokqError
-from tokq.redis_server import free_port
+from tokq.redis.embedded import free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 

@@ -17,7 +17,7 @@ from service_stack import ServiceStack
 from tokq import AsyncClient, Client
 from tokq import client as client_module
 from tokq.client import DISCOVERY_MISSES, REDISCOVER_FIRST_S, REDISCOVER_MAX_S, _Pool
-from tokq.redis_server import free_port_block
+from tokq.redis.embedded import free_port_block
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 

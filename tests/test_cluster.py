@@ -9,11 +9,11 @@ import pytest
 import redis
 from queue_support import QUEUE, queue_cycle
 
-from tokq.connection import connect, connect_pubsub, is_cluster
-from tokq.keys import QueueKeys
-from tokq.queue import Queue
-from tokq.redis_cluster import NUM_SLOTS
-from tokq.subscriber import ShardedSubscriber
+from tokq.redis.connection import connect, connect_pubsub, is_cluster
+from tokq.queue.keys import QueueKeys
+from tokq.queue.shard import Queue
+from tokq.testing.cluster import NUM_SLOTS
+from tokq.redis.pubsub import ShardedSubscriber
 
 
 def _non_owner_url(cluster, key: str) -> str:

@@ -20,10 +20,10 @@ import redis
 from cluster_support import local_cluster
 from queue_support import queue_cycle
 
-from tokq.connection import connect, connect_sync
-from tokq.keys import QueueKeys
-from tokq.queue import Queue
-from tokq.redis_cluster import _slots
+from tokq.redis.connection import connect, connect_sync
+from tokq.queue.keys import QueueKeys
+from tokq.queue.shard import Queue
+from tokq.testing.cluster import _slots
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from test_deploy_manifests import COMPOSE_DIR, K8S, check_env
 
 from tokq import metrics
 from tokq.config import QueueConfig
-from tokq.connection import connect
-from tokq.shards import ShardedQueue
+from tokq.redis.connection import connect
+from tokq.queue.sharded import ShardedQueue
 
 
 def test_compose_cluster_override_builds_a_replicated_cluster_and_uses_it():

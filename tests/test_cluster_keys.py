@@ -9,9 +9,9 @@ from queue_support import ManualClock, items, ok_result
 from redis.crc import key_slot
 
 from tokq.config import QueueConfig
-from tokq.connection import connect
-from tokq.scripts import script_names
-from tokq.shards import ShardedQueue
+from tokq.redis.connection import connect
+from tokq.queue.scripts import script_names
+from tokq.queue.sharded import ShardedQueue
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 

@@ -11,10 +11,10 @@ import redis
 import redis.exceptions
 from queue_support import items
 
-from tokq.connection import connect
+from tokq.redis.connection import connect
 from tokq.gateway.errors import UNAVAILABLE_MESSAGE, code_of, to_http, to_status
-from tokq.keys import QueueKeys
-from tokq.queue import Queue
+from tokq.queue.keys import QueueKeys
+from tokq.queue.shard import Queue
 
 QUEUE = "migrating"
 
@@ -59,8 +59,8 @@ async def test_a_collect_while_its_slot_migrates_is_unavailable(redis_cluster, r
 async def test_a_cluster_no_node_of_which_answers_is_unavailable_not_internal():
     """redis-py raises RedisClusterException("Redis Cluster cannot be connected ...") from the
     connection error when no node answers (the whole cluster down): retry, as for one node."""
-    from tokq.connection import connect
-    from tokq.redis_server import free_port
+    from tokq.redis.connection import connect
+    from tokq.redis.embedded import free_port
 
     client = connect(f"redis://127.0.0.1:{free_port()}/0", cluster="yes")  # nothing listens there
     with pytest.raises(redis.exceptions.RedisClusterException) as err:

@@ -15,10 +15,10 @@ from test_cluster_service import _wait_serving
 
 from tokq import Client, TokqError
 from tokq.config import ConfigError, GatewayConfig
-from tokq.keys import QueueKeys, shard_queue_name
-from tokq.model_info import ModelInfo
+from tokq.queue.keys import QueueKeys, shard_queue_name
+from tokq.model.info import ModelInfo
 from tokq.processes import stop_all
-from tokq.redis_server import free_port
+from tokq.redis.embedded import free_port
 
 pytestmark = pytest.mark.slow
 NAMES = ("minilm-a", "minilm-b")

@@ -29,16 +29,16 @@ from cluster_support import local_cluster
 from queue_support import wait_for
 
 from tokq.config import GatewayConfig, QueueConfig
-from tokq.connection import close_client, connect, connect_pubsub
-from tokq.entry import encode_ok
+from tokq.redis.connection import close_client, connect, connect_pubsub
+from tokq.queue.wire import encode_ok
 from tokq.gateway.embedding import EmbedInput, ServedModel, Timer
 from tokq.gateway.errors import Unavailable, code_of
 from tokq.gateway.replies import ReplyRouter
-from tokq.keys import QueueKeys, shard_queue_name
-from tokq.model_info import ModelInfo
-from tokq.redis_cluster import LocalCluster
-from tokq.shards import ShardedQueue
-from tokq.subscriber import ShardedSubscriber
+from tokq.queue.keys import QueueKeys, shard_queue_name
+from tokq.model.info import ModelInfo
+from tokq.testing.cluster import LocalCluster
+from tokq.queue.sharded import ShardedQueue
+from tokq.redis.pubsub import ShardedSubscriber
 
 pytestmark = pytest.mark.slow
 

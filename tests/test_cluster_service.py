@@ -18,10 +18,10 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokq import Client, TokqError
-from tokq.keys import QueueKeys, shard_queue_name
-from tokq.model_info import ModelInfo
+from tokq.queue.keys import QueueKeys, shard_queue_name
+from tokq.model.info import ModelInfo
 from tokq.processes import stop_all
-from tokq.redis_server import free_port
+from tokq.redis.embedded import free_port
 
 pytestmark = pytest.mark.slow
 NUM_SHARDS = 3

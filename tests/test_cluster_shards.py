@@ -1,4 +1,4 @@
-"""A model's queue as S shards (tokq.shards), on a standalone server and on a real cluster."""
+"""A model's queue as S shards (tokq.queue.sharded), on a standalone server and on a real cluster."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from queue_support import QUEUE, items, ok_result
 
 from tokq.config import QueueConfig
-from tokq.connection import connect
-from tokq.keys import QueueKeys, shard_queue_name
-from tokq.shards import ShardedQueue
+from tokq.redis.connection import connect
+from tokq.queue.keys import QueueKeys, shard_queue_name
+from tokq.queue.sharded import ShardedQueue
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 GW = "gw-test"
@@ -122,7 +122,7 @@ async def test_cancel_reaches_the_request_shard(redis_url):
 async def test_a_rejected_request_leaves_nothing_behind_in_the_gateway(redis_url):
     # Its shard was kept for good (the gateway neither collects nor cancels a rejected
     # request): one dict entry per 429 under a sustained overload.
-    from tokq.queue import QueueFull
+    from tokq.queue.shard import QueueFull
 
     async with open_sharded(redis_url, 1, max_queued_tokens=10) as q:
         await q.enqueue("first", items(20), timeout_ms=60_000, gateway_id=GW)  # an empty queue takes one
@@ -164,7 +164,7 @@ async def test_lowering_the_shard_count_keeps_draining_the_retired_shards(redis_
 
 
 async def test_a_worker_in_a_heavy_forward_hears_light_work_on_any_shard_and_claims_it_alone(redis_url):
-    from tokq.subscriber import ShardedSubscriber
+    from tokq.redis.pubsub import ShardedSubscriber
 
     async with open_sharded(redis_url, 3) as worker, open_sharded(redis_url, 3, seed=2) as gateway:
         sub = ShardedSubscriber(worker.redis)

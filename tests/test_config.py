@@ -92,7 +92,7 @@ def test_flags_beat_env_vars_beat_defaults():
 @pytest.mark.slow
 def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_server, redis_url):
     from tokq import Client
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
 
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_PORT": str(port), "TOKQ_HOST": "127.0.0.1",

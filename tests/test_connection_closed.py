@@ -2,7 +2,7 @@
 asyncio's loop and on uvloop (the gateway's): the server closed it, or the client closed its
 transport while it sat in the pool (redis-py's cluster client closes a failed node's free
 connections from tasks that run later). uvloop's write on a closed transport raised RuntimeError,
-INTERNAL to a caller; tokq/connection.py's send guard fails it as a ConnectionError before it is
+INTERNAL to a caller; tokq/redis/connection.py's send guard fails it as a ConnectionError before it is
 sent, which redis-py retries."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import pytest
 import redis
 
-from tokq.connection import connect, connect_pubsub
+from tokq.redis.connection import connect, connect_pubsub
 from tokq.gateway.event_loop import loop_factory
 
 LOOPS = ["asyncio"] + ([] if sys.platform == "win32" else ["uvloop"])
@@ -56,7 +56,7 @@ def test_a_client_slow_to_close_is_given_up_not_raised(redis_url, caplog):
     # redis-py raises TimeoutError where closing a socket outlasts the connect timeout (0.5 s):
     # seen on a loaded machine closing a cluster client. A gateway or worker stopping must go on
     # to close its other clients and exit 0, so close_client logs it instead.
-    from tokq.connection import close_client
+    from tokq.redis.connection import close_client
 
     async def main():
         client = connect(redis_url)

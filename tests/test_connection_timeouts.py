@@ -1,4 +1,4 @@
-"""Connect timeouts are retried; read timeouts are not, but on a Redis Cluster (tokq/connection.py).
+"""Connect timeouts are retried; read timeouts are not, but on a Redis Cluster (tokq/redis/connection.py).
 
 A first connect slower than CONNECT_TIMEOUT_S (a loaded machine, a busy Redis slow to accept)
 is tried again by the connection itself: nothing was sent on it yet. A command whose answer does
@@ -17,10 +17,10 @@ import socket
 import pytest
 import redis
 import redis.asyncio as aioredis
-from fault_proxy import FaultProxy
+from tokq.testing.fault_proxy import FaultProxy
 
-import tokq.connection
-from tokq.connection import (CONNECT_ATTEMPTS, CONNECT_TIMEOUT_S, connect, connect_pubsub,
+import tokq.redis.connection
+from tokq.redis.connection import (CONNECT_ATTEMPTS, CONNECT_TIMEOUT_S, connect, connect_pubsub,
                              is_cluster)
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
@@ -79,7 +79,7 @@ async def test_a_connect_that_never_completes_fails_in_bounded_time(redis_url, m
 
 
 def test_the_cluster_mode_probe_retries_a_connect_that_times_out(redis_url, monkeypatch, request):
-    monkeypatch.setattr(tokq.connection, "_cluster_by_url", {})
+    monkeypatch.setattr(tokq.redis.connection, "_cluster_by_url", {})
     slowed = []
 
     class SlowFirstConnect(socket.socket):  # what redis-py's blocking connections connect with
@@ -99,7 +99,7 @@ async def test_a_command_whose_answer_times_out_is_not_sent_again(redis_url, mon
     # The retry policy retries connection errors, not timeouts: the command may have run (here
     # it did, its answer withheld), so it fails to the caller, run once. Retried, it would run
     # again on a new connection, and answer.
-    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(tokq.redis.connection, "SOCKET_TIMEOUT_S", 0.5)
     proxy = FaultProxy(redis_url).start()
     client = connect(proxy.url, cluster="no")
     try:
@@ -119,16 +119,16 @@ def _cluster_client_proxied(monkeypatch, cluster, key: str):
     """tokq's cluster client (connect(), its settings untouched but a 0.5 s socket timeout),
     its links to the node owning ``key`` going through a proxy (redis-py's address_remap).
     Returns (client, proxy, the node's port)."""
-    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(tokq.redis.connection, "SOCKET_TIMEOUT_S", 0.5)
     owner = cluster.owner_port(key)
     proxy = FaultProxy(cluster.node_url(owner)).start()
-    from_url = tokq.connection.BoundedRedisCluster.from_url.__func__
+    from_url = tokq.redis.connection.BoundedRedisCluster.from_url.__func__
 
     def via_proxy(cls, url, **kwargs):
         remap = lambda address: ("127.0.0.1", proxy.port) if address[1] == owner else address
         return from_url(cls, url, address_remap=remap, **kwargs)
 
-    monkeypatch.setattr(tokq.connection.BoundedRedisCluster, "from_url", classmethod(via_proxy))
+    monkeypatch.setattr(tokq.redis.connection.BoundedRedisCluster, "from_url", classmethod(via_proxy))
     return connect(cluster.url, cluster="yes"), proxy, owner
 
 
@@ -158,7 +158,7 @@ async def test_a_silent_cluster_node_is_tried_three_times_then_reported(redis_ur
         proxy.stall(False)
         await client.aclose()
         proxy.close()
-    tries = 3 * tokq.connection.SOCKET_TIMEOUT_S
+    tries = 3 * tokq.redis.connection.SOCKET_TIMEOUT_S
     assert tries <= elapsed < tries + 6  # three socket timeouts (one would be a third of it)
     # The first try ran; the later ones, on new connections, may stop at the silent handshake.
     assert first + 1 <= _value_on_node(redis_cluster, owner, "silent") <= first + 3
@@ -169,7 +169,7 @@ async def test_a_timed_out_command_is_sent_again_on_a_cluster(redis_url, redis_c
                                                                monkeypatch):
     # Unlike the standalone client (the test above it), redis-py's cluster client resends a
     # command whose answer timed out (RedisCluster.ERRORS_ALLOW_RETRY): the command runs
-    # twice, which the queue scripts' idempotency makes safe (tokq/connection.py's _retry).
+    # twice, which the queue scripts' idempotency makes safe (tokq/redis/connection.py's _retry).
     client, proxy, owner = _cluster_client_proxied(monkeypatch, redis_cluster, "resent")
     try:
         first = await client.incr("resent")  # 1, or more if resent on a loaded machine
@@ -185,7 +185,7 @@ async def test_a_timed_out_command_is_sent_again_on_a_cluster(redis_url, redis_c
 async def test_a_refused_connect_is_reported_in_a_fraction_of_a_second(redis_url):
     # The README's UNAVAILABLE row: a Redis that refuses connections (down, nothing on its port)
     # is reported after three quick tries, not after any timeout.
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
 
     client = connect(f"redis://127.0.0.1:{free_port()}/0", cluster="no")  # nothing listens there
     loop = asyncio.get_running_loop()

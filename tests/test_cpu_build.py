@@ -1,4 +1,4 @@
-"""How the C kernels are built (workers/cpu_build.py): rebuilt when their sources change,
+"""How the C kernels are built (workers/kernels/cpu_build.py): rebuilt when their sources change,
 correct when built for older x86 CPUs than this one (SSE4.2 only, AVX2), as a worker on such a
 machine builds them with -march=native, and loaded without changing how the rest of the process
 does floating point."""
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokq.host import cpu_flags
-from tokq.workers import cpu_attention, cpu_build, cpu_norm
+from tokq.workers.kernels import cpu_attention, cpu_build, cpu_norm
 
 WORKERS = Path(cpu_build.__file__).parent
 
@@ -77,7 +77,7 @@ def test_the_kernels_built_for_an_older_cpu_give_the_same_results(march, tmp_pat
 @pytest.mark.skipif(cpu_build.compiler() is None, reason="needs a C compiler")
 @pytest.mark.parametrize("lanes", [4, 8, 16])
 def test_the_kernels_give_the_same_results_at_every_vector_width(lanes, monkeypatch):
-    """Each width's code (workers/cpu_vec.h), whatever this CPU's own: wider vectors than the
+    """Each width's code (workers/kernels/cpu_vec.h), whatever this CPU's own: wider vectors than the
     registers are lowered by the compiler, slowly but correctly."""
     built = cpu_build.library
     monkeypatch.setattr(cpu_build, "library",
@@ -99,7 +99,7 @@ def test_the_kernels_take_the_cpus_own_vector_width():
 # Loads both kernels as a worker does, then multiplies a subnormal float in numpy and in torch.
 SUBNORMALS = """
 import numpy as np, torch
-from tokq.workers import cpu_build
+from tokq.workers.kernels import cpu_build
 for name in ("cpu_attention", "cpu_norm"):
     lib, reason = cpu_build.library(name)
     assert lib is not None, reason

@@ -1,4 +1,4 @@
-"""The C fp32 linear (workers/cpu_linear.c) against F.linear: every row count's remainder of its
+"""The C fp32 linear (workers/kernels/cpu_linear.c) against F.linear: every row count's remainder of its
 row blocks, an output width its panels do not divide, bias or none, the residual add, strided
 inputs, the activations, and its work split over threads."""
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tiny_models import build
 from tokq.batch import PackedBatch
-from tokq.workers import cpu_linear
+from tokq.workers.kernels import cpu_linear
 from tokq.workers.engine import Engine
 from tokq.workers.models import layers
 

@@ -1,4 +1,4 @@
-"""Freed activations stay in the process (workers/cpu_memory.py): once a CPU engine is loaded,
+"""Freed activations stay in the process (workers/kernels/cpu_memory.py): once a CPU engine is loaded,
 a forward run again faults no new pages."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 MEASURE = """
 import resource, numpy as np, torch
 from tokq.batch import PackedBatch
-from tokq.workers import cpu_memory
+from tokq.workers.kernels import cpu_memory
 from tokq.workers.engine import Engine
 torch.set_num_threads(1)
 if {disabled}:  # glibc left as it starts

@@ -1,4 +1,4 @@
-"""The C LayerNorm (workers/cpu_norm.c) against a float64 reference and torch's own, and its
+"""The C LayerNorm (workers/kernels/cpu_norm.c) against a float64 reference and torch's own, and its
 fallback to torch's when it cannot be built."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tokq.batch import PackedBatch
-from tokq.workers import cpu_build, cpu_norm
+from tokq.workers.kernels import cpu_build, cpu_norm
 from tokq.workers.engine import Engine
 
 CPU = torch.device("cpu")

@@ -348,7 +348,7 @@ def test_a_heavy_batch_outcome_is_not_graphed_by_the_light_batch_nested_in_it(ti
 
 def _claim(lens, batch_id: str = "b"):
     """A claim of one entry per length (random token ids), as the queue hands a worker."""
-    from tokq.entry import encode_body, format_entry, parse_entry
+    from tokq.queue.wire import encode_body, format_entry, parse_entry
 
     rng = np.random.default_rng(0)
     bodies = [encode_body(rng.integers(1, VOCAB, size=n)) for n in lens]

@@ -1,5 +1,5 @@
 """A worker with no budget set or published cuts its device's default to the latency goal
-(workers/default_budget.py): the rule on modelled forward times, then a real worker (the bundled
+(workers/budget.py): the rule on modelled forward times, then a real worker (the bundled
 model, a real Redis) whose heartbeat reports the budget it chose and where it came from. Goals
 are picked so that the outcome holds on any machine: 1 ms is out of reach for any forward of
 MiniLM, a day is within reach of every one."""
@@ -17,8 +17,8 @@ import pytest
 from queue_support import QUEUE, open_queue
 
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.entry import encode_body
-from tokq.workers.default_budget import MAX_SIZES, STEP, TIMINGS_PER_SIZE, default_budget, fit_budget
+from tokq.queue.wire import encode_body
+from tokq.workers.budget import MAX_SIZES, STEP, TIMINGS_PER_SIZE, default_budget, fit_budget
 
 
 def linear_ms(fixed_ms: float, ms_per_token: float, first_slowed_ms: float = 0.0):
@@ -168,9 +168,9 @@ async def test_a_published_budget_wins_over_fitting(redis_url, engine):
 
 @pytest.mark.parametrize("value", [b"128.0", b"abc", b"-5", b"0", b"99999999999", b" 12", b"", b"1" * 5000])
 def test_what_is_not_a_budget_reads_as_none_with_one_warning(value, caplog):
-    from tokq.queue import MAX_TOKEN_BUDGET, budget_from
+    from tokq.queue.shard import MAX_TOKEN_BUDGET, budget_from
 
-    caplog.set_level(logging.WARNING, logger="tokq.queue")
+    caplog.set_level(logging.WARNING, logger="tokq.queue.shard")
     assert budget_from(value, f"k-{value!r}") is None and budget_from(value, f"k-{value!r}") is None
     assert len([r for r in caplog.records if "not a token budget" in r.getMessage()]) == 1
     assert budget_from(b"128") == 128 and budget_from(str(MAX_TOKEN_BUDGET)) == MAX_TOKEN_BUDGET

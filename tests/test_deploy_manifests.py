@@ -202,7 +202,7 @@ def test_k8s_autoscaler_scales_the_worker_deployment_on_queued_tokens():
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
     assert "tokq_queue_queued_tokens" in trigger["metadata"]["query"]
-    from tokq.workers.default_budget import DEFAULT_BUDGET
+    from tokq.workers.budget import DEFAULT_BUDGET
 
     # the comment's promise: a replica per 16 full batches at the CUDA workers' default budget
     assert int(trigger["metadata"]["threshold"]) == 16 * DEFAULT_BUDGET["cuda"]

@@ -22,7 +22,7 @@ import yaml
 
 from tokq import metrics
 from tokq.processes import stop_all
-from tokq.redis_server import free_port, free_port_block
+from tokq.redis.embedded import free_port, free_port_block
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"

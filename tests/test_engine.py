@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.model_info import UnsupportedModel
+from tokq.model.info import UnsupportedModel
 from tokq.workers import attention
 from tokq.workers.engine import Engine
 
@@ -54,7 +54,7 @@ def test_defaults_are_bundled_model_on_cpu(engine):
     assert engine.device == torch.device("cpu") and engine.dtype == torch.float32
     assert engine.attn_backend == attention.choose_backend("auto", engine.device, engine.dtype)
     assert engine.attn_backend in ("cpu_varlen", "sdpa_packed")  # the C kernel where it builds
-    from tokq.workers import cpu_linear
+    from tokq.workers.kernels import cpu_linear
 
     assert engine.linear_backend == ("c" if cpu_linear.preferred() else "onednn")  # fp32 on this CPU
     assert engine.info.pooling == "mean" and engine.info.max_length == 256

@@ -1,11 +1,11 @@
-"""Entry bodies (tokq/entry.py): the bytes a gateway packs and a worker reads back."""
+"""Entry bodies (tokq/queue/wire.py): the bytes a gateway packs and a worker reads back."""
 
 import struct
 
 import numpy as np
 import pytest
 
-from tokq.entry import FLAG_NORMALIZE, FLAG_PREFIX, decode_body, encode_body
+from tokq.queue.wire import FLAG_NORMALIZE, FLAG_PREFIX, decode_body, encode_body
 
 
 def test_a_body_is_its_head_then_little_endian_uint16_ids():

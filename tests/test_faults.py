@@ -2,7 +2,7 @@
 and worker processes (tests/service_stack.py), the bundled model, real gRPC callers.
 
 On a standalone Redis, the gateway and the first worker reach Redis through their own fault
-proxy (tests/fault_proxy.py), which can let a command run and lose its answer. Every scenario
+proxy (tokq/testing/fault_proxy.py), which can let a command run and lose its answer. Every scenario
 runs again on a real 3+3 Redis Cluster of this module's own, the queue in 3 shards over its
 nodes: each node announces the port of a fault proxy in front of it, so the gateway's and
 workers' cluster clients (which find the nodes through CLUSTER SLOTS and MOVED) reach every node
@@ -34,8 +34,8 @@ import numpy as np
 import pytest
 
 from tokq import AsyncClient, TokqError
-from tokq.keys import QueueKeys, shard_queue_name
-from tokq.model_info import ModelInfo
+from tokq.queue.keys import QueueKeys, shard_queue_name
+from tokq.model.info import ModelInfo
 
 pytestmark = pytest.mark.slow
 KEYS = QueueKeys(ModelInfo.load().queue_name)  # as the gateway and workers name it
@@ -88,8 +88,8 @@ def reference(texts, bundled_model_dir) -> np.ndarray:
 def proxied_cluster():
     """A 3+3 Redis Cluster whose every node announces a fault proxy's port in place of its own
     (its cluster bus stays direct, so gossip and failover are untouched)."""
-    from fault_proxy import FaultProxy
-    from tokq.redis_cluster import LocalCluster
+    from tokq.testing.fault_proxy import FaultProxy
+    from tokq.testing.cluster import LocalCluster
 
     proxies: list[FaultProxy] = []
 
@@ -111,7 +111,7 @@ def proxied_cluster():
 
 @pytest.fixture(scope="module", params=["standalone", "cluster"])
 def stack(request):
-    from fault_proxy import FaultProxy, script_sha
+    from tokq.testing.fault_proxy import FaultProxy, script_sha
     from service_stack import ServiceStack
 
     env = {"TOKQ_LEASE_MS": str(LEASE_MS), "TOKQ_REPLY_TTL_MS": str(REPLY_TTL_MS),
@@ -271,7 +271,7 @@ def test_answers_lost_on_the_gateways_link(stack, texts, reference):
 
 
 def test_an_enqueue_whose_every_answer_is_lost_is_unavailable_and_withdrawn(stack, texts, reference):
-    from fault_proxy import script_sha
+    from tokq.testing.fault_proxy import script_sha
 
     cut_link(stack, "gateway", 1.0, only=script_sha("enqueue"))  # it runs; no answer ever comes
     tally = Tally("every answer to enqueue lost (after redis-py's retries)")

@@ -28,10 +28,10 @@ import redis
 
 from tokq import AsyncClient
 from tokq.config import QueueConfig
-from tokq.connection import connect
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo
-from tokq.queue import Queue
+from tokq.redis.connection import connect
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo
+from tokq.queue.shard import Queue
 
 pytestmark = pytest.mark.slow
 KEYS = QueueKeys(ModelInfo.load().queue_name)
@@ -57,7 +57,7 @@ def reference(texts, bundled_model_dir) -> np.ndarray:
 
 @pytest.fixture
 def stack():
-    from fault_proxy import FaultProxy
+    from tokq.testing.fault_proxy import FaultProxy
     from service_stack import ServiceStack
 
     s = ServiceStack(env={"TOKQ_LEASE_MS": str(LEASE_MS)})

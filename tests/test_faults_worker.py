@@ -15,7 +15,7 @@ import pytest
 from queue_support import QUEUE, open_queue, wait_for
 
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.entry import decode_result, encode_body
+from tokq.queue.wire import decode_result, encode_body
 from tokq.workers import worker as worker_module
 from tokq.workers.worker import EXIT_HUNG, Worker
 
@@ -131,7 +131,7 @@ async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, en
             await wait_for(lambda: _complete(q, reply, 1), 30, "the notice to wake the worker")
             assert decode_result((await q.collect(f"r{n}"))[0]).ok
         # While it lives it listens on its owner channel, so requeue never takes its leases
-        # early (tokq.queue.Queue.owner_channel).
+        # early (tokq.queue.shard.Queue.owner_channel).
         assert await q.redis.execute_command("PUBSUB", "SHARDNUMSUB", q.owner_channel) == [
             q.owner_channel.encode(), 1]
         # stop() is seen at the next wake-up (within IDLE_FALLBACK_S in service, an hour here).

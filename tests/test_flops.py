@@ -1,4 +1,4 @@
-"""tokq.flops: the one FLOP formula agrees with torch's own counter and with the layers the
+"""tokq.model.flops: the one FLOP formula agrees with torch's own counter and with the layers the
 engine runs; the device peak table; and counting FLOPs needs no Prometheus."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from tokq import flops
+from tokq.model import flops
 from tokq.batch import PackedBatch
-from tokq.model_info import ModelInfo
+from tokq.model.info import ModelInfo
 
 
 def test_minilm_counts_its_linear_layers_and_each_sequences_square_of_attention():

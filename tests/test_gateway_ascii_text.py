@@ -13,7 +13,7 @@ from tokenizers import normalizers
 
 from tokq.gateway.ascii_text import AsciiPath, ascii_normalizer
 from tokq.gateway.tokenize import Tokenizer
-from tokq.model_info import ModelInfo
+from tokq.model.info import ModelInfo
 
 # ASCII of every kind (controls, tabs, brackets of "[SEP]", "<|endoftext|>"), a few other letters.
 TEXT = st.text(alphabet=st.one_of(st.characters(max_codepoint=127), st.sampled_from("éÉßı東🙂\u0301")),

@@ -13,9 +13,9 @@ import pytest
 import redis
 from gateway_support import running_gateway
 
-import tokq.connection
+import tokq.redis.connection
 from tokq import Client, TokqError
-from tokq.redis_server import EmbeddedRedis
+from tokq.redis.embedded import EmbeddedRedis
 
 
 def _failed_call(port: int, timeout_s: float) -> tuple[TokqError, float]:
@@ -45,7 +45,7 @@ def test_a_call_deadline_shorter_than_the_default_is_kept(redis_url):
 def test_a_redis_that_stops_answering_is_answered_after_one_socket_timeout(monkeypatch):
     """Its enqueue times out; the withdrawal that follows (a cancel script, which would time out
     too) runs after the answer, not before it: one socket timeout, not two."""
-    monkeypatch.setattr(tokq.connection, "SOCKET_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(tokq.redis.connection, "SOCKET_TIMEOUT_S", 2.0)
     server = EmbeddedRedis().start()
     try:
         pid = int(redis.Redis.from_url(server.url).info("server")["process_id"])
@@ -78,12 +78,12 @@ async def test_shutdown_waits_for_the_withdrawals_started_meanwhile_then_cancels
     import asyncio
 
     from tokq.config import GatewayConfig, QueueConfig
-    from tokq.connection import connect, connect_pubsub
+    from tokq.redis.connection import connect, connect_pubsub
     from tokq.gateway.embedding import ServedModel
     from tokq.gateway.replies import ReplyRouter
     from tokq.gateway.tokenize import Tokenizer
-    from tokq.model_info import ModelInfo
-    from tokq.shards import ShardedQueue
+    from tokq.model.info import ModelInfo
+    from tokq.queue.sharded import ShardedQueue
 
     info = ModelInfo.load()
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)

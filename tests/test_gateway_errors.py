@@ -15,11 +15,11 @@ import redis
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from tokq.connection import connect
+from tokq.redis.connection import connect
 from tokq.gateway.errors import (UNAVAILABLE_MESSAGE, InvalidArgument, Unavailable, from_result_code,
                                  to_status)
-from tokq.queue import Queue, QueueFull
-from tokq.redis_server import EmbeddedRedis
+from tokq.queue.shard import Queue, QueueFull
+from tokq.redis.embedded import EmbeddedRedis
 
 ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+|localhost|:\d{2,5}\b")
 
@@ -120,7 +120,7 @@ def test_loading_and_lost_connections_are_unavailable():
 
 
 async def test_unreachable_redis_is_unavailable_without_its_address():
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
 
     client = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
     with pytest.raises(redis.exceptions.ConnectionError) as err:

@@ -83,7 +83,7 @@ def test_the_tokenizer_s_threads_are_batch_threads_however_late_they_start():
     import threading
 
     from tokq.gateway.tokenize import Tokenizer
-    from tokq.model_info import ModelInfo
+    from tokq.model.info import ModelInfo
 
     tok = Tokenizer(ModelInfo.load(), threads=6)  # 4 threads started at once, 2 when needed
     try:

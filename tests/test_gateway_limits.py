@@ -21,8 +21,8 @@ from gateway_support import left_for_the_gc, running_gateway
 from tokq import config as cfg
 from tokq.gateway.validate import Limits
 from tokq.gateway.wire import EmbedRequestUtf8
-from tokq.model_info import ModelInfo
-from tokq.redis_server import free_port
+from tokq.model.info import ModelInfo
+from tokq.redis.embedded import free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 

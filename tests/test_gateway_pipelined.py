@@ -1,5 +1,5 @@
 """Concurrent Embed calls through a real gateway process share Redis round trips for their
-enqueues (tokq.pipeliner), and each still gets its own answer: its own vectors, or its own
+enqueues (tokq.redis.pipeline), and each still gets its own answer: its own vectors, or its own
 RESOURCE_EXHAUSTED when its enqueue alone is refused."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from service_stack import ServiceStack
 
-from tokq.redis_server import free_port_block
+from tokq.redis.embedded import free_port_block
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 

@@ -14,12 +14,12 @@ import pytest
 from queue_support import wait_for
 
 from tokq.config import GatewayConfig, QueueConfig
-from tokq.connection import connect, connect_pubsub
-from tokq.entry import encode_ok
+from tokq.redis.connection import connect, connect_pubsub
+from tokq.queue.wire import encode_ok
 from tokq.gateway.embedding import EmbedInput, ServedModel, Timer
 from tokq.gateway.replies import ReplyRouter
-from tokq.model_info import ModelInfo
-from tokq.shards import ShardedQueue
+from tokq.model.info import ModelInfo
+from tokq.queue.sharded import ShardedQueue
 
 GATEWAY = "gw-replies"
 GATEWAY_CONFIG = GatewayConfig()
@@ -103,7 +103,7 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
     # answers (the calls keep waiting and are answered); when its reconnect fails, the waiting
     # calls are answered UNAVAILABLE at once, not at their deadline, and withdrawn. The poll is
     # held off here, so only the restored subscription can answer the first call.
-    from fault_proxy import FaultProxy
+    from tokq.testing.fault_proxy import FaultProxy
 
     from tokq.gateway.errors import Unavailable
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tokq import Client, TokqError
-from tokq.redis_server import free_port
+from tokq.redis.embedded import free_port
 from gateway_support import running_gateway
 
 MODEL = "all-MiniLM-L6-v2"

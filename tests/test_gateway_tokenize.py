@@ -19,7 +19,7 @@ from tokq.gateway import large_lane
 from tokq.gateway.large_lane import LARGE_NICE
 from tokq.gateway.tokenize import (INLINE_BYTES, STARTED_THREADS, Tokenizer, _head, encode_truncated,
                                    first_surely_too_long, surely_too_long)
-from tokq.model_info import ModelInfo
+from tokq.model.info import ModelInfo
 
 
 @pytest.fixture(scope="module")

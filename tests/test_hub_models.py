@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo, bundled_model_path
-from tokq.model_source import resolve
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo, bundled_model_path
+from tokq.model.source import resolve
 from service_stack import ctrl_c_reaches_it, read_until_serving
 
 REPO = "acme/mini-lm"
@@ -171,7 +171,7 @@ class LoopbackHub:
 
 
 RESOLVE = """
-from tokq.model_info import ModelInfo
+from tokq.model.info import ModelInfo
 info = ModelInfo.load({repo!r})
 print(info.path, info.name, info.hidden_size)
 """
@@ -234,7 +234,7 @@ def test_tokq_up_serves_a_repo_id_from_the_cache_under_its_name(tmp_path, bundle
     from sentence_transformers import SentenceTransformer
 
     from tokq import Client
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
 
     cache = tmp_path / "hub"
     build_hub_cache(cache)

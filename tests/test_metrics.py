@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokq import metrics
-from tokq.flops import forward_flops
+from tokq.model.flops import forward_flops
 
 NAME_RULE = re.compile(r"^tokq_(gateway|queue|worker)_[a-z][a-z0-9_]*_"
                        r"(seconds|tokens|entries|items|batches|requests|ratio|total|info|per_second)$")
@@ -31,7 +31,7 @@ def _value(name: str, **labels) -> float | None:
 
 
 @dataclass
-class FakeStats:  # the fields of tokq.queue.QueueStats
+class FakeStats:  # the fields of tokq.queue.shard.QueueStats
     queued_entries: int = 0
     queued_tokens: int = 0
     oldest_age_ms: int = 0
@@ -94,7 +94,7 @@ def test_queue_stats_export_gauges_and_redis_totals_as_counters():
 
 
 def test_queue_stats_say_what_share_of_the_shards_went_unread():
-    # tokq.shards.ShardedQueue.stats with one of 4 shards' node down: the gauges sum the other 3
+    # tokq.queue.sharded.ShardedQueue.stats with one of 4 shards' node down: the gauges sum the other 3
     # (tests/test_cluster_node_down.py), and the ratio says a quarter is missing from them.
     model = _model()
     metrics.observe_queue_stats(FakeStats(queued_entries=5, num_shards=4, unreadable_shards=(2,)),

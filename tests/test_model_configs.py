@@ -17,7 +17,7 @@ from prompted_model import TEXTS as QWEN_TEXTS
 from prompted_model import build_prompted_qwen3
 from tokq.batch import PackedBatch
 from tokq.gateway.tokenize import Tokenizer
-from tokq.model_info import ModelInfo, UnsupportedModel
+from tokq.model.info import ModelInfo, UnsupportedModel
 from tokq.workers.engine import Engine
 
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")

@@ -13,14 +13,14 @@ import redis
 import torch
 from safetensors.torch import load_file, save_file
 
-from tokq.connection import connect
-from tokq.entry import decode_result, encode_body
-from tokq.fingerprint import model_fingerprint
+from tokq.redis.connection import connect
+from tokq.queue.wire import decode_result, encode_body
+from tokq.model.fingerprint import model_fingerprint
 from tokq.gateway.errors import InvalidArgument
 from tokq.gateway.validate import check_token_ids
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo, first_out_of_vocab
-from tokq.queue import Queue
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo, first_out_of_vocab
+from tokq.queue.shard import Queue
 
 
 def copy_model(src, dst, perturb: bool = False):

@@ -15,9 +15,9 @@ import pytest
 
 from test_hub_models import COMMIT, REPO, LoopbackHub, build_hub_cache
 from tiny_models import build
-from tokq.fingerprint import model_fingerprint
-from tokq.model_info import ModelInfo, bundled_model_path
-from tokq.model_source import resolve
+from tokq.model.fingerprint import model_fingerprint
+from tokq.model.info import ModelInfo, bundled_model_path
+from tokq.model.source import resolve
 
 NO_REDIS = ["--redis-url", "redis://127.0.0.1:1/0"]  # never reached: the model fails first
 

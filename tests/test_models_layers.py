@@ -62,7 +62,7 @@ def test_models_hold_weights_packed_for_their_linear_kernel(tmp_path):
     from tokq.workers.engine import Engine
 
     build("bert", tmp_path)
-    from tokq.workers import cpu_linear
+    from tokq.workers.kernels import cpu_linear
 
     c_builds = cpu_linear.unavailable_reason(torch.device("cpu"), torch.float32) is None
     for kind in ("auto", "torch") + (("c",) if c_builds else ()):
@@ -107,7 +107,7 @@ def test_fused_projections_are_concatenated_on_the_host_then_moved(monkeypatch, 
     and the whole would otherwise coexist there: ~1.6x the weights at load). "meta" stands in
     for the device: any concatenation there would show up in the spy."""
     from tiny_models import build
-    from tokq.model_info import ModelInfo
+    from tokq.model.info import ModelInfo
     from tokq.workers.loader import load_weights
     from tokq.workers.models.qwen import Qwen
 

@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 from matplotlib.image import imread
 
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo
 from tokq.profiling import workload
 from tokq.profiling.profile.cli import profile_command
 
@@ -30,8 +30,8 @@ def invoke(args):
 
 
 def published_budget(redis_url: str, queue_name: str) -> int | None:
-    """The budget as a running worker reads it (tokq.queue.Queue.get_budget)."""
-    from tokq.queue import Queue
+    """The budget as a running worker reads it (tokq.queue.shard.Queue.get_budget)."""
+    from tokq.queue.shard import Queue
 
     async def read() -> int | None:
         client = aioredis.Redis.from_url(redis_url)
@@ -105,7 +105,7 @@ def test_apply_refuses_when_no_batch_fits_the_ceiling(tmp_path, redis_url):
 
 
 def test_apply_with_no_redis_answering_fails_before_the_sweep_naming_the_url_masked(tmp_path):
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
 
     url = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"  # nothing listens there
     result = CliRunner().invoke(profile_command, SHORT_GRID + ["--out", str(tmp_path / "p.json"), "--apply",
@@ -117,7 +117,7 @@ def test_apply_with_no_redis_answering_fails_before_the_sweep_naming_the_url_mas
 
 
 def test_a_redis_password_typed_on_the_command_line_is_masked_in_output_and_results(tmp_path):
-    from tokq.redis_server import EmbeddedRedis
+    from tokq.redis.embedded import EmbeddedRedis
 
     results = tmp_path / "RESULTS.md"
     with EmbeddedRedis() as server:  # a generated password, as tokq up's

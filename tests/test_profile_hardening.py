@@ -15,10 +15,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo
 from tokq.profiling.profile.cli import profile_command
-from tokq.redis_server import free_port
+from tokq.redis.embedded import free_port
 
 # 3 batch sizes (a knee needs 3), one repeat each: about a second once the model is loaded.
 TINY = ["--min-tokens", "4", "--max-tokens", "16", "--points-per-doubling", "1", "--time-per-point-s", "0.05",
@@ -108,7 +108,7 @@ def test_redis_cluster_takes_only_what_the_workers_take(tmp_path):
 
 
 def test_redis_stopping_during_the_sweep_is_one_line_and_the_profile_is_still_written(tmp_path):
-    from tokq.redis_server import EmbeddedRedis
+    from tokq.redis.embedded import EmbeddedRedis
 
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     with EmbeddedRedis() as server:

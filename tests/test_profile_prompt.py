@@ -9,7 +9,7 @@ import pytest
 from prompted_model import INSTRUCT, build_prompted_qwen3
 
 from tokq.batch import PackedBatch
-from tokq.flops import forward_flops
+from tokq.model.flops import forward_flops
 from tokq.profiling import workload
 from tokq.profiling.profile.sweep import SweepConfig
 from tokq.profiling.profile.batches import BatchMaker, shared_prompt_ids, token_ids_for

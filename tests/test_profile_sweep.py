@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.model_info import ModelInfo
+from tokq.model.info import ModelInfo
 from tokq.profiling import workload
 from tokq.profiling.profile.sweep import CudaEventTimer, SweepConfig, WallTimer, sweep, token_grid
 from tokq.profiling.profile.run import analyze, run_profile

@@ -14,14 +14,14 @@ from prompted_model import INSTRUCT, PROMPTS, TEXTS, build_prompted_qwen3
 
 from tokq.batch import PackedBatch
 from tokq.config import GatewayConfig, QueueConfig, WorkerConfig
-from tokq.connection import connect, connect_pubsub
-from tokq.entry import decode_body, encode_body
+from tokq.redis.connection import connect, connect_pubsub
+from tokq.queue.wire import decode_body, encode_body
 from tokq.gateway.embedding import EmbedInput, ServedModel, Timer
 from tokq.gateway.prompt_boundary import PromptBoundary, shared_prefix_len
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
-from tokq.model_info import ModelInfo
-from tokq.shards import ShardedQueue
+from tokq.model.info import ModelInfo
+from tokq.queue.sharded import ShardedQueue
 from tokq.workers.engine import Engine
 from tokq.workers.worker import Worker
 

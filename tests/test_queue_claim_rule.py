@@ -1,4 +1,4 @@
-"""claim.lua and the Python reference (tokq/claim_rule.py) agree on random queues of two
+"""claim.lua and the Python reference (tokq/queue/claim_rule.py) agree on random queues of two
 lanes (light and heavy), redone entries (attempt > 0) included; then the rule's promises:
 FIFO within a lane, light requests never starved by heavy ones, heavy ones never by light."""
 
@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from queue_support import CHANNEL, ManualClock, open_queue
 
-from tokq.claim_rule import DEADLINE_EXCEEDED, isolate_attempt_for, plan_claim, preempt_budget
-from tokq.entry import format_entry, parse_entry
+from tokq.queue.claim_rule import DEADLINE_EXCEEDED, isolate_attempt_for, plan_claim, preempt_budget
+from tokq.queue.wire import format_entry, parse_entry
 
 NOW_MS = 1_700_000_000_000
 REQUEST_IDS = ("a", "b", "c", "d")

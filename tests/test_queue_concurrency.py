@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from queue_support import CHANNEL, items, keys_left, ok_result, open_queue
 
-from tokq.queue import Claim
+from tokq.queue.shard import Claim
 
 # The same queue code against a standalone server and a node of a real Redis Cluster.
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
-from tokq.entry import decode_result, encode_error
-from tokq.queue import parse_notices
-from tokq.subscriber import ShardedSubscriber
+from tokq.queue.wire import decode_result, encode_error
+from tokq.queue.shard import parse_notices
+from tokq.redis.pubsub import ShardedSubscriber
 
 # The same queue code against a standalone server and a node of a real Redis Cluster.
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")

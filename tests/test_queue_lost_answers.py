@@ -1,4 +1,4 @@
-"""Every queue script is safe to run twice: its answer is lost after it ran (tests/fault_proxy.py
+"""Every queue script is safe to run twice: its answer is lost after it ran (tokq/testing/fault_proxy.py
 cuts the connection), redis-py runs it again with the same arguments, and Redis ends up exactly
 as after one run, with the caller getting the one run's answer."""
 
@@ -8,12 +8,12 @@ import contextlib
 import re
 
 import pytest
-from fault_proxy import FaultProxy, script_sha
+from tokq.testing.fault_proxy import FaultProxy, script_sha
 from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
-from tokq.entry import decode_result, encode_error
-from tokq.queue import COLLECT_GRACE_MS, LostAnswer
-from tokq.scripts import script_names, script_source
+from tokq.queue.wire import decode_result, encode_error
+from tokq.queue.shard import COLLECT_GRACE_MS, LostAnswer
+from tokq.queue.scripts import script_names, script_source
 
 # Batch ids are <random client prefix>-<n>: the control and the proxied run name them differently.
 _BATCH_ID = re.compile(r"[0-9a-f]{16}-(\d+)")
@@ -249,7 +249,7 @@ async def test_an_enqueue_run_after_its_withdrawal_queues_nothing(redis_url):
     out) is withdrawn with a mark: that enqueue, run late, queues nothing (its entries would be
     embedded for nobody and its reply key live to its deadline). A withdrawal after an answered
     enqueue leaves no mark."""
-    from tokq.queue import WITHDRAWN_TTL_MS, Withdrawn
+    from tokq.queue.shard import WITHDRAWN_TTL_MS, Withdrawn
 
     async with open_queue(redis_url) as q:
         assert await q.cancel("late", enqueue_answered=False) is False  # it had not run yet

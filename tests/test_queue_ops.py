@@ -10,9 +10,9 @@ import pytest
 from queue_support import (CHANNEL, ManualClock, items, keys_left, ok_result, open_queue,
                            stored_entries)
 
-from tokq.entry import decode_body, decode_result, encode_ok, parse_entry
-from tokq.queue import COLLECT_GRACE_MS, MAX_DROPS_PER_CLAIM, QueueFull, parse_notices
-from tokq.subscriber import ShardedSubscriber
+from tokq.queue.wire import decode_body, decode_result, encode_ok, parse_entry
+from tokq.queue.shard import COLLECT_GRACE_MS, MAX_DROPS_PER_CLAIM, QueueFull, parse_notices
+from tokq.redis.pubsub import ShardedSubscriber
 
 # The same queue code against a standalone server and a node of a real Redis Cluster.
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")

@@ -1,4 +1,4 @@
-"""Enqueues started while one is in flight go to Redis together as one pipeline (tokq.pipeliner),
+"""Enqueues started while one is in flight go to Redis together as one pipeline (tokq.redis.pipeline),
 and each caller still gets its own answer or error, on a standalone server and on a cluster."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
-from fault_proxy import FaultProxy, script_sha
+from tokq.testing.fault_proxy import FaultProxy, script_sha
 from queue_support import CHANNEL, QUEUE, items, open_queue, stored_entries
 
 from tokq.config import QueueConfig
-from tokq.connection import connect
-from tokq.pipeliner import RELEASE_AFTER_S, pack_command
-from tokq.queue import Enqueued, LostAnswer, Queue, QueueFull
-from tokq.shards import ShardedQueue
+from tokq.redis.connection import connect
+from tokq.redis.pipeline import RELEASE_AFTER_S, pack_command
+from tokq.queue.shard import Enqueued, LostAnswer, Queue, QueueFull
+from tokq.queue.sharded import ShardedQueue
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 

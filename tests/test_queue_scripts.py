@@ -10,8 +10,8 @@ import pytest
 import tokq.lua
 from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
-from tokq.entry import decode_result
-from tokq.scripts import script_names, script_source
+from tokq.queue.wire import decode_result
+from tokq.queue.scripts import script_names, script_source
 
 # The same queue code against a standalone server and a node of a real Redis Cluster.
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
@@ -33,7 +33,7 @@ def test_every_lua_file_is_a_registered_script_with_its_includes_expanded():
 def test_a_reply_delivered_in_its_notice_is_kept_the_grace_of_a_collected_one():
     # One grace written twice (a script cannot import Python's constant): lua/lib/reply.lua keeps
     # a delivered reply, and collect.lua a collected one, for a repeat after a lost answer.
-    from tokq.queue import COLLECT_GRACE_MS
+    from tokq.queue.shard import COLLECT_GRACE_MS
 
     found = re.search(r"^local DELIVERED_TTL_MS = (\d+)$", (LUA_DIR / "lib" / "reply.lua").read_text(), re.M)
     assert found and int(found.group(1)) == COLLECT_GRACE_MS

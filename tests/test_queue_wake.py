@@ -11,8 +11,8 @@ import pytest
 import redis.utils
 from queue_support import CHANNEL, items, open_queue
 
-from tokq.queue import Queue
-from tokq.subscriber import ShardedSubscriber
+from tokq.queue.shard import Queue
+from tokq.redis.pubsub import ShardedSubscriber
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 
@@ -175,7 +175,7 @@ async def test_a_subscriber_callback_that_raises_is_logged_and_changes_nothing(r
     def on_up(channels):
         raise RuntimeError("a caller's bug")
 
-    caplog.set_level(logging.ERROR, logger="tokq.subscriber")
+    caplog.set_level(logging.ERROR, logger="tokq.redis.pubsub")
     async with open_queue(redis_url) as q:
         sub = ShardedSubscriber(q.redis, on_up=on_up, label="test notices")
         try:

@@ -12,8 +12,8 @@ import time
 import pytest
 import redis
 
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 KEYS = QueueKeys(ModelInfo.load().queue_name)  # as gateways and workers name the bundled model's queue
@@ -26,7 +26,7 @@ def beat(client, worker_id: str, ttl_ms: int = 60_000) -> None:
 
 
 async def test_ready_only_with_a_live_heartbeat(redis_url):
-    from tokq.connection import connect
+    from tokq.redis.connection import connect
     from tokq.gateway.readiness import Readiness
 
     changes = []
@@ -59,7 +59,7 @@ async def test_one_of_several_gateway_processes_is_ready_only_once_all_listen(re
     so `tokq up` (waiting on the port's health) says "up" only when every process serves."""
     import multiprocessing
 
-    from tokq.connection import connect
+    from tokq.redis.connection import connect
     from tokq.gateway.readiness import Readiness, SiblingProcesses
 
     client = connect(redis_url)
@@ -79,9 +79,9 @@ async def test_one_of_several_gateway_processes_is_ready_only_once_all_listen(re
 
 
 async def test_unreachable_redis_is_not_ready(caplog):
-    from tokq.connection import connect
+    from tokq.redis.connection import connect
     from tokq.gateway.readiness import Readiness
-    from tokq.redis_server import free_port
+    from tokq.redis.embedded import free_port
 
     port = free_port()
     client = connect(f"redis://127.0.0.1:{port}/0", cluster="no")
@@ -118,7 +118,7 @@ async def test_a_worker_check_that_fails_while_ping_answers_is_logged_once(redis
     outage, not one a second."""
     import logging
 
-    from tokq.connection import connect
+    from tokq.redis.connection import connect
     from tokq.gateway.readiness import Readiness
 
     client = connect(redis_url)

@@ -1,4 +1,4 @@
-"""Ports for the servers tokq starts (tokq/redis_server.py): free, outside the kernel's
+"""Ports for the servers tokq starts (tokq/redis/embedded.py): free, outside the kernel's
 ephemeral range, and a server that cannot start says why."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from tokq import redis_server
-from tokq.redis_server import EmbeddedRedis, ephemeral_ports, free_port, free_port_block, port_free
+from tokq.redis import embedded as redis_server
+from tokq.redis.embedded import EmbeddedRedis, ephemeral_ports, free_port, free_port_block, port_free
 
 
 def test_free_ports_are_free_and_below_the_ephemeral_range():

@@ -1,5 +1,5 @@
 """A Redis setting that cannot work stops the gateway, the worker and `tokq up` at start with one
-line naming it (tokq.connection.check_redis), never a traceback, a password or a process that
+line naming it (tokq.redis.connection.check_redis), never a traceback, a password or a process that
 runs on failing every call:
 
 - ``--redis-cluster yes`` against a standalone server (the gateway served, failing every call
@@ -19,8 +19,8 @@ import pytest
 import redis
 from cluster_support import local_cluster
 
-from tokq.connection import RedisSetupError, check_redis, is_cluster
-from tokq.redis_server import free_port
+from tokq.redis.connection import RedisSetupError, check_redis, is_cluster
+from tokq.redis.embedded import free_port
 
 
 def _wrong_password(url: str, password: str) -> str:
@@ -123,9 +123,9 @@ def test_tokq_up_refuses_cluster_yes_with_its_embedded_redis():
 
 
 def test_a_server_that_answers_nothing_is_one_line_with_auto(monkeypatch):
-    import tokq.connection
+    import tokq.redis.connection
 
-    monkeypatch.setattr(tokq.connection, "_PROBE_WAIT_S", 1.0)
+    monkeypatch.setattr(tokq.redis.connection, "_PROBE_WAIT_S", 1.0)
     with pytest.raises(RedisSetupError, match="did not answer"):
         check_redis(f"redis://:hidden@127.0.0.1:{free_port()}/0")
     with pytest.raises(redis.exceptions.ConnectionError):  # what connect() meets: unchanged
@@ -210,9 +210,9 @@ def test_a_worker_started_before_its_redis_waits_for_it_then_serves():
     from gateway_support import running_gateway
 
     from tokq import Client
-    from tokq.keys import QueueKeys
-    from tokq.model_info import ModelInfo
-    from tokq.redis_server import EmbeddedRedis
+    from tokq.queue.keys import QueueKeys
+    from tokq.model.info import ModelInfo
+    from tokq.redis.embedded import EmbeddedRedis
 
     server = EmbeddedRedis()  # its address and password known, not started yet
     env = {**os.environ, "TOKQ_REDIS_URL": server.url, "PYTHONUNBUFFERED": "1"}

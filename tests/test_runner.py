@@ -21,8 +21,8 @@ from queue_support import CHANNEL, open_queue
 from tokq import metrics
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.entry import decode_result, encode_body
-from tokq.flops import forward_flops
+from tokq.queue.wire import decode_result, encode_body
+from tokq.model.flops import forward_flops
 from tokq.workers.engine import Engine
 from tokq.workers.errors import Fault, classify
 from tokq.workers.runner import EXIT_DEVICE_ERROR, BatchRunner, DeviceUnhealthy

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway_support import left_for_the_gc, running_gateway
 from tokq import Client, TokqError
-from tokq.redis_server import EmbeddedRedis, free_port
+from tokq.redis.embedded import EmbeddedRedis, free_port
 
 
 def _name(cn: str) -> x509.Name:
@@ -73,7 +73,7 @@ def pki(tmp_path_factory):
 def _reference_ids(text: str) -> list[int]:
     from transformers import AutoTokenizer
 
-    from tokq.model_info import bundled_model_path
+    from tokq.model.info import bundled_model_path
 
     return AutoTokenizer.from_pretrained(str(bundled_model_path()))(text)["input_ids"]
 
@@ -159,7 +159,7 @@ def test_embedded_redis_password_is_in_a_private_file_not_on_its_command_line():
 
     import redis
 
-    from tokq.redis_server import EmbeddedRedis, redact_url
+    from tokq.redis.embedded import EmbeddedRedis, redact_url
 
     with EmbeddedRedis() as server:
         assert len(server.password) >= 20 and server.host == "127.0.0.1"

@@ -19,8 +19,8 @@ import pytest
 from service_stack import delivered_reply
 
 from tokq import Client, TokqError
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo
 
 pytestmark = pytest.mark.slow
 KEYS = QueueKeys(ModelInfo.load().queue_name)

@@ -1,4 +1,4 @@
-"""Changing a model's queue shard count live (tokq.shards): what a retired shard still holds is
+"""Changing a model's queue shard count live (tokq.queue.sharded): what a retired shard still holds is
 claimed and counted however long after its count was last recorded, and a process that stops
 claiming from it leaves nothing of its own there. Standalone and cluster."""
 
@@ -11,8 +11,8 @@ import pytest
 from queue_support import QUEUE, ManualClock, items, ok_result
 
 from tokq.config import QueueConfig
-from tokq.connection import close_client, connect
-from tokq.shards import SHARD_COUNT_HORIZON_MS, ShardedQueue
+from tokq.redis.connection import close_client, connect
+from tokq.queue.sharded import SHARD_COUNT_HORIZON_MS, ShardedQueue
 
 pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 GW = "gw-test"

@@ -8,8 +8,8 @@ from __future__ import annotations
 from queue_support import items
 
 from tokq.config import QueueConfig
-from tokq.connection import connect
-from tokq.shards import ShardedQueue
+from tokq.redis.connection import connect
+from tokq.queue.sharded import ShardedQueue
 
 
 async def test_a_shard_whose_totals_vanish_does_not_pull_the_sum_down(redis_url):

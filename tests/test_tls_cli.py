@@ -15,7 +15,7 @@ import pytest
 from gateway_support import running_gateway
 from service_stack import ctrl_c_reaches_it, read_until_serving
 from test_security import pki  # noqa: F401 (the fixture: a CA, server and client certificates)
-from tokq.redis_server import EmbeddedRedis, free_port
+from tokq.redis.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tokq.profiling.bench import proc_cpu
-from tokq.redis_server import free_port, free_port_block
+from tokq.redis.embedded import free_port, free_port_block
 from service_stack import alive, ctrl_c_reaches_it, listening_ports, read_until_serving
 from test_address import needs_ipv6
 
@@ -178,7 +178,7 @@ def test_a_closed_terminal_stops_tokq_up_and_then_its_children_in_order():
     """A terminal's hang-up reaches its whole process group: the gateway and workers died of it
     where they stood (no withdrawals, claims held to their lease, heartbeats left); now they
     ignore it and `tokq up` stops them as on Ctrl-C. Its Redis is the test's, to look after."""
-    from tokq.redis_server import EmbeddedRedis
+    from tokq.redis.embedded import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     try:
@@ -261,7 +261,7 @@ def test_tokq_up_waits_for_a_slow_model_load_and_says_so(monkeypatch, capsys):
     """A worker still loading a large model when the wait's period ends: `tokq up` says it still
     waits, and goes on (it gave up after 120 s, stopping the worker it waited for)."""
     from tokq import up
-    from tokq.health import NotHealthy
+    from tokq.processes import NotHealthy
 
     waits = []
 
@@ -282,8 +282,8 @@ def test_tokq_up_restarts_its_redis_while_waiting_for_readiness(monkeypatch, cap
     import signal as signals
 
     from tokq import up
-    from tokq.health import NotHealthy
-    from tokq.redis_server import EmbeddedRedis
+    from tokq.processes import NotHealthy
+    from tokq.redis.embedded import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     try:

@@ -18,7 +18,7 @@ from queue_support import QUEUE, answered_vectors, enqueue_ids, ok_result, open_
 
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.entry import encode_body
+from tokq.queue.wire import encode_body
 from tokq.metrics import WorkerMetrics
 from tokq.workers.worker import Worker, is_heavy
 

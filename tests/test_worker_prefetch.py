@@ -13,7 +13,7 @@ import pytest
 from queue_support import QUEUE, open_queue, wait_for
 
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.entry import encode_body
+from tokq.queue.wire import encode_body
 from tokq.workers.worker import PREFETCH_AT, Worker
 
 pytestmark = pytest.mark.slow

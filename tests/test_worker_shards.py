@@ -19,8 +19,8 @@ from gated_engine import GatedEngine
 from queue_support import QUEUE, answered_vectors, enqueue_ids, wait_for
 
 from tokq.config import QueueConfig, WorkerConfig
-from tokq.connection import close_client, connect
-from tokq.shards import ShardedQueue
+from tokq.redis.connection import close_client, connect
+from tokq.queue.sharded import ShardedQueue
 from tokq.workers.worker import Worker
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "cpu_varlen", "sdpa_packe
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # the gateway's (gateway/event_loop.py)
 
 
-# The largest token budget a setting or a published budget may give (tokq.queue.budget_from).
+# The largest token budget a setting or a published budget may give (tokq.queue.shard.budget_from).
 MAX_TOKEN_BUDGET = 10_000_000
 
 
@@ -184,7 +184,7 @@ _REDIS_CLUSTER = setting("auto", "Redis Cluster mode; auto asks the server",
                          choices=("auto", "yes", "no"))
 _PORT_OR_OFF = dict(min=0, max=65_535)
 # A worker with no budget set or published times its default and cuts it until one forward takes
-# at most half this goal (workers/default_budget.py, tokq/latency_goal.py).
+# at most half this goal (workers/budget.py, tokq/latency_goal.py).
 _LATENCY_GOAL_MS = setting(int(DEFAULT_SLO_P99_MS), "p99 latency goal an unset budget is fitted to: the per-device "
                            "default is cut until its forward takes at most half of it (0 = keep "
                            "the default)", min=0, max=86_400_000)
@@ -273,7 +273,7 @@ class GatewayConfig(_Validated):
                                   "--default-timeout-ms) is cut to this", min=1, max=86_400_000)
     redis_max_connections: int = setting(32, "Redis connections per gateway process", min=1,
                                          max=10_000)
-    # Calls arriving faster than one per hold share round trips (tokq.pipeliner); 0 = never hold.
+    # Calls arriving faster than one per hold share round trips (tokq.redis.pipeline); 0 = never hold.
     enqueue_hold_us: int = setting(2000, "most microseconds an enqueue waits for the ones right "
                                    "behind it, when calls arrive faster than that", min=0,
                                    max=100_000)
@@ -440,8 +440,8 @@ def load(cls: type[T], values: Mapping[str, Any] | None = None,
 
 # TOKQ_ variables read outside the config classes, and where.
 OTHER_ENV = {
-    "TOKQ_CACHE_DIR": "workers/cpu_build.py: where the CPU kernels are built",
-    "TOKQ_DEVICE_PEAK_FLOPS": "tokq/flops.py: the device's peak, for MFU",
+    "TOKQ_CACHE_DIR": "workers/kernels/cpu_build.py: where the CPU kernels are built",
+    "TOKQ_DEVICE_PEAK_FLOPS": "tokq/model/flops.py: the device's peak, for MFU",
     "TOKQ_WORKER_ID": "tokq worker --worker-id", "TOKQ_PROCS": "tokq gateway --procs",
     "TOKQ_TARGET": "tokq embed --target", "TOKQ_API_KEY": "tokq embed --api-key",
     # the client's TLS (not TOKQ_TLS_CERT/TOKQ_TLS_KEY: the gateway's); tokq up's UpConfig reads them too

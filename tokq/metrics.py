@@ -13,7 +13,7 @@ Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/embedding.py)
   tokq_gateway_inference_duration_seconds         histogram forward time of a request (its slowest item)
   tokq_gateway_request_input_tokens               histogram tokens in one Embed request
   tokq_gateway_enqueue_batch_requests             histogram enqueues sent to Redis in one round trip
-      (tokq.pipeliner: under load concurrent calls' enqueues share one; _count is round trips)
+      (tokq.redis.pipeline: under load concurrent calls' enqueues share one; _count is round trips)
   tokq_gateway_inflight_requests                  gauge     RPCs being served now
 
 Queue (``observe_queue_stats``; exported by one gateway process per model, elected by a Redis
@@ -46,7 +46,7 @@ a batch none of whose items was forwarded is no forward pass at all.
       seconds add up to the device's, not more
   tokq_worker_claim_duration_seconds              histogram one claim-script call
   tokq_worker_forward_tokens_total                counter   tokens forwarded
-  tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (tokq.flops)
+  tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (tokq.model.flops)
   tokq_worker_budget_tokens                       gauge     token budget in force
   tokq_worker_throughput_tokens_per_second        gauge     tokens/s over the last window_s
   tokq_worker_device_peak_flops_per_second        gauge     dense 16-bit peak of the device
@@ -79,7 +79,7 @@ from prometheus_client import (REGISTRY, Counter, Gauge, Histogram, disable_crea
                                start_http_server)
 from prometheus_client.core import CounterMetricFamily
 
-from tokq.flops import forward_flops
+from tokq.model.flops import forward_flops
 
 # No *_created series: they would double every counter and histogram for no use in tokq's
 # dashboards (rate() does not need them).
@@ -249,7 +249,7 @@ def forget_queue_stats(model: str) -> None:
 
 
 def observe_queue_stats(stats, *, model: str) -> None:
-    """Export one queue-stats reading (a tokq.queue.QueueStats or anything with its fields)."""
+    """Export one queue-stats reading (a tokq.queue.shard.QueueStats or anything with its fields)."""
     QUEUE_ENTRIES.labels(model).set(stats.queued_entries)
     QUEUE_TOKENS.labels(model).set(stats.queued_tokens)
     QUEUE_OLDEST_AGE.labels(model).set(stats.oldest_age_ms / 1000.0)
@@ -312,13 +312,13 @@ class GatewayMetrics(RequestCounts):
         self._inference.observe(inference_ms / 1000.0)
 
     def enqueues_sent(self, num_requests: int) -> None:
-        """One Redis round trip carried ``num_requests`` enqueues (tokq.pipeliner)."""
+        """One Redis round trip carried ``num_requests`` enqueues (tokq.redis.pipeline)."""
         self._enqueue_batch.observe(num_requests)
 
 
 class WorkerMetrics:
     """One worker's metrics. ``model_config`` is the model's config.json dict (for FLOPs);
-    ``peak_flops`` the device peak (tokq.flops.device_peak_flops), None when unknown: no MFU then."""
+    ``peak_flops`` the device peak (tokq.model.flops.device_peak_flops), None when unknown: no MFU then."""
 
     def __init__(self, model: str, worker: str, *, model_config: Mapping | None = None,
                  peak_flops: float | None = None, device: str = "", dtype: str = "",

@@ -20,12 +20,12 @@ import click
 
 from tokq import config as cfg
 from tokq.address import host_port, local_host, ports_taken
-from tokq.health import ExitedDuringStartup, NotHealthy, wait_for_health
+from tokq.processes import ExitedDuringStartup, NotHealthy, wait_for_health
 from tokq.host import usable_cpus
-from tokq.model_info import ModelInfo
-from tokq.model_source import model_errors_as_one_line
+from tokq.model.info import ModelInfo
+from tokq.model.source import model_errors_as_one_line
 from tokq.processes import stop_all, supervised_child
-from tokq.redis_server import EmbeddedRedis, free_port, redact_url
+from tokq.redis.embedded import EmbeddedRedis, free_port, redact_url
 
 def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     # Secrets (the Redis URL's password, API keys) travel in the environment, never in argv:
@@ -296,7 +296,7 @@ def up_command(**values) -> None:
                   *(("metrics", host, p) for p in metrics_ports)])
     threads = _worker_threads(num_workers, cpus)
     if conf.redis_url:  # a URL or cluster setting that cannot work: one line, before anything starts
-        from tokq.connection import check_redis_or_exit
+        from tokq.redis.connection import check_redis_or_exit
 
         check_redis_or_exit(conf.redis_url, conf.redis_cluster)
     elif conf.redis_cluster == "yes":

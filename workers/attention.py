@@ -7,7 +7,7 @@ Backends (``auto`` picks the first that can run, in this order):
                           imports (one built for another torch is skipped, with a log line)
         ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16;
                           its keywords differ per version, checked one by one)
-  CPU:  ``cpu_varlen``    a small C kernel (workers/cpu_attention.c, built on first use with the
+  CPU:  ``cpu_varlen``    a small C kernel (workers/kernels/cpu_attention.c, built on first use with the
                           machine's compiler): each sequence read in place, fp32 math (bf16
                           dot products where the CPU has AVX512-BF16); float32 and bfloat16.
                           Skipped, with the reason, when it cannot be built.
@@ -42,7 +42,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokq.workers import cpu_attention, matmul_attention
+from tokq.workers import matmul_attention
+from tokq.workers.kernels import cpu_attention
 from tokq.workers.layout import Layout
 
 log = logging.getLogger("tokq.attention")

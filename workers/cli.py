@@ -16,9 +16,9 @@ from tokq.address import ports_taken
 
 async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker_id: str | None,
                  burst: bool) -> None:
-    from tokq.connection import check_redis_or_exit, close_client, connect
-    from tokq.model_source import model_errors_as_one_line
-    from tokq.shards import ShardedQueue
+    from tokq.redis.connection import check_redis_or_exit, close_client, connect
+    from tokq.model.source import model_errors_as_one_line
+    from tokq.queue.sharded import ShardedQueue
     from tokq.workers.engine import Engine
     from tokq.workers.worker import Worker, default_worker_id
 
@@ -39,7 +39,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
     observer = None
     if config.metrics_port:
         from tokq import metrics
-        from tokq.flops import device_peak_flops
+        from tokq.model.flops import device_peak_flops
 
         observer = metrics.WorkerMetrics(
             engine.info.name, worker_id, model_config=engine.info.config,
@@ -72,10 +72,10 @@ def _check(config: cfg.WorkerConfig, worker_id: str | None, this_host: bool = Fa
     any worker's started on this host with the default id hostname-device) heartbeat is fresh."""
     import redis
 
-    from tokq.connection import connect_sync
-    from tokq.keys import QueueKeys
-    from tokq.model_info import ModelInfo
-    from tokq.model_source import model_errors_as_one_line
+    from tokq.redis.connection import connect_sync
+    from tokq.queue.keys import QueueKeys
+    from tokq.model.info import ModelInfo
+    from tokq.model.source import model_errors_as_one_line
 
     with model_errors_as_one_line():  # a probe's log shows one line too, not a traceback
         info = ModelInfo.load(config.model or None, name=config.served_model_name or None,

@@ -11,9 +11,10 @@ import torch
 
 from tokq.batch import PackedBatch
 from tokq.config import WorkerConfig
-from tokq.flops import forward_flops
-from tokq.model_info import ModelInfo
-from tokq.workers import attention, cpu_memory, cuda_graphs, pooling, prefix_attention, preempt
+from tokq.model.flops import forward_flops
+from tokq.model.info import ModelInfo
+from tokq.workers import attention, cuda_graphs, pooling, prefix_attention, preempt
+from tokq.workers.kernels import cpu_memory
 from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
 from tokq.workers.layout import build_layout
 from tokq.workers.loader import load_weights
@@ -61,7 +62,7 @@ class Engine:
              cuda_graph_tokens: int = WorkerConfig.cuda_graph_tokens) -> Engine:
         """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
         all-MiniLM-L6-v2). Raises
-        ``tokq.model_info.UnsupportedModel`` naming the supported architectures.
+        ``tokq.model.info.UnsupportedModel`` naming the supported architectures.
         ``linear``: auto | c | onednn | torch, the kernel of the linear layers (auto: the C
         kernel for fp32 on one thread of an AVX2 CPU without AVX-512, else oneDNN on CPU;
         see workers/models/layers.py). ``cuda_graph_tokens``: on CUDA with a varlen attention
@@ -116,7 +117,7 @@ class Engine:
         return pooling.finish(pooled, batch.normalize, batch.dimensions)
 
     def batch_flops(self, batch: PackedBatch) -> float:
-        """FLOPs of one forward over ``batch`` (tokq.flops.forward_flops); a prompt the prefix
+        """FLOPs of one forward over ``batch`` (tokq.model.flops.forward_flops); a prompt the prefix
         cache holds is not computed, so it counts only as keys its queries attend to."""
         cached = batch.prefix_lens if batch.prefix_lens is not None and self.prefix_cache is not None else None
         return float(forward_flops(self.info.config, batch.seqlens, cached))

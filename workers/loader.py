@@ -21,7 +21,7 @@ _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")  # BERT: encoder.layer.N., Qwen
 
 class BrokenCheckpoint(ValueError):
     """Weights that do not fit their config or cannot be read: a ValueError naming the file, so
-    the commands that load a model say it in one line (tokq.model_source.model_errors_as_one_line)."""
+    the commands that load a model say it in one line (tokq.model.source.model_errors_as_one_line)."""
 
 
 class Weights(dict):

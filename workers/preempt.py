@@ -1,6 +1,6 @@
 """Light work pre-empts a heavy forward between two steps of its layers.
 
-While a worker runs a heavy batch (more tokens than ``tokq.claim_rule.preempt_budget``) it is
+While a worker runs a heavy batch (more tokens than ``tokq.queue.claim_rule.preempt_budget``) it is
 registered as pre-emptible; light work arriving then tells it 'light' (lua/enqueue.lua), and its
 event loop claims that work light-only and leaves it in this slot. The forward thread looks at
 the slot after each step of each layer (qkv, attention, out-proj, MLP up, MLP down: the models

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokq.batch import PackedBatch
-from tokq.entry import Body, decode_body, encode_error, encode_ok
+from tokq.queue.wire import Body, decode_body, encode_error, encode_ok
 from tokq.workers.errors import Fault, classify, release_memory
 
 log = logging.getLogger("tokq.worker")

@@ -10,7 +10,7 @@ leaves work wakes the next, so a burst spreads); the queue's work channel gets t
 worker is registered. It claims at least every IDLE_FALLBACK_S in case a notice was missed.
 
 Heavy work cannot hold light work back: while a heavy batch's forward runs (``is_heavy``: more tokens
-than ``tokq.claim_rule.preempt_budget``, half of them from the heavy lane or more) the worker is registered as pre-emptible; light work that
+than ``tokq.queue.claim_rule.preempt_budget``, half of them from the heavy lane or more) the worker is registered as pre-emptible; light work that
 arrives tells it 'light', it claims that work light-only and the forward thread runs it nested
 between two steps of the heavy forward's layers (workers/preempt.py). Either batch is leased, renewed
 and acknowledged like any other: a crash redoes both.
@@ -33,14 +33,14 @@ from collections.abc import Callable
 
 import redis.exceptions
 
-from tokq.cancel import cancel_and_wait, raise_if_cancelled
-from tokq.claim_rule import Lanes, preempt_budget
+from tokq.tasks import cancel_and_wait, raise_if_cancelled
+from tokq.queue.claim_rule import Lanes, preempt_budget
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.latency_goal import max_forward_ms
-from tokq.queue import Claim, Queue
-from tokq.shards import ShardedQueue
-from tokq.subscriber import ShardedSubscriber
-from tokq.workers.default_budget import default_budget, fit_budget, timer
+from tokq.queue.shard import Claim, Queue
+from tokq.queue.sharded import ShardedQueue
+from tokq.redis.pubsub import ShardedSubscriber
+from tokq.workers.budget import default_budget, fit_budget, timer
 from tokq.workers.preempt import Preemption
 from tokq.workers.runner import BatchOutcome, BatchRunner
 
@@ -220,7 +220,7 @@ class Worker:
         try:
             await self._loop(burst)
         finally:
-            await cancel_and_wait(chores)  # again until they end: tokq/cancel.py
+            await cancel_and_wait(chores)  # again until they end: tokq/tasks.py
             await self._notices.aclose()
             with contextlib.suppress(Exception):
                 await self.queue.forget_worker(self.worker_id)
@@ -353,9 +353,9 @@ class Worker:
     async def _subscribe(self) -> None:
         try:
             # Every shard's work channel, and this process's owner channels: while it lives,
-            # they tell requeue not to take its leases early (tokq.queue.Queue.owner_channel).
+            # they tell requeue not to take its leases early (tokq.queue.shard.Queue.owner_channel).
             # A node that cannot be reached costs only its shards' channels, which the
-            # subscriber subscribes again in the background (tokq.subscriber); claims still
+            # subscriber subscribes again in the background (tokq.redis.pubsub); claims still
             # happen every IDLE_FALLBACK_S meanwhile.
             await self._notices.subscribe(*self.queue.work_channels(), *self.queue.owner_channels())
             self._subscribed = True
@@ -554,7 +554,7 @@ class Worker:
 
     async def _fit_default_budget(self) -> None:
         """No budget set or published: cut the device's default to the latency goal
-        (workers/default_budget.py). Timed after the warm-up, whose first forward pays one-time
+        (workers/budget.py). Timed after the warm-up, whose first forward pays one-time
         costs."""
         self._fitted = True
         default = default_budget(self.engine.device.type)

@@ -1,4 +1,4 @@
--- lib/entry.lua: the text head of a queue entry (the format of tokq/entry.py):
+-- lib/entry.lua: the text head of a queue entry (the format of tokq/queue/wire.py):
 --   <tokens>::<ts_ms>::<request_id>:<index>:<deadline_ms>:<attempt>:<body>
 -- Only the head is parsed; the body is opaque binary and may hold any byte, ':' included.
 

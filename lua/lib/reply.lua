@@ -9,15 +9,15 @@
 -- carries the queue's hash tag, so on Redis Cluster the notice stays on the queue's node. A
 -- reply hash that no longer exists (collected, cancelled or expired) gets nothing: a late ack
 -- must not resurrect it.
-local REPLY_META_FIELDS = 3 -- n, ch, t (tokq.queue.REPLY_META_FIELDS)
+local REPLY_META_FIELDS = 3 -- n, ch, t (tokq.queue.shard.REPLY_META_FIELDS)
 -- A complete reply up to this many bytes of results travels in its notice, so the gateway
--- needs no collect round trip (tokq.queue.parse_notices). Bigger ones notify by id only; and a
+-- needs no collect round trip (tokq.queue.shard.parse_notices). Bigger ones notify by id only; and a
 -- message holds at most this many bytes of results: a slow gateway's pub/sub output buffer must
 -- not fill up (Redis drops a subscriber past its limit).
 local MAX_NOTICE_BYTES = 65536
 -- A reply delivered in its notice is kept this long more, no longer, for a gateway that missed
 -- the notice: its poll finds the reply complete within ~1 s and collects it. Also the grace of
--- a collected reply (tokq.queue.COLLECT_GRACE_MS).
+-- a collected reply (tokq.queue.shard.COLLECT_GRACE_MS).
 local DELIVERED_TTL_MS = 5000
 
 -- One request's notice: "<request_id>\0" then "<index>:<length>:<result bytes>" per item, or
@@ -41,7 +41,7 @@ local function reply_notice(reply, request_id)
   return table.concat(parts), size
 end
 
--- A message: one or more "<length>:<notice>" records (tokq.queue.parse_notices).
+-- A message: one or more "<length>:<notice>" records (tokq.queue.shard.parse_notices).
 local function publish_message(channel, pending)
   redis.call('SPUBLISH', channel, table.concat(pending.parts))
 end

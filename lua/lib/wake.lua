@@ -1,5 +1,5 @@
 -- lib/wake.lua: wake one idle worker, not the whole idle fleet.
--- An idle worker adds its owner id to the queue's `idle` SET before it waits (tokq.queue
+-- An idle worker adds its owner id to the queue's `idle` SET before it waits (tokq.queue.shard
 -- mark_idle) and listens on its owner channel (owner prefix .. owner id). A registered owner
 -- with no listener is dead: the next one is tried. Returns 1 if a worker was told, else 0
 -- (then `broadcast`, if given, goes to every listener of the work channel).

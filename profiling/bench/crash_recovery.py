@@ -7,7 +7,7 @@ Starts its own embedded Valkey and two real ``tokq worker`` processes (the bundl
 torch thread each): a survivor (the default budget) and a victim whose budget holds the whole
 burst. Steady load: single-item requests of 4 tokens at ``--rate`` per second. Then a burst of
 ``--burst`` such items; once the victim has leased (nearly) all of them it is killed with
-SIGKILL. Its lease misses a renewal and its owner channel has no listener (tokq.queue), so the
+SIGKILL. Its lease misses a renewal and its owner channel has no listener (tokq.queue.shard), so the
 items come back (attempt 1), and the survivor redoes them while the steady load goes on.
 Measured, for the redo rule (redone items in normal batches; only a third try is claimed
 alone) against the old rule in the same run (every redone item alone: ``max_attempts=2`` makes
@@ -34,15 +34,15 @@ import time
 import click
 import redis
 
-from tokq.connection import connect
-from tokq.entry import encode_body
-from tokq.keys import QueueKeys
+from tokq.redis.connection import connect
+from tokq.queue.wire import encode_body
+from tokq.queue.keys import QueueKeys
 from tokq.processes import stop_all
 from tokq.profiling.bench.workers import QUEUE, start_worker, wait_heartbeats
 from tokq.profiling.results_md import command_line, shared_machine_note, write_section
-from tokq.queue import Queue, QueueFull, parse_notices
-from tokq.redis_server import EmbeddedRedis
-from tokq.subscriber import ShardedSubscriber
+from tokq.queue.shard import Queue, QueueFull, parse_notices
+from tokq.redis.embedded import EmbeddedRedis
+from tokq.redis.pubsub import ShardedSubscriber
 
 ITEM = [101, 7592, 2088, 102]  # 4 tokens
 WINDOW_S = 1.0

@@ -17,7 +17,7 @@ read right before and after the measured calls, so start-up and warm-up are not 
 Per-call figures are medians over a load's rounds; the gateway/echo ratio is taken within each
 round. The CPU a call costs depends on the load: at a low rate every call wakes the event loop
 and gRPC's poller on its own, at a higher one calls share wake-ups (and the gateway's Redis
-round trips, see tokq.shards), so each load is judged on its own.
+round trips, see tokq.queue.sharded), so each load is judged on its own.
 
 With ``--profile-dir``, one more gateway run at the last load is sampled by py-spy (its own
 process, outside the gateway) and the hottest frames are printed and written to the report.
@@ -174,9 +174,9 @@ class Stack:
     def __init__(self, log_path: Path, token_budget: int = 0) -> None:
         import redis
 
-        from tokq.health import wait_for_health
+        from tokq.processes import wait_for_health
         from tokq.profiling.bench.workers import start_worker, wait_heartbeats
-        from tokq.redis_server import EmbeddedRedis, free_port
+        from tokq.redis.embedded import EmbeddedRedis, free_port
 
         self.log = open(log_path, "ab")
         self.redis = EmbeddedRedis().start()
@@ -426,7 +426,7 @@ def medians(rounds: list[dict]) -> dict:
 
 
 def enqueues_per_round_trip(rounds: list[dict]) -> str:
-    """Over a load's measured calls: enqueues / Redis round trips carrying them (tokq.pipeliner:
+    """Over a load's measured calls: enqueues / Redis round trips carrying them (tokq.redis.pipeline:
     above 1 where concurrent calls shared one); "-" for reports from before it was counted."""
     counted = [r["tokq"].get("counters") or {} for r in rounds]
     trips = sum(c.get("round_trips", 0) for c in counted)

@@ -9,7 +9,7 @@ size), then `tokq bench service --device cuda` with tokq at the profiled budget 
 defaults against sentence-transformers one request at a time on the same GPU (vectors checked
 against sentence-transformers first). The section gives the GPU's name, throughput against
 one-at-a-time at equal p99, and MFU at the profiled budget (model FLOP/s at that batch size over
-the GPU's dense 16-bit peak, tokq.flops.device_peak_flops).
+the GPU's dense 16-bit peak, tokq.model.flops.device_peak_flops).
 
 Without a CUDA GPU it says so and exits 0, so CPU-only runs of `make bench` are unaffected.
 """
@@ -58,7 +58,7 @@ def build_qwen3_shaped(path: Path, *, num_hidden_layers: int = 28, vocab_size: i
     import torch
     from transformers import Qwen3Config, Qwen3Model
 
-    from tokq.model_info import bundled_model_path
+    from tokq.model.info import bundled_model_path
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=1024, num_hidden_layers=num_hidden_layers,
@@ -229,7 +229,7 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
     measured = sorted(r["profile"].get("started_at", "") for r in results if "profile" in r)
     lines = [SECTION_START, "## GPU benchmark", "", f"Command: `{command}`  ",
              f"Measured: {measured[0] if measured else datetime.now(timezone.utc).isoformat(timespec='seconds')}  ",
-             f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.flops table)  "
+             f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.model.flops table)  "
              if peak_flops else f"GPU: **{gpu}** (peak FLOP/s unknown: set TOKQ_DEVICE_PEAK_FLOPS for MFU)  ",
              "Each model: `tokq profile --device cuda`, then `tokq bench service --device cuda` (tokq at the profiled "
              "budget and at `tokq up`'s defaults; sentence-transformers one request at a time on the same GPU, "
@@ -303,7 +303,7 @@ def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
             results = run_models([(names[0], lambda: None),
                                   (QWEN3_NAME, lambda: build_qwen3_shaped(Path(tmp) / QWEN3_NAME))],
                                  out, quick, saved, gateway_procs)
-    from tokq.flops import device_peak_flops  # a GPU's name looks its peak up as a device would
+    from tokq.model.flops import device_peak_flops  # a GPU's name looks its peak up as a device would
 
     gpu = next((r["profile"]["device_name"] for r in results if "profile" in r), None)
     if gpu is None:

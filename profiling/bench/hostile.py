@@ -31,14 +31,14 @@ import redis
 
 from tokq import config as cfg
 from tokq.gateway.validate import Limits
-from tokq.health import wait_for_health
+from tokq.processes import wait_for_health
 from tokq.profiling.bench.workers import start_worker, wait_heartbeats
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo, bundled_model_path
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo, bundled_model_path
 from tokq.processes import stop_all
 from tokq.profiling.bench.proc_cpu import proc_cpu_s
 from tokq.profiling.results_md import block, command_line, machine_cores, write_block
-from tokq.redis_server import EmbeddedRedis, free_port
+from tokq.redis.embedded import EmbeddedRedis, free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 

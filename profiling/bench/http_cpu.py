@@ -36,7 +36,7 @@ MODEL = "all-MiniLM-L6-v2"
 
 
 def _texts(n: int, seed: int) -> list[str]:
-    from tokq.model_info import bundled_model_path
+    from tokq.model.info import bundled_model_path
 
     words = [w.strip() for w in open(bundled_model_path() / "vocab.txt", encoding="utf-8")
              if w.strip().isalpha() and len(w.strip()) > 2][:20000]
@@ -116,7 +116,7 @@ def run(calls: int, concurrency: int, rounds: int, seed: int) -> dict:
 
     from tokq.processes import stop_all
     from tokq.profiling.bench.workers import start_worker
-    from tokq.redis_server import EmbeddedRedis, free_port
+    from tokq.redis.embedded import EmbeddedRedis, free_port
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     server = EmbeddedRedis().start()

@@ -24,13 +24,13 @@ import time
 import click
 import redis
 
-from tokq.connection import connect
-from tokq.entry import decode_result, encode_body
+from tokq.redis.connection import connect
+from tokq.queue.wire import decode_result, encode_body
 from tokq.processes import stop_all
 from tokq.profiling.bench.workers import QUEUE, start_worker, wait_heartbeats
 from tokq.profiling.results_md import command_line, shared_machine_note, write_section
-from tokq.queue import REPLY_META_FIELDS, Queue
-from tokq.redis_server import EmbeddedRedis
+from tokq.queue.shard import REPLY_META_FIELDS, Queue
+from tokq.redis.embedded import EmbeddedRedis
 
 OLD_POLL_PER_S = 1 / 0.002  # one claim every 2 ms
 

@@ -1,4 +1,4 @@
-"""The fp32 linear kernels on CPU, side by side: the C kernel (workers/cpu_linear.py) against
+"""The fp32 linear kernels on CPU, side by side: the C kernel (workers/kernels/cpu_linear.py) against
 oneDNN, at the row counts a forward meets (a lone short query up to a full batch).
 
     tokq bench linear [--rows 1,8,16,32,64,256,1024] [--rounds 5] [--threads 1,2]
@@ -74,7 +74,7 @@ def run(*, rows: list[int], rounds: int, threads: list[int], model: str | None, 
     lines = [start, cpu_heading("fp32 linear kernels: the C kernel against oneDNN", machine), "",
              f"Command: `{command}`. Model {engines['c'].info.name}; torch {torch.__version__}, "
              f"{machine['cpu']}; {rounds} rounds, kernels alternating; medians. `auto` picks the C "
-             "kernel for fp32 on one thread of an AVX2 CPU without AVX-512 (workers/cpu_linear.py)."]
+             "kernel for fp32 on one thread of an AVX2 CPU without AVX-512 (workers/kernels/cpu_linear.py)."]
     before = torch.get_num_threads()
     try:
         for count in threads:

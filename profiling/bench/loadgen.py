@@ -129,7 +129,7 @@ MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer queries are 
 def load_queries(workload_path: str | None, num_queries: int, seed: int) -> tuple[list[Query], str]:
     """The workload (``workload.load_or_generate``) with texts, lengths capped at the bundled
     model's limit; and where it came from."""
-    from tokq.model_info import bundled_model_path
+    from tokq.model.info import bundled_model_path
 
     queries, source = load_or_generate(workload_path, num_queries, seed)
     if any(q.text is None for q in queries):

@@ -29,12 +29,12 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from tokq.config import QueueConfig
-from tokq.connection import connect
-from tokq.entry import encode_body, format_entry
+from tokq.redis.connection import connect
+from tokq.queue.wire import encode_body, format_entry
 from tokq.profiling.results_md import block, command_line, machine_cores, markers, write_block
 from tokq.profiling.workload import load_or_generate
-from tokq.queue import Queue
-from tokq.redis_server import EmbeddedRedis
+from tokq.queue.shard import Queue
+from tokq.redis.embedded import EmbeddedRedis
 
 BLOCK = "tokq bench queue"
 SECTION_START, _ = markers(BLOCK)

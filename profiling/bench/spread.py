@@ -69,7 +69,7 @@ class Gateway:
     """`tokq gateway --procs N` with gRPC, HTTP and one metrics port per process."""
 
     def __init__(self, procs: int, redis_url: str, log) -> None:
-        from tokq.redis_server import free_port
+        from tokq.redis.embedded import free_port
 
         self.procs = procs
         self.port, self.http_port = free_port(), free_port()
@@ -146,7 +146,7 @@ def run(*, seconds: float, concurrency: int, rounds: int, configs=CONFIGS) -> di
 
     from tokq.processes import stop_all
     from tokq.profiling.bench.workers import start_worker
-    from tokq.redis_server import EmbeddedRedis
+    from tokq.redis.embedded import EmbeddedRedis
 
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / "tokq-bench-spread.log", "ab")
     server = EmbeddedRedis().start()

@@ -11,8 +11,8 @@ import time
 
 import redis
 
-from tokq.keys import QueueKeys
-from tokq.model_info import ModelInfo, bundled_model_path
+from tokq.queue.keys import QueueKeys
+from tokq.model.info import ModelInfo, bundled_model_path
 
 QUEUE = ModelInfo.load().queue_name  # the bundled model's, as its workers name it
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokq.batch import PackedBatch
-from tokq.model_info import ModelInfo
+from tokq.model.info import ModelInfo
 from tokq.profiling.workload import Query
 
 

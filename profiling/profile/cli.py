@@ -26,8 +26,8 @@ def check_reachable(redis_url: str, cluster: str = "auto") -> None:
     contradicts or, with auto, cannot answer), else a one-line error naming it (password masked)."""
     import redis
 
-    from tokq.connection import RedisSetupError, check_redis, connect_sync
-    from tokq.redis_server import redact_url
+    from tokq.redis.connection import RedisSetupError, check_redis, connect_sync
+    from tokq.redis.embedded import redact_url
 
     try:
         check_redis(redis_url, cluster)
@@ -45,12 +45,12 @@ def check_reachable(redis_url: str, cluster: str = "auto") -> None:
 
 
 def publish_budget(redis_url: str, queue_name: str, token_budget: int, cluster: str = "auto") -> str:
-    """Publish the queue's budget with the queue's own writer (tokq.queue.Queue.set_budget);
+    """Publish the queue's budget with the queue's own writer (tokq.queue.shard.Queue.set_budget);
     running workers poll it. Returns the key."""
     import asyncio
 
-    from tokq.connection import connect
-    from tokq.queue import Queue
+    from tokq.redis.connection import connect
+    from tokq.queue.shard import Queue
 
     async def publish() -> str:
         client = connect(redis_url, max_connections=1, cluster=cluster)
@@ -180,7 +180,7 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
     if apply_budget:
         check_reachable(redis_url, settings.redis_cluster)
 
-    from tokq.model_source import model_errors_as_one_line
+    from tokq.model.source import model_errors_as_one_line
     from tokq.workers.device import use_threads, worker_threads
     from tokq.workers.engine import Engine
 
@@ -218,7 +218,7 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
             raise click.ClickException("no budget to apply: " + report["summary"])
         import redis
 
-        from tokq.redis_server import redact_url
+        from tokq.redis.embedded import redact_url
 
         try:
             key = publish_budget(redis_url, engine.info.queue_name, budget, settings.redis_cluster)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokq.model_info import UnsupportedModel
+from tokq.model.info import UnsupportedModel
 from tokq.workers.attention import AttendFn
-from tokq.workers.cpu_norm import norm_kernels
+from tokq.workers.kernels.cpu_norm import norm_kernels
 from tokq.workers.layout import Layout
 from tokq.workers.loader import moved, packed, take
 from tokq.workers.models.layers import activation, linear_kernels

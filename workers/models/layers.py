@@ -7,7 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tokq.model_info import UnsupportedModel
+from tokq.model.info import UnsupportedModel
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -78,10 +78,10 @@ class OneDnnLinear:
 
 
 def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto"):
-    """For fp32 on one thread of an AVX2 CPU without AVX-512, the C kernel (workers/cpu_linear.py)
+    """For fp32 on one thread of an AVX2 CPU without AVX-512, the C kernel (workers/kernels/cpu_linear.py)
     where it builds; else oneDNN for fp32 and bf16 on CPU when this torch build has it (checked against
     F.linear once per dtype); else F.linear. ``kind`` forces one: auto | c | onednn | torch."""
-    from tokq.workers import cpu_linear
+    from tokq.workers.kernels import cpu_linear
 
     if kind == "torch":
         return TorchLinear()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokq.model_info import UnsupportedModel
+from tokq.model.info import UnsupportedModel
 from tokq.workers.attention import AttendFn
 from tokq.workers.layout import Layout
 from tokq.workers.loader import moved, packed, take

@@ -31,7 +31,7 @@ def main(kind, port, host, model_path, device, max_batch_size, max_wait_ms, onnx
         import os
         from pathlib import Path
 
-        from tokq.model_info import ModelInfo
+        from tokq.model.info import ModelInfo
         from tokq.profiling.bench.baselines.onnx_model import OnnxSentenceEncoder
 
         if not onnx_dir:

@@ -86,7 +86,7 @@ class BaselineService(pb_grpc.EmbedderServicer):
 def load_model(model_path: str | None = None, device: str = "cpu"):
     from sentence_transformers import SentenceTransformer
 
-    from tokq.model_info import bundled_model_path
+    from tokq.model.info import bundled_model_path
 
     return SentenceTransformer(str(model_path or bundled_model_path()), device=device)
 

@@ -214,7 +214,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
     from tokq.profiling.bench import loadgen
     from tokq.profiling.bench.service.run import BenchOptions, run_bench
     from tokq.profiling.bench.service.report import render_outputs
-    from tokq.workers.default_budget import default_budget as device_default_budget
+    from tokq.workers.budget import default_budget as device_default_budget
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -247,7 +247,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
     try:
         onnx_export = None
         if names == ["all"] or set(ONNX_SYSTEMS) & set(names):
-            from tokq.model_info import bundled_model_path
+            from tokq.model.info import bundled_model_path
             from tokq.profiling.bench.baselines.onnx_model import export
 
             with console.status("exporting the model to ONNX"):
@@ -255,7 +255,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
                                      optimum_cli=optimum_cli_beside(infinity_bin))
         infinity_onnx_dir = ""
         if onnx_export:
-            from tokq.model_info import ModelInfo
+            from tokq.model.info import ModelInfo
             from tokq.profiling.bench.baselines.onnx_model import for_infinity
 
             infinity_onnx_dir = str(for_infinity(onnx_export.path, export_root / "onnx-infinity",

@@ -20,12 +20,12 @@ from pathlib import Path
 import redis
 
 from tokq.client import AsyncClient, TokqError
-from tokq.health import wait_for_health
-from tokq.keys import QueueKeys
+from tokq.processes import wait_for_health
+from tokq.queue.keys import QueueKeys
 from tokq.processes import stop_all
 from tokq.profiling.bench.loadgen import Reply
 from tokq.profiling.bench.proc_cpu import children, cmdline, descendants
-from tokq.redis_server import EmbeddedRedis, free_port, free_port_block
+from tokq.redis.embedded import EmbeddedRedis, free_port, free_port_block
 
 START_TIMEOUT_S = 180
 
@@ -300,7 +300,7 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
         if spec.token_budget:
             args += ["--token-budget", str(spec.token_budget)]
     elif spec.kind == "infinity":
-        from tokq.model_info import bundled_model_path
+        from tokq.model.info import bundled_model_path
 
         env.update(INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1")
         if log_path:  # the ONNX engine caches its optimized model under the hub cache: keep it here
@@ -321,7 +321,7 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
     program = spec.infinity_bin if spec.kind == "infinity" else sys.executable
     cwd = spec.onnx_dir if spec.kind == "infinity" and spec.engine == "optimum" else None
     proc = subprocess.Popen([program, *args], env=env, stdout=log, stderr=log, cwd=cwd)
-    from tokq.model_info import ModelInfo
+    from tokq.model.info import ModelInfo
 
     queue = ModelInfo.load(spec.model or None).queue_name
     system = RunningSystem(spec, target, proc, redis_server, metrics_port, queue)

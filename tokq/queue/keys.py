@@ -20,7 +20,7 @@ MAX_SHARDS = 1024
 
 def queue_name_for(model_name: str, fingerprint: str = "") -> str:
     """The queue name of a model: its name with anything outside [A-Za-z0-9._-] made '_', then
-    ``@`` and the first characters of its fingerprint (tokq/fingerprint.py) when given."""
+    ``@`` and the first characters of its fingerprint (tokq/model/fingerprint.py) when given."""
     suffix = f"@{fingerprint[:FINGERPRINT_CHARS]}" if fingerprint else ""
     name = re.sub(r"[^A-Za-z0-9._\-]", "_", model_name)[:128 - len(suffix)]
     return (name or "default") + suffix
@@ -60,7 +60,7 @@ class QueueKeys:
     @cached_property
     def heavy(self) -> str:
         """LIST, as ``pending``: the heavy lane (requests over ``light_tokens``, redone items;
-        tokq/claim_rule.py). ``pending`` is the light lane."""
+        tokq/queue/claim_rule.py). ``pending`` is the light lane."""
         return f"{self.base}:heavy"
 
     @cached_property

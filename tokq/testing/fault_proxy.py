@@ -8,7 +8,7 @@ CLIENT KILL does to a client. redis-py then reconnects and sends the command aga
 
 Commands are recognised by bytes in the chunk the client sent (e.g. a script's SHA1, or
 b"EVALSHA" for every script call), which is enough for redis-py's one-command-per-round-trip
-traffic. On a Redis Cluster, one proxy stands in front of each node (tokq.redis_cluster's
+traffic. On a Redis Cluster, one proxy stands in front of each node (tokq.testing.cluster's
 ``announce_port``), so gateways and workers share them: their links are told apart by the
 scripts each side runs.
 """
@@ -22,7 +22,7 @@ import random
 import threading
 from urllib.parse import urlparse
 
-from tokq.scripts import script_source
+from tokq.queue.scripts import script_source
 
 
 def script_sha(name: str) -> bytes:

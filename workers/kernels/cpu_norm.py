@@ -1,5 +1,5 @@
-"""LayerNorm on CPU through a small C kernel (workers/cpu_norm.c), bf16 and fp32, with the
-residual add before it done in the same pass. Built as workers/cpu_build.py says; where it
+"""LayerNorm on CPU through a small C kernel (workers/kernels/cpu_norm.c), bf16 and fp32, with the
+residual add before it done in the same pass. Built as workers/kernels/cpu_build.py says; where it
 cannot be, the models keep torch's LayerNorm after the linear's own fused add
 (``norm_kernels``).
 
@@ -14,11 +14,11 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from tokq.workers import cpu_build
-from tokq.workers.cpu_build import DTYPES
+from tokq.workers.kernels import cpu_build
+from tokq.workers.kernels.cpu_build import DTYPES
 
 ROWS_PER_PART = 128  # fewer rows than this a thread: not worth handing to another thread
-# tokq_layer_norm's parameters (workers/cpu_norm.c)
+# tokq_layer_norm's parameters (workers/kernels/cpu_norm.c)
 ARGTYPES = ((ctypes.c_void_p,) * 5 + (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_float))
 

@@ -31,12 +31,12 @@ from dataclasses import replace
 
 import redis.exceptions
 
-from tokq.cancel import cancel_and_wait
-from tokq.claim_rule import Lanes
+from tokq.tasks import cancel_and_wait
+from tokq.queue.claim_rule import Lanes
 from tokq.config import QueueConfig
-from tokq.entry import Entry
-from tokq.keys import MAX_SHARDS, QueueKeys, shard_queue_name
-from tokq.queue import Claim, Enqueued, Queue, QueueFull, QueueStats, Withdrawn
+from tokq.queue.wire import Entry
+from tokq.queue.keys import MAX_SHARDS, QueueKeys, shard_queue_name
+from tokq.queue.shard import Claim, Enqueued, Queue, QueueFull, QueueStats, Withdrawn
 
 LOAD_REFRESH_S = 0.1
 LOAD_READ_TIMEOUT_S = 0.5  # a shard's load read not answered by then: left out of the picks
@@ -89,7 +89,7 @@ class ShardedQueue:
 
     @property
     def enqueue_hold_s(self) -> float:
-        """tokq.pipeliner's ``hold_s`` on every shard (the gateway sets it; 0: never hold)."""
+        """tokq.redis.pipeline's ``hold_s`` on every shard (the gateway sets it; 0: never hold)."""
         return self._enqueue_hold_s
 
     @enqueue_hold_s.setter

@@ -28,7 +28,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import PRIMARY
 from redis.connection import parse_url
 
-from tokq.redis_server import redact_url
+from tokq.redis.embedded import redact_url
 
 CONNECT_TIMEOUT_S = 0.5
 CONNECT_ATTEMPTS = 3  # a connect that times out is tried again, up to this many times in all
@@ -47,7 +47,7 @@ def _retry() -> Retry:
     # redis-py's default retry backs off for seconds; a refused connection must surface fast.
     # Connection errors are retried (a stale pooled connection after a Redis restart, a reset
     # by a proxy or a failover): the command may already have run with only its answer lost,
-    # which is why every queue script is idempotent (tokq.queue). Timeouts are not retried by
+    # which is why every queue script is idempotent (tokq.queue.shard). Timeouts are not retried by
     # this policy: a standalone Redis silent for SOCKET_TIMEOUT_S is failed to the caller, not
     # waited on three times. redis-py's cluster client is different: it retries a timeout itself
     # (RedisCluster.ERRORS_ALLOW_RETRY, as many tries as this policy allows) after re-reading the
@@ -381,4 +381,4 @@ async def close_client(client: aioredis.Redis | RedisCluster) -> None:
     try:
         await client.aclose()
     except (redis.exceptions.RedisError, OSError) as exc:
-        logging.getLogger("tokq.connection").warning("closing a Redis client: %s (its sockets left to the OS)", exc)
+        logging.getLogger("tokq.redis.connection").warning("closing a Redis client: %s (its sockets left to the OS)", exc)

@@ -34,9 +34,9 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.crc import key_slot
 from redis.utils import str_if_bytes
 
-from tokq.cancel import raise_if_cancelled
+from tokq.tasks import raise_if_cancelled
 
-log = logging.getLogger("tokq.subscriber")
+log = logging.getLogger("tokq.redis.pubsub")
 
 PING_AFTER_S = 5.0  # a connection silent this long is pinged; silent as long again: broken
 CONFIRM_TIMEOUT_S = 2.0  # a node's confirmations of a (re)subscribe, all of them

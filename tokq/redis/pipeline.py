@@ -18,8 +18,8 @@ arriving on its own still goes at once.
 Failures keep each script's meaning: a command's own error (-BUSY, -READONLY; QUEUE_FULL is an
 answer, not an error) goes to its caller only; a script Redis does not know (restart, SCRIPT
 FLUSH) is run again alone through ``Scripts``, which loads it; a lost connection is retried by
-redis-py as for one command (tokq.connection) and then fails every caller of the pipeline, each
-of whose scripts is safe to run twice (tokq.queue). One pipeliner serves one queue shard, which
+redis-py as for one command (tokq.redis.connection) and then fails every caller of the pipeline, each
+of whose scripts is safe to run twice (tokq.queue.shard). One pipeliner serves one queue shard, which
 is one hash slot, so one node: a shard whose node fails over holds up no other shard's calls.
 
 On a standalone Redis the round trips go over one connection the pipeliner takes from the
@@ -44,7 +44,7 @@ import hiredis
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from tokq.scripts import Scripts
+from tokq.queue.scripts import Scripts
 
 # An idle pipeliner gives its connection back to the pool after this long without a round trip.
 RELEASE_AFTER_S = 0.05

@@ -1,8 +1,8 @@
 """The async queue client: enqueue, claim, renew, ack, requeue, cancel, collect and stats,
 each one Lua script run (one round trip) on a ``redis.asyncio`` client; enqueues started while
-one is in flight share the next round trip (tokq.pipeliner).
+one is in flight share the next round trip (tokq.redis.pipeline).
 
-Use a client made with ``decode_responses=False`` (``tokq.connection.connect``): entry bodies
+Use a client made with ``decode_responses=False`` (``tokq.redis.connection.connect``): entry bodies
 and results are binary.
 Times come from the Redis clock inside the scripts; ``clock`` overrides it for tests.
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass, replace
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from tokq.claim_rule import Lanes, isolate_attempt_for
+from tokq.queue.claim_rule import Lanes, isolate_attempt_for
 from tokq.config import MAX_TOKEN_BUDGET, QueueConfig
-from tokq.entry import Entry, parse_entry
-from tokq.keys import QueueKeys
-from tokq.pipeliner import ScriptPipeliner
-from tokq.scripts import Scripts
+from tokq.queue.wire import Entry, parse_entry
+from tokq.queue.keys import QueueKeys
+from tokq.redis.pipeline import ScriptPipeliner
+from tokq.queue.scripts import Scripts
 
 log = logging.getLogger(__name__)
 # Expired or orphaned entries one claim may drop before it answers; the client calls again,
@@ -40,7 +40,7 @@ _warned_budgets: dict[str, bytes] = {}  # key -> the unusable value last warned 
 # Expired leases handled per requeue call.
 MAX_BATCHES_PER_REQUEUE = 100
 # How long a collected reply is kept for a repeated collect: longer than redis-py's reconnect
-# and retries (tokq.connection), short enough that nothing lingers. A reply delivered in its
+# and retries (tokq.redis.connection), short enough that nothing lingers. A reply delivered in its
 # notice is kept as long (DELIVERED_TTL_MS in lua/lib/reply.lua).
 COLLECT_GRACE_MS = 5_000
 # A withdrawn request's mark outlives any enqueue of it still on its way: a connection given up
@@ -155,7 +155,7 @@ class QueueStats:
     inflight_items: int
     inflight_batches: int
     counters: dict[str, int]
-    num_shards: int = 1  # the shards read (tokq.shards.ShardedQueue.stats)
+    num_shards: int = 1  # the shards read (tokq.queue.sharded.ShardedQueue.stats)
     # Those whose stats could not be read (their node unreachable): the figures above leave
     # them out, but for their counters' last reading.
     unreadable_shards: tuple[int, ...] = ()
@@ -172,12 +172,12 @@ class Queue:
         self.keys = QueueKeys(queue)
         self.config = config
         self.scripts = Scripts(redis)
-        # Enqueues started while one is in flight share the next round trip (tokq.pipeliner).
+        # Enqueues started while one is in flight share the next round trip (tokq.redis.pipeline).
         self.pipeliner = ScriptPipeliner(redis, self.scripts)
         self._clock = clock
         # Batch ids are <random prefix>-<local counter>, chosen here so that a repeated claim
         # finds its own lease; the prefix keeps them unique across clients and restarts.
-        # (tokq.shards puts the shard first: "<shard>.<random>", so an ack finds its shard.)
+        # (tokq.queue.sharded puts the shard first: "<shard>.<random>", so an ack finds its shard.)
         self._batch_prefix = batch_prefix or secrets.token_hex(8)
         self._batch_numbers = itertools.count(1)
         # A claim whose answer was lost, (id, lanes, budget): the next claim of the same kind runs
@@ -249,10 +249,10 @@ class Queue:
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
                     lanes: Lanes = "both") -> Claim | None:
-        """The next batch of at most ``token_budget`` tokens (tokq/claim_rule.py: small requests
+        """The next batch of at most ``token_budget`` tokens (tokq/queue/claim_rule.py: small requests
         first, within their share; a lane's first item goes even when longer), leased for
         ``config.lease_ms``; None when nothing is queued. ``lanes``: "light" or "heavy" to claim
-        from that lane alone (a worker in a heavy forward: tokq/claim_rule.py)."""
+        from that lane alone (a worker in a heavy forward: tokq/queue/claim_rule.py)."""
         num_expired = 0
         while True:
             claim, expired, orphaned = await self.claim_step(token_budget, lookahead=lookahead,
@@ -329,7 +329,7 @@ class Queue:
         return bool(await self._run("renew", [self.keys.leases], args))
 
     async def ack(self, batch_id: str, results: Sequence[tuple[Entry, bytes]]) -> None:
-        """Deliver each item's result (tokq.entry encode_ok/encode_error bytes) and release
+        """Deliver each item's result (tokq.queue.wire encode_ok/encode_error bytes) and release
         the lease. Safe to repeat, and safe after the lease was requeued: each item's first
         result is the one its client sees."""
         k = self.keys

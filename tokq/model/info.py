@@ -1,6 +1,6 @@
 """What the gateway and the workers know about a model without loading its weights.
 
-Read from a local Hugging Face / sentence-transformers directory (tokq/model_source.py finds it,
+Read from a local Hugging Face / sentence-transformers directory (tokq/model/source.py finds it,
 from a path or a Hugging Face repo id): the architecture, hidden size, max input length, pooling,
 normalization and query/document prompts.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tokq.fingerprint import model_fingerprint
-from tokq.keys import queue_name_for
-from tokq.model_source import bundled_model_path, resolve
+from tokq.model.fingerprint import model_fingerprint
+from tokq.queue.keys import queue_name_for
+from tokq.model.source import bundled_model_path, resolve
 
 ENCODER_ARCHS = {"BertModel": "bert", "BertForMaskedLM": "bert"}
 DECODER_ARCHS = {"Qwen2Model": "qwen2", "Qwen2ForCausalLM": "qwen2",
@@ -67,7 +67,7 @@ class ModelInfo:
 
     @cached_property
     def fingerprint(self) -> str:
-        """SHA-256 of the files that decide this model's vectors (tokq/fingerprint.py)."""
+        """SHA-256 of the files that decide this model's vectors (tokq/model/fingerprint.py)."""
         return model_fingerprint(self.path)
 
     @property

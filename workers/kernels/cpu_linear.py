@@ -1,5 +1,5 @@
-"""fp32 linear layers on CPU through a small C kernel (workers/cpu_linear.c): the bias and the
-residual add in the kernel, the activation in place on its output. Built as workers/cpu_build.py
+"""fp32 linear layers on CPU through a small C kernel (workers/kernels/cpu_linear.c): the bias and the
+residual add in the kernel, the activation in place on its output. Built as workers/kernels/cpu_build.py
 says.
 
 Why: on AVX2 CPUs without AVX-512, oneDNN's fp32 linear is slow at the few rows of a lone short
@@ -19,10 +19,10 @@ import functools
 import torch
 
 from tokq.host import cpu_flags
-from tokq.workers import cpu_build
+from tokq.workers.kernels import cpu_build
 
 PANELS_PER_PART = 4  # fewer panels than this a thread: not worth handing to another thread
-# tokq_linear's parameters (workers/cpu_linear.c)
+# tokq_linear's parameters (workers/kernels/cpu_linear.c)
 ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
             ctypes.c_int64, ctypes.c_int64)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tokq.entry import Entry
+from tokq.queue.wire import Entry
 
 Lanes = Literal["both", "light", "heavy"]  # which lanes a claim reads (see the module doc)
 DEADLINE_EXCEEDED = b"-DEADLINE_EXCEEDED:deadline passed while queued"

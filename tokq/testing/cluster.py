@@ -22,7 +22,7 @@ import redis
 
 from tokq.address import host_port
 from tokq.processes import stop_all
-from tokq.redis_server import default_binary, exit_reason, free_port
+from tokq.redis.embedded import default_binary, exit_reason, free_port
 
 NUM_SLOTS = 16384
 BUS_OFFSET = 10_000  # a node's cluster bus listens this far above its port

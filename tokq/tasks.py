@@ -3,7 +3,7 @@
 On Python 3.11, ``asyncio.wait_for`` returns the awaited result when a cancel lands just as that
 result arrives, and the cancel is lost (CPython gh-86296, fixed in 3.12 by rebuilding wait_for on
 ``asyncio.timeout``). redis-py sends every command through ``wait_for`` when the client has a
-socket timeout (tokq's clients do: tokq.connection), so cancelling a task that is running a
+socket timeout (tokq's clients do: tokq.redis.connection), so cancelling a task that is running a
 Redis command is dropped often (measured on loopback: about a quarter of cancels at a random
 point of a GET). A background loop (``while True: await redis ...; await asyncio.sleep(...)``)
 then carries on, and whoever awaits its end waits forever: a worker told to stop hung in its

@@ -1,4 +1,4 @@
-"""Varlen attention on CPU through a small C kernel (workers/cpu_attention.c), compiled with
+"""Varlen attention on CPU through a small C kernel (workers/kernels/cpu_attention.c), compiled with
 this machine's C compiler on first use and cached; bf16 and fp32.
 
 torch has no CPU varlen attention (``varlen_attn`` is CUDA-only), and on short-query batches
@@ -7,7 +7,7 @@ per-op overhead rather than arithmetic. The kernel reads each sequence's q, k, v
 the packed ``[T, H, D]`` views and writes ``[T, Hq, D]``. In bf16, where the CPU has AVX512-BF16,
 the two products run on its bf16 dot products, with the softmax weights rounded to bf16 as
 flash attention does on GPUs (``bf16_dot_products``). How it is built, and the fallback
-to the torch backends where it cannot be: workers/cpu_build.py.
+to the torch backends where it cannot be: workers/kernels/cpu_build.py.
 
 Threads: with torch set to N threads, the batch's kv heads (then, past their number, the
 sequences) are split into N parts of about equal work.
@@ -20,15 +20,15 @@ import ctypes
 import numpy as np
 import torch
 
-from tokq.workers import cpu_build
-from tokq.workers.cpu_build import DTYPES
+from tokq.workers.kernels import cpu_build
+from tokq.workers.kernels.cpu_build import DTYPES
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return cpu_build.unavailable_reason("cpu_attention", "cpu_varlen", device, dtype)
 
 
-# tokq_varlen_attention's parameters (workers/cpu_attention.c)
+# tokq_varlen_attention's parameters (workers/kernels/cpu_attention.c)
 ARGTYPES = ((ctypes.c_void_p,) * 4 + (ctypes.c_int, ctypes.c_void_p) + (ctypes.c_int,) * 7
             + (ctypes.c_int64,) * 6 + (ctypes.c_int, ctypes.c_float))
 

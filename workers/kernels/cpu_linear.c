@@ -1,5 +1,5 @@
 /* fp32 linear layer for CPU: y[m, n] = x[m, k] @ W^T + bias (+ residual), W torch's [n, k].
- * Built by workers/cpu_build.py with the machine's own compiler flags on first use.
+ * Built by workers/kernels/cpu_build.py with the machine's own compiler flags on first use.
  *
  * Why: on an AVX2 CPU without AVX-512 (AMD EPYC, Zen 1) oneDNN's fp32 linear is slow at the few
  * rows of a lone short query: on one thread, MiniLM's linears of a forward at 1-16 rows took

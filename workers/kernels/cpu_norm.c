@@ -1,11 +1,11 @@
 /* LayerNorm for CPU over rows of [T, n] (any row stride, n contiguous), optionally of their sum
  * with a residual, bf16 or fp32 in and out, fp32 math: mean, then variance about it (two
  * passes, as torch), then x-hat * w + b.
- * Built by workers/cpu_build.py with the machine's own compiler flags on first use.
+ * Built by workers/kernels/cpu_build.py with the machine's own compiler flags on first use.
  *
  * Why: torch 2.13's CPU LayerNorm takes ~0.6 ns per bf16 element (~0.25 ms per norm of a
  * 1,024-token MiniLM batch, 13 norms per forward); this takes under half that. bf16 rows are
- * read as workers/cpu_vec.h says (even values, then odd ones: no shuffles).
+ * read as workers/kernels/cpu_vec.h says (even values, then odd ones: no shuffles).
  */
 #include "cpu_vec.h"
 

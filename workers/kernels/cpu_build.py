@@ -1,8 +1,8 @@
 """The CPU kernels written in C (``workers/*.c``): compiled with this machine's C compiler on
 first use, cached, loaded through ctypes, and run on torch's number of threads.
 
-torch lacks a CPU varlen attention and its bf16 LayerNorm is slow (workers/cpu_attention.c,
-workers/cpu_norm.c say more). Each source is built with ``-O3 -march=native`` (so for this CPU's
+torch lacks a CPU varlen attention and its bf16 LayerNorm is slow (workers/kernels/cpu_attention.c,
+workers/kernels/cpu_norm.c say more). Each source is built with ``-O3 -march=native`` (so for this CPU's
 vector instructions) in well under a second, into ``$TOKQ_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/tokq``, else ``~/.cache/tokq``, keyed by the source, flags, compiler and CPU.
 When there is no compiler, the build fails, or the cache cannot be written, ``library`` says why
@@ -110,7 +110,7 @@ def function(name: str, symbol: str, argtypes: tuple, extra_flags: tuple[str, ..
 
 
 def vector_lanes(name: str, extra_flags: tuple[str, ...] = ()) -> int:
-    """Floats per vector the built ``name`` uses (workers/cpu_vec.h: the CPU's register width)."""
+    """Floats per vector the built ``name`` uses (workers/kernels/cpu_vec.h: the CPU's register width)."""
     return function(name, "tokq_vector_lanes", (), extra_flags)()
 
 

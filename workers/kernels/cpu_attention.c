@@ -1,8 +1,8 @@
 /* Varlen attention for CPU: every sequence of a packed batch attends to itself, read in place
  * from q/k/v of [T, H, D] (any row strides, D contiguous), bf16 or fp32 in, fp32 math, written
- * to a contiguous [T, Hq, D] out of the same dtype. Built by workers/cpu_build.py with the
+ * to a contiguous [T, Hq, D] out of the same dtype. Built by workers/kernels/cpu_build.py with the
  * machine's own compiler flags (-O3 -march=native) on first use; torch has no CPU varlen kernel.
- * Vectors are written out (workers/cpu_vec.h) because auto-vectorizing these short loops chose
+ * Vectors are written out (workers/kernels/cpu_vec.h) because auto-vectorizing these short loops chose
  * the wrong loop to vectorize (scalar gathers across K^T's rows).
  *
  * Why it is faster than batched matmuls over padded rows (workers/matmul_attention.py): a

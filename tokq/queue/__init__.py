@@ -1,0 +1,3 @@
+"""The Redis queue: key names (keys), the wire formats of entries and results (wire), the Lua
+scripts (scripts), the claim rule's Python reference (claim_rule), one shard's client (shard) and
+a model's queue as S shards (sharded)."""
