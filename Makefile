@@ -52,47 +52,47 @@ docs: install
 	$(PYTHON) -m venv .venv-infinity
 	.venv-infinity/bin/pip install -q "$(TORCH_SPEC)" 'infinity-emb[server,torch,optimum]==0.0.78'
 
-# Regenerates profiling/RESULTS.md's CPU blocks and plots (about an hour on 2 cores): each
-# `tokq profile` / `tokq bench NAME` with --results-md rewrites its own block, under the command that made it.
-RESULTS := profiling/RESULTS.md
+# Regenerates the CPU sections of profiling/results/*.md and their figures (about an hour on 2 cores):
+# each `tokq profile` / `tokq bench NAME` with --results-md rewrites its own section, under the command that made it.
+RESULTS := profiling/results
 bench: install
 	-$(MAKE) .venv-infinity/bin/infinity_emb
-	$(BIN)/tokq bench queue --json /tmp/bench_queue.json --results-md $(RESULTS)
-	$(BIN)/tokq profile --device cpu --out minilm.json --plot profiling/profile-minilm-cpu.png --threads 1 \
-		--results-md $(RESULTS)
-	$(BIN)/tokq bench runtime --dtype float32 --results-md $(RESULTS)
-	$(BIN)/tokq bench runtime --num-queries 300 --rounds 3 --token-budgets 1024 --threads 1 --results-md $(RESULTS)
-	$(BIN)/tokq bench dtypes --num-queries 400 --rounds 2 --threads 1 --results-md $(RESULTS)
-	$(BIN)/tokq bench linear --rounds 7 --threads 1,2 --results-md $(RESULTS)
-	$(BIN)/tokq bench prefix --threads 1 --results-md $(RESULTS)
+	$(BIN)/tokq bench queue --json /tmp/bench_queue.json --results-md $(RESULTS)/queue.md
+	$(BIN)/tokq profile --device cpu --out /tmp/minilm.json --plot $(RESULTS)/figures/profile-minilm-cpu.png --threads 1 \
+		--results-md $(RESULTS)/model.md
+	$(BIN)/tokq bench runtime --dtype float32 --results-md $(RESULTS)/model.md
+	$(BIN)/tokq bench runtime --num-queries 300 --rounds 3 --token-budgets 1024 --threads 1 --results-md $(RESULTS)/model.md
+	$(BIN)/tokq bench dtypes --num-queries 400 --rounds 2 --threads 1 --results-md $(RESULTS)/model.md
+	$(BIN)/tokq bench linear --rounds 7 --threads 1,2 --results-md $(RESULTS)/model.md
+	$(BIN)/tokq bench prefix --threads 1 --results-md $(RESULTS)/model.md
 	$(BIN)/tokq bench gateway-cpu --calls 1000 --rates 60,200 --concurrency 8,64 --rounds 3 \
-		--profile-dir profiling/gateway-profile --json profiling/gateway_cpu.json --results-md $(RESULTS)
-	$(BIN)/tokq bench http-cpu --calls 600 --rounds 3 --results-md $(RESULTS)
-	$(BIN)/tokq bench spread --seconds 6 --concurrency 32 --rounds 3 --json profiling/spread.json --results-md $(RESULTS)
-	$(BIN)/tokq bench hostile --rounds 2 --phase-s 10 --json /tmp/bench_hostile.json --results-md $(RESULTS)
-	$(BIN)/tokq bench shards --results-md $(RESULTS)
-	$(BIN)/tokq bench crash-recovery --rounds 2 --results-md $(RESULTS)
-	$(BIN)/tokq bench idle-workers --results-md $(RESULTS)
+		--profile-dir $(RESULTS)/gateway-profile --json /tmp/gateway_cpu.json --results-md $(RESULTS)/gateway.md
+	$(BIN)/tokq bench http-cpu --calls 600 --rounds 3 --results-md $(RESULTS)/gateway.md
+	$(BIN)/tokq bench spread --seconds 6 --concurrency 32 --rounds 3 --json /tmp/spread.json --results-md $(RESULTS)/gateway.md
+	$(BIN)/tokq bench hostile --rounds 2 --phase-s 10 --json /tmp/bench_hostile.json --results-md $(RESULTS)/service.md
+	$(BIN)/tokq bench shards --results-md $(RESULTS)/queue.md
+	$(BIN)/tokq bench crash-recovery --rounds 2 --results-md $(RESULTS)/service.md
+	$(BIN)/tokq bench idle-workers --results-md $(RESULTS)/service.md
 	$(BIN)/tokq bench service --system tokq-defaults --system one-at-a-time --system onnx --system infinity \
-		--system infinity-onnx --start-rate 10 --step-duration-s 3 --out profiling/bench.json --plots profiling/ \
-		--results-md $(RESULTS) --quiet
+		--system infinity-onnx --start-rate 10 --step-duration-s 3 --out /tmp/bench.json --plots $(RESULTS)/figures/ \
+		--results-md $(RESULTS)/service.md --quiet
 	$(BIN)/tokq bench service --start-rate 50 --step-duration-s 3 --token-budgets 64,256,1024 \
-		--out profiling/budget_check.json --plots profiling/ --results-md $(RESULTS) --budget-check
+		--out /tmp/budget_check.json --plots $(RESULTS)/figures/ --results-md $(RESULTS)/service.md --budget-check
 
 # Gateway CPU per single-input call (gateway, worker, Redis, load client) against a bare gRPC
 # server, with a py-spy profile of the gateway.
 bench-gateway-cpu: install
-	$(BIN)/tokq bench gateway-cpu --profile-dir profiling/gateway-profile --results-md $(RESULTS)
+	$(BIN)/tokq bench gateway-cpu --profile-dir $(RESULTS)/gateway-profile --results-md $(RESULTS)/gateway.md
 
 # On a CUDA host (install with TORCH_SPEC='torch==2.13.0+cu128'): `tokq profile` and `tokq bench
-# service` on the GPU with the bundled MiniLM and a Qwen3-0.6B-shaped random model; writes
-# RESULTS.md's "GPU benchmark" block (GPU name, MFU at the profiled budget, throughput vs
-# one-at-a-time), then the shared-prompt bench's GPU block and CUDA graphs against eager forwards.
-# Without a GPU each says so and exits 0.
+# service` on the GPU with the bundled MiniLM and a Qwen3-0.6B-shaped random model; writes the
+# "GPU benchmark" section of profiling/results/gpu.md (GPU name, MFU at the profiled budget,
+# throughput vs one-at-a-time), then the shared-prompt bench's GPU section and CUDA graphs
+# against eager forwards. Without a GPU each says so and exits 0.
 bench-gpu: install
-	$(BIN)/tokq bench gpu --results-md $(RESULTS) --out-dir profiling/gpu
-	$(BIN)/tokq bench prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 --results-md $(RESULTS)
-	$(BIN)/tokq bench graphs --results-md $(RESULTS)
+	$(BIN)/tokq bench gpu --results-md $(RESULTS)/gpu.md --out-dir $(RESULTS)/gpu
+	$(BIN)/tokq bench prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 --results-md $(RESULTS)/gpu.md
+	$(BIN)/tokq bench graphs --results-md $(RESULTS)/gpu.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

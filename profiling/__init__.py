@@ -1,2 +1,2 @@
 """Profiling and benchmarks: `tokq profile` (profile/) and `tokq bench NAME` (bench/), the workload
-they measure with (workload.py), and the generated blocks of RESULTS.md (results_md.py)."""
+they measure with (workload.py), and the generated sections of profiling/results/*.md (results_md.py)."""

@@ -1,4 +1,4 @@
-"""Generated blocks of profiling/RESULTS.md. A block is named for the command that writes it
+"""Generated blocks of profiling/results/*.md. A block is named for the command that writes it
 (``tokq bench queue``): it runs from ``<!-- NAME: start ... -->`` to ``<!-- NAME: end -->``, and
 that command rewrites it in place (or appends it when the file has none), the rest of the file
 kept as it is. So every figure there is what the command written above it last printed."""

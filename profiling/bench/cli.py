@@ -1,5 +1,5 @@
 """`tokq bench NAME`: one subcommand per benchmark, each imported only when called. Each writes
-its own block of profiling/RESULTS.md with ``--results-md`` (see results_md.py)."""
+its own section of its profiling/results/ file with ``--results-md`` (see results_md.py)."""
 
 from __future__ import annotations
 
@@ -31,4 +31,4 @@ COMMANDS = {
 @click.group("bench", cls=LazyGroup, lazy=COMMANDS)
 def bench_group() -> None:
     """Benchmarks: each prints ratios against a baseline measured in the same run, and with
-    --results-md rewrites its own block of profiling/RESULTS.md."""
+    --results-md rewrites its own section of profiling/results/TOPIC.md."""

@@ -1,7 +1,7 @@
 """Redo without a storm: a worker holding ~600 short items is killed (-9) under steady load.
 
     tokq bench crash-recovery [--rate 10] [--burst 600] [--lease-ms 2000]
-        [--results-md profiling/RESULTS.md]
+        [--results-md profiling/results/service.md]
 
 Starts its own embedded Valkey and two real ``tokq worker`` processes (the bundled model, one
 torch thread each): a survivor (the default budget) and a victim whose budget holds the whole
@@ -9,8 +9,8 @@ burst. Steady load: single-item requests of 4 tokens at ``--rate`` per second. T
 ``--burst`` such items; once the victim has leased (nearly) all of them it is killed with
 SIGKILL. Its lease misses a renewal and its owner channel has no listener (tokq.queue.shard), so the
 items come back (attempt 1), and the survivor redoes them while the steady load goes on.
-Measured, for the redo rule (redone items in normal batches; only a third try is claimed
-alone) against the old rule in the same run (every redone item alone: ``max_attempts=2`` makes
+Measured, for tokq's redo rule (redone items in normal batches; only a third try is claimed
+alone) against redoing every item alone in the same run (every redone item alone: ``max_attempts=2`` makes
 the first redo a last try, which goes alone):
   * recovery: from the kill until the steady requests' p99 (1 s windows, by send time) is
     back at its pre-crash value (the first of three windows in a row within it), in lease
@@ -147,7 +147,7 @@ async def one_round(url: str, client: redis.Redis, *, rate: float, burst: int, l
             await asyncio.sleep(0.005 if detected_at is None else 0.1)
         stop.set()
         await steady
-        deadline = time.perf_counter() + 120  # the old rule may need long for its storm
+        deadline = time.perf_counter() + 120  # redoing items alone may take long
         while len(load.done) < len(load.sent) and time.perf_counter() < deadline:
             await asyncio.sleep(0.1)
         listener.cancel()
@@ -200,12 +200,12 @@ async def one_round(url: str, client: redis.Redis, *, rate: float, burst: int, l
 @click.option("--lease-ms", default=2000, show_default=True)
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's crash-recovery block (e.g. profiling/RESULTS.md).")
+              help="Rewrite this file's crash-recovery block (e.g. profiling/results/service.md).")
 def crash_recovery_command(rate, burst, lease_ms, rounds, results_md) -> None:
     """A worker holding a burst of short items is killed (-9) under steady load: how fast is it redone?"""
     server = EmbeddedRedis().start()
     client = redis.Redis.from_url(server.url)
-    rules = {"old: every redone item alone": 2, "new: redone in batches": 3}
+    rules = {"every redone item alone (`max_attempts=2`)": 2, "redone in batches (tokq's rule)": 3}
     results: dict[str, list[dict]] = {name: [] for name in rules}
     try:
         for _ in range(rounds):
@@ -218,7 +218,7 @@ def crash_recovery_command(rate, burst, lease_ms, rounds, results_md) -> None:
         server.close()
 
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
-    old, new = med["old: every redone item alone"], med["new: redone in batches"]
+    alone, batched = med.values()
     lines = [
         f"kill -9 of a worker holding {burst} items of {len(ITEM)} tokens under steady load "
         f"({rate:.0f} single-item requests/s), lease {lease_ms} ms; medians of "
@@ -234,8 +234,8 @@ def crash_recovery_command(rate, burst, lease_ms, rounds, results_md) -> None:
                      f"{m['redone_leases']:.2f} L | "
                      f"{m['pre_p99_ms']:.0f} ms | "
                      f"{m['recovery_items_per_s'] / m['pre_items_per_s']:.2f}x | {m['unanswered']:.0f} |")
-    lines += ["", f"Recovery, new rule / old rule: "
-              f"{new['recovery_leases'] / max(old['recovery_leases'], 1e-9):.2f}x. "
+    lines += ["", f"Recovery, in batches / alone: "
+              f"{batched['recovery_leases'] / max(alone['recovery_leases'], 1e-9):.2f}x. "
               + shared_machine_note()]
     print("\n".join(lines))
     if results_md:

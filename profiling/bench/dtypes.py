@@ -2,13 +2,13 @@
 (profiling/workload.py lengths, the token ids `tokq profile` draws), and what each costs.
 
     tokq bench dtypes [--num-queries 1000] [--model DIR] [--dtype bfloat16 --dtype float16]
-        [--threads 1] [--results-md profiling/RESULTS.md]
+        [--threads 1] [--results-md profiling/results/model.md]
 
 Per dtype: cosine of each query's vector with its fp32 vector (min, p1, median), and how many of
 each query's 10 nearest neighbours (cosine, among all the queries) are the same as in fp32
 (mean and min over queries). Speed: tokens/s of the packed forward over the whole workload in
 1,024-token batches, each dtype timed right after fp32, rounds interleaved; ratios are medians
-of per-round ratios. With --results-md, its block of RESULTS.md is rewritten.
+of per-round ratios. With --results-md, its block of a results file is rewritten.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def run(*, num_queries: int, seed: int, rounds: int, dtypes: list[str], model: s
 @click.option("--model", default=None, help="Model directory [default: bundled all-MiniLM-L6-v2].")
 @click.option("--threads", default=0, show_default=True, help="torch threads (0: torch's default).")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's block (e.g. profiling/RESULTS.md).")
+              help="Rewrite this file's block (e.g. profiling/results/model.md).")
 def dtypes_command(num_queries, seed, rounds, dtypes, model, threads, results_md) -> None:
     """How far each dtype's embeddings are from fp32's, and what each costs."""
     section = run(num_queries=num_queries, seed=seed, rounds=rounds, dtypes=list(dtypes), model=model,

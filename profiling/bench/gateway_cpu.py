@@ -2,7 +2,7 @@
 in the same run.
 
     tokq bench gateway-cpu [--calls 2000] [--rates 60,200] [--concurrency 64] [--rounds 3]
-        [--profile-dir DIR] [--results-md profiling/RESULTS.md]
+        [--profile-dir DIR] [--results-md profiling/results/gateway.md]
 
 Starts, as separate processes: an embedded Redis, one gateway and one worker (`tokq gateway`,
 `tokq worker --threads 1`, their defaults otherwise; the gateway with a metrics port, as `tokq up`
@@ -560,8 +560,7 @@ def parse_levels(value: str, option: str, kind=float) -> list:
 @click.option("--from-json", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Render this earlier --json report instead of measuring.")
 @click.option("--client-connections", default=CLIENT_CONNECTIONS, show_default=True, type=click.IntRange(1, 64),
-              help="Connections the load client spreads its calls over (tokq.AsyncClient); runs before session 16 "
-                   "used one.")
+              help="Connections the load client spreads its calls over (tokq.AsyncClient).")
 @click.option("--token-budget", default=0, show_default=True, type=click.IntRange(0),
               help="The worker's token budget; 0 = its own, fitted to the latency goal as under `tokq up`.")
 def gateway_cpu_command(calls, rates, concurrency, rounds, warmup_calls, seed, workload, profile_dir, json_path, results_md,

@@ -1,8 +1,8 @@
 """`make bench-gpu`: on a CUDA host, profile and benchmark the service with the bundled
 all-MiniLM-L6-v2 and a Qwen3-0.6B-shaped random-weight model, and write the "GPU benchmark"
-section of RESULTS.md.
+section of profiling/results/gpu.md.
 
-    tokq bench gpu [--results-md profiling/RESULTS.md] [--out-dir profiling/gpu]
+    tokq bench gpu [--results-md profiling/results/gpu.md] [--out-dir profiling/results/gpu]
 
 For each model: `tokq profile --device cuda` (latency knee, recommended budget, FLOP/s per batch
 size), then `tokq bench service --device cuda` with tokq at the profiled budget and at `tokq up`'s
@@ -41,8 +41,7 @@ CPUS_PER_GENERATOR = 5  # load-generator processes: one per this many CPUs (the 
 
 def generator_procs() -> int:
     """Load-generator processes for the service bench on this host: one Python process sends
-    ~3,000 calls a second, where session 23's H100 run ended every ramp (the service never failed
-    a step), so a host with the cores gets more (3 on 16 CPUs), a small one keeps one."""
+    ~3,000 calls a second, where an H100 run's ramp ends before the service fails a step, so a host with the cores gets more (3 on 16 CPUs), a small one keeps one."""
     from tokq.host import usable_cpus
 
     return max(1, usable_cpus() // CPUS_PER_GENERATOR)
@@ -106,9 +105,7 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gat
     budget = profile.get("recommended_budget")
     bench_json = out_dir / f"gpu-bench-{name}.json"
     bench_model = ["--model", str(model_dir)] if model_dir else []
-    # The defaults first, then the profiled budget: the first GPU run had them the other way and
-    # the profiled budget served less on both models, so this order tells a budget effect from
-    # an order effect (systems run in the order given).
+    # The defaults first, then the profiled budget (systems run in the order given).
     systems = ["--system", "tokq-defaults"]
     if budget:  # "tokq" runs at the last of --token-budgets
         systems += ["--system", "tokq", "--token-budgets", str(budget)]
@@ -269,8 +266,8 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
 
 
 @click.command("gpu")
-@click.option("--results-md", type=click.Path(dir_okay=False), default="profiling/RESULTS.md", show_default=True)
-@click.option("--out-dir", type=click.Path(file_okay=False), default="profiling/gpu", show_default=True,
+@click.option("--results-md", type=click.Path(dir_okay=False), default="profiling/results/gpu.md", show_default=True)
+@click.option("--out-dir", type=click.Path(file_okay=False), default="profiling/results/gpu", show_default=True,
               help="Profile and bench JSON and figures of each model.")
 @click.option("--quick", is_flag=True,
               help="0.3 s per profile point and 2-second load steps from 50 req/s, x1.5 each: both models in "
@@ -296,7 +293,7 @@ def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
 
         if not torch.cuda.is_available():
             click.echo("bench-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
-                       "nothing measured, RESULTS.md unchanged.")
+                       "nothing measured, no results file changed.")
             return
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="tokq-bench-gpu-") as tmp:

@@ -1,6 +1,6 @@
 """CUDA graphs against eager forwards (workers/cuda_graphs.py), in the same run, on one GPU.
 
-    tokq bench graphs --results-md profiling/RESULTS.md
+    tokq bench graphs --results-md profiling/results/gpu.md
 
 For the bundled all-MiniLM-L6-v2 and a random-weight Qwen3-0.6B-shaped model (28 layers), each
 batch size from 16 tokens up runs through two engines sharing the weights: one replaying CUDA
@@ -111,7 +111,7 @@ def markdown(gpu: str, torch_version: str, results: list[dict], repeats: int, co
 @click.command("graphs")
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1))
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this benchmark's block of this file (e.g. profiling/RESULTS.md).")
+              help="Rewrite this benchmark's block of this file (e.g. profiling/results/gpu.md).")
 def graphs_command(repeats, results_md) -> None:
     """CUDA graphs against eager forwards, MiniLM and a Qwen3-0.6B-shaped model, on a CUDA GPU."""
     import torch

@@ -1,7 +1,7 @@
 """Hostile input: a one-input call's latency with nobody else calling, then with six concurrent
 callers sending the largest requests the gateway takes (and larger), in the same run.
 
-    tokq bench hostile --results-md profiling/RESULTS.md
+    tokq bench hostile --results-md profiling/results/service.md
 
 A real stack: an embedded Redis, one `tokq gateway` process and one `tokq worker` process (one
 torch thread). The probe sends one short input at a time, paced, and records latency; the
@@ -69,7 +69,7 @@ def scenarios(limits: Limits) -> dict[str, dict]:
     per_input = limits.max_input_bytes
     n_full = max(1, limits.max_request_bytes // per_input)
     return {
-        "8 MB strings, truncate=true (the issue's attack)":
+        "8 MB strings, truncate=true":
             {"sizes": [8 << 20], "truncate": True},
         f"{n_full} x {per_input // 1024} KiB inputs (request at the cap), truncate=false":
             {"sizes": [per_input] * n_full, "truncate": False},
@@ -384,7 +384,7 @@ def _render_reference(ref: dict, phase_s: float) -> list[str]:
 @click.option("--pace-ms", default=20.0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the raw report here.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's block (e.g. profiling/RESULTS.md).")
+              help="Rewrite this file's block (e.g. profiling/results/service.md).")
 def hostile_command(rounds, phase_s, pace_ms, json_path, results_md) -> None:
     """A one-input call's latency alone, then beside six callers sending the largest requests."""
     report = run(rounds, phase_s, pace_ms / 1000)

@@ -3,7 +3,7 @@ on the same gateway process in the same run, and orjson against the standard jso
 HTTP response body.
 
     tokq bench http-cpu [--calls 1000] [--concurrency 8] [--rounds 3]
-        [--results-md profiling/RESULTS.md]
+        [--results-md profiling/results/gateway.md]
 
 Starts an embedded Redis, one `tokq gateway --http-port` and one `tokq worker --threads 1`. Each
 round sends ``--calls`` single-input calls (closed loop, ``--concurrency`` in flight) over gRPC
@@ -172,7 +172,7 @@ def markdown_section(report: dict, command: str) -> str:
         SECTION_START,
         "### HTTP API: gateway CPU per call, HTTP against gRPC",
         "",
-        f"`{command}` — {report['date']}, {machine_cores(report['cpus'])} (other sessions' "
+        f"`{command}` — {report['date']}, {machine_cores(report['cpus'])} (other "
         f"processes compete; load average at the end {' '.join(report['loadavg'])}), Python {report['python']}.",
         f"{report['calls']} single-input calls per transport per round, {report['concurrency']} in flight, "
         f"{len(rounds)} rounds; CPU from /proc per process over exactly the measured calls; medians over rounds.",

@@ -1,13 +1,13 @@
 """What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item.
 
     tokq bench idle-workers [--workers 16] [--idle-s 10] [--items 200]
-        [--results-md profiling/RESULTS.md]
+        [--results-md profiling/results/service.md]
 
 Starts its own embedded Valkey and ``--workers`` real ``tokq worker`` processes (the bundled
 model, one torch thread each), waits until all have beaten their heartbeat, then:
   * idle: Redis commands per second per worker over ``--idle-s`` seconds with nothing queued
     (INFO commandstats, this script's own INFO calls left out), against the 500/s one claim
-    every 2 ms (the old idle poll) would cost;
+    every 2 ms (an idle poll) would cost;
   * wake-up: ``--items`` single-item requests, each sent to an empty queue after the fleet went
     idle; wake-up = the claim's Redis-clock time minus the enqueue's (the result's queue_ms),
     p50/p99, against a PING round trip measured in the same run.
@@ -74,7 +74,7 @@ async def wake_ups(url: str, queue_name: str, num_items: int, gap_s: float) -> t
 @click.option("--items", default=200, show_default=True)
 @click.option("--gap-s", default=0.05, show_default=True, help="Pause between wake-up items.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's idle-fleet block (e.g. profiling/RESULTS.md).")
+              help="Rewrite this file's idle-fleet block (e.g. profiling/results/service.md).")
 def idle_workers_command(workers, idle_s, items, gap_s, results_md) -> None:
     """What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item."""
     server = EmbeddedRedis().start()

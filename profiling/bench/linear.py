@@ -2,7 +2,7 @@
 oneDNN, at the row counts a forward meets (a lone short query up to a full batch).
 
     tokq bench linear [--rows 1,8,16,32,64,256,1024] [--rounds 5] [--threads 1,2]
-        [--model DIR] [--results-md profiling/RESULTS.md]
+        [--model DIR] [--results-md profiling/results/model.md]
 
 Per thread count and row count: the model's own linear calls in a forward
 (forward_linear_calls: its shapes, with the epilogues it fuses), timed through each kernel, then
@@ -93,7 +93,7 @@ def run(*, rows: list[int], rounds: int, threads: list[int], model: str | None, 
 @click.option("--threads", default="1", show_default=True, help="torch thread counts, comma-separated.")
 @click.option("--model", default=None, help="Model directory [default: bundled all-MiniLM-L6-v2].")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's block (e.g. profiling/RESULTS.md).")
+              help="Rewrite this file's block (e.g. profiling/results/model.md).")
 def linear_command(rows, rounds, threads, model, results_md) -> None:
     """The C fp32 linear kernel against oneDNN, per row count."""
     name, section = run(rows=[int(r) for r in rows.split(",")], rounds=rounds,

@@ -1,5 +1,5 @@
-"""Shared-prompt benchmark (issue 15): queries behind Qwen3-Embedding's instruction, computed with
-the prompt once (workers/prefix_attention.py) against today's full forward, in the same run.
+"""Shared-prompt benchmark: queries behind Qwen3-Embedding's instruction, computed with the
+prompt once (workers/prefix_attention.py) against the full forward, in the same run.
 
 The model is random-weight with Qwen3-Embedding-0.6B's shapes (hidden 1024, 16 q / 8 kv heads of
 128, MLP 3072); ``--layers`` of its 28 (fewer on CPU: time scales with layers for both paths
@@ -13,8 +13,8 @@ as the queue counts them: the full forward's batches by every token, the prefix 
 tokens after the prompt (the prompt's K/V come from the worker's cache, filled before timing).
 Per round the systems run in turn; every figure is the median over rounds.
 
-    tokq bench prefix --threads 1 --results-md profiling/RESULTS.md          # CPU
-    tokq bench prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 --results-md profiling/RESULTS.md
+    tokq bench prefix --threads 1 --results-md profiling/results/model.md          # CPU
+    tokq bench prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 --results-md profiling/results/gpu.md
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def scenario(rng, num_queries: int, prompt: np.ndarray | None, fixed_len: int | 
 @click.option("--threads", default=0, show_default=True,
               help="torch threads (0: torch's default); 1 keeps ratios steady on a shared CPU.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's block for the device type (e.g. profiling/RESULTS.md).")
+              help="Rewrite this file's block for the device type (e.g. profiling/results/model.md).")
 def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, rounds, threads, results_md) -> None:
     """The shared prompt computed once against the full forward, in the same run."""
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -112,7 +112,7 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), layers)
         engine = Engine.load(tmp, device=device, dtype=dtype)
-        # today's engine: the same model with no prefix path at all
+        # the same model with no prefix path at all
         plain = Engine(engine.info, engine.model, engine.device, engine.dtype, engine.attn_backend)
         plain.prefix_cache = None
     rng = np.random.default_rng(0)
@@ -128,10 +128,10 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
     rows = []
     for name, (seqs, prefix_lens) in scenarios.items():
         has_prompt = any(prefix_lens)
-        systems = {"full forward (today)": (plain, batches(seqs, prefix_lens, token_budget, False))}
+        systems = {"full forward": (plain, batches(seqs, prefix_lens, token_budget, False))}
         if has_prompt:
             systems["prompt computed once"] = (engine, batches(seqs, prefix_lens, token_budget, True))
-        else:  # the engine with the prefix path, given no prompt: must cost what today's does
+        else:  # the engine with the prefix path, given no prompt: must cost what the full forward does
             systems["prefix-capable engine"] = (engine, batches(seqs, prefix_lens, token_budget, False))
         computed = {}
         for label, (eng, packed) in systems.items():
@@ -151,7 +151,7 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
             print(f"{name}: round {round_index + 1}/{rounds} "
                   + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
         input_tokens = sum(len(s) for s in seqs)
-        base = times["full forward (today)"]
+        base = times["full forward"]
         for label, (_, packed) in systems.items():
             t = statistics.median(times[label])
             ratios = [b / x for b, x in zip(base, times[label])]
@@ -166,7 +166,7 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
               else f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()}")
     block_id = block_name(engine.device.type)
     lines = [
-        f"## Shared prompt computed once (`workers/prefix_attention.py`, issue 15), {engine.device.type.upper()}",
+        f"## Shared prompt computed once (`workers/prefix_attention.py`), {engine.device.type.upper()}",
         "",
         f"Command: `{command_line()}`. {device_name}, "
         f"{str(engine.dtype).removeprefix('torch.')}, attention {engine.attn_backend}, torch {torch.__version__}. "

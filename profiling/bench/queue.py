@@ -1,6 +1,6 @@
 """The queue's speed against the raw ceiling of the same Redis, measured in the same run.
 
-    tokq bench queue [--token-budget 600] [--num-claims 2000] [--json out.json] [--results-md profiling/RESULTS.md]
+    tokq bench queue [--token-budget 600] [--num-claims 2000] [--json out.json] [--results-md profiling/results/queue.md]
 
 Starts its own embedded Valkey. Item lengths come from ../shared/workloads/short_queries.jsonl
 when it exists, else from tokq.profiling.workload's seeded generator (lognormal, median 10,
@@ -226,7 +226,7 @@ def report(rounds: list[dict], budget: int, source: str) -> dict:
 
 
 def markdown(result: dict, command: str) -> str:
-    """The "Queue" block of RESULTS.md: the figures of ``report``'s result against the same
+    """The "Queue" block of a results file: the figures of ``report``'s result against the same
     Redis's raw ceiling."""
     e, c, f, rounds = result["enqueue"], result["claim"], result["fill"], result["rounds"]
     ratio = lambda section, a, b: statistics.median(r[section][a] / r[section][b] for r in rounds)  # noqa: E731
@@ -274,7 +274,7 @@ def markdown(result: dict, command: str) -> str:
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures here.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's Queue block (e.g. profiling/RESULTS.md).")
+              help="Rewrite this file's Queue block (e.g. profiling/results/queue.md).")
 def queue_command(token_budget, num_claims, rounds, json_path, results_md) -> None:
     """The queue's speed against the raw ceiling of the same Redis, measured in the same run."""
     lengths, source = workload_lengths()

@@ -2,7 +2,7 @@
 same machine, systems interleaved round by round so load from other work hits all of them.
 
     tokq bench runtime [--num-queries 800] [--rounds 3] [--dtype auto|float32|bfloat16] [--threads N]
-        [--results-md profiling/RESULTS.md]
+        [--results-md profiling/results/model.md]
 
 Prints tokens/s (real tokens, no padding counted; median over rounds) of:
   * the packed runtime at token budgets 256..4096, queries packed in arrival order;
@@ -289,7 +289,7 @@ def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: 
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The runtime's dtype (auto: bf16 on CPUs with native bf16, else fp32).")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's block (e.g. profiling/RESULTS.md) with the output.")
+              help="Rewrite this file's block (e.g. profiling/results/model.md) with the output.")
 def runtime_command(num_queries, rounds, token_budgets, workload, model, threads, dtype, results_md) -> None:
     """Packed (varlen) runtime vs sentence-transformers on the short-query workload."""
     if threads:

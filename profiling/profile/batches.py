@@ -104,7 +104,7 @@ class BatchMaker:
 
     ``prompt_ids``: every query goes behind this shared prompt (after its ``lead`` special ids,
     e.g. a BOS), marked as each sequence's prefix and, as the queue counts them, not counted:
-    the worker computes it once and caches it (issue 15).
+    the worker computes it once and caches it.
     """
 
     def __init__(self, queries: Sequence[Query], make_ids: Callable[[Query, int], np.ndarray],

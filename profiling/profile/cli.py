@@ -1,7 +1,7 @@
 """`tokq profile`: measure a model's latency knee on this device and publish the token budget.
 
 Parses flags and delegates: the sweep in ``sweep.py``, the fit in ``knee.py``, both run by
-``run.py``, the figure in ``plot.py``; ``--results-md`` writes the run's block of RESULTS.md.
+``run.py``, the figure in ``plot.py``; ``--results-md`` writes the run's block of a results file.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def fleet_slo_p99_ms() -> float:
               help="Redis Cluster mode of --apply's Redis: auto asks the server (INFO), yes or no skip that "
                    "(a user without INFO) [env TOKQ_REDIS_CLUSTER; default: auto].")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this model and device's block of this file (e.g. profiling/RESULTS.md).")
+              help="Rewrite this model and device's block of this file (e.g. profiling/results/model.md).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile_command(model_path, revision, served_model_name, device, dtype, attn_backend, cuda_graph_tokens,
                     workload_path, num_queries, seed,
@@ -231,7 +231,7 @@ def profile_command(model_path, revision, served_model_name, device, dtype, attn
 
 
 def block_name(report: dict) -> str:
-    """One RESULTS.md block per model and device type."""
+    """One results file block per model and device type."""
     return f"tokq profile ({report['model']}, {report['device'].split(':')[0]})"
 
 

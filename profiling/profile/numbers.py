@@ -1,4 +1,4 @@
-"""Numbers as the profile's report, table, RESULTS.md block and figure print them."""
+"""Numbers as the profile's report, table, results file block and figure print them."""
 
 from __future__ import annotations
 

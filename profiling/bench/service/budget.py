@@ -2,7 +2,7 @@
 best fixed budget? Both in one run on one machine: profile the worker's engine on the bench's
 own workload under the bench's latency goal, then drive tokq at the profiled budget and at a few
 fixed budgets, and compare their sustainable rates at that goal. Rendered as its own section of
-RESULTS.md (its own markers: the main "Service benchmark" section is left alone).
+a results file (its own markers: the main "Service benchmark" section is left alone).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def markdown_section(report: dict, profile_png: str | None = None) -> str:
 
 
 def render(report: dict, *, results_md: str | None, plots_dir: str | None) -> list[str]:
-    """Write the profile figure and/or the RESULTS.md section; returns the paths written."""
+    """Write the profile figure and/or the results file section; returns the paths written."""
     written, png_rel = [], None
     if plots_dir:
         from tokq.profiling.profile.plot import plot_profile

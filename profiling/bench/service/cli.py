@@ -4,7 +4,7 @@ Each system (tokq at several budgets, FIFO and look-ahead; sentence-transformers
 at a time; padded dynamic batching) is started as its own processes, warmed up, then driven by
 the open-loop generator (``loadgen``): in step mode the offered rate rises until p99 breaks
 ``--slo-ms``, giving each system's highest sustainable rate at the same p99. Results go to a
-JSON file; ``report`` turns it into the "Service benchmark" section of RESULTS.md and plots.
+JSON file; ``report`` turns it into the "Service benchmark" section of a results file and plots.
 """
 
 from __future__ import annotations
@@ -183,10 +183,10 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="Write bench_latency.png and bench_throughput.png here.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite the 'Service benchmark' section of this markdown file (e.g. profiling/RESULTS.md).")
+              help="Rewrite the 'Service benchmark' section of this markdown file (e.g. profiling/results/service.md).")
 @click.option("--budget-check", is_flag=True,
               help="Profile the worker's engine in this run (goal: --slo-ms), then measure tokq at the profiled "
-                   "budget beside each of --token-budgets; writes its own RESULTS.md section and, with --plots, "
+                   "budget beside each of --token-budgets; writes its own section of the results file and, with --plots, "
                    "the profile figure (budget_check_profile.png).")
 @click.option("--refinements", type=int, default=None,
               help="Bisections after the step search [default: 1; 3 with --budget-check, ~3% resolution].")

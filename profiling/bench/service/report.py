@@ -1,7 +1,7 @@
-"""`tokq bench service` JSON -> the "Service benchmark" block of RESULTS.md and two figures that a
+"""`tokq bench service` JSON -> the "Service benchmark" block of a results file and two figures that a
 person reads without the JSON: latency against offered load, and sustainable throughput per
 system. Re-render without re-measuring: ``tokq bench report profiling/bench.json --plots
-profiling/ --results-md profiling/RESULTS.md`` (a ``--budget-check`` JSON renders its own block).
+profiling/ --results-md profiling/results/service.md`` (a ``--budget-check`` JSON renders its own block).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tokq.profiling.results_md import cpu_block_name, cpu_heading, cpu_label, ma
 BLOCK = "tokq bench service"
 SECTION_START, SECTION_END = markers(BLOCK)  # a run that did not record its CPU's vector extension
 P99_BOUNDS_MS = (100, 250, 500, 1000)
-# tokq (`tokq up`'s defaults) vs each baseline at equal p99 (issue 13): kind -> (ratio, what it is)
+# tokq (`tokq up`'s defaults) vs each baseline at equal p99: kind -> (ratio, what it is)
 TARGETS = (("one-at-a-time", 5.0, "sentence-transformers one at a time"),
            ("infinity", 2.0, "Infinity's best engine"),
            ("onnx-one-at-a-time", 1.5, "ONNX Runtime one at a time"))
@@ -288,7 +288,7 @@ def render_outputs(report: dict, *, plots_dir: str | None, results_md: str | Non
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None)
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None)
 def report_command(json_path, plots_dir, results_md) -> None:
-    """Re-render a `tokq bench service --out` JSON (figures, RESULTS.md block) without measuring again."""
+    """Re-render a `tokq bench service --out` JSON (figures, results file block) without measuring again."""
     import json
 
     report = json.loads(Path(json_path).read_text())

@@ -139,7 +139,7 @@ def own_cpu_s() -> float:
 
 def machine(cuda: str | None = None) -> dict:
     """The host, and the GPU's name where the systems run on one (``cuda``: its device; their
-    RESULTS.md block is then the GPU's, not the CPU's)."""
+    results file block is then the GPU's, not the CPU's)."""
     import grpc
     import sentence_transformers
     import torch
