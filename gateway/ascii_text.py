@@ -1,15 +1,5 @@
-"""ASCII text tokenized without the model's normalizer, where what that normalizer does to ASCII
-is known: nothing (Unicode normal forms, accent stripping), lowercasing, or BERT's clean-up.
-
-Why: the Rust normalizer tracks every character's alignment through its steps, a third of
-tokenizing a search query (~13 of ~36 us for MiniLM's BertNormalizer, on this project's 2-core
-machine), and nearly every query is ASCII. Python's ``str.lower`` does the same to ASCII for a
-fraction of that. Text with a control character, any non-ASCII text, and every normalizer not
-listed here take the tokenizer's own path (``AsciiPath.encode`` returns None).
-
-BERT-style tokenizers (WordPiece after BERT's pre-tokenizer) are done here whole (``WordPiece``):
-the Rust call builds an Encoding (offsets, masks, type ids) that only its ids are read from, ~20
-us a query against ~3 for splitting and dict look-ups here.
+"""ASCII text tokenized without the model's normalizer where its effect on ASCII is known, and
+BERT-style WordPiece done in Python: both cost less than the Rust call (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -150,14 +140,9 @@ def _special_tokens(spec: dict | None) -> tuple[list[int], list[int]] | None:
 
 
 class AsciiPath:
-    """``encode``: a text's ids (special tokens added), tokenized without the normalizer when the
-    text is ASCII and the normalizer is one ``ascii_normalizer`` knows, else None; by
-    ``WordPiece`` when the tokenizer is one it accepts, else by the tokenizer.
-
-    Text that may hold an added token ("[SEP]", "<|endoftext|>") takes the tokenizer's own path
-    too: those are matched before normalizing, or after it (``normalized=True``) against their
-    own normalized form, so lowercasing first would hide "[SEP]". Any character an added token,
-    or its normalized form, starts with, in either case, sends the text there."""
+    """``encode``: an ASCII text's ids (special tokens added) without the normalizer, by ``WordPiece``
+    where it applies; None for text the tokenizer's own path must take, such as text that may
+    hold an added token ("[SEP]"), which lowercasing would hide."""
 
     def __init__(self, backend: RustTokenizer) -> None:
         config = json.loads(backend.to_str())

@@ -1,11 +1,6 @@
-"""Who may call: TLS server credentials (``server_credentials``) and optional API keys, one
-check for every transport: gRPC metadata ``authorization: Bearer <key>``
-(UNAUTHENTICATED) and HTTP's Authorization header (401) both call ``ApiKeys.check``.
-
-Keys come from --api-key (repeatable, env TOKQ_API_KEYS comma-separated) and --api-key-file (one
-per line, # comments). Only their SHA-256 digests are kept, and a presented key is hashed and
-looked up, so the time a check takes says nothing about how much of a key matched. Health checks
-stay open: probes carry no keys.
+"""Who may call: TLS server credentials and optional API keys, one ``ApiKeys.check`` for gRPC
+(UNAUTHENTICATED) and HTTP (401). Only keys' SHA-256 digests are kept and looked up, so a check's
+time says nothing about how much of a key matched. Health checks stay open: probes carry no keys.
 """
 
 from __future__ import annotations
@@ -62,10 +57,8 @@ CLIENT_KEY_ENV = "TOKQ_API_KEY"  # the client's (tokq embed --api-key), one lett
 
 def client_key_warning(keyed: bool, env: Mapping[str, str] | None = None,
                        who: str = "the gateway") -> str | None:
-    """The warning for a gateway started without keys (``keyed`` False) from an environment holding
-    the client's TOKQ_API_KEY, else None: it served every caller, saying only "API keys off" in
-    an info line. Warned, not refused: a shell holding the client's key may start a keyless dev
-    gateway. The key's value is not shown."""
+    """The warning for a gateway started without keys from an environment holding the client's
+    TOKQ_API_KEY, else None. Warned, not refused: a keyless dev gateway may start from such a shell."""
     env = os.environ if env is None else env
     if keyed or not env.get(CLIENT_KEY_ENV):
         return None

@@ -31,10 +31,8 @@ def _run_one(gateway_values: dict, queue_values: dict, siblings=None, queue_expo
 
 
 def _run_child(gateway_values: dict, queue_values: dict, listening, procs: int, index: int) -> None:
-    """One of `--procs N` gateway processes: it dies with the parent (killed outright, its
-    children would hold the ports); ready once all N listen (``listening``: their shared count).
-    Only the first (``index`` 0, on --metrics-port itself) may export the queue's metrics: the
-    port a scrape config names for the gateway (the others serve port+1 .. port+N-1)."""
+    """One of `--procs N` gateway processes: it dies with the parent, and is ready once all N listen.
+    Only the first (on --metrics-port itself, the port a scrape config names) exports queue metrics."""
     from tokq.gateway.readiness import SiblingProcesses
     from tokq.processes import die_with_parent
 
@@ -75,7 +73,6 @@ def gateway_command(procs: int, **values) -> None:
     if busy := ports_taken([("gRPC", base.host, base.port), ("HTTP", base.host, base.http_port),
                             *(("metrics", metrics_host, base.metrics_port + i)
                               for i in range(procs) if base.metrics_port)]):
-        # (a metrics port was a traceback from each process once it had started)
         raise click.UsageError(f"{busy} already in use (another gateway?): choose another "
                                "--port / --http-port / --metrics-port, or stop that process")
     from tokq.redis.connection import check_redis_or_exit

@@ -1,9 +1,7 @@
 """The embedding path every transport shares: look the model up -> validate -> tokenize (or take
 the caller's token ids) -> enqueue -> wait for the reply -> results.
 
-gRPC (gateway/service.py) and HTTP (gateway/http.py) are thin adapters over ``Embedder``: they turn
-their request into an ``EmbedInput``, and any exception raised here into their own status through
-gateway/errors.py. Nothing here knows about either wire format.
+gRPC (gateway/service.py) and HTTP (gateway/http.py) are thin adapters over ``Embedder``.
 """
 
 from __future__ import annotations
@@ -85,7 +83,7 @@ class ServedModel:
         self.observer = observer  # metrics hooks (tokq.metrics.GatewayMetrics), optional
         self._ids = itertools.count()
         self._withdrawals: set[asyncio.Task] = set()  # cancel scripts still running
-        self._enqueuing = 0  # enqueues awaiting their answer: a cancelled one withdraws after it
+        self._enqueuing = 0  # enqueues awaiting their answer: a stopped call cancels after it
         self.limits = Limits.resolve(info, config)  # byte caps, checked before tokenizing
         self._prompt_boundary = PromptBoundary(info, tokenizer)
 
@@ -107,9 +105,8 @@ class ServedModel:
                                   f"{self.config.max_inputs}: split the request", param="input")
 
     def _check_reply_size(self, num_inputs: int, dims: int, max_bytes: int | None) -> None:
-        """Refuse before any work a request whose reply could not be sent (it was computed in
-        full, then failed RESOURCE_EXHAUSTED, which callers retry): 100,000 inputs are allowed
-        (--max-inputs), 64 MiB hold ~43,000 of MiniLM's 384 floats, 4,096 of a 4,096-wide model's."""
+        """Refuse before any work a request whose reply could not be sent: computed in full, it
+        would fail RESOURCE_EXHAUSTED, which callers retry."""
         dims = dims or self.info.hidden_size
         if max_bytes is None or embed_response_max_bytes(num_inputs, dims) <= max_bytes:
             return
@@ -248,20 +245,14 @@ class ServedModel:
         except QueueFull:
             collected = True  # a rejected enqueue queues nothing (a repeat is never rejected)
             raise
-        except Withdrawn:  # already withdrawn: this call was cancelled while its enqueue was out
+        except Withdrawn:  # already cancelled while its enqueue was out
             collected = True
-            raise Unavailable("the request was withdrawn before it was queued; retry it") from None
+            raise Unavailable("the request was cancelled before it was queued; retry it") from None
         finally:
             self.router.forget(request_id)
-            if sent and not collected:  # (nothing to withdraw for a call refused before it)
-                # Cancelled, timed out or failed, possibly while the enqueue was in flight or
-                # with its answer lost (LostAnswer: queued or not, we cannot tell): withdraw it
-                # (O(1)) so no worker spends time on it and nothing stays behind. The caller
-                # is answered without waiting for that: a Redis that stopped answering would
-                # hold its error for another socket timeout. (Started once the enqueue has
-                # answered, so it does not overtake it: tokq.redis.pipeline. Where no answer came, a
-                # handler cancelled twice or an enqueue given up on a stalled Redis, that may yet
-                # run later: the withdrawal then marks it, and a late run queues nothing.)
+            if sent and not collected:
+                # Cancel the request so no worker computes it; the caller is not kept waiting
+                # for that (docs/internals.md, "Cancelling a call's request").
                 loop = asyncio.get_running_loop()
                 self._track_withdrawal(loop.create_task(self._cancel_quietly(request_id, answered)))
 
@@ -276,16 +267,14 @@ class ServedModel:
             pass
 
     async def finish_withdrawals(self, timeout_s: float) -> None:
-        """At shutdown, before the Redis clients close under them: wait up to ``timeout_s`` for
-        the withdrawals running, and for those started meanwhile (a call cancelled by the
-        server's stop starts its own once its enqueue has answered); then cancel what is left
-        (a Redis that does not answer: the reply keys expire by their TTL)."""
+        """At shutdown, before the Redis clients close: wait up to ``timeout_s`` for the cancels
+        running and those started meanwhile, then stop the rest (reply keys expire by their TTL)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while (left := deadline - loop.time()) > 0:
             if running := {t for t in self._withdrawals if not t.done()}:
                 await asyncio.wait(running, timeout=left)
-            elif self._enqueuing:  # its withdrawal, if its call was cancelled, starts on its answer
+            elif self._enqueuing:  # a stopped call's cancel starts when its enqueue answers
                 await asyncio.sleep(min(left, 0.01))
             else:
                 break
@@ -339,11 +328,9 @@ class Embedder:
         return model
 
     async def observed(self, rpc: str, model_name: str, operation, deadline: Deadline | None = None):
-        """Run ``operation(model)`` for the named model, counted in that model's metrics under
-        ``rpc`` with the gRPC status name it ends with (HTTP and gRPC alike); a name that is not
-        served is counted as refused. ``deadline``: the call's, to tell its expiry from a
-        cancellation (gRPC cancels the handler when the deadline passes, often before the
-        gateway's own timer answers DEADLINE_EXCEEDED)."""
+        """Run ``operation(model)``, counted in that model's metrics under ``rpc`` and its gRPC status
+        name; an unserved name counts as refused. ``deadline`` tells expiry from a hang-up: gRPC
+        stops the handler when the deadline passes, often before the gateway's own timer."""
         start = time.perf_counter()
         try:
             model = self.lookup(model_name)

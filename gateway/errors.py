@@ -1,18 +1,7 @@
-"""Every failure a caller can see, and its status on each transport: the one place errors are
-mapped.
+"""Every failure a caller can see and its status on gRPC and HTTP: the one place errors are mapped.
 
-Handlers raise ``ServiceError`` (or let queue/Redis exceptions through); ``to_status`` turns any
-exception into (gRPC code, message) so the servicer refuses the call exactly once, the same way
-(``refuse``), and
-``to_http`` turns the same exception into the HTTP status and OpenAI-style error object.
-
-What a caller reads never holds internal detail (a Redis host:port, exception text, a worker's
-traceback): that goes to the log under a short correlation id, and the id goes in the message,
-so an operator can find the cause of the one call a user reports.
-
-Retryable means UNAVAILABLE: the queue backend is down, read-only (a failover), out of memory,
-loading, busy running a script, or an answer was lost on the wire. A client retries those with
-backoff; INTERNAL is a bug, not something to retry.
+Internal detail goes to the log under a correlation id that the caller's message carries.
+UNAVAILABLE means retry with backoff; INTERNAL is a bug (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -70,9 +59,8 @@ class InvalidArgument(ServiceError):
 
 
 class ModelNotFound(ServiceError):
-    """The request names a model this gateway does not serve. On gRPC that is a bad argument
-    (INVALID_ARGUMENT, as it always was, so existing callers' handling keeps working); on HTTP it
-    is OpenAI's 404 model_not_found, which the SDKs raise as NotFoundError."""
+    """The request names a model this gateway does not serve: INVALID_ARGUMENT on gRPC, and
+    OpenAI's 404 model_not_found on HTTP (the SDKs raise it as NotFoundError)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 404
@@ -122,10 +110,8 @@ def is_retryable_redis_error(exc: BaseException) -> bool:
                         redis.exceptions.ReadOnlyError, redis.exceptions.OutOfMemoryError,
                         redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
                         redis.exceptions.MasterDownError, redis.exceptions.AuthenticationError,
-                        # Redis Cluster mid-failover or resharding: the slot map is changing.
-                        # ClusterError is redis-py's "TTL exhausted.": it followed a command's
-                        # ASK/TRYAGAIN/MOVED redirections 16 times (a slot migrating: a script's
-                        # keys split between its two nodes) and gave up.
+                        # Redis Cluster mid-failover or resharding. ClusterError is redis-py's
+                        # "TTL exhausted.": it gave up following a migrating slot's redirections.
                         redis.exceptions.SlotNotCoveredError, redis.exceptions.AskError,
                         redis.exceptions.ClusterError)):
         return True  # AuthenticationError: misconfigured; the caller can only wait for a fix
@@ -133,11 +119,8 @@ def is_retryable_redis_error(exc: BaseException) -> bool:
         # "Redis Cluster cannot be connected": no node of the slot map answered; the error
         # that stopped the last one says whether waiting can help (a refused connect can).
         return is_retryable_redis_error(exc.__cause__)
-    # Not retryable here: "Attempted to access a non local key in a cluster node script". Only
-    # the worker's scripts (claim, ack, requeue) name keys they were not given (a reply hash,
-    # built from its request id), and a worker retries every Redis error (the lease redo covers
-    # an ack it gives up on); the gateway's scripts declare every key, so a caller meeting it
-    # means a key outside its queue's slot: a bug, INTERNAL.
+    # "non local key in a cluster node script" is not retryable: the gateway's scripts declare
+    # every key, so meeting it means a key outside the queue's slot, a bug (INTERNAL).
     if isinstance(exc, redis.exceptions.ResponseError):
         # A script's redis.call error arrives with its own prefix (OOM ...), or inside
         # "ERR Error running script ...: BUSY ..."-style text on older servers.
@@ -166,10 +149,8 @@ def code_of(exc: BaseException) -> grpc.StatusCode:
 
 def from_result_code(name: str, message: str) -> ServiceError:
     """An error a worker or a Lua script wrote into a reply (gRPC status name + message).
-
-    Statuses the worker chose for the caller (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...) keep
-    their message; an INTERNAL one may hold a worker's exception text, so it is logged here and
-    the caller gets the correlation id."""
+    INTERNAL may hold a worker's exception text: it is logged and the caller gets a correlation id;
+    other statuses keep their message."""
     code = getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
     if code == grpc.StatusCode.INTERNAL:
         cid = correlation_id()
@@ -202,12 +183,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """Ends a gRPC call with ``code``: the handler sets it and returns (no response message).
-
-    Not ``context.abort()``: gRPC keeps the AbortError that raises on the call's state, and its
-    traceback holds the handler's frames and so the request: a cycle only the GC frees. A flood
-    of refused 2 MiB requests then stalled the event loop in 14-30 ms GC passes (bench hostile).
-    The answer on the wire is the same."""
+    """Ends a gRPC call with ``code``: the handler sets it and returns no response message.
+    Not ``context.abort()``, whose kept AbortError holds the request in a cycle only the GC frees."""
     context.set_code(code)
     context.set_details(message)
 

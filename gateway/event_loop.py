@@ -1,10 +1,6 @@
 """The gateway process's event loop: uvloop (libuv, in C) where installed, else Python's asyncio.
 
-Every call's work is driven by the loop (gRPC's completions, the Redis round trips, the reply
-messages: ~6 loop iterations and ~15 callbacks a call), and uvloop runs them for less: in A/B runs
-of one gateway on each loop (one Redis and worker, alternating rounds), 0.96x the gateway's CPU
-per call with 64 calls in flight and 0.93x with 8 (RESULTS.md, "Gateway CPU per call").
-gRPC's asyncio server and redis-py run on any asyncio loop.
+uvloop drives each call's callbacks for less CPU (profiling/RESULTS.md, "Gateway CPU per call").
 """
 
 from __future__ import annotations

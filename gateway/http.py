@@ -1,12 +1,7 @@
 """The OpenAI-compatible HTTP API: Starlette on uvicorn, on the gateway's own asyncio loop, over
-the same embedding path as gRPC (gateway/embedding.py).
-
-    POST /v1/embeddings   OpenAI's embeddings request and response (+ TEI's truncate, normalize,
-                          prompt_name); errors as OpenAI's {"error": {...}} object
-    GET  /v1/models       the served models
-    GET  /health          live: the process answers
-    GET  /ready           ready: Redis reachable and a live worker serves the model (else 503)
-"""
+the same embedding path as gRPC (gateway/embedding.py). Routes: POST /v1/embeddings (with TEI's
+truncate, normalize and prompt_name), GET /v1/models, /health (live) and /ready (503 until a live
+worker serves the model)."""
 
 from __future__ import annotations
 
@@ -83,10 +78,9 @@ def _inputs(value) -> tuple[list[str], list[list[int]]]:
 
 
 def _check_json(request: Request) -> None:
-    """A body declared as anything but JSON is refused (415): text/plain and form posts are most
-    of what a web page can make a browser send to a local gateway without asking (no CORS
-    preflight); a body with no declared type still passes (curl, some clients), so only an API
-    key shuts such pages out."""
+    """A body declared as anything but JSON is refused (415): a web page can make a browser send
+    text/plain and form posts without a CORS preflight. A body with no declared type still passes
+    (curl), so only an API key shuts such pages out."""
     coding = request.headers.get("content-encoding", "identity").strip().lower()
     if coding != "identity":  # not decompressed here: else a 400 "not valid JSON" hides the cause
         raise UnsupportedMediaType(f"Content-Encoding {coding!r} is not supported: send the body "

@@ -1,14 +1,5 @@
 """The large-request lane: its own threads, at a lower CPU priority, paced while light calls are
-being served.
-
-Closed-loop callers sending large requests back to back (2 MiB each, refused or not) send their
-next one as soon as the last is answered, so making each cheaper only makes them send more: the
-gateway's event loop stays as busy receiving them, and a one-word call waits behind that. What
-bounds it is the lane's *rate*: while light calls have been seen in the last ``LIGHT_RECENT_S``,
-a large request's turn of ``t`` seconds in the lane keeps its slot ``t * (1 - share) / share``
-longer, so large requests take at most ``share`` of each slot's time. The caller's answer is not
-delayed (the slot is held after it); the next large request waits for the slot. With no light
-calls around, large requests run back to back as before.
+being served so large requests take at most ``share`` of the lane's time (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -35,13 +26,8 @@ LIGHT_RECENT_S = 0.1
 
 
 def _yield_cpu() -> None:
-    """Lowers the calling thread's CPU priority (Linux: nice is per thread) by ``LARGE_NICE``,
-    and makes it a batch thread like the gateway's other helpers (gateway/helper_threads.py).
-
-    When the cores are contended (a worker's forward, the event loop answering small calls), the
-    scheduler serves those first, so large requests take what is spare rather than an equal
-    share; their callers wait longer. In bench hostile's gateway-bound row (2 MiB requests
-    refused back to back) it lowered the probe's p50 from ~26 to ~20 ms."""
+    """Lowers the calling thread's CPU priority (nice is per thread on Linux) by ``LARGE_NICE`` and
+    makes it a batch thread, so contended cores serve light calls and forwards first."""
     batch_this_thread()
     try:
         tid = threading.get_native_id()

@@ -1,18 +1,7 @@
-"""Where the prompt ends in each tokenized input, so a decoder worker computes a shared
-instruction once (issue 15) and the queue counts only the tokens it will compute.
+"""Where the prompt ends in each tokenized input, so a decoder worker computes the shared prompt
+once and the queue counts only the tokens it will compute.
 
-Only decoder models with causal attention and last-token pooling use it: there a prompt's
-tokens never see what follows them, so their K/V are the same for every input behind that
-prompt. An encoder's attention is bidirectional: every prompt token attends to the query, so
-nothing of it can be shared.
-
-The boundary is checked per input, on the full string's own tokens: the input's prefix is the
-longest run of leading tokens it shares with the prompt tokenized alone (special tokens
-included). A prompt ending at a clean token boundary (Qwen3-Embedding's ``...\\nQuery:``) shares
-all of its tokens; one ending mid-word or in a space that merges into the next word (``Query: ``
-+ ``hello`` -> ``Query``, ``:``, `` hello``) shares all but its last piece; an input sharing
-nothing takes the full path. The worker caches K/V by the prefix's exact ids, so whatever the
-split, the result is the full forward's.
+Decoders with causal attention and last-token pooling only (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Whether this gateway can answer now: Redis reachable and, for every model it serves, a worker
-whose heartbeat key is still alive. Checked every ``period_s`` by one task; gRPC health and
-HTTP /ready report the last answer, so a load balancer or k8s stops sending calls that could
-only wait out their deadline, and sends them again once Redis or a worker is back."""
+"""Whether this gateway can answer now: Redis reachable and a live worker for every model it
+serves. gRPC health and HTTP /ready report the last check, so a load balancer stops sending
+calls that could only wait out their deadline."""
 
 from __future__ import annotations
 
@@ -16,10 +15,9 @@ log = logging.getLogger(__name__)
 
 
 class SiblingProcesses:
-    """The processes of one `tokq gateway --procs N` that listen on the shared port so far (a
-    counter in shared memory, one add per process). Each reports ready only once all N do, so a
-    health check passing (`tokq up`'s, a load balancer's) means every process serves: SO_REUSEPORT
-    hands a connection made earlier to the processes listening then, for its whole life."""
+    """The processes of one `tokq gateway --procs N` that listen on the shared port so far. Each
+    reports ready only once all N do: SO_REUSEPORT hands an early connection, for its whole life,
+    to the processes listening then."""
 
     def __init__(self, counter, procs: int) -> None:
         self._counter = counter  # multiprocessing.Value("i"), made by the parent
@@ -70,9 +68,8 @@ class Readiness:
                     self._detail_logged = False  # Redis answered every question: the outage is over
                     return False, f"no live worker serves model {name!r}"
         except Exception as exc:  # any failure to ask Redis is "Redis unreachable"
-            # The detail (Redis's host:port) goes to the log only, once: /ready answers anyone.
-            # (Once per outage, even when the ping answers and a later read fails: in a cluster,
-            # the node of the workers' keys can be out while the pinged one is not.)
+            # The detail (Redis's address) goes to the log only, once per outage: /ready answers
+            # anyone.
             if not self._detail_logged:
                 self._detail_logged = True
                 log.warning("readiness: Redis unreachable: %s: %s", type(exc).__name__, exc)

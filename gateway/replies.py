@@ -1,20 +1,5 @@
-"""Waking the calls whose replies are complete.
-
-Workers (through ack.lua) SPUBLISH a notice on the request's gateway's shard channel once every
-input of it is answered (sharded pub/sub: Redis >= 7, and the only kind that stays on the queue's
-node on Redis Cluster), one message per gateway for all the requests a batch completes; the
-notice carries the results themselves unless they are large (tokq.queue.shard.parse_notices), and then
-the waiting call needs no second round trip to collect them.
-One subscription per gateway process serves all waiting calls, so thousands of concurrent
-requests hold no Redis connection each (one per node that owns a shard: tokq.redis.pubsub, which
-reads every node at once). A notice can be missed (a reconnect), so every ``poll_every_s`` the
-calls waiting longer than ``poll_after_s`` are also checked directly: complete replies wake
-their call, and a reply hash that has vanished (Redis restarted and lost it) fails the call
-UNAVAILABLE at once instead of leaving it to its deadline. A node's connection that breaks is
-reopened at once while the node answers (the calls keep waiting; they are polled at once, for
-notices lost in between); when the reopen fails, the calls waiting on that node's shards fail
-UNAVAILABLE at once, and only those: the other shards' calls keep being answered, and the lost
-channels are subscribed again in the background (after a failover, on the new primary).
+"""Waking the calls whose replies are complete: one sharded pub/sub subscription per gateway
+process for the notices, and a poll for notices that were missed (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -49,10 +34,9 @@ class ReplyRouter:
                  reply_key: Callable[[str], str], channels: Sequence[str],
                  poll_after_s: float = 1.0, poll_every_s: float = 0.25,
                  shard_of: Callable[[str], int | None] | None = None) -> None:
-        """``channels``: this gateway's done channel on every queue shard it enqueues to (shard
-        i's at i); ``reply_key``: a request id's reply hash (on the shard it was enqueued to);
-        ``shard_of``: a request id's shard (None: not known yet). Without ``shard_of``, a lost
-        channel fails every waiting call."""
+        """``channels``: this gateway's notice channel on each queue shard (shard i's at i);
+        ``reply_key``: a request id's reply hash; ``shard_of``: a request id's shard (None: not
+        known yet). Without ``shard_of``, a lost channel fails every waiting call."""
         self._pubsub_client = pubsub_client
         self._client = client
         self._reply_key = reply_key
@@ -89,8 +73,8 @@ class ReplyRouter:
     def forget(self, request_id: str) -> None:
         waiter = self._waiting.pop(request_id, None)
         if waiter is not None and waiter.future.done() and not waiter.future.cancelled():
-            # Failed (a broken subscription) before its call waited on it: mark it seen, or
-            # asyncio logs "exception was never retrieved" for every such call.
+            # Failed before its call awaited it: mark the exception seen, or asyncio logs
+            # "exception was never retrieved".
             waiter.future.exception()
 
     def _settle(self, request_id: str, exc: Exception | None = None,
@@ -125,7 +109,7 @@ class ReplyRouter:
             self.subscribed.set()
 
     def _on_notice(self, channel: bytes, data: bytes) -> None:
-        """A completion notice, handed over by the subscriber's reader as it is read."""
+        """A notice, handed over by the subscriber's reader as it is read."""
         for request_id, results in parse_notices(data):
             self._settle(request_id, results=results)
 
@@ -134,7 +118,7 @@ class ReplyRouter:
         # polls: every poll_every_s, and at once after a (re)subscribe.
         self._subscriber = subscriber = ShardedSubscriber(
             self._pubsub_client, on_down=self._channels_down, on_up=self._channels_up,
-            on_message=self._on_notice, label="completion notices")
+            on_message=self._on_notice, label="reply notices")
         while True:
             try:
                 await subscriber.subscribe(*self.channels)  # never raises for Redis down

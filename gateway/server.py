@@ -1,7 +1,6 @@
-"""The gateway process: an asyncio gRPC server with the Embedder service, standard health and
-reflection (so grpcurl works), the OpenAI-compatible HTTP API on the same loop (--http-port),
-a readiness check behind both health endpoints, bounded Redis connections, and SO_REUSEPORT so
-several gateway processes can share one port."""
+"""The gateway process: an asyncio gRPC server with the Embedder service, health and reflection,
+the OpenAI-compatible HTTP API on the same loop, a readiness check behind both health endpoints,
+and SO_REUSEPORT so several gateway processes can share one port."""
 
 from __future__ import annotations
 
@@ -48,11 +47,8 @@ STOP_WAIT_S = 2.0
 
 
 async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
-    """The queue's depth and event totals (every shard in use, summed), for Prometheus, from
-    one gateway process per model: the holder of a Redis lock it renews every period. The
-    queue is one shared state, so if every gateway exported it, sum() over them would count
-    it N times; an elected exporter needs no extra process to deploy, and another gateway
-    takes over within 3 periods of the holder's death (at once after a clean stop)."""
+    """The queue's depth and event totals for Prometheus, from one gateway process per model (the
+    holder of a Redis lock), so a sum over gateways counts the shared queue once."""
     lock = queue.redis.lock(queue.keys.metrics_exporter, timeout=3 * QUEUE_STATS_PERIOD_S,
                             thread_local=False)
     holding = False
@@ -99,10 +95,9 @@ def gateway_id() -> str:
 async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None = None,
                 stop: asyncio.Event | None = None, on_ready=None,
                 siblings: SiblingProcesses | None = None, queue_exporter: bool = True) -> None:
-    """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None). ``siblings``: the
-    other processes of `tokq gateway --procs N`, all of which must listen before this one is ready.
-    ``queue_exporter``: whether this process (with a metrics port) competes to export the queue's
-    metrics (_export_queue_stats)."""
+    """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None). ``siblings``: the other
+    `--procs` processes, which must all listen before this one is ready. ``queue_exporter``: whether
+    this process competes to export the queue's metrics."""
     api_keys = ApiKeys.from_config(config)
     credentials = server_credentials(config)
     client = connect(config.redis_url, max_connections=config.redis_max_connections,
@@ -141,9 +136,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         # cap; one far over is refused by gRPC before it is read into memory.
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
-        # tokq.Client pings a connection silent for 30 s while its calls wait (a frozen gateway
-        # then fails them): accept pings that far apart (grpc's default wants 5 min without data
-        # and answers more with GOAWAY too_many_pings).
+        # tokq.Client pings a silent connection every 30 s while its calls wait; gRPC's default
+        # answers pings that frequent with GOAWAY too_many_pings.
         ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
     ])
     add_embedder_service(service, server)  # Embed's inputs read as UTF-8 bytes
@@ -206,14 +200,10 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
              type(asyncio.get_running_loop()).__module__.split(".")[0],
              f"on {host_port(config.metrics_host or config.host, config.metrics_port)}"
              if config.metrics_port else "off")
-    # What start-up loaded (tokenizer, transformers, protobuf, gRPC: ~200,000 objects) lives as
-    # long as the process: out of the cyclic collector's reach, its full collections stop
-    # rescanning it on every few hundred calls (17% of the gateway's CPU before, by py-spy).
+    # What start-up loaded lives as long as the process: frozen, full collections stop rescanning it.
     gc.collect()
     gc.freeze()
-    # Each call leaves ~45 container objects to the young generation, and the calls in flight
-    # hold theirs: at the default threshold (700) a young collection ran every ~16 calls and
-    # rescanned every call in flight, ~17 us of CPU a call in all at 64 in flight; ~3 at this.
+    # Rarer young collections: each rescans every call in flight (docs/internals.md).
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     if on_ready:
         on_ready(port)

@@ -1,16 +1,7 @@
 """Tokenization off the event loop, in two lanes, with truncation that costs what the model reads.
 
-- Each thread has its own copy of the model's fast (Rust) tokenizer; calls release the GIL.
-- Tiny requests (a search query) are tokenized on the event loop: cheaper than any thread hop;
-  one ``encode`` call per text, and ASCII text without the normalizer (gateway/ascii_text.py).
-- Two thread pools: ordinary requests on one sized to the cores, large ones (by bytes to tokenize)
-  on a second pool with half as many threads. Large requests then wait for each other and
-  never take every core or every thread: a one-word query behind six 8 MB callers still finds a
-  free thread in its own lane and a core to run on. The large lane (``large_lane``) runs at a
-  lower CPU priority and, while light calls are being served, takes at most its share of time.
-- truncate=true tokenizes a prefix, not the whole string (``encode_truncated``): an 8 MB input
-  costs about what a max-length one does, and the ids are those of tokenizing it all (see there).
-  Without truncate=true, a long input is refused from its prefix too (``surely_too_long``).
+Tiny requests run on the event loop, large ones on a lane of their own; long inputs are cut or
+refused from a prefix (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -41,9 +32,8 @@ from tokq.model.info import ModelInfo
 # take every core and undo the lanes. An operator's explicit setting still wins.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Requests with at most this many bytes to tokenize run on the event loop: tokenizing a search
-# query (tens of microseconds) costs less than the hop to a pool thread and back (a submit, two
-# wake-ups; ~5% of the gateway's CPU per call by py-spy), and holds the loop no longer.
+# Requests with at most this many bytes to tokenize run on the event loop: a search query
+# costs less to tokenize than the hop to a pool thread and back.
 INLINE_BYTES = 256
 
 # Pool threads started, with their tokenizer copies, when a Tokenizer is made.
@@ -55,18 +45,9 @@ PREFIX_CHARS_PER_TOKEN = 8
 
 
 def encode_truncated(backend: RustTokenizer, text: str, max_length: int) -> list[int]:
-    """``text``'s ids truncated to ``max_length`` (special tokens included), equal to tokenizing
-    all of ``text`` with right-side truncation, while reading only a prefix of it. ``backend``
-    must have truncation and padding off.
-
-    Why a prefix gives the same ids: the normalizer works per character and the pre-tokenizer cuts
-    words by local context, so every word of the prefix except the last (which the cut may have
-    split) is a word of the whole text too, at the same place; the model then tokenizes each word
-    on its own. So when the first ``k`` tokens of the prefix all come from words before its last
-    one, they are the first ``k`` tokens of the whole text. Otherwise the prefix doubles; at worst
-    it becomes the whole text, the exact path. Tokens with no word id (added tokens) end the
-    shortcut: that case takes the next, longer prefix.
-    """
+    """``text``'s ids truncated to ``max_length`` (special tokens included), equal to right-side
+    truncation of the whole text, while reading only a prefix (why: docs/internals.md).
+    ``backend`` must have truncation and padding off."""
     return encode_truncated_batch(backend, [text], max_length)[0]
 
 
@@ -91,25 +72,16 @@ def encode_truncated_batch(backend: RustTokenizer, texts: list[str], max_length:
 
 
 def surely_too_long(backend: RustTokenizer, text: str, max_length: int) -> bool:
-    """True when ``text`` has more than ``max_length`` tokens for certain, read from a prefix (or
-    from ever longer ones, short of the whole text): the prefix's first tokens are settled (as in
-    ``encode_truncated``) and more follow. A long text sent without truncate=true is then refused
-    for about the price of a max-length one. False means "not known from a prefix": the full
-    tokenization decides."""
+    """True when ``text`` surely has more than ``max_length`` tokens, read from ever longer prefixes
+    as in ``encode_truncated``, so a long text is refused for the price of a max-length one.
+    False means "not known from a prefix": the full tokenization decides."""
     return first_surely_too_long(backend, [text], max_length) == 0
 
 
 def first_surely_too_long(backend: RustTokenizer, texts: list[str] | list[bytes],
                           max_length: int) -> int | None:
-    """The index of the first text ``surely_too_long`` says is, else None. Texts may be UTF-8
-    bytes (gRPC's inputs): only the prefixes read are decoded, so a request refused here never
-    decodes the rest of its megabytes.
-
-    One text at a time, its prefix doubling until it settles the question or is the whole text
-    (then the full tokenization decides), stopping at the first text found too long: a request of
-    32 inputs at the byte cap is refused for one input's prefixes, not 32 (bench hostile's
-    gateway-bound row spent 85% of the gateway's CPU here). Text of long words (~9 characters a
-    token) takes a second, doubled prefix rather than moving on to the next input's first."""
+    """The index of the first text ``surely_too_long`` says is, else None; it stops at that text.
+    Texts may be UTF-8 bytes (gRPC's inputs): only the prefixes read are decoded."""
     keep = max_length - backend.num_special_tokens_to_add(False)
     cut = max(64, keep * PREFIX_CHARS_PER_TOKEN)
     for i, text in enumerate(texts):
@@ -189,11 +161,8 @@ class Tokenizer:
             raise
 
     def _start_light_threads(self, n: int) -> None:
-        """Start the ordinary pool's first threads now, each with its tokenizer copy, and this
-        thread's (the event loop's, in a gateway): made on a thread's first call instead (~25 ms
-        for MiniLM's, far more for a 150k vocabulary), a copy would hold up that call and, under
-        load, the event loop (deepcopy holds the GIL). At most ``STARTED_THREADS``: on a host of
-        many cores the rest start as calls need them."""
+        """Start up to ``STARTED_THREADS`` pool threads and this thread, each with its tokenizer
+        copy: made on a first call, the copy (deepcopy holds the GIL) would stall the event loop."""
         self._backend_copy()
         n = min(n, STARTED_THREADS)
         started = threading.Barrier(n)

@@ -1,12 +1,7 @@
-"""Checks every request passes before any real work, whatever transport it came over: byte caps
-(before tokenizing, so a hostile input costs a length check) and token ids against the vocabulary.
+"""Checks every request passes before any real work, whatever its transport: byte caps (before
+tokenizing, so a hostile input costs a length check) and token ids against the vocabulary.
 
-The caps default from the model's max length (``Limits.resolve``):
-- per input: max_length x 256 bytes. Ordinary text runs ~4 bytes a token (CJK and code 3-6), so
-  this is ~64x what the model can read: truncate=true callers may send whole documents, and the
-  cut before tokenizing (gateway/tokenize.py) keeps their cost near one max-length input.
-- per request: max_inputs x max_length x 16 bytes (a full request of max-length inputs with 4x
-  slack), at least one maximal input, at most 64 MiB (gRPC's usual message limit).
+The caps default from the model's max length (``Limits.resolve``; docs/internals.md).
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ class Limits:
         per_request = config.max_request_bytes or min(
             MAX_DEFAULT_REQUEST_BYTES,
             max(per_input, config.max_inputs * info.max_length * REQUEST_BYTES_PER_TOKEN))
-        # The message limit follows the caps: room for a request twice over them (so it gets our
-        # message, which names the cap) or a full request of token ids (<= 5 bytes each), plus
-        # framing; anything larger is refused by gRPC (HTTP: 413) before it is read.
+        # Room for a request twice over the caps (it gets our message naming the cap) or a full
+        # request of token ids (<= 5 bytes each), plus framing.
         token_ids = config.max_inputs * info.max_length * 5
         message = config.max_message_bytes or max(2 * per_request, token_ids) + (1 << 20)
         return cls(per_input, per_request, message)
@@ -81,9 +75,8 @@ def check_text_sizes(texts: Sequence[str | bytes], limits: Limits) -> list[int]:
 
 
 def decode_texts(texts: Sequence[str | bytes]) -> list[str]:
-    """Inputs as str: UTF-8 bytes decoded (after the caps: ``check_text_sizes``; the tokenizer
-    decodes, once a long input without truncate=true has had its chance to be refused from a
-    prefix), bad UTF-8 refused naming the input and the byte."""
+    """Inputs as str, UTF-8 bytes decoded after the caps; bad UTF-8 is refused naming the input
+    and the byte."""
     out = []
     for i, text in enumerate(texts):
         if isinstance(text, bytes):

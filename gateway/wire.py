@@ -1,23 +1,6 @@
-"""How the gateway reads and writes tokq.v1 messages on the wire.
+"""How the gateway parses tokq.v1 requests and writes Embed replies as bytes.
 
-``Embed`` and ``Tokenize`` requests are parsed as ``EmbedRequestUtf8`` and ``TokenizeRequestUtf8``:
-the published messages with ``inputs`` read as ``bytes`` instead of ``string``. The two are the same on the wire (both are length-delimited
-field 1), so every client's request parses alike; what changes is the work before any check:
-a ``string`` field is UTF-8-validated by protobuf, decoded into a str, and then had to be encoded
-again to measure it against the byte caps. Read as bytes, an input's size is ``len()`` and the
-caps run first; inputs are decoded once, after them (``validate.decode_texts``, which refuses
-bad UTF-8 as INVALID_ARGUMENT, not the INTERNAL a failed deserializer gives). For a request at
-the 2 MiB cap that is ~0.13 ms of parsing instead of ~2.9 ms of parsing, decoding and re-encoding.
-
-The classes are derived from the generated descriptor at import, so they cannot drift from the
-published messages: only that one field's type differs (tests/test_gateway_wire.py). A request
-that does not parse at all (bad UTF-8 in another string field, a corrupt message) is refused
-INVALID_ARGUMENT by its handler (``Malformed``).
-
-``Embed`` replies are written as bytes (``embed_response``), not built as protobuf objects and
-serialized: a vector's float32s are copied once into the packed field, ~4.5 us a reply against
-~8.4 through EmbedResponse, Embedding, Usage and Timing objects. The test compares the bytes with
-protobuf's own serialization.
+Request inputs are read as bytes so the byte caps run before any UTF-8 decoding (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -56,9 +39,8 @@ _WRITTEN_AS_BYTES = {"Embed"}
 
 
 class Malformed:
-    """What a request that does not parse is read as: its handler refuses it INVALID_ARGUMENT
-    (``_refusing_malformed``). A deserializer that raised instead made gRPC answer UNKNOWN with
-    protobuf's exception text and log a traceback (bad UTF-8 in ``model``, a corrupt message)."""
+    """A request that does not parse; its handler refuses it INVALID_ARGUMENT (``_refusing_malformed``)
+    where a raising deserializer would make gRPC answer UNKNOWN and log a traceback."""
 
     __slots__ = ("reason",)
 
@@ -127,10 +109,9 @@ def _field(tag: int, payload: bytes) -> bytes:
 
 def embed_response(vectors: Sequence[np.ndarray], model: str, num_tokens: int,
                    timing: Mapping[str, float]) -> bytes:
-    """tokq.v1.EmbedResponse's wire bytes: what protobuf writes for the message with these
-    embeddings (packed little-endian float32s), model, usage (prompt and total tokens alike) and
-    timing. Fields at their default are left out, as protobuf leaves them; usage and timing are
-    always present."""
+    """tokq.v1.EmbedResponse's wire bytes, as protobuf writes them: packed little-endian float32s,
+    model, usage (prompt and total tokens alike) and timing. Fields at their default are left out;
+    usage and timing are always present."""
     parts = [_field(0x0A, _field(0x0A, v.astype("<f4", copy=False).tobytes()) if v.size else b"")
              for v in vectors]
     if model:
