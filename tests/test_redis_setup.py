@@ -210,8 +210,8 @@ def test_a_worker_started_before_its_redis_waits_for_it_then_serves():
     from gateway_support import running_gateway
 
     from tokq import Client
-    from tokq.queue.keys import QueueKeys
     from tokq.model.info import ModelInfo
+    from tokq.queue.keys import QueueKeys
     from tokq.redis.embedded import EmbeddedRedis
 
     server = EmbeddedRedis()  # its address and password known, not started yet
@@ -223,13 +223,22 @@ def test_a_worker_started_before_its_redis_waits_for_it_then_serves():
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(worker.stdout), daemon=True)
     reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any("its forward took" in line for line in lines):  # fitted, then read again
+
+    def await_line(needle: str, after: int = -1) -> int:
+        """The index of the first line past ``after`` that holds ``needle``."""
+        while (found := next((i for i, line in enumerate(list(lines)) if i > after and needle in line),
+                             None)) is None:
             assert worker.poll() is None, "".join(lines[-20:])
-            assert time.monotonic() < deadline, "".join(lines[-20:])
+            assert time.monotonic() < deadline, f"no {needle!r} line:\n" + "".join(lines[-20:])
             time.sleep(0.1)
-        time.sleep(1.0)
+        return found
+
+    try:
+        deadline = time.monotonic() + 120  # load, warm-up and fit took 15 s with both cores busy
+        # The fit's one line, whichever budget it chose: a slow or loaded host cuts the
+        # default ("budget 1024 -> N tokens"), a fast one keeps it ("its forward took").
+        fitted = await_line("; p99 goal ")
+        await_line("reading the shard count and budget failed", after=fitted)  # read again, failing
         assert worker.poll() is None, "".join(lines[-20:])
         server.start()
         try:
@@ -247,6 +256,51 @@ def test_a_worker_started_before_its_redis_waits_for_it_then_serves():
         worker.terminate()
         worker.wait(30)
     assert not any("Traceback" in line for line in lines), "".join(lines)
+
+
+async def test_a_worker_fits_its_budget_while_redis_is_down(caplog):
+    """The fit needs no Redis: with nothing listening and the forward modelled over the default
+    goal (0.4 ms a token: 1,024 tokens 410 ms, over the 250 ms allowed), the worker cuts its
+    default between its two failed budget reads, before its first claim, and then claims."""
+    import asyncio
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from tokq.config import QueueConfig, WorkerConfig
+    from tokq.latency_goal import DEFAULT_SLO_P99_MS
+    from tokq.queue.sharded import ShardedQueue
+    from tokq.redis.connection import close_client, connect
+    from tokq.workers.budget import STEP, default_budget
+    from tokq.workers.worker import Worker
+
+    caplog.set_level(logging.INFO, logger="tokq.worker")
+    engine = SimpleNamespace(device=SimpleNamespace(type="cpu"), capture_graphs=lambda num_tokens: 0,
+                             warmup=lambda num_tokens: time.sleep(num_tokens * 0.0004),
+                             info=SimpleNamespace(name="modelled", config={}, max_length=512))
+    client = connect(f"redis://127.0.0.1:{free_port()}/0", cluster="no")
+    config = WorkerConfig(latency_goal_ms=int(DEFAULT_SLO_P99_MS), token_budget=0)
+    worker = Worker(engine, ShardedQueue(client, "modelled", QueueConfig()), config, QueueConfig(),
+                    worker_id="fit-offline")
+
+    def messages() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "tokq.worker"]
+
+    run = asyncio.create_task(worker.run())
+    try:
+        deadline = time.monotonic() + 60
+        while not any(m.startswith("claim failed") for m in messages()):
+            assert not run.done() and time.monotonic() < deadline, "\n".join(messages())
+            await asyncio.sleep(0.05)
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+    finally:
+        run.cancel()
+        await close_client(client)
+    assert worker.budget_source == "fitted" and STEP <= worker.token_budget < default_budget("cpu")
+    steps = [m for m in messages() if m.startswith(("reading the shard count", "budget ", "claim failed"))]
+    assert [m.split(" ")[0] for m in steps[:4]] == ["reading", "budget", "reading", "claim"], steps
+    assert steps[1].startswith(f"budget {default_budget('cpu')} -> {worker.token_budget} tokens"), steps[1]
 
 
 @pytest.mark.parametrize("mode", ["auto", "no"])
