@@ -21,7 +21,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Worker processes and `tokq profile` started by tests run fp32: the service tests compare their
 # vectors with sentence-transformers' fp32 at cos >= 0.9999. bf16 (`auto` on CPUs with
-# AVX512_BF16/AMX) is checked against fp32 in test_dtype.py and test_cuda_contract.py.
+# AVX512_BF16/AMX) is checked against fp32 in test_dtype_choice_and_accuracy.py and
+# test_cuda_attention_call_contracts.py.
 os.environ.setdefault("TOKQ_DTYPE", "float32")
 
 

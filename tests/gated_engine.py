@@ -1,6 +1,6 @@
 """The real engine behind gates the worker tests open (tests/test_worker_preempt.py,
-tests/test_worker_shards.py): the order of a heavy forward and what runs beside it is forced
-with events, never by timing."""
+tests/cluster/test_worker_registers_on_every_shard.py): the order of a heavy forward and what
+runs beside it is forced with events, never by timing."""
 
 from __future__ import annotations
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 
+import pytest
 import redis
 from grpc_health.v1 import health_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokq.processes import health_status, wait_for_health
 from tokq.queue.keys import QueueKeys
@@ -71,6 +75,31 @@ def listening_ports(pid: int) -> set[int]:
     return ports
 
 
+def ipv6_loopback() -> bool:
+    """This host can bind the IPv6 loopback address (::1)."""
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+needs_ipv6 = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1 cannot be bound)")
+
+
+def embed_counts(metrics_ports: list[int], rpc: str = "Embed") -> list[float]:
+    """Embed calls (``rpc``: "http.Embeddings" for HTTP) each gateway process has answered OK,
+    from its own metrics page."""
+    counts = []
+    for port in metrics_ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        counts.append(sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                          if s.name == "tokq_gateway_requests_total"
+                          and s.labels.get("rpc") == rpc and s.labels.get("code") == "OK"))
+    return counts
+
+
 def read_until_serving(proc: subprocess.Popen, timeout_s: float = 180) -> list[str]:
     """The lines `tokq up` (started with stdout=PIPE, text=True) prints up to the one saying it
     serves; fails with its output if it exits first."""
@@ -96,7 +125,7 @@ class ServiceStack:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         # Workers keep the device's default budget, not one fitted to this machine's speed at
-        # the moment (fitting: tests/test_default_budget.py).
+        # the moment (fitting: tests/worker/test_default_budget_fits_latency_goal.py).
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKQ_LATENCY_GOAL_MS": "0", **(env or {})}
         self.model_args = ["--model", model] if model else []
         self.keys = QueueKeys(ModelInfo.load(model).queue_name)  # as its gateway and workers name it

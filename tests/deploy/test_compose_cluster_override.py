@@ -9,7 +9,7 @@ import re
 import yaml
 from prometheus_client import REGISTRY
 from queue_support import items
-from test_deploy_manifests import COMPOSE_DIR, K8S, check_env
+from test_compose_and_k8s_manifests import COMPOSE_DIR, K8S, check_env
 
 from tokq import metrics
 from tokq.config import QueueConfig

@@ -1,6 +1,6 @@
 """Readiness from worker heartbeats in a real Redis (standalone and Cluster), and the worker's
 --check probe as k8s runs it. The gateway end to end (Redis stopped and started, a worker
-stopped and started) is in tests/test_http.py."""
+stopped and started) is in tests/service/test_http_api_and_readiness.py."""
 
 from __future__ import annotations
 

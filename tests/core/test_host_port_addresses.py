@@ -14,17 +14,9 @@ from tokq.address import host_port, local_host
 from tokq.address import port_in_use
 from tokq.redis.embedded import EmbeddedRedis, free_port, port_free
 
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as sock:
-            sock.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
+from service_stack import needs_ipv6
 
 
-needs_ipv6 = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1 cannot be bound)")
 HOSTS = ["127.0.0.1", pytest.param("::1", marks=needs_ipv6)]
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from tokq import cli, config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_DIR = DEPLOY / "compose"
 K8S = DEPLOY / "k8s"

@@ -115,7 +115,7 @@ def test_the_gateway_process_runs_its_helper_threads_as_batch_threads(stack, cli
             policies[int(name)] = (f.read().strip(), os.sched_getscheduler(int(name)))
     assert policies.pop(pid)[1] == os.SCHED_OTHER  # the main thread runs the event loop
     # gRPC core's threads (event_engine, grpc_global_timer, ...), its completion-queue poller and
-    # the tokenizer's pools (tests/test_gateway_helper_threads.py tells them apart)
+    # the tokenizer's pools (tests/gateway/test_helper_threads_run_sched_batch.py tells them apart)
     assert any(comm != "python" for comm, _ in policies.values()), policies
     assert all(p == os.SCHED_BATCH for _, p in policies.values()), policies
 

@@ -81,7 +81,7 @@ def test_pyproject_floor_is_the_enforced_one():
     import tomllib
     from pathlib import Path
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     floor = ".".join(map(str, device.MIN_TORCH))
     assert f"torch>={floor}" in project["dependencies"]
 

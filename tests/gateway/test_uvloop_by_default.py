@@ -1,7 +1,7 @@
 """The gateway process's event loop (gateway/event_loop.py): uvloop by default where installed
 (it is a dependency on Linux), Python's asyncio on request or without uvloop; asking for a
 missing uvloop is a config error, not a silent fallback. A real gateway process's loop is
-checked in test_service.py."""
+checked in test_service_end_to_end.py."""
 
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ def test_linear_kernel_choice():
     cpu = torch.device("cpu")
     assert layers.linear_kernels(cpu, torch.float32, "torch").name == "torch"
     expected = "onednn" if layers._onednn_works(torch.bfloat16) else "torch"
-    assert layers.linear_kernels(cpu, torch.bfloat16).name == expected  # fp32: test_cpu_linear.py
+    # fp32: test_c_linear_matches_f_linear.py
+    assert layers.linear_kernels(cpu, torch.bfloat16).name == expected
     if layers._onednn_works():
         assert layers.linear_kernels(cpu, torch.float32, "onednn").name == "onednn"
     assert layers.linear_kernels(cpu, torch.float16).name == "torch"

@@ -15,7 +15,7 @@ import yaml
 
 pytest.importorskip("grafana_foundation_sdk", reason="pip install grafana-foundation-sdk")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 BUILD = GRAFANA / "build.py"
 

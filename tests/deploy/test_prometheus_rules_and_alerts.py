@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-PROM = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
+PROM = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(

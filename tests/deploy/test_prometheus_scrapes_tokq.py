@@ -24,7 +24,7 @@ from tokq import metrics
 from tokq.processes import stop_all
 from tokq.redis.embedded import free_port, free_port_block
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 PROMETHEUS = shutil.which("prometheus")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_hub_models import COMMIT, REPO, LoopbackHub, build_hub_cache
+from test_models_by_hub_id import COMMIT, REPO, LoopbackHub, build_hub_cache
 from tiny_models import build
 from tokq.model.fingerprint import model_fingerprint
 from tokq.model.info import ModelInfo, bundled_model_path

@@ -1,6 +1,6 @@
 """The gateway's helper threads run SCHED_BATCH, its event loop's thread the default policy
 (gateway/helper_threads.py): gRPC's threads no longer preempt the thread every call goes through.
-A real gateway process is checked in test_service.py."""
+A real gateway process is checked in test_service_end_to_end.py."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ import redis
 
 from tokq.profiling.bench import proc_cpu
 from tokq.redis.embedded import free_port, free_port_block
-from service_stack import alive, ctrl_c_reaches_it, listening_ports, read_until_serving
-from test_address import needs_ipv6
+from service_stack import (alive, ctrl_c_reaches_it, embed_counts, listening_ports, needs_ipv6,
+                           read_until_serving)
 
 pytestmark = pytest.mark.slow
 
@@ -318,7 +318,6 @@ def test_tokq_up_spreads_calls_over_gateway_processes():
     one of them dying stops tokq up (exit status 1) and everything it started."""
     from tokq import Client
     from tokq.profiling.bench.spread import gateway_children
-    from test_client_spread import embed_counts
 
     port, metrics_port = free_port(), free_port_block(3)
     proc = subprocess.Popen([sys.executable, "-m", "tokq.cli", "up", "--port", str(port), "--gateway-procs", "2",

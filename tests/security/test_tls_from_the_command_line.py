@@ -1,6 +1,7 @@
 """TLS from the command line: `tokq embed --tls-ca/--tls-cert/--tls-key` calling a real gateway
 served over TLS (and mutual TLS), and `tokq up` serving TLS from its TOKQ_TLS_* settings: its
-readiness check spoke plaintext and waited for ever. Certificates: tests/test_security.py's."""
+readiness check spoke plaintext and waited for ever. Certificates:
+tests/security/test_tls_and_api_keys.py's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from gateway_support import running_gateway
 from service_stack import ctrl_c_reaches_it, read_until_serving
-from test_security import pki  # noqa: F401 (the fixture: a CA, server and client certificates)
+from test_tls_and_api_keys import pki  # noqa: F401 (the fixture: a CA, server and client certificates)
 from tokq.redis.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.slow

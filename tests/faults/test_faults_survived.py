@@ -421,4 +421,4 @@ def write_results(path: Path, table: list[Tally]) -> None:
                     f"{f' ({codes})' if codes else ''} | {t.lost} | {t.wrong} | {dup} |")
     write_section(path, "faults", "Faults survived",
                   f"{RESULTS_ENV}=profiling/RESULTS.md .venv/bin/python -m pytest -q "
-                  "tests/test_faults.py -p no:cacheprovider", body)
+                  "tests/faults/test_faults_survived.py -p no:cacheprovider", body)

@@ -262,7 +262,8 @@ def test_cuda_backends_take_strided_qkv_views_of_one_projection(backend, causal)
     assert not q.is_contiguous() and not v.is_contiguous()
     layout = build_layout(batch, cuda_dev, backend, causal=causal, dtype=torch.bfloat16)
     if layout.restore is not None:
-        pytest.skip("this layout reorders sequences; covered by tests/test_attention.py")
+        pytest.skip("this layout reorders sequences; covered by "
+                    "tests/worker/test_attention_backends_match_reference.py")
     out = attention.attend_fn(backend, cuda_dev)(q, k, v, layout, causal, dim ** -0.5)
     ref = reference_attention(q, k, v, batch.cu_seqlens, causal, dim ** -0.5)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)

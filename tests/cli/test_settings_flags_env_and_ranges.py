@@ -132,7 +132,7 @@ def test_tokq_up_with_a_redis_url_starts_no_redis_and_honours_tokq_env(redis_ser
 def test_the_docker_image_listens_on_every_interface():
     from pathlib import Path
 
-    dockerfile = (Path(__file__).parent.parent / "deploy" / "Dockerfile").read_text()
+    dockerfile = (Path(__file__).parents[2] / "deploy" / "Dockerfile").read_text()
     env = dict(line.strip().rstrip("\\").strip().split("=", 1) for line in
                dockerfile.split("\nENV ", 1)[1].split("\n\n")[0].splitlines() if "=" in line)
     assert env["TOKQ_HOST"] == "0.0.0.0" and 'CMD ["tokq", "up"]' in dockerfile

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from service_stack import ServiceStack
+from service_stack import ServiceStack, embed_counts
 
 from tokq import AsyncClient, Client
 from tokq import client as client_module
@@ -23,18 +21,6 @@ from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 NUM_CALLS = 200
-
-
-def embed_counts(metrics_ports: list[int], rpc: str = "Embed") -> list[float]:
-    """Embed calls (``rpc``: "http.Embeddings" for HTTP) each gateway process has answered OK,
-    from its own metrics page."""
-    counts = []
-    for port in metrics_ports:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        counts.append(sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                          if s.name == "tokq_gateway_requests_total"
-                          and s.labels.get("rpc") == rpc and s.labels.get("code") == "OK"))
-    return counts
 
 
 @pytest.fixture(scope="module")

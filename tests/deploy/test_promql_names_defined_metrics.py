@@ -15,7 +15,7 @@ from tokq import metrics
 
 promql_parser = pytest.importorskip("promql_parser", reason="pip install promql-parser")
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 RULE_FILES = sorted((DEPLOY / "prometheus" / "rules").glob("*.yml"))
 # What Grafana substitutes before the query reaches Prometheus.

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 import redis
-from test_cluster_service import _wait_serving
+from test_service_on_a_cluster import _wait_serving
 
 from tokq import Client, TokqError
 from tokq.config import ConfigError, GatewayConfig

@@ -110,7 +110,7 @@ def test_the_enqueue_hold_flag_reaches_the_gateway_s_queue(stack):
 def test_a_refused_enqueue_fails_only_its_own_call(stack):
     """The queue's cap (1,000 tokens) refuses the one request that alone passes it (4 inputs of
     252 tokens), sent amid a burst of small ones, which are answered. (That a refusal inside one
-    pipeline touches no other call is checked deterministically in test_queue_pipelined.py.)
+    pipeline touches no other call is checked deterministically in test_enqueues_pipelined.py.)
     An empty queue takes any one request, so the worker is paused (SIGSTOP) until all are
     enqueued, the first 50 small ones before the big one: a worker that had claimed them all
     already (it did, once, in a full-suite run) would let the big one in."""
