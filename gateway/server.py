@@ -128,8 +128,8 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
     interceptors = [ApiKeyInterceptor(api_keys, embedder.refused, SERVICE_NAME)] if api_keys else None
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.so_reuseport", 1),
-        # gRPC core starts cancelling calls at random once 1,000 wait to be picked up by the
-        # application (3,000 hard): a burst of short queries must queue in Redis, not die here.
+        # gRPC core starts failing calls at random once 1,000 wait to be picked up by the
+        # application: a burst of short queries must queue in Redis, not die here.
         ("grpc.server.max_pending_requests", config.max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", 2 * config.max_pending_rpcs),
         # Follows the byte caps: a request a little over them gets our INVALID_ARGUMENT naming the

@@ -20,10 +20,9 @@ def local_host(host: str) -> str:
 
 
 def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
-    """The family and socket address to bind ``host:port`` with: IPv6 for "::1" or "::", IPv4 for
-    "127.0.0.1" or "" (every IPv4 interface); for a name, its IPv4 address where it has one
-    ("localhost" is ::1 first in some /etc/hosts, which would leave IPv4 callers out). Raises
-    socket.gaierror for a name that does not resolve."""
+    """The family and socket address to bind ``host:port`` with; a name binds its IPv4 address where
+    it has one ("localhost" may be ::1 first, leaving IPv4 callers out). "" is every IPv4
+    interface. Raises socket.gaierror for a name that does not resolve."""
     found = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = next((a for a in found if a[0] == socket.AF_INET), found[0])
     return family, address
@@ -44,11 +43,8 @@ def bind_error(host: str, port: int, *, reuse_addr: bool = False) -> OSError | N
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether a socket already listens on ``host:port``. The gateway's own sockets set
-    SO_REUSEPORT, so that its ``--procs`` share one port; the same option would let it join
-    another process's port (a second gateway, another `tokq up`) without an error and take a
-    share of its calls. So the port is tried first with a plain bind, which fails if anything
-    listens there."""
+    """Whether a socket already listens on ``host:port``, tried with a plain bind: the gateway's
+    SO_REUSEPORT would silently join another process's port and take a share of its calls."""
     error = bind_error(host, port, reuse_addr=True)  # SO_REUSEADDR: a port in TIME_WAIT is free
     # Other errors (an address not on this machine, a name that does not resolve): the server says.
     return error is not None and error.errno == errno.EADDRINUSE

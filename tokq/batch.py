@@ -40,9 +40,9 @@ class PackedBatch:
         # positions: 0..len-1 within each sequence, built without a Python loop
         positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
         n = len(seqs)
-        prefixes = np.broadcast_to(np.asarray(prefix_lens, dtype=np.int32), (n,))
-        if ((prefixes < 0) | (prefixes >= lens)).any():
-            raise ValueError("a prefix must leave at least one token of its sequence")
+        shared_lens = np.broadcast_to(np.asarray(prefix_lens, dtype=np.int32), (n,))
+        if ((shared_lens < 0) | (shared_lens >= lens)).any():
+            raise ValueError("a shared prompt must leave at least one token of its sequence")
         return cls(
             input_ids=np.concatenate(seqs),
             positions=positions,
@@ -50,7 +50,7 @@ class PackedBatch:
             max_seqlen=int(lens.max()),
             normalize=np.broadcast_to(np.asarray(normalize, dtype=bool), (n,)).copy(),
             dimensions=np.broadcast_to(np.asarray(dimensions, dtype=np.int32), (n,)).copy(),
-            prefix_lens=prefixes.copy() if prefixes.any() else None,
+            prefix_lens=shared_lens.copy() if shared_lens.any() else None,
         )
 
     @property
@@ -64,7 +64,7 @@ class PackedBatch:
     @property
     def num_queued_tokens(self) -> int:
         """The tokens the queue counts for this batch: shared prompts are computed once and
-        cached by the worker, so they are not counted (issue 15)."""
+        cached by the worker, so they are not counted."""
         return self.num_tokens - (int(self.prefix_lens.sum()) if self.prefix_lens is not None else 0)
 
     @property

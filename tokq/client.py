@@ -3,24 +3,9 @@
     from tokq import Client
     vectors = Client("localhost:50051").embed(["red shoes", "blue shoes"])   # float32 [2, dim]
 
-Errors raise ``TokqError`` carrying the gRPC status code and the server's message. A gateway
-with TLS takes ``credentials=grpc.ssl_channel_credentials(...)``; one with API keys, ``api_key=``.
-
-One client holds a few connections (``connections=``, default 4) and spreads calls over the
-gateway *processes* behind them: ``tokq gateway --procs N`` shares one port by SO_REUSEPORT,
-which spreads connections, not calls, and gRPC sends every call of a channel down one
-connection. Each reply names the process that sent it (trailing metadata), so calls go to the
-process with the fewest calls in flight, passing over for a moment one that just answered
-UNAVAILABLE (failing fast, it would otherwise look the least busy and draw most calls). A
-connection that lands on a process another one already reaches is reopened a few times at once
-to find processes none reaches yet, then now and again, less and less often (after a gateway
-restart its processes may start listening one after another); with more connections than
-processes that goes on, every 5 minutes at most.
-
-A connection with calls in flight that stays silent is pinged: a gateway that stops answering
-fails its calls UNAVAILABLE after about 40 s (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS), with or
-without a deadline. ``timeout=None`` or ``math.inf`` sets none (the gateway's own default then
-applies).
+Errors raise ``TokqError`` (gRPC status code and message). TLS: ``credentials=``; API keys:
+``api_key=``. ``timeout=None`` or ``math.inf`` leaves the gateway's default deadline. Calls are
+spread over the gateway processes behind a few connections (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -142,8 +127,7 @@ DEFAULT_CONNECTIONS = 4
 # Reopen connections that reach an already-reached process until this many in a row found no
 # new one: with 2 processes and 4 connections, the chance one process is never reached is 2^-19.
 DISCOVERY_MISSES = 16
-# Then one connection still doubled up is reopened at most this often, the wait doubling up to
-# the last (a new process found starts over): a few handshakes an hour once nothing is found.
+# Then one doubled-up connection is reopened at most this often, the wait doubling up to the max.
 REDISCOVER_FIRST_S = 5.0
 REDISCOVER_MAX_S = 300.0
 # A process that answered one of these is passed over this long while another can take the call.
@@ -151,8 +135,7 @@ REDISCOVER_MAX_S = 300.0
 BACKOFF_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 BACKOFF_S = 1.0
 # While calls are in flight, a connection silent this long is pinged and closed if no answer
-# comes within the timeout: a call to a gateway that stopped answering (frozen, its host gone
-# without a reset) then fails UNAVAILABLE instead of hanging where it has no deadline.
+# comes within the timeout, so a call to a frozen gateway fails UNAVAILABLE instead of hanging.
 KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 
@@ -169,20 +152,16 @@ def _channel_options() -> list[tuple[str, object]]:
                 {"loadBalancingConfig": [{"pick_first": {"shuffleAddressList": True}}]})),
             ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-            # the timer that closes the connection on an unanswered ping: grpc core waits this
-            # long (1 min by default once keepalive is on), not keepalive_timeout_ms alone
+            # The timer that closes a connection on an unanswered ping (grpc core's default: 1 min).
             ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-            # Pings only while calls are in flight and (grpc's default max_pings_without_data)
-            # at most 2 in a row while nothing else is sent: more would draw GOAWAY
-            # too_many_pings from a gateway on grpc's default ping policy (one ping per 5 min
-            # without data), failing a call that waits that long for its reply.
+            # Pings only while calls are in flight: more would draw GOAWAY too_many_pings from a
+            # gateway on grpc's default ping policy.
             ("grpc.keepalive_permit_without_calls", 0)]
 
 
 def read_pem(path: str) -> bytes:
-    """A PEM file's bytes for grpc's TLS credentials; ValueError saying why not (unreadable, or
-    not PEM: gRPC takes such bytes and fails every call with "Failed to create security
-    handshaker", logging to stderr)."""
+    """A PEM file's bytes for grpc's TLS credentials; ValueError if unreadable or not PEM (gRPC would
+    take such bytes and fail every call with "Failed to create security handshaker")."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -204,12 +183,8 @@ class _Connection:
 
 
 class _Pool:
-    """Which connection the next call takes (no I/O: shared by Client and AsyncClient).
-
-    Calls go to the process with the fewest calls in flight (one that just failed fast passed
-    over: BACKOFF_CODES), ties taken in turn, then to that process's least busy connection. A
-    connection not yet identified counts as a process of its own but, once others are, takes
-    one call at a time (its reply identifies it)."""
+    """Which connection the next call takes (no I/O: shared by Client and AsyncClient): the least
+    busy gateway process's least busy connection (docs/internals.md)."""
 
     def __init__(self, open_channel: Callable[[], object], size: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -253,9 +228,8 @@ class _Pool:
 
     def release(self, conn: _Connection, process: str | None,
                 code: grpc.StatusCode | None = None) -> object | None:
-        """Record a finished call, which process answered and, if it failed, with what code;
-        returns a channel the caller must close (a replaced connection with nothing left in
-        flight), else None."""
+        """Record a finished call, the process that answered and any failure code; returns a
+        channel the caller must close (a replaced connection with nothing left in flight), or None."""
         with self._lock:
             conn.outstanding -= 1
             now = self._clock()

@@ -73,7 +73,7 @@ def _check_range(f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{problem} {where}")
     if isinstance(value, bool) or not isinstance(value, int | float):
         return
-    # NaN compares False with every bound, so it passed them (and failed later, in a traceback).
+    # NaN compares False with every bound: refused explicitly.
     if ((isinstance(value, float) and math.isnan(value)) or (lo is not None and value < lo)
             or (hi is not None and value > hi)):
         span = f"{lo}..{hi}" if lo is not None and hi is not None else (
@@ -82,16 +82,15 @@ def _check_range(f: dataclasses.Field, value: Any) -> None:
 
 
 def check_distinct_ports(uses: Iterable[tuple[str, int, int, str]]) -> None:
-    """Refuse one port given to two settings (ConfigError, naming both). ``uses``: (field, its
-    value, offset, what port value + offset serves or ""); a value 0 is no port (off, or any free
-    one). The gateway's sockets set SO_REUSEPORT (its --procs share them), so its gRPC and HTTP
-    servers bound one port without an error and split its connections: every gRPC call failed."""
-    owner: dict[int, tuple[str, int, int, str]] = {}
+    """Refuse one port given to two settings (ConfigError, naming both): with SO_REUSEPORT both
+    servers would bind it and split its connections. ``uses``: (field, value, offset, what port
+    value + offset serves or ""); a value 0 is no port."""
+    first_use: dict[int, tuple[str, int, int, str]] = {}
     for use in uses:
         name, value, offset, _ = use
         if not value:
             continue
-        other = owner.setdefault(value + offset, use)
+        other = first_use.setdefault(value + offset, use)
         if other[0] != name:
             raise ConfigError(f"port {value + offset} is given to two settings: {_port_use(*other)} and "
                               f"{_port_use(*use)}: each needs a port of its own")
@@ -112,9 +111,8 @@ def _check_server_tls(conf: Any) -> None:
 
 
 def _hide_password(url: str) -> str:
-    """``url`` with everything between its scheme and its last @ (user, password) masked: it
-    may not parse (redact_url needs it to), and "user:pw@host" without a scheme has no
-    password field to find."""
+    """``url`` with everything between its scheme and its last @ (user, password) masked; unlike
+    redact_url it needs no parse, so it also masks "user:pw@host" without a scheme."""
     head, sep, rest = url.partition("://")
     if not sep:
         head, rest = "", url
@@ -122,8 +120,8 @@ def _hide_password(url: str) -> str:
 
 
 def _redis_url_problem(name: str, url: str) -> str | None:
-    """Why redis-py cannot connect with ``url`` (its own parse), else None: it was a ValueError
-    traceback at the first connect."""
+    """Why redis-py cannot connect with ``url`` (its own parse), else None, so a bad URL is one line,
+    not a traceback at the first connect."""
     from redis.connection import parse_url
 
     try:
@@ -232,8 +230,8 @@ class WorkerConfig(_Validated):
     prefix_cache_mb: int = setting(256, "memory for shared prompts' K/V, so a decoder computes "
                                    "each prompt once, not per batch (0 = once per batch)",
                                    min=0, max=1 << 20)
-    # Past ~4k tokens an H100's forward is no longer launch-bound (the Qwen3-shaped model's eager
-    # floor ends near 3,000), and padding to a graph's shape would cost real work.
+    # Past ~4k tokens a GPU forward is no longer launch-bound, and padding to a graph's shape
+    # would cost real work.
     cuda_graph_tokens: int = setting(4096, "CUDA, varlen attention: batches of at most this many tokens "
                                      "replay a CUDA graph captured per batch shape, not one launch per "
                                      "kernel (0 = every forward eager)", min=0, max=1 << 20)
@@ -277,7 +275,7 @@ class GatewayConfig(_Validated):
     enqueue_hold_us: int = setting(2000, "most microseconds an enqueue waits for the ones right "
                                    "behind it, when calls arrive faster than that", min=0,
                                    max=100_000)
-    # gRPC core starts cancelling calls at random once this many wait to be picked up.
+    # gRPC core starts failing calls at random once this many wait to be picked up.
     max_pending_rpcs: int = setting(20_000, "calls accepted but not yet picked up before gRPC "
                                     "rejects more", min=1, max=10_000_000)
     metrics_port: int = setting(0, "Prometheus port (0 = no metrics endpoint)", **_PORT_OR_OFF)
@@ -356,8 +354,7 @@ class UpConfig(_Validated):
     http_port: int = setting(8080, "OpenAI-compatible HTTP API port (0 = off)", min=0, max=65_535)
     api_keys: tuple[str, ...] = _API_KEYS
     api_key_file: str = _API_KEY_FILE
-    # The gateway's TLS under its TOKQ_TLS_* names: in the environment they reached the gateway
-    # while tokq up's readiness check spoke plaintext and waited for ever.
+    # The gateway's TLS under its TOKQ_TLS_* names, so tokq up's readiness check speaks TLS too.
     tls_cert: str = setting("", "PEM certificate chain: the gateway serves gRPC and HTTP over TLS "
                             "(needs --tls-key)")
     tls_key: str = setting("", "PEM private key of --tls-cert")
@@ -497,10 +494,9 @@ def _default_text(f: dataclasses.Field) -> str:
 
 def click_options(*classes: type, exclude: tuple[str, ...] = (),
                   defaults: Mapping[str, Any] | None = None) -> Callable:
-    """A decorator adding one click option per field of ``classes``: ``--field-name`` (or the
-    field's ``flag``), typed from the annotation, its help showing the ``TOKQ_`` env var and the
-    default. Options default to None so ``load`` applies env vars and defaults in one place.
-    ``defaults`` changes only the shown default (a command that resolves some fields itself)."""
+    """A decorator adding one typed click option per field of ``classes``, its help showing the
+    ``TOKQ_`` env var and default. Options default to None so ``load`` applies env vars and
+    defaults in one place; ``defaults`` changes only the shown default."""
     import click
 
     defaults = defaults or {}

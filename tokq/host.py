@@ -105,12 +105,9 @@ def _quota_in(folder: Path) -> float | None:
 
 
 def cpu_quota(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> float | None:
-    """The CPUs a cgroup CPU quota allows this process (Kubernetes' CPU limit, `docker --cpus`,
-    systemd's CPUQuota=): the smallest quota set on its own cgroup or any above it, up to the
-    hierarchy's mount (v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us); None when there is
-    none or none can be read. Affinity does not show it: a 2-CPU limit on a 64-CPU host leaves
-    all 64 in the affinity mask. A limit may sit on a parent (a systemd slice, the container's
-    cgroup above a nested init), so the walk goes up, not only to the first folder read."""
+    """The CPUs a cgroup CPU quota allows this process (a Kubernetes CPU limit, `docker --cpus`),
+    which affinity does not show: the smallest quota on its cgroup or any parent up to the
+    hierarchy's mount (v2 and v1); None when there is none or none can be read."""
     own_paths = dict(zip((2, 1), _own_cgroups(proc_cgroup)))
     quotas = []
     for version, mount_root, mount_point in _cpu_hierarchies(mountinfo):

@@ -1,10 +1,7 @@
 """The latency model token budgets are sized by (``tokq profile`` and a worker's own default).
 
-Under load, a request that arrives while a batch runs waits for it (up to one forward), then
-rides in the next batch (one forward): its latency is about two forwards of a full batch, plus
-queueing and transport the goal must also hold. A deeper queue than one batch means the offered
-load is above what the budget serves at all, where no budget meets a goal. So a budget keeps the
-goal reachable if its forward takes at most goal / FORWARDS_PER_REQUEST.
+A request waits for the running batch, then rides in the next, so a budget keeps a p99 goal
+reachable if its forward takes at most goal / FORWARDS_PER_REQUEST (docs/internals.md).
 """
 
 FORWARDS_PER_REQUEST = 2.0

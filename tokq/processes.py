@@ -18,10 +18,9 @@ except OSError:  # not Linux: the supervisors' signal handlers still clean up
 
 
 def die_with_parent(parent: int | None = None) -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (Linux), so a supervisor
-    killed outright (SIGKILL, the OOM killer) leaves no child holding ports behind. ``parent``:
-    the supervisor's pid, read before the fork: a parent that died before the request (which
-    then never fires) ends this child at once."""
+    """Ask the kernel to SIGTERM this process when its parent dies (Linux), so a supervisor killed
+    outright leaves no child holding ports. ``parent``: the supervisor's pid, read before the fork;
+    if it already died, this child exits at once."""
     if _prctl is None:
         return
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -42,16 +42,14 @@ CUDA_CHECK_TIMEOUT_S = 60
 
 def up_worker_id(i: int, *, shared: bool) -> str:
     """tokq up's worker ``i``'s id. ``shared``: on a --redis-url, which other hosts' tokq up may
-    share: their workers were up-0 too (one heartbeat key, one metrics label for several)."""
+    share, so the host name keeps their workers' ids (heartbeat keys, metric labels) apart."""
     return f"{socket.gethostname()}-up-{i}" if shared else f"up-{i}"
 
 
 class StopRequest:
     """What a stop signal (Ctrl-C, SIGTERM, SIGHUP) does to `tokq up`: the first raises
-    KeyboardInterrupt, later ones are ignored (a second Ctrl-C must not cut the stopping short:
-    Redis left behind). A first one raised inside a finalizer is swallowed by Python ("Exception
-    ignored in: Redis.__del__"), which had left tokq up ignoring every later Ctrl-C: its loops
-    also call ``check`` and stop once one was asked for."""
+    KeyboardInterrupt, later ones are ignored so stopping is not cut short. Loops also call
+    ``check``: Python swallows a KeyboardInterrupt raised inside a finalizer."""
 
     def __init__(self) -> None:
         self.asked = False
@@ -68,10 +66,9 @@ class StopRequest:
 
 
 class RestartBackoff:
-    """When to start a dead worker again: at once after a long run, else after a wait that
-    doubles with each quick death (1, 2, 4, ... s, at most RESTART_MAX_S). A worker that dies at
-    start (a device it cannot use, out of memory) was started again twice a second, loading its
-    model each time."""
+    """When to start a dead worker again: at once after a long run, else after a wait that doubles
+    with each quick death (1, 2, 4, ... s, at most RESTART_MAX_S), so a worker that dies at start
+    does not reload its model in a tight loop."""
 
     def __init__(self, now: float) -> None:
         self.started_at = now
@@ -93,9 +90,8 @@ class RestartBackoff:
 
 
 def cuda_present() -> bool:
-    """Whether the workers' ``--device auto`` will find CUDA: no NVIDIA device node, no (asked
-    without importing torch here, which tokq up would then hold for its whole life); else torch
-    answers, in a short-lived process (a wedged driver: no, after a minute)."""
+    """Whether the workers' ``--device auto`` will find CUDA: no NVIDIA device node, no; else torch
+    answers in a short-lived process, so tokq up never holds torch (a wedged driver: no, after a minute)."""
     try:
         if not any(name.startswith("nvidia") for name in os.listdir("/dev")):
             return False
@@ -113,9 +109,8 @@ def cuda_present() -> bool:
 
 def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=None) -> int:
     """`--gateway-procs 0`: one gateway process with CPU workers, which need the cores; with GPU
-    workers (about one core each), one per 4 usable CPUs, at most 4. On an H100 host with 16
-    CPUs, one gateway process capped MiniLM at 2,354 calls/s and four served at least 4,325
-    (profiling/RESULTS.md, "GPU benchmark"). CPUs: affinity and cgroup quota (tokq.host)."""
+    workers (about one core each), one per 4 usable CPUs, at most 4 (profiling/RESULTS.md,
+    "GPU benchmark")."""
     on_gpu = device.startswith("cuda") or (device == "auto" and (has_cuda or cuda_present)())
     cpus = cpus or usable_cpus()
     return max(1, min(AUTO_GATEWAY_PROCS_MAX, cpus // 4)) if on_gpu else 1
@@ -123,8 +118,7 @@ def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=None) -> i
 
 def _api_keys(conf: cfg.UpConfig) -> dict[str, str]:
     """The gateway's environment for ``conf``'s API keys (secrets travel there, not in argv),
-    checked as the gateway will check them; warned about when off while the client's
-    TOKQ_API_KEY is set (meant for the gateway, likely)."""
+    checked as the gateway will check them."""
     from tokq.gateway.auth import ApiKeys, client_key_warning
 
     try:
@@ -138,8 +132,7 @@ def _api_keys(conf: cfg.UpConfig) -> dict[str, str]:
 
 def _check_distinct_ports(conf: cfg.UpConfig, num_gateways: int) -> None:
     """One line for one port given to two settings, the metrics ports counted as handed out:
-    gateway process j's at --metrics-port + j, then worker i's (a gRPC port on the HTTP port
-    waited for ever for a worker that was ready; the gateway could not take a call)."""
+    gateway process j's at --metrics-port + j, then worker i's."""
     gateways = "the gateway's metrics" if num_gateways == 1 else "gateway process {}'s metrics"
     metrics = [*(("metrics_port", conf.metrics_port, j, gateways.format(j)) for j in range(num_gateways)),
                *(("metrics_port", conf.metrics_port, num_gateways + i, f"worker {i}'s metrics")
@@ -163,10 +156,9 @@ def _keep_up(embedded: EmbeddedRedis | None) -> None:
 
 
 def _tls_credentials(conf: cfg.UpConfig):
-    """What the readiness check dials a gateway serving --tls-cert with: its certificate verified
-    by --tls-ca (default: the certificate itself, which gRPC takes as a root), and under mutual
-    TLS the client certificate. None: plaintext. A file that is unreadable or not PEM: one line
-    here, before anything starts (gRPC would fail every check, and log, for ever)."""
+    """The credentials the readiness check dials a TLS gateway with: --tls-ca (default: the
+    certificate itself) and, under mutual TLS, the client certificate; None for plaintext. A bad
+    file is one line here, before anything starts."""
     if not conf.tls_cert:
         return None
     import grpc
@@ -194,11 +186,9 @@ def _tls_credentials(conf: cfg.UpConfig):
 def _wait_ready(target: str, procs: list[subprocess.Popen], embedded: EmbeddedRedis | None = None,
                 report_every_s: float = 30, check_every_s: float = 2, credentials=None,
                 stop: StopRequest | None = None) -> None:
-    """Wait for the gateway to report ready (a worker has loaded the model and warmed up), for as
-    long as every process lives: a large model can take minutes (a fixed limit killed workers
-    still loading), so say every ``report_every_s`` what it is waiting for instead. The embedded
-    Redis is kept up meanwhile too: dead, nothing would ever become ready. ``credentials``: the
-    gateway serves TLS."""
+    """Wait for the gateway to report ready for as long as every process lives (a large model can
+    take minutes), saying every ``report_every_s`` what it waits for. The embedded Redis is kept up
+    meanwhile. ``credentials``: the gateway serves TLS."""
     started = last_report = time.monotonic()
     while True:
         try:
@@ -261,9 +251,8 @@ def threads_per_worker(num_workers: int, cpus: int | None = None) -> int:
 
 
 def _worker_threads(num_workers: int, cpus: int) -> int:
-    """TOKQ_THREADS where set and not 0 (the workers' own setting: what tokq up is told is what
-    they run with; --threads on their command line overrode it), else ``threads_per_worker``: 0,
-    torch's default, would give each of its workers every core (oversubscribed, up to 27x)."""
+    """TOKQ_THREADS where set and not 0, else ``threads_per_worker``: 0, torch's default, would
+    give each worker every core."""
     name = cfg.env_var("threads")
     if name not in os.environ:
         return threads_per_worker(num_workers, cpus)
