@@ -27,10 +27,9 @@ def queue_name_for(model_name: str, fingerprint: str = "") -> str:
 
 
 def shard_queue_name(queue: str, shard: int) -> str:
-    """The queue of one shard of a model's queue. Shard 0 is the queue itself, so a one-shard
-    queue is the unsharded queue and raising the shard count keeps what is queued; shard s > 0
-    is ``<queue>#<s>``: its own hash tag, so shards spread over a cluster's nodes ('#' is not
-    allowed in a model's queue name, so no model's queue can collide with a shard)."""
+    """The queue of one shard of a model's queue: shard 0 is the queue itself, so raising the shard
+    count keeps what is queued; shard s > 0 is ``<queue>#<s>``, its own hash tag, so shards spread
+    over a cluster's nodes ('#' is not allowed in a model's queue name)."""
     if not 0 <= shard < MAX_SHARDS:
         raise ValueError(f"shard {shard} out of range 0..{MAX_SHARDS - 1}")
     return queue if shard == 0 else f"{queue}#{shard}"
@@ -100,8 +99,8 @@ class QueueKeys:
         return self.reply_prefix + request_id
 
     def withdrawn(self, request_id: str) -> str:
-        """STRING: a withdrawn request's mark (cancel.lua), for a while: an enqueue of it that
-        Redis runs after the withdrawal (its answer lost, its caller gone) queues nothing."""
+        """STRING: a cancelled request's mark (cancel.lua), for a while, so an enqueue of it that
+        Redis runs after the cancel (its answer lost, its caller gone) queues nothing."""
         return f"{self.base}:withdrawn:{request_id}"
 
     def collected(self, request_id: str) -> str:
@@ -110,7 +109,7 @@ class QueueKeys:
         return f"{self.base}:collected:{request_id}"
 
     def done_channel(self, gateway_id: str) -> str:
-        """Shard channel (SSUBSCRIBE) a gateway listens on for 'request complete' notices."""
+        """Shard channel (SSUBSCRIBE) a gateway listens on for notices of complete replies."""
         return f"{self.base}:done:{gateway_id}"
 
     @cached_property
@@ -120,21 +119,21 @@ class QueueKeys:
 
     @cached_property
     def idle(self) -> str:
-        """SET of the owner ids of idle workers: a work notice wakes one (lua/lib/wake.lua)."""
+        """SET of the worker ids of idle workers: a work notice wakes one (lua/lib/wake.lua)."""
         return f"{self.base}:idle"
 
     @cached_property
     def preemptible(self) -> str:
-        """SET of the owner ids of workers running a heavy forward: light work arriving in an
-        empty light lane, with no idle worker, tells one 'light' (lua/enqueue.lua), and it runs
-        that work nested in its forward (workers/preempt.py)."""
+        """SET of the worker ids of workers running a heavy forward: light work arriving with no
+        idle worker tells one 'light' (lua/enqueue.lua), and it runs that work nested in its
+        forward (workers/preempt.py)."""
         return f"{self.base}:preemptible"
 
     @cached_property
     def owner_prefix(self) -> str:
-        """Shard channel ``<owner_prefix><batch prefix>`` a worker holds a subscription on while
-        it lives: requeue.lua SPUBLISHes to the owner of a lease that missed a renewal, and
-        nobody listening (the process died, its connection with it) redoes the batch at once."""
+        """Shard channel ``<owner_prefix><batch prefix>`` a worker subscribes to while it lives:
+        requeue.lua SPUBLISHes to the worker of a lease that missed a renewal, and with nobody
+        listening (the worker died) redoes the batch at once."""
         return f"{self.base}:owner:"
 
     @cached_property

@@ -1,9 +1,6 @@
-"""The queue's Lua scripts: loaded from package ``tokq.lua`` and registered with redis-py.
-
-One ``.lua`` file per operation. A line ``--#include lib/<name>.lua`` is replaced by that
-snippet, so logic shared by several scripts (writing a result, parsing an entry) exists once.
-A script runs by EVALSHA, and by EVAL where the server answers NOSCRIPT (``Scripts.run``), so
-a Redis restart or a SCRIPT FLUSH needs no code elsewhere.
+"""The queue's Lua scripts: one ``.lua`` file per operation, loaded from package ``tokq.lua``, with
+``--#include lib/<name>.lua`` lines expanded so shared logic exists once. Scripts run by EVALSHA,
+and by EVAL on NOSCRIPT, so a Redis restart or SCRIPT FLUSH needs no code elsewhere.
 """
 
 from __future__ import annotations
@@ -63,8 +60,6 @@ class Scripts:
         try:
             return await self._client.evalsha(script.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            # Not in the cache of the server that runs it (a restart, a promoted replica, SCRIPT
-            # FLUSH): EVAL runs it there, by its keys' slot, and leaves it cached for the next
-            # EVALSHA. redis-py's own fallback, SCRIPT LOAD, goes to every primary of a cluster,
-            # and failed while any one was down: a dead node stopped the others' queues.
+            # EVAL runs it on its keys' node and caches it there; redis-py's SCRIPT LOAD goes to
+            # every primary of a cluster, and fails while any one is down.
             return await self._client.eval(script.script, len(keys), *keys, *args)
