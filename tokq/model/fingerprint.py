@@ -1,13 +1,6 @@
-"""A model's fingerprint: one hash of every file that decides its vectors (config, tokenizer,
-sentence-transformers modules, weights). The queue name carries it, so two models or two versions
-of one model never share a queue, and a gateway and its workers agree on the queue because both
-compute it from the same files.
-
-Weights are hashed in full: a shorter proxy is not sound (a fine-tune has the same safetensors
-header, tensor shapes and file size as its base model). A full SHA-256 reads ~1-2 GB/s, so the
-result is cached per file under the user's cache directory, keyed by path, size, inode, mtime and
-ctime (ctime cannot be set back by a user: a rewrite in place always misses the cache). Files in a
-Hugging Face hub cache are symlinks to blobs named by their own SHA-256: that name is the hash.
+"""A model's fingerprint: one hash of every file that decides its vectors, carried in the queue
+name so two models or versions never share a queue. Weights are hashed in full, each file's hash
+cached by path, size, inode, mtime and ctime (docs/internals.md).
 """
 
 from __future__ import annotations

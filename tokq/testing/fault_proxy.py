@@ -1,16 +1,6 @@
-"""A TCP proxy in front of a real Redis that loses answers on purpose (no tests here).
-
-It forwards bytes both ways on its own thread and event loop, so sync and async tests and
-child processes (pointed at ``proxy.url``) can all go through it. Told to cut a command, it
-lets the command reach Redis, waits for Redis's answer (so the command surely ran), drops the
-answer and closes the client's connection: what a reset by a load balancer, a failover or a
-CLIENT KILL does to a client. redis-py then reconnects and sends the command again.
-
-Commands are recognised by bytes in the chunk the client sent (e.g. a script's SHA1, or
-b"EVALSHA" for every script call), which is enough for redis-py's one-command-per-round-trip
-traffic. On a Redis Cluster, one proxy stands in front of each node (tokq.testing.cluster's
-``announce_port``), so gateways and workers share them: their links are told apart by the
-scripts each side runs.
+"""A TCP proxy in front of a real Redis that loses answers on purpose: told to cut a command, it
+lets the command run, drops Redis's answer and closes the client's connection, as a failover or
+CLIENT KILL would. Commands are recognised by bytes, such as a script's SHA1 (docs/internals.md).
 """
 
 from __future__ import annotations
