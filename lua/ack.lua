@@ -5,14 +5,9 @@
 -- KEYS[4] lease     LIST   lease:<batch_id>, the batch's entries
 -- ARGV[1] reply key prefix
 -- ARGV[2] batch_id
--- ARGV[3..] (request_id, index, result) triples; result is tokq.queue.wire's ok ('+' ...) or error
---           ('-' ...) bytes: its first byte says which counter a stored result goes to
--- Idempotent: results are first-write-wins; a late ack (the lease was already requeued)
--- still delivers its results but leaves inflight alone. Only results this run stored are
--- counted, so a repeated ack (its answer lost) counts nothing twice.
--- Each gateway waiting on requests this ack completes gets one completion message for all of
--- them on its shard channel (lib/reply.lua), not one per request.
--- Returns {results stored, items released from the lease}
+-- ARGV[3..] (request_id, index, result) triples; result is tokq.queue.wire's '+' or '-' bytes
+-- Idempotent (first write wins; only results stored now are counted); one notice per waiting
+-- gateway (docs/internals.md). Returns {results stored, items released from the lease}
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
@@ -20,7 +15,7 @@
 local reply_prefix = ARGV[1]
 local num_stored, num_errors = 0, 0 -- results stored; those of them that are errors
 local OK_BYTE = string.byte('+')
-local notices = {} -- one message per waiting gateway for the whole batch (lib/reply.lua)
+local notices = {} -- one notice per waiting gateway for the whole batch (lib/reply.lua)
 for i = 3, #ARGV, 3 do
   local result = ARGV[i + 2]
   if write_result(reply_prefix, ARGV[i], ARGV[i + 1], result, notices) == 1 then

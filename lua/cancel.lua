@@ -2,16 +2,9 @@
 -- KEYS[1] reply     HASH   reply:<request_id>
 -- KEYS[2] counters  HASH   cancelled
 -- KEYS[3] withdrawn STRING withdrawn:<request_id>, set here for ARGV[1] ms (0: not set)
--- ARGV[1] withdrawn_ttl_ms: how long an enqueue of this request that Redis runs late (its
---         answer lost on a connection given up, while Redis stalled) still finds it withdrawn;
---         0 where the enqueue is known to have run (its answer came): the usual case
--- Only the reply key goes. Its entries still queued are dropped by the next claim that reaches
--- them (as orphans, their tokens taken off the count then); entries already claimed or being
--- requeued are dropped the same way, and ack writes nothing for them. Removing queued entries
--- here instead would cost a scan of the whole queue per entry (LREM), stalling Redis for
--- everyone exactly when timeouts come in bursts: under overload. The mark makes a late
--- enqueue.lua of the same request queue nothing (else its entries would be embedded for
--- nobody and its reply key live to its deadline).
+-- ARGV[1] withdrawn_ttl_ms: how long a late enqueue of this request still finds the mark;
+--         0 where the enqueue is known to have run (its answer came)
+-- Only the reply hash goes: claims drop the entries as orphans, no LREM scan (docs/internals.md).
 -- Returns 1 if the request was still live, else 0.
 --#include lib/common.lua
 

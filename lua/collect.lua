@@ -2,9 +2,8 @@
 -- KEYS[1] reply      HASH reply:<request_id>: n, ch, t and one field per answered item index
 -- KEYS[2] collected  HASH collected:<request_id>: the same hash, kept for a repeat
 -- ARGV[1] grace_ms: how long a collected reply is kept for a repeat after a lost answer
--- The reply is renamed, not deleted: from then on it is gone for every other script (a late
--- ack or a redo writes nothing, a claim drops leftovers as orphans), yet a client that lost
--- the answer and runs collect again gets the same fields. The copy expires after grace_ms.
+-- Renamed, not deleted: gone for every other script, yet a repeated collect after a lost
+-- answer gets the same fields until grace_ms passes.
 -- Returns the hash as a flat field/value list (empty if neither exists).
 
 local fields = redis.call('HGETALL', KEYS[1])

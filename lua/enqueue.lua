@@ -4,27 +4,23 @@
 -- KEYS[3] counters  HASH   enqueued, rejected (items)
 -- KEYS[4] reply     HASH   reply:<request_id>, created here
 -- KEYS[5] heavy     LIST   heavy lane: entries of larger requests (tokq/queue/claim_rule.py)
--- KEYS[6] idle      SET    owner ids of idle workers (lib/wake.lua)
--- KEYS[7] preemptible SET  owner ids of workers running a heavy forward (lib/wake.lua): one
---                          is told 'light' when the light lane stops being empty and no idle
---                          worker was woken
--- KEYS[8] withdrawn STRING withdrawn:<request_id> (cancel.lua): this request was withdrawn
+-- KEYS[6] idle      SET    idle workers' ids, their batch ids' prefix (lib/wake.lua)
+-- KEYS[7] preemptible SET  ids of workers in a heavy forward: one is told 'light' when
+--                          the light lane stops being empty and no idle worker was woken
+-- KEYS[8] withdrawn STRING withdrawn:<request_id> (cancel.lua): this request was cancelled
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] request_id (no ':')
 -- ARGV[3] timeout_ms, relative: deadline_ms = now_ms + timeout_ms
 -- ARGV[4] max_queued_tokens: the cap; a non-empty queue rejects a request that would pass it
 -- ARGV[5] reply_ttl_ms: how long an uncollected reply outlives the deadline
--- ARGV[6] shard channel the completion notice is published on
+-- ARGV[6] shard channel the reply's notice is published on
 -- ARGV[7] the queue's work shard channel: told when the queue stops being empty and no idle
 --         worker is registered
 -- ARGV[8] light_tokens: a request of at most this many tokens in all goes in the light lane
 -- ARGV[9] owner channel prefix: one idle worker is woken on its own channel
 -- ARGV[10..] (token_count, body) pairs, one per item
--- Idempotent by request id, so a client may run it again after a lost answer: if the reply
--- hash exists with the same item count, this is a repeat and gets the first run's answer
--- (checked before the cap, so a repeat is never QUEUE_FULL). QUEUE_FULL queues nothing; nor
--- does WITHDRAWN: a run that comes after the request's withdrawal (an answer lost, then run
--- late by a Redis that stalled, or a caller cancelled while this was in flight).
+-- Idempotent by request id: a repeat gets the first run's answer, never QUEUE_FULL; QUEUE_FULL
+-- and WITHDRAWN (cancelled before this run) queue nothing (docs/internals.md).
 -- Returns {'OK', ts_ms, deadline_ms} | {'QUEUE_FULL', queued_tokens} | {'DUPLICATE'} | {'WITHDRAWN'}
 --#include lib/common.lua
 --#include lib/entry.lua
@@ -71,9 +67,8 @@ add_to_count(KEYS[2], request_tokens)
 add_to_counter(KEYS[3], 'enqueued', num_items)
 redis.call('HSET', KEYS[4], 'n', num_items, 'ch', ARGV[6], 't', string.format('%d:%d', now, deadline_ms))
 redis.call('PEXPIRE', KEYS[4], timeout_ms + tonumber(ARGV[5]))
--- Only the empty -> non-empty step of the queue, or of its light lane, wakes an idle worker
--- (one: its claim wakes the next if work is left); a busy fleet gets no work notices. Light
--- work that no idle worker takes goes to a worker in a heavy forward, to run nested.
+-- Only the queue's or light lane's empty -> non-empty step wakes one idle worker (its claim wakes
+-- the next); light work no idle worker takes goes to a worker in a heavy forward, to run nested.
 local woken = 0
 if queued_tokens == 0 or light_was_empty then
   woken = wake_one(KEYS[6], ARGV[9], nil)

@@ -5,8 +5,7 @@
 -- ARGV[2] worker_id
 -- ARGV[3] status: a JSON object; ts_ms (the Redis clock) is added here
 -- ARGV[4] ttl_ms: the heartbeat key lives this long unless beaten again
--- ARGV[5] forget_after_ms: registry members silent this long are removed (crashed workers
---         never remove themselves)
+-- ARGV[5] forget_after_ms: registry members silent this long are removed (crashed workers)
 -- Idempotent: a repeat writes the same (a newer now at most). Returns now_ms.
 --#include lib/common.lua
 

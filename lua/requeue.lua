@@ -1,25 +1,22 @@
--- requeue.lua: put the items of expired leases (crashed or stuck workers) back at the FRONT
--- of the heavy lane with attempt + 1 (so a crash's redo fills batches beside the light lane's
--- small requests, never ahead of them); items that reach max_attempts get an error reply.
+-- requeue.lua: put the items of expired leases back at the FRONT of the heavy lane with
+-- attempt + 1; items that reach max_attempts get an error reply (docs/internals.md).
 -- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
 -- KEYS[2] heavy     LIST   heavy lane, head = oldest
 -- KEYS[3] tokens    STRING sum of the tokens in both lanes
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
 -- KEYS[5] counters  HASH   requeued, failed (answered with an error), orphaned
--- KEYS[6] idle      SET    owner ids of idle workers (lib/wake.lua)
+-- KEYS[6] idle      SET    idle workers' ids, their batch ids' prefix (lib/wake.lua)
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] max_attempts
 -- ARGV[3] max_batches handled per call
 -- ARGV[4] reply key prefix, ARGV[5] lease key prefix (same hash tag)
 -- ARGV[6] the queue's work shard channel: told when items come back and no idle worker is
 --         registered (else one idle worker is woken on its owner channel)
--- ARGV[7] lease_ms, ARGV[8] owner channel prefix: a lease due within half a lease has missed
---         a renewal (workers renew every third); if its owner's channel (owner prefix + the
---         batch id up to its last '-') has no subscriber, the owner is dead: redone now
+-- ARGV[7] lease_ms, ARGV[8] owner channel prefix: a lease that missed a renewal whose worker's
+--         channel (prefix + batch id up to its last '-') has no subscriber is redone now
 -- Idempotent: a repeat finds the handled leases gone and does nothing.
--- Returns {items requeued, items failed, ms until the next lease expires or is due a check (half
--- a lease before its deadline); -1: no lease}: workers call again then, so a dead worker's
--- batch is redone about half a lease after its last renewal, not a poll after its lease ends.
+-- Returns {items requeued, items failed, ms until the next lease expires or is due a check;
+-- -1: no lease}: workers call again then.
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
@@ -36,8 +33,8 @@ local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + half_lease, 'WITH
 local batch_ids = {}
 for i = 1, #due, 2 do
   local batch_id, deadline = due[i], tonumber(due[i + 1])
-  local owner = string.match(batch_id, '^(.*)%-%d+$')
-  if deadline <= now or (owner and redis.call('SPUBLISH', ARGV[8] .. owner, 'alive?') == 0) then
+  local worker_id = string.match(batch_id, '^(.*)%-%d+$')
+  if deadline <= now or (worker_id and redis.call('SPUBLISH', ARGV[8] .. worker_id, 'alive?') == 0) then
     batch_ids[#batch_ids + 1] = batch_id
   end
 end

@@ -119,12 +119,12 @@ class QueueKeys:
 
     @cached_property
     def idle(self) -> str:
-        """SET of the worker ids of idle workers: a work notice wakes one (lua/lib/wake.lua)."""
+        """SET of idle workers' ids (their batch ids' prefix): a work notice wakes one (lua/lib/wake.lua)."""
         return f"{self.base}:idle"
 
     @cached_property
     def preemptible(self) -> str:
-        """SET of the worker ids of workers running a heavy forward: light work arriving with no
+        """SET of the ids of workers running a heavy forward: light work arriving with no
         idle worker tells one 'light' (lua/enqueue.lua), and it runs that work nested in its
         forward (workers/preempt.py)."""
         return f"{self.base}:preemptible"
