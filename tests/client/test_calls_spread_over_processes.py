@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from service_stack import ServiceStack, embed_counts
 
 from tokq import AsyncClient, Client
