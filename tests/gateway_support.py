@@ -68,9 +68,12 @@ def left_for_the_gc(calls) -> list:
     for the garbage collector: its requests, errors and frames. Expected: nothing (a refused
     call's request must be freed at once, not by a GC pass; see ``gateway.errors.refuse``)."""
     import gc
+    import os
 
+    import tokq.gateway
     from tokq.gateway.wire import EmbedRequestUtf8
 
+    gateway_dir = os.path.dirname(tokq.gateway.__file__) + os.sep  # not tests/gateway/'s frames
     gc.collect()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
@@ -79,7 +82,7 @@ def left_for_the_gc(calls) -> list:
         # The gateway's side only: a client in this process keeps its own (pytest's raises).
         return [o for o in gc.garbage if isinstance(o, EmbedRequestUtf8)
                 or type(o).__name__ in ("AbortError", "InvalidArgument", "Unauthenticated")
-                or (type(o).__name__ == "frame" and "/gateway/" in o.f_code.co_filename)]
+                or (type(o).__name__ == "frame" and o.f_code.co_filename.startswith(gateway_dir))]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
