@@ -1,32 +1,8 @@
-"""Attention over a packed batch: every backend takes q ``[T, Hq, D]`` and k, v ``[T, Hkv, D]``
-(Hq a multiple of Hkv: grouped-query attention) and returns ``[T, Hq, D]``; no sequence ever
-attends to a neighbour's tokens, and nothing outside attention is ever padded.
+"""Attention over a packed batch: q ``[T, Hq, D]`` and k, v ``[T, Hkv, D]`` in, ``[T, Hq, D]`` out;
+no sequence attends to a neighbour's tokens, and nothing outside attention is padded.
 
-Backends (``auto`` picks the first that can run, in this order):
-  CUDA: ``flash_attn``    flash-attn's ``flash_attn_varlen_func`` (fp16/bf16, sm80+), when it
-                          imports (one built for another torch is skipped, with a log line)
-        ``torch_varlen``  ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, fp16/bf16;
-                          its keywords differ per version, checked one by one)
-  CPU:  ``cpu_varlen``    a small C kernel (workers/kernels/cpu_attention.c, built on first use with the
-                          machine's compiler): each sequence read in place, fp32 math (bf16
-                          dot products where the CPU has AVX512-BF16); float32 and bfloat16.
-                          Skipped, with the reason, when it cannot be built.
-  CPU (and CUDA fallback: k, v heads repeated, since enable_gqa would drop CUDA SDPA to its
-  math kernel), sequences sorted by length once per batch:
-        ``sdpa_packed``   sequences of <= 32 (33-64) tokens packed side by side into rows of 32
-                          (64) slots, each row attending with a block-diagonal mask: all short
-                          sequences in one SDPA call per layer; longer ones as ``sdpa_grouped``.
-                          Empty slots exist inside attention only. Why: a CPU SDPA call costs
-                          ~0.1 ms however small and a short-query batch has ~25 distinct
-                          lengths; measured ~10% less attention time than ``sdpa_grouped``
-                          (profiling/RESULTS.md).
-        ``sdpa_grouped``  each run of equal-length sequences is a contiguous ``[B*L]`` slice that
-                          views as ``[B, L, H, D]`` without a copy: one SDPA call per distinct
-                          length, no empty slot at all.
-        ``sdpa_loop``     one SDPA call per sequence: the simplest, the slowest.
-  In bf16/fp16 on CPU, every run of at most ``MATMUL_MAX_SEQLEN`` slots attends through plain
-  batched matmuls + softmax instead of SDPA's kernel, all such runs of a layer together
-  (workers/matmul_attention.py).
+Backends, first usable for ``auto``: flash_attn, torch_varlen (CUDA); cpu_varlen, sdpa_packed,
+sdpa_grouped, sdpa_loop (CPU and CUDA fallback). How each works: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -51,10 +27,8 @@ log = logging.getLogger("tokq.attention")
 BACKENDS = ("flash_attn", "torch_varlen", "cpu_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
 
 
-# CPU, bf16/fp16: runs of at most this many slots per sequence (or row) attend through plain
-# batched matmuls + softmax (workers/matmul_attention.py), not SDPA's flash kernel, whose fixed
-# costs dominate short rows: faster up to ~192 slots, slower from 256 (measured there), and no
-# faster in fp32 (profiling/RESULTS.md). Longer runs keep SDPA (and its O(L) memory).
+# CPU, bf16/fp16: runs of at most this many slots attend through plain batched matmuls + softmax
+# (workers/matmul_attention.py), where SDPA's fixed costs dominate (profiling/RESULTS.md).
 MATMUL_MAX_SEQLEN = 192
 
 
@@ -74,7 +48,7 @@ def _sdpa_runs(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Ten
         if run.gather is None:  # equal lengths: [B*L] rows view as [B, L, H, D]
             qr, kr, vr = (x[rows].unflatten(0, shape).transpose(1, 2) for x in (q, k, v))
         else:
-            # index_select, not x[index]: ~4x faster on these strided [T, H, D] views
+            # index_select, not x[index]: faster on these strided [T, H, D] views
             qr, kr, vr = (x.index_select(0, run.gather).unflatten(0, shape).transpose(1, 2)
                           for x in (q, k, v))
         # a packed run's mask already holds the causal rule
@@ -115,10 +89,9 @@ def _flash_attn_attend() -> AttendFn:
 
 
 def _torch_varlen_attend() -> AttendFn:
-    """torch's varlen_attn, called with the keywords this torch's signature has, each checked
-    on its own (looked up once here, not per call): 2.10 takes ``is_causal`` (``scale`` not
-    in its first form); 2.11 replaced it by ``window_size`` (keyword-only); 2.12 added
-    ``enable_gqa``. Without ``enable_gqa``, k and v are repeated up to q's heads."""
+    """torch's varlen_attn, called with the keywords this torch's signature has (``is_causal`` or
+    ``window_size``, ``scale``, ``enable_gqa``: they differ by version), read once here. Without
+    ``enable_gqa``, k and v are repeated up to q's heads."""
     from torch.nn.attention import varlen
 
     varlen_attn = varlen.varlen_attn

@@ -1,25 +1,6 @@
-"""CUDA: a small batch's forward replayed from a CUDA graph, all its kernels in one launch.
-
-Why: on a GPU a small batch's eager forward is launch-bound. One Python thread issues each
-kernel (~20 a layer), so the forward costs host time, not GPU time: on an H100 the 28-layer
-Qwen3-0.6B-shaped model took ~22 ms a forward at any size up to ~3,000 tokens
-(profiling/RESULTS.md, "GPU benchmark").
-
-A graph has fixed shapes and addresses, so a batch is copied into static buffers, padded to a
-shape bucket:
-  * tokens up to the next of ``token_buckets`` (steps of 1.5x and 2x). The pad tokens belong to
-    no sequence: ``cu_seqlens`` stops at the real count, repeated for the pad sequences (zero
-    length). The varlen attention kernels never read or write a row outside a sequence, and
-    every other op works row by row, so whatever a pad row holds stays in pad rows, which
-    pooling never reads;
-  * sequences up to a power of two, and the longest sequence up to a power of two (at least
-    ``MIN_LEN_BUCKET``): both are host ints that size the attention kernel's grid, fixed at
-    capture.
-Only the varlen backends are captured (``GRAPH_BACKENDS``): their whole batch layout is
-``cu_seqlens`` and one int. A graph is captured the first time its shape is met (about three
-eager forwards' time) and kept, up to ``MAX_GRAPHS``; then that shape runs eagerly. All graphs
-share one memory pool and one output buffer: they run one at a time on the forward thread,
-and each output is read (pooled) before the next replay, in stream order.
+"""CUDA: a small batch's forward replayed from a CUDA graph, all its kernels in one launch,
+because a small eager forward is launch-bound. Batches are padded to shape buckets whose pad rows
+belong to no sequence (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -68,11 +49,9 @@ class Shape:
 
 
 class CudaGraphs:
-    """Forwards of at most ``max_tokens`` tokens, replayed from graphs captured per ``Shape``.
-    ``forward(layout)`` gives the last hidden state ``[T, hidden]`` of the batch, or None when
-    it must run eagerly (the graph budget is spent, or capture failed once: then never again).
-    ``capture=False`` runs the padded batch eagerly instead of capturing: the same buffers,
-    shapes and padding, checkable on a CPU."""
+    """Forwards of at most ``max_tokens`` tokens replayed from graphs captured per ``Shape``;
+    ``forward(layout)`` gives ``[T, hidden]``, or None when the batch must run eagerly.
+    ``capture=False`` runs the padded batch eagerly: the same buffers and shapes, testable on a CPU."""
 
     def __init__(self, forward: Callable[[Layout], torch.Tensor], device: torch.device, max_tokens: int,
                  max_length: int, *, capture: bool = True, max_graphs: int = MAX_GRAPHS):
@@ -104,11 +83,9 @@ class CudaGraphs:
         return self.failed is None and 0 < num_tokens <= self.max_tokens
 
     def warm_shapes(self, max_tokens: int | None = None) -> list[Shape]:
-        """Every shape of a batch of at most ``max_tokens`` tokens (None: ``self.max_tokens``)
-        whose sequences are all at most ``MIN_LEN_BUCKET`` tokens (the short queries a search
-        backend sends): captured before the worker serves (``Engine.capture_graphs``). Captured
-        on first use instead, each new shape holds the worker for a capture (~50 ms on the H100),
-        and a benchmark's first minutes met dozens."""
+        """Every shape of a batch of at most ``max_tokens`` tokens (None: ``self.max_tokens``) whose
+        sequences are all at most ``MIN_LEN_BUCKET`` tokens (short queries), captured before the
+        worker serves so first calls do not wait for captures."""
         longest = min(MIN_LEN_BUCKET, self.max_length)
         limit = min(max_tokens or self.max_tokens, self.max_tokens)
         shapes = []
@@ -178,9 +155,8 @@ class CudaGraphs:
                     before.wait_stream(side)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self._pool, stream=side):
-                        # The graph's own output is dropped after the capture (its memory goes
-                        # back to the pool for other graphs' scratch): only the copy into the
-                        # shared output outlives a replay, so the warm graphs hold one output.
+                        # The graph's own output goes back to the pool after the capture; only
+                        # the copy into the shared output outlives a replay.
                         try:
                             self._write_out(self._forward(static))
                         except BaseException as exc:

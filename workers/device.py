@@ -1,12 +1,7 @@
 """Which device and dtype a model runs on, and the torch versions tokq supports.
 
-``auto`` device: CUDA when a GPU is present, else CPU. ``auto`` dtype, per what the hardware
-runs natively (emulated types are slower than fp32):
-  CUDA  bf16 on sm80+ (Ampere and later); fp16 on sm70-sm75 (V100, T4: tensor cores, no bf16;
-        an fp16 overflow gives inf/NaN, which the worker refuses to return); fp32 before.
-  CPU   bf16 where the CPU has native bf16 dot products (AVX512_BF16 or AMX, detected, never
-        assumed: oneDNN then runs bf16 linear layers ~2x faster than fp32); fp32 otherwise.
-Pooling and normalization always run in fp32 (workers/pooling.py).
+``auto``: CUDA when a GPU is present, else CPU, in the dtype the hardware runs natively (bf16 on
+sm80+ or a CPU with native bf16 dot products, fp16 on sm70-sm75, else fp32; docs/internals.md).
 """
 
 from __future__ import annotations
@@ -110,9 +105,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def worker_threads(configured: int, usable: int | None = None) -> int:
-    """A worker's torch CPU threads: ``configured`` (``--threads``), else torch's default (its
-    physical cores) capped by the CPUs this process may use. A container's CPU quota is not in
-    torch's default: 32 threads in a 2-CPU pod stall each other at every OpenMP barrier."""
+    """A worker's torch CPU threads: ``configured`` (``--threads``), else torch's default capped by
+    the CPUs this process may use, since torch's default ignores a container's CPU quota."""
     if configured:
         return configured
     return max(1, min(torch.get_num_threads(), usable or usable_cpus()))

@@ -17,10 +17,12 @@ from tokq.workers import attention, cuda_graphs, pooling, prefix_attention, pree
 from tokq.workers.kernels import cpu_memory
 from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
 from tokq.workers.layout import build_layout
+from tokq.workers.layout import to_device
 from tokq.workers.loader import load_weights
 from tokq.workers.models.bert import Bert
 from tokq.workers.models.qwen import Qwen
 from tokq.workers.prefix_cache import PrefixCache
+from tokq.workers.scoring import ScoreHead, load_head
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 
@@ -28,8 +30,9 @@ DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 class Engine:
     def __init__(self, info: ModelInfo, model: Bert | Qwen, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 cuda_graph_tokens: int = 0):
+                 cuda_graph_tokens: int = 0, head: ScoreHead | None = None):
         self.info = info
+        self.head = head  # a reranker's: embed() then returns one raw score per sequence
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -61,13 +64,8 @@ class Engine:
              prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
              cuda_graph_tokens: int = WorkerConfig.cuda_graph_tokens) -> Engine:
         """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
-        all-MiniLM-L6-v2). Raises
-        ``tokq.model.info.UnsupportedModel`` naming the supported architectures.
-        ``linear``: auto | c | onednn | torch, the kernel of the linear layers (auto: the C
-        kernel for fp32 on one thread of an AVX2 CPU without AVX-512, else oneDNN on CPU;
-        see workers/models/layers.py). ``cuda_graph_tokens``: on CUDA with a varlen attention
-        backend, batches of at most this many tokens replay CUDA graphs (workers/cuda_graphs.py);
-        0: every forward eager."""
+        all-MiniLM-L6-v2); UnsupportedModel names the supported architectures. ``linear``: the linear
+        layers' kernel (workers/models/layers.py); ``cuda_graph_tokens``: workers/cuda_graphs.py."""
         check_torch_version()
         info = ModelInfo.load(path, name, revision)
         resolved_device = resolve_device(device)
@@ -81,13 +79,15 @@ class Engine:
             model = Bert(info.config, weights, linear, device=resolved_device)
         else:
             model = Qwen(info.config, weights, info.family, info.max_length, linear, device=resolved_device)
+        head = load_head(info, weights, resolved_device) if info.is_reranker else None
         return cls(info, model, resolved_device, resolved_dtype, backend, prefix_cache_bytes,
-                   cuda_graph_tokens)
+                   cuda_graph_tokens, head)
 
     @torch.inference_mode()
     def embed(self, batch: PackedBatch) -> np.ndarray:
         """float32 ``[N, hidden]``: rows with ``dimensions`` d > 0 hold d values then zeros;
-        rows with ``normalize`` have unit norm over their first d values."""
+        rows with ``normalize`` have unit norm over their first d values. A reranker's: float32
+        ``[N, 1]``, each sequence's raw score (before the activation)."""
         if batch.max_seqlen > self.info.max_length:
             raise ValueError(f"sequence of {batch.max_seqlen} tokens exceeds the model's "
                              f"max length {self.info.max_length}")
@@ -99,34 +99,39 @@ class Engine:
                 checkpoint)
             self.tokens_computed += computed
             self.last_graphed = False
-            return pooling.finish(pooled, batch.normalize, batch.dimensions)
+            return self._finish(pooled, batch)
         layout = build_layout(batch, self.device, self.attn_backend, causal=self.model.causal,
                               dtype=self.dtype)
         hidden = None
+        token_types = _layout_token_types(batch, layout, self.device)
         # A graph has no checkpoint between its steps: a heavy forward (it has one) runs
-        # eagerly, so light work can still run inside it.
-        graphed = self.graphs is not None and checkpoint is preempt.no_checkpoint
+        # eagerly, so light work can still run inside it. Nor has it segment ids.
+        graphed = self.graphs is not None and checkpoint is preempt.no_checkpoint and token_types is None
         if graphed and self.graphs.covers(batch.num_tokens):
             hidden = self.graphs.forward(layout)
         replayed = hidden is not None
         if hidden is None:
-            hidden = self.model.forward(layout, self._attend, checkpoint=checkpoint)
+            extra = {"token_types": token_types} if token_types is not None else {}
+            hidden = self.model.forward(layout, self._attend, checkpoint=checkpoint, **extra)
         self.last_graphed = replayed  # after any batch nested in this forward set it
         self.tokens_computed += batch.num_tokens
-        pooled = pooling.pool(hidden, layout, self.info.pooling)
+        return self._finish(pooling.pool(hidden, layout, self.info.pooling), batch)
+
+    def _finish(self, pooled: torch.Tensor, batch: PackedBatch) -> np.ndarray:
+        if self.head is not None:
+            return self.head(pooled).cpu().numpy()
         return pooling.finish(pooled, batch.normalize, batch.dimensions)
 
     def batch_flops(self, batch: PackedBatch) -> float:
-        """FLOPs of one forward over ``batch`` (tokq.model.flops.forward_flops); a prompt the prefix
-        cache holds is not computed, so it counts only as keys its queries attend to."""
+        """FLOPs of one forward over ``batch`` (tokq.model.flops.forward_flops); a cached shared
+        prompt is not computed, so it counts only as keys its queries attend to."""
         cached = batch.prefix_lens if batch.prefix_lens is not None and self.prefix_cache is not None else None
         return float(forward_flops(self.info.config, batch.seqlens, cached))
 
     def capture_graphs(self, max_tokens: int | None = None) -> int:
-        """Capture the CUDA graphs of short-query batch shapes now (``CudaGraphs.warm_shapes``),
-        one synthetic batch each, so no early batch waits for its shape's capture; with
-        ``max_tokens`` (the worker's budget) only shapes a batch of that many tokens may need.
-        How many were captured (0 without graphs)."""
+        """Capture the CUDA graphs of short-query batch shapes now, so no early batch waits for a
+        capture; with ``max_tokens`` (the worker's budget) only shapes such a batch may need.
+        Returns how many were captured (0 without graphs)."""
         graphs = self.graphs
         if graphs is None:
             return 0
@@ -155,6 +160,19 @@ class Engine:
         return PackedBatch.pack([np.arange(1, n + 1, dtype=np.int64) % vocab for n in lens])
 
 
+def _layout_token_types(batch: PackedBatch, layout, device: torch.device) -> torch.Tensor | None:
+    """The batch's segment ids in the layout's token order (it may sort sequences by length)."""
+    if batch.token_type_ids is None:
+        return None
+    types = to_device(batch.token_type_ids, device)
+    if layout.restore is None:
+        return types
+    # token t of the layout is token positions[t] of sequence order[seq_index[t]] in the batch
+    order = torch.argsort(layout.restore)
+    starts = to_device(batch.cu_seqlens.astype(np.int64), device)
+    return types[starts[order[layout.seq_index]] + layout.positions]
+
+
 def _fingerprint(info: ModelInfo) -> str:
-    """What the prefix cache keys by besides the token ids (one engine serves one model)."""
+    """What the shared-prompt cache keys by besides the token ids (one engine serves one model)."""
     return getattr(info, "fingerprint", None) or f"{info.name}:{info.path}"

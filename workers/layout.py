@@ -99,9 +99,8 @@ def build_layout(batch: PackedBatch, device: torch.device, backend: str, *, caus
 def _packed_run(cu: np.ndarray, lens: np.ndarray, first: int, last: int, row_len: int, causal: bool,
                 dtype: torch.dtype, device: torch.device) -> SeqRun:
     """Sequences ``first..last`` (sorted, each <= row_len) packed into rows of ``row_len`` slots,
-    best fit, longest first; a slot attends only to slots of its own sequence (and, causal, not
-    ahead). Why best fit: every slot costs attention work, filled or not, and next-fit in length
-    order left ~23% of a short-query batch's slots empty, best fit ~5%."""
+    best fit, longest first, since every slot costs attention work, filled or not; a slot attends
+    only to slots of its own sequence (and, causal, not ahead)."""
     start, num_tokens = int(cu[first]), int(cu[last] - cu[first])
     run_lens = lens[first:last]
     row_of_seq = np.empty(last - first, dtype=np.int64)
@@ -128,9 +127,9 @@ def _packed_run(cu: np.ndarray, lens: np.ndarray, first: int, last: int, row_len
     gather[token_row, token_slot] = start + np.arange(num_tokens)
     # which sequence fills each slot; each empty slot a class of its own, so it attends to itself
     # (finite output, never read) and no real token attends to it
-    owner = -1 - np.arange(num_rows * row_len).reshape(num_rows, row_len)
-    owner[token_row, token_slot] = seq_of_token
-    allowed = owner[:, :, None] == owner[:, None, :]
+    slot_seq = -1 - np.arange(num_rows * row_len).reshape(num_rows, row_len)
+    slot_seq[token_row, token_slot] = seq_of_token
+    allowed = slot_seq[:, :, None] == slot_seq[:, None, :]
     if causal:
         allowed &= np.tri(row_len, dtype=bool)[None]
     mask = np.where(allowed, 0.0, -np.inf).astype(np.float32)[:, None]

@@ -1,6 +1,7 @@
 """Weights from a local Hugging Face directory: ``model.safetensors`` or the shards listed in
 ``model.safetensors.index.json``. Names lose the prefix their head class added (``bert.``,
-``model.``); tensors outside the base model (lm_head, MLM heads, pooler) are never read."""
+``model.``); tensors outside the base model (lm_head, MLM heads) are read only by name, for a
+reranker's head (``load_tensors``), and then only the rows it uses."""
 
 from __future__ import annotations
 
@@ -70,13 +71,9 @@ def _canonical(name: str) -> str:
 
 
 def load_weights(path: Path, anchor: str, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's tensors on the host, named relative to it, floats cast to ``dtype``.
-    They stay on the host so the model fuses its projections (qkv, gate-up) there and moves
-    each result once: concatenating on the GPU would hold the parts and the whole at once.
-
-    ``anchor`` is a name every checkpoint of the family has (e.g. ``embed_tokens.weight``);
-    whatever precedes it in the file is the prefix to strip.
-    """
+    """The base model's tensors on the host (so projections are fused there, not holding parts and
+    whole on the GPU), named relative to it, floats cast to ``dtype``. ``anchor``: a name every
+    checkpoint of the family has; whatever precedes it in the file is stripped."""
     files = weight_files(path)
     canonical = {_canonical(name): name for name in files}
     matches = sorted((n for n in canonical if n == anchor or n.endswith("." + anchor)), key=len)
@@ -100,6 +97,29 @@ def load_weights(path: Path, anchor: str, *, dtype: torch.dtype) -> dict[str, to
                     raise BrokenCheckpoint(f"{file}: cannot read tensor {stored!r} ({exc})") from None
                 weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return weights
+
+
+def load_tensors(path: Path, names: list[str], *, dtype: torch.dtype,
+                 rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors by their full checkpoint names (a head outside the base model: a classifier, the
+    LM head), floats cast to ``dtype``; with ``rows``, only those rows of each are read from disk.
+    A name absent from the checkpoint is absent from the result."""
+    files = weight_files(path)
+    out = {}
+    for name in names:
+        if name not in files:
+            continue
+        with _open(files[name], device="cpu") as f:
+            try:
+                if rows is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    part = f.get_slice(name)
+                    tensor = torch.stack([part[r:r + 1][0] for r in rows])
+            except SafetensorError as exc:
+                raise BrokenCheckpoint(f"{files[name]}: cannot read tensor {name!r} ({exc})") from None
+        out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return out
 
 
 def moved(layer, device: torch.device):

@@ -1,17 +1,6 @@
 """CPU attention in bf16/fp16 for the short runs of a sorted layout (``SeqRun``s of at most
-``max_seqlen`` slots): plain batched matmuls + softmax, as transformers' eager attention does,
-not SDPA's CPU flash kernel, whose fixed costs dominate such short rows (``tokq bench runtime``
-"attention alone": 2.2 against 2.8 ms per layer per 1,024-token batch of short queries; one
-12-head sequence, 1 thread: 0.6x SDPA's time at 128 tokens, 0.8x at 192, 1.3x at 256).
-
-Per layer, every such run at once: one ``index_select`` each for q, k and v puts the rows of
-all runs in head-major blocks ``[num_seqs*Hq, seqlen, D]`` (k, v heads repeated up to q's),
-which bmm reads without a copy; per run one baddbmm (scores, scale and additive mask in one
-op; scores [key, query]), a softmax and one bmm into a shared output buffer; one ``index_select`` puts the outputs
-back in token order. Why: the per-run gathers, transposes and reshape copies this replaces
-cost about as much as the matmuls themselves. The index tensors and per-head masks depend
-only on the batch and the heads' memory layout: built at the first layer, cached on the
-``Layout`` for the others.
+``max_seqlen`` slots): plain batched matmuls + softmax, where SDPA's CPU flash kernel's fixed
+costs dominate. All runs of a layer share one gather and one scatter (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -125,10 +114,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, ca
     for block in plan.blocks:
         rows = slice(block.offset, block.offset + block.rows * block.seqlen)
         qb, kb, vb = (x[rows].view(block.rows, block.seqlen, head_dim) for x in (qg, kg, vg))
-        # Scores laid out [key, query] (k q^T), so softmax reduces over dim -2, which torch's
-        # CPU kernel vectorizes across queries; over dim -1 of 32-64 slots it is a pair of
-        # per-row reductions: measured 2x slower on [300, 32, 32] (the whole block 1.4x).
-        # No mask: beta=0 ignores the input and the scale lands in the fp32 accumulator.
+        # Scores [key, query]: softmax over dim -2 is vectorized across queries by torch's CPU
+        # kernel. No mask: beta=0 ignores the input and the scale lands in the fp32 accumulator.
         square = (block.rows, block.seqlen, block.seqlen)
         mask, beta = (block.mask, 1) if block.mask is not None else (zero.expand(square), 0)
         scores = torch.baddbmm(mask, kb, qb.transpose(1, 2), beta=beta, alpha=scale)

@@ -1,23 +1,6 @@
-"""A shared prompt computed once: each query runs only its own tokens, attending to its
-prompt's K/V plus its own causal K/V (issue 15).
-
-In a causal model a prefix's keys and values at every layer depend on the prefix alone, so a
-batch of queries behind the same instruction needs them once. Per batch, each distinct prefix
-is taken from the worker's PrefixCache or, when missing, computed in the same forward as the
-queries: it runs as a sequence of its own at the front of the batch, and since every layer
-computes all tokens' K/V before any attention, the queries behind it read its K/V of the same
-layer. Query tokens keep their true positions (rotary angles continue after the prefix), and
-only their last hidden state is pooled: the path serves "last" pooling only.
-
-Attention per layer over ``kv = [cached prefix K/V rows ; this batch's K/V rows]``:
-  flash_attn   one ``flash_attn_varlen_func`` call, keys packed per sequence as [prefix ; own]
-               with ``cu_seqlens_k`` != ``cu_seqlens_q``; flash-attn (>= 2.1) aligns the
-               causal mask bottom-right, so a query token sees the whole prefix and its own
-               earlier tokens.
-  otherwise    (CPU, and torch_varlen / sdpa on CUDA) SDPA with explicit masks: sequences
-               bucketed by query length (powers of two), each bucket one call with its
-               queries padded to the bucket's longest and keys to its longest prefix + query;
-               empty slots exist inside attention only.
+"""A shared prompt computed once: each query runs only its own tokens, attending to the shared
+prompt's cached K/V plus its own causal K/V. Causal models with "last" pooling only; a missing
+shared prompt is computed in the same forward (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -43,7 +26,7 @@ class _Bucket:
     q_len: int
     k_len: int
     q_gather: torch.Tensor  # [num_seqs*q_len] query rows; empty slots repeat one
-    k_gather: torch.Tensor  # [num_seqs*k_len] rows of [prefix K/V ; batch K/V]
+    k_gather: torch.Tensor  # [num_seqs*k_len] rows of [shared prompt K/V ; batch K/V]
     mask: torch.Tensor  # [num_seqs, 1, q_len, k_len] additive: 0 or -inf
     real_slots: torch.Tensor  # [n] flat slots holding real query tokens
     out_rows: torch.Tensor  # [n] their rows in the batch
@@ -51,26 +34,26 @@ class _Bucket:
 
 @dataclass
 class PrefixPass:
-    """One batch planned for the prefix path; ``attend`` is what each layer calls."""
+    """One batch planned for the shared prompt path; ``attend`` is what each layer calls."""
 
-    layout: Layout  # the tokens computed: new prefixes first, then every query's own tokens
-    num_new: int  # leading sequences of ``layout`` that are prefixes computed in this batch
+    layout: Layout  # the tokens computed: new shared prompts first, then every query's own tokens
+    num_new: int  # leading sequences of ``layout`` that are shared prompts computed in this batch
     new_keys: list  # their cache keys
-    context: torch.Tensor | None  # [layers, 2, C, Hkv, D]: cached prefixes' K/V, concatenated
+    context: torch.Tensor | None  # [layers, 2, C, Hkv, D]: cached shared prompts' K/V, concatenated
     use_flash: bool
-    kv_rows: torch.Tensor | None  # flash: keys of each sequence, packed [prefix ; own]
+    kv_rows: torch.Tensor | None  # flash: keys of each sequence, packed [shared prompt ; own]
     cu_seqlens_k: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
     buckets: tuple[_Bucket, ...]  # sdpa
     num_tokens: int  # tokens computed (T of the forward)
-    new_prefix_tokens: int  # rows 0..this of the batch: the prefixes computed in it
+    new_prefix_tokens: int  # rows 0..this of the batch: the shared prompts computed in it
     _new_cu: list[int] = field(default_factory=list)  # host copy: no device sync per layer
-    _captured: list = field(default_factory=list)  # per layer: new prefixes' (k, v) rows
+    _captured: list = field(default_factory=list)  # per layer: new shared prompts' (k, v) rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-        """``[T, Hq, D]``: each sequence's queries over its prefix's and its own K/V."""
+        """``[T, Hq, D]``: each sequence's queries over its shared prompt's and its own K/V."""
         num_new_rows = self.new_prefix_tokens
         if num_new_rows:
             self._captured.append((k[:num_new_rows].clone(), v[:num_new_rows].clone()))
@@ -89,7 +72,7 @@ class PrefixPass:
         return _sdpa_buckets(q, k_all, v_all, self.buckets, scale)
 
     def store_new_prefixes(self, cache: PrefixCache) -> None:
-        """Put the prefixes computed in this batch into the cache, one ``[layers, 2, p, Hkv, D]``
+        """Put the shared prompts computed in this batch into the cache, one ``[layers, 2, p, Hkv, D]``
         tensor each (cloned: the cache must not hold the batch's whole K/V alive)."""
         if not self._captured:
             return
@@ -114,7 +97,7 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
     ids = batch.input_ids
     num_seqs = len(lens)
 
-    # distinct prefixes, each looked up in the cache once per batch
+    # distinct shared prompts, each looked up in the cache once per batch
     index_of: dict = {}
     prefix_ids, cached = [], []
     seq_prefix = np.full(num_seqs, -1, dtype=np.int64)
@@ -131,7 +114,7 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
     new = [j for j in range(len(prefix_ids)) if cached[j] is None]
     old = [j for j in range(len(prefix_ids)) if cached[j] is not None]
 
-    # context rows: cached prefixes first (rows 0..C-1 of [context ; batch]), then batch rows
+    # context rows: cached shared prompts first (rows 0..C-1 of [context ; batch]), then batch rows
     ctx_start = np.zeros(len(prefix_ids), dtype=np.int64)
     offset = 0
     for j in old:
@@ -140,7 +123,7 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
     num_ctx = offset
     context = torch.cat([cached[j] for j in old], dim=2) if old else None
 
-    # computed sequences: new prefixes, then each query's own tokens
+    # computed sequences: new shared prompts, then each query's own tokens
     seq_ids = [prefix_ids[j] for j in new]
     seq_start_pos = [0] * len(new)
     for i in range(num_seqs):
@@ -246,10 +229,9 @@ def _sdpa_buckets(q, k_all, v_all, buckets: tuple[_Bucket, ...], scale: float) -
 def forward_pooled(model, batch: PackedBatch, cache: PrefixCache, backend: str,
                    device: torch.device, dtype: torch.dtype,
                    checkpoint: Callable[[], None] = no_checkpoint) -> tuple[torch.Tensor, int]:
-    """fp32 ``[N, hidden]`` last-token states of ``batch`` through the prefix path, and the
-    number of tokens computed; new prefixes enter ``cache``. ``checkpoint``: as the model's
-    (workers/preempt.py); a light batch nested there may use the cache too: this pass already
-    holds the cached K/V it reads, and stores its new prefixes after its forward."""
+    """fp32 ``[N, hidden]`` last-token states of ``batch`` through the shared prompt path, and the
+    number of tokens computed; new shared prompts enter ``cache`` after the forward, so a light
+    batch nested at a ``checkpoint`` (workers/preempt.py) may use the cache too."""
     run = plan(batch, cache, device, dtype, backend)
     hidden = model.forward(run.layout, None, prefix=run, checkpoint=checkpoint)
     run.store_new_prefixes(cache)

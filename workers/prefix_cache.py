@@ -1,9 +1,5 @@
-"""A worker's cache of shared-prompt K/V: for each prefix (a prompt's token ids), the keys and
-values every layer of a causal model computed for it, so a later batch skips those tokens.
-
-Keyed by the model's fingerprint and the prefix's token ids (a prefix's K/V depend on nothing
-else: its tokens sit at positions 0..p-1 and attend only to each other); least recently used
-entries leave first so the whole cache stays within ``max_bytes``.
+"""A worker's cache of shared-prompt K/V, keyed by the model's fingerprint and the shared prompt's
+token ids (its K/V depend on nothing else), least recently used first out, within ``max_bytes``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""One claimed batch -> one result per item, whatever goes wrong in between.
-
-* An item the model cannot take (a token id past the vocabulary, too long, empty) is answered
-  INVALID_ARGUMENT before the forward; its batch-mates run.
-* A failed forward is classified (workers/errors.py) once its exception is gone, so the
-  traceback no longer holds the forward's activations, and the device cache is emptied:
-  - out of memory, or an input the model chokes on: the batch is split in halves and each
-    half retried (bisection: a poison input costs ~2 log2(n) forwards, not n), down to single
-    items, which then fail alone (INTERNAL);
-  - a sticky device error (device-side assert, illegal address, "CUDA error"): the worker is
-    marked unhealthy and the process exits for its supervisor to restart it; nothing is
-    answered, so the batch is redone elsewhere once its lease expires.
-* A vector holding NaN or inf (an fp16 overflow) is never returned: INTERNAL for that item,
-  counted in tokq_worker_nonfinite_vectors_total.
+"""One claimed batch -> one result per item, whatever goes wrong in between: bad inputs are
+refused alone, a failed forward is bisected down to the poison input, a sticky device error
+exits for the supervisor, and non-finite vectors are never returned (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -39,9 +28,8 @@ _NO_IDS = Body(np.zeros(0, dtype=np.int64), normalize=True, dimensions=0)
 
 
 def _decoded(raw: bytes) -> tuple[Body, str | None]:
-    """``raw``'s body, or a stand-in and why it cannot be read: one malformed entry (a foreign
-    or mismatched writer) is answered INTERNAL alone, and must not take the worker down with
-    it, then the next worker its lease's redo reaches."""
+    """``raw``'s body, or a stand-in and why it cannot be read: a malformed entry is answered
+    INTERNAL alone rather than taking down each worker its lease's redo reaches."""
     try:
         return decode_body(raw), None
     except (struct.error, ValueError) as exc:
@@ -60,14 +48,10 @@ def exit_for_supervisor(code: int) -> None:
 @dataclass
 class BatchOutcome:
     results: list  # (Entry, result bytes)
-    # Tokens of each item whose forward completed (its vector may still have been refused as
-    # non-finite), in batch order: items refused before the forward (a token id past the
-    # vocabulary, too long) and those a failed forward gave up on are not in it. [] when no
-    # forward completed. The worker's forward metrics (tokens, FLOPs, MFU) count these.
+    # Tokens of each item whose forward completed, in batch order ([] when none did): what the
+    # worker's forward metrics (tokens, FLOPs, MFU) count.
     seqlens: list[int]
-    # Its forward's seconds; a heavy batch's leave out the light batches nested in it
-    # (Worker.run_heavy), which have their own. (The forward_ms in its items' replies does not:
-    # their callers did wait that long.)
+    # Its forward's seconds, less any light batches nested in it (they have their own).
     forward_s: float
     num_failed: int
     graphed: bool = False  # its (last) forward replayed a CUDA graph
@@ -146,7 +130,8 @@ class BatchRunner:
         batch = PackedBatch.pack([b.token_ids for b in bodies],
                                  normalize=[b.normalize for b in bodies],
                                  dimensions=[b.dimensions for b in bodies],
-                                 prefix_lens=[b.prefix_len for b in bodies])
+                                 prefix_lens=[b.prefix_len for b in bodies],
+                                 segment_starts=[b.segment_start for b in bodies])
         return self.engine.embed(batch)
 
     def _embed_into(self, bodies: list[Body], items: list[int], vectors: np.ndarray,
@@ -159,8 +144,8 @@ class BatchRunner:
             return self.engine.last_graphed  # set by that forward, after any batch nested in it
         except Exception as exc:  # noqa: BLE001 - classified below, after the exception is gone
             fault, message = classify(exc), f"{type(exc).__name__}: {exc}".splitlines()[0][:_MAX_MESSAGE]
-        # Out of the except block: the exception and its traceback (the failed forward's
-        # frames and activations) are released, so the memory can really be handed back.
+        # Out of the except block: the traceback (the forward's activations) is released, so
+        # the memory can be handed back.
         if fault is Fault.DEVICE:
             self._device_failed(message)
         self.release()

@@ -1,20 +1,5 @@
-/* Varlen attention for CPU: every sequence of a packed batch attends to itself, read in place
- * from q/k/v of [T, H, D] (any row strides, D contiguous), bf16 or fp32 in, fp32 math, written
- * to a contiguous [T, Hq, D] out of the same dtype. Built by workers/kernels/cpu_build.py with the
- * machine's own compiler flags (-O3 -march=native) on first use; torch has no CPU varlen kernel.
- * Vectors are written out (workers/kernels/cpu_vec.h) because auto-vectorizing these short loops chose
- * the wrong loop to vectorize (scalar gathers across K^T's rows).
- *
- * Why it is faster than batched matmuls over padded rows (workers/matmul_attention.py): a
- * short-query batch's attention is ~20 MFLOP per layer, so the cost there is gathers, empty
- * slots and per-op overhead, none of which this has. Per (sequence, head): K transposed and V
- * converted to fp32 once, then per group of ROWS query rows: scores for all keys (a vector over
- * keys, D multiply-adds), softmax, and the weighted sum of V rows (a vector over D).
- *
- * bf16 on a CPU with AVX512-BF16 (and D a multiple of 32) takes attend_one_dp instead: the same
- * steps on bf16 pairs through vdpbf16ps, without converting K and V to fp32 (in the 16-float
- * build only, the native one there: its vectors are __m512).
- */
+/* Varlen attention for CPU: each sequence of a packed [T, H, D] batch attends to itself, read in
+ * place, bf16 or fp32 in, fp32 math; no gathers or padding (docs/internals.md, workers/kernels/). */
 #include <stdlib.h>
 
 #include "cpu_vec.h"
@@ -53,9 +38,8 @@ static void *alloc_floats(size_t n) { /* 64-byte aligned, size a multiple of 64 
     return aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63);
 }
 
-/* e^x for x <= 0 (scores minus their max), ~1 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by
- * Cephes' degree-6 polynomial, times 2^n through the exponent bits. libm's expf is scalar
- * here and was ~15% of the kernel's time. */
+/* e^x for x <= 0 (scores minus their max), ~1 ulp, in vectors (libm's expf is scalar):
+ * x = n ln2 + r, e^r by Cephes' degree-6 polynomial, times 2^n through the exponent bits. */
 static inline vfloat exp_nonpositive(vfloat x) {
     const vfloat lo = x - x - 87.0f; /* below this e^x is under float's normal range: 0 */
     vint under = x < lo;
@@ -74,9 +58,8 @@ static inline vfloat exp_nonpositive(vfloat x) {
     return (vfloat)((vint)(p * scale) & ~under);
 }
 
-/* One (sequence, kv head group): ``d`` is a compile-time constant where inlined below.
- * Query rows go ROWS at a time: each K^T vector and V row loaded is used by ROWS FMAs, and the
- * ROWS sums are independent chains, so neither the loads nor the FMA latency set the pace. */
+/* One (sequence, kv head group), ROWS query rows at a time so each K^T vector and V row loaded
+ * serves ROWS independent FMA chains; ``d`` is a compile-time constant where inlined below. */
 static inline void attend_one(const void *q, const void *k, const void *v, void *out, int dtype,
                               int64_t start, int len, int hk, int group, int num_q_heads,
                               const int d, int64_t q_stride_t, int64_t q_stride_h,
@@ -170,11 +153,8 @@ static inline void attend_one(const void *q, const void *k, const void *v, void 
 #include <immintrin.h>
 #define HAVE_DPBF16 1
 
-/* e^x for x <= 0 to 6e-5 relative error at most, ample for weights rounded to bf16 (2^-9): 2^t
- * with t = x log2(e) split into n + f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 4,
- * times 2^n by vscalefps. Below float's normal range it gives subnormals, which the rounding to
- * bf16 (vcvtneps2bf16) flushes to zero. A third of exp_nonpositive's instructions; the
- * softmax was a fifth of this path's time with that one. */
+/* e^x for x <= 0 to 6e-5 relative error, ample for weights rounded to bf16: 2^f by a degree-4
+ * Taylor polynomial times 2^n by vscalefps; subnormals flush to zero in the bf16 rounding. */
 static inline __m512 exp_for_bf16(__m512 x) {
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -187,18 +167,8 @@ static inline __m512 exp_for_bf16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* attend_one for bf16 where the CPU has AVX512-BF16, d a multiple of 32. vdpbf16ps sums 32 bf16
- * products into 16 fp32 lanes, two per lane: half the instructions of fp32 FMAs, and no
- * conversion of K and V to fp32. Its operands are 32-bit words holding bf16 pairs:
- *   K^T  [d/2][width]  word (p, j) = (k[j][2p], k[j][2p+1]): a K row's own words, transposed;
- *   V    [width/2][d]  word (m, c) = (v[2m][c], v[2m+1][c]): two rows interleaved;
- *   q                  a row's own words, broadcast; the scale is applied to the fp32 scores;
- *   weights            rounded to bf16 and read as pairs of keys, as flash attention does on
- *                      GPUs; their sum is taken over the rounded values, the ones used.
- * Scores and softmax stay fp32. Against attend_one on a 1,008-token batch (12 heads, d 32):
- * 0.60-0.65x the time; mean absolute error 1.3-1.5x attend_one's against a float64 reference
- * (5.5e-4 against 4.2e-4 there), the largest error the same (the output's own rounding); unlike
- * attend_one's, not every output is the correctly rounded bf16 of the exact value. */
+/* attend_one for bf16 where the CPU has AVX512-BF16, d a multiple of 32: vdpbf16ps on words of
+ * bf16 pairs, K and V never converted to fp32 (operand layouts: docs/internals.md). */
 static inline void attend_one_dp(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                  uint16_t *out, int64_t start, int len, int hk, int group,
                                  int num_q_heads, const int d, int64_t q_stride_t,

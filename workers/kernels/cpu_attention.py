@@ -1,16 +1,6 @@
-"""Varlen attention on CPU through a small C kernel (workers/kernels/cpu_attention.c), compiled with
-this machine's C compiler on first use and cached; bf16 and fp32.
-
-torch has no CPU varlen attention (``varlen_attn`` is CUDA-only), and on short-query batches
-the padded-row matmuls of ``matmul_attention`` spend their time on gathers, empty slots and
-per-op overhead rather than arithmetic. The kernel reads each sequence's q, k, v in place from
-the packed ``[T, H, D]`` views and writes ``[T, Hq, D]``. In bf16, where the CPU has AVX512-BF16,
-the two products run on its bf16 dot products, with the softmax weights rounded to bf16 as
-flash attention does on GPUs (``bf16_dot_products``). How it is built, and the fallback
-to the torch backends where it cannot be: workers/kernels/cpu_build.py.
-
-Threads: with torch set to N threads, the batch's kv heads (then, past their number, the
-sequences) are split into N parts of about equal work.
+"""Varlen attention on CPU through a small C kernel (workers/kernels/cpu_attention.c), bf16 and fp32:
+torch has none, and padded-row matmuls waste short-query batches on gathers and empty slots.
+Each sequence is read in place; work is split over torch's threads (docs/internals.md).
 """
 
 from __future__ import annotations

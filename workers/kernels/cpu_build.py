@@ -1,13 +1,6 @@
-"""The CPU kernels written in C (``workers/*.c``): compiled with this machine's C compiler on
-first use, cached, loaded through ctypes, and run on torch's number of threads.
-
-torch lacks a CPU varlen attention and its bf16 LayerNorm is slow (workers/kernels/cpu_attention.c,
-workers/kernels/cpu_norm.c say more). Each source is built with ``-O3 -march=native`` (so for this CPU's
-vector instructions) in well under a second, into ``$TOKQ_CACHE_DIR``, else
-``$XDG_CACHE_HOME/tokq``, else ``~/.cache/tokq``, keyed by the source, flags, compiler and CPU.
-When there is no compiler, the build fails, or the cache cannot be written, ``library`` says why
-and the worker keeps torch's ops. The C calls release the GIL (ctypes), so a kernel's work split
-in N parts runs on a pool of N - 1 threads and the caller's.
+"""The CPU kernels written in C (``workers/kernels/*.c``): compiled with ``-march=native`` on first
+use, cached by source, flags, compiler and CPU, loaded through ctypes and run on torch's number of
+threads; where they cannot be built, the worker keeps torch's ops (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -43,10 +36,8 @@ def cache_dir() -> Path:
 
 
 def compile_library(cc: str, flags, source: Path, out: Path) -> None:
-    """Compile ``source`` with ``flags``, then link it into the shared library ``out`` without
-    them. Why apart: linking with -ffast-math adds crtfastmath.o, whose start-up code sets the CPU
-    to flush subnormal floats to zero in the whole process that loads the library (torch, numpy,
-    everything), not just in the kernel."""
+    """Compile ``source`` with ``flags``, then link the shared library ``out`` without them: linking
+    with -ffast-math adds crtfastmath.o, which flushes subnormals to zero in the whole process."""
     obj = out.with_suffix(".o")
     subprocess.run([cc, *flags, "-c", "-o", str(obj), str(source)], check=True,
                    capture_output=True, text=True, timeout=120)
@@ -64,10 +55,9 @@ def build_key(source: Path, cc: str, flags=FLAGS) -> str:
 
 @functools.cache
 def library(name: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
-    """(the loaded ``workers/<name>.c``, None) or (None, why not). Built once per
-    ``build_key`` (-march=native builds for the CPU's feature flags, so a home shared by
-    different machines gets one build per CPU kind). ``extra_flags`` follow FLAGS: a variant
-    build, for comparisons (e.g. without an instruction set extension)."""
+    """(the loaded ``workers/kernels/<name>.c``, None) or (None, why not), built once per
+    ``build_key``, so a home shared by different CPUs gets one build per CPU kind. ``extra_flags``
+    follow FLAGS: a variant build, for comparisons."""
     source = Path(__file__).with_name(f"{name}.c")
     cc = compiler()
     if cc is None:

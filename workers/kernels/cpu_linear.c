@@ -1,18 +1,5 @@
-/* fp32 linear layer for CPU: y[m, n] = x[m, k] @ W^T + bias (+ residual), W torch's [n, k].
- * Built by workers/kernels/cpu_build.py with the machine's own compiler flags on first use.
- *
- * Why: on an AVX2 CPU without AVX-512 (AMD EPYC, Zen 1) oneDNN's fp32 linear is slow at the few
- * rows of a lone short query: on one thread, MiniLM's linears of a forward at 1-16 rows took
- * 1.18-1.24x this kernel's time there, 1.06x at 32-64 rows, 1.02-1.07x at 256-1,024 (~39
- * GFLOP/s, near the core's FMA peak). profiling/RESULTS.md, `tokq bench linear`.
- *
- * W is packed once (tokq_pack_weight) into panels of NR = 2 x LANES output columns: panel p
- * holds, for each k, its columns' NR weights side by side ([k][NR]), so one step of k loads two
- * vectors of weights and meets MR rows' x[r][k], broadcast: MR x 2 vector accumulators, 12 of
- * AVX2's 16 registers with MR = 6. A panel (k x NR floats: 24-96 KiB for MiniLM) stays in cache
- * while every block of MR rows passes over it. The last panel of an n that NR does not divide
- * is packed as wide as it is ([k][n % NR]), so the packed weight has exactly n x k floats.
- */
+/* fp32 linear layer for CPU: y[m, n] = x[m, k] @ W^T + bias (+ residual), W torch's [n, k],
+ * packed once into cache-resident panels of NR output columns (docs/internals.md). */
 #include "cpu_vec.h"
 
 #define NR (2 * LANES) /* output columns per panel */

@@ -1,14 +1,6 @@
-"""fp32 linear layers on CPU through a small C kernel (workers/kernels/cpu_linear.c): the bias and the
-residual add in the kernel, the activation in place on its output. Built as workers/kernels/cpu_build.py
-says.
-
-Why: on AVX2 CPUs without AVX-512, oneDNN's fp32 linear is slow at the few rows of a lone short
-query. On an AMD EPYC (Zen 1), one thread, an 8-token MiniLM forward took 10.9 ms through oneDNN
-against 8.8 ms through this (1.26x); 1.07-1.10x at 32-64 tokens, 1.03-1.06x at 256-1,024
-(profiling/RESULTS.md, `tokq bench linear`). ``linear_kernels`` (workers/models/layers.py) picks
-it for fp32 on such CPUs, on one thread, only (``preferred``): on AVX-512 CPUs it was not
-measured against oneDNN, and its split over threads (disjoint panels, on cpu_build's pool) lost
-to oneDNN's.
+"""fp32 linear layers on CPU through a small C kernel (workers/kernels/cpu_linear.c), bias and
+residual add in the kernel. Picked for fp32 on one thread of an AVX2 CPU without AVX-512, where
+oneDNN is slow at a short query's few rows (``preferred``; docs/internals.md).
 """
 
 from __future__ import annotations
@@ -43,9 +35,8 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def preferred(flags: set[str] | None = None, threads: int | None = None) -> bool:
-    """Where ``auto`` picks the C linear over oneDNN: one thread (torch's, as set when the model
-    loads) on an AVX2 CPU without AVX-512, where it was measured faster. With more threads
-    oneDNN's own parallel runtime won (2 threads: forwards 0.61-0.89x; profiling/RESULTS.md)."""
+    """Where ``auto`` picks the C linear over oneDNN: one torch thread on an AVX2 CPU without
+    AVX-512, where it measured faster; with more threads oneDNN's runtime wins (profiling/RESULTS.md)."""
     flags = cpu_flags() if flags is None else flags
     threads = torch.get_num_threads() if threads is None else threads
     return threads == 1 and "avx2" in flags and "fma" in flags and "avx512f" not in flags
@@ -72,7 +63,7 @@ class CLinear:
 
     def _run(self, x, weight, bias, residual=None) -> torch.Tensor:
         # The kernel reads raw memory: shapes and dtypes are checked here, as F.linear would.
-        # Plain comparisons, no generator: ~2 us a call, 36 calls a MiniLM forward.
+        # Plain comparisons, no generator: this runs for every linear of every forward.
         (m, k), n, f32 = x.shape, weight.shape[0], torch.float32
         if (x.dtype != f32 or weight.dtype != f32 or weight.shape[1] != k
                 or (bias is not None and (bias.dtype != f32 or bias.shape != (n,)))

@@ -1,11 +1,6 @@
-"""Freed memory kept in the process for the next forward (glibc's malloc), on CPU workers.
-
-torch's CPU allocator caches nothing: every activation of a forward is malloc'ed and freed.
-glibc gives blocks that large back to the kernel (each one mmap'ed, or the heap's top trimmed),
-so the next forward touches fresh pages, and every page faults: ~3,000 minor faults per bf16
-forward of a 1,024-token MiniLM batch, 2-4% of its time (profiling/RESULTS.md). Raising
-glibc's mmap and trim thresholds keeps the blocks in the heap for reuse; the process's memory
-then stays at its peak instead of shrinking between batches.
+"""Freed memory kept in the process for the next forward (glibc's malloc), on CPU workers: raised
+mmap and trim thresholds keep activations' blocks in the heap, so the next forward does not fault
+on fresh pages; memory stays at its peak (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-/* LayerNorm for CPU over rows of [T, n] (any row stride, n contiguous), optionally of their sum
- * with a residual, bf16 or fp32 in and out, fp32 math: mean, then variance about it (two
- * passes, as torch), then x-hat * w + b.
- * Built by workers/kernels/cpu_build.py with the machine's own compiler flags on first use.
- *
- * Why: torch 2.13's CPU LayerNorm takes ~0.6 ns per bf16 element (~0.25 ms per norm of a
- * 1,024-token MiniLM batch, 13 norms per forward); this takes under half that. bf16 rows are
- * read as workers/kernels/cpu_vec.h says (even values, then odd ones: no shuffles).
- */
+/* LayerNorm for CPU over rows of [T, n], optionally of their sum with a residual, bf16 or fp32,
+ * fp32 math in two passes as torch; bf16 rows are read as cpu_vec.h says. */
 #include "cpu_vec.h"
 
 /* One row's STEP values from i: x's, plus the residual's where there is one, rounded to the
@@ -36,9 +29,7 @@ static inline float load_input_one(const char *x, const char *res, int dtype, in
 }
 
 /* Rows [first, last) of x + residual (or of x, when residual is NULL) into out ([rows, n],
- * contiguous; may be x itself): x [rows, n] and residual with row strides x_stride and r_stride
- * elements; weight and bias [n]; all of one dtype. Why the add is here: it saves the pass over
- * the rows that adding them in the linear before costs. */
+ * contiguous; may be x itself); row strides in elements; weight and bias [n]; one dtype. */
 void tokq_layer_norm(const void *x, const void *residual, const void *weight, const void *bias,
                      void *out, int dtype, int64_t first, int64_t last, int n, int64_t x_stride,
                      int64_t r_stride, float eps) {

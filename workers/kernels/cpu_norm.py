@@ -1,10 +1,6 @@
 """LayerNorm on CPU through a small C kernel (workers/kernels/cpu_norm.c), bf16 and fp32, with the
-residual add before it done in the same pass. Built as workers/kernels/cpu_build.py says; where it
-cannot be, the models keep torch's LayerNorm after the linear's own fused add
-(``norm_kernels``).
-
-Why: in a MiniLM bf16 forward, torch's LayerNorms and the residual adds fused into the linears
-cost ~5% of the forward; this pass, ~2% (profiling/RESULTS.md).
+residual add before it in the same pass, cheaper than torch's (profiling/RESULTS.md). Where it
+cannot be built, the models keep torch's LayerNorm (``norm_kernels``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-/* Vectors and dtype conversions the CPU kernels (workers/cpu_*.c) share. GCC/clang vector
- * extensions of the machine's own register width (LANES floats: 16 with AVX-512, 8 with AVX2,
- * else 4), so the compiler maps each vector to one register for -march=native. A vector wider
- * than the registers is lowered piecemeal through the stack: 16-float vectors on an AVX2 CPU
- * made attention ~3.5x slower and the fp32 LayerNorm ~2.5x (profiling/RESULTS.md).
- *
- * bf16 rows are read a STEP (2 x LANES values) at a time as LANES 32-bit words: the words' low
- * halves are the even values, their high halves the odd ones, so one load and one shift or mask
- * gives each as a float vector, with no shuffle. Sums over a row, and sums of rows, do not care
- * in which order a row's values come, as long as everything they meet comes in the same order
- * and store_step puts them back. fp32 rows come in order. */
+/* Vectors and dtype conversions the CPU kernels (workers/kernels/cpu_*.c) share, LANES floats wide
+ * to match the registers; bf16 rows are read even values, then odd ones (docs/internals.md). */
 #ifndef TOKQ_CPU_VEC_H
 #define TOKQ_CPU_VEC_H
 

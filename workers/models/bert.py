@@ -76,9 +76,11 @@ class Bert:
         self.act_name = config.get("hidden_act", "gelu")
         activation(self.act_name)  # refuse an unknown activation at load
         self.word_embeddings = take(weights, "embeddings.word_embeddings.weight").to(device)
-        token_type = take(weights, "embeddings.token_type_embeddings.weight")[0]
+        token_types = take(weights, "embeddings.token_type_embeddings.weight")
         self.position_embeddings = (take(weights, "embeddings.position_embeddings.weight")
-                                    + token_type).to(device)
+                                    + token_types[0]).to(device)
+        # What each other segment adds over segment 0 (a cross-encoder's pairs): row 0 is zeros
+        self.token_type_offsets = (token_types - token_types[0]).to(device)
         self.embed_norm_weight = take(weights, "embeddings.LayerNorm.weight").to(device)
         self.embed_norm_bias = take(weights, "embeddings.LayerNorm.bias").to(device)
         self.layers = [moved(BertLayer.from_weights(weights, f"encoder.layer.{i}."), device)
@@ -97,12 +99,15 @@ class Bert:
         return self.num_heads * self.head_dim
 
     def forward(self, layout: Layout, attend: AttendFn,
-                checkpoint: Callable[[], None] = no_checkpoint) -> torch.Tensor:
-        """Last hidden state ``[T, hidden]`` of the packed batch. ``checkpoint`` is called after
-        each step of a layer (qkv, attention, out-proj, MLP up, MLP down; workers/preempt.py:
-        light work may run there, so it waits for one such step, not a layer)."""
+                checkpoint: Callable[[], None] = no_checkpoint,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden state ``[T, hidden]`` of the packed batch; ``token_types``: int64 ``[T]``
+        segment ids in layout order (None: all 0). ``checkpoint`` runs after each step of a layer,
+        where light work may run nested (workers/preempt.py)."""
         x = F.embedding(layout.input_ids, self.word_embeddings)
         x += F.embedding(layout.positions, self.position_embeddings)
+        if token_types is not None:
+            x += F.embedding(token_types, self.token_type_offsets)
         x = self.norm(x, self.embed_norm_weight, self.embed_norm_bias, self.eps)
         num_tokens = x.shape[0]
         scale = self.head_dim ** -0.5

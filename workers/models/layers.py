@@ -51,12 +51,9 @@ class TorchLinear:
 
 
 class OneDnnLinear:
-    """oneDNN's linear (fp32 or bf16) with the activation or residual add fused in (the kernel
-    torch.compile's CPU backend emits). Why: torch's fp32 ``F.linear`` goes to MKL, which takes
-    its AVX2 path on AMD CPUs; oneDNN uses AVX-512 there and measured ~2.4x faster per core on
-    this machine (profiling/RESULTS.md); in bf16 the fused epilogue saves a pass over the
-    output. Weights are reordered once at load (``pack``) into oneDNN's blocked layout, which
-    it otherwise redoes on every call: measured 4-9% less time per linear, same values."""
+    """oneDNN's linear (fp32 or bf16) with the activation or residual add fused in: torch's fp32
+    ``F.linear`` goes to MKL, whose AMD path is AVX2 (profiling/RESULTS.md). Weights are reordered
+    once at load (``pack``) into oneDNN's blocked layout, which it otherwise redoes every call."""
 
     name = "onednn"
 

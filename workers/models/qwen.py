@@ -89,11 +89,9 @@ class Qwen:
 
     def forward(self, layout: Layout, attend: AttendFn | None, prefix=None,
                 checkpoint: Callable[[], None] = no_checkpoint) -> torch.Tensor:
-        """Last hidden state ``[T, hidden]`` (after the final norm) of the packed batch.
-        ``prefix`` (workers/prefix_attention.PrefixPass): the batch holds only the tokens after
-        shared prefixes, at their true positions, and attends through it instead.
-        ``checkpoint`` is called after each step of a layer (qkv, attention, out-proj, MLP
-        gate/up, MLP down; workers/preempt.py)."""
+        """Last hidden state ``[T, hidden]`` (after the final norm) of the packed batch. ``prefix``
+        (a PrefixPass): the batch holds only the tokens after shared prompts, at their true positions,
+        and attends through it. ``checkpoint`` runs after each step of a layer (workers/preempt.py)."""
         num_tokens = layout.input_ids.shape[0]
         q_size, kv_size = self.q_dim, self.num_kv_heads * self.head_dim
         cos, sin = self.rotary.tables(layout.positions, layout.max_seqlen - 1)
