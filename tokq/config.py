@@ -413,10 +413,8 @@ def _unset(value: Any) -> bool:
 def load(cls: type[T], values: Mapping[str, Any] | None = None,
          env: Mapping[str, str] | None = None) -> T:
     """Build ``cls`` from defaults, then ``TOKQ_<FIELD>`` env vars, then ``values`` (CLI/file).
-
-    ``values`` entries that are None are ignored (an unset CLI flag); unknown keys raise; so does
-    a value out of its field's range (``ConfigError``, one line).
-    """
+    None values are ignored (an unset CLI flag); unknown keys and out-of-range values raise
+    ``ConfigError`` (one line)."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}

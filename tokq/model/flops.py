@@ -40,9 +40,8 @@ def _head_dim(config: Mapping) -> int:
     return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
 
 
-# Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' datasheets, FLOP/s.
-# Matched against torch.cuda.get_device_name(); the first matching key wins, so the more
-# specific names come first.
+# Dense bf16/fp16 tensor-core peaks from the vendors' datasheets, FLOP/s, matched against
+# torch.cuda.get_device_name(): the first matching key wins, so specific names come first.
 DEVICE_PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
