@@ -24,6 +24,7 @@ from tokq.gateway.ascii_text import AsciiPath
 from tokq.gateway.helper_threads import batch_this_thread
 from tokq.gateway.errors import InvalidArgument
 from tokq.gateway.large_lane import LargeLane
+from tokq.gateway.pairs import Pairs, PairTemplate
 from tokq.gateway.validate import decode_texts, not_utf8
 from tokq.host import usable_cpus
 from tokq.model.info import ModelInfo
@@ -145,6 +146,8 @@ class Tokenizer:
             lowercase_first(backend)
         self._backend = backend
         self._ascii = AsciiPath(backend)  # used on the event loop's thread only
+        # a reranker's (query, document) pairs, as its tokenizer pairs them (gateway/pairs.py)
+        self.pairs = PairTemplate(info, self._tok, backend) if info.is_reranker else None
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
         light = threads or usable_cpus()
         # Its threads yield to the event loop's (gateway/helper_threads.py), however late they start.
@@ -179,6 +182,40 @@ class Tokenizer:
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+
+    def _pair_backend_copy(self) -> RustTokenizer:
+        """This thread's copy that cuts pairs longest-first to the max length, as the model's
+        tokenizer does under sentence-transformers."""
+        tok = getattr(self._local, "pair_tok", None)
+        if tok is None:
+            tok = copy.deepcopy(self._backend)
+            side = "right" if self._cut_prefix else "left"
+            tok.enable_truncation(self.info.max_length, strategy="longest_first", direction=side)
+            self._local.pair_tok = tok
+        return tok
+
+    def encode_pairs_sync(self, query: str, documents: list[str], *, truncate: bool = False,
+                          prompt: str = "") -> Pairs:
+        """A reranker's ids for (query, document) pairs (gateway/pairs.py)."""
+        if self.pairs is None:
+            raise ValueError(f"{self.info.name} is not a reranker")
+        return self.pairs.encode(self._backend_copy(), self._pair_backend_copy(), query, documents,
+                                 truncate=truncate, prompt=prompt)
+
+    async def encode_pairs(self, query: str, documents: list[str], *, truncate: bool = False,
+                           prompt: str = "", cost_bytes: int | None = None) -> Pairs:
+        """``encode_pairs_sync`` in the lane ``cost_bytes`` picks, as ``encode`` does."""
+        if cost_bytes is None:
+            cost_bytes = len(query) * len(documents) + sum(len(d) for d in documents)
+
+        def run() -> Pairs:
+            return self.encode_pairs_sync(query, documents, truncate=truncate, prompt=prompt)
+        if cost_bytes > self.heavy_bytes:
+            return await self._large.run(run)
+        self._large.light_seen()
+        if cost_bytes <= INLINE_BYTES:
+            return run()
+        return await asyncio.get_running_loop().run_in_executor(self._light, run)
 
     def _backend_copy(self) -> RustTokenizer:
         tok = getattr(self._local, "tok", None)

@@ -24,11 +24,16 @@ class PackedBatch:
     # int32 [N] or None: the first prefix_lens[i] tokens of sequence i are a shared prompt a
     # causal model may compute once (workers/prefix_attention.py); the ids stay complete
     prefix_lens: np.ndarray | None = None
+    # int64 [T] or None (all 0): each token's segment, as a tokenizer's pair template gives it (a
+    # cross-encoder's query is segment 0, its document 1)
+    token_type_ids: np.ndarray | None = None
 
     @classmethod
     def pack(cls, sequences: Sequence[Sequence[int]], *, normalize: bool | Sequence[bool] = True,
              dimensions: int | Sequence[int] = 0,
-             prefix_lens: int | Sequence[int] = 0) -> PackedBatch:
+             prefix_lens: int | Sequence[int] = 0,
+             segment_starts: int | Sequence[int] = 0) -> PackedBatch:
+        """``segment_starts``: per sequence, the first token of its second segment (0: one segment)."""
         if not sequences:
             raise ValueError("a batch needs at least one sequence")
         seqs = [np.asarray(s, dtype=np.int64) for s in sequences]
@@ -43,6 +48,10 @@ class PackedBatch:
         shared_lens = np.broadcast_to(np.asarray(prefix_lens, dtype=np.int32), (n,))
         if ((shared_lens < 0) | (shared_lens >= lens)).any():
             raise ValueError("a shared prompt must leave at least one token of its sequence")
+        starts = np.broadcast_to(np.asarray(segment_starts, dtype=np.int64), (n,))
+        if ((starts < 0) | (starts >= lens)).any():
+            raise ValueError("a second segment must start inside its sequence")
+        types = (positions >= np.repeat(starts, lens)) & np.repeat(starts > 0, lens) if starts.any() else None
         return cls(
             input_ids=np.concatenate(seqs),
             positions=positions,
@@ -51,6 +60,7 @@ class PackedBatch:
             normalize=np.broadcast_to(np.asarray(normalize, dtype=bool), (n,)).copy(),
             dimensions=np.broadcast_to(np.asarray(dimensions, dtype=np.int32), (n,)).copy(),
             prefix_lens=shared_lens.copy() if shared_lens.any() else None,
+            token_type_ids=types.astype(np.int64) if types is not None else None,
         )
 
     @property

@@ -1,8 +1,9 @@
 """What the gateway and the workers know about a model without loading its weights.
 
 Read from a local Hugging Face / sentence-transformers directory (tokq/model/source.py finds it,
-from a path or a Hugging Face repo id): the architecture, hidden size, max input length, pooling,
-normalization and query/document prompts.
+from a path or a Hugging Face repo id): the task (embed or rerank, decided as sentence-transformers
+decides it), the architecture, hidden size, max input length, pooling, normalization, prompts and,
+for a reranker, how a pair becomes one score.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from tokq.model.fingerprint import model_fingerprint
 from tokq.queue.keys import queue_name_for
 from tokq.model.source import bundled_model_path, resolve
 
-ENCODER_ARCHS = {"BertModel": "bert", "BertForMaskedLM": "bert"}
-DECODER_ARCHS = {"Qwen2Model": "qwen2", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3Model": "qwen3", "Qwen3ForCausalLM": "qwen3"}
+ENCODER_ARCHS = {"BertModel": "bert", "BertForMaskedLM": "bert", "BertForSequenceClassification": "bert"}
+DECODER_ARCHS = {"Qwen2Model": "qwen2", "Qwen2ForCausalLM": "qwen2", "Qwen2ForSequenceClassification": "qwen2",
+                 "Qwen3Model": "qwen3", "Qwen3ForCausalLM": "qwen3", "Qwen3ForSequenceClassification": "qwen3"}
+TASKS = ("embed", "rerank")
+# sentence-transformers' model_type (config_sentence_transformers.json) -> tokq's task
+ST_MODEL_TYPES = {"SentenceTransformer": "embed", "CrossEncoder": "rerank"}
 MODEL_TYPES = {"bert": "bert", "qwen2": "qwen2", "qwen3": "qwen3"}
 # sentence-transformers' pooling modes that tokq computes; its others (max, weightedmean,
 # mean_sqrt_len_tokens) are refused.
@@ -34,6 +38,10 @@ ST_POOLING_FLAGS = {
 # The sentence-transformers modules tokq computes: any other (Dense, LayerNorm, ...) changes the
 # vector, so a model with one is refused rather than served wrong.
 ST_MODULES = ("Transformer", "Pooling", "Normalize")
+# A CrossEncoder's modules: the transformer (a classifier head, or a causal LM) and LogitScore.
+ST_RERANK_MODULES = ("Transformer", "LogitScore")
+# CrossEncoder's activation_fn (a dotted torch path, trusted only under torch.) -> tokq's name
+ST_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Tanh": "tanh"}
 # Files a tokenizer is built from; without any, transformers builds an empty one (every text
 # then tokenizes to [UNK]s and embeds alike). vocab.json takes merges.txt with it (BPE).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model",
@@ -44,11 +52,37 @@ class UnsupportedModel(ValueError):
     pass
 
 
-__all__ = ["ModelInfo", "UnsupportedModel", "bundled_model_path"]
+__all__ = ["ModelInfo", "Scoring", "UnsupportedModel", "bundled_model_path"]
 
 
 def _read_json(path: Path) -> dict | list | None:
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a reranker turns one (query, document) pair into one score, as CrossEncoder does."""
+
+    # classifier: BERT's pooler and classifier on [CLS]; score: a sequence classifier's score row
+    # on the last token; lm_rows: LogitScore, the LM head's true (minus false) row on the last token
+    head: str
+    activation: str  # sigmoid | identity | tanh, applied unless raw scores are asked for
+    true_token_id: int | None = None  # lm_rows only
+    false_token_id: int | None = None  # lm_rows, optional
+    # text: the tokenizer's own pair template (segment ids included); chat: the chat template
+    # rendering a "query" and a "document" message
+    pair_format: str = "text"
+    message_format: str = "flat"  # chat: message content as a string (flat) or typed parts
+
+    def activate(self, raw: np.ndarray) -> np.ndarray:
+        """float32 scores after the activation CrossEncoder applies to ``raw`` (float32 logits)."""
+        raw = np.asarray(raw, dtype=np.float32)
+        if self.activation == "sigmoid":  # split by sign: no overflow in exp for large |x|
+            e = np.exp(-np.abs(raw))
+            return np.where(raw >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32)
+        if self.activation == "tanh":
+            return np.tanh(raw).astype(np.float32)
+        return raw
 
 
 @dataclass(frozen=True)
@@ -64,6 +98,8 @@ class ModelInfo:
     default_prompt_name: str | None = None
     config: dict = field(default_factory=dict, repr=False)
     lowercase: bool = False  # sentence_bert_config.json's do_lower_case: lowercase text first
+    task: str = "embed"  # embed | rerank
+    scoring: Scoring | None = None  # rerank only
 
     @cached_property
     def fingerprint(self) -> str:
@@ -84,6 +120,10 @@ class ModelInfo:
     @property
     def is_decoder(self) -> bool:
         return self.family in ("qwen2", "qwen3")
+
+    @property
+    def is_reranker(self) -> bool:
+        return self.task == "rerank"
 
     def require_tokenizer(self) -> ModelInfo:
         """This, when the directory has tokenizer files; else FileNotFoundError in one line. Not
@@ -118,6 +158,7 @@ class ModelInfo:
         family = _family(cfg)
         st_cfg = _read_json(path / "sentence_bert_config.json") or {}
         st_prompts = _read_json(path / "config_sentence_transformers.json") or {}
+        task = _task(path, cfg, st_prompts)
         prompts = {k: v for k, v in (st_prompts.get("prompts") or {}).items() if isinstance(v, str)}
         default_prompt_name = st_prompts.get("default_prompt_name")
         if default_prompt_name is not None and default_prompt_name not in prompts:
@@ -125,7 +166,12 @@ class ModelInfo:
             raise UnsupportedModel(
                 f"default_prompt_name {default_prompt_name!r} in config_sentence_transformers.json is "
                 f"not among its prompts ({', '.join(sorted(prompts)) or 'none'})")
-        pooling, normalize, include_prompt = _pooling(path, family)
+        scoring = None
+        if task == "rerank":
+            scoring = _scoring(path, cfg, st_cfg, st_prompts)
+            pooling, normalize, include_prompt = ("cls" if scoring.head == "classifier" else "last"), False, True
+        else:
+            pooling, normalize, include_prompt = _pooling(path, family)
         if not include_prompt and pooling != "last" and any(prompts.values()):
             # sentence-transformers leaves the prompt's tokens out of the pooled ones; tokq's
             # workers pool every token (the last one, for last-token pooling, is the text's own)
@@ -144,6 +190,8 @@ class ModelInfo:
             default_prompt_name=default_prompt_name,
             config=cfg,
             lowercase=bool(st_cfg.get("do_lower_case")),
+            task=task,
+            scoring=scoring,
         )
 
 
@@ -169,6 +217,131 @@ def _family(cfg: dict) -> str:
     raise UnsupportedModel(
         f"unsupported model: architectures={cfg.get('architectures')} "
         f"model_type={cfg.get('model_type')!r}; supported: {', '.join(supported)}")
+
+
+def _architecture(cfg: dict) -> str:
+    """The first architecture tokq knows, else ''."""
+    return next((a for a in cfg.get("architectures") or [] if a in ENCODER_ARCHS or a in DECODER_ARCHS), "")
+
+
+def _task(path: Path, cfg: dict, st_config: dict) -> str:
+    """embed or rerank, as sentence-transformers decides: a folder it saved (modules.json) says so in
+    config_sentence_transformers.json's model_type (none: SentenceTransformer); a plain transformers
+    folder reranks when it is a sequence classifier (what CrossEncoder loads), else embeds."""
+    if (path / "modules.json").is_file():
+        kind = st_config.get("model_type", "SentenceTransformer")
+        if kind not in ST_MODEL_TYPES:
+            raise UnsupportedModel(f"unsupported sentence-transformers model_type {kind!r} in "
+                                   f"{path / 'config_sentence_transformers.json'}; supported: "
+                                   + ", ".join(f"{k} ({t})" for k, t in ST_MODEL_TYPES.items()))
+        return ST_MODEL_TYPES[kind]
+    return "rerank" if _architecture(cfg).endswith("ForSequenceClassification") else "embed"
+
+
+def _scoring(path: Path, cfg: dict, st_cfg: dict, st_config: dict) -> Scoring:
+    """How CrossEncoder scores this folder: its head, its activation and how it renders a pair."""
+    arch = _architecture(cfg)
+    logit_score = None
+    modules = _read_json(path / "modules.json")
+    if modules is not None:
+        if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+            raise UnsupportedModel(f"{path / 'modules.json'} is not a list of sentence-transformers modules")
+        for mod in modules:
+            kind = str(mod.get("type", ""))
+            name = kind.rsplit(".", 1)[-1]
+            if not kind.startswith("sentence_transformers.") or name not in ST_RERANK_MODULES:
+                raise UnsupportedModel(f"unsupported sentence-transformers module {kind!r} in a CrossEncoder's "
+                                       f"modules.json; supported: {', '.join(ST_RERANK_MODULES)}")
+            if name == "LogitScore":
+                where = path / mod.get("path", "") / "config.json"
+                logit_score = _read_json(where)
+                if not isinstance(logit_score, dict):
+                    raise FileNotFoundError(f"{where} is missing: modules.json names a LogitScore module there")
+    if arch.endswith("ForCausalLM"):
+        if logit_score is None:
+            raise UnsupportedModel(f"{path} is a CrossEncoder over a causal LM ({arch}) without a LogitScore "
+                                   "module: nothing says which tokens score a pair")
+        if logit_score.get("module_input_name", "causal_logits") != "causal_logits":
+            raise UnsupportedModel(f"unsupported LogitScore module_input_name "
+                                   f"{logit_score['module_input_name']!r}; supported: causal_logits")
+        true_id, false_id = logit_score.get("true_token_id"), logit_score.get("false_token_id")
+        vocab = int(cfg.get("vocab_size", 0))
+        for label, tid in (("true_token_id", true_id), ("false_token_id", false_id)):
+            if (tid is not None or label == "true_token_id") and (
+                    type(tid) is not int or not 0 <= tid < vocab):
+                raise UnsupportedModel(f"LogitScore {label} {tid!r} is not a token id of this model (0..{vocab - 1})")
+        head, num_labels = "lm_rows", 1
+    elif arch.endswith("ForSequenceClassification"):
+        if logit_score is not None:
+            raise UnsupportedModel(f"a LogitScore module over a sequence classifier ({arch}) is not supported")
+        id2label = cfg.get("id2label")
+        num_labels = len(id2label) if isinstance(id2label, dict) and id2label else int(cfg.get("num_labels", 2))
+        if num_labels != 1:
+            raise UnsupportedModel(f"{arch} with {num_labels} labels: a reranker scores one label "
+                                   "(CrossEncoder.rank takes num_labels=1 models only)")
+        head, true_id, false_id = ("classifier" if arch.startswith("Bert") else "score"), None, None
+    else:
+        raise UnsupportedModel(f"a CrossEncoder needs a sequence classifier or a causal LM; {path} is "
+                               f"{arch or cfg.get('architectures')}")
+    return Scoring(head=head, activation=_activation(cfg, st_config, num_labels),
+                   true_token_id=true_id, false_token_id=false_id,
+                   **_pair_format(path, cfg, st_cfg))
+
+
+def _activation(cfg: dict, st_config: dict, num_labels: int) -> str:
+    """CrossEncoder's activation_fn: config_sentence_transformers.json's, else config.json's
+    (sentence_transformers.activation_fn, or the older sbert_ce_default_activation_function), each
+    taken only under torch. as CrossEncoder trusts it; else sigmoid for one label."""
+    candidates = (st_config.get("activation_fn"),
+                  (cfg.get("sentence_transformers") or {}).get("activation_fn"),
+                  cfg.get("sbert_ce_default_activation_function"))
+    for dotted in candidates:
+        if isinstance(dotted, str) and dotted.startswith("torch."):
+            name = dotted.rsplit(".", 1)[-1]
+            if name not in ST_ACTIVATIONS:
+                raise UnsupportedModel(f"unsupported CrossEncoder activation_fn {dotted!r}; supported: "
+                                       + ", ".join(f"torch.nn.{n}" for n in ST_ACTIVATIONS))
+            return ST_ACTIVATIONS[name]
+    return "sigmoid" if num_labels == 1 else "identity"
+
+
+def _chat_template(path: Path) -> str | None:
+    """The tokenizer's chat template text, where transformers reads it from; None without one."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        template = (_read_json(path / name) or {}).get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template
+                             if isinstance(t, dict) and t.get("name") == "default"), None) or ""
+        if template:
+            return template if isinstance(template, str) else ""
+    return None
+
+
+# model types whose chat templates take message content as a plain string (sentence-transformers' list)
+_FLAT_MESSAGE_TYPES = {"apertus", "deepseek_v3", "gpt_oss", "seed_oss"}
+_STRUCTURED_PATTERNS = ("content[0]", ".type", "'type'", '"type"', "item.type", "message.content[")
+
+
+def _pair_format(path: Path, cfg: dict, st_cfg: dict) -> dict:
+    """How sentence-transformers' Transformer feeds a pair: through the chat template (query and
+    document messages) when its modalities include messages, else as the tokenizer's text pair.
+    Saved modalities (sentence_bert_config.json) decide; else a chat template means messages."""
+    template = _chat_template(path)
+    saved = st_cfg.get("modality_config")
+    chat = "message" in saved if isinstance(saved, dict) else template is not None
+    if not chat:
+        return {"pair_format": "text"}
+    fmt = ((saved or {}).get("message") or {}).get("format", "auto")
+    if fmt not in ("flat", "structured"):
+        if cfg.get("model_type") in _FLAT_MESSAGE_TYPES:
+            fmt = "flat"
+        elif not template:
+            fmt = "structured"
+        else:
+            fmt = "structured" if any(p in template for p in _STRUCTURED_PATTERNS) else "flat"
+    return {"pair_format": "chat", "message_format": fmt}
 
 
 def _max_length(path: Path, cfg: dict, st_cfg: dict) -> int:
