@@ -9,6 +9,9 @@ asks the server (``INFO cluster``) once, and in cluster mode the client is redis
 ``RedisCluster``, which finds the node owning each key's slot and follows MOVED/ASK. The CLIs
 ask at start whatever the mode (``check_redis``), so a setting the server contradicts, or a
 password it refuses, stops them with one line.
+
+The redis-py internals this module relies on are listed in tokq/redis/__init__.py, with the
+versions tested.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ for each timed send, a timeout per reply read) is paid once per round trip as on
 commands are packed by hiredis (``pack_command``), not by redis-py's Python packing, which costs
 ~4x as much for an enqueue's ~20 arguments. On Redis Cluster the runs go through the cluster client's
 pipeline, which follows MOVED and failovers.
+
+The redis-py internals this module relies on are listed in tokq/redis/__init__.py, with the
+versions tested.
 """
 
 from __future__ import annotations

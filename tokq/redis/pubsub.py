@@ -15,6 +15,9 @@ connection that breaks is reopened at once (a reset connection, a restarted Redi
 that fails are its channels down; either way, what was published meanwhile is lost, which
 ``on_up`` says. A connection silent for ``PING_AFTER_S`` is pinged, and one that then stays
 silent as long again is taken for broken (a node cut off without a reset).
+
+The redis-py internals this module relies on are listed in tokq/redis/__init__.py, with the
+versions tested.
 """
 
 from __future__ import annotations
