@@ -120,6 +120,7 @@ def _download_error(exc: OSError, repo_id: str, revision: str | None, endpoint: 
 def _quiet_http_logs():
     """A worker logs at INFO, where httpx says a line per request: dozens for one download, and
     lines around the one-line error of a failed one."""
+    # The loggers of huggingface_hub's HTTP client: httpx2 for hub 2.x (its dependency), httpx for 1.x.
     loggers = [logging.getLogger(name) for name in ("httpx", "httpx2")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
