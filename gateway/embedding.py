@@ -105,7 +105,7 @@ class ServedModel:
                                   f"{self.config.max_inputs}: split the request", param="input")
 
     def _check_reply_size(self, num_inputs: int, dims: int, max_bytes: int | None) -> None:
-        """Refuse before any work a request whose reply could not be sent: computed in full, it
+        """Refuse before any work a request whose response could not be sent: computed in full, it
         would fail RESOURCE_EXHAUSTED, which callers retry."""
         dims = dims or self.info.hidden_size
         if max_bytes is None or embed_response_max_bytes(num_inputs, dims) <= max_bytes:

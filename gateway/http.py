@@ -109,7 +109,7 @@ async def _body(request: Request, max_bytes: int) -> bytes:
 
 def _cancel_on_hang_up(call: asyncio.Future):
     def done(hangup: asyncio.Future) -> None:
-        # Only a hang-up: not the watcher cancelled (the answer is out) or failing (logged, not
+        # Only a hang-up: not the watcher stopped (the answer is out) or failing (logged, not
         # taken for one: the caller may be there still).
         if not hangup.cancelled() and hangup.exception() is None:
             call.cancel()
@@ -183,8 +183,8 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
             async def embed(model):
                 return await model.embed(params, Timer())
             call = asyncio.ensure_future(embedder.observed(EMBEDDINGS_RPC, params.model, embed))
-            # A caller that hangs up (an SDK's timeout, then its retry) cancels the call, which
-            # withdraws its queued inputs, as gRPC does: else a worker embeds them for nobody.
+            # A caller that hangs up (an SDK's timeout, then its retry) stops the call, which
+            # cancels its queued request, as gRPC does: else a worker embeds it for nobody.
             hangup = asyncio.ensure_future(_hung_up(request))
             hangup.add_done_callback(_cancel_on_hang_up(call))
             try:

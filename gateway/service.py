@@ -22,7 +22,7 @@ def _optional(message, name: str):
 class EmbedderService(pb_grpc.EmbedderServicer):
     def __init__(self, embedder: Embedder, gateway_id: str = "") -> None:
         self.embedder = embedder
-        # Which process answered, in each reply's trailing metadata: tokq.Client balances its
+        # Which process answered, in each response's trailing metadata: tokq.Client balances its
         # connections by it (SO_REUSEPORT spreads connections, not calls, over `--procs`).
         self._identity = ((GATEWAY_ID_METADATA, gateway_id),) if gateway_id else None
 

@@ -1,4 +1,4 @@
-"""How the gateway parses tokq.v1 requests and writes Embed replies as bytes.
+"""How the gateway parses tokq.v1 requests and writes Embed responses as bytes.
 
 Request inputs are read as bytes so the byte caps run before any UTF-8 decoding (docs/internals.md).
 """
@@ -34,7 +34,7 @@ TokenizeRequestUtf8 = _inputs_as_bytes(pb.TokenizeRequest)
 
 # Per method: the request type the gateway parses, where it is not the published one.
 _READ_AS = {"Embed": EmbedRequestUtf8, "Tokenize": TokenizeRequestUtf8}
-# Methods whose handlers return their reply's wire bytes.
+# Methods whose handlers return their response's wire bytes.
 _WRITTEN_AS_BYTES = {"Embed"}
 
 
@@ -74,7 +74,7 @@ def _refusing_malformed(handler: Callable, full_name: str,
 
 
 # What a gateway sends in one message at most (gRPC's max_send_message_length; tokq.Client
-# receives as much): an Embed reply larger fails only once every vector is computed.
+# receives as much): an Embed response larger fails only once every vector is computed.
 MAX_SEND_MESSAGE_BYTES = 64 * 1024 * 1024
 _REPLY_OVERHEAD_BYTES = 4096  # model name, usage, timing: well under this
 

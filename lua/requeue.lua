@@ -1,5 +1,5 @@
 -- requeue.lua: put the items of expired leases back at the FRONT of the heavy lane with
--- attempt + 1; items that reach max_attempts get an error reply (docs/internals.md).
+-- attempt + 1; items that reach max_attempts get an error result (docs/internals.md).
 -- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
 -- KEYS[2] heavy     LIST   heavy lane, head = oldest
 -- KEYS[3] tokens    STRING sum of the tokens in both lanes
@@ -39,7 +39,7 @@ for i = 1, #due, 2 do
   end
 end
 local back, back_tokens, num_failed, num_orphaned, num_released = {}, 0, 0, 0, 0
-local notices = {} -- one message per waiting gateway (lib/reply.lua)
+local notices = {} -- one notice per waiting gateway (lib/reply.lua)
 for _, batch_id in ipairs(batch_ids) do
   local lease = lease_prefix .. batch_id
   local entries = redis.call('LRANGE', lease, 0, -1)
