@@ -19,13 +19,17 @@
 -- ARGV[10] isolate_attempt: an entry redone this many times or more is claimed alone
 -- ARGV[11] owner channel prefix: a claim that leaves work queued wakes one more idle worker
 -- ARGV[12] lanes: "light" = a pre-empting claim (a worker in a heavy forward runs it nested,
---          workers/preempt.py): light-lane entries only, up to all of token_budget; "heavy" =
---          the heavy lane only (the next batch of a worker in a heavy forward: light work that
---          arrives meanwhile goes to its light-only claims); "" or "both" = the usual claim
+--          workers/preempt.py): the whole light lane if it fits token_budget, else nothing;
+--          "heavy" = the next batch of a worker in a heavy forward: the heavy lane only while
+--          the light lane holds at most ARGV[13] tokens, else the light lane first (the whole
+--          budget) and heavy work that fits; "" or "both" = the usual claim
+-- ARGV[13] preempt_tokens: the light-only claims' budget ("" or 0: a "heavy" claim never reads
+--          the light lane)
 -- The rule is tokq/queue/claim_rule.py, entry for entry. Returns
---   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}, num_heavy}
+--   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}, num_heavy, stop}
 -- num_heavy: how many of the taken entries (the last ones) came from the heavy lane; -1 on a
 -- repeat (unknown): a worker pre-empts only a forward holding heavy work (workers/preempt.py)
+-- stop: why the batch stopped growing (claim_rule.STOP_REASONS); '' on a repeat
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/reply.lua
@@ -35,7 +39,7 @@ local pending, leases, counters, heavy = KEYS[1], KEYS[3], KEYS[5], KEYS[6]
 local now = now_ms(ARGV[1])
 local batch_id, lease = ARGV[9], ARGV[8] .. ARGV[9]
 if redis.call('ZSCORE', leases, batch_id) then
-  return {batch_id, now, 0, 0, redis.call('LRANGE', lease, 0, -1), -1} -- a repeat
+  return {batch_id, now, 0, 0, redis.call('LRANGE', lease, 0, -1), -1, ''} -- a repeat
 end
 local token_budget = tonumber(ARGV[2])
 local lookahead = tonumber(ARGV[4])
@@ -44,7 +48,7 @@ local max_drop = tonumber(ARGV[6])
 local reply_prefix = ARGV[7]
 local isolate_attempt = tonumber(ARGV[10])
 local lanes = ARGV[12]
-local light_only = lanes == 'light'
+local preempt_tokens = tonumber(ARGV[13]) or 0
 local EXPIRED = '-DEADLINE_EXCEEDED:deadline passed while queued'
 
 -- One EXISTS per request, not per item: a request's items sit together.
@@ -58,80 +62,156 @@ local function is_live(request_id)
   return known
 end
 
--- Scan phase: read a lane's head in windows, decide each entry; nothing is written yet.
 local window_size = math.min(math.max(math.floor(token_budget / 8), 16), 512)
-local taken, taken_tokens = {}, 0
-local expired, num_orphaned, dropped_tokens = {}, 0, 0
-local done = false -- an isolated item was taken, or max_drop reached: the claim ends
 
--- Takes from `lane` up to `share` tokens in all (its first live item always); returns the
--- entries passed over and the number of head entries consumed.
-local function scan(lane, share)
-  local skipped, lane_taken, num_scanned, stopped = {}, 0, 0, false
-  while not stopped do
-    local window = redis.call('LRANGE', lane, num_scanned, num_scanned + window_size - 1)
+-- The lane holds more than `limit` tokens, dead entries included (claim_rule.lane_exceeds).
+local function lane_exceeds(lane, limit)
+  local total, offset = 0, 0
+  while true do
+    local window = redis.call('LRANGE', lane, offset, offset + window_size - 1)
     for i = 1, #window do
-      local raw = window[i]
-      local tokens, ts_ms, request_id, index, deadline_ms, attempt = parse_entry(raw)
-      if deadline_ms <= now then
-        expired[#expired + 1] = {request_id, index}
-        dropped_tokens = dropped_tokens + tokens
-      elseif not is_live(request_id) then
-        num_orphaned = num_orphaned + 1
-        dropped_tokens = dropped_tokens + tokens
-      elseif #taken > 0 and attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
-        stopped = true -- an item that failed repeatedly goes alone (below): it ends this batch
-        break
-      elseif lane_taken == 0 or taken_tokens + tokens <= share then
-        taken[#taken + 1] = raw
-        lane_taken = lane_taken + 1
-        taken_tokens = taken_tokens + tokens
-        if attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
-          -- Alone, so a poison item cannot use up its batch-mates' attempts with its own.
-          num_scanned = num_scanned + 1
-          stopped, done = true, true
-          break
-        end
-      elseif #skipped >= lookahead or now - tonumber(ts_ms) >= max_skip_age_ms then
-        stopped = true -- lookahead 0: nothing is ever passed over (strict FIFO)
-        break
-      else
-        skipped[#skipped + 1] = raw
-      end
-      num_scanned = num_scanned + 1
-      if #expired + num_orphaned >= max_drop then
-        stopped, done = true, true
-        break
-      end
-      if lane_taken > 0 and taken_tokens >= share then
-        stopped = true
-        break
+      total = total + tonumber(match(window[i], '^(%d+)::'))
+      if total > limit then
+        return true
       end
     end
     if #window < window_size then
-      stopped = true
+      return false
     end
+    offset = offset + #window
   end
-  return skipped, num_scanned
 end
 
--- The light lane first, within its share (tokq.queue.claim_rule.light_share); not at all when the
--- heavy lane's head is a redo to isolate (it goes alone now).
+-- Scan phase: read a lane's head in windows, decide each entry; nothing is written yet.
+local light_taken, heavy_taken, taken_tokens = {}, {}, 0
+local expired, num_orphaned, dropped_tokens = {}, 0, 0
+local done = false -- an isolated item was taken, or max_drop reached: the claim ends
+
+-- Takes from `lane` within `share` tokens in all (its first live item always while lane_taken
+-- is 0), reading the entries of `prefix` (passed over by an earlier scan) first, then the lane
+-- from index `start`. Returns the entries passed over, the entries consumed (prefix and lane),
+-- why it stopped, and lane_taken.
+local function scan(lane, share, in_heavy, lane_taken, prefix, start)
+  local taken = in_heavy and heavy_taken or light_taken
+  local skipped, consumed = {}, 0
+  -- One entry: nil to go on, else why the scan stops.
+  local function visit(raw)
+    local tokens, ts_ms, request_id, index, deadline_ms, attempt = parse_entry(raw)
+    if deadline_ms <= now then
+      expired[#expired + 1] = {request_id, index}
+      dropped_tokens = dropped_tokens + tokens
+    elseif not is_live(request_id) then
+      num_orphaned = num_orphaned + 1
+      dropped_tokens = dropped_tokens + tokens
+    elseif (#light_taken + #heavy_taken) > 0 and attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
+      return 'isolated' -- an item that failed repeatedly goes alone (below): it ends this batch
+    elseif lane_taken == 0 or taken_tokens + tokens <= share then
+      taken[#taken + 1] = raw
+      lane_taken = lane_taken + 1
+      taken_tokens = taken_tokens + tokens
+      if attempt ~= '0' and tonumber(attempt) >= isolate_attempt then
+        -- Alone, so a poison item cannot use up its batch-mates' attempts with its own.
+        consumed = consumed + 1
+        done = true
+        return 'isolated'
+      end
+    elseif #skipped >= lookahead or now - tonumber(ts_ms) >= max_skip_age_ms then
+      -- lookahead 0: nothing is ever passed over (strict FIFO)
+      if lookahead > 0 and #skipped >= lookahead then
+        return 'lookahead'
+      end
+      return in_heavy and 'heavy_item' or 'full'
+    else
+      skipped[#skipped + 1] = raw
+    end
+    consumed = consumed + 1
+    if #expired + num_orphaned >= max_drop then
+      done = true
+      return 'dropped'
+    end
+    if lane_taken > 0 and taken_tokens >= share then
+      return 'full'
+    end
+    return nil
+  end
+  for i = 1, #prefix do
+    local stop = visit(prefix[i])
+    if stop then
+      return skipped, consumed, stop, lane_taken
+    end
+  end
+  local offset = start
+  while true do
+    local window = redis.call('LRANGE', lane, offset, offset + window_size - 1)
+    for i = 1, #window do
+      local stop = visit(window[i])
+      if stop then
+        return skipped, consumed, stop, lane_taken
+      end
+    end
+    if #window < window_size then -- the lane's end; entries passed over did not fit
+      if #skipped > 0 then
+        return skipped, consumed, in_heavy and 'heavy_item' or 'full', lane_taken
+      end
+      return skipped, consumed, 'dry', lane_taken
+    end
+    offset = offset + #window
+  end
+end
+
 local light_skipped, light_scanned, heavy_skipped, heavy_scanned = {}, 0, {}, 0
-local heavy_head = (not light_only) and redis.call('LINDEX', heavy, 0)
-local share = token_budget
-local isolated_head = false
-if heavy_head then
-  local head_tokens, _, _, _, _, head_attempt = parse_entry(heavy_head)
-  share = math.max(0, math.min(math.floor(token_budget / 2), token_budget - head_tokens))
-  isolated_head = tonumber(head_attempt) >= isolate_attempt
+local stop = 'dry'
+local refused = false
+if lanes == 'light' then
+  if lane_exceeds(pending, token_budget) then
+    refused = true -- a backlog: left to full batches
+  else
+    light_skipped, light_scanned, stop = scan(pending, token_budget, false, 0, {}, 0)
+    if #light_taken > 0 then
+      stop = 'preempt'
+    end
+  end
+elseif lanes == 'heavy' and (preempt_tokens <= 0 or not lane_exceeds(pending, preempt_tokens)) then
+  heavy_skipped, heavy_scanned, stop = scan(heavy, token_budget, true, 0, {}, 0)
+  if stop == 'dry' and redis.call('LLEN', pending) > 0 then
+    stop = 'heavy_only'
+  end
+elseif lanes == 'heavy' then -- a light backlog: light first, all of the budget; heavy work that fits
+  light_skipped, light_scanned, stop = scan(pending, token_budget, false, 0, {}, 0)
+  if not done and taken_tokens < token_budget and redis.call('LLEN', heavy) > 0 then
+    heavy_skipped, heavy_scanned, stop = scan(heavy, token_budget, true, 1, {}, 0)
+  end
+else
+  -- The light lane first, within its share (claim_rule.light_share); not at all when the heavy
+  -- lane's head is a redo to isolate (it goes alone now).
+  local heavy_head = redis.call('LINDEX', heavy, 0) -- none: no LRANGE (idle workers claim often)
+  local share, isolated_head, capped, num_light = token_budget, false, false, 0
+  if heavy_head then
+    local head_tokens, _, _, _, _, head_attempt = parse_entry(heavy_head)
+    share = math.max(0, math.min(math.floor(token_budget / 2), token_budget - head_tokens))
+    isolated_head = tonumber(head_attempt) >= isolate_attempt
+  end
+  if not isolated_head then
+    light_skipped, light_scanned, stop, num_light = scan(pending, share, false, 0, {}, 0)
+    capped = share < token_budget and (stop == 'full' or stop == 'lookahead') -- stopped by its share
+  end
+  if heavy_head and not done then
+    heavy_skipped, heavy_scanned, stop = scan(heavy, token_budget, true, 0, {}, 0)
+  end
+  if capped and not done and taken_tokens < token_budget then
+    -- The room the heavy lane left goes to the light lane: entries passed over first.
+    local skipped, consumed
+    skipped, consumed, stop = scan(pending, token_budget, false, num_light, light_skipped, light_scanned)
+    for i = consumed + 1, #light_skipped do
+      skipped[#skipped + 1] = light_skipped[i] -- passed over before, not reached this time
+    end
+    light_scanned = light_scanned + math.max(0, consumed - #light_skipped)
+    light_skipped = skipped
+  end
 end
-if not isolated_head and lanes ~= 'heavy' then
-  light_skipped, light_scanned = scan(pending, share)
-end
-local num_light = #taken
-if heavy_head and not done then -- an empty heavy lane costs no LRANGE (idle workers claim often)
-  heavy_skipped, heavy_scanned = scan(heavy, token_budget)
+local taken = light_taken
+for i = 1, #heavy_taken do
+  taken[#taken + 1] = heavy_taken[i]
 end
 
 -- Write phase.
@@ -153,7 +233,7 @@ add_to_count(KEYS[2], -(taken_tokens + dropped_tokens))
 add_to_counter(counters, 'expired', #expired)
 add_to_counter(counters, 'orphaned', num_orphaned)
 if #taken == 0 then
-  return {'', now, #expired, num_orphaned, {}, 0}
+  return {'', now, #expired, num_orphaned, {}, 0, refused and 'backlog' or stop}
 end
 push_values('RPUSH', lease, taken)
 redis.call('ZADD', leases, now + tonumber(ARGV[3]), batch_id)
@@ -163,4 +243,4 @@ add_to_counter(counters, 'batches', 1)
 if redis.call('EXISTS', KEYS[2]) == 1 then
   wake_one(KEYS[7], ARGV[11], nil) -- work left: the next idle worker (a burst spreads)
 end
-return {batch_id, now, #expired, num_orphaned, taken, #taken - num_light}
+return {batch_id, now, #expired, num_orphaned, taken, #heavy_taken, stop}

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from queue_support import CHANNEL, ManualClock, open_queue
 
-from tokq.queue.claim_rule import DEADLINE_EXCEEDED, isolate_attempt_for, plan_claim, preempt_budget
+from tokq.queue.claim_rule import (DEADLINE_EXCEEDED, STOP_REASONS, isolate_attempt_for, plan_claim,
+                                   preempt_budget)
 from tokq.queue.wire import format_entry, parse_entry
 
 NOW_MS = 1_700_000_000_000
@@ -31,12 +32,12 @@ def _pending(spec, next_index=None) -> list:
 
 
 def _case(spec, *, heavy=(), token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
-          max_attempts=3, lanes="both"):
+          max_attempts=3, lanes="both", preempt_tokens=0):
     next_index = dict.fromkeys(REQUEST_IDS, 0)
     return dict(pending=_pending(spec, next_index), heavy=_pending(heavy, next_index),
                 live=set(live), token_budget=token_budget, lookahead=lookahead,
                 max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts,
-                lanes=lanes)
+                lanes=lanes, preempt_tokens=preempt_tokens)
 
 
 @st.composite
@@ -61,11 +62,12 @@ def claim_cases(draw):
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.integers(1, 8)),
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
                  max_attempts=draw(st.sampled_from((2, 3, 5))),
-                 lanes=draw(st.sampled_from(("both", "both", "light", "heavy"))))
+                 lanes=draw(st.sampled_from(("both", "both", "light", "heavy"))),
+                 preempt_tokens=draw(st.sampled_from((0, 1, half, token_budget, 2 * token_budget))))
 
 
 async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max_skip_age_ms, max_drop,
-                   max_attempts, lanes):
+                   max_attempts, lanes, preempt_tokens):
     """Run claim.lua once on `pending` and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
                           max_skip_age_ms=max_skip_age_ms, max_attempts=max_attempts) as q:
@@ -79,17 +81,19 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
         if pending or heavy:
             await q.redis.set(k.tokens, sum(e.num_tokens for e in [*pending, *heavy]))
 
-        claim, num_expired, num_orphaned = await q.claim_step(
-            token_budget, lookahead=lookahead, max_drop=max_drop, lanes=lanes)
+        claim, num_expired, num_orphaned, stop = await q.claim_step(
+            token_budget, lookahead=lookahead, max_drop=max_drop, lanes=lanes,
+            preempt_tokens=preempt_tokens)
         plan = plan_claim(pending, heavy, now_ms=NOW_MS, token_budget=token_budget, lookahead=lookahead,
                           max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
                           isolate_attempt=isolate_attempt_for(max_attempts),
-                          is_live=live.__contains__, lanes=lanes)
+                          is_live=live.__contains__, lanes=lanes, preempt_tokens=preempt_tokens)
 
         taken = [e.raw for e in claim.entries] if claim else []
         assert taken == [e.raw for e in plan.taken]
+        assert stop == plan.stop and stop in STOP_REASONS
         if claim:
-            assert claim.num_heavy == plan.num_heavy
+            assert claim.num_heavy == plan.num_heavy and claim.stop == plan.stop
         remaining, remaining_heavy = plan.remaining(pending), plan.remaining_heavy(heavy)
         assert await q.redis.lrange(k.pending, 0, -1) == [e.raw for e in remaining]
         assert await q.redis.lrange(k.heavy, 0, -1) == [e.raw for e in remaining_heavy]
@@ -138,13 +142,28 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
 @example(case=_case([("a", 10, 0, 500, b"")], heavy=[("b", 10, 0, -1, b"", 2), ("b", 10, 0, 500, b"", 2)]))
 @example(case=_case([("d", 10, 0, 500, b""), ("a", 10, 0, 500, b"")],
                     heavy=[("b", 10, 0, 500, b"")], max_drop=1))
-# Light-only (pre-empting) claims: the whole budget for the light lane, the heavy lane untouched
-# even when its head is an isolated redo or expired.
+# Room the heavy lane leaves goes back to the light lane, entries passed over first; a lane's
+# end after passing entries over.
+@example(case=_case([("a", 60, 0, 500, b""), ("a", 40, 0, 500, b""), ("a", 30, 0, 500, b""),
+                     ("a", 10, 0, 500, b"")], heavy=[("b", 30, 0, 500, b"")]))
+@example(case=_case([("a", 30, 0, 500, b""), ("a", 30, 0, 500, b""), ("a", 5, 0, 500, b"")],
+                    heavy=[("b", 20, 0, 500, b"")]))
+# Light-only (pre-empting) claims: the whole light lane when it fits the budget, else nothing
+# (a backlog); the heavy lane untouched even when its head is an isolated redo or expired.
 @example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 40, 0, 500, b"")] * 3, lanes="light"))
+@example(case=_case([("a", 30, 0, 500, b"")] * 3, heavy=[("b", 40, 0, 500, b"")] * 3, lanes="light"))
 @example(case=_case([("a", 10, 0, 500, b"")], heavy=[("b", 10, 0, -1, b"", 2)], lanes="light"))
 @example(case=_case([], heavy=[("b", 10, 0, 500, b"")], lanes="light"))
-# Heavy-only (the next batch of a worker in a heavy forward): the light lane untouched.
+# Heavy-only (the next batch of a worker in a heavy forward): the light lane untouched while it
+# holds at most preempt_tokens; past that, light first with all of the budget, then heavy work
+# that fits (its head not always).
 @example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 40, 0, 500, b"")] * 3, lanes="heavy"))
+@example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 40, 0, 500, b"")] * 3, lanes="heavy",
+                    preempt_tokens=120))
+@example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 40, 0, 500, b"")] * 3, lanes="heavy",
+                    preempt_tokens=119))
+@example(case=_case([("a", 30, 0, 500, b"")] * 2, heavy=[("b", 60, 60, 500, b""), ("b", 10, 0, 500, b"")],
+                    lanes="heavy", preempt_tokens=50))
 @example(case=_case([("a", 10, 0, 500, b"")], heavy=[], lanes="heavy"))
 def test_lua_claim_agrees_with_the_python_rule(redis_server, case):
     asyncio.run(_compare(redis_server.url, **case))
@@ -196,15 +215,32 @@ def test_redone_items_are_isolated_only_after_failing_twice_or_on_their_last_try
 
 
 def test_the_light_lane_goes_first_within_its_share_and_the_heavy_head_always_fits():
-    light = _entries((50, 0), (50, 0), (50, 0), (50, 0), (50, 0), (50, 0), (50, 0))
+    light = _entries((50, 0), (50, 0), (50, 0), (50, 0), (50, 0), (50, 0), (50, 0), (50, 0))
     heavy = _entries((200, 0), (200, 0))
     plan = _plan(light, heavy, lookahead=0)
-    # Light gets half of 600, the heavy lane the rest: a one-word call is never behind them.
-    assert [e.num_tokens for e in plan.taken] == [50] * 6 + [200]
+    # Light gets half of 600, the heavy lane what it can use, light the room left (not 200).
+    assert [e.num_tokens for e in plan.taken] == [50] * 6 + [50] * 2 + [200]
+    assert plan.num_heavy == 1 and plan.stop == "full"
+    assert [e.num_tokens for e in plan.remaining_heavy(heavy)] == [200]
     big = _entries((500, 0), (500, 0))
     assert [e.num_tokens for e in _plan(light, big, lookahead=0).taken] == [50, 50, 500]
     # No heavy work: the light lane gets the whole budget.
-    assert [e.num_tokens for e in _plan(light, [], lookahead=0).taken] == [50] * 7
+    assert [e.num_tokens for e in _plan(light, [], lookahead=0).taken] == [50] * 8
+
+
+def test_room_the_heavy_lane_leaves_goes_to_light_entries_passed_over_first():
+    light = _entries((250, 0), (100, 0), (40, 0), (60, 0))
+    heavy = _entries((150, 0))
+    # Share 300: 250 and 40, 100 and 60 passed over (young); heavy 150; then 100 and 60 fill
+    # the 600, the older first.
+    plan = _plan(light, heavy, lookahead=2)
+    assert [e.num_tokens for e in plan.taken] == [250, 40, 100, 60, 150]
+    assert plan.remaining(light) == [] and plan.stop == "full"
+    # Share 280: 250; 100 and 40 passed over; 60 one too many (lookahead 2). Heavy 150 (400);
+    # then 100 and 40 (540); 60 no longer fits and waits at the head.
+    plan = _plan(light, heavy, lookahead=2, token_budget=560)
+    assert [e.num_tokens for e in plan.taken] == [250, 100, 40, 150]
+    assert [e.num_tokens for e in plan.remaining(light)] == [60] and plan.num_heavy == 1
 
 
 def test_each_lane_with_work_gets_an_item_per_batch_even_past_its_share():
@@ -213,23 +249,41 @@ def test_each_lane_with_work_gets_an_item_per_batch_even_past_its_share():
     assert [e.num_tokens for e in _plan(light, oversized).taken] == [40, 900]
 
 
-def test_a_light_only_claim_takes_the_light_lane_alone_within_its_whole_budget():
-    light = _entries((50, 0), (50, 0), (50, 0))
+def test_a_light_only_claim_takes_the_whole_light_lane_or_nothing():
+    light = _entries((50, 0), (50, 0))
     heavy = _entries((200, 0), (200, 0))
     plan = _plan(light, heavy, token_budget=128, lanes="light", lookahead=0)
     assert [e.num_tokens for e in plan.taken] == [50, 50]  # not half: the heavy lane waits
     assert plan.remaining_heavy(heavy) == heavy and plan.heavy_scanned == 0
+    assert plan.stop == "preempt" and plan.num_heavy == 0
+    # More than its budget is a backlog: left whole to full batches, not cut into nested ones.
+    backlog = _entries((50, 0), (50, 0), (50, 0))
+    plan = _plan(backlog, heavy, token_budget=128, lanes="light")
+    assert plan.taken == () and plan.remaining(backlog) == backlog and plan.stop == "backlog"
     assert _plan([], heavy, lanes="light").taken == ()
     assert [preempt_budget(b, 128) for b in (64, 1024, 4096, 16384)] == [64, 128, 512, 2048]
 
 
-def test_a_heavy_only_claim_leaves_the_light_lane_to_light_only_claims():
+def test_a_heavy_only_claim_leaves_a_short_light_lane_to_light_only_claims():
     light = _entries((50, 0), (50, 0))
     heavy = _entries((200, 0), (200, 0), (300, 0))
-    plan = _plan(light, heavy, lanes="heavy", lookahead=0)
+    plan = _plan(light, heavy, lanes="heavy", lookahead=0, preempt_tokens=128)
     assert [e.num_tokens for e in plan.taken] == [200, 200]  # the whole budget, no light share
-    assert plan.remaining(light) == light and plan.num_scanned == 0
-    assert _plan(light, [], lanes="heavy").taken == ()
+    assert plan.remaining(light) == light and plan.num_scanned == 0 and plan.stop == "heavy_item"
+    assert _plan(light, [], lanes="heavy", preempt_tokens=128).taken == ()
+    assert _plan(light, heavy[:1], lanes="heavy", preempt_tokens=128).stop == "heavy_only"
+
+
+def test_beside_a_light_backlog_a_heavy_claim_fills_the_budget_light_lane_first():
+    light = _entries(*[(50, 0)] * 10)
+    heavy = _entries((200, 0), (90, 0))
+    # 500 light tokens > 128: the light lane first, all of the budget; heavy work that fits
+    plan = _plan(light, heavy, lanes="heavy", lookahead=0, preempt_tokens=128)
+    assert [e.num_tokens for e in plan.taken] == [50] * 10  # 500: the heavy head does not fit
+    assert plan.remaining_heavy(heavy) == heavy and plan.stop == "heavy_item"
+    plan = _plan(light[:8], heavy, lanes="heavy", lookahead=0, preempt_tokens=128)
+    assert [e.num_tokens for e in plan.taken] == [50] * 8 + [200] and plan.num_heavy == 1
+    assert plan.taken_tokens == 600 and plan.stop == "full"
 
 
 def _drain(light, heavy, arrivals, *, token_budget=600, claims=300):

@@ -8,6 +8,8 @@ call ``checkpoint``) and runs a waiting batch to completion right there, nested,
 one-word call waits for one step of the heavy forward (one linear layer), not for all of it. On CUDA the nested
 kernels queue behind the heavy ones already launched, in stream order, so this holds there too.
 The nested forward shares no tensor with the heavy one: both batches' vectors are as if run alone.
+Nesting is for light work that arrives a little at a time: a heavy forward takes nested batches
+until they hold ``preempt_budget`` tokens, and a light lane longer than that goes in full batches.
 The slot counts the batches that ran nested, and their seconds: the heavy batch's forward time
 leaves those out (workers/worker.py), so the forward seconds of both add up to the device's.
 """

@@ -13,7 +13,9 @@ Heavy work cannot hold light work back: while a heavy batch's forward runs (``is
 than ``tokq.queue.claim_rule.preempt_budget``, half of them from the heavy lane or more) the worker is registered as pre-emptible; light work that
 arrives tells it 'light', it claims that work light-only and the forward thread runs it nested
 between two steps of the heavy forward's layers (workers/preempt.py). Either batch is leased, renewed
-and acknowledged like any other: a crash redoes both.
+and acknowledged like any other: a crash redoes both. A heavy forward stops taking nested batches
+once they hold ``preempt_budget`` tokens, and a light lane longer than that is left to full
+batches (tokq/queue/claim_rule.py): a backlog becomes full batches, not many small nested ones.
 
 A forward that runs far past its expected time (a hung device) makes the worker give up: its
 heartbeat goes, its leases are no longer renewed (so its batches are redone elsewhere) and the
@@ -34,7 +36,7 @@ from collections.abc import Callable
 import redis.exceptions
 
 from tokq.tasks import cancel_and_wait, raise_if_cancelled
-from tokq.queue.claim_rule import Lanes, preempt_budget
+from tokq.queue.claim_rule import Lanes, is_heavy_batch, preempt_budget
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.latency_goal import max_forward_ms
 from tokq.queue.shard import Claim, Queue
@@ -78,8 +80,7 @@ def is_heavy(claim: Claim, preempt_budget: int) -> bool:
     meanwhile waits for the next batch, so under ordinary traffic batches stay full
     (pre-empting every batch over the light-only budget cut the service's batches from ~38
     items to ~5 and its throughput by 40%; one with any heavy item, to ~15)."""
-    heavy = claim.entries[len(claim.entries) - claim.num_heavy:] if claim.num_heavy > 0 else ()
-    return claim.num_tokens > preempt_budget and 2 * sum(e.num_tokens for e in heavy) >= claim.num_tokens
+    return is_heavy_batch([e.num_tokens for e in claim.entries], claim.num_heavy, preempt_budget)
 
 
 class OutageLog:
@@ -304,11 +305,15 @@ class Worker:
 
     async def _preempt_while(self, forward: asyncio.Task) -> None:
         """While a heavy forward runs: registered as pre-emptible, claim light work on each
-        'light' notice and hand it to the forward thread, which runs it nested; acknowledge it."""
+        'light' notice and hand it to the forward thread, which runs it nested; acknowledge it.
+        Until the nested batches hold preempt_budget tokens: light work past that waits for the
+        next batch, as light work past a light-only claim's budget does (a backlog)."""
         loop = asyncio.get_running_loop()
         noticed = False  # woken by a 'light' notice: claim at once, register again after
+        nested_tokens = 0
         try:
-            while not forward.done() and self.healthy and not self._stop.is_set():
+            while (not forward.done() and self.healthy and not self._stop.is_set()
+                   and nested_tokens < self.preempt_budget):
                 if not self._preemptible.registered and not noticed:
                     # Registered before the claim: no notice falls between. After a notice
                     # (which took this worker out of the set) the claim goes first, one round
@@ -327,6 +332,7 @@ class Worker:
                     noticed = notice.done()
                     notice.cancel()
                     continue
+                nested_tokens += claim.num_tokens
                 future = self.preemption.offer(claim, loop)
                 if future is None:  # the heavy forward ended meanwhile: an ordinary batch
                     outcome = await asyncio.to_thread(self.run_batch, claim)
@@ -422,7 +428,8 @@ class Worker:
                 return None
         start = time.perf_counter()
         try:
-            claim = await self.queue.claim(token_budget or self.token_budget, lanes=lanes)
+            claim = await self.queue.claim(token_budget or self.token_budget, lanes=lanes,
+                                           on_stop=getattr(self.observer, "observe_claim_stop", None))
         except _REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
             log.warning("claim failed: %s; retrying", exc)
             if self.observer:

@@ -3,19 +3,20 @@
 Kept beside the queue client so the rule can be read, reasoned about and property-tested
 (``tests/test_queue_claim_rule.py`` runs both on random queues) without reading Lua.
 
-A queue has two lanes (two Redis lists): ``pending`` holds requests of at most
-``QueueConfig.light_tokens`` tokens (all inputs together), ``heavy`` the larger ones and every
-redone item. A claim serves the light lane first, but while heavy work waits the light lane
-gets at most half the budget (less when the heavy head needs more room), and each lane with
-work gets at least one item per batch: a flood of heavy requests cannot starve a one-word call
-(it waits for its own forward and the one in flight, or one block of it: see below), and a flood
-of light ones cannot starve heavy requests. Within a lane the rule is FIFO with bounded lookahead.
+Two lanes: ``pending`` (light) holds requests of at most ``QueueConfig.light_tokens`` tokens,
+``heavy`` the larger ones and every redone item. Within a lane: FIFO, bounded lookahead.
 
-A *light-only* claim (``lanes="light"``) takes light-lane entries alone, up to all of its
-(small) budget: a worker running a heavy forward runs that batch nested between two steps of
-its layers (workers/preempt.py), so a one-word call need not wait for the forward in flight.
-Such a worker claims its next batch ``lanes="heavy"``: light work is left to its light-only
-claims, so none rides in a heavy batch.
+- ``both`` (the usual claim): the light lane first, within half the budget while heavy work
+  waits (less when the heavy head needs the room); then the heavy lane, its head always; then
+  the light lane again with any room left. Each lane with work gets an item per batch.
+- ``light`` (pre-empting, run nested in a heavy forward): the whole light lane when it fits
+  the budget; else nothing (``backlog``): a backlog goes in full batches, not small nested ones.
+- ``heavy`` (the next batch beside a heavy forward): the heavy lane alone while the light lane
+  holds at most ``preempt_tokens`` (light-only claims take it); past that, the light lane first
+  up to the whole budget, then heavy work that fits. The claim after a batch that is not heavy
+  is ``both``, so the heavy head waits at most two claims.
+
+Each plan says why the batch stopped growing (``ClaimPlan.stop``, one of ``STOP_REASONS``).
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ from tokq.queue.wire import Entry
 
 Lanes = Literal["both", "light", "heavy"]  # which lanes a claim reads (see the module doc)
 DEADLINE_EXCEEDED = b"-DEADLINE_EXCEEDED:deadline passed while queued"
+# Why a claim's batch stopped growing: the budget was reached or a light entry did not fit;
+# a heavy-lane entry did not fit; `lookahead` entries were passed over and one
+# more did not fit; the lanes it read ran out; a redo to isolate went alone or ended the batch;
+# max_drop dead entries were dropped; a light-only claim took the whole light lane; a heavy-only
+# claim emptied the heavy lane, light work left to light-only claims; a light-only claim
+# refused a light lane longer than its budget (no batch).
+STOP_REASONS = ("full", "heavy_item", "lookahead", "dry", "isolated", "dropped", "preempt",
+                "heavy_only", "backlog")
 
 
 @dataclass(frozen=True)
 class ClaimPlan:
-    taken: tuple[Entry, ...]  # the batch: light-lane entries, then heavy-lane ones, in lane order
+    taken: tuple[Entry, ...]  # the batch: light-lane entries, then heavy-lane ones
     expired: tuple[Entry, ...]  # dropped: deadline passed (answered with DEADLINE_EXCEEDED)
     orphaned: tuple[Entry, ...]  # dropped: the request's reply key is gone
     skipped: tuple[Entry, ...]  # light lane: passed over; they stay at its head, in order
@@ -40,6 +49,7 @@ class ClaimPlan:
     heavy_skipped: tuple[Entry, ...] = ()  # the same for the heavy lane
     heavy_scanned: int = 0
     num_heavy: int = 0  # entries of `taken` from the heavy lane (the last ones)
+    stop: str = "dry"  # why the batch stopped growing: one of STOP_REASONS
 
     def remaining(self, pending: Sequence[Entry]) -> list[Entry]:
         """The light lane after the claim."""
@@ -63,8 +73,9 @@ def isolate_attempt_for(max_attempts: int) -> int:
 
 
 def light_share(token_budget: int, heavy_head: Entry | None) -> int:
-    """Tokens the light lane may fill: all of the budget when no heavy work waits, else at most
-    half, and no more than leaves room for the heavy lane's head (so it goes in this batch)."""
+    """Tokens the light lane may fill before the heavy lane: all of the budget when no heavy
+    work waits, else at most half, and no more than leaves room for the heavy lane's head (so
+    it goes in this batch). Room the heavy lane leaves goes back to the light lane."""
     if heavy_head is None:
         return token_budget
     return max(0, min(token_budget // 2, token_budget - heavy_head.num_tokens))
@@ -77,73 +88,122 @@ def preempt_budget(token_budget: int, light_tokens: int) -> int:
     return max(1, min(token_budget, max(light_tokens, token_budget // 8)))
 
 
+def is_heavy_batch(token_counts: Sequence[int], num_heavy: int, preempt_tokens: int) -> bool:
+    """A batch worth pre-empting: more tokens than a light-only claim, at least half of them
+    from the heavy lane (``token_counts``: its entries' tokens, the heavy lane's last). A batch
+    of mostly light work is not pre-empted: light work arriving meanwhile waits for the next
+    full batch."""
+    total = sum(token_counts)
+    heavy = sum(token_counts[len(token_counts) - num_heavy:]) if num_heavy > 0 else 0
+    return total > preempt_tokens and 2 * heavy >= total
+
+
+def lane_exceeds(lane: Sequence[Entry], limit: int) -> bool:
+    """The lane holds more than ``limit`` tokens, dead entries included (they go at the next
+    full claim)."""
+    total = 0
+    for entry in lane:
+        total += entry.num_tokens
+        if total > limit:
+            return True
+    return False
+
+
 def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms: int,
                token_budget: int, lookahead: int, max_skip_age_ms: int, max_drop: int,
                isolate_attempt: int, is_live: Callable[[str], bool],
-               lanes: Lanes = "both") -> ClaimPlan:
+               lanes: Lanes = "both", preempt_tokens: int | None = None) -> ClaimPlan:
     """Decide the next batch from the heads of the light lane ``pending`` and the ``heavy``
-    lane (each oldest first).
+    lane (each oldest first); ``lanes`` as in the module doc.
 
-    In each lane, FIFO up to its share of ``token_budget`` tokens (the light lane: ``light_share``;
-    the heavy lane: what is left); the first live item of each lane is always taken, even over
-    its share. An item that does not fit may be passed over (at most ``lookahead`` of them per
-    lane) so that smaller ones behind it fill the batch, unless it has waited
-    ``max_skip_age_ms``: then that lane's part ends and it goes first next time, so nothing
-    starves. An item redone ``isolate_attempt`` times or more (see ``isolate_attempt_for``) is
-    claimed alone; when it heads the heavy lane, the light lane waits this one claim.
-    ``lanes``: "light" = the light lane alone, within all of ``token_budget`` (``heavy`` is not
-    read); "heavy" = the heavy lane alone; "both" = the rule above.
+    A scan takes a lane's entries in order while they fit its share of ``token_budget`` (its
+    first live item always, unless the lane only fills room left). An item that does not fit
+    may be passed over (at most ``lookahead`` per scan) so that smaller ones behind it fill the
+    batch, unless it has waited ``max_skip_age_ms``: then the scan ends and it goes first next
+    time. Expired and orphaned entries are dropped, at most ``max_drop`` per claim. An item
+    redone ``isolate_attempt`` times or more (``isolate_attempt_for``) is claimed alone; when
+    it heads the heavy lane, a ``both`` claim reads no light entry. ``preempt_tokens``: the
+    light-only claims' budget; a ``heavy`` claim reads the light lane first when it holds more
+    (None or 0: never).
     """
-    taken: list[Entry] = []
+    light_taken: list[Entry] = []
+    heavy_taken: list[Entry] = []
     expired: list[Entry] = []
     orphaned: list[Entry] = []
+    tokens = 0
     done = False  # an isolated item was taken, or max_drop reached: the claim ends
 
-    def scan(lane: Sequence[Entry], share: int) -> tuple[list[Entry], int]:
-        nonlocal done
+    def scan(lane: Sequence[Entry], share: int, in_heavy: bool,
+             lane_taken: int = 0) -> tuple[list[Entry], int, str, int]:
+        """Take from ``lane`` within ``share`` tokens in all (its first live item always while
+        ``lane_taken`` is 0). Returns (entries passed over, entries consumed, stop, lane_taken)."""
+        nonlocal tokens, done
+        taken = heavy_taken if in_heavy else light_taken
         skipped: list[Entry] = []
-        lane_taken = 0
-        num_scanned = 0
-        tokens = sum(e.num_tokens for e in taken)
+        consumed = 0
         for entry in lane:
             if entry.deadline_ms <= now_ms:
                 expired.append(entry)
             elif not is_live(entry.request_id):
                 orphaned.append(entry)
-            elif taken and entry.attempt >= isolate_attempt:
-                break  # an item that failed repeatedly goes alone (below): it ends this batch
+            elif (light_taken or heavy_taken) and entry.attempt >= isolate_attempt:
+                return skipped, consumed, "isolated", lane_taken  # goes alone: it ends the batch
             elif lane_taken == 0 or tokens + entry.num_tokens <= share:
                 taken.append(entry)
                 lane_taken += 1
                 tokens += entry.num_tokens
                 if entry.attempt >= isolate_attempt:
                     # Alone, so a poison item cannot use up its batch-mates' attempts with its own.
-                    num_scanned += 1
                     done = True
-                    break
+                    return skipped, consumed + 1, "isolated", lane_taken
             elif len(skipped) >= lookahead or now_ms - entry.ts_ms >= max_skip_age_ms:
-                break  # lookahead 0: nothing is ever passed over (strict FIFO)
+                # lookahead 0: nothing is ever passed over (strict FIFO)
+                stop = "lookahead" if lookahead > 0 and len(skipped) >= lookahead else (
+                    "heavy_item" if in_heavy else "full")
+                return skipped, consumed, stop, lane_taken
             else:
                 skipped.append(entry)
-            num_scanned += 1
+            consumed += 1
             if len(expired) + len(orphaned) >= max_drop:
                 done = True
-                break
+                return skipped, consumed, "dropped", lane_taken
             if lane_taken > 0 and tokens >= share:
-                break
-        return skipped, num_scanned
+                return skipped, consumed, "full", lane_taken
+        # the lane's end; entries passed over did not fit
+        return skipped, consumed, ("heavy_item" if in_heavy else "full") if skipped else "dry", lane_taken
 
-    if lanes == "light":
-        heavy = ()
-    heavy_head = heavy[0] if heavy else None
     skipped: list[Entry] = []
     num_scanned = 0
-    if lanes != "heavy" and (heavy_head is None or heavy_head.attempt < isolate_attempt):
-        skipped, num_scanned = scan(pending, light_share(token_budget, heavy_head))
     heavy_skipped: list[Entry] = []
     heavy_scanned = 0
-    num_light = len(taken)
-    if not done:
-        heavy_skipped, heavy_scanned = scan(heavy, token_budget)
-    return ClaimPlan(tuple(taken), tuple(expired), tuple(orphaned), tuple(skipped), num_scanned,
-                     tuple(heavy_skipped), heavy_scanned, len(taken) - num_light)
+    stop = "dry"
+    if lanes == "light":
+        if lane_exceeds(pending, token_budget):
+            return ClaimPlan((), (), (), (), 0, stop="backlog")
+        skipped, num_scanned, stop, _ = scan(pending, token_budget, False)
+        stop = "preempt" if light_taken else stop
+    elif lanes == "heavy" and (not preempt_tokens or not lane_exceeds(pending, preempt_tokens)):
+        heavy_skipped, heavy_scanned, stop, _ = scan(heavy, token_budget, True)
+        stop = "heavy_only" if stop == "dry" and pending else stop
+    elif lanes == "heavy":  # a light backlog: light first, all of the budget; heavy work that fits
+        skipped, num_scanned, stop, _ = scan(pending, token_budget, False)
+        if heavy and not done and tokens < token_budget:
+            heavy_skipped, heavy_scanned, stop, _ = scan(heavy, token_budget, True, lane_taken=1)
+    else:
+        heavy_head = heavy[0] if heavy else None
+        share = light_share(token_budget, heavy_head)
+        capped, num_light = False, 0
+        if heavy_head is None or heavy_head.attempt < isolate_attempt:
+            skipped, num_scanned, stop, num_light = scan(pending, share, False)
+            capped = share < token_budget and stop in ("full", "lookahead")  # stopped by its share
+        if heavy and not done:
+            heavy_skipped, heavy_scanned, stop, _ = scan(heavy, token_budget, True)
+        if capped and not done and tokens < token_budget:
+            # The room the heavy lane left goes to the light lane: entries passed over first.
+            again = skipped + list(pending[num_scanned:])
+            skipped2, consumed, stop, _ = scan(again, token_budget, False, num_light)
+            num_scanned += max(0, consumed - len(skipped))
+            skipped = skipped2 + skipped[consumed:]
+    return ClaimPlan(tuple(light_taken + heavy_taken), tuple(expired), tuple(orphaned),
+                     tuple(skipped), num_scanned, tuple(heavy_skipped), heavy_scanned,
+                     len(heavy_taken), stop)

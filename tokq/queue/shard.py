@@ -20,12 +20,12 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from tokq.queue.claim_rule import Lanes, isolate_attempt_for
+from tokq.queue.claim_rule import Lanes, isolate_attempt_for, preempt_budget
 from tokq.config import MAX_TOKEN_BUDGET, QueueConfig
 from tokq.queue.wire import Entry, parse_entry
 from tokq.queue.keys import QueueKeys
@@ -141,6 +141,7 @@ class Claim:
     entries: tuple[Entry, ...]
     num_expired: int = 0  # entries dropped for their deadline while claiming
     num_heavy: int = -1  # entries from the heavy lane, the last ones (-1: unknown, a repeated claim)
+    stop: str = ""  # why the batch stopped growing (claim_rule.STOP_REASONS; "": a repeated claim)
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +160,8 @@ class QueueStats:
     # Those whose stats could not be read (their node unreachable): the figures above leave
     # them out, but for their counters' last reading.
     unreadable_shards: tuple[int, ...] = ()
+    # lane ("light", "heavy") -> (queued entries, queued tokens) (lua/stats.lua)
+    lanes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _pairs(flat: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
@@ -248,28 +251,33 @@ class Queue:
                 if field not in REPLY_META_FIELDS}
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
-                    lanes: Lanes = "both") -> Claim | None:
+                    lanes: Lanes = "both", on_stop: Callable[[str], object] | None = None) -> Claim | None:
         """The next batch of at most ``token_budget`` tokens (tokq/queue/claim_rule.py: small requests
         first, within their share; a lane's first item goes even when longer), leased for
-        ``config.lease_ms``; None when nothing is queued. ``lanes``: "light" or "heavy" to claim
-        from that lane alone (a worker in a heavy forward: tokq/queue/claim_rule.py)."""
+        ``config.lease_ms``; None when nothing is queued. ``lanes``: "light" or "heavy" for a
+        worker in a heavy forward (tokq/queue/claim_rule.py). ``on_stop(reason)``: called for a
+        batch and for a light-only claim refused as a backlog (claim_rule.STOP_REASONS)."""
         num_expired = 0
         while True:
-            claim, expired, orphaned = await self.claim_step(token_budget, lookahead=lookahead,
-                                                             lanes=lanes)
+            claim, expired, orphaned, stop = await self.claim_step(
+                token_budget, lookahead=lookahead, lanes=lanes)
             num_expired += expired
+            if on_stop is not None and (claim is not None or stop == "backlog") and stop:
+                on_stop(stop)
             if claim is not None:
                 return replace(claim, num_expired=num_expired)
             if expired + orphaned < MAX_DROPS_PER_CLAIM:
                 return None  # the queue is empty, not just a long run of dead entries
 
     async def claim_step(self, token_budget: int, *, lookahead: int | None = None,
-                         max_drop: int = MAX_DROPS_PER_CLAIM,
-                         lanes: Lanes = "both") -> tuple[Claim | None, int, int]:
+                         max_drop: int = MAX_DROPS_PER_CLAIM, lanes: Lanes = "both",
+                         preempt_tokens: int | None = None) -> tuple[Claim | None, int, int, str]:
         """One run of claim.lua: (the batch or None, entries dropped as expired, entries
-        dropped because their request is gone). It stops after ``max_drop`` drops. The batch
-        id is picked here, so a run repeated after a lost answer returns the same batch: the
-        next call after a LostAnswer repeats the lost one's id."""
+        dropped because their request is gone, why the batch stopped growing). It stops after
+        ``max_drop`` drops. The batch id is picked here, so a run repeated after a lost answer
+        returns the same batch: the next call after a LostAnswer repeats the lost one's id.
+        ``preempt_tokens``: the light-only claims' budget (default: claim_rule.preempt_budget of
+        ``token_budget``), past which a "heavy" claim reads the light lane first."""
         if token_budget < 1:
             raise ValueError(f"budget must be positive, got {token_budget}")
         k, cfg = self.keys, self.config
@@ -279,21 +287,24 @@ class Queue:
             asked_id = lost[0]
         else:  # another kind of claim (a pre-empting one beside a prefetch): its own id
             asked_id = f"{self._batch_prefix}-{next(self._batch_numbers)}"
+        if preempt_tokens is None:
+            preempt_tokens = preempt_budget(token_budget, cfg.light_tokens)
         args = [self._now_arg(), token_budget, cfg.lease_ms,
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
                 max_drop, k.reply_prefix, k.lease_prefix, asked_id,
-                isolate_attempt_for(cfg.max_attempts), k.owner_prefix, lanes]
+                isolate_attempt_for(cfg.max_attempts), k.owner_prefix, lanes, preempt_tokens]
         try:
-            batch_id, now_ms, expired, orphaned, raw, num_heavy = await self._run(
+            batch_id, now_ms, expired, orphaned, raw, num_heavy, stop = await self._run(
                 "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
         except LostAnswer:
             self._unanswered_claim = (asked_id, lanes, token_budget)
             raise
+        stop = stop.decode() if isinstance(stop, bytes) else str(stop)
         claim = None
         if batch_id:
             claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired,
-                          int(num_heavy))
-        return claim, int(expired), int(orphaned)
+                          int(num_heavy), stop)
+        return claim, int(expired), int(orphaned), stop
 
     @property
     def owner_id(self) -> str:
@@ -372,11 +383,14 @@ class Queue:
 
     async def stats(self) -> QueueStats:
         k = self.keys
-        entries, tokens, age_ms, inflight, batches, counters = await self._run(
+        (entries, tokens, age_ms, inflight, batches, counters, light_entries, heavy_entries,
+         light_tokens, heavy_tokens) = await self._run(
             "stats", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy],
             [self._now_arg()])
         return QueueStats(int(entries), int(tokens), int(age_ms), int(inflight), int(batches),
-                          {f.decode(): int(v) for f, v in _pairs(counters)})
+                          {f.decode(): int(v) for f, v in _pairs(counters)},
+                          lanes={"light": (int(light_entries), int(light_tokens)),
+                                 "heavy": (int(heavy_entries), int(heavy_tokens))})
 
     async def get_budget(self) -> int | None:
         """The published budget, None where none is (or what is there is not one: budget_from)."""

@@ -255,18 +255,18 @@ class ShardedQueue:
         return self._claim_shards
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
-                    lanes: Lanes = "both") -> Claim | None:
+                    lanes: Lanes = "both", on_stop: Callable[[str], object] | None = None) -> Claim | None:
         """One batch from the next non-empty shard in rotation; None when all are empty. A
         shard whose node is down (failing over) is passed over, so the others keep being
         served; a claim that may have run there is redone when its lease expires. Raises
-        only when every shard failed."""
+        only when every shard failed. ``on_stop``: as Queue.claim's, for each shard asked."""
         n = self._claim_shards
         errors: list[Exception] = []
         for step in range(n):
             index = (self._next_claim + step) % n
             try:
                 claim = await self.shard(index).claim(token_budget, lookahead=lookahead,
-                                                      lanes=lanes)
+                                                      lanes=lanes, on_stop=on_stop)
             except redis.exceptions.RedisError as exc:
                 errors.append(exc)
                 continue
@@ -326,9 +326,13 @@ class ShardedQueue:
         counters: Counter[str] = Counter()
         for counted in self._counted.values():  # retired shards' too: their totals stay in
             counters.update(counted)
+        lanes = {lane: (sum(p.lanes[lane][0] for p in parts if lane in p.lanes),
+                        sum(p.lanes[lane][1] for p in parts if lane in p.lanes))
+                 for lane in {lane for p in parts for lane in p.lanes}}
         return QueueStats(sum(p.queued_entries for p in parts), sum(p.queued_tokens for p in parts),
                           max(p.oldest_age_ms for p in parts), sum(p.inflight_items for p in parts),
-                          sum(p.inflight_batches for p in parts), dict(counters), n, tuple(unreadable))
+                          sum(p.inflight_batches for p in parts), dict(counters), n, tuple(unreadable),
+                          lanes)
 
     def _count(self, shard: int, read: dict[str, int]) -> None:
         """Shard ``shard``'s event totals as read now, added to what stats() reports so that the
