@@ -20,6 +20,9 @@ Queue (``observe_queue_stats``; exported by one gateway process per model, elect
 lock (gateway/server.py), so each series exists once and sum() over processes adds up)
   tokq_queue_queued_entries / tokq_queue_queued_tokens       gauge   waiting to be claimed
   tokq_queue_oldest_age_seconds                              gauge   age of the head entry
+  tokq_queue_lane_queued_entries{lane} / tokq_queue_lane_queued_tokens{lane}   gauge   the same
+      per lane (light, heavy: tokq/queue/claim_rule.py); a lane's tokens are exact while the
+      shorter lane holds at most 1,000 entries, else scaled from its first 1,000 (lua/stats.lua)
   tokq_queue_inflight_items / tokq_queue_inflight_batches    gauge   claimed, not yet acked
   tokq_queue_unreadable_shards_ratio                         gauge   share of the queue's shards
       whose stats the last reading could not get (their node unreachable; the exporter logs
@@ -45,6 +48,9 @@ a batch none of whose items was forwarded is no forward pass at all.
       A heavy forward's leaves out the light batches nested in it (timed on their own): the
       seconds add up to the device's, not more
   tokq_worker_claim_duration_seconds              histogram one claim-script call
+  tokq_worker_claim_stops_total{reason}           counter   claims by why their batch stopped growing
+      (tokq.queue.claim_rule.STOP_REASONS): full, heavy_item, lookahead, dry, isolated, dropped,
+      preempt (a light-only claim), heavy_only, and backlog (a light-only claim refused, no batch)
   tokq_worker_forward_tokens_total                counter   tokens forwarded
   tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (tokq.model.flops)
   tokq_worker_budget_tokens                       gauge     token budget in force
@@ -142,6 +148,12 @@ QUEUE_TOKENS = Gauge("tokq_queue_queued_tokens", "Tokens waiting to be claimed",
 QUEUE_OLDEST_AGE = Gauge("tokq_queue_oldest_age_seconds", "Age of the oldest waiting entry", _M)
 QUEUE_INFLIGHT_ITEMS = Gauge("tokq_queue_inflight_items", "Claimed items not yet answered", _M)
 QUEUE_INFLIGHT_BATCHES = Gauge("tokq_queue_inflight_batches", "Batches under a live lease", _M)
+QUEUE_LANE_ENTRIES = Gauge("tokq_queue_lane_queued_entries", "Entries waiting to be claimed, per lane",
+                           _M + ("lane",))
+QUEUE_LANE_TOKENS = Gauge("tokq_queue_lane_queued_tokens", "Tokens waiting to be claimed, per lane "
+                          "(scaled from the shorter lane's first 1,000 entries past that)",
+                          _M + ("lane",))
+QUEUE_LANES = ("light", "heavy")
 QUEUE_UNREADABLE_SHARDS = Gauge("tokq_queue_unreadable_shards_ratio",
                                 "Share of the queue's shards the last stats reading could not read "
                                 "(left out of the other queue gauges)", _M)
@@ -157,6 +169,8 @@ WORKER_FORWARD_DURATION = Histogram("tokq_worker_forward_duration_seconds", "One
                                     _W, buckets=LATENCY_BUCKETS_S)
 WORKER_CLAIM_DURATION = Histogram("tokq_worker_claim_duration_seconds",
                                   "One call of the claim script", _W, buckets=LATENCY_BUCKETS_S)
+WORKER_CLAIM_STOPS = Counter("tokq_worker_claim_stops", "Claims by why their batch stopped growing "
+                             "(tokq.queue.claim_rule.STOP_REASONS)", _W + ("reason",))
 # Only items the forward ran (workers/runner.py BatchOutcome.seqlens): MFU is the device's work.
 WORKER_TOKENS = Counter("tokq_worker_forward_tokens", "Tokens forwarded", _W)
 WORKER_FLOPS = Counter("tokq_worker_forward_flops", "Model FLOPs forwarded", _W)
@@ -245,6 +259,9 @@ def forget_queue_stats(model: str) -> None:
     for gauge in (QUEUE_ENTRIES, QUEUE_TOKENS, QUEUE_OLDEST_AGE, QUEUE_INFLIGHT_ITEMS,
                   QUEUE_INFLIGHT_BATCHES, QUEUE_UNREADABLE_SHARDS):
         gauge.remove(model)  # a no-op for a series never created
+    for lane in QUEUE_LANES:
+        QUEUE_LANE_ENTRIES.remove(model, lane)
+        QUEUE_LANE_TOKENS.remove(model, lane)
     QUEUE_COUNTER_COLLECTOR.forget(model)
 
 
@@ -255,6 +272,10 @@ def observe_queue_stats(stats, *, model: str) -> None:
     QUEUE_OLDEST_AGE.labels(model).set(stats.oldest_age_ms / 1000.0)
     QUEUE_INFLIGHT_ITEMS.labels(model).set(stats.inflight_items)
     QUEUE_INFLIGHT_BATCHES.labels(model).set(stats.inflight_batches)
+    lanes = getattr(stats, "lanes", None)  # {lane: (entries, tokens)}
+    for lane, (entries, tokens) in (lanes or {}).items():
+        QUEUE_LANE_ENTRIES.labels(model, lane).set(entries)
+        QUEUE_LANE_TOKENS.labels(model, lane).set(tokens)
     QUEUE_UNREADABLE_SHARDS.labels(model).set(len(stats.unreadable_shards) / max(1, stats.num_shards))
     QUEUE_COUNTER_COLLECTOR.update(model, stats.counters)
 
@@ -338,9 +359,17 @@ class WorkerMetrics:
             WORKER_MFU.labels(*self.labels).set_function(lambda: self._window_rates()[1] / peak_flops)
         self._info_labels = (device, dtype)
         self._error_kinds: set[str] = set()
+        self._stops: dict[str, object] = {}  # reason -> its child counter
 
     def observe_claim(self, duration_s: float) -> None:
         WORKER_CLAIM_DURATION.labels(*self.labels).observe(duration_s)
+
+    def observe_claim_stop(self, reason: str) -> None:
+        """A claim's batch stopped growing for ``reason`` (tokq.queue.claim_rule.STOP_REASONS)."""
+        child = self._stops.get(reason)
+        if child is None:
+            child = self._stops[reason] = WORKER_CLAIM_STOPS.labels(*self.labels, reason)
+        child.inc()
 
     def set_budget(self, token_budget: int) -> None:
         WORKER_BUDGET.labels(*self.labels).set(token_budget)
@@ -402,3 +431,6 @@ class WorkerMetrics:
         WORKER_INFO.remove(*self.labels, *self._info_labels)
         for kind in self._error_kinds:
             WORKER_ERRORS.remove(*self.labels, kind)
+        for reason in list(self._stops):
+            WORKER_CLAIM_STOPS.remove(*self.labels, reason)
+        self._stops.clear()

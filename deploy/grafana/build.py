@@ -154,6 +154,13 @@ def overview() -> gd.Dashboard:
                           "above cover the others only.", "percentunit",
                           [query(f"max by (model) (tokq_queue_unreadable_shards_ratio{{{M}}})",
                                  "{{model}}")], span=8))
+        .with_panel(panel("Queue depth by lane", "Tokens and entries waiting per lane: light "
+                          "(requests of at most TOKQ_LIGHT_TOKENS), heavy (larger ones and "
+                          "redone items). Read beside the workers' claim stops.", "none",
+                          [query(f"sum by (model, lane) (tokq_queue_lane_queued_tokens{{{M}}})",
+                                 "{{model}} {{lane}} tokens"),
+                           query(f"sum by (model, lane) (tokq_queue_lane_queued_entries{{{M}}})",
+                                 "{{model}} {{lane}} entries", "B")], span=24))
     )
 
 
@@ -197,6 +204,13 @@ def workers() -> gd.Dashboard:
                                  f"[{RATE}]))", "{{model}} {{worker}} all", "B"),
                            query(f"sum by (model, worker) (rate(tokq_worker_graphed_batches_total{{{W}}}"
                                  f"[{RATE}]))", "{{model}} {{worker}} graphed", "C")], span=24))
+        .with_panel(panel("Claim stops", "Claims per second by why their batch stopped growing "
+                          "(tokq/queue/claim_rule.py): full, heavy_item (the heavy lane's next entry "
+                          "did not fit), lookahead, dry (the lanes ran out), isolated, dropped, "
+                          "preempt (light-only, nested), heavy_only, backlog (light-only refused: "
+                          "a light backlog goes in full batches).", "cps",
+                          [query(f"sum by (model, reason) (rate(tokq_worker_claim_stops_total{{{W}}}"
+                                 f"[{RATE}]))", "{{model}} {{reason}}")], span=24))
         .with_row(gd.Row("Throughput"))
         .with_panel(panel("Tokens/s per worker", "Tokens forwarded per second.", "none",
                           [query(f"sum by (model, worker) (rate(tokq_worker_forward_tokens_total{{{W}}}"
