@@ -1,4 +1,5 @@
-"""The gateway process: an asyncio gRPC server with the Embedder service, health and reflection,
+"""The gateway process: an asyncio gRPC server with the Embedder service (Embed, Rerank, Info,
+Tokenize), health and reflection,
 the OpenAI-compatible HTTP API on the same loop, a readiness check behind both health endpoints,
 and SO_REUSEPORT so several gateway processes can share one port."""
 
@@ -24,7 +25,7 @@ from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
 from tokq.gateway.readiness import Readiness, SiblingProcesses
 from tokq.gateway.replies import ReplyRouter
-from tokq.gateway.service import EmbedderService
+from tokq.gateway.rerank import RerankingService
 from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES, add_embedder_service
 from tokq import config as cfg
@@ -123,7 +124,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
                                         queue, router, config, gid, observer=observer)
     embedder = Embedder(models, unrouted=metrics.RequestCounts(""))
     max_message_bytes = max(m.limits.max_message_bytes for m in models.values())
-    service = EmbedderService(embedder, gid)
+    service = RerankingService(embedder, gid)
 
     interceptors = [ApiKeyInterceptor(api_keys, embedder.refused, SERVICE_NAME)] if api_keys else None
     server = grpc.aio.server(interceptors=interceptors, options=[

@@ -74,6 +74,26 @@ def check_text_sizes(texts: Sequence[str | bytes], limits: Limits) -> list[int]:
     return sizes
 
 
+def check_pair_sizes(query: str, documents: Sequence[str], limits: Limits) -> list[int]:
+    """A rerank request's UTF-8 sizes, query first, after the same caps as inputs: the query and
+    each document under the per-input cap, all of them under the per-request cap."""
+    sizes = []
+    for i, text in enumerate([query, *documents]):
+        what, param = ("the query", "query") if i == 0 else (f"document {i - 1}", "documents")
+        size = len(text) if len(text) > limits.max_input_bytes else utf8_len(text)
+        if size > limits.max_input_bytes:
+            raise InputTooLarge(
+                f"{what} is {size:,} bytes; the limit is {limits.max_input_bytes:,} bytes per input "
+                "(max_input_bytes: --max-input-bytes / TOKQ_MAX_INPUT_BYTES)", param=param)
+        sizes.append(size)
+    if sum(sizes) > limits.max_request_bytes:
+        raise InputTooLarge(
+            f"the query and documents are {sum(sizes):,} bytes; the limit is {limits.max_request_bytes:,} "
+            "bytes per request (max_request_bytes: --max-request-bytes / TOKQ_MAX_REQUEST_BYTES): "
+            "split the request", param="documents")
+    return sizes
+
+
 def decode_texts(texts: Sequence[str | bytes]) -> list[str]:
     """Inputs as str, UTF-8 bytes decoded after the caps; bad UTF-8 is refused naming the input
     and the byte."""

@@ -2,6 +2,7 @@
 
     from tokq import Client
     vectors = Client("localhost:50051").embed(["red shoes", "blue shoes"])   # float32 [2, dim]
+    best = Client("localhost:50051").rerank("red shoes", ["a red shoe", "a blue hat"])[0]  # .index, .score
 
 Errors raise ``TokqError`` (gRPC status code and message). TLS: ``credentials=``; API keys:
 ``api_key=``. ``timeout=None`` or ``math.inf`` leaves the gateway's default deadline. Calls are
@@ -39,6 +40,23 @@ class Embeddings:
     """Everything an Embed call returns; ``embed`` returns just ``vectors``."""
 
     vectors: np.ndarray  # float32 [n, dim]
+    model: str
+    prompt_tokens: int
+    timing: dict[str, float]
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    index: int  # the document's position in the request
+    score: float
+    document: str | None = None  # with return_documents=True
+
+
+@dataclass(frozen=True)
+class Reranking:
+    """Everything a Rerank call returns; ``rerank`` returns just ``results`` (best first)."""
+
+    results: list[RerankResult]
     model: str
     prompt_tokens: int
     timing: dict[str, float]
@@ -86,6 +104,35 @@ def _request(texts: Sequence[str], truncate: bool, normalize: bool, dimensions: 
     if prompt_name is not None:
         req.prompt_name = prompt_name
     return req
+
+
+def _rerank_request(query: str, documents: Sequence[str], top_n: int | None, raw_scores: bool,
+                    return_documents: bool, truncate: bool, model: str) -> pb.RerankRequest:
+    if not isinstance(query, str):
+        raise TypeError(f"rerank() takes the query as a string, got {type(query).__name__}")
+    _text_list([query], "rerank")
+    req = pb.RerankRequest(query=query, documents=_text_list(documents, "rerank"), raw_scores=raw_scores,
+                           return_documents=return_documents, truncate=truncate, model=model)
+    if top_n is not None:
+        if isinstance(top_n, bool):
+            raise TypeError(f"top_n must be an integer, got {top_n!r}")
+        try:
+            n = operator.index(top_n)
+        except TypeError:
+            raise TypeError(f"top_n must be an integer, got {top_n!r}") from None
+        if not 0 <= n <= UINT32_MAX:  # 0 is the gateway's to refuse
+            raise ValueError(f"top_n={n} is out of range: it must be a positive integer")
+        req.top_n = n
+    return req
+
+
+def _unpack_rerank(resp: pb.RerankResponse) -> Reranking:
+    results = [RerankResult(r.index, r.score, r.document if r.HasField("document") else None)
+               for r in resp.results]
+    t = resp.timing
+    return Reranking(results, resp.model, resp.usage.prompt_tokens,
+                     {"tokenize_ms": t.tokenize_ms, "queue_ms": t.queue_ms,
+                      "inference_ms": t.inference_ms, "total_ms": t.total_ms})
 
 
 def _unpack(resp: pb.EmbedResponse) -> Embeddings:
@@ -372,6 +419,20 @@ class Client(_ClientBase):
         req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model)
         return _unpack(self._call("Embed", req, timeout))
 
+    def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
+               raw_scores: bool = False, return_documents: bool = False, truncate: bool = False,
+               timeout: float | None = None) -> list[RerankResult]:
+        """``documents`` scored against ``query`` by a reranker, best first (``top_n`` of them)."""
+        return self.rerank_full(query, documents, top_n=top_n, raw_scores=raw_scores,
+                                return_documents=return_documents, truncate=truncate,
+                                timeout=timeout).results
+
+    def rerank_full(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
+                    raw_scores: bool = False, return_documents: bool = False, truncate: bool = False,
+                    timeout: float | None = None) -> Reranking:
+        req = _rerank_request(query, documents, top_n, raw_scores, return_documents, truncate, self.model)
+        return _unpack_rerank(self._call("Rerank", req, timeout))
+
     def info(self, timeout: float | None = None) -> pb.InfoResponse:
         return self._call("Info", pb.InfoRequest(model=self.model), timeout)
 
@@ -432,6 +493,19 @@ class AsyncClient(_ClientBase):
                          timeout: float | None = None) -> Embeddings:
         req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model)
         return _unpack(await self._call("Embed", req, timeout))
+
+    async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
+                     raw_scores: bool = False, return_documents: bool = False, truncate: bool = False,
+                     timeout: float | None = None) -> list[RerankResult]:
+        return (await self.rerank_full(query, documents, top_n=top_n, raw_scores=raw_scores,
+                                       return_documents=return_documents, truncate=truncate,
+                                       timeout=timeout)).results
+
+    async def rerank_full(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
+                          raw_scores: bool = False, return_documents: bool = False, truncate: bool = False,
+                          timeout: float | None = None) -> Reranking:
+        req = _rerank_request(query, documents, top_n, raw_scores, return_documents, truncate, self.model)
+        return _unpack_rerank(await self._call("Rerank", req, timeout))
 
     async def info(self, timeout: float | None = None) -> pb.InfoResponse:
         return await self._call("Info", pb.InfoRequest(model=self.model), timeout)

@@ -1,4 +1,4 @@
-"""`tokq embed`: call a running gateway and print the result as JSON."""
+"""`tokq embed` and `tokq rerank`: call a running gateway and print the result as JSON."""
 
 from __future__ import annotations
 
@@ -85,3 +85,54 @@ def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, m
         "usage": {"prompt_tokens": out.prompt_tokens},
         "timing": out.timing,
     }))
+
+
+def _connect(target, model, api_key, tls_ca, tls_cert, tls_key):
+    from tokq.client import Client
+
+    credentials = _credentials(tls_ca, tls_cert, tls_key)
+    try:
+        return Client(target, credentials=credentials, model=model, api_key=api_key or None)
+    except (ValueError, TypeError) as exc:  # e.g. a key holding a newline or non-ASCII character
+        raise click.UsageError(f"{exc} (--api-key / TOKQ_API_KEY)") from None
+
+
+@click.command("rerank")
+@click.argument("query")
+@click.argument("documents", nargs=-1, required=True)
+@click.option("--target", default="localhost:50051", show_default=True, envvar="TOKQ_TARGET",
+              help="gateway address host:port ([::1]:50051 for IPv6)")
+@click.option("--top-n", type=click.IntRange(min=1, max=2**32 - 1), help="print only the best N results")
+@click.option("--raw-scores", is_flag=True, help="the model's raw logits, without its activation")
+@click.option("--return-documents", is_flag=True, help="print each result's document")
+@click.option("--truncate/--no-truncate", default=False, help="cut over-long pairs to the model's limit")
+@click.option("--model", default="", help="the served reranker's name (needed where the gateway serves several)")
+@click.option("--api-key", envvar="TOKQ_API_KEY", help="for a gateway started with --api-key (sent as a "
+              "bearer token); prefer the env var: a flag is visible in ps")
+@click.option("--tls-ca", envvar="TOKQ_TLS_CA", metavar="FILE",
+              help="PEM roots that verify a gateway serving TLS (tokq gateway --tls-cert)")
+@click.option("--tls-cert", envvar="TOKQ_CLIENT_TLS_CERT", metavar="FILE",
+              help="PEM client certificate, for a gateway with --tls-client-ca (mutual TLS; needs --tls-key)")
+@click.option("--tls-key", envvar="TOKQ_CLIENT_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              callback=_timeout, help="seconds (inf: none of its own, the gateway's default applies)")
+def rerank_command(query, documents, target, top_n, raw_scores, return_documents, truncate, model, api_key,
+                   tls_ca, tls_cert, tls_key, timeout) -> None:
+    """Score DOCUMENTS by relevance to QUERY with the reranker at --target; print JSON, best first."""
+    from tokq.client import TokqError
+
+    with _connect(target, model, api_key, tls_ca, tls_cert, tls_key) as client:
+        try:
+            out = client.rerank_full(query, list(documents), top_n=top_n, raw_scores=raw_scores,
+                                     return_documents=return_documents, truncate=truncate, timeout=timeout)
+        except TokqError as exc:
+            click.echo(json.dumps({"error": {"code": exc.code.name, "message": exc.message}}), err=True)
+            sys.exit(1)
+        except (ValueError, TypeError) as exc:  # refused before sending, e.g. text not UTF-8
+            raise click.UsageError(str(exc)) from None
+    results = []
+    for r in out.results:
+        results.append({"index": r.index, "score": round(float(r.score), 7)}
+                       | ({"document": r.document} if r.document is not None else {}))
+    click.echo(json.dumps({"model": out.model, "results": results,
+                           "usage": {"prompt_tokens": out.prompt_tokens}, "timing": out.timing}))

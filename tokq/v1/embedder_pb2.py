@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tokq/v1/embedder.proto\x12\x07tokq.v1\"\xe0\x01\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0bprompt_name\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\'\n\x0ctoken_inputs\x18\x07 \x03(\x0b\x32\x11.tokq.v1.TokenIdsB\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\x0e\n\x0c_prompt_name\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"4\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\"W\n\x06Timing\x12\x13\n\x0btokenize_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x14\n\x0cinference_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\x86\x01\n\rEmbedResponse\x12&\n\nembeddings\x18\x01 \x03(\x0b\x32\x12.tokq.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x05usage\x18\x03 \x01(\x0b\x32\x0e.tokq.v1.Usage\x12\x1f\n\x06timing\x18\x04 \x01(\x0b\x32\x0f.tokq.v1.Timing\"\x1c\n\x0bInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xda\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x18\n\x10max_input_length\x18\x03 \x01(\r\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\r\x12\x12\n\nmax_inputs\x18\x05 \x01(\r\x12\x14\n\x0cprompt_names\x18\x06 \x03(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x07 \x01(\t\x12\x0f\n\x07pooling\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t\x12\x0e\n\x06models\x18\n \x03(\t\"l\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x18\n\x0bprompt_name\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_prompt_name\"-\n\x0eTokenizedInput\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"J\n\x10TokenizeResponse\x12\'\n\x06inputs\x18\x01 \x03(\x0b\x32\x17.tokq.v1.TokenizedInput\x12\r\n\x05model\x18\x02 \x01(\t2\xb8\x01\n\x08\x45mbedder\x12\x36\n\x05\x45mbed\x12\x15.tokq.v1.EmbedRequest\x1a\x16.tokq.v1.EmbedResponse\x12\x33\n\x04Info\x12\x14.tokq.v1.InfoRequest\x1a\x15.tokq.v1.InfoResponse\x12?\n\x08Tokenize\x12\x18.tokq.v1.TokenizeRequest\x1a\x19.tokq.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tokq/v1/embedder.proto\x12\x07tokq.v1\"\xe0\x01\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0bprompt_name\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\'\n\x0ctoken_inputs\x18\x07 \x03(\x0b\x32\x11.tokq.v1.TokenIdsB\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\x0e\n\x0c_prompt_name\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"4\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\"W\n\x06Timing\x12\x13\n\x0btokenize_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x14\n\x0cinference_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\x86\x01\n\rEmbedResponse\x12&\n\nembeddings\x18\x01 \x03(\x0b\x32\x12.tokq.v1.Embedding\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x05usage\x18\x03 \x01(\x0b\x32\x0e.tokq.v1.Usage\x12\x1f\n\x06timing\x18\x04 \x01(\x0b\x32\x0f.tokq.v1.Timing\"\x1c\n\x0bInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xc7\x02\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x18\n\x10max_input_length\x18\x03 \x01(\r\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\r\x12\x12\n\nmax_inputs\x18\x05 \x01(\r\x12\x14\n\x0cprompt_names\x18\x06 \x03(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x07 \x01(\t\x12\x0f\n\x07pooling\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t\x12\x0e\n\x06models\x18\n \x03(\t\x12\x0c\n\x04task\x18\x0b \x01(\t\x12/\n\x05tasks\x18\x0c \x03(\x0b\x32 .tokq.v1.InfoResponse.TasksEntry\x1a,\n\nTasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"l\n\x0fTokenizeRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x18\n\x0bprompt_name\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_prompt_name\"-\n\x0eTokenizedInput\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"J\n\x10TokenizeResponse\x12\'\n\x06inputs\x18\x01 \x03(\x0b\x32\x17.tokq.v1.TokenizedInput\x12\r\n\x05model\x18\x02 \x01(\t\"\x9e\x01\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x11\n\tdocuments\x18\x02 \x03(\t\x12\x12\n\x05top_n\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nraw_scores\x18\x04 \x01(\x08\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x10\n\x08truncate\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\tB\x08\n\x06_top_n\"P\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x15\n\x08\x64ocument\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x0b\n\t_document\"\x87\x01\n\x0eRerankResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.tokq.v1.RerankResult\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x05usage\x18\x03 \x01(\x0b\x32\x0e.tokq.v1.Usage\x12\x1f\n\x06timing\x18\x04 \x01(\x0b\x32\x0f.tokq.v1.Timing2\xf3\x01\n\x08\x45mbedder\x12\x36\n\x05\x45mbed\x12\x15.tokq.v1.EmbedRequest\x1a\x16.tokq.v1.EmbedResponse\x12\x33\n\x04Info\x12\x14.tokq.v1.InfoRequest\x1a\x15.tokq.v1.InfoResponse\x12?\n\x08Tokenize\x12\x18.tokq.v1.TokenizeRequest\x1a\x19.tokq.v1.TokenizeResponse\x12\x39\n\x06Rerank\x12\x16.tokq.v1.RerankRequest\x1a\x17.tokq.v1.RerankResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokq.v1.embedder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_INFORESPONSE_TASKSENTRY']._loaded_options = None
+  _globals['_INFORESPONSE_TASKSENTRY']._serialized_options = b'8\001'
   _globals['_EMBEDREQUEST']._serialized_start=36
   _globals['_EMBEDREQUEST']._serialized_end=260
   _globals['_TOKENIDS']._serialized_start=262
@@ -46,13 +48,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=596
   _globals['_INFOREQUEST']._serialized_end=624
   _globals['_INFORESPONSE']._serialized_start=627
-  _globals['_INFORESPONSE']._serialized_end=845
-  _globals['_TOKENIZEREQUEST']._serialized_start=847
-  _globals['_TOKENIZEREQUEST']._serialized_end=955
-  _globals['_TOKENIZEDINPUT']._serialized_start=957
-  _globals['_TOKENIZEDINPUT']._serialized_end=1002
-  _globals['_TOKENIZERESPONSE']._serialized_start=1004
-  _globals['_TOKENIZERESPONSE']._serialized_end=1078
-  _globals['_EMBEDDER']._serialized_start=1081
-  _globals['_EMBEDDER']._serialized_end=1265
+  _globals['_INFORESPONSE']._serialized_end=954
+  _globals['_INFORESPONSE_TASKSENTRY']._serialized_start=910
+  _globals['_INFORESPONSE_TASKSENTRY']._serialized_end=954
+  _globals['_TOKENIZEREQUEST']._serialized_start=956
+  _globals['_TOKENIZEREQUEST']._serialized_end=1064
+  _globals['_TOKENIZEDINPUT']._serialized_start=1066
+  _globals['_TOKENIZEDINPUT']._serialized_end=1111
+  _globals['_TOKENIZERESPONSE']._serialized_start=1113
+  _globals['_TOKENIZERESPONSE']._serialized_end=1187
+  _globals['_RERANKREQUEST']._serialized_start=1190
+  _globals['_RERANKREQUEST']._serialized_end=1348
+  _globals['_RERANKRESULT']._serialized_start=1350
+  _globals['_RERANKRESULT']._serialized_end=1430
+  _globals['_RERANKRESPONSE']._serialized_start=1433
+  _globals['_RERANKRESPONSE']._serialized_end=1568
+  _globals['_EMBEDDER']._serialized_start=1571
+  _globals['_EMBEDDER']._serialized_end=1814
 # @@protoc_insertion_point(module_scope)

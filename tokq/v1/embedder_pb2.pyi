@@ -75,7 +75,14 @@ class InfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "dimensions", "max_input_length", "token_budget", "max_inputs", "prompt_names", "default_prompt_name", "pooling", "version", "models")
+    __slots__ = ("model", "dimensions", "max_input_length", "token_budget", "max_inputs", "prompt_names", "default_prompt_name", "pooling", "version", "models", "task", "tasks")
+    class TasksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +93,8 @@ class InfoResponse(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dimensions: int
     max_input_length: int
@@ -96,7 +105,9 @@ class InfoResponse(_message.Message):
     pooling: str
     version: str
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_input_length: _Optional[int] = ..., token_budget: _Optional[int] = ..., max_inputs: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., pooling: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    task: str
+    tasks: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., max_input_length: _Optional[int] = ..., token_budget: _Optional[int] = ..., max_inputs: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ..., pooling: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., task: _Optional[str] = ..., tasks: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("inputs", "model", "truncate", "prompt_name")
@@ -125,3 +136,43 @@ class TokenizeResponse(_message.Message):
     inputs: _containers.RepeatedCompositeFieldContainer[TokenizedInput]
     model: str
     def __init__(self, inputs: _Optional[_Iterable[_Union[TokenizedInput, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("query", "documents", "top_n", "raw_scores", "return_documents", "truncate", "model")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    top_n: int
+    raw_scores: bool
+    return_documents: bool
+    truncate: bool
+    model: str
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., raw_scores: _Optional[bool] = ..., return_documents: _Optional[bool] = ..., truncate: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RerankResult(_message.Message):
+    __slots__ = ("index", "score", "document")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    score: float
+    document: str
+    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("results", "model", "usage", "timing")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    model: str
+    usage: Usage
+    timing: Timing
+    def __init__(self, results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...

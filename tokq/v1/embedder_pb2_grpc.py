@@ -49,6 +49,11 @@ class EmbedderStub:
                 request_serializer=tokq_dot_v1_dot_embedder__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=tokq_dot_v1_dot_embedder__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/tokq.v1.Embedder/Rerank',
+                request_serializer=tokq_dot_v1_dot_embedder__pb2.RerankRequest.SerializeToString,
+                response_deserializer=tokq_dot_v1_dot_embedder__pb2.RerankResponse.FromString,
+                _registered_method=True)
 
 
 class EmbedderServicer:
@@ -75,6 +80,13 @@ class EmbedderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rerank(self, request, context):
+        """Documents scored by relevance to a query (a reranker model), best first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbedderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_EmbedderServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=tokq_dot_v1_dot_embedder__pb2.TokenizeRequest.FromString,
                     response_serializer=tokq_dot_v1_dot_embedder__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=tokq_dot_v1_dot_embedder__pb2.RerankRequest.FromString,
+                    response_serializer=tokq_dot_v1_dot_embedder__pb2.RerankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class Embedder:
             '/tokq.v1.Embedder/Tokenize',
             tokq_dot_v1_dot_embedder__pb2.TokenizeRequest.SerializeToString,
             tokq_dot_v1_dot_embedder__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokq.v1.Embedder/Rerank',
+            tokq_dot_v1_dot_embedder__pb2.RerankRequest.SerializeToString,
+            tokq_dot_v1_dot_embedder__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,
