@@ -530,3 +530,133 @@ async def test_a_light_batch_offered_too_late_to_nest_is_not_counted_as_a_preemp
         await asyncio.wait_for(run, 30)
         metrics.close()
         assert exits == []
+
+
+def _ids(rng, n: int) -> np.ndarray:
+    return np.concatenate([[101], rng.integers(1000, 20000, n - 2), [102]])
+
+
+async def test_a_light_backlog_beside_a_heavy_forward_goes_in_one_full_batch_not_nested(
+        redis_url, engine, monkeypatch):
+    """Light work that lands in a heavy forward faster than a light-only claim takes it (180
+    tokens past its 128) is a backlog: the light-only claim refuses it (counted as 'backlog')
+    and it runs in the next full batch, whole, after the heavy forward. Cut into nested
+    batches it ran as many small forwards. Light claims wait on an event until it is queued."""
+    gated = GatedEngine(engine)
+    rng = np.random.default_rng(14)
+    heavy_ids = [_ids(rng, 150)]
+    light_ids = {f"light{i}": [_ids(rng, 60)] for i in range(3)}
+    name = engine.info.queue_name
+    metrics = WorkerMetrics(name, "backlog")
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        exits: list[int] = []
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="backlog",
+                        observer=metrics, exit_process=exits.append)
+        light_claims_may_run = asyncio.Event()
+        light_answers: list = []
+        real_claim = worker.queue.claim
+
+        async def gated_claim(token_budget, **kwargs):
+            if kwargs.get("lanes") == "light":
+                await light_claims_may_run.wait()
+                answer = await real_claim(token_budget, **kwargs)
+                light_answers.append(answer)
+                return answer
+            return await real_claim(token_budget, **kwargs)
+        monkeypatch.setattr(worker.queue, "claim", gated_claim)
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("backlog")), 60, "the first heartbeat")
+        await enqueue_ids(client, "heavy", heavy_ids)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        for request_id, seqs in light_ids.items():
+            await enqueue_ids(client, request_id, seqs)
+        light_claims_may_run.set()
+
+        async def refused():
+            return light_answers and light_answers[0] is None
+        await wait_for(refused, 30, "the light-only claim to refuse the backlog")
+        assert worker.preemption.waiting is None
+        gated.go.set()
+        gated.finish.set()
+        for request_id, seqs in light_ids.items():
+            await answered_vectors(client, request_id, 1)
+        await answered_vectors(client, "heavy", 1)
+        assert gated.log == [("start", 150), ("end", 150), ("start", 180), ("end", 180)]
+        assert worker.num_preemptions == 0 and all(a is None for a in light_answers)
+        assert REGISTRY.get_sample_value("tokq_worker_claim_stops_total",
+                                         {"model": name, "worker": "backlog", "reason": "backlog"}) >= 1
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+        metrics.close()
+        assert exits == []
+
+
+async def test_a_heavy_forward_stops_nesting_once_nested_batches_hold_the_pre_emption_budget(
+        redis_url, engine, monkeypatch):
+    """Two light requests of 100 tokens each run nested (the second one's claim came while the
+    nested tokens, 100, were under the 128 of the pre-emption budget); a third light request
+    then waits for the heavy forward's end and runs after it: nesting is for light work that
+    arrives a little at a time, and bounded per heavy forward. Checkpoints held by events."""
+    from tokq.workers import preempt
+
+    gated = GatedEngine(engine)
+    rng = np.random.default_rng(15)
+    heavy_ids = [_ids(rng, 150)]
+    light_ids = {"light1": [_ids(rng, 100)], "light2": [_ids(rng, 100)], "light3": [_ids(rng, 10)]}
+    name = engine.info.queue_name
+    real_checkpoint = preempt.current_checkpoint
+    calls = 0
+
+    def held_checkpoint():
+        inner = real_checkpoint()
+        if inner is preempt.no_checkpoint:
+            return inner
+
+        def checkpoint():
+            nonlocal calls
+            if gated.depth == 1:  # the heavy forward's own checkpoints
+                calls += 1
+                if calls == 2:  # until light2 is offered
+                    deadline = time.monotonic() + 20
+                    while worker.preemption.waiting is None:
+                        assert time.monotonic() < deadline, "light2 was never offered"
+                        time.sleep(0.005)
+            inner()
+        return checkpoint
+
+    monkeypatch.setattr(preempt, "current_checkpoint", held_checkpoint)
+    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
+        exits: list[int] = []
+        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="bounded",
+                        exit_process=exits.append)
+        run = asyncio.create_task(worker.run())
+        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("bounded")), 60, "the first heartbeat")
+        await enqueue_ids(client, "heavy", heavy_ids)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        await wait_for(lambda: _registered(q), 30, "the worker in a heavy forward to register")
+        await enqueue_ids(client, "light1", light_ids["light1"])
+
+        async def offered():
+            return worker.preemption.waiting is not None
+        await wait_for(offered, 30, "light1 to be offered to the forward")
+        gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
+        await answered_vectors(client, "light1", 1)
+        await wait_for(lambda: _registered(q), 30, "the worker to register again after light1")
+        await enqueue_ids(client, "light2", light_ids["light2"])
+        await answered_vectors(client, "light2", 1)
+
+        async def withdrawn():
+            return not await _registered(q)
+        await wait_for(withdrawn, 30, "the worker to stop taking nested batches")
+        await enqueue_ids(client, "light3", light_ids["light3"])
+        assert worker.preemption.waiting is None
+        assert not await q.redis.hexists(q.keys.reply("heavy"), "0")  # the heavy forward still runs
+        gated.finish.set()
+        await answered_vectors(client, "heavy", 1)
+        await answered_vectors(client, "light3", 1)
+        assert gated.log == [("start", 150), ("start", 100), ("end", 100), ("start", 100),
+                             ("end", 100), ("end", 150), ("start", 10), ("end", 10)]
+        assert worker.num_preemptions == 2
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+        assert exits == []
