@@ -14,7 +14,7 @@ Two lanes: ``pending`` (light) holds requests of at most ``QueueConfig.light_tok
 - ``heavy`` (the next batch beside a heavy forward): the heavy lane alone while the light lane
   holds at most ``preempt_tokens`` (light-only claims take it); past that, the light lane first
   up to the whole budget, then heavy work that fits. The claim after a batch that is not heavy
-  is ``both``, so the heavy head waits at most two claims.
+  is ``both``, so heavy work still moves at least every other claim.
 
 Each plan says why the batch stopped growing (``ClaimPlan.stop``, one of ``STOP_REASONS``).
 """
