@@ -1,16 +1,6 @@
 """A reranker's (query, document) pairs as token ids, exactly as sentence-transformers' CrossEncoder
-tokenizes them for that model.
-
-* text pairs (BERT cross-encoders): the tokenizer's pair template, ``[CLS] query [SEP] document
-  [SEP]``, with its segment ids; over-long pairs are cut longest-first.
-* chat pairs (causal and decoder rerankers): the chat template renders a "query" and a "document"
-  message (the model's prompt, if any, as a system message before them); over-long renders are
-  cut at the end and the template's tail (e.g. the assistant turn) is written back over the last
-  tokens, so the model still reads its answer position.
-
-For chat pairs the text before the document (system turn, instruction, query) is the same for
-every document of a request: its tokens are returned as the shared prefix a causal worker computes
-once. Encoders get none: their attention is bidirectional, so every token depends on the document.
+tokenizes them: text pairs through the tokenizer's pair template, chat pairs through the chat
+template, whose text before the document is a shared prompt (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """A reranker's head: each pair's pooled state -> one raw score, as CrossEncoder computes it before
-its activation (the gateway applies that, unless raw scores are asked for).
-
-  classifier  BertForSequenceClassification: tanh(pooler) on [CLS], then the classifier row
-  score       a decoder's ForSequenceClassification: its score row on the last token
-  lm_rows     LogitScore over a causal LM: the LM head's true-token row on the last token, minus
-              its false-token row when there is one; only those rows are read and computed
+its activation (the gateway applies that, unless raw scores are asked for). Heads: classifier,
+score and lm_rows (docs/internals.md).
 """
 
 from __future__ import annotations
