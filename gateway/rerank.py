@@ -1,11 +1,8 @@
 """The reranking path every transport shares: look the model up -> validate -> tokenize each
 (query, document) pair -> enqueue one item per pair -> wait -> scores, best first.
 
-Each pair is a queue item counted by its own tokens, so one request's candidates spread over every
-worker by compute, on the same lanes as embeddings. A worker answers one float per item (the raw
-score) the way it answers a vector; the activation is applied here. For a causal reranker the
-rendered text before the document (system turn, instruction, query) is each item's shared prefix:
-a worker computes it once and the queue counts only the rest (gateway/pairs.py).
+Each pair is a queue item counted by its own tokens, so candidates spread over every worker by
+compute; a worker's result is the raw score, and the activation is applied here.
 """
 
 from __future__ import annotations
