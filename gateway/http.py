@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: Starlette on uvicorn, on the gateway's own asyncio loop, over
-the same embedding path as gRPC (gateway/embedding.py). Routes: POST /v1/embeddings (with TEI's
-truncate, normalize and prompt_name), GET /v1/models, /health (live) and /ready (503 until a live
-worker serves the model)."""
+the same embedding and reranking paths as gRPC (gateway/embedding.py, gateway/rerank.py). Routes:
+POST /v1/embeddings (with TEI's truncate, normalize and prompt_name), POST /v1/rerank, /v2/rerank
+(Cohere's and Jina's shape) and /rerank (TEI's; gateway/http_rerank.py), GET /v1/models, /health
+(live) and /ready (503 until a live worker serves the model)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ from tokq.address import bind_address
 from tokq.gateway.auth import ApiKeys
 from tokq.gateway.embedding import EmbedInput, Embedder, Timer
 from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, ServiceError, UnsupportedMediaType, to_http
+from tokq.gateway.http_rerank import cohere_reply, parse_cohere, parse_tei, tei_reply
+from tokq.gateway.rerank import rerank, wrong_task
 
 EMBEDDINGS_RPC = "http.Embeddings"  # the rpc label of POST /v1/embeddings in the gateway's metrics
+RERANK_RPC = "http.Rerank"  # POST /v1/rerank, /v2/rerank and /rerank
 # Body fields: OpenAI's, then TEI's extras. Anything else is a 400 naming it (a typo is not ignored).
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "normalize", "prompt_name"}
 
@@ -154,6 +158,12 @@ def parse_request(raw: bytes) -> tuple[EmbedInput, str]:
     ), encoding
 
 
+def _named(params):
+    """(the model a parsed request names, the request): an EmbedInput with its encoding, or a
+    RerankInput."""
+    return (params[0] if isinstance(params, tuple) else params).model, params
+
+
 def _encode(vector: np.ndarray, encoding: str):
     if encoding == "base64":  # little-endian float32, what the openai SDK decodes
         return base64.b64encode(vector.astype("<f4", copy=False).tobytes()).decode("ascii")
@@ -169,20 +179,22 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
         if api_keys is not None:
             api_keys.check(request.headers.get("authorization"))  # Unauthenticated -> 401
 
-    async def embeddings(request: Request) -> Response:
+    async def answer(request: Request, rpc: str, parse, operation, reply) -> Response:
+        """``parse(body)``: (the model named, params); then ``operation(model, params)`` on that
+        model and ``reply(out, params)`` as JSON; every failure mapped once (gateway.errors)."""
         start = time.perf_counter()
         try:
             try:
                 authorize(request)
                 _check_json(request)
-                params, encoding = parse_request(await _body(request, max_body_bytes))
+                model_name, params = parse(await _body(request, max_body_bytes))
             except ServiceError as exc:  # refused before it named a model: counted as such
-                embedder.refused(EMBEDDINGS_RPC, exc, start)
+                embedder.refused(rpc, exc, start)
                 raise
 
-            async def embed(model):
-                return await model.embed(params, Timer())
-            call = asyncio.ensure_future(embedder.observed(EMBEDDINGS_RPC, params.model, embed))
+            async def run(model):
+                return await operation(model, params)
+            call = asyncio.ensure_future(embedder.observed(rpc, model_name, run))
             # A caller that hangs up (an SDK's timeout, then its retry) stops the call, which
             # cancels its queued request, as gRPC does: else a worker embeds it for nobody.
             hangup = asyncio.ensure_future(_hung_up(request))
@@ -199,13 +211,38 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
             return Response(status_code=499)
         except Exception as exc:  # mapped once, in gateway.errors
             return _error(exc)
-        return _json({
+        return _json(reply(out, params))
+
+    async def embed(model, parsed):
+        if model.info.is_reranker:
+            raise wrong_task(model.info, "embed")
+        return await model.embed(parsed[0], Timer())
+
+    def embedded(out, parsed) -> dict:
+        return {
             "object": "list",
-            "data": [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)}
+            "data": [{"object": "embedding", "index": i, "embedding": _encode(v, parsed[1])}
                      for i, v in enumerate(out.vectors)],
             "model": out.model,
             "usage": {"prompt_tokens": out.num_tokens, "total_tokens": out.num_tokens},
-        })
+        }
+
+    async def embeddings(request: Request) -> Response:
+        return await answer(request, EMBEDDINGS_RPC, lambda raw: _named(parse_request(raw)), embed, embedded)
+
+    async def score(model, params):
+        return await rerank(model, params, Timer())
+
+    async def rerank_v1(request: Request) -> Response:
+        return await answer(request, RERANK_RPC, lambda raw: _named(parse_cohere(raw)), score,
+                            lambda out, params: cohere_reply(out, params, "1"))
+
+    async def rerank_v2(request: Request) -> Response:
+        return await answer(request, RERANK_RPC, lambda raw: _named(parse_cohere(raw)), score,
+                            lambda out, params: cohere_reply(out, params, "2"))
+
+    async def rerank_tei(request: Request) -> Response:
+        return await answer(request, RERANK_RPC, lambda raw: _named(parse_tei(raw)), score, tei_reply)
 
     def _model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "tokq"}
@@ -244,6 +281,9 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
 
     return Starlette(exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/rerank", rerank_v1, methods=["POST"]),
+        Route("/v2/rerank", rerank_v2, methods=["POST"]),
+        Route("/rerank", rerank_tei, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
