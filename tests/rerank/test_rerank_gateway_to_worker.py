@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import redis
 from tiny_rerankers import (DOCUMENTS, LONG_DOCUMENT, QUERY, build_bert_cross_encoder,
-                            build_qwen3_causal_reranker)
+                            build_qwen3_causal_reranker, build_qwen3_seq_cls)
 
 from tokq.config import GatewayConfig, QueueConfig, WorkerConfig
 from tokq.gateway.embedding import ServedModel, Timer
@@ -33,7 +33,8 @@ from tokq.workers.worker import Worker
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("rerank_e2e")
     return {"bert": build_bert_cross_encoder(root / "bert"),
-            "qwen3_causal": build_qwen3_causal_reranker(root / "causal")}
+            "qwen3_causal": build_qwen3_causal_reranker(root / "causal"),
+            "qwen3_seq_cls": build_qwen3_seq_cls(root / "seq_cls")}
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +80,13 @@ async def _serve(redis_url, info, tokenizer, engines, request, *, budget=4096, c
         await pubsub.aclose()
 
 
-def _rank(folder, docs, **kwargs):
+def _rank(folder, docs, query=QUERY, **kwargs):
     from sentence_transformers import CrossEncoder
 
-    return CrossEncoder(str(folder), device="cpu").rank(QUERY, docs, **kwargs)
+    return CrossEncoder(str(folder), device="cpu").rank(query, docs, **kwargs)
 
 
-@pytest.mark.parametrize("kind", ["bert", "qwen3_causal"])
+@pytest.mark.parametrize("kind", ["bert", "qwen3_causal", "qwen3_seq_cls"])
 def test_results_equal_cross_encoder_rank(redis_url, stacks, folders, kind):
     info, tok, engine = stacks[kind]
     docs = DOCUMENTS + [LONG_DOCUMENT]
@@ -112,6 +113,26 @@ def test_results_equal_cross_encoder_rank(redis_url, stacks, folders, kind):
         assert [b.prefix_len for b in bodies] == [0] * len(docs)
         assert [e.num_tokens for e in entries] == [len(s) for s in pairs.ids]
         assert min(pairs.segment_starts) > 0
+
+
+def test_the_query_is_computed_once_across_batches(redis_url, stacks, folders):
+    """A causal reranker's request split over several claims: the rendered prefix (system turn,
+    instruction, query) is computed by the first batch and taken from the prefix cache after."""
+    info, tok, engine = stacks["qwen3_causal"]
+    docs = [f"{d} number {i}" for i in range(3) for d in DOCUMENTS]
+    pairs = tok.encode_pairs_sync(QUERY + " once", docs)
+    prefix_lens = [shared_prefix_len(s, pairs.prefix_ids) for s in pairs.ids]
+    own = sum(len(s) - p for s, p in zip(pairs.ids, prefix_lens))
+    before = engine.tokens_computed
+    out, claims = asyncio.run(_serve(redis_url, info, tok, [engine], RerankInput(QUERY + " once", docs),
+                                     budget=own // 3))
+    assert len(claims) >= 3
+    assert sum(e.num_tokens for c in claims for e in c.entries) == own  # the claims count what is computed
+    distinct = {tuple(s[:p]) for s, p in zip(pairs.ids, prefix_lens)}
+    assert engine.tokens_computed - before == own + sum(len(d) for d in distinct)  # each prefix once
+    want = _rank(folders["qwen3_causal"], docs, query=QUERY + " once")
+    assert [i for i, _ in out.results] == [r["corpus_id"] for r in want]
+    assert [s for _, s in out.results] == pytest.approx([r["score"] for r in want], abs=2e-5)
 
 
 def test_top_n_raw_scores_and_documents(redis_url, stacks, folders):
