@@ -116,7 +116,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         router = ReplyRouter(pubsub_client, client, queue.reply_key,
                              [k.done_channel(gid) for k in queue.shard_keys()],
                              shard_of=queue.shard_of_request)
-        observer = metrics.GatewayMetrics(info.name)
+        observer = metrics.GatewayMetrics(info.name, info.task)
         queue.observe_enqueues = observer.enqueues_sent
         queue.enqueue_hold_s = config.enqueue_hold_us / 1e6
         models[info.name] = ServedModel(info, Tokenizer(info, threads=config.tokenize_threads,

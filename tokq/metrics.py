@@ -6,7 +6,8 @@ and ``code`` (gRPC status name) on requests. Importable without torch.
 
 Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/embedding.py)
   tokq_gateway_requests_total{rpc,code}           counter   finished RPCs (model="": refused before
-      naming a served model; rpc "Embed" on gRPC, "http.Embeddings" on HTTP)
+      naming a served model; rpc "Embed" or "Rerank" on gRPC, "http.Embeddings" or "http.Rerank"
+      on HTTP)
   tokq_gateway_request_duration_seconds{rpc}      histogram whole RPC, as the gateway saw it
   tokq_gateway_tokenize_duration_seconds          histogram tokenizing one Embed request
   tokq_gateway_queue_duration_seconds             histogram queue wait of a request (its slowest item)
@@ -15,6 +16,9 @@ Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/embedding.py)
   tokq_gateway_enqueue_batch_requests             histogram enqueues sent to Redis in one round trip
       (tokq.redis.pipeline: under load concurrent calls' enqueues share one; _count is round trips)
   tokq_gateway_inflight_requests                  gauge     RPCs being served now
+  tokq_gateway_model_info{task}                   gauge     always 1; the model's task (embed, rerank),
+      for joining on model. A Rerank request's tokenize, queue and inference figures are in the
+      histograms above, one request each; its tokens are every pair's
 
 Queue (``observe_queue_stats``; exported by one gateway process per model, elected by a Redis
 lock (gateway/server.py), so each series exists once and sum() over processes adds up)
@@ -139,6 +143,8 @@ GATEWAY_INPUT_TOKENS = Histogram("tokq_gateway_request_input_tokens",
                                  "Tokens in one Embed request, all inputs together", _M,
                                  buckets=REQUEST_TOKENS_BUCKETS)
 GATEWAY_INFLIGHT = Gauge("tokq_gateway_inflight_requests", "RPCs being served now", _M)
+GATEWAY_MODEL_INFO = Gauge("tokq_gateway_model_info", "Always 1; the task label says what the model does",
+                           (*_M, "task"))
 GATEWAY_ENQUEUE_BATCH = Histogram("tokq_gateway_enqueue_batch_requests",
                                   "Enqueues sent to Redis in one round trip", _M,
                                   buckets=tuple(2**k for k in range(11)))  # 1 .. 1024
@@ -307,8 +313,9 @@ class GatewayMetrics(RequestCounts):
     """The gateway's observer: gateway/embedding.py calls these hooks (``enqueues_sent``: the
     queue's pipeliner, wired in gateway/server.py)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, task: str = "embed") -> None:
         super().__init__(model)
+        GATEWAY_MODEL_INFO.labels(model, task).set(1)
         self._inflight = GATEWAY_INFLIGHT.labels(model)
         self._inflight.set(0)
         self._tokenize = GATEWAY_TOKENIZE_DURATION.labels(model)

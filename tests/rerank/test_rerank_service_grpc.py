@@ -12,10 +12,14 @@ import sys
 
 import grpc
 import pytest
-from service_stack import ServiceStack, delivered_reply
+from prometheus_client.parser import text_string_to_metric_families
+from service_stack import ServiceStack, delivered_reply, embed_counts
 from tiny_rerankers import DOCUMENTS, LONG_DOCUMENT, QUERY, build_bert_cross_encoder
 
 from tokq import AsyncClient, Client, TokqError
+from tokq.redis.embedded import free_port
+
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,7 @@ def folder(tmp_path_factory):
 def stack(folder):
     s = ServiceStack(model=str(folder))
     try:
-        s.start_gateway("--max-inputs", "16")
+        s.start_gateway("--max-inputs", "16", "--metrics-port", str(METRICS_PORT))
         s.start_worker("w1")
         s.wait_ready()
         yield s
@@ -121,3 +125,14 @@ def test_tokq_rerank_prints_json_best_first(stack, reference):
     failed = run(QUERY, "")
     assert failed.returncode == 1
     assert json.loads(failed.stderr)["error"]["code"] == "INVALID_ARGUMENT"
+
+
+def test_metrics_carry_the_task(stack):
+    import urllib.request
+
+    with Client(stack.target) as client:
+        client.rerank(QUERY, DOCUMENTS)
+    assert embed_counts([METRICS_PORT], rpc="Rerank")[0] >= 1  # OK Rerank calls, by rpc
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).read().decode()
+    info = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "tokq_gateway_model_info"]
+    assert [(s.labels, s.value) for s in info] == [({"model": "bert-reranker", "task": "rerank"}, 1.0)]
