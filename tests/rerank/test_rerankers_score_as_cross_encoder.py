@@ -96,6 +96,28 @@ def test_folders_that_cannot_rerank_say_why(folders, tmp_path):
         ModelInfo.load(odd)
 
 
+@pytest.mark.parametrize("saved, config, want", [
+    ("torch.nn.modules.linear.Identity", None, "identity"),
+    ("torch.nn.modules.activation.Tanh", IDENTITY, "tanh"),  # the saved folder's own wins
+    ("my_package.Scaled", None, "sigmoid"),  # not under torch.: CrossEncoder does not trust it
+    (None, IDENTITY, "identity"),
+])
+def test_activation_as_cross_encoder_picks_it(folders, tmp_path, saved, config, want):
+    st = save_with_sentence_transformers(folders["bert"], tmp_path / "st")
+    st_cfg = json.loads((st / "config_sentence_transformers.json").read_text())
+    (st / "config_sentence_transformers.json").write_text(json.dumps({**st_cfg, "activation_fn": saved}))
+    cfg = json.loads((st / "config.json").read_text())
+    cfg.pop("sentence_transformers", None)
+    if config:
+        cfg["sentence_transformers"] = {"activation_fn": config}
+    (st / "config.json").write_text(json.dumps(cfg))
+    assert ModelInfo.load(st).scoring.activation == want
+    from sentence_transformers import CrossEncoder
+
+    ce = CrossEncoder(str(st), device="cpu")
+    assert type(ce.activation_fn).__name__.lower() == want
+
+
 def _pairs(tokenizer: Tokenizer, documents, truncate=True):
     return tokenizer.encode_pairs_sync(QUERY, documents, truncate=truncate)
 

@@ -283,19 +283,20 @@ def _scoring(path: Path, cfg: dict, st_cfg: dict, st_config: dict) -> Scoring:
     else:
         raise UnsupportedModel(f"a CrossEncoder needs a sequence classifier or a causal LM; {path} is "
                                f"{arch or cfg.get('architectures')}")
-    return Scoring(head=head, activation=_activation(cfg, st_config, num_labels),
-                   true_token_id=true_id, false_token_id=false_id,
+    # config_sentence_transformers.json is read only for a folder sentence-transformers saved
+    activation = _activation(cfg, st_config if modules is not None else None, num_labels)
+    return Scoring(head=head, activation=activation, true_token_id=true_id, false_token_id=false_id,
                    **_pair_format(path, cfg, st_cfg))
 
 
-def _activation(cfg: dict, st_config: dict, num_labels: int) -> str:
-    """CrossEncoder's activation_fn: config_sentence_transformers.json's, else config.json's
-    (sentence_transformers.activation_fn, or the older sbert_ce_default_activation_function), each
-    taken only under torch. as CrossEncoder trusts it; else sigmoid for one label."""
-    candidates = (st_config.get("activation_fn"),
-                  (cfg.get("sentence_transformers") or {}).get("activation_fn"),
-                  cfg.get("sbert_ce_default_activation_function"))
-    for dotted in candidates:
+def _activation(cfg: dict, st_config: dict | None, num_labels: int) -> str:
+    """CrossEncoder's activation_fn, taken only under torch. as CrossEncoder trusts it: a saved
+    folder's config_sentence_transformers.json (``st_config``), else config.json's
+    sentence_transformers.activation_fn or, without one, its older sbert_ce_default_activation_function;
+    else (none, or one not trusted) sigmoid for one label."""
+    saved = (cfg.get("sentence_transformers") or {})
+    legacy = saved["activation_fn"] if "activation_fn" in saved else cfg.get("sbert_ce_default_activation_function")
+    for dotted in ((st_config or {}).get("activation_fn"), legacy):
         if isinstance(dotted, str) and dotted.startswith("torch."):
             name = dotted.rsplit(".", 1)[-1]
             if name not in ST_ACTIVATIONS:
