@@ -141,6 +141,7 @@ async def test_sharded_subscriber_hears_channels_on_every_node(kind, request):
         await client.aclose()
 
 
+@pytest.mark.slow
 def test_killed_primary_is_replaced_by_its_replica(redis_cluster, redis_cluster_url):
     key = "tokq:{failover}:probe"
     with redis.RedisCluster.from_url(redis_cluster_url) as c:

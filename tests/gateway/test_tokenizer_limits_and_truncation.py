@@ -37,6 +37,7 @@ def test_over_long_input_names_the_limit_unless_truncated(tokenizer):
     assert len(ids[1]) == 256 and ids[1][-1] == ids[0][-1]  # still ends with [SEP]
 
 
+@pytest.mark.slow
 async def test_concurrent_calls_with_and_without_truncation_do_not_mix(tokenizer):
     # A fast tokenizer keeps its truncation setting as state: shared across threads, calls
     # without truncation came back cut and truncated ones came back over the limit.
@@ -113,6 +114,7 @@ def test_truncated_ids_equal_tokenizing_the_whole_text(family, words, bundled_mo
             assert encode_truncated(backend, text, max_length) == want, (family, name, max_length)
 
 
+@pytest.mark.slow
 def test_an_8mb_input_truncated_gives_the_ids_of_the_whole_string(tokenizer, words):
     rng = random.Random(11)
     text = " ".join(rng.choice(words) for _ in range(1_500_000))[: 8 << 20]

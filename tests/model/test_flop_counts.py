@@ -32,6 +32,7 @@ def test_engine_counts_with_the_formula():
     assert engine.batch_flops(batch) == flops.forward_flops(engine.info.config, [3, 5])
 
 
+@pytest.mark.slow
 def test_the_engine_counts_flops_without_prometheus():
     code = "import sys, tokq.workers.engine; print('prometheus_client' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -134,7 +134,7 @@ HUB_CASES = {  # name -> (status, X-Error-Code, --revision, what the line says)
     "gated": (403, "GatedRepo", None, f"{MISSING} is gated on {{url}} (HTTP 403)"),
     "server_error": (500, None, "v2", f"cannot download {MISSING} at revision v2 from {{url}} ("),
 }
-COMMANDS_AND_CASES = [*(("worker", case) for case in sorted(HUB_CASES)),
+COMMANDS_AND_CASES = [*(pytest.param("worker", case, marks=pytest.mark.slow) for case in sorted(HUB_CASES)),
                       *((command, case) for command in ("gateway", "up") for case in ("repo", "revision"))]
 
 
@@ -156,7 +156,7 @@ def test_a_repo_or_revision_the_hub_lacks_is_one_error_line(tmp_path, command, c
     assert line.startswith("Error: " + needle.format(url=hub.url)), line
 
 
-@pytest.mark.parametrize("command", ["worker", "up"])
+@pytest.mark.parametrize("command", [pytest.param("worker", marks=pytest.mark.slow), "up"])
 def test_an_unreachable_hub_names_the_repo_and_the_endpoint(tmp_path, command):
     url = f"http://127.0.0.1:{closed_port()}"
     line = one_error_line([command, "--model", MISSING, *NO_REDIS], hub_env(tmp_path, url))
@@ -216,6 +216,7 @@ BROKEN = {  # case -> what the line says after "Error: <model dir>/"
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_broken_weights_are_one_error_line_from_the_worker(tmp_path, case):
     # These were tracebacks (KeyError, SafetensorError) and, under `tokq up`, a worker that

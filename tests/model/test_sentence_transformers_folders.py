@@ -228,6 +228,7 @@ def test_do_lower_case_lowercases_as_sentence_transformers_does(cased_do_lower_c
     _assert_matches_st(cased_do_lower_case, MIXED_CASE)
 
 
+@pytest.mark.slow
 def test_vectors_are_unit_length_by_default_also_for_a_model_without_normalize(bundled_model_dir, tmp_path):
     """README: unit length unless a call sends normalize=false, as TEI and OpenAI, whatever the
     model's modules; normalize=false gives the model's own (sentence-transformers') vectors."""

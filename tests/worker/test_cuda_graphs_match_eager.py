@@ -357,6 +357,7 @@ def _claim(lens, batch_id: str = "b"):
     return types.SimpleNamespace(entries=entries, batch_id=batch_id, now_ms=0)
 
 
+@pytest.mark.slow
 def test_captured_before_serving_every_short_query_batch_finds_its_graph(tiny_bf16, monkeypatch):
     fake = _install(monkeypatch, "torch_varlen")
     eager, graphed = _engines(tiny_bf16, "torch_varlen", max_tokens=128)

@@ -112,6 +112,7 @@ def test_shapes_and_dtypes_are_checked_before_the_kernel_reads_memory():
             bad()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_worker_says_which_linear_kernel_its_threads_got(redis_url, threads):
     """The threads are set before the model loads, so ``auto`` sees them; the start line says
