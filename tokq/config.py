@@ -151,8 +151,8 @@ class QueueConfig(_Validated):
                              min=0, max=10_000)
     light_tokens: int = setting(128, "requests of at most this many tokens (all inputs) go in the "
                                 "light lane, which claims serve first: heavy requests cannot "
-                                "starve them (light ones get at most half a batch while heavy "
-                                "work waits)", min=0, max=1_000_000)
+                                "starve them (while heavy work waits, light work gets half a "
+                                "batch plus any room the heavy head leaves)", min=0, max=1_000_000)
     max_skip_age_ms: int = setting(50, "an entry this old is never passed over (nothing starves)",
                                    min=0, max=3_600_000)
     queue_shards: int = setting(1, "shards of each model's queue, each its own hash tag (spread "
