@@ -174,6 +174,10 @@ DEFAULT_CONNECTIONS = 4
 # Reopen connections that reach an already-reached process until this many in a row found no
 # new one: with 2 processes and 4 connections, the chance one process is never reached is 2^-19.
 DISCOVERY_MISSES = 16
+# A new client's first burst waits at most this long while its connections and that many more,
+# opened at once, are probed (Info): its calls then spread over every process found.
+FIRST_SEARCH_WAIT_S = 0.5
+PROBE_TIMEOUT_S = 5.0
 # Then one doubled-up connection is reopened at most this often, the wait doubling up to the max.
 REDISCOVER_FIRST_S = 5.0
 REDISCOVER_MAX_S = 300.0
@@ -224,7 +228,7 @@ class _Connection:
     def __init__(self, channel) -> None:
         self.channel = channel
         self.stub = pb_grpc.EmbedderStub(channel)
-        self.outstanding = 0  # calls in flight
+        self.outstanding = 0  # calls in flight, a probe included
         self.process: str | None = None  # the gateway process it reaches, once a reply said
         self.retired = False  # replaced: closed once its calls in flight finish
 
@@ -244,6 +248,12 @@ class _Pool:
         self._next_rediscovery = clock() + REDISCOVER_FIRST_S
         self._seen: set[str] = set()
         self._backoff_until: dict[str, float] = {}  # process -> passed over until (clock)
+        self._search_until: float | None = None  # when a burst's calls stop waiting for the search
+        self.searching = False  # the first search's probes are out
+        self._scouts: list[_Connection] = []  # its extra connections
+        self._probes: list[_Connection] = []  # probes to send
+        self._probing = 0  # probes to send or in flight
+        self._searched = threading.Condition(self._lock)
         self.closed = False
         self.connections = [_Connection(open_channel()) for _ in range(size)]
         self.retired: list[_Connection] = []
@@ -253,10 +263,14 @@ class _Pool:
         n = len(items)
         return min((items[(turn + i) % n] for i in range(n)), key=load)
 
-    def acquire(self) -> _Connection:
+    def acquire(self, wait: bool = False) -> _Connection | None:
+        """The connection for a call; None (only with ``wait``) while the call should wait for
+        the first search: ``take_probes`` then says which probes to send."""
         with self._lock:
             if self.closed:
                 raise ValueError("this tokq client is closed")
+            if wait and self._hold(self._clock()):
+                return None
             self._turn += 1
             identified = any(c.process for c in self.connections)
             now = self._clock()
@@ -272,6 +286,90 @@ class _Pool:
             conn = self._least_busy(group, lambda c: c.outstanding, self._turn)
             conn.outstanding += 1
             return conn
+
+    def _hold(self, now: float) -> bool:
+        """Whether a call waits for the first search. A call that comes while another is in flight
+        begins it (a lone call goes at once), unless calls already spent the search or every
+        connection reaches a process of its own."""
+        if self._search_until is None:
+            found = [c.process for c in self.connections]
+            if (not any(c.outstanding for c in self.connections) or not self._misses_left
+                    or (None not in found and len(set(found)) == len(found))):
+                return False
+            self._search_until = now + FIRST_SEARCH_WAIT_S
+            self.searching = True
+            self._scouts = [_Connection(self._open()) for _ in range(DISCOVERY_MISSES)]
+            for conn in [c for c in self.connections if c.process is None] + self._scouts:
+                self._queue_probe(conn)
+        return self.searching and now < self._search_until
+
+    def _queue_probe(self, conn: _Connection) -> None:
+        conn.outstanding += 1
+        self._probing += 1
+        self._probes.append(conn)
+
+    def take_probes(self) -> list[_Connection]:
+        """Connections to send an Info probe on, each once; the caller sends them and passes each
+        answer to ``probe_done``."""
+        with self._lock:
+            probes, self._probes = self._probes, []
+            return [] if self.closed else probes
+
+    def search_left(self) -> float:
+        """Seconds a held call may still wait for the first search."""
+        with self._lock:
+            return 0.0 if self._search_until is None else max(0.0, self._search_until - self._clock())
+
+    def wait_for_search(self) -> None:
+        """Block until the first search ends or its time is up (threads only)."""
+        with self._searched:
+            if self.searching and self._search_until is not None:
+                self._searched.wait(max(0.0, self._search_until - self._clock()))
+
+    def probe_done(self, conn: _Connection, process: str | None) -> list:
+        """Record a probe's answer (``process``: None when it named none); returns the channels
+        the caller must close. The last answer ends the search."""
+        with self._lock:
+            conn.outstanding -= 1
+            self._probing -= 1
+            if self.closed:
+                return []
+            if process and not conn.retired:
+                conn.process = process
+            closing = []
+            if conn.retired and conn.outstanding == 0 and conn in self.retired:
+                self.retired.remove(conn)
+                closing.append(conn.channel)
+            if self.searching and not self._probing:
+                self._searched.notify_all()
+                closing += self._settle()
+            return closing
+
+    def _settle(self) -> list:
+        """The first search's end: keep as many connections as before, over every process found
+        in turn (one each, then a second each, ...); close the others once idle."""
+        size = len(self.connections)
+        found: dict[str, list[_Connection]] = {}
+        for conn in self.connections + self._scouts:
+            if conn.process:
+                found.setdefault(conn.process, []).append(conn)
+        keep = [conns[depth] for depth in range(size) for conns in found.values() if depth < len(conns)][:size]
+        keep += [c for c in self.connections if c.process is None][:size - len(keep)]
+        closing = []
+        for conn in self.connections + self._scouts:
+            if any(conn is k for k in keep):
+                continue
+            conn.retired = True
+            if conn.outstanding:
+                self.retired.append(conn)
+            else:
+                closing.append(conn.channel)
+        self.connections, self._scouts = keep, []
+        self._seen.update(found)
+        self._misses_left = 0  # searched: from now on, now and again only
+        self._next_rediscovery = self._clock() + self._rediscover_s
+        self.searching = False
+        return closing
 
     def release(self, conn: _Connection, process: str | None,
                 code: grpc.StatusCode | None = None) -> object | None:
@@ -325,7 +423,8 @@ class _Pool:
         """Every channel, to close; no call starts and no connection opens after this."""
         with self._lock:
             self.closed = True
-            return [c.channel for c in self.connections + self.retired]
+            self._searched.notify_all()  # calls held for the search fail now: closed
+            return [c.channel for c in self.connections + self.retired + self._scouts]
 
 
 def _process_of(metadata) -> str | None:
@@ -391,9 +490,32 @@ class Client(_ClientBase):
                  model: str = "", connections: int = DEFAULT_CONNECTIONS, api_key: str | None = None) -> None:
         super().__init__(grpc, target, credentials, model, connections, api_key)
 
+    def _acquire(self) -> _Connection:
+        while (conn := self._pool.acquire(wait=True)) is None:  # a new client's burst: search first
+            self._send_probes()
+            self._pool.wait_for_search()
+        return conn
+
+    def _send_probes(self) -> None:
+        for conn in self._pool.take_probes():
+            threading.Thread(target=self._probe, args=(conn,), name="tokq-client-probe", daemon=True).start()
+
+    def _probe(self, conn: _Connection) -> None:
+        process = None
+        try:
+            _, call = conn.stub.Info.with_call(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata)
+            process = _process_of(call.trailing_metadata())
+        except grpc.RpcError as exc:
+            process = _process_of(exc.trailing_metadata())
+        except ValueError:  # the client was closed meanwhile
+            pass
+        finally:
+            for channel in self._pool.probe_done(conn, process):
+                channel.close()
+
     def _call(self, method: str, request, timeout: float | None):
         timeout = _deadline(timeout)
-        conn = self._pool.acquire()
+        conn = self._acquire()
         process = code = None
         try:
             response, call = getattr(conn.stub, method).with_call(request, timeout=timeout, metadata=self._metadata)
@@ -463,10 +585,44 @@ class AsyncClient(_ClientBase):
             raise RuntimeError("create tokq.AsyncClient inside a coroutine (a running event loop): "
                                "its gRPC channels belong to the loop that creates them") from None
         super().__init__(grpc.aio, target, credentials, model, connections, api_key)
+        self._searched = asyncio.Event()  # set when the first search ends
+        self._probe_tasks: set[asyncio.Task] = set()
+
+    async def _acquire(self) -> _Connection:
+        while (conn := self._pool.acquire(wait=True)) is None:  # a new client's burst: search first
+            self._send_probes()
+            try:
+                await asyncio.wait_for(self._searched.wait(), self._pool.search_left())
+            except asyncio.TimeoutError:
+                pass
+        return conn
+
+    def _send_probes(self) -> None:
+        for conn in self._pool.take_probes():
+            task = asyncio.ensure_future(self._probe(conn))
+            self._probe_tasks.add(task)  # held: the loop keeps only weak references to tasks
+            task.add_done_callback(self._probe_tasks.discard)
+
+    async def _probe(self, conn: _Connection) -> None:
+        process = None
+        try:
+            call = conn.stub.Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata)
+            await call
+            process = _process_of(await call.trailing_metadata())
+        except grpc.RpcError as exc:
+            process = _process_of(exc.trailing_metadata())
+        except grpc.aio.UsageError:  # the client was closed meanwhile
+            pass
+        finally:
+            closing = self._pool.probe_done(conn, process)
+            if not self._pool.searching:
+                self._searched.set()
+            for channel in closing:
+                await asyncio.shield(channel.close())
 
     async def _call(self, method: str, request, timeout: float | None):
         timeout = _deadline(timeout)
-        conn = self._pool.acquire()
+        conn = await self._acquire()
         process = code = None
         try:
             call = getattr(conn.stub, method)(request, timeout=timeout, metadata=self._metadata)
@@ -516,8 +672,11 @@ class AsyncClient(_ClientBase):
         return [list(t.ids) for t in (await self._call("Tokenize", req, timeout)).inputs]
 
     async def close(self) -> None:
-        for channel in self._pool.close():
+        channels = self._pool.close()
+        self._searched.set()  # calls held for the search fail now: closed
+        for channel in channels:
             await channel.close()
+        await asyncio.gather(*self._probe_tasks, return_exceptions=True)  # ended by the close
 
     async def __aenter__(self) -> AsyncClient:
         return self
