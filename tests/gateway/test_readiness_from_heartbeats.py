@@ -97,6 +97,7 @@ async def test_unreachable_redis_is_not_ready(caplog):
         await client.aclose()
 
 
+@pytest.mark.slow
 @pytest.mark.redis_kinds("standalone")
 def test_worker_check_this_host_sees_only_this_hosts_workers(redis_url):
     def check(*args):

@@ -48,6 +48,7 @@ def _faults_per_forward(disabled: bool) -> float:
     return float(run.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_a_cpu_engine_keeps_freed_memory_for_the_next_forward():
     without = _faults_per_forward(disabled=True)
     assert without > 500  # fresh pages each time
