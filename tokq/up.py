@@ -34,7 +34,11 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen:
                             preexec_fn=supervised_child(os.getpid()))
 
 
-AUTO_GATEWAY_PROCS_MAX = 4
+# Beside the gateway, a GPU worker's host side (launching kernels, moving batches) keeps about a
+# core busy, and the embedded Redis one (it serves commands on one thread).
+GPU_WORKER_CPUS = 1
+REDIS_CPUS = 1
+MAX_GATEWAY_PROCS = 64  # UpConfig.gateway_procs's range
 RESTART_STABLE_S = 60.0  # a worker that ran this long before it died is started again at once
 RESTART_MAX_S = 30.0
 CUDA_CHECK_TIMEOUT_S = 60
@@ -107,13 +111,37 @@ def cuda_present() -> bool:
         return False
 
 
-def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=None) -> int:
-    """`--gateway-procs 0`: one gateway process with CPU workers, which need the cores; with GPU
-    workers (about one core each), one per 4 usable CPUs, at most 4 (profiling/RESULTS.md,
-    "GPU benchmark")."""
-    on_gpu = device.startswith("cuda") or (device == "auto" and (has_cuda or cuda_present)())
+@dataclasses.dataclass(frozen=True)
+class FrontEnd:
+    """The gateway's share of the host: its processes and each one's tokenizer threads."""
+
+    procs: int
+    tokenize_threads: int
+
+
+def size_front_end(cpus: int, workers: int, *, on_gpu: bool, worker_threads: int = 1,
+                   embedded_redis: bool = True, procs: int = 0) -> FrontEnd:
+    """The gateway takes the CPUs that the workers (GPU: a core each; CPU: their torch threads) and
+    the embedded Redis (a core) leave: one process per CPU left with GPU workers, one with CPU
+    workers (inference is their bottleneck), its processes tokenizing on those CPUs, split between
+    them; at least one of each. ``procs``: the operator's count (0: chosen here)."""
+    used = workers * (GPU_WORKER_CPUS if on_gpu else worker_threads) + (REDIS_CPUS if embedded_redis else 0)
+    left = max(1, cpus - used)
+    procs = procs or (min(left, MAX_GATEWAY_PROCS) if on_gpu else 1)
+    return FrontEnd(procs, max(1, left // procs))
+
+
+def workers_on_gpu(device: str, has_cuda=None) -> bool:
+    """Whether workers started with ``--device`` run on a GPU (auto: whether CUDA is there)."""
+    return device.startswith("cuda") or (device == "auto" and (has_cuda or cuda_present)())
+
+
+def auto_gateway_procs(device: str, cpus: int | None = None, has_cuda=None, *, workers: int = 1,
+                       embedded_redis: bool = True) -> int:
+    """`--gateway-procs 0`: ``size_front_end``'s processes beside ``workers`` workers on ``device``."""
     cpus = cpus or usable_cpus()
-    return max(1, min(AUTO_GATEWAY_PROCS_MAX, cpus // 4)) if on_gpu else 1
+    return size_front_end(cpus, workers, on_gpu=workers_on_gpu(device, has_cuda),
+                          worker_threads=threads_per_worker(workers, cpus), embedded_redis=embedded_redis).procs
 
 
 def _api_keys(conf: cfg.UpConfig) -> dict[str, str]:
@@ -276,14 +304,19 @@ def up_command(**values) -> None:
         ModelInfo.load(conf.model or None, name=conf.served_model_name or None,
                        revision=conf.revision or None).require_tokenizer()  # its gateway tokenizes
     cpus = usable_cpus()
-    num_gateways = conf.gateway_procs or auto_gateway_procs(conf.device, cpus)  # before anything starts
     host, num_workers, metrics_port = conf.host, conf.workers, conf.metrics_port
+    threads = _worker_threads(num_workers, cpus)
+    front = size_front_end(cpus, num_workers, on_gpu=workers_on_gpu(conf.device), worker_threads=threads,
+                           embedded_redis=not conf.redis_url, procs=conf.gateway_procs)  # before anything starts
+    num_gateways = front.procs
+    # TOKQ_TOKENIZE_THREADS, where set, reaches the gateway in its environment and wins
+    tokenize = ([] if cfg.env_var("tokenize_threads") in os.environ
+                else ["--tokenize-threads", str(front.tokenize_threads)])
     _check_distinct_ports(conf, num_gateways)
     metrics_ports = range(metrics_port, metrics_port + num_gateways + num_workers) if metrics_port else ()
     port = conf.port or free_port(host, taken=frozenset({conf.http_port, *metrics_ports}))
     _check_ports([("gRPC", host, port), ("HTTP", host, conf.http_port),
                   *(("metrics", host, p) for p in metrics_ports)])
-    threads = _worker_threads(num_workers, cpus)
     if conf.redis_url:  # a URL or cluster setting that cannot work: one line, before anything starts
         from tokq.redis.connection import check_redis_or_exit
 
@@ -333,7 +366,7 @@ def up_command(**values) -> None:
     for sig in stops:
         signal.signal(sig, stop.handler)
     try:
-        gw_args = ["gateway", *common, "--host", host, "--port", str(port), "--procs", str(num_gateways),
+        gw_args = ["gateway", *common, "--host", host, "--port", str(port), "--procs", str(num_gateways), *tokenize,
                    "--metrics-port", str(metrics_port), "--http-port", str(conf.http_port),
                    *(["--api-key-file", str(Path(conf.api_key_file).resolve())] if conf.api_key_file else []),
                    *(arg for name in ("tls_cert", "tls_key", "tls_client_ca") if getattr(conf, name)
