@@ -13,6 +13,7 @@ COMMANDS = {
     "gateway": "tokq.gateway.cli:gateway_command",
     "worker": "tokq.workers.cli:worker_command",
     "embed": "tokq.client_cli:embed_command",
+    "embed-file": "tokq.bulk.cli:embed_file_command",
     "rerank": "tokq.client_cli:rerank_command",
     "profile": "tokq.profiling.profile.cli:profile_command",
     "bench": "tokq.profiling.bench.cli:bench_group",

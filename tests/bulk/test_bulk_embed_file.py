@@ -1,0 +1,373 @@
+"""`tokq embed-file` against a stand-in gateway (bulk_fake_gateway.py: every vector known
+exactly, failures on cue): output layout and order, failed rows, resuming after kill -9 and
+Ctrl-C without embedding a committed row again, a gateway that restarts or stays down, refusing
+to mix jobs, bad input, and bounded memory on a large input."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from bulk_fake_gateway import DIMS, FakeGateway, vector_of
+from click.testing import CliRunner
+
+from tokq.bulk.cli import embed_file_command
+from tokq.bulk.send import MIN_UNITS, START_UNITS, Window
+from tokq.bulk.store import errors_path, parts_path
+
+
+def write_jsonl(path, n: int, *, start: int = 0, words: int = 12) -> list[str]:
+    texts = [f"document {i} " + " ".join(f"w{(i * 7 + k) % 97}" for k in range(i % words)) for i in range(start, start + n)]
+    with open(path, "w") as f:
+        for i, text in enumerate(texts, start):
+            f.write(json.dumps({"id": f"d{i}", "text": text}) + "\n")
+    return texts
+
+
+def run(args: list[str]):
+    return CliRunner().invoke(embed_file_command, [str(a) for a in args], catch_exceptions=False)
+
+
+def spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tokq.cli", "embed-file", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def expected(texts: list[str]) -> np.ndarray:
+    return np.stack([vector_of(t) for t in texts])
+
+
+def committed_parts(output) -> list[str]:
+    parts = parts_path(output)
+    return sorted(p.name for p in parts.glob("rows-*.arrow")) if parts.exists() else []
+
+
+def wait_for_parts(output, count: int, proc: subprocess.Popen, timeout_s: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if len(names := committed_parts(output)) >= count:
+            return names
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError(f"fewer than {count} parts committed in {timeout_s} s")
+
+
+@pytest.fixture
+def gateway():
+    with FakeGateway() as g:
+        yield g
+
+
+def test_parquet_output_holds_ids_and_vectors_in_input_order(tmp_path, gateway):
+    texts = write_jsonl(tmp_path / "in.jsonl", 700)
+    out = tmp_path / "out.parquet"
+    done = run([tmp_path / "in.jsonl", "--out", out, "--id-field", "id", "--target", gateway.target,
+                "--commit-rows", 100])
+    assert done.exit_code == 0, done.output
+    assert "wrote" in done.output and "700 rows" in done.output
+    table = pq.read_table(out)
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), DIMS)
+    assert table.column("id").to_pylist() == [f"d{i}" for i in range(700)]
+    np.testing.assert_array_equal(np.array(table.column("embedding").to_pylist(), np.float32), expected(texts))
+    # many inputs a request: far fewer calls than rows
+    assert gateway.calls < 700 / 5 and gateway.inputs_seen == 700
+    assert not parts_path(out).exists() and not errors_path(out).exists()
+
+
+def test_row_numbers_npy_and_dimensions(tmp_path, gateway):
+    (tmp_path / "in.txt").write_text("".join(f"line {i}\n" for i in range(300)))
+    texts = [f"line {i}" for i in range(300)]
+    done = run([tmp_path / "in.txt", "--out", tmp_path / "out.parquet", "--target", gateway.target])
+    assert done.exit_code == 0, done.output
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column_names == ["row", "embedding"] and table.column("row").to_pylist() == list(range(300))
+    done = run([tmp_path / "in.txt", "--out", tmp_path / "out.npy", "--target", gateway.target, "--dimensions", 4])
+    assert done.exit_code == 0, done.output
+    vectors = np.load(tmp_path / "out.npy")
+    assert vectors.dtype == np.float32 and vectors.shape == (300, 4)
+    np.testing.assert_array_equal(vectors, expected(texts)[:, :4])
+
+
+def test_failed_rows_go_to_the_errors_file_and_the_exit_code_says_so(tmp_path, gateway):
+    rows = [{"id": 0, "text": "fine"}, {"id": 1, "text": "TOOLONG text"}, {"id": 2, "text": ""},
+            {"id": 3, "text": "UNNAMED fault"}, {"id": 4, "text": "BOOM"}, {"id": 5, "text": "also fine"}]
+    lines = [json.dumps(r) for r in rows[:3]] + ["{oops"] + [json.dumps(r) for r in rows[3:]]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    for out in (tmp_path / "out.parquet", tmp_path / "out.npy"):
+        done = run([tmp_path / "in.jsonl", "--out", out, "--id-field", "id", "--target", gateway.target])
+        assert done.exit_code == 3, done.output
+        assert "5 rows failed, listed in" in done.output
+        errors = [json.loads(line) for line in errors_path(out).read_text().splitlines()]
+        assert [(e["row"], e["id"]) for e in errors] == [(1, 1), (2, 2), (3, None), (4, 3), (5, 4)]
+        reasons = [e["reason"] for e in errors]
+        assert reasons[0].startswith("INVALID_ARGUMENT: the text is 999 tokens long")
+        assert reasons[1] == "line 3: empty text"
+        assert reasons[2].startswith("line 4 is not JSON")
+        assert reasons[3] == "INVALID_ARGUMENT: the request's inputs are too big"
+        assert reasons[4].startswith("INTERNAL: ")
+    table = pq.read_table(tmp_path / "out.parquet")  # only the rows embedded
+    assert table.column("id").to_pylist() == [0, 5]
+    vectors = np.load(tmp_path / "out.npy")  # every row; NaN where it failed
+    assert vectors.shape == (7, DIMS)
+    assert np.isnan(vectors[1:6]).all() and not np.isnan(vectors[[0, 6]]).any()
+    np.testing.assert_array_equal(vectors[6], vector_of("also fine"))
+    # with --truncate the over-long row goes through
+    done = run([tmp_path / "in.jsonl", "--out", tmp_path / "cut.parquet", "--id-field", "id",
+                "--target", gateway.target, "--truncate"])
+    assert done.exit_code == 3 and "4 rows failed" in done.output
+
+
+def test_kill_9_then_rerun_continues_and_never_resends_a_committed_row(tmp_path):
+    texts = write_jsonl(tmp_path / "in.jsonl", 3000)
+    args = [tmp_path / "in.jsonl", "--id-field", "id", "--commit-rows", 100]
+    with FakeGateway(delay_s=0.01) as gateway:
+        whole = run(args + ["--out", tmp_path / "whole.parquet", "--target", gateway.target])
+        assert whole.exit_code == 0, whole.output
+        out = tmp_path / "out.parquet"
+        proc = spawn(args + ["--out", out, "--target", gateway.target])
+        wait_for_parts(out, 5, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not out.exists()  # nothing half-written passed off as complete
+        names = committed_parts(out)
+        committed = {i for name in names for i in range(int(name[5:17]), int(name[18:30]))}
+        gateway.keep_texts = True
+        gateway.texts_seen.clear()
+        done = run(args + ["--out", out, "--target", gateway.target])
+    assert done.exit_code == 0, done.output
+    assert f"{len(committed):,} committed before" in done.output
+    resent = set(gateway.texts_seen) & {texts[i] for i in committed}
+    assert not resent, f"{len(resent)} committed rows were embedded again"
+    assert out.read_bytes() == (tmp_path / "whole.parquet").read_bytes()  # the same file
+    assert not parts_path(out).exists()
+
+
+def test_ctrl_c_stops_cleanly_and_a_rerun_finishes(tmp_path):
+    texts = write_jsonl(tmp_path / "in.jsonl", 2000)
+    out = tmp_path / "out.npy"
+    with FakeGateway(delay_s=0.01) as gateway:
+        proc = spawn([tmp_path / "in.jsonl", "--out", out, "--commit-rows", 100, "--target", gateway.target])
+        wait_for_parts(out, 3, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert "rerun the same command to continue" in err and not out.exists()
+        done = run([tmp_path / "in.jsonl", "--out", out, "--commit-rows", 100, "--target", gateway.target])
+    assert done.exit_code == 0, done.output
+    np.testing.assert_array_equal(np.load(out), expected(texts))
+
+
+def test_gateway_restart_mid_run_is_retried(tmp_path):
+    texts = write_jsonl(tmp_path / "in.jsonl", 2000)
+    out = tmp_path / "out.parquet"
+    gateway = FakeGateway(delay_s=0.01).start()
+    port = gateway.port
+    proc = spawn([tmp_path / "in.jsonl", "--out", out, "--commit-rows", 100, "--target", gateway.target])
+    try:
+        wait_for_parts(out, 3, proc)
+        gateway.stop()  # calls in flight fail UNAVAILABLE; the job retries with backoff
+        time.sleep(1.5)
+        gateway = FakeGateway(delay_s=0.01).start(port)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        gateway.stop()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "UNAVAILABLE" in stderr and "retrying" in stderr
+    table = pq.read_table(out)
+    np.testing.assert_array_equal(np.array(table.column("embedding").to_pylist(), np.float32), expected(texts))
+
+
+def test_target_down_fails_in_one_line_and_a_later_run_resumes(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", 3000)
+    out = tmp_path / "out.parquet"
+    gateway = FakeGateway(delay_s=0.03)
+    gateway.start()
+    port = gateway.port
+    gateway.stop()
+    args = [tmp_path / "in.jsonl", "--out", out, "--commit-rows", 100, "--target", f"127.0.0.1:{port}",
+            "--retry-for", 1]
+    done = CliRunner().invoke(embed_file_command, list(map(str, args)))
+    assert done.exit_code == 1
+    last = done.output.strip().splitlines()[-1]
+    assert last.startswith(f"embed-file: the gateway at 127.0.0.1:{port} did not answer: no answer for")
+    assert "rerun the same command to continue" in last
+    assert not out.exists()
+    # down mid-run: committed parts are kept, the rerun resumes from them
+    gateway = FakeGateway(delay_s=0.03).start(port)
+    proc = spawn(args)
+    try:
+        wait_for_parts(out, 2, proc)
+        gateway.stop()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        gateway.stop()
+    assert proc.returncode == 1 and "did not answer" in err.strip().splitlines()[-1]
+    kept = committed_parts(out)
+    assert kept and not out.exists()
+    with FakeGateway().start(port) as gateway:
+        gateway.keep_texts = True
+        done = run(args)
+    assert done.exit_code == 0, done.output
+    assert "committed before" in done.output and gateway.inputs_seen <= 3000 - 100 * len(kept)
+
+
+def test_resource_exhausted_is_retried_with_less_in_flight(tmp_path):
+    texts = write_jsonl(tmp_path / "in.jsonl", 400)
+    refusals = iter(range(5))
+
+    def fail(_texts):
+        if next(refusals, None) is not None:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, "queue over its token cap, retry later with backoff"
+        return None
+
+    with FakeGateway(fail=fail) as gateway:
+        done = run([tmp_path / "in.jsonl", "--out", tmp_path / "out.npy", "--target", gateway.target])
+    assert done.exit_code == 0, done.output
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected(texts))
+
+
+def test_refuses_to_mix_jobs_without_overwrite(tmp_path, gateway):
+    write_jsonl(tmp_path / "in.jsonl", 200)
+    out = tmp_path / "out.parquet"
+    base = [tmp_path / "in.jsonl", "--out", out, "--target", gateway.target]
+    assert run(base).exit_code == 0
+    again = run(base)
+    assert again.exit_code == 0 and "already complete: 200 rows" in again.output
+    other = run(base + ["--dimensions", 4])
+    assert other.exit_code == 1 and "another job's output (dimensions: 8 there, 4 now)" in other.output
+    assert "--overwrite" in other.output
+    with open(tmp_path / "in.jsonl", "a") as f:
+        f.write(json.dumps({"id": "new", "text": "one more"}) + "\n")
+    changed = run(base)
+    assert changed.exit_code == 1 and "input_bytes" in changed.output
+    replaced = run(base + ["--dimensions", 4, "--overwrite"])
+    assert replaced.exit_code == 0, replaced.output
+    assert pq.read_table(out).schema.field("embedding").type.list_size == 4
+    (tmp_path / "plain.npy").write_bytes(b"someone else's file")
+    foreign = run([tmp_path / "in.jsonl", "--out", tmp_path / "plain.npy", "--target", gateway.target])
+    assert foreign.exit_code == 1 and "not an output of tokq embed-file" in foreign.output
+    assert (tmp_path / "plain.npy").read_bytes() == b"someone else's file"
+
+
+def test_parts_of_another_job_are_refused_and_a_second_writer_is_locked_out(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", 2000)
+    out = tmp_path / "out.parquet"
+    with FakeGateway(delay_s=0.02) as gateway:
+        args = [tmp_path / "in.jsonl", "--out", out, "--commit-rows", 100, "--target", gateway.target]
+        proc = spawn(args)
+        try:
+            wait_for_parts(out, 1, proc)
+            second = run(args)
+            assert second.exit_code == 1 and "another tokq embed-file is writing" in second.output
+        finally:
+            proc.kill()
+            proc.wait()
+        other = run(args[:-2] + ["--target", gateway.target, "--prompt-name", "query"])
+        assert other.exit_code == 1 and "holds the parts of another job (prompt_name: None there" in other.output
+        assert committed_parts(out)  # left as they were
+        assert run(args + ["--prompt-name", "query", "--overwrite"]).exit_code == 0
+
+
+def test_bad_input_and_settings_are_clear_errors(tmp_path, gateway):
+    write_jsonl(tmp_path / "in.jsonl", 10)
+    target = ["--target", gateway.target]
+    missing = CliRunner().invoke(embed_file_command, [str(tmp_path / "gone.jsonl"), "--out", str(tmp_path / "o.npy")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    (tmp_path / "in.xml").write_text("<a/>")
+    for args, message in [
+        ([tmp_path / "in.xml", "--out", tmp_path / "o.npy"], "unknown input format '.xml'"),
+        ([tmp_path / "in.jsonl", "--out", tmp_path / "o.csv"], "the output must end in .parquet or .npy"),
+        ([tmp_path / "in.jsonl", "--out", tmp_path / "no" / "such" / "o.npy"], "the output's folder must exist"),
+        ([tmp_path / "in.jsonl", "--out", tmp_path / "o.npy", "--text-field", "body"], "has no field 'body'"),
+        ([tmp_path / "in.jsonl", "--out", tmp_path / "o.npy", "--dimensions", 99],
+         "dimensions=99 is out of range: fake-model gives 1..8"),
+        ([tmp_path / "in.jsonl", "--out", tmp_path / "o.npy", "--prompt-name", "nope"],
+         "unknown prompt name 'nope'; fake-model defines: query"),
+    ]:
+        done = run(args + target)
+        assert done.exit_code == 1, done.output
+        assert message in done.output and done.output.startswith("embed-file: ")
+        assert len(done.output.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("o.*"))
+    (tmp_path / "bad.csv").write_text("text,id\nfine,1\nbad,2,extra\n")
+    done = run([tmp_path / "bad.csv", "--out", tmp_path / "c.npy"] + target)
+    assert done.exit_code == 1 and "line 3: expected 2 columns, found 3" in done.output
+    assert not (tmp_path / "c.npy").exists()
+
+
+def test_window_grows_while_work_is_taken_at_once_and_shrinks_when_it_queues():
+    w = Window(100)
+    assert w.limit == START_UNITS * 100
+    w._waited = True
+    w.observe(300, queue_ms=1, inference_ms=10)  # a round: taken at once, requests waited
+    assert w.limit == 600  # slow start doubles
+    w.observe(600, queue_ms=50, inference_ms=10)  # queued five forwards
+    assert w.limit == 500 and not w.slow_start
+    w._waited = True
+    w.observe(500, queue_ms=1, inference_ms=10)
+    assert w.limit == 600  # then one budget at a time
+    w.congested()
+    assert w.limit == 300
+    w.congested()
+    assert w.limit == MIN_UNITS * 100
+    w.set_unit(1000)
+    assert w.limit == 2000 and w.unit == 1000
+
+
+async def test_window_bounds_tokens_in_flight():
+    import asyncio
+
+    w = Window(100)  # 300 tokens
+    await w.acquire(200)
+    await w.acquire(100)
+    blocked = asyncio.ensure_future(w.acquire(50))
+    await asyncio.sleep(0.01)
+    assert not blocked.done() and w.in_flight == 300
+    w.release(100)
+    await asyncio.wait_for(blocked, 1)
+    assert w.in_flight == 250
+    w.release(250)
+    await w.acquire(5000)  # larger than the window: goes alone
+    assert w.in_flight == 5000
+
+
+def test_a_large_input_streams_with_bounded_memory(tmp_path):
+    """A 60 MB input through the whole job (reader, requests, parts, output) peaks within a few
+    MB of what a 1 MB input of the same rows peaks at."""
+    text = " ".join(f"w{k}" for k in range(48))  # ~230 bytes
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
+    with open(big, "w") as f:
+        line = json.dumps({"text": text}) + "\n"
+        f.write(line * 300_000)
+    with open(small, "w") as f:
+        f.write(line * 5_000)
+    assert big.stat().st_size > 55e6
+    peaks = {}
+    with FakeGateway(budget=65_536, max_inputs=2048) as gateway:
+        for path in (small, big):
+            code = ("import resource, sys\n"
+                    "from tokq.cli import main\n"
+                    "try:\n    main()\n"
+                    "finally:\n    print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+            done = subprocess.run([sys.executable, "-c", code, "embed-file", str(path), "--out",
+                                   str(tmp_path / f"{path.stem}.npy"), "--target", gateway.target,
+                                   "--commit-rows", "8192"], capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr
+            peaks[path.stem] = int(done.stderr.rsplit("PEAK", 1)[1]) * 1024
+    assert np.load(tmp_path / "big.npy", mmap_mode="r").shape == (300_000, DIMS)
+    grew = peaks["big"] - peaks["small"]
+    assert grew < 40e6, f"peak RSS grew {grew / 1e6:.0f} MB ({peaks})"
