@@ -5,6 +5,7 @@ FIFO within a lane, light requests never starved by heavy ones, heavy ones never
 from __future__ import annotations
 
 import asyncio
+import os
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,8 @@ from tokq.queue.wire import format_entry, parse_entry
 
 NOW_MS = 1_700_000_000_000
 REQUEST_IDS = ("a", "b", "c", "d")
+# Random cases per property test; raise it for a longer search (TOKQ_CLAIM_RULE_EXAMPLES=3000).
+EXAMPLES = int(os.environ.get("TOKQ_CLAIM_RULE_EXAMPLES", "300"))
 
 
 def _pending(spec, next_index=None) -> list:
@@ -116,7 +119,7 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
             assert not await q.redis.exists(k.leases, k.inflight)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=claim_cases())
 # Each boundary of the rule, always checked (random cases reach them only now and then).
 @example(case=_case([("a", 60, 0, 500, b""), ("a", 60, 50, 500, b""), ("a", 40, 0, 500, b"")]))
@@ -167,6 +170,75 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
 @example(case=_case([("a", 10, 0, 500, b"")], heavy=[], lanes="heavy"))
 def test_lua_claim_agrees_with_the_python_rule(redis_server, case):
     asyncio.run(_compare(redis_server.url, **case))
+
+
+@st.composite
+def deep_lane_cases(draw):
+    """A light lane of many small entries beside a short heavy lane, mostly "heavy" and "light"
+    claims: the light lane's tokens cross preempt_tokens (or a light-only claim's budget) several
+    16-entry windows in, dead entries sit deep in the lane (the refill pass reaches them), and
+    redos to isolate head the heavy lane."""
+    token_budget = draw(st.integers(8, 135))  # claim.lua reads 16 entries a window below 136
+    unit = max(1, token_budget // 12)
+    max_skip_age_ms = draw(st.sampled_from((0, 10, 50)))
+    ages_ms = st.sampled_from((0, 0, max(max_skip_age_ms - 1, 0), max_skip_age_ms))
+    deadlines_in_ms = st.sampled_from((-1, 0) + (500,) * 10)
+    light_sizes = st.one_of(st.integers(1, 2 * unit), st.integers(1, token_budget // 2 + 1))
+    light = draw(st.lists(st.tuples(st.sampled_from(REQUEST_IDS), light_sizes, ages_ms, deadlines_in_ms,
+                                    st.just(b""), st.sampled_from((0,) * 12 + (1, 2))),
+                          max_size=70))
+    heavy_sizes = st.integers(max(1, token_budget // 3), 2 * token_budget)
+    heavy = draw(st.lists(st.tuples(st.sampled_from(REQUEST_IDS), heavy_sizes, ages_ms, deadlines_in_ms,
+                                    st.just(b""), st.sampled_from((0, 1, 2, 2, 3))),
+                          max_size=8))
+    lanes = draw(st.sampled_from(("heavy", "heavy", "light", "both")))
+    light_total = sum(tokens for _, tokens, *_ in light)
+    near_total = st.sampled_from((max(1, light_total), max(1, light_total - 1), light_total + 1))
+    preempt_tokens = draw(st.one_of(near_total, st.sampled_from((0, 1, unit, token_budget))))
+    if lanes == "light" and draw(st.booleans()):
+        token_budget = draw(near_total)  # the whole lane just fits, or just does not
+    return _case(light, heavy=heavy, token_budget=token_budget, lookahead=draw(st.integers(0, 5)),
+                 max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.sampled_from((1, 3, 8, 30))),
+                 live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
+                 max_attempts=draw(st.sampled_from((3, 5))), lanes=lanes, preempt_tokens=preempt_tokens)
+
+
+def _e(tokens, deadline_in_ms=500, *, request_id="a", attempt=0, age_ms=0):
+    return (request_id, tokens, age_ms, deadline_in_ms, b"", attempt)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=deep_lane_cases())
+# A heavy claim at the light lane's exact total (heavy lane alone) and one token under it (the
+# light lane first), 40 entries in; a light-only claim whose budget is the lane's total, or one less.
+@example(case=_case([_e(3)] * 40, heavy=[_e(60, request_id="b")] * 3, lanes="heavy", preempt_tokens=120))
+@example(case=_case([_e(3)] * 40, heavy=[_e(60, request_id="b")] * 3, lanes="heavy", preempt_tokens=119))
+@example(case=_case([_e(3)] * 40, heavy=[_e(60, request_id="b")], lanes="light", token_budget=120))
+@example(case=_case([_e(3)] * 40, heavy=[_e(60, request_id="b")], lanes="light", token_budget=119))
+# A heavy claim beside a light backlog: a redo to isolate at the heavy head ends the batch and
+# stays; with every light entry dead, the heavy head goes only when it fits.
+@example(case=_case([_e(30)] * 5, heavy=[_e(60, request_id="b", attempt=2), _e(10, request_id="b")],
+                    lanes="heavy", preempt_tokens=50))
+@example(case=_case([_e(30, -1)] * 5, heavy=[_e(150, request_id="b"), _e(60, request_id="b")],
+                    lanes="heavy", preempt_tokens=50, max_drop=30))
+# The refill pass starting on a window boundary (index 16): the two entries passed over are
+# passed over again, dead entries past them dropped, and smaller ones fill the budget.
+@example(case=_case([_e(1, -1)] * 13 + [_e(45), _e(30), _e(30), _e(10), _e(1, -1), _e(1, -1), _e(1, -1),
+                                         _e(5), _e(20)], heavy=[_e(40, request_id="b")], max_drop=30))
+def test_lua_claim_agrees_with_the_python_rule_on_deep_lanes(redis_server, case):
+    asyncio.run(_compare(redis_server.url, **case))
+
+
+def test_the_refill_pass_passes_over_entries_again_and_keeps_their_order():
+    dead = [parse_entry(format_entry(1, NOW_MS, "a", 100 + i, NOW_MS - 1, 0, b"x")) for i in range(3)]
+    pending = _entries((45, 0), (30, 0), (30, 0), (10, 0)) + dead + _entries((5, 0), (20, 0))
+    heavy = _entries((40, 0))
+    plan = _plan(pending, heavy, token_budget=100, lookahead=2, max_drop=30)
+    # Share 50: 45; both 30s passed over; 10 one too many. Heavy 40 (85); the refill passes the
+    # 30s over again, takes 10, drops the dead three, and 5 fills the budget.
+    assert [e.num_tokens for e in plan.taken] == [45, 10, 5, 40] and plan.stop == "full"
+    assert [e.num_tokens for e in plan.remaining(pending)] == [30, 30, 20] and len(plan.expired) == 3
+    assert plan.remaining(pending)[:2] == pending[1:3]  # in their order, at the head
 
 
 def _entries(*spec):
