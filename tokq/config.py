@@ -346,7 +346,8 @@ class UpConfig(_Validated):
     dtype: str = setting("auto", "the workers' dtype (see tokq worker --help)", choices=DTYPES)
     gateway_procs: int = setting(0, "gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT): one "
                                     "serves up to ~3,000 calls/s, so a GPU host that serves more wants several; "
-                                    "0 = auto: 1 with CPU workers, with GPU workers one per 4 CPUs, at most 4",
+                                    "0 = auto: 1 with CPU workers; with GPU workers one per CPU the workers (a "
+                                    "core each) and the embedded Redis leave, at most 64",
                                  min=0, max=64)
     metrics_port: int = setting(9400, "gateway process j's metrics at this port +j, then worker i's at "
                                       "+(gateway processes)+i, as tokq up prints them (0 = none)",
