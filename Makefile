@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-queue proto dashboards docs bench bench-gpu bench-gateway-cpu clean
+.PHONY: install run test test-fast test-queue proto dashboards docs bench bench-gpu bench-gateway-cpu clean
 
 install: $(VENV)/.installed
 
@@ -30,9 +30,15 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile $(PYTEST_ARGS)
 
-# Queue semantics again against another Redis server binary (CI: Debian's redis-server).
+# Every test not marked slow: the quick check while editing (CI runs `make test`, the whole suite).
+test-fast: install
+	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+# Queue semantics again against another Redis server binary (CI: Debian's redis-server):
+# tests/queue/, and the claim-rule tests still at tests/ top.
+QUEUE_TESTS := tests/queue $(wildcard tests/test_queue_*.py tests/test_claim_*.py)
 test-queue: install
-	TOKQ_TEST_REDIS_SERVER=$(REDIS_SERVER) $(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile tests/test_queue*.py
+	TOKQ_TEST_REDIS_SERVER=$(REDIS_SERVER) $(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile $(QUEUE_TESTS)
 
 proto: install
 	$(BIN)/python -m tokq.v1.generate
