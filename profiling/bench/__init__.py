@@ -1,2 +1,2 @@
-"""`tokq bench`: the benchmarks, one module per subcommand (service/: the whole service
-under open-loop load against baselines/), with the open-loop load generator they share."""
+"""`tokq bench`: one module per subcommand (service/: the whole service under open-loop load against
+baselines/), the load drivers (loadgen.py) and /proc CPU accounting (proc_cpu.py) they share."""

@@ -1,17 +1,15 @@
 """`make bench-gpu`: on a CUDA host, profile and benchmark the service with the bundled
-all-MiniLM-L6-v2 and a Qwen3-0.6B-shaped random-weight model, and write the "GPU benchmark"
-section of profiling/results/gpu.md.
+all-MiniLM-L6-v2 and a Qwen3-0.6B-shaped random-weight model, and write the "GPU benchmark" section
+of profiling/results/gpu.md.
 
     tokq bench gpu [--results-md profiling/results/gpu.md] [--out-dir profiling/results/gpu]
 
 For each model: `tokq profile --device cuda` (latency knee, recommended budget, FLOP/s per batch
-size), then `tokq bench service --device cuda` with tokq at the profiled budget and at `tokq up`'s
-defaults against sentence-transformers one request at a time on the same GPU (vectors checked
-against sentence-transformers first). The section gives the GPU's name, throughput against
-one-at-a-time at equal p99, and MFU at the profiled budget (model FLOP/s at that batch size over
-the GPU's dense 16-bit peak, tokq.model.flops.device_peak_flops).
-
-Without a CUDA GPU it says so and exits 0, so CPU-only runs of `make bench` are unaffected.
+size), then `tokq bench service --device cuda` with tokq at `tokq up`'s defaults and at the
+profiled budget against sentence-transformers one request at a time on the same GPU. The section
+gives the GPU's name, throughput against one-at-a-time at equal p99, and MFU at the profiled
+budget (model FLOP/s there over the GPU's dense 16-bit peak). Without a CUDA GPU it says so and
+exits 0.
 """
 
 from __future__ import annotations
@@ -30,7 +28,8 @@ from pathlib import Path
 
 import click
 
-from tokq.profiling.results_md import command_line, markers, write_block
+from tokq.profiling import harness
+from tokq.profiling.results_md import block, command_line, markers, table, write_block
 
 BLOCK = "tokq bench gpu"
 SECTION_START, SECTION_END = markers(BLOCK)
@@ -40,8 +39,9 @@ CPUS_PER_GENERATOR = 5  # load-generator processes: one per this many CPUs (the 
 
 
 def generator_procs() -> int:
-    """Load-generator processes for the service bench on this host: one Python process sends
-    ~3,000 calls a second, where an H100 run's ramp ends before the service fails a step, so a host with the cores gets more (3 on 16 CPUs), a small one keeps one."""
+    """Load-generator processes for the service bench: one Python process sends ~3,000 calls a
+    second, where an H100 run's ramp ends before the service fails a step, so a host with the
+    cores gets more (3 on 16 CPUs), a small one keeps one."""
     from tokq.host import usable_cpus
 
     return max(1, usable_cpus() // CPUS_PER_GENERATOR)
@@ -49,39 +49,34 @@ def generator_procs() -> int:
 
 def build_qwen3_shaped(path: Path, *, num_hidden_layers: int = 28, vocab_size: int = 151_669,
                        max_seq_length: int = 256) -> Path:
-    """A random-weight model of Qwen3-Embedding-0.6B's shape (28 layers, hidden 1024, 16 query /
-    8 KV heads of 128, MLP 3072, vocabulary 151,669), last-token pooling and normalization as
-    the real one declares them. It has no tokenizer of its own: the bundled model's WordPiece
-    files are copied in (their ids are valid Qwen3 ids), so the gateway and the workload's
-    texts work unchanged; only the vectors are meaningless."""
+    """A random-weight model of Qwen3-Embedding-0.6B's shape, with last-token pooling and
+    normalization as the real one declares them, and the bundled model's WordPiece tokenizer files
+    (their ids are valid Qwen3 ids), so the gateway and the workload's texts work unchanged."""
     import torch
     from transformers import Qwen3Config, Qwen3Model
 
     from tokq.model.info import bundled_model_path
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=1024, num_hidden_layers=num_hidden_layers,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
-                         rope_theta=1_000_000.0, max_position_embeddings=32_768)
-    Qwen3Model(config).save_pretrained(path)
+    Qwen3Model(Qwen3Config(vocab_size=vocab_size, hidden_size=1024, num_hidden_layers=num_hidden_layers,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                           rope_theta=1_000_000.0, max_position_embeddings=32_768)).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(bundled_model_path() / name, path / name)
     (path / "1_Pooling").mkdir(exist_ok=True)
     (path / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 1024, "pooling_mode_lasttoken": True, "include_prompt": True}))
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    modules = ("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")
+    (path / "modules.json").write_text(json.dumps([{"idx": i, "name": str(i), "path": p,
+                                                    "type": f"sentence_transformers.models.{t}"}
+                                                   for i, (t, p) in enumerate(modules)]))
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     return path
 
 
 def _tokq(*args: str) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "tokq.cli", *args]
     click.echo("$ " + " ".join(["tokq", *args]), err=True)
-    subprocess.run(cmd, env=env, check=True)
+    subprocess.run([sys.executable, "-m", "tokq.cli", *args], env=harness.env(), check=True)
 
 
 def mfu_at(profile: dict, budget: int | None, peak_flops: float | None) -> dict:
@@ -90,42 +85,34 @@ def mfu_at(profile: dict, budget: int | None, peak_flops: float | None) -> dict:
     if not points or budget is None:
         return {"tokens": None, "gflop_per_s": None, "mfu": None}
     point = min(points, key=lambda p: abs(p["num_tokens"] - budget))
-    flops = point["gflop_per_s"] * 1e9
     return {"tokens": point["num_tokens"], "latency_ms": point["median_ms"], "gflop_per_s": point["gflop_per_s"],
-            "tokens_per_s": point["tokens_per_s"], "mfu": flops / peak_flops if peak_flops else None}
+            "tokens_per_s": point["tokens_per_s"],
+            "mfu": point["gflop_per_s"] * 1e9 / peak_flops if peak_flops else None}
 
 
 def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gateway_procs: int = 0) -> dict:
-    model_args = ["--model", str(model_dir), "--served-model-name", name] if model_dir else []
-    profile_json = out_dir / f"gpu-profile-{name}.json"
-    sweep = ["--time-per-point-s", "0.3"] if quick else []
-    _tokq("profile", "--device", "cuda", *model_args, *sweep, "--out", str(profile_json),
+    profile_json, bench_json = out_dir / f"gpu-profile-{name}.json", out_dir / f"gpu-bench-{name}.json"
+    _tokq("profile", "--device", "cuda", *(["--model", str(model_dir), "--served-model-name", name] if model_dir else []),
+          *(["--time-per-point-s", "0.3"] if quick else []), "--out", str(profile_json),
           "--plot", str(out_dir / f"gpu-profile-{name}.png"), "--quiet")
     profile = json.loads(profile_json.read_text())
     budget = profile.get("recommended_budget")
-    bench_json = out_dir / f"gpu-bench-{name}.json"
-    bench_model = ["--model", str(model_dir)] if model_dir else []
-    # The defaults first, then the profiled budget (systems run in the order given).
-    systems = ["--system", "tokq-defaults"]
-    if budget:  # "tokq" runs at the last of --token-budgets
-        systems += ["--system", "tokq", "--token-budgets", str(budget)]
-    systems += ["--system", "one-at-a-time"]
-    # A GPU serves hundreds to thousands of requests a second: quick steps start higher and
-    # grow faster, so each system reaches its limit in a few 2-second steps.
-    steps = QUICK_STEPS if quick else []
-    gateways = ["--gateway-procs", str(gateway_procs)] if gateway_procs else []  # 0: as tokq up chooses
-    _tokq("bench", "service", "--device", "cuda", *bench_model, *systems, *steps, *gateways,
-          "--generator-procs", str(generator_procs()),
-          "--profile-json", str(profile_json),
-          "--out", str(bench_json), "--plots", str(out_dir / name), "--quiet")
+    # The defaults first, then the profiled budget (systems run in the order given; "tokq" runs at
+    # the last of --token-budgets). Quick steps start higher and grow faster, as a GPU serves
+    # hundreds to thousands of requests a second.
+    systems = ["--system", "tokq-defaults", *(["--system", "tokq", "--token-budgets", str(budget)] if budget else []),
+               "--system", "one-at-a-time"]
+    _tokq("bench", "service", "--device", "cuda", *(["--model", str(model_dir)] if model_dir else []), *systems,
+          *(QUICK_STEPS if quick else []), *(["--gateway-procs", str(gateway_procs)] if gateway_procs else []),
+          "--generator-procs", str(generator_procs()), "--profile-json", str(profile_json), "--out", str(bench_json),
+          "--plots", str(out_dir / name), "--quiet")
     return {"name": name, "profile": profile, "bench": json.loads(bench_json.read_text())}
 
 
 def saved_result(name: str, out_dir: Path, gateway_procs: int | None = None) -> dict | None:
-    """A model's profile and bench JSON from an earlier run into ``out_dir``, if both are there
-    and belong together (the bench started after the profile, and served its recommended budget:
-    a run stopped after a new profile leaves it beside an older bench) and the bench's tokq ran
-    ``gateway_procs`` gateway processes (None: as many as the run chose)."""
+    """A model's profile and bench JSON from an earlier run into ``out_dir``, if both are there and
+    belong together (the bench started after the profile and served its recommended budget) and
+    its tokq ran ``gateway_procs`` gateway processes (None: as many as that run chose)."""
     profile_json, bench_json = out_dir / f"gpu-profile-{name}.json", out_dir / f"gpu-bench-{name}.json"
     if not (profile_json.exists() and bench_json.exists()):
         return None
@@ -143,10 +130,8 @@ def saved_result(name: str, out_dir: Path, gateway_procs: int | None = None) -> 
 
 def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Path, quick: bool,
                saved: dict[str, dict] | None = None, gateway_procs: int = 0) -> list[dict]:
-    """Each model in turn (``models``: name, and what makes its directory, None for the bundled
-    one); one that fails is reported with its error and the others still run (a GPU lease is
-    too short to lose every figure to one model's failure). A model in ``saved`` (its
-    ``saved_result``) is not measured again."""
+    """Each model in turn (name, and what makes its directory); one that fails is reported with its
+    error and the others still run; a model in ``saved`` is not measured again."""
     results = []
     for name, make_model in models:
         if name in (saved or {}):
@@ -156,30 +141,21 @@ def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Pat
             results.append(run_model(name, make_model(), out_dir, quick, gateway_procs))
         except subprocess.CalledProcessError as e:  # its own output, just above, says why
             step = " ".join(itertools.takewhile(lambda a: not a.startswith("-"), e.cmd[3:]))  # after -m tokq.cli
-            click.echo(f"bench-gpu: {name} failed: `tokq {step}` exited {e.returncode}", err=True)
             results.append({"name": name, "error": f"`tokq {step}` exited {e.returncode}"})
         except (OSError, ValueError, KeyError, RuntimeError) as e:
-            click.echo(f"bench-gpu: {name} failed: {type(e).__name__}: {e}", err=True)
             results.append({"name": name, "error": f"{type(e).__name__}: {e}"})
+        if "error" in results[-1]:
+            click.echo(f"bench-gpu: {name} failed: {results[-1]['error']}", err=True)
     return results
 
 
 def _at_least(system: dict) -> bool:
-    """Whether a system's rate is a lower bound: no step failed (the ramp ended first), or the
-    load generator could not offer the next rate (the server was never shown its limit)."""
+    """Whether a rate is a lower bound: no step failed, or the load generator could not offer the next."""
     return system.get("generator_limited", False) or str(system.get("limit", "")).startswith("no step failed")
 
 
 def _rate(system: dict | None) -> str:
-    """A system's p99-bounded rate, '>=' where it is a lower bound (_at_least)."""
-    if not system:
-        return "–"
-    return f"{'>= ' if _at_least(system) else ''}{system['sustainable_rps']:.0f}"
-
-
-def _best_served(system: dict) -> float:
-    """The most requests a second a system answered in any step, met its SLO or not."""
-    return max((step.get("throughput_rps") or 0.0 for step in system.get("steps", [])), default=0.0)
+    return f"{'>= ' if _at_least(system) else ''}{system['sustainable_rps']:.0f}" if system else "–"
 
 
 def _ratio(tokq: dict | None, ref: dict | None) -> str:
@@ -189,56 +165,38 @@ def _ratio(tokq: dict | None, ref: dict | None) -> str:
         return f"{'>= ' if _at_least(tokq) else ''}{tokq['sustainable_rps'] / ref['sustainable_rps']:.1f}x"
     if failed := [s["offered_rps"] for s in ref.get("steps", []) if s.get("offered_rps")]:
         # No step met the SLO: its sustainable rate lies below the lowest rate it failed at.
-        lowest = min(failed)
-        return (f"> {math.floor(tokq['sustainable_rps'] / lowest)}x (one-at-a-time met the SLO at no step, "
-                f"not even {lowest:.0f} req/s; it served at most {_best_served(ref):.1f})")
+        best = max((step.get("throughput_rps") or 0.0 for step in ref.get("steps", [])), default=0.0)
+        return (f"> {math.floor(tokq['sustainable_rps'] / min(failed))}x (one-at-a-time met the SLO at no step, not "
+                f"even {min(failed):.0f} req/s; it served at most {best:.1f})")
     return "–"
 
 
-def _sizes(result: dict) -> str:
-    """How long each profile point and load step ran (the --quick run is shorter than the default)."""
-    sweep, opts = result["profile"].get("sweep", {}), result["bench"]["meta"].get("options", {})
-    procs = max((s.get("gateway_procs", 1) for s in result["bench"]["systems"] if s["kind"] == "tokq"), default=1)
-    return (f"Profile: {sweep.get('target_s_per_point')} s a point; load steps of {opts.get('step_duration_s')} s "
-            f"from {opts.get('start_rate')} req/s, x{opts.get('step_factor')} each, at most {opts.get('max_steps')}; "
-            f"tokq with {'one gateway process' if procs == 1 else f'{procs} gateway processes'}"
-            f"{_generators(opts.get('generator_procs', 1))}.")
-
-
-def _generators(n: int) -> str:
-    return f", load from {n} processes" if n > 1 else ""
-
-
-def _cpu(result: dict) -> str:
-    """The cores each of tokq's processes used at the highest rate it sustained (which one was
-    near a whole core), when the bench counted them."""
+def _notes(result: dict) -> str:
+    """How long each profile point and load step ran, and the cores tokq's processes used at the
+    highest rate it sustained."""
     from tokq.profiling.bench.service.report import cpu_cores
 
-    tokqs = [s for s in result["bench"]["systems"] if s["kind"] == "tokq" and s.get("sustainable")]
-    best = max(tokqs, key=lambda s: s["sustainable_rps"], default=None)
-    if not best or not best["sustainable"].get("cpu_cores"):
-        return "CPU per process: not counted by this run."
-    return (f"CPU at {best['name']}'s {best['sustainable_rps']:.0f} req/s, in cores: "
-            f"{cpu_cores(best['sustainable'])}.")
+    sweep, opts = result["profile"].get("sweep", {}), result["bench"]["meta"].get("options", {})
+    tokqs = [s for s in result["bench"]["systems"] if s["kind"] == "tokq"]
+    procs = max((s.get("gateway_procs", 1) for s in tokqs), default=1)
+    n = opts.get("generator_procs", 1)
+    best = max((s for s in tokqs if s.get("sustainable")), key=lambda s: s["sustainable_rps"], default=None)
+    cpu = (f"CPU at {best['name']}'s {best['sustainable_rps']:.0f} req/s, in cores: {cpu_cores(best['sustainable'])}."
+           if best and best["sustainable"].get("cpu_cores") else "CPU per process: not counted by this run.")
+    return (f"Profile: {sweep.get('target_s_per_point')} s a point; load steps of {opts.get('step_duration_s')} s from "
+            f"{opts.get('start_rate')} req/s, x{opts.get('step_factor')} each, at most {opts.get('max_steps')}; tokq "
+            f"with {'one gateway process' if procs == 1 else f'{procs} gateway processes'}"
+            f"{f', load from {n} processes' if n > 1 else ''}. {cpu}")
 
 
-def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], command: str) -> str:
+def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], command: str,
+                     links: dict[str, str] | None = None) -> str:
+    """``links``: each model's folder of raw figures (its profile and bench JSON), relative to the results file."""
     measured = sorted(r["profile"].get("started_at", "") for r in results if "profile" in r)
-    lines = [SECTION_START, "## GPU benchmark", "", f"Command: `{command}`  ",
-             f"Measured: {measured[0] if measured else datetime.now(timezone.utc).isoformat(timespec='seconds')}  ",
-             f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.model.flops table)  "
-             if peak_flops else f"GPU: **{gpu}** (peak FLOP/s unknown: set TOKQ_DEVICE_PEAK_FLOPS for MFU)  ",
-             "Each model: `tokq profile --device cuda`, then `tokq bench service --device cuda` (tokq at the profiled "
-             "budget and at `tokq up`'s defaults; sentence-transformers one request at a time on the same GPU, "
-             "fp32). Rates are requests a second at p99 <= the SLO; '>=' where the ramp ended before any step "
-             "failed or the load generator could not offer the next rate.", "",
-             "| model | dtype | profiled budget (tokens) | forward at budget | model FLOP/s at budget | MFU at budget "
-             "| tokq at profiled budget | tokq up defaults (budget) | one-at-a-time | best tokq / one-at-a-time "
-             "| tokq vectors vs sentence-transformers (min cos) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'][:200]} | | | | | | | | | |")
+            rows.append([r["name"], f"failed: {r['error'][:200]}", *[""] * 9])
             continue
         prof, bench = r["profile"], r["bench"]
         at = mfu_at(prof, prof.get("recommended_budget"), peak_flops)
@@ -246,23 +204,33 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
         profiled = next((s for s in tokqs if s.get("budget_source") == "set"), None)
         defaults = next((s for s in tokqs if s.get("budget_source") != "set"), None)
         ref = next((s for s in bench["systems"] if s["kind"] == "one-at-a-time"), None)
-        best = max(tokqs, key=lambda s: s["sustainable_rps"], default=None)
         cos = min((s["vectors"]["min_cos"] for s in tokqs if (s.get("vectors") or {}).get("min_cos") is not None),
                   default=None)
-        mfu = f"{at['mfu']:.1%}" if at.get("mfu") is not None else "–"
-        default_budget = f" ({defaults['token_budget']})" if defaults and defaults.get("token_budget") else ""
-        fwd = f"{at['latency_ms']:.2f} ms" if at.get("latency_ms") else "–"
-        flops = f"{at['gflop_per_s'] / 1000:.1f} TFLOP/s" if at.get("gflop_per_s") else "–"
         below = any(not (s.get("vectors") or {}).get("counts", True) for s in tokqs)
-        cos_cell = "–" if cos is None else f"{cos:.5f}{' (below the bench bar, 0.9999)' if below else ''}"
-        lines.append(f"| {r['name']} | {prof['dtype']} | {prof.get('recommended_budget') or '–'} | {fwd} | {flops} "
-                     f"| {mfu} | {_rate(profiled)} | {_rate(defaults)}{default_budget} | {_rate(ref)} "
-                     f"| {_ratio(best, ref)} | {cos_cell} |")
-    lines += [""] + [f"- {r['name']}: {r['profile']['summary']} {_sizes(r)} {_cpu(r)}" for r in results
-                     if "error" not in r]
-    lines += ["", "Full service-benchmark tables: the JSON files beside this section's command output "
-              "(`gpu-bench-<model>.json`, re-render with `tokq bench report`).", "", SECTION_END]
-    return "\n".join(lines) + "\n"
+        rows.append([r["name"], prof["dtype"], prof.get("recommended_budget") or "–",
+                     f"{at['latency_ms']:.2f} ms" if at.get("latency_ms") else "–",
+                     f"{at['gflop_per_s'] / 1000:.1f} TFLOP/s" if at.get("gflop_per_s") else "–",
+                     f"{at['mfu']:.1%}" if at.get("mfu") is not None else "–", _rate(profiled),
+                     _rate(defaults) + (f" ({defaults['token_budget']})" if defaults and defaults.get("token_budget") else ""),
+                     _rate(ref), _ratio(max(tokqs, key=lambda s: s["sustainable_rps"], default=None), ref),
+                     "–" if cos is None else f"{cos:.5f}{' (below the bench bar, 0.9999)' if below else ''}"])
+    tables = ", ".join(f"[{name} profile]({path}/gpu-profile-{name}.json) and [bench]({path}/gpu-bench-{name}.json)"
+                       for name, path in (links or {}).items())
+    return block(BLOCK, [
+        "## GPU benchmark", "", f"Command: `{command}`  ",
+        f"Measured: {measured[0] if measured else datetime.now(timezone.utc).isoformat(timespec='seconds')}  ",
+        f"GPU: **{gpu}**, dense 16-bit peak {peak_flops / 1e12:.0f} TFLOP/s (tokq.model.flops table)  " if peak_flops
+        else f"GPU: **{gpu}** (peak FLOP/s unknown: set TOKQ_DEVICE_PEAK_FLOPS for MFU)  ",
+        "Each model: `tokq profile --device cuda`, then `tokq bench service --device cuda` (tokq at the profiled budget "
+        "and at `tokq up`'s defaults; sentence-transformers one request at a time on the same GPU, fp32). Rates are "
+        "requests a second at p99 <= the SLO; '>=' where the ramp ended before any step failed or the load generator "
+        "could not offer the next rate.", "",
+        *table("model | dtype | profiled budget (tokens) | forward at budget | model FLOP/s at budget | MFU at budget | "
+               "tokq at profiled budget | tokq up defaults (budget) | one-at-a-time | best tokq / one-at-a-time | tokq "
+               "vectors vs sentence-transformers (min cos)", rows, "ll" + "r" * 9), "",
+        *(f"- {r['name']}: {r['profile']['summary']} {_notes(r)}" for r in results if "error" not in r), "",
+        f"Raw figures: {tables} (`tokq bench report` renders a bench's full tables)." if tables else
+        "Raw figures: the JSON files in `--out-dir` (`tokq bench report` renders a bench's full tables).", ""]) + "\n"
 
 
 @click.command("gpu")
@@ -270,30 +238,29 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
 @click.option("--out-dir", type=click.Path(file_okay=False), default="profiling/results/gpu", show_default=True,
               help="Profile and bench JSON and figures of each model.")
 @click.option("--quick", is_flag=True,
-              help="0.3 s per profile point and 2-second load steps from 50 req/s, x1.5 each: both models in "
-                   "about 8 minutes on an H100, for a short GPU lease (the section gives each model's step sizes).")
+              help="0.3 s per profile point and 2-second load steps from 50 req/s, x1.5 each: both models in about 8 "
+                   "minutes on an H100, for a short GPU lease (the section gives each model's step sizes).")
 @click.option("--resume", is_flag=True,
               help="Read back a model whose profile and bench JSON are already in --out-dir (a run cut short).")
 @click.option("--gateway-procs", type=click.IntRange(0, 64), default=0, show_default=True,
-              help="Gateway processes of the tokq systems (one serves up to ~3,000 calls/s; 0: as tokq up "
-                   "chooses on a GPU host, one per 4 CPUs, at most 4).")
+              help="Gateway processes of the tokq systems (one serves up to ~3,000 calls/s; 0: as tokq up chooses on "
+                   "a GPU host, one per 4 CPUs, at most 4).")
 def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
     """On a CUDA host: profile and bench the bundled MiniLM and a Qwen3-0.6B-shaped model (`make bench-gpu`)."""
     out = Path(out_dir)
     names = ["all-MiniLM-L6-v2", QWEN3_NAME]
-    # 0: whatever the saved run chose (on its host, which need not be this one)
+    # --gateway-procs 0: whatever the saved run chose (on its host, which need not be this one)
     saved = {name: r for name in names if (r := saved_result(name, out, gateway_procs or None))} if resume else {}
     for name in saved:
         click.echo(f"bench-gpu: {name}: results of an earlier run in {out}, not measured again", err=True)
-    if len(saved) == len(names):
-        # Nothing left to measure: the section is rendered from the saved results, GPU or not.
+    if len(saved) == len(names):  # nothing left to measure: rendered from the saved results, GPU or not
         results = [saved[name] for name in names]
     else:
         import torch
 
         if not torch.cuda.is_available():
-            click.echo("bench-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); "
-                       "nothing measured, no results file changed.")
+            click.echo("bench-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing measured, "
+                       "no results file changed.")
             return
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="tokq-bench-gpu-") as tmp:
@@ -307,7 +274,8 @@ def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
         import torch
 
         gpu = torch.cuda.get_device_name(0)
-    write_block(results_md, BLOCK, markdown_section(gpu, device_peak_flops(gpu), results, command_line()))
+    links = {r["name"]: os.path.relpath(out, Path(results_md).parent) for r in results if "error" not in r}
+    write_block(results_md, BLOCK, markdown_section(gpu, device_peak_flops(gpu), results, command_line(), links))
     click.echo(f"wrote {results_md} and {out}/")
     if any("error" in r for r in results):
         raise SystemExit(1)

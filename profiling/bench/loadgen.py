@@ -1,12 +1,10 @@
-"""Open-loop load: requests leave at their *intended* times whether or not earlier ones have
-been answered, and each latency counts from the intended time (no coordinated omission: a
-server that stalls makes every request scheduled during the stall late, as real users would be).
-
-A schedule is a list of ``Arrival`` (intended offset in seconds + the texts of one request).
-It comes from a workload's own timestamps rescaled to a target mean rate (bursts keep their
-shape), or from a Poisson process. ``run_open_loop`` plays it against any ``send`` coroutine and
-returns one ``Sample`` per request; ``summarize`` turns samples into the figures a report shows,
-including whether the generator itself kept up (it says so rather than report a lower rate).
+"""Load drivers. Open loop: requests leave at their *intended* times whether or not earlier ones have
+been answered, and each latency counts from the intended time (no coordinated omission: a server
+that stalls makes every request scheduled during the stall late, as real users would be). A
+schedule (``Arrival``s) comes from a workload's own timestamps rescaled to a mean rate, or from a
+Poisson process. Closed loop: a fixed number of calls in flight, each lane sending its next call
+when its last is answered. ``summarize`` turns samples into a report's figures, and says whether
+the generator itself kept up rather than report a lower rate.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import multiprocessing
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,13 +127,11 @@ MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer queries are 
 def load_queries(workload_path: str | None, num_queries: int, seed: int) -> tuple[list[Query], str]:
     """The workload (``workload.load_or_generate``) with texts, lengths capped at the bundled
     model's limit; and where it came from."""
-    from tokq.model.info import bundled_model_path
+    from tokq.profiling.harness import vocab_words
 
     queries, source = load_or_generate(workload_path, num_queries, seed)
     if any(q.text is None for q in queries):
-        vocab = [w.strip() for w in open(bundled_model_path() / "vocab.txt", encoding="utf-8")
-                 if w.strip().isalpha() and w.strip().islower() and len(w.strip()) > 2]
-        queries = texts_for_lengths(queries, vocab, seed=seed)
+        queries = texts_for_lengths(queries, vocab_words(lowercase=True), seed=seed)
     return [Query(q.id, min(q.num_tokens, MODEL_MAX_TOKENS), q.t_s, q.text) for q in queries], source
 
 
@@ -156,7 +152,7 @@ async def run_open_loop(send: Send, arrivals: Sequence[Arrival], *,
         sent = loop.time() - start
         try:
             reply = await send(arrival.texts)
-        except Exception as exc:  # a sender bug must show as an error, not kill the run
+        except Exception as exc:  # a sender's error must show as an error, not kill the run
             reply = Reply(f"CLIENT_{type(exc).__name__}")
         sample = Sample(arrival.t_s, sent, loop.time() - start, reply.status, arrival.num_tokens,
                         reply.queue_ms, reply.inference_ms)
@@ -181,6 +177,33 @@ async def run_open_loop(send: Send, arrivals: Sequence[Arrival], *,
             gc.enable()
         gc.collect()
     return [s for s in samples if s is not None]
+
+
+async def closed_loop(call: Callable[[object], Awaitable], items: Iterable, concurrency: int) -> None:
+    """``call`` each of ``items`` (an endless iterator too) with ``concurrency`` calls in flight."""
+    pending = iter(items)
+
+    async def lane() -> None:
+        for item in pending:
+            await call(item)
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+
+
+async def run_closed_loop(send: Send, arrivals: Sequence[Arrival], concurrency: int) -> list[Sample]:
+    """Send ``arrivals`` (their times ignored) closed-loop; the samples, as run_open_loop's."""
+    loop = asyncio.get_running_loop()
+    start, samples = loop.time(), []
+
+    async def one(arrival: Arrival) -> None:
+        sent = loop.time() - start
+        try:
+            reply = await send(arrival.texts)
+        except Exception as exc:  # a sender's error must show as an error, not kill the run
+            reply = Reply(f"CLIENT_{type(exc).__name__}")
+        samples.append(Sample(sent, sent, loop.time() - start, reply.status, arrival.num_tokens, reply.queue_ms,
+                              reply.inference_ms))
+    await closed_loop(one, arrivals, concurrency)
+    return samples
 
 
 class GeneratorProcs:

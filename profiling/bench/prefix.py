@@ -1,25 +1,20 @@
-"""Shared-prompt benchmark: queries behind Qwen3-Embedding's instruction, computed with the
-prompt once (workers/prefix_attention.py) against the full forward, in the same run.
-
-The model is random-weight with Qwen3-Embedding-0.6B's shapes (hidden 1024, 16 q / 8 kv heads of
-128, MLP 3072); ``--layers`` of its 28 (fewer on CPU: time scales with layers for both paths
-alike) and a small vocabulary (the embedding lookup costs nothing either way). Token ids are
-random: the instruction ``Instruct: Given a web search query, retrieve relevant passages that
-answer the query\\nQuery:`` is ``--prompt-tokens`` ids, each query's length comes from the
-project's workload generator (profiling/workload.py) or is fixed by the scenario.
-
-Each system serves the same queries in batches of at most ``--token-budget`` queued tokens, counted
-as the queue counts them: the full forward's batches by every token, the prefix path's by the
-tokens after the prompt (the prompt's K/V come from the worker's cache, filled before timing).
-Per round the systems run in turn; every figure is the median over rounds.
+"""Shared-prompt benchmark: queries behind Qwen3-Embedding's instruction, computed with the prompt
+once (workers/prefix_attention.py) against the full forward, in the same run.
 
     tokq bench prefix --threads 1 --results-md profiling/results/model.md          # CPU
     tokq bench prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 --results-md profiling/results/gpu.md
+
+The model has random weights and Qwen3-Embedding-0.6B's shapes (hidden 1024, 16 q / 8 kv heads of
+128, MLP 3072); ``--layers`` of its 28 (both paths scale with layers alike) and a small vocabulary.
+Token ids are random: the instruction is ``--prompt-tokens`` ids, each query's length comes from
+the workload generator or is fixed by the scenario. Each system serves the same queries in
+batches of at most ``--token-budget`` queued tokens, counted as the queue counts them: the full
+forward's by every token, the prefix path's by the tokens after the prompt (whose K/V come from the
+worker's cache, filled before timing). Per round the systems run in turn; figures are medians.
 """
 
 from __future__ import annotations
 
-import click
 import os
 import resource
 import statistics
@@ -27,16 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.profiling.results_md import block, command_line, machine_cores, write_block
-from tokq.profiling.workload import query_lengths
-from tokq.workers.device import synchronize
-from tokq.workers.engine import Engine
+from tokq.profiling.results_md import block, command_line, machine_cores, publish, table
 
 VOCAB = 8192
+FULL = "full forward"
 
 
 def block_name(device_type: str) -> str:
@@ -48,14 +42,13 @@ def build_model(path: Path, layers: int) -> None:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, intermediate_size=3072, rope_theta=1_000_000.0,
-        max_position_embeddings=1024, architectures=["Qwen3Model"])
-    transformers.Qwen3Model(config).save_pretrained(path)
+    transformers.Qwen3Model(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=3072, rope_theta=1_000_000.0, max_position_embeddings=1024,
+        architectures=["Qwen3Model"])).save_pretrained(path)
 
 
-def batches(seqs: list[np.ndarray], prefix_lens: list[int], budget: int, shared: bool):
+def batches(seqs: list[np.ndarray], prefix_lens: list[int], budget: int, shared: bool) -> list[PackedBatch]:
     """Consecutive queries packed up to ``budget`` queued tokens (a longer query goes alone)."""
     out, current, cost = [], [], 0
     for i, seq in enumerate(seqs):
@@ -65,13 +58,13 @@ def batches(seqs: list[np.ndarray], prefix_lens: list[int], budget: int, shared:
             current, cost = [], 0
         current.append(i)
         cost += tokens
-    if current:
-        out.append(current)
     return [PackedBatch.pack([seqs[i] for i in b], prefix_lens=[prefix_lens[i] for i in b] if shared else 0)
-            for b in out]
+            for b in out + ([current] if current else [])]
 
 
-def time_system(engine: Engine, packed: list[PackedBatch]) -> float:
+def time_system(engine, packed: list[PackedBatch]) -> float:
+    from tokq.workers.device import synchronize
+
     synchronize(engine.device)
     start = time.perf_counter()
     for batch in packed:
@@ -81,7 +74,9 @@ def time_system(engine: Engine, packed: list[PackedBatch]) -> float:
 
 
 def scenario(rng, num_queries: int, prompt: np.ndarray | None, fixed_len: int | None):
-    lens = (np.full(num_queries, fixed_len) if fixed_len else query_lengths(num_queries, seed=1))
+    from tokq.profiling.workload import query_lengths
+
+    lens = np.full(num_queries, fixed_len) if fixed_len else query_lengths(num_queries, seed=1)
     queries = [rng.integers(1, VOCAB, size=int(n)) for n in lens]
     if prompt is None:
         return queries, [0] * num_queries
@@ -91,8 +86,7 @@ def scenario(rng, num_queries: int, prompt: np.ndarray | None, fixed_len: int | 
 @click.command("prefix")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--layers", default=2, show_default=True,
-              help="Of the model's 28 (time scales with layers for both paths).")
+@click.option("--layers", default=2, show_default=True, help="Of the model's 28 (time scales with layers for both paths).")
 @click.option("--token-budget", default=1024, show_default=True, help="Queued tokens per batch.")
 @click.option("--queries", default=96, show_default=True, help="Queries per scenario.")
 @click.option("--prompt-tokens", default=20, show_default=True)
@@ -100,36 +94,31 @@ def scenario(rng, num_queries: int, prompt: np.ndarray | None, fixed_len: int | 
 @click.option("--threads", default=0, show_default=True,
               help="torch threads (0: torch's default); 1 keeps ratios steady on a shared CPU.")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's block for the device type (e.g. profiling/results/model.md).")
+              help="Rewrite this file's section for the device type (profiling/results/model.md or gpu.md).")
 def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, rounds, threads, results_md) -> None:
     """The shared prompt computed once against the full forward, in the same run."""
+    from tokq.workers.engine import Engine
+
     if device.startswith("cuda") and not torch.cuda.is_available():
-        print("tokq bench prefix: no CUDA GPU here, nothing measured")  # `make bench-gpu` on a CPU host
+        click.echo("tokq bench prefix: no CUDA GPU here, nothing measured")  # `make bench-gpu` on a CPU host
         return
     if threads:
         torch.set_num_threads(threads)
-
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), layers)
         engine = Engine.load(tmp, device=device, dtype=dtype)
-        # the same model with no prefix path at all
         plain = Engine(engine.info, engine.model, engine.device, engine.dtype, engine.attn_backend)
-        plain.prefix_cache = None
+        plain.prefix_cache = None  # the same model with no prefix path at all
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, VOCAB, size=prompt_tokens)
-    scenarios = {
-        f"instruction ({prompt_tokens} tok) + 10-token queries": scenario(rng, queries, prompt, 10),
-        f"instruction ({prompt_tokens} tok) + workload queries": scenario(rng, queries, prompt, None),
-        "no prompt, workload queries": scenario(rng, queries, None, None),
-    }
-    load_before = os.getloadavg()[0]
-    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-    wall_before = time.perf_counter()
+    scenarios = {f"instruction ({prompt_tokens} tok) + 10-token queries": scenario(rng, queries, prompt, 10),
+                 f"instruction ({prompt_tokens} tok) + workload queries": scenario(rng, queries, prompt, None),
+                 "no prompt, workload queries": scenario(rng, queries, None, None)}
+    load_before, cpu_before, wall_before = os.getloadavg()[0], time.process_time(), time.perf_counter()
     rows = []
     for name, (seqs, prefix_lens) in scenarios.items():
-        has_prompt = any(prefix_lens)
-        systems = {"full forward": (plain, batches(seqs, prefix_lens, token_budget, False))}
-        if has_prompt:
+        systems = {FULL: (plain, batches(seqs, prefix_lens, token_budget, False))}
+        if any(prefix_lens):
             systems["prompt computed once"] = (engine, batches(seqs, prefix_lens, token_budget, True))
         else:  # the engine with the prefix path, given no prompt: must cost what the full forward does
             systems["prefix-capable engine"] = (engine, batches(seqs, prefix_lens, token_budget, False))
@@ -140,56 +129,37 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
             for batch in packed:
                 eng.embed(batch)
             computed[label] = eng.tokens_computed - before
-        times = {label: [] for label in systems}
-        order = list(systems)
+        times: dict[str, list[float]] = {label: [] for label in systems}
         for round_index in range(rounds):
-            # back to back, the order flipped every round: load from other processes drifts
-            # over seconds, so each round's ratio compares like with like
-            for label in order if round_index % 2 == 0 else order[::-1]:
-                eng, packed = systems[label]
-                times[label].append(time_system(eng, packed))
-            print(f"{name}: round {round_index + 1}/{rounds} "
-                  + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+            # back to back, the order flipped every round: load from other processes drifts over
+            # seconds, so each round's ratio compares like with like
+            for label in list(systems)[::1 if round_index % 2 == 0 else -1]:
+                times[label].append(time_system(*systems[label]))
+            click.echo(f"{name}: round {round_index + 1}/{rounds} "
+                       + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
         input_tokens = sum(len(s) for s in seqs)
-        base = times["full forward"]
         for label, (_, packed) in systems.items():
-            t = statistics.median(times[label])
-            ratios = [b / x for b, x in zip(base, times[label])]
-            rows.append((name, label, len(packed), input_tokens, computed[label], input_tokens / t,
-                         computed[label] / t, len(seqs) / t, statistics.median(ratios),
-                         min(ratios), max(ratios)))
-    wall = time.perf_counter() - wall_before
-    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
-
+            t, ratios = statistics.median(times[label]), [b / x for b, x in zip(times[FULL], times[label])]
+            rows.append([name, label, len(packed), f"{input_tokens:,}", f"{computed[label]:,}",
+                         f"{input_tokens / t:,.0f}", f"{computed[label] / t:,.0f}", f"{len(seqs) / t:,.1f}",
+                         f"**{statistics.median(ratios):.2f}** ({min(ratios):.2f}-{max(ratios):.2f})"])
+    wall, cpu_s = time.perf_counter() - wall_before, time.process_time() - cpu_before
     device_name = (torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
-              else f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()}")
-    block_id = block_name(engine.device.type)
-    lines = [
-        f"## Shared prompt computed once (`workers/prefix_attention.py`), {engine.device.type.upper()}",
-        "",
-        f"Command: `{command_line()}`. {device_name}, "
-        f"{str(engine.dtype).removeprefix('torch.')}, attention {engine.attn_backend}, torch {torch.__version__}. "
-        f"Model: random weights with Qwen3-Embedding-0.6B's shapes, {layers} of its 28 layers "
-        f"(both paths scale with layers alike), vocabulary {VOCAB}. {queries} queries per scenario "
-        f"(lengths: profiling/workload.py, seed 1, or fixed), batches of at most {token_budget} queued "
-        f"tokens as the queue counts them (the prompt's tokens are not counted on the prefix path: its "
-        f"K/V come from the worker's cache, filled by the warm-up). Rates: medians over {rounds} rounds; "
-        f"ratio: the median of per-round ratios, the systems run back to back in each round, their "
-        f"order flipped every round. tokens/s counts every input token (prompt included) served per "
-        f"second; computed tokens/s the tokens run through the model. Load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
-        f"this process used {cpu_s:.0f} s CPU in {wall:.0f} s wall ({cpu_s / wall:.1f} cores). "
-        f"{machine_cores(capital=True)}: the ratios are measured in the same run, the absolute rates "
-        "vary between runs.",
-        "",
-        "| scenario | system | batches | input tokens | tokens computed | input tokens/s | computed tokens/s | queries/s | x full forward (median, range over rounds) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, label, nb, inp, comp, inp_s, comp_s, q_s, ratio, lo, hi in rows:
-        lines.append(f"| {name} | {label} | {nb} | {inp:,} | {comp:,} | {inp_s:,.0f} | {comp_s:,.0f} | "
-                     f"{q_s:,.1f} | **{ratio:.2f}** ({lo:.2f}-{hi:.2f}) |")
-    lines.append("")
-    section = block(block_id, lines, generated_by="tokq bench prefix")
-    print(section)
-    if results_md:
-        write_block(results_md, block_id, section)
+                   else f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()}")
+    name = block_name(engine.device.type)
+    publish(block(name, [
+        f"## Shared prompt computed once (`workers/prefix_attention.py`), {engine.device.type.upper()}", "",
+        f"Command: `{command_line()}`. {device_name}, {str(engine.dtype).removeprefix('torch.')}, attention "
+        f"{engine.attn_backend}, torch {torch.__version__}. Model: random weights with Qwen3-Embedding-0.6B's shapes, "
+        f"{layers} of its 28 layers (both paths scale with layers alike), vocabulary {VOCAB}. {queries} queries per "
+        f"scenario (lengths: profiling/workload.py, seed 1, or fixed), batches of at most {token_budget} queued tokens "
+        "as the queue counts them (the prompt's tokens are not counted on the prefix path: its K/V come from the "
+        f"worker's cache, filled by the warm-up). Rates: medians over {rounds} rounds; ratio: the median of per-round "
+        "ratios, the systems run back to back in each round, their order flipped every round. tokens/s counts every "
+        "input token (prompt included) served per second; computed tokens/s the tokens run through the model. Load "
+        f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; this process used {cpu_s:.0f} s CPU in "
+        f"{wall:.0f} s wall ({cpu_s / wall:.1f} cores). {machine_cores(capital=True)}: the ratios are measured in the "
+        "same run, the absolute rates vary between runs.", "",
+        *table("scenario | system | batches | input tokens | tokens computed | input tokens/s | computed tokens/s | "
+               "queries/s | x full forward (median, range over rounds)", rows, "llrrrrrrr"), ""],
+        generated_by="tokq bench prefix"), results_md, name)

@@ -1,40 +1,25 @@
-"""Packed (varlen) runtime vs sentence-transformers on a short-query workload, same process,
-same machine, systems interleaved round by round so load from other work hits all of them.
+"""Packed (varlen) runtime against sentence-transformers on a short-query workload, same process,
+systems interleaved round by round so load from other work hits all of them.
 
     tokq bench runtime [--num-queries 800] [--rounds 3] [--dtype auto|float32|bfloat16] [--threads N]
         [--results-md profiling/results/model.md]
 
-Prints tokens/s (real tokens, no padding counted; median over rounds) of:
-  * the packed runtime at token budgets 256..4096, queries packed in arrival order;
-  * (a) sentence-transformers encoding one query at a time;
-  * (b) sentence-transformers batches of 32 in arrival order (padded);
-  * each CPU attention backend at a 1,024-token budget;
-  * the runtime with F.linear (MKL) instead of oneDNN, at a 1,024-token budget;
-  * one layer's attention alone per CPU backend (in the runtime's dtype);
-  * in bf16/fp16, the packed runtime and its attention with SDPA's kernel for every run, i.e.
-    without the matmul path for short rows (workers/attention.py MATMUL_MAX_SEQLEN);
-as ratios to (a) and (b), and as fractions of the fp32 matmul peak measured in the same run,
-timed again just before every measurement, two ways: a large ``torch.mm`` (MKL, which takes
-its AVX2 path on AMD CPUs) and the same product through oneDNN (AVX-512, what the runtime
-uses). "Linear limit" = peak / (2 FLOPs per linear weight); "MFU" = all model FLOPs, attention
-included, / peak.
-
-The target's own ceiling, in whatever dtype the runtime uses (``--dtype``, default auto): the
-model's linear layers alone, through the same kernels in the same dtype, on the same 1,024-token
-batch shapes (``linear_only_tokens_per_s``), timed again before every measurement; the forward's
-fraction of it is what is left for everything else. Part of that rest runs inside the linear
-kernels: the activations and residual adds fused into them, measured by replaying the forward's
-own linear calls (``forward_linear_calls``). Where the packed forward's time goes: by part
-(linear calls, attention, the rest; ``time_split``) and by op (a torch profiler table).
+Prints tokens/s (real tokens, median over rounds) of: the packed runtime at each token budget,
+queries packed in arrival order; sentence-transformers one query at a time and in padded batches
+of 32; each CPU attention backend and F.linear (MKL) instead of oneDNN at a 1,024-token budget; in
+bf16, SDPA's kernel for every row (no matmul path for short rows); each as ratios to
+sentence-transformers and as fractions of the fp32 matmul peak timed right before it, through
+torch.mm (MKL) and through oneDNN. "Linear limit" = peak / (2 FLOPs per linear weight); "MFU" =
+all model FLOPs / peak. Then the runtime's own ceiling in its dtype: the model's linear layers
+alone through the same kernels on the same shapes, with and without the epilogues the forward
+fuses into them; the forward's time by part and by op; one layer's attention alone per backend.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -43,30 +28,35 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.model.flops import linear_flops_per_token
-from tokq.host import cpu_name, vector_extension
-from tokq.profiling.bench.loadgen import load_queries
 from tokq.profiling.results_md import block, command_line, machine_cores, write_block
-from tokq.workers import attention
-from tokq.workers.kernels import cpu_attention, cpu_build
-from tokq.workers.engine import Engine
-from tokq.workers.layout import build_layout
-from tokq.workers.models.layers import OneDnnLinear, _onednn_works
 
 BUDGETS = (256, 512, 1024, 2048, 4096)
-def block_name(dtype: str) -> str:
-    """One block per ``--dtype`` asked for and CPU vector extension: a float32 run does not
-    overwrite the auto one, nor an AVX2 machine's run an AVX-512 machine's."""
-    return f"tokq bench runtime ({dtype}, {vector_extension()})"
 ST_BATCH = 32
-# cpu_varlen's vector widths (workers/kernels/cpu_vec.h): the native one is what runs; the others are
-# timed beside it, built with -DLANES (wider than the registers: lowered by the compiler).
+# cpu_varlen's vector widths (workers/kernels/cpu_vec.h): the native one runs; the others are timed
+# beside it, built with -DLANES (wider than the registers: lowered by the compiler).
 VECTOR_WIDTHS = (4, 8, 16)
+CPU_BACKENDS = ("cpu_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
+LINEAR = "linear layers (epilogues included)"
 
 
-def load_engines(model: str | None, variants: dict[str, dict]) -> tuple[dict[str, Engine], dict[str, str]]:
-    """One CPU Engine per label, each loaded with its own ``Engine.load`` keyword arguments and run
-    once; a variant this machine cannot run (fp16 without the kernels, say) is left out, with why."""
+def block_name(dtype: str) -> str:
+    """One block per ``--dtype`` and CPU vector extension."""
+    from tokq.host import vector_extension
+
+    return f"tokq bench runtime ({dtype}, {vector_extension()})"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def load_engines(model: str | None, variants: dict[str, dict]):
+    """One CPU Engine per label, loaded with its own ``Engine.load`` arguments and run once; a
+    variant this machine cannot run is left out, with why."""
+    from tokq.workers.engine import Engine
+
     engines, skipped = {}, {}
     for label, kwargs in variants.items():
         try:
@@ -87,18 +77,16 @@ def pack_in_order(ids, budget: int) -> list[PackedBatch]:
             current, num_tokens = [], 0
         current.append(seq)
         num_tokens += len(seq)
-    if current:
-        batches.append(PackedBatch.pack(current))
-    return batches
+    return batches + ([PackedBatch.pack(current)] if current else [])
 
 
 def matmul_peak_flops(size: int = 2048, repeats: int = 3) -> tuple[float, float]:
-    """Median fp32 FLOP/s of a large square matmul through torch.mm (MKL) and through the
-    oneDNN linear the runtime uses (0 when absent): the CPU's practical peaks."""
+    """Median fp32 FLOP/s of a large matmul through torch.mm (MKL) and through the oneDNN linear
+    the runtime uses (0 when absent): the CPU's practical peaks."""
+    from tokq.workers.models.layers import OneDnnLinear, _onednn_works
+
     a, b = torch.randn(size, size), torch.randn(size, size)
-    kernels = [lambda: torch.mm(a, b)]
-    if _onednn_works():
-        kernels.append(lambda: OneDnnLinear()(a, b))
+    kernels = [lambda: torch.mm(a, b)] + ([lambda: OneDnnLinear()(a, b)] if _onednn_works() else [])
     peaks = []
     for kernel in kernels:
         kernel()
@@ -106,39 +94,35 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 3) -> tuple[float, float]
     return peaks[0], (peaks[1] if len(peaks) > 1 else 0.0)
 
 
-def linear_calls(engine: Engine, num_tokens: int = 1024) -> list[tuple]:
-    """(x, weight, bias) for every 2-d weight of every layer: the model's linear layers, each
-    on a ``num_tokens``-row input in the engine's dtype."""
-    gen = torch.Generator().manual_seed(0)
-    calls = []
+def linear_calls(engine, num_tokens: int = 1024) -> list[tuple]:
+    """(x, weight, bias) for every 2-d weight of every layer, on ``num_tokens`` rows in the engine's dtype."""
+    gen, calls = torch.Generator().manual_seed(0), []
     for layer in engine.model.layers:
         for name, weight in vars(layer).items():
             if isinstance(weight, torch.Tensor) and weight.dim() == 2:
                 bias = getattr(layer, name.removesuffix("_weight") + "_bias", None)
-                x = torch.randn(num_tokens, weight.shape[1], generator=gen).to(engine.dtype)
-                calls.append((x, weight, bias))
+                calls.append((torch.randn(num_tokens, weight.shape[1], generator=gen).to(engine.dtype), weight, bias))
     return calls
 
 
-def linear_only_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: int = 5) -> float:
-    """Tokens/s of the model's linear layers alone (``linear_calls``, through the engine's own
-    kernels): the ceiling the whole forward is measured against."""
-    linear, calls = engine.model.linear, linear_calls(engine, num_tokens)
-
+def _tokens_per_s(calls: list[tuple[Callable, tuple]], num_tokens: int, repeats: int) -> float:
     @torch.inference_mode()
     def run() -> None:
-        for x, weight, bias in calls:
-            linear(x, weight, bias)
-
+        for fn, args in calls:
+            fn(*args)
     run()
     return num_tokens / statistics.median(timed(run) for _ in range(repeats))
 
 
-def forward_linear_calls(engine: Engine, num_tokens: int = 1024) -> list[tuple[Callable, tuple]]:
-    """The forward's own linear calls, in order and through its own kernel methods, i.e. with
-    the epilogues it fuses into them (activation; the residual add, unless the model's C norms
-    do it: workers/kernels/cpu_norm.py), recorded over one small batch
-    and given ``num_tokens``-row random inputs in the engine's dtype."""
+def linear_only_tokens_per_s(engine, num_tokens: int = 1024, repeats: int = 5) -> float:
+    """Tokens/s of the model's linear layers alone through the engine's kernels: the ceiling."""
+    return _tokens_per_s([(engine.model.linear, c) for c in linear_calls(engine, num_tokens)], num_tokens, repeats)
+
+
+def forward_linear_calls(engine, num_tokens: int = 1024) -> list[tuple[Callable, tuple]]:
+    """The forward's own linear calls, in order and through its own kernel methods (with the
+    epilogues it fuses: activation; the residual add, unless the model's C norms do it), recorded
+    over one small batch and given ``num_tokens``-row random inputs in the engine's dtype."""
     model, gen = engine.model, torch.Generator().manual_seed(0)
     kernel, recorded = model.linear, []
 
@@ -169,34 +153,23 @@ def forward_linear_calls(engine: Engine, num_tokens: int = 1024) -> list[tuple[C
     return recorded
 
 
-def fused_epilogues(engine: Engine) -> str:
+def fused_epilogues(engine) -> str:
     """What the forward fuses into its linear layers, in words ("activation, residual add")."""
     kinds = {getattr(fn, "__name__", "") for fn, _ in forward_linear_calls(engine, num_tokens=1)}
-    words = [word for kind, word in (("act", "activation"), ("add", "residual add")) if kind in kinds]
-    return ", ".join(words) or "none"
+    return ", ".join(w for kind, w in (("act", "activation"), ("add", "residual add")) if kind in kinds) or "none"
 
 
-def forward_linears_tokens_per_s(engine: Engine, num_tokens: int = 1024, repeats: int = 5) -> float:
-    """Tokens/s of ``forward_linear_calls``: the linear layers with the forward's fused
-    epilogues, what the forward would reach if nothing else took any time."""
-    calls = forward_linear_calls(engine, num_tokens)
-
-    @torch.inference_mode()
-    def run() -> None:
-        for fn, args in calls:
-            fn(*args)
-
-    run()
-    return num_tokens / statistics.median(timed(run) for _ in range(repeats))
+def forward_linears_tokens_per_s(engine, num_tokens: int = 1024, repeats: int = 5) -> float:
+    """Tokens/s of the forward's linear calls with their epilogues: the most the forward reaches."""
+    return _tokens_per_s(forward_linear_calls(engine, num_tokens), num_tokens, repeats)
 
 
-def time_split(engine: Engine, batches: list[PackedBatch]) -> dict[str, float]:
-    """Seconds the forwards over ``batches`` spend in the linear calls (their fused epilogues
-    included), in attention (plans built at the first layer included), and in everything else
-    (embedding, norms, layout, pooling), timed by wrapping the engine's own linear kernel and
-    attention function: the forward's time by part, without the profiler's overhead."""
+def time_split(engine, batches: list[PackedBatch]) -> dict[str, float]:
+    """Seconds the forwards over ``batches`` spend in the linear calls (epilogues included), in
+    attention, and in everything else, timed by wrapping the engine's own linear kernel and
+    attention function (no profiler overhead)."""
     model, kernel, attend = engine.model, engine.model.linear, engine._attend
-    spent = {"linear layers (epilogues included)": 0.0, "attention": 0.0}
+    spent = {LINEAR: 0.0, "attention": 0.0}
 
     def clocked(part: str, fn: Callable) -> Callable:
         def run(*args, **kwargs):
@@ -209,9 +182,7 @@ def time_split(engine: Engine, batches: list[PackedBatch]) -> dict[str, float]:
 
     class ClockedLinear:
         name = kernel.name
-        __call__ = staticmethod(clocked("linear layers (epilogues included)", kernel))
-        act = staticmethod(clocked("linear layers (epilogues included)", kernel.act))
-        add = staticmethod(clocked("linear layers (epilogues included)", kernel.add))
+        __call__, act, add = (staticmethod(clocked(LINEAR, f)) for f in (kernel, kernel.act, kernel.add))
 
     model.linear, engine._attend = ClockedLinear(), clocked("attention", attend)
     try:
@@ -221,10 +192,9 @@ def time_split(engine: Engine, batches: list[PackedBatch]) -> dict[str, float]:
     return {**spent, "everything else (embedding, norms, layout, pooling)": total - sum(spent.values())}
 
 
-def op_table(engine: Engine, batches: list[PackedBatch], row_limit: int = 14) -> str:
-    """The torch profiler's per-op table (self CPU time) over ``batches``' forwards. The C
-    kernels (workers/cpu_*.c: attention, LayerNorm, the fp32 linear where picked) are called
-    through ctypes, not as torch ops, so their time is not in it."""
+def op_table(engine, batches: list[PackedBatch], row_limit: int = 14) -> str:
+    """The torch profiler's per-op table (self CPU time); the C kernels run through ctypes, not
+    as torch ops, so their time is not in it."""
     from torch.profiler import ProfilerActivity, profile
 
     for batch in batches[:2]:
@@ -235,20 +205,11 @@ def op_table(engine: Engine, batches: list[PackedBatch], row_limit: int = 14) ->
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
 
 
-def timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-# the CPU attention backends, each measured (the one auto did not pick as a variant)
-CPU_BACKENDS = ("cpu_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
-
-
 @contextlib.contextmanager
 def sdpa_kernel_only():
-    """The sdpa backends without their matmul path for short rows (attention.MATMUL_MAX_SEQLEN):
-    what the forward was before it, for a comparison in the same run."""
+    """The sdpa backends without their matmul path for short rows (attention.MATMUL_MAX_SEQLEN)."""
+    from tokq.workers import attention
+
     saved, attention.MATMUL_MAX_SEQLEN = attention.MATMUL_MAX_SEQLEN, 0
     try:
         yield
@@ -256,25 +217,154 @@ def sdpa_kernel_only():
         attention.MATMUL_MAX_SEQLEN = saved
 
 
-def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: str,
-                           repeats: int = 5, attend: attention.AttendFn | None = None) -> float:
-    """Median ms one layer's attention takes per batch with ``backend`` (random q, k, v of the
-    model's shape; layouts built once, as the engine does per batch); ``attend`` in place of
-    the backend's own function (a variant of it)."""
-    model = engine.model
-    gen = torch.Generator().manual_seed(0)
-    layouts = [build_layout(b, engine.device, backend, causal=model.causal, dtype=engine.dtype)
-               for b in batches]
+def attention_ms_per_layer(engine, batches: list[PackedBatch], backend: str, repeats: int = 5, attend=None) -> float:
+    """Median ms of one layer's attention per batch with ``backend`` (random q, k, v of the model's
+    shape and dtype; layouts built once, as the engine does per batch), or with ``attend``."""
+    from tokq.workers import attention
+    from tokq.workers.layout import build_layout
+
+    model, gen = engine.model, torch.Generator().manual_seed(0)
+    layouts = [build_layout(b, engine.device, backend, causal=model.causal, dtype=engine.dtype) for b in batches]
     qkvs = [torch.randn(b.num_tokens, 3, model.num_heads, model.head_dim, generator=gen).to(engine.dtype)
-            for b in batches]  # the dtype the forward runs attention in
+            for b in batches]
     attend, scale = attend or attention.attend_fn(backend), model.head_dim ** -0.5
 
     def run() -> None:
         for layout, qkv in zip(layouts, qkvs):
             attend(qkv[:, 0], qkv[:, 1], qkv[:, 2], layout, model.causal, scale)
-
     run()
     return 1e3 * statistics.median(timed(run) for _ in range(repeats)) / len(batches)
+
+
+def measure(say, *, num_queries: int, rounds: int, token_budgets: list[int], workload: str | None,
+            model: str | None, dtype: str) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from tokq.host import cpu_name, vector_extension
+    from tokq.model.flops import linear_flops_per_token
+    from tokq.profiling.bench.loadgen import load_queries
+    from tokq.workers import attention
+    from tokq.workers.engine import Engine
+    from tokq.workers.kernels import cpu_attention, cpu_build
+
+    engine = Engine.load(model, device="cpu", dtype=dtype)  # what auto picks
+    # the alternatives auto did not pick, each changing one thing
+    variants = {b: {"dtype": dtype, "attn_backend": b} for b in CPU_BACKENDS if b != engine.attn_backend}
+    variants["F.linear"] = {"dtype": dtype, "linear": "torch"}
+    if engine.dtype != torch.float32:
+        variants["fp32"] = {"dtype": "float32"}
+    engines, skipped = load_engines(model, variants)
+    for label, why in skipped.items():
+        say(f"{label}: not measured ({why})")
+    st = SentenceTransformer(str(engine.info.path), device="cpu")
+    queries, source = load_queries(workload, num_queries, seed=1)
+    texts = [q.text for q in queries[:num_queries]]
+    ids = st.tokenizer(texts, truncation=True, max_length=engine.info.max_length)["input_ids"]
+    num_tokens = sum(len(s) for s in ids)
+    systems: dict[str, Callable[[], object]] = {
+        "st one at a time": lambda: [st.encode([t], batch_size=1) for t in texts],
+        f"st batch {ST_BATCH}": lambda: st.encode(texts, batch_size=ST_BATCH)}
+    flops: dict[str, float] = {}
+    for budget in token_budgets:
+        batches = pack_in_order(ids, budget)
+        systems[f"packed {budget}"] = lambda b=batches: [engine.embed(x) for x in b]
+        flops[f"packed {budget}"] = sum(engine.batch_flops(x) for x in batches)
+    backend_batches = pack_in_order(ids, 1024)
+    backend_flops = sum(engine.batch_flops(x) for x in backend_batches)
+    for label, eng in engines.items():
+        systems[f"packed 1024 {label}"] = lambda e=eng: [e.embed(x) for x in backend_batches]
+        flops[f"packed 1024 {label}"] = backend_flops
+    if engine.dtype != torch.float32 and engine.attn_backend.startswith("sdpa"):
+        def sdpa_only() -> None:
+            with sdpa_kernel_only():
+                [engine.embed(x) for x in backend_batches]
+        systems["packed 1024 SDPA kernel only"], flops["packed 1024 SDPA kernel only"] = sdpa_only, backend_flops
+
+    dot_products = (engine.attn_backend == "cpu_varlen" and engine.dtype == torch.bfloat16
+                    and cpu_attention.bf16_dot_products(engine.model.head_dim))
+    width = f", {cpu_build.vector_lanes('cpu_attention')} floats a vector" if engine.attn_backend == "cpu_varlen" else ""
+    say(f"model {engine.info.name}, {str(engine.dtype).removeprefix('torch.')}, attention {engine.attn_backend}"
+        f"{' (bf16 dot products)' if dot_products else ''}{width}, linear {engine.linear_backend}; torch "
+        f"{torch.__version__}; {cpu_name()} ({vector_extension()}), {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    say(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
+        f"(p50 {np.median([len(s) for s in ids]):.0f}, max {max(len(s) for s in ids)})")
+    for eng in [*engines.values(), engine]:
+        eng.warmup(max(token_budgets))
+    st.encode(texts[:ST_BATCH], batch_size=ST_BATCH)
+
+    # per round: each system timed right after its own peak and limit measurements, so a change in
+    # load from other work moves both; every figure is a median over rounds of per-round values
+    rates, peaks, limits = ({name: [] for name in systems} for _ in range(3))
+    epilogue_shares, splits = [], []  # fused / plain linear layers; packed 1024's time by part
+    num_backend_tokens = sum(batch.num_tokens for batch in backend_batches)
+    for round_index in range(rounds):
+        for name, fn in systems.items():
+            peaks[name].append(matmul_peak_flops())
+            limits[name].append(linear_only_tokens_per_s(engine))
+            rates[name].append(num_tokens / timed(fn))
+        epilogue_shares.append(forward_linears_tokens_per_s(engine) / linear_only_tokens_per_s(engine))
+        limit_s = num_backend_tokens / linear_only_tokens_per_s(engine)
+        splits.append({part: seconds / limit_s for part, seconds in time_split(engine, backend_batches).items()})
+        say(f"round {round_index + 1}/{rounds} done, load average {os.getloadavg()[0]:.1f}")
+    report(say, rates, peaks, flops, num_tokens, linear_flops_per_token(engine.info.config))
+    dtype = str(engine.dtype).removeprefix("torch.")
+    say(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 tokens): "
+        f"{statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")
+    say(f"the same linear layers with the epilogues the forward fuses into them ({fused_epilogues(engine)}): "
+        f"{100 * statistics.median(epilogue_shares):.0f}% of that limit, the most the forward can reach even if "
+        "nothing else took any time")
+    say(f"\n| system | % of the {dtype} linear-layer limit (same kernels, same run) |\n|---|---:|")
+    for name, rate in rates.items():
+        if name.startswith("packed"):
+            say(f"| {name} | {100 * statistics.median(r / lim for r, lim in zip(rate, limits[name])):.0f}% |")
+    parts = {part: statistics.median(split[part] for split in splits) for part in splits[0]}
+    say("\nwhere the packed 1024 forward's time goes, in units of its linear layers' time at the limit (1.00; each "
+        "part timed in the forward, medians over rounds): " + ", ".join(f"{p} {s:.2f}" for p, s in parts.items())
+        + f"; in all {sum(parts.values()):.2f}, i.e. {100 / sum(parts.values()):.0f}% of the limit")
+    say(f"\nthe same by op ({dtype}, torch profiler, self CPU time):\n")
+    say(op_table(engine, backend_batches))
+    attn_ms = {b: attention_ms_per_layer(engine, backend_batches, b) for b in CPU_BACKENDS
+               if attention.unavailable_reason(b, engine.device, engine.dtype) is None}
+    if "cpu_varlen" in attn_ms:
+        native_dp = engine.dtype == torch.bfloat16 and cpu_attention.bf16_dot_products(engine.model.head_dim)
+        # the bf16 dot-product path is built at 16 floats only: narrower builds take fp32 math
+        path = " (fp32-math path)" if native_dp else ""
+        widths = {f"cpu_varlen at {lanes} floats a vector{path}": (f"-DLANES={lanes}",)
+                  for lanes in VECTOR_WIDTHS if lanes != cpu_build.vector_lanes("cpu_attention")}
+        if native_dp:
+            widths["cpu_varlen without bf16 dot products"] = cpu_attention.WITHOUT_DOT_PRODUCTS
+        for label, flags in widths.items():
+            def variant(q, k, v, layout, causal, scale, flags=flags):
+                return cpu_attention.attend(q, k, v, layout.cu_seqlens, causal, scale, extra_flags=flags)
+            attn_ms[label] = attention_ms_per_layer(engine, backend_batches, "cpu_varlen", attend=variant)
+    if engine.dtype != torch.float32:
+        with sdpa_kernel_only():
+            attn_ms["sdpa_packed, SDPA kernel only"] = attention_ms_per_layer(engine, backend_batches, "sdpa_packed")
+    say("\nattention alone, ms per layer per 1,024-token batch: "
+        + ", ".join(f"{backend} {ms:.2f}" for backend, ms in attn_ms.items()))
+
+
+def report(say, rates: dict, peaks: dict, flops: dict, num_tokens: int, per_token: float) -> None:
+    median = lambda values: statistics.median(list(values))  # noqa: E731
+
+    def share(name: str, which: int, flops_per_token: float) -> str:
+        values = [r * flops_per_token / p[which] for r, p in zip(rates[name], peaks[name]) if p[which]]
+        return f"{100 * median(values):.0f}%" if values else "n/a"
+
+    one, batched = rates["st one at a time"], rates[f"st batch {ST_BATCH}"]
+    for which, label in ((0, "torch.mm (MKL)"), (1, "oneDNN linear")):
+        if values := [p[which] for per_system in peaks.values() for p in per_system if p[which]]:
+            say(f"fp32 peak, {label}: {median(values) / 1e9:.0f} GFLOP/s median (min {min(values) / 1e9:.0f}, max "
+                f"{max(values) / 1e9:.0f}); linear-layer limit {median(values) / per_token:,.0f} tokens/s at "
+                f"{per_token / 1e6:.1f} MFLOP/token")
+    say("\n| system | tokens/s | x one-at-a-time | x batch-32 | % linear limit, fp32 mm peak | % linear limit, fp32 "
+        "oneDNN peak | MFU, fp32 oneDNN peak |\n|---|---:|---:|---:|---:|---:|---:|")
+    for name, rate in rates.items():
+        mfu = share(name, 1, flops[name] / num_tokens) if name in flops else ""
+        say(f"| {name} | {median(rate):,.0f} | {median(r / o for r, o in zip(rate, one)):.2f} | "
+            f"{median(r / b for r, b in zip(rate, batched)):.2f} | {share(name, 0, per_token)} | "
+            f"{share(name, 1, per_token)} | {mfu} |")
 
 
 @click.command("runtime")
@@ -289,176 +379,24 @@ def attention_ms_per_layer(engine: Engine, batches: list[PackedBatch], backend: 
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The runtime's dtype (auto: bf16 on CPUs with native bf16, else fp32).")
 @click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's block (e.g. profiling/results/model.md) with the output.")
+              help="Rewrite this file's section (profiling/results/model.md) with the output.")
 def runtime_command(num_queries, rounds, token_budgets, workload, model, threads, dtype, results_md) -> None:
     """Packed (varlen) runtime vs sentence-transformers on the short-query workload."""
+    from tokq.host import vector_extension
+
     if threads:
         torch.set_num_threads(threads)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(_Tee(sys.stdout, out)):
-        measure(num_queries=num_queries, rounds=rounds, token_budgets=[int(b) for b in token_budgets.split(",")],
-                workload=workload, model=model, dtype=dtype)
+    out: list[str] = []
+
+    def say(text: str) -> None:
+        click.echo(text)
+        out.append(text)
+    measure(say, num_queries=num_queries, rounds=rounds, token_budgets=[int(b) for b in token_budgets.split(",")],
+            workload=workload, model=model, dtype=dtype)
     if results_md:
         name = block_name(dtype)
         write_block(results_md, name, block(name, generated_by="tokq bench runtime", lines=[
-            f"## Model runtime, `--dtype {dtype}`, {vector_extension()} CPU: packed forward vs "
-            "sentence-transformers and its own linear-layer limit", "",
-            f"Command: `{command_line()}` ({machine_cores()}: absolute figures move with other "
-            "work; each system is timed right after its own limit and peak measurements).",
-            "", "```", out.getvalue().rstrip(), "```"]))
-
-
-class _Tee:
-    def __init__(self, *streams) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self.streams:
-            stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for stream in self.streams:
-            stream.flush()
-
-
-def measure(*, num_queries: int, rounds: int, token_budgets: list[int], workload: str | None,
-            model: str | None, dtype: str) -> None:
-    from sentence_transformers import SentenceTransformer
-
-    engine = Engine.load(model, device="cpu", dtype=dtype)  # what auto picks
-    # the alternatives auto did not pick, each changing one thing
-    variants = {backend: {"dtype": dtype, "attn_backend": backend}
-                for backend in CPU_BACKENDS if backend != engine.attn_backend}
-    variants["F.linear"] = {"dtype": dtype, "linear": "torch"}
-    if engine.dtype != torch.float32:
-        variants["fp32"] = {"dtype": "float32"}
-    engines, skipped = load_engines(model, variants)
-    for label, why in skipped.items():
-        print(f"{label}: not measured ({why})")
-    st = SentenceTransformer(str(engine.info.path), device="cpu")
-    queries, source = load_queries(workload, num_queries, seed=1)
-    texts = [q.text for q in queries[:num_queries]]
-    ids = st.tokenizer(texts, truncation=True, max_length=engine.info.max_length)["input_ids"]
-    num_tokens = sum(len(s) for s in ids)
-
-    systems: dict[str, Callable[[], None]] = {
-        "st one at a time": lambda: [st.encode([t], batch_size=1) for t in texts],
-        f"st batch {ST_BATCH}": lambda: st.encode(texts, batch_size=ST_BATCH),
-    }
-    flops: dict[str, float] = {}
-    for budget in token_budgets:
-        batches = pack_in_order(ids, budget)
-        systems[f"packed {budget}"] = lambda b=batches: [engine.embed(x) for x in b]
-        flops[f"packed {budget}"] = sum(engine.batch_flops(x) for x in batches)
-    backend_batches = pack_in_order(ids, 1024)
-    for label, eng in engines.items():
-        systems[f"packed 1024 {label}"] = lambda e=eng: [e.embed(x) for x in backend_batches]
-        flops[f"packed 1024 {label}"] = sum(engine.batch_flops(x) for x in backend_batches)
-    if engine.device.type == "cpu" and engine.dtype != torch.float32 and engine.attn_backend.startswith("sdpa"):
-        def sdpa_only() -> None:
-            with sdpa_kernel_only():
-                [engine.embed(x) for x in backend_batches]
-        systems["packed 1024 SDPA kernel only"] = sdpa_only
-        flops["packed 1024 SDPA kernel only"] = sum(engine.batch_flops(x) for x in backend_batches)
-
-    dot_products = (engine.attn_backend == "cpu_varlen" and engine.dtype == torch.bfloat16
-                    and cpu_attention.bf16_dot_products(engine.model.head_dim))
-    width = (f", {cpu_build.vector_lanes('cpu_attention')} floats a vector"
-             if engine.attn_backend == "cpu_varlen" else "")
-    print(f"model {engine.info.name}, {str(engine.dtype).removeprefix('torch.')}, attention "
-          f"{engine.attn_backend}{' (bf16 dot products)' if dot_products else ''}{width}, "
-          f"linear {engine.linear_backend}; "
-          f"torch {torch.__version__}; {cpu_name()} ({vector_extension()}), "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"workload: {source}: {len(texts)} queries, {num_tokens} tokens "
-          f"(p50 {np.median([len(s) for s in ids]):.0f}, max {max(len(s) for s in ids)})")
-    for name, eng in engines.items():
-        eng.warmup(max(token_budgets))
-    engine.warmup(max(token_budgets))
-    st.encode(texts[:ST_BATCH], batch_size=ST_BATCH)
-
-    # per round: each system timed right after its own peak measurement, so a change in load
-    # from other work moves both; every figure is a median over rounds of per-round values
-    rates: dict[str, list[float]] = {name: [] for name in systems}
-    peaks: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
-    limits: dict[str, list[float]] = {name: [] for name in systems}  # linear layers alone
-    epilogue_shares: list[float] = []  # linear layers with the forward's fused epilogues / alone
-    splits: list[dict[str, float]] = []  # packed 1024's time by part, over the limit's time
-    num_backend_tokens = sum(batch.num_tokens for batch in backend_batches)
-    for round_index in range(rounds):
-        for name, fn in systems.items():
-            peaks[name].append(matmul_peak_flops())
-            limits[name].append(linear_only_tokens_per_s(engine))
-            rates[name].append(num_tokens / timed(fn))
-        epilogue_shares.append(forward_linears_tokens_per_s(engine) / linear_only_tokens_per_s(engine))
-        limit_s = num_backend_tokens / linear_only_tokens_per_s(engine)
-        splits.append({part: seconds / limit_s for part, seconds in time_split(engine, backend_batches).items()})
-        print(f"round {round_index + 1}/{rounds} done, load average {os.getloadavg()[0]:.1f}")
-    report(rates, peaks, flops, num_tokens, linear_flops_per_token(engine.info.config))
-    dtype = str(engine.dtype).removeprefix("torch.")
-    print(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 "
-          f"tokens): {statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")
-    print(f"the same linear layers with the epilogues the forward fuses into them "
-          f"({fused_epilogues(engine)}): {100 * statistics.median(epilogue_shares):.0f}% of that "
-          "limit, the most the forward can reach even if nothing else took any time")
-    print(f"\n| system | % of the {dtype} linear-layer limit (same kernels, same run) |\n|---|---:|")
-    for name, rate in rates.items():
-        if name.startswith("packed"):
-            share = statistics.median(r / lim for r, lim in zip(rate, limits[name]))
-            print(f"| {name} | {100 * share:.0f}% |")
-    parts = {part: statistics.median(split[part] for split in splits) for part in splits[0]}
-    print("\nwhere the packed 1024 forward's time goes, in units of its linear layers' time at the "
-          "limit (1.00; each part timed in the forward, medians over rounds): "
-          + ", ".join(f"{part} {share:.2f}" for part, share in parts.items())
-          + f"; in all {sum(parts.values()):.2f}, i.e. {100 / sum(parts.values()):.0f}% of the limit")
-    print(f"\nthe same by op ({dtype}, torch profiler, self CPU time):\n")
-    print(op_table(engine, backend_batches))
-    attn_ms = {backend: attention_ms_per_layer(engine, backend_batches, backend)
-               for backend in CPU_BACKENDS if attention.unavailable_reason(
-                   backend, engine.device, engine.dtype) is None}
-    if "cpu_varlen" in attn_ms:
-        native_dp = engine.dtype == torch.bfloat16 and cpu_attention.bf16_dot_products(engine.model.head_dim)
-        # the bf16 dot-product path is built at 16 floats only: narrower builds take fp32 math
-        path = " (fp32-math path)" if native_dp else ""
-        variants = {f"cpu_varlen at {lanes} floats a vector{path}": (f"-DLANES={lanes}",)
-                    for lanes in VECTOR_WIDTHS if lanes != cpu_build.vector_lanes("cpu_attention")}
-        if native_dp:
-            variants["cpu_varlen without bf16 dot products"] = cpu_attention.WITHOUT_DOT_PRODUCTS
-        for label, flags in variants.items():
-            def variant(q, k, v, layout, causal, scale, flags=flags):
-                return cpu_attention.attend(q, k, v, layout.cu_seqlens, causal, scale, extra_flags=flags)
-            attn_ms[label] = attention_ms_per_layer(engine, backend_batches, "cpu_varlen", attend=variant)
-    if engine.dtype != torch.float32:
-        with sdpa_kernel_only():
-            attn_ms["sdpa_packed, SDPA kernel only"] = attention_ms_per_layer(
-                engine, backend_batches, "sdpa_packed")
-    print("\nattention alone, ms per layer per 1,024-token batch: "
-          + ", ".join(f"{backend} {ms:.2f}" for backend, ms in attn_ms.items()))
-
-
-def report(rates: dict[str, list[float]], peaks: dict[str, list[tuple[float, float]]],
-           flops: dict[str, float], num_tokens: int, per_token: float) -> None:
-    """Every figure is a median over rounds of per-round values."""
-    def median_of(values) -> float:
-        return statistics.median(list(values))
-
-    def share(name: str, which: int, flops_per_token: float) -> str:
-        values = [r * flops_per_token / p[which] for r, p in zip(rates[name], peaks[name]) if p[which]]
-        return f"{100 * median_of(values):.0f}%" if values else "n/a"
-
-    one, batched = rates["st one at a time"], rates[f"st batch {ST_BATCH}"]
-    for which, label in ((0, "torch.mm (MKL)"), (1, "oneDNN linear")):
-        values = [p[which] for per_system in peaks.values() for p in per_system if p[which]]
-        if values:
-            print(f"fp32 peak, {label}: {median_of(values) / 1e9:.0f} GFLOP/s median "
-                  f"(min {min(values) / 1e9:.0f}, max {max(values) / 1e9:.0f}); linear-layer limit "
-                  f"{median_of(values) / per_token:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token")
-    print("\n| system | tokens/s | x one-at-a-time | x batch-32 | % linear limit, fp32 mm peak "
-          "| % linear limit, fp32 oneDNN peak | MFU, fp32 oneDNN peak |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, rate in rates.items():
-        mfu = share(name, 1, flops[name] / num_tokens) if name in flops else ""
-        print(f"| {name} | {median_of(rate):,.0f} | {median_of(r / o for r, o in zip(rate, one)):.2f} | "
-              f"{median_of(r / b for r, b in zip(rate, batched)):.2f} | {share(name, 0, per_token)} | "
-              f"{share(name, 1, per_token)} | {mfu} |")
+            f"## Model runtime, `--dtype {dtype}`, {vector_extension()} CPU: packed forward vs sentence-transformers "
+            "and its own linear-layer limit", "",
+            f"Command: `{command_line()}` ({machine_cores()}: absolute figures move with other work; each system is "
+            "timed right after its own limit and peak measurements).", "", "```", "\n".join(out).rstrip(), "```"]))

@@ -15,7 +15,7 @@ import click
 
 from tokq.config import ATTN_BACKENDS, DTYPES, ConfigError, WorkerConfig, env_var, load
 from tokq.latency_goal import DEFAULT_SLO_P99_MS
-from tokq.profiling.profile.numbers import plain
+from tokq.profiling.profile.knee import plain
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -18,11 +18,17 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tokq.latency_goal import DEFAULT_SLO_P99_MS, max_forward_ms
-from tokq.profiling.profile.numbers import plain
 
 NUM_BREAK_CANDIDATES = 600
 # A rise smaller than this fraction of the flat latency (or than 3x the fit's noise) is no knee.
 MIN_RISE_FRACTION = 0.10
+
+
+def plain(value: float, digits: int = 4) -> str:
+    """``value`` to ``digits`` significant figures with thousands separators: 0.93 -> '0.93', but
+    10000 -> '10,000' where ``:g`` alone writes '1e+04' (tiny values keep their e-notation)."""
+    text = f"{value:,.{digits}g}"
+    return f"{value:,.0f}" if "e+" in text else text
 
 
 @dataclass(frozen=True)

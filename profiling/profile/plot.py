@@ -16,8 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tokq.profiling.profile.knee import KneeFit  # noqa: E402
-from tokq.profiling.profile.numbers import plain  # noqa: E402
+from tokq.profiling.profile.knee import KneeFit, plain  # noqa: E402
 
 
 def _fit_from(report: dict) -> KneeFit | None:

@@ -13,8 +13,7 @@ import numpy as np
 
 from tokq.host import cpu_name
 from tokq.latency_goal import DEFAULT_SLO_P99_MS, max_forward_ms
-from tokq.profiling.profile.knee import KneeFit, Recommendation, fit_knee, recommend_budget
-from tokq.profiling.profile.numbers import plain
+from tokq.profiling.profile.knee import KneeFit, Recommendation, fit_knee, plain, recommend_budget
 from tokq.profiling.profile.sweep import Point, SweepConfig, sweep, timer_for
 from tokq.profiling.profile.batches import BatchMaker, shared_prompt_ids, token_ids_for
 from tokq.profiling.workload import Query, describe

@@ -1,33 +1,25 @@
-"""The systems `tokq bench service` measures, each started as its own processes exactly as an operator
-would (`tokq up` for tokq, `python -m tokq.profiling.bench.baselines` for a baseline), the gRPC
-sender the load generator drives them with, and the per-batch figures read from tokq's worker
-(its Prometheus page) and queue (Redis counters) around each run."""
+"""The systems `tokq bench service` measures, each started as its own processes as an operator would
+(`tokq up` for tokq, `python -m tokq.profiling.bench.baselines` for a baseline, `infinity_emb`), the
+senders the load generator drives them with, and tokq's per-batch figures (worker metrics, queue
+counters) read around each run."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import json
-import os
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import redis
-
 from tokq.client import AsyncClient, TokqError
-from tokq.processes import wait_for_health
-from tokq.queue.keys import QueueKeys
-from tokq.processes import stop_all
+from tokq.profiling import harness
 from tokq.profiling.bench.loadgen import Reply
 from tokq.profiling.bench.proc_cpu import children, cmdline, descendants
-from tokq.redis.embedded import EmbeddedRedis, free_port, free_port_block
 
-START_TIMEOUT_S = 180
+MODEL = "all-MiniLM-L6-v2"  # the name the baselines and Infinity serve
 
 
 @dataclass(frozen=True)
@@ -46,10 +38,8 @@ class SystemSpec:
     gateway_procs: int = 0  # tokq: gateway processes (`tokq up --gateway-procs`; 0: its own choice)
 
     def label(self, budget: int = 0, source: str = "") -> str:
-        """The name; a tokq system at the worker's own budget names ``{budget}`` in it, filled in
-        with the budget its worker serves at once it has started (and fitted it)."""
-        served = (f"budget {budget}" + (", fitted at start" if source == "fitted" else "")
-                  if budget else "its own budget")
+        """The name; ``{budget}`` in it becomes the budget the worker serves at once started."""
+        served = f"budget {budget}" + (", fitted at start" if source == "fitted" else "") if budget else "its own budget"
         return self.name.replace("{budget}", served)
 
     def describe(self) -> dict:
@@ -60,14 +50,12 @@ class SystemSpec:
 
 
 class GrpcSender:
-    """One Embed call per request through tokq's own client (tokq.AsyncClient): ``connections``
-    connections, each call to the gateway process with the fewest in flight. One channel would
-    send every call down one connection, so `tokq up --gateway-procs N` would serve them all from
-    one process (SO_REUSEPORT spreads connections, not calls). Errors come back as status names."""
+    """One Embed call per request through tokq.AsyncClient over ``connections`` connections, each
+    call to the gateway process with the fewest in flight (one channel would send every call down
+    one connection, to one process of `tokq up --gateway-procs N`). Errors come back as status names."""
 
     def __init__(self, target: str, timeout_s: float, connections: int = 4) -> None:
-        self._client = AsyncClient(target, connections=connections)
-        self.timeout_s = timeout_s
+        self._client, self.timeout_s = AsyncClient(target, connections=connections), timeout_s
 
     async def __call__(self, texts) -> Reply:
         try:
@@ -88,33 +76,30 @@ class HttpSender:
         import httpx2
 
         self._httpx = httpx2
-        # httpx's timeouts are per phase (pool, connect, read); the deadline is enforced whole below.
+        # httpx's timeouts are per phase; the deadline is enforced whole below.
         self._client = httpx2.AsyncClient(base_url=base_url, timeout=timeout_s + 1,
                                           limits=httpx2.Limits(max_connections=256, max_keepalive_connections=256))
-        self.model = model
-        self.timeout_s = timeout_s
+        self.model, self.timeout_s = model, timeout_s
 
     async def __call__(self, texts) -> Reply:
-        body = {"model": self.model, "input": list(texts)}
         try:
-            resp = await asyncio.wait_for(self._client.post("/embeddings", json=body), self.timeout_s)
+            resp = await asyncio.wait_for(self._client.post("/embeddings", json={"model": self.model,
+                                                                               "input": list(texts)}), self.timeout_s)
         except (TimeoutError, self._httpx.TimeoutException):
             return Reply("DEADLINE_EXCEEDED")
         except self._httpx.TransportError:
             return Reply("UNAVAILABLE")
         if resp.status_code != 200:
             return Reply(f"HTTP_{resp.status_code}")
-        if len(resp.json()["data"]) != len(texts):
-            return Reply("INCOMPLETE")
-        return Reply("OK")
+        return Reply("OK") if len(resp.json()["data"]) == len(texts) else Reply("INCOMPLETE")
 
     async def close(self) -> None:
         await self._client.aclose()
 
 
-async def fetch_vectors(system: "RunningSystem", texts: list[str], timeout_s: float = 60.0):
-    """Each text's vector from ``system``, one single-input request per text (as the load
-    sends them), all in flight at once; float32 [n, dim]."""
+async def fetch_vectors(system: RunningSystem, texts: list[str], timeout_s: float = 60.0):
+    """Each text's vector from ``system``, one single-input request per text (as the load sends
+    them), all in flight at once; float32 [n, dim]."""
     import numpy as np
 
     if system.spec.kind == "infinity":
@@ -122,12 +107,10 @@ async def fetch_vectors(system: "RunningSystem", texts: list[str], timeout_s: fl
 
         async with httpx2.AsyncClient(base_url=f"http://{system.target}", timeout=timeout_s) as client:
             async def one(text: str):
-                resp = await client.post("/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [text]})
+                resp = await client.post("/embeddings", json={"model": MODEL, "input": [text]})
                 resp.raise_for_status()
                 return resp.json()["data"][0]["embedding"]
-
-            rows = await asyncio.gather(*(one(t) for t in texts))
-        return np.asarray(rows, dtype=np.float32)
+            return np.asarray(await asyncio.gather(*(one(t) for t in texts)), dtype=np.float32)
     async with AsyncClient(system.target) as client:
         rows = await asyncio.gather(*(client.embed([t], truncate=True, timeout=timeout_s) for t in texts))
     return np.concatenate(rows).astype(np.float32)
@@ -136,49 +119,34 @@ async def fetch_vectors(system: "RunningSystem", texts: list[str], timeout_s: fl
 def min_cosine(got, want) -> float:
     import numpy as np
 
-    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-    return float(cos.min())
+    return float(((got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))).min())
 
 
-def sender_factory(system: "RunningSystem", timeout_s: float) -> Callable[[], GrpcSender | HttpSender]:
+def sender_factory(system: RunningSystem, timeout_s: float):
     """What makes a sender for ``system``, picklable (a load-generator process makes its own)."""
     if system.spec.kind == "infinity":
-        return functools.partial(HttpSender, f"http://{system.target}", "all-MiniLM-L6-v2", timeout_s)
+        return functools.partial(HttpSender, f"http://{system.target}", MODEL, timeout_s)
     # at least one connection per gateway process, so every process can be reached
     return functools.partial(GrpcSender, system.target, timeout_s, connections=max(4, system.spec.gateway_procs))
 
 
-def make_sender(system: "RunningSystem", timeout_s: float):
-    return sender_factory(system, timeout_s)()
-
-
-def _subcommand(pid: int) -> str:
-    """The tokq subcommand a process runs (`python -m tokq.cli gateway ...`: "gateway")."""
-    args = cmdline(pid)
-    return args[args.index("tokq.cli") + 1] if "tokq.cli" in args[:-1] else ""
-
-
 class RunningSystem:
-    def __init__(self, spec: SystemSpec, target: str, proc: subprocess.Popen,
-                 redis_server: EmbeddedRedis | None = None, metrics_port: int = 0,
-                 queue: str = "all-MiniLM-L6-v2") -> None:
-        self.spec = spec
-        self.queue = queue
-        self.target = target
-        self.proc = proc
-        self.redis_server = redis_server
-        self.metrics_port = metrics_port
-        self.token_budget = 0  # tokq: the budget its worker serves at (its heartbeat says)
-        self.budget_source = ""  # and where it came from (workers/worker.py's budget_source)
+    def __init__(self, spec: SystemSpec, target: str, proc: subprocess.Popen, redis_server=None,
+                 metrics_port: int = 0, queue: str = MODEL) -> None:
+        self.spec, self.target, self.proc, self.queue = spec, target, proc, queue
+        self.redis_server, self.metrics_port = redis_server, metrics_port
+        self.token_budget, self.budget_source = 0, ""  # tokq: what its worker serves at, and why
 
     def process_roles(self) -> dict[str, list[int]]:
-        """The system's processes by role, for their CPU time: tokq's gateway (every process
-        of it), worker(s) and Redis; a baseline's server (with any children)."""
+        """The system's processes by role, for their CPU time: tokq's gateway (every process),
+        worker(s) and Redis; a baseline's server (with any children)."""
         if self.redis_server is None:
             return {"server": [self.proc.pid, *descendants(self.proc.pid)]}
         roles: dict[str, list[int]] = {"gateway": [], "worker": []}
         for child in children(self.proc.pid):  # tokq up's: each with its own processes below it
-            if (role := _subcommand(child)) in roles:
+            args = cmdline(child)
+            role = args[args.index("tokq.cli") + 1] if "tokq.cli" in args[:-1] else ""
+            if role in roles:
                 roles[role] += [child, *descendants(child)]
         return {**roles, "redis": [self.redis_server.pid] if self.redis_server.pid else []}
 
@@ -186,19 +154,32 @@ class RunningSystem:
         """Cumulative batch counters of a tokq deployment (None for a baseline)."""
         if self.redis_server is None:
             return None
-        keys = QueueKeys(self.queue)
+        import redis
+
+        from tokq.queue.keys import QueueKeys
+
         client = redis.Redis.from_url(self.redis_server.url)
         try:
-            counters = {k.decode(): int(v) for k, v in client.hgetall(keys.counters).items()}
-            snap = {"batches_claimed": counters.get("batches", 0),
-                    "items_claimed": counters.get("claimed", 0)}
+            counters = {k.decode(): int(v) for k, v in client.hgetall(QueueKeys(self.queue).counters).items()}
         finally:
             client.close()
-        # worker 0's port comes after the gateway processes' (tokq up's layout)
-        snap.update(_worker_metrics(self.metrics_port + self.spec.gateway_procs) if self.metrics_port else {})
+        snap = {"batches_claimed": counters.get("batches", 0), "items_claimed": counters.get("claimed", 0)}
+        # worker 0's metrics port comes after the gateway processes' (tokq up's layout)
+        url = f"http://127.0.0.1:{self.metrics_port + self.spec.gateway_procs}/metrics"
+        names = {"forward_tokens": "tokq_worker_forward_tokens_total", "fill_sum": "tokq_worker_batch_fill_ratio_sum",
+                 "fill_count": "tokq_worker_batch_fill_ratio_count",
+                 "forward_s": "tokq_worker_forward_duration_seconds_sum",
+                 "forward_count": "tokq_worker_forward_duration_seconds_count"}
+        try:
+            values = harness.metrics(url, *names.values()) if self.metrics_port else {}
+            snap.update({key: values[name] for key, name in names.items() if name in values})
+        except OSError:
+            pass
         return snap
 
     def close(self) -> None:
+        from tokq.processes import stop_all
+
         stop_all([self.proc], timeout_s=30)
         if self.redis_server:
             self.redis_server.close()
@@ -209,81 +190,28 @@ def batch_stats(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    batches = d.get("batches_claimed", 0)
-    if batches <= 0:
+    if (batches := d.get("batches_claimed", 0)) <= 0:
         return {"num_batches": 0}
     stats = {"num_batches": batches, "items_per_batch": round(d["items_claimed"] / batches, 2)}
-    if d.get("forward_count", 0) > 0:
-        n = d["forward_count"]
+    if (n := d.get("forward_count", 0)) > 0:
         stats.update(tokens_per_batch=round(d["forward_tokens"] / n, 1),
                      fill_ratio=round(d["fill_sum"] / max(d["fill_count"], 1), 3),
                      forward_ms=round(1000 * d["forward_s"] / n, 2))
     return stats
 
 
-def _worker_metrics(port: int) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-    except OSError:
-        return {}
-    wanted = {"tokq_worker_forward_tokens_total": "forward_tokens",
-              "tokq_worker_batch_fill_ratio_sum": "fill_sum",
-              "tokq_worker_batch_fill_ratio_count": "fill_count",
-              "tokq_worker_forward_duration_seconds_sum": "forward_s",
-              "tokq_worker_forward_duration_seconds_count": "forward_count"}
-    out = dict.fromkeys(wanted.values(), 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:  # summed over workers
-                out[wanted[sample.name]] += sample.value
-    return out
-
-
-def _wait_http_health(target: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{target}: server exited during start-up ({proc.returncode})")
-        try:
-            if urllib.request.urlopen(f"http://{target}/health", timeout=1).status == 200:
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
-
-
-def _wait_worker(redis_url: str, proc: subprocess.Popen, timeout_s: float, queue: str) -> dict:
-    """The worker's first heartbeat's status (it appears after the warm-up and the budget's fit)."""
-    from tokq.up import up_worker_id
-
-    key = QueueKeys(queue).heartbeat(up_worker_id(0, shared=True))  # tokq up on this Redis's URL
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while (status := client.get(key)) is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("tokq worker sent no heartbeat")
-            time.sleep(0.1)
-    finally:
-        client.close()
-    return json.loads(status)
-
-
 def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = None) -> RunningSystem:
-    """Start ``spec`` and return once it serves (for tokq: once its worker has warmed up).
-    ``threads`` > 0 caps the model process's intra-op threads (OMP_NUM_THREADS)."""
+    """Start ``spec`` and return once it serves (tokq: once its worker has warmed up). ``threads`` > 0
+    caps the model process's intra-op threads (OMP_NUM_THREADS)."""
+    from tokq.model.info import ModelInfo, bundled_model_path
+    from tokq.processes import wait_for_health
+    from tokq.redis.embedded import EmbeddedRedis, free_port, free_port_block
+
     port = free_port()
     target = f"127.0.0.1:{port}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    if threads > 0:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    extra = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads > 0 else {}
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    redis_server = None
-    metrics_port = 0
-    model_args = ["--model", spec.model] if spec.model else []
+    redis_server, metrics_port, model_args = None, 0, ["--model", spec.model] if spec.model else []
     if spec.kind == "tokq":
         if not spec.gateway_procs:  # as tokq up chooses, said explicitly: the metrics ports follow from it
             from tokq.up import auto_gateway_procs
@@ -291,49 +219,55 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
             spec = replace(spec, gateway_procs=auto_gateway_procs(spec.device))
         redis_server = EmbeddedRedis().start()
         metrics_port = free_port_block(spec.gateway_procs + 1)  # the gateways', then the worker's
-        if spec.lookahead is not None:
-            env["TOKQ_LOOKAHEAD"] = str(spec.lookahead)
-        env["TOKQ_REDIS_URL"] = redis_server.url  # in the environment: it holds the password
-        args = ["-m", "tokq.cli", "up", "--port", str(port), "--gateway-procs", str(spec.gateway_procs),
-                "--workers", "1", "--device", spec.device, "--metrics-port", str(metrics_port),
-                "--http-port", "0", *model_args]  # gRPC is what it measures; 8080 may be taken
-        if spec.token_budget:
-            args += ["--token-budget", str(spec.token_budget)]
+        extra.update(TOKQ_REDIS_URL=redis_server.url, **({"TOKQ_LOOKAHEAD": str(spec.lookahead)}
+                                                          if spec.lookahead is not None else {}))
+        args = ["-m", "tokq.cli", "up", "--port", str(port), "--gateway-procs", str(spec.gateway_procs), "--workers", "1",
+                "--device", spec.device, "--metrics-port", str(metrics_port), "--http-port", "0", *model_args,
+                *(["--token-budget", str(spec.token_budget)] if spec.token_budget else [])]  # gRPC is what it measures
     elif spec.kind == "infinity":
-        from tokq.model.info import bundled_model_path
-
-        env.update(INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1")
+        extra.update(INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1")
         if log_path:  # the ONNX engine caches its optimized model under the hub cache: keep it here
-            env["HF_HUB_CACHE"] = str(Path(log_path).parent / "hf-cache")
-        # Mean pooling, as the model was trained: Infinity's ONNX engine defaults to CLS pooling
-        # (cosine ~0.5 to the model's real vectors).
-        # Its ONNX engine is given the export as "." from inside it: with optimum-onnx 0.1 it
-        # looks an absolute model.onnx path up as a name inside the directory, and fails.
-        model_dir = "." if spec.engine == "optimum" else str(bundled_model_path())
-        args = ["v2", "--model-id", model_dir, "--served-model-name", "all-MiniLM-L6-v2",
-                "--engine", spec.engine, "--pooling-method", "mean", "--device", "cpu", "--host", "127.0.0.1",
-                "--port", str(port), "--batch-size", str(spec.max_batch_size), "--no-bettertransformer"]
+            extra["HF_HUB_CACHE"] = str(Path(log_path).parent / "hf-cache")
+        # Mean pooling, as the model was trained (Infinity's ONNX engine defaults to CLS pooling). Its
+        # ONNX engine is given the export as "." from inside it: optimum-onnx 0.1 looks an absolute
+        # model.onnx path up as a name inside the directory, and fails.
+        args = ["v2", "--model-id", "." if spec.engine == "optimum" else str(bundled_model_path()),
+                "--served-model-name", MODEL, "--engine", spec.engine, "--pooling-method", "mean", "--device", "cpu",
+                "--host", "127.0.0.1", "--port", str(port), "--batch-size", str(spec.max_batch_size),
+                "--no-bettertransformer"]
     else:
         args = ["-m", "tokq.profiling.bench.baselines", "--kind", spec.kind, "--port", str(port), "--device", spec.device,
-                "--max-batch-size", str(spec.max_batch_size), "--max-wait-ms", str(spec.max_wait_ms), *model_args]
-        if spec.onnx_dir:
-            args += ["--onnx-dir", spec.onnx_dir]
-    program = spec.infinity_bin if spec.kind == "infinity" else sys.executable
-    cwd = spec.onnx_dir if spec.kind == "infinity" and spec.engine == "optimum" else None
-    proc = subprocess.Popen([program, *args], env=env, stdout=log, stderr=log, cwd=cwd)
-    from tokq.model.info import ModelInfo
-
+                "--max-batch-size", str(spec.max_batch_size), "--max-wait-ms", str(spec.max_wait_ms), *model_args,
+                *(["--onnx-dir", spec.onnx_dir] if spec.onnx_dir else [])]
+    proc = subprocess.Popen([spec.infinity_bin if spec.kind == "infinity" else sys.executable, *args],
+                            env=harness.env(**extra), stdout=log, stderr=log,
+                            cwd=spec.onnx_dir if spec.kind == "infinity" and spec.engine == "optimum" else None)
     queue = ModelInfo.load(spec.model or None).queue_name
     system = RunningSystem(spec, target, proc, redis_server, metrics_port, queue)
     try:
         if spec.kind == "infinity":
-            _wait_http_health(target, proc, START_TIMEOUT_S)
+            def serving() -> bool:
+                try:
+                    return urllib.request.urlopen(f"http://{target}/health", timeout=1).status == 200
+                except OSError:
+                    return False
+            harness.wait_until(serving, f"{target} serving", [proc], poll_s=0.3)
         else:
-            wait_for_health(target, [proc], START_TIMEOUT_S)
-        if redis_server:
-            status = _wait_worker(redis_server.url, proc, START_TIMEOUT_S, queue)
-            system.token_budget = int(status["token_budget"])
-            system.budget_source = status.get("budget_source", "")
+            wait_for_health(target, [proc], harness.START_TIMEOUT_S)
+        if redis_server:  # the worker's first heartbeat comes after its warm-up and its budget's fit
+            import redis
+
+            from tokq.queue.keys import QueueKeys
+            from tokq.up import up_worker_id
+
+            client = redis.Redis.from_url(redis_server.url)
+            key = QueueKeys(queue).heartbeat(up_worker_id(0, shared=True))  # tokq up on this Redis's URL
+            try:
+                harness.wait_until(lambda: client.exists(key), "a tokq worker heartbeat", [proc], poll_s=0.1)
+                status = json.loads(client.get(key))
+            finally:
+                client.close()
+            system.token_budget, system.budget_source = int(status["token_budget"]), status.get("budget_source", "")
     except BaseException:
         system.close()
         raise
