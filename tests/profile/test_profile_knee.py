@@ -181,7 +181,7 @@ def test_throughput_saturation_is_the_first_batch_near_the_peak():
                                                  (12_345.6, 4, "12,346"), (1e9, 4, "1,000,000,000"),
                                                  (1500.0, 3, "1,500"), (1.26, 3, "1.26"), (1e-6, 4, "1e-06")])
 def test_numbers_print_plainly(value, digits, text):
-    from tokq.profiling.profile.numbers import plain
+    from tokq.profiling.profile.knee import plain
 
     assert plain(value, digits) == text
 
