@@ -36,7 +36,7 @@ test-fast: install
 
 # Queue semantics again against another Redis server binary (CI: Debian's redis-server):
 # tests/queue/, and the claim-rule tests still at tests/ top.
-QUEUE_TESTS := tests/queue $(wildcard tests/test_queue_*.py tests/test_claim_*.py)
+QUEUE_TESTS := tests/queue
 test-queue: install
 	TOKQ_TEST_REDIS_SERVER=$(REDIS_SERVER) $(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadfile $(QUEUE_TESTS)
 

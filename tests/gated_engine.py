@@ -1,4 +1,4 @@
-"""The real engine behind gates the worker tests open (tests/test_worker_preempt.py,
+"""The real engine behind gates the worker tests open (tests/worker/test_light_work_preempts_heavy_forward.py,
 tests/cluster/test_worker_registers_on_every_shard.py): the order of a heavy forward and what
 runs beside it is forced with events, never by timing."""
 

@@ -1,6 +1,6 @@
 """A backlog becomes full batches, and the lanes' latency bounds hold: one worker simulated on
 the claim rule's reference (tokq/queue/claim_rule.py), deterministic, no Redis (the Lua script
-equals the reference: tests/test_queue_claim_rule.py).
+equals the reference: tests/queue/test_claim_rule_lua_matches_python.py).
 
 The worker model follows workers/worker.py: a claim reads both lanes; a heavy batch
 (``is_heavy_batch``) runs light-only claims nested at its checkpoints (5 steps x 6 layers)

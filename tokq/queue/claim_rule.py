@@ -1,7 +1,7 @@
 """The batch-claim rule in plain Python: the reference ``lua/claim.lua`` must agree with.
 
 Kept beside the queue client so the rule can be read, reasoned about and property-tested
-(``tests/test_queue_claim_rule.py`` runs both on random queues) without reading Lua.
+(``tests/queue/test_claim_rule_lua_matches_python.py`` runs both on random queues) without reading Lua.
 
 Two lanes: ``pending`` (light) holds requests of at most ``QueueConfig.light_tokens`` tokens,
 ``heavy`` the larger ones and every redone item. Within a lane: FIFO, bounded lookahead.

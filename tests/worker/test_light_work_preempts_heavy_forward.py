@@ -266,7 +266,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("twice")), 60, "the first heartbeat")
 
         if race:
-            real_mark = worker.queue.mark_preemptible
+            real_mark = worker.queue.consumer.mark_preemptible
             sent = False
 
             async def mark_then_notice(preemptible: bool) -> None:
@@ -279,7 +279,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                     async def notice_read():
                         return worker._preemptible.notices == 1
                     await wait_for(notice_read, 30, "the worker to read light1's notice")
-            monkeypatch.setattr(worker.queue, "mark_preemptible", mark_then_notice)
+            monkeypatch.setattr(worker.queue.consumer, "mark_preemptible", mark_then_notice)
 
         await enqueue_ids(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
@@ -327,7 +327,7 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
         exits: list[int] = []
         worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="passed-over",
                         exit_process=exits.append)
-        real_mark = worker.queue.mark_preemptible
+        real_mark = worker.queue.consumer.mark_preemptible
         stolen = []
 
         async def mark_then_lose_the_work(preemptible: bool) -> None:
@@ -342,7 +342,7 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
                 claim = await client.claim(512, lanes="light")
                 stolen.append(claim)
                 await client.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-        monkeypatch.setattr(worker.queue, "mark_preemptible", mark_then_lose_the_work)
+        monkeypatch.setattr(worker.queue.consumer, "mark_preemptible", mark_then_lose_the_work)
 
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("passed-over")), 60, "the first heartbeat")
@@ -554,7 +554,7 @@ async def test_a_light_backlog_beside_a_heavy_forward_goes_in_one_full_batch_not
                         observer=metrics, exit_process=exits.append)
         light_claims_may_run = asyncio.Event()
         light_answers: list = []
-        real_claim = worker.queue.claim
+        real_claim = worker.queue.consumer.claim
 
         async def gated_claim(token_budget, **kwargs):
             if kwargs.get("lanes") == "light":
@@ -563,7 +563,7 @@ async def test_a_light_backlog_beside_a_heavy_forward_goes_in_one_full_batch_not
                 light_answers.append(answer)
                 return answer
             return await real_claim(token_budget, **kwargs)
-        monkeypatch.setattr(worker.queue, "claim", gated_claim)
+        monkeypatch.setattr(worker.queue.consumer, "claim", gated_claim)
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("backlog")), 60, "the first heartbeat")
         await enqueue_ids(client, "heavy", heavy_ids)
