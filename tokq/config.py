@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 # dtypes a worker can run in; workers/ may narrow this per device.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# attention backends (workers/attention.py BACKENDS, kept equal by tests/test_config.py)
+# attention backends (workers/attention.py BACKENDS, kept equal by tests/cli/test_settings_flags_env_and_ranges.py)
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "cpu_varlen", "sdpa_packed", "sdpa_grouped",
                  "sdpa_loop")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # the gateway's (gateway/event_loop.py)

@@ -3,7 +3,7 @@
     .venv/bin/python deploy/grafana/build.py           # regenerate the committed JSON
     .venv/bin/python deploy/grafana/build.py --check   # exit 1 if the committed JSON is stale
 
-Every query reads only metrics that tokq.metrics defines (tests/test_deploy_grafana.py checks
+Every query reads only metrics that tokq.metrics defines (tests/deploy/test_grafana_dashboards.py checks
 it). Panels pick their Prometheus through the ``datasource`` variable and filter by ``model``,
 so the same JSON works provisioned (deploy/grafana/provisioning) or imported by hand.
 Queue metrics are exported once per model (by one elected gateway process), so they add up
