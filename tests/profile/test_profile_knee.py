@@ -81,7 +81,7 @@ def grid(points_per_doubling: int, lo: float = 16, hi: float = 16384) -> np.ndar
 
 
 def cpu_line_ms(tokens):
-    """all-MiniLM-L6-v2 on this CPU (profiling/RESULTS.md): 2.7 ms per forward + 0.25 ms per token."""
+    """all-MiniLM-L6-v2 on this CPU (profiling/results/model.md): 2.7 ms per forward + 0.25 ms per token."""
     return 2.7 + 0.25 * tokens
 
 
