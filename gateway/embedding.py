@@ -221,8 +221,8 @@ class ServedModel:
             self._enqueuing += 1
             sent = True
             try:
-                await self.queue.enqueue(request_id, items, timeout_ms=timeout_ms,
-                                         gateway_id=self.gateway_id)
+                await self.queue.producer.enqueue(request_id, items, timeout_ms=timeout_ms,
+                                                  gateway_id=self.gateway_id)
                 answered = True
             finally:
                 self._enqueuing -= 1
@@ -235,9 +235,9 @@ class ServedModel:
             finally:
                 timer.cancel()
             if raw is None:  # the notice did not carry the results (large, or a poll found them)
-                raw = await self.queue.collect(request_id)  # safe to repeat: see tokq.queue.shard
+                raw = await self.queue.producer.collect(request_id)  # safe to repeat: see tokq.queue.shard
             else:  # delivered in the notice: Redis drops the reply by itself after a short grace
-                self.queue.forget(request_id)
+                self.queue.producer.forget(request_id)
             collected = True
             if len(raw) < len(items):  # Redis restarted or flushed between notice and collect
                 raise Unavailable("the request's state vanished from Redis; retry it")
@@ -262,7 +262,7 @@ class ServedModel:
 
     async def _cancel_quietly(self, request_id: str, enqueue_answered: bool = True) -> None:
         try:
-            await self.queue.cancel(request_id, enqueue_answered=enqueue_answered)
+            await self.queue.producer.cancel(request_id, enqueue_answered=enqueue_answered)
         except Exception:  # Redis gone: the reply key expires by its TTL anyway
             pass
 
@@ -288,7 +288,7 @@ class ServedModel:
 
     async def describe(self) -> dict:
         """What a client may want to know before calling: limits, prompts, the published budget."""
-        budget = await self.queue.get_budget()
+        budget = await self.queue.shard(0).get_budget()
         return {"model": self.info.name, "dimensions": self.info.hidden_size,
                 "max_input_length": self.info.max_length, "token_budget": budget or 0,
                 "max_inputs": self.config.max_inputs, "prompt_names": sorted(self.info.prompts),

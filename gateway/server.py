@@ -66,7 +66,7 @@ async def _export_queue_stats(queue: ShardedQueue, model: str) -> None:
                     holding = await lock.acquire(blocking=False)
                 await queue.refresh_shard_count()  # shards other gateways still use count too
                 if holding:
-                    stats = await queue.stats()
+                    stats = await queue.stats.read()
                     metrics.observe_queue_stats(stats, model=model)
                     if stats.unreadable_shards != unreadable:  # logged as it changes
                         unreadable = stats.unreadable_shards
@@ -113,12 +113,12 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             raise cfg.ConfigError(f"model {info.name!r} is served twice: give each --model its "
                                   "own --served-model-name")
         queue = ShardedQueue(client, info.queue_name, queue_config)
-        router = ReplyRouter(pubsub_client, client, queue.reply_key,
+        router = ReplyRouter(pubsub_client, client, queue.producer.reply_key,
                              [k.done_channel(gid) for k in queue.shard_keys()],
-                             shard_of=queue.shard_of_request)
+                             shard_of=queue.producer.shard_of_request)
         observer = metrics.GatewayMetrics(info.name, info.task)
-        queue.observe_enqueues = observer.enqueues_sent
-        queue.enqueue_hold_s = config.enqueue_hold_us / 1e6
+        queue.producer.observe_enqueues = observer.enqueues_sent
+        queue.producer.enqueue_hold_s = config.enqueue_hold_us / 1e6
         models[info.name] = ServedModel(info, Tokenizer(info, threads=config.tokenize_threads,
                                                             large_share=config.large_share),
                                         queue, router, config, gid, observer=observer)

@@ -127,7 +127,7 @@ class Registration:
         """Register (``on``) or withdraw; True if a notice was read meanwhile."""
         read, was_maybe = self.notices, self.maybe
         try:
-            await getattr(self.queue, f"mark_{self.kind}")(on)
+            await getattr(self.queue.consumer, f"mark_{self.kind}")(on)
             # A notice read meanwhile took this worker out of a set: not registered. (Believing
             # itself registered, it would hear no more notices: enqueue.lua tells only the
             # workers in the set.) It may be in a set still: another shard's, or this one's if
@@ -224,7 +224,7 @@ class Worker:
             await cancel_and_wait(chores)  # again until they end: tokq/tasks.py
             await self._notices.aclose()
             with contextlib.suppress(Exception):
-                await self.queue.forget_worker(self.worker_id)
+                await self.queue.consumer.forget_worker(self.worker_id)
 
     async def _loop(self, burst: bool) -> None:
         next_claim: asyncio.Task | None = asyncio.create_task(self._claim())
@@ -346,7 +346,7 @@ class Worker:
     async def _ack(self, claim: Claim, outcome: BatchOutcome) -> None:
         for attempt in range(ACK_ATTEMPTS):
             try:
-                await self.queue.ack(claim.batch_id, outcome.results)
+                await self.queue.consumer.ack(claim.batch_id, outcome.results)
                 return
             except _REDIS_ERRORS as exc:
                 log.warning("ack of batch %s failed (%s), attempt %d", claim.batch_id, exc, attempt + 1)
@@ -363,7 +363,7 @@ class Worker:
             # A node that cannot be reached costs only its shards' channels, which the
             # subscriber subscribes again in the background (tokq.redis.pubsub); claims still
             # happen every IDLE_FALLBACK_S meanwhile.
-            await self._notices.subscribe(*self.queue.work_channels(), *self.queue.owner_channels())
+            await self._notices.subscribe(*self.queue.consumer.work_channels(), *self.queue.consumer.owner_channels())
             self._subscribed = True
         except _REDIS_ERRORS as exc:
             log.warning("work-notice subscription failed: %s", exc)
@@ -428,8 +428,8 @@ class Worker:
                 return None
         start = time.perf_counter()
         try:
-            claim = await self.queue.claim(token_budget or self.token_budget, lanes=lanes,
-                                           on_stop=getattr(self.observer, "observe_claim_stop", None))
+            claim = await self.queue.consumer.claim(token_budget or self.token_budget, lanes=lanes,
+                                                    on_stop=getattr(self.observer, "observe_claim_stop", None))
         except _REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
             log.warning("claim failed: %s; retrying", exc)
             if self.observer:
@@ -445,7 +445,7 @@ class Worker:
         return claim
 
     async def _drained(self) -> bool:
-        stats = await self.queue.stats()  # a shard it cannot read may still hold work
+        stats = await self.queue.stats.read()  # a shard it cannot read may still hold work
         return not stats.unreadable_shards and stats.queued_entries == 0 and stats.inflight_items == 0
 
     # -- compute (runs in a thread) -----------------------------------------------------------
@@ -485,7 +485,7 @@ class Worker:
         async def renew_one(batch_id: str) -> None:
             # Bounded by the period: a silent node (3 x 5 s on a cluster) must not hold up the
             # next round's renewals on the others past their lease.
-            if not await asyncio.wait_for(self.queue.renew(batch_id), period_s) and batch_id in self._held:
+            if not await asyncio.wait_for(self.queue.consumer.renew(batch_id), period_s) and batch_id in self._held:
                 # Requeued already (we stalled past the lease): another worker may redo it;
                 # our ack still counts once, the first answer wins.
                 log.warning("lease of batch %s expired before it finished", batch_id)
@@ -511,9 +511,9 @@ class Worker:
         period_s = self.queue_config.lease_ms / 2000
 
         def wait_s() -> float:
-            next_ms = self.queue.next_expiry_ms
+            next_ms = self.queue.consumer.next_expiry_ms
             return period_s if next_ms is None else min(period_s, next_ms / 1000 + EXPIRY_SLACK_S)
-        await self._every(wait_s, self.queue.requeue_expired)
+        await self._every(wait_s, self.queue.consumer.requeue_expired)
 
     async def _heartbeat(self) -> None:
         period_ms = self.config.heartbeat_ms
@@ -526,8 +526,8 @@ class Worker:
                 if not self.healthy:
                     return
                 # Times on the Redis clock (in the script): hosts' clocks may disagree.
-                await self.queue.heartbeat(self.worker_id, status, ttl_ms=3 * period_ms,
-                                           forget_after_ms=10 * period_ms)
+                await self.queue.shard(0).heartbeat(self.worker_id, status, ttl_ms=3 * period_ms,
+                                                    forget_after_ms=10 * period_ms)
             if self.observer:
                 self.observer.heartbeat()
                 self.observer.set_budget(self.token_budget)
@@ -550,7 +550,7 @@ class Worker:
             if self.observer:
                 self.observer.observe_error("hung")
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.queue.forget_worker(self.worker_id), timeout=2.0)
+                await asyncio.wait_for(self.queue.consumer.forget_worker(self.worker_id), timeout=2.0)
             if self._reader is not None:  # no read may be in flight on a connection closed under it
                 await cancel_and_wait(self._reader)
             with contextlib.suppress(Exception):  # its owner channels go: leases redone sooner
@@ -589,7 +589,7 @@ class Worker:
             self._idle.registered = False
         if self.config.token_budget:
             return
-        published = await self.queue.get_budget()
+        published = await self.queue.shard(0).get_budget()
         if published is not None and published > 0:
             if published != self.token_budget or self.budget_source != "published":
                 log.info("token budget %d -> %d (published)", self.token_budget, published)

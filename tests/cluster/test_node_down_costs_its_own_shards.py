@@ -185,14 +185,14 @@ async def test_a_failover_fails_its_shards_waiting_calls_at_once_then_serves_the
     owner = [healthy.owner_port(k.done_channel(GATEWAY)) for k in queue.shard_keys()]
     victim = owner[0]
     dead = [i for i in range(SHARDS) if owner[i] == victim]
-    router = ReplyRouter(pubsub, client, queue.reply_key,
+    router = ReplyRouter(pubsub, client, queue.producer.reply_key,
                          [k.done_channel(GATEWAY) for k in queue.shard_keys()],
-                         poll_after_s=3600, shard_of=queue.shard_of_request)
+                         poll_after_s=3600, shard_of=queue.producer.shard_of_request)
     served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), GATEWAY)
     calls: list[asyncio.Task] = []
 
     def call_on(shard: int, text: str) -> asyncio.Task:
-        queue.pick_shard = lambda: shard
+        queue.producer.loads.pick = lambda: shard
         calls.append(asyncio.create_task(served.embed(EmbedInput(texts=[text]), Timer(60))))
         return calls[-1]
 
@@ -244,14 +244,14 @@ async def test_a_dead_node_fails_only_the_calls_on_its_shards(healthy, info, tok
     dead = [i for i in range(SHARDS) if owner[i] == victim]
     alive = [i for i in range(SHARDS) if owner[i] != victim]
     assert alive, owner
-    router = ReplyRouter(pubsub, client, queue.reply_key,
+    router = ReplyRouter(pubsub, client, queue.producer.reply_key,
                          [k.done_channel(GATEWAY) for k in queue.shard_keys()],
-                         poll_after_s=3600, shard_of=queue.shard_of_request)
+                         poll_after_s=3600, shard_of=queue.producer.shard_of_request)
     served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), GATEWAY)
     calls: dict[int, asyncio.Task] = {}
 
     def call_on(shard: int, text: str) -> asyncio.Task:
-        queue.pick_shard = lambda: shard  # this call's shard
+        queue.producer.loads.pick = lambda: shard  # this call's shard
         task = asyncio.create_task(served.embed(EmbedInput(texts=[text]), Timer(60)))
         return task
 
@@ -293,7 +293,7 @@ async def test_a_dead_node_fails_only_the_calls_on_its_shards(healthy, info, tok
         # Left to pick shards itself, the gateway sends new calls to live shards: a dead one is
         # left out once a load read or an enqueue failed to reach it (it was picked as often
         # as any other: its last read load stayed low).
-        del queue.pick_shard
+        del queue.producer.loads.pick
         refused = 0
         for i in range(24):
             before = sum([(await queue.shard(s).stats()).queued_entries for s in alive])
@@ -315,7 +315,7 @@ async def test_a_dead_node_fails_only_the_calls_on_its_shards(healthy, info, tok
         # The stats sum the shards that answer, and name the others.
         leftover = call_on(alive[0], "left queued")
         await wait_for(lambda: queued_on(alive[0]), 20, "an entry queued on a live shard")
-        stats = await queue.stats()
+        stats = await queue.stats.read()
         assert stats.unreadable_shards == tuple(dead) and stats.num_shards == SHARDS
         assert stats.queued_entries == 1
         assert stats.counters["enqueued"] >= len(alive) * 2 + 1
@@ -418,14 +418,14 @@ async def test_a_node_that_stops_answering_is_left_out_of_the_picks_within_a_sec
     victim = owners[0]
     node = next(n for n in healthy.nodes if n.port == victim)
     try:
-        await queue._refresh_loads()
-        assert not any(queue._unreachable)
+        await queue.producer.loads.refresh()
+        assert not any(queue.producer.loads.unreachable)
         os.kill(node.proc.pid, signal.SIGSTOP)
         start = time.monotonic()
-        await asyncio.wait_for(queue._refresh_loads(), 5)
+        await asyncio.wait_for(queue.producer.loads.refresh(), 5)
         assert time.monotonic() - start < 2
-        assert queue._unreachable == [owner == victim for owner in owners]
-        assert queue.pick_shard() != 0
+        assert queue.producer.loads.unreachable == [owner == victim for owner in owners]
+        assert queue.producer.loads.pick() != 0
     finally:
         os.kill(node.proc.pid, signal.SIGCONT)
         await close_client(client)

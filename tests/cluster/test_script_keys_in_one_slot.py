@@ -39,17 +39,17 @@ async def test_every_script_call_stays_in_its_first_key_slot(redis_url):
             runner.run = recording
     try:
         for r in range(6):
-            await q.enqueue(f"r{r}", items(3, 4), timeout_ms=60_000, gateway_id="gw")
-        claim = await q.claim(7)
-        await q.renew(claim.batch_id)
-        await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-        await q.collect(claim.entries[0].request_id)
-        held = await q.claim(7)
+            await q.producer.enqueue(f"r{r}", items(3, 4), timeout_ms=60_000, gateway_id="gw")
+        claim = await q.consumer.claim(7)
+        await q.consumer.renew(claim.batch_id)
+        await q.consumer.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        await q.producer.collect(claim.entries[0].request_id)
+        held = await q.consumer.claim(7)
         clock.advance(5_000)
-        await q.requeue_expired()  # the held batch's lease has expired
-        await q.cancel("r5")
-        await q.stats()
-        await q.heartbeat("w1", {"model": "model-x"}, ttl_ms=1_000, forget_after_ms=10_000)
+        await q.consumer.requeue_expired()  # the held batch's lease has expired
+        await q.producer.cancel("r5")
+        await q.stats.read()
+        await q.shard(0).heartbeat("w1", {"model": "model-x"}, ttl_ms=1_000, forget_after_ms=10_000)
     finally:
         await client.aclose()
     assert {name for name, _, _ in calls} == set(script_names())

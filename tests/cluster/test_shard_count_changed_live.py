@@ -58,14 +58,14 @@ async def test_a_retired_shard_s_work_outlasting_the_horizon_is_still_claimed_an
         await _age_past_the_horizon(gw4, 4)
 
         assert await worker.refresh_shard_count() == 4
-        stats = await worker.stats()
+        stats = await worker.stats.read()
         assert (stats.queued_entries, stats.inflight_items) == (1, 1)
         clock.advance(LEASE_MS + 1)
-        assert await worker.requeue_expired() == (1, 0)
+        assert await worker.consumer.requeue_expired() == (1, 0)
         answered = []
-        while (claim := await worker.claim(100)) is not None:
+        while (claim := await worker.consumer.claim(100)) is not None:
             answered += [e.request_id for e in claim.entries]
-            await worker.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+            await worker.consumer.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         assert sorted(answered) == ["leased", "queued"]
         assert list(await gw4.shard(2).collect("queued")) == [0]
         assert list(await gw4.shard(3).collect("leased")) == [0]
@@ -82,13 +82,13 @@ async def test_the_event_totals_keep_a_retired_shard_s_counts_once_it_is_no_long
         for r in range(3):
             await _enqueue_on(gw4, 3, f"r{r}")
         assert await exporter.refresh_shard_count() == 4
-        claim = await exporter.claim(100)
-        await exporter.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-        before = (await exporter.stats()).counters
+        claim = await exporter.consumer.claim(100)
+        await exporter.consumer.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        before = (await exporter.stats.read()).counters
         assert before["enqueued"] == before["acked"] == 3
         await _age_past_the_horizon(gw4, 4)
         assert await exporter.refresh_shard_count() == 2
-        after = await exporter.stats()
+        after = await exporter.stats.read()
         assert after.num_shards == 2 and after.counters == before
 
 
@@ -98,8 +98,8 @@ async def test_a_worker_leaves_the_wake_up_sets_of_the_shards_it_stops_claiming_
     async with sharded(redis_url, 4) as gw4, sharded(redis_url, 1) as worker:
         await gw4.record_shard_count()
         assert await worker.refresh_shard_count() == 4
-        await worker.mark_idle(True)
-        await worker.mark_preemptible(True)
+        await worker.consumer.mark_idle(True)
+        await worker.consumer.mark_preemptible(True)
         await _age_past_the_horizon(gw4, 4)
         assert await worker.refresh_shard_count() == 1
 

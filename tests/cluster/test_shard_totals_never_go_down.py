@@ -21,25 +21,25 @@ async def test_a_shard_whose_totals_vanish_does_not_pull_the_sum_down(redis_url)
         async def enqueue(first: int, last: int) -> dict[int, int]:
             by_shard = {0: 0, 1: 0}
             for r in range(first, last):
-                await q.enqueue(f"r{r}", items(3), timeout_ms=60_000, gateway_id="gw")
-                by_shard[q.shard_of_request(f"r{r}")] += 1
+                await q.producer.enqueue(f"r{r}", items(3), timeout_ms=60_000, gateway_id="gw")
+                by_shard[q.producer.shard_of_request(f"r{r}")] += 1
             return by_shard
 
         first = await enqueue(0, 20)
         assert min(first.values()) > 0, first  # both shards hold some
-        before = (await q.stats()).counters["enqueued"]
+        before = (await q.stats.read()).counters["enqueued"]
         assert before == 20
         await client.delete(q.shard(1).keys.counters)  # shard 1's node came back empty
-        after_reset = (await q.stats()).counters["enqueued"]
+        after_reset = (await q.stats.read()).counters["enqueued"]
         assert after_reset == 20  # not 20 - shard 1's share
         await enqueue(20, 30)
-        assert (await q.stats()).counters["enqueued"] == 30  # grew by the 10 new events, no more
+        assert (await q.stats.read()).counters["enqueued"] == 30  # grew by the 10 new events, no more
         # a replica 1 write behind took over shard 0: the sum holds (it jumped by shard 0's whole
         # history when a fall was read as a restart from zero)
         await client.hincrby(q.shard(0).keys.counters, "enqueued", -1)
-        assert (await q.stats()).counters["enqueued"] == 30
+        assert (await q.stats.read()).counters["enqueued"] == 30
         await enqueue(30, 34)
-        assert (await q.stats()).counters["enqueued"] == 34
+        assert (await q.stats.read()).counters["enqueued"] == 34
     finally:
         await q.close()
         await client.aclose()

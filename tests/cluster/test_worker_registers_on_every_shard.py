@@ -93,7 +93,7 @@ async def test_woken_through_one_shard_it_leaves_every_shard_s_idle_set_before_i
             sharded(redis_url, engine.info.queue_name) as client:
         worker = _worker(gated, q, exits)
         if answers_lost:
-            monkeypatch.setattr(q, "mark_idle", _answer_lost(q.mark_idle))
+            monkeypatch.setattr(q.consumer, "mark_idle", _answer_lost(q.consumer.mark_idle))
         run = asyncio.create_task(worker.run())
 
         await wait_for(lambda: _in_every_set(q, "idle"), 60, "the worker to register idle on every shard")
@@ -162,7 +162,7 @@ async def test_a_pre_emptible_registration_whose_answer_was_lost_is_withdrawn_wh
     async with sharded(redis_url, engine.info.queue_name) as q, \
             sharded(redis_url, engine.info.queue_name) as client:
         worker = _worker(gated, q, exits)
-        monkeypatch.setattr(q, "mark_preemptible", _answer_lost(q.mark_preemptible))
+        monkeypatch.setattr(q.consumer, "mark_preemptible", _answer_lost(q.consumer.mark_preemptible))
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("sharded")), 60, "the first heartbeat")
         await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
@@ -196,7 +196,7 @@ async def test_a_failed_registration_returns_only_once_every_shard_has_answered(
         q.shard(0).mark_idle = fails
         q.shard(1).mark_idle = slow
         with pytest.raises(RedisConnectionError, match="shard 0"):
-            await q.mark_idle(True)
+            await q.consumer.mark_idle(True)
         assert slow_done.is_set()
 
 
@@ -211,7 +211,7 @@ async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_
     async with sharded(redis_url, engine.info.queue_name, shards=1) as q, \
             sharded(redis_url, engine.info.queue_name, shards=1) as client:
         worker = _worker(gated, q, exits)
-        real_mark = q.mark_idle
+        real_mark = q.consumer.mark_idle
         registrations = 0
 
         async def mark_idle(idle: bool) -> None:
@@ -229,7 +229,7 @@ async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_
                     return worker._idle.notices == 1
                 await wait_for(notice_read, 30, "the worker to read the work's notice")
             await real_mark(idle)
-        monkeypatch.setattr(q, "mark_idle", mark_idle)
+        monkeypatch.setattr(q.consumer, "mark_idle", mark_idle)
         run = asyncio.create_task(worker.run())
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         assert registrations == 2

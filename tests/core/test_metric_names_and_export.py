@@ -94,7 +94,7 @@ def test_queue_stats_export_gauges_and_redis_totals_as_counters():
 
 
 def test_queue_stats_say_what_share_of_the_shards_went_unread():
-    # tokq.queue.sharded.ShardedQueue.stats with one of 4 shards' node down: the gauges sum the other 3
+    # tokq.queue.stats.SummedStats with one of 4 shards' node down: the gauges sum the other 3
     # (tests/cluster/test_node_down_costs_its_own_shards.py), and the ratio says a quarter is
     # missing from them.
     model = _model()

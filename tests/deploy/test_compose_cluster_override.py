@@ -49,10 +49,10 @@ def test_autoscaler_reads_the_queue_gauge_that_sums_every_shard(redis_url):
         q = ShardedQueue(client, "gauge-model", QueueConfig(queue_shards=4))
         try:
             for r in range(12):
-                await q.enqueue(f"r{r}", items(5, 6), timeout_ms=60_000, gateway_id="gw")
-            used = {q.shard_of_request(f"r{r}") for r in range(12)}
+                await q.producer.enqueue(f"r{r}", items(5, 6), timeout_ms=60_000, gateway_id="gw")
+            used = {q.producer.shard_of_request(f"r{r}") for r in range(12)}
             assert len(used) > 1
-            metrics.observe_queue_stats(await q.stats(), model="gauge-model")
+            metrics.observe_queue_stats(await q.stats.read(), model="gauge-model")
         finally:
             await q.close()
             await client.aclose()

@@ -88,7 +88,7 @@ async def test_shutdown_waits_for_the_withdrawals_started_meanwhile_then_cancels
     info = ModelInfo.load()
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
-    router = ReplyRouter(pubsub, client, queue.reply_key,  # never started: no call goes through it
+    router = ReplyRouter(pubsub, client, queue.producer.reply_key,  # never started: no call goes through it
                          [k.done_channel("gw") for k in queue.shard_keys()])
     served = ServedModel(info, Tokenizer(info), queue, router, GatewayConfig(), "gw")
     finished = []

@@ -38,10 +38,10 @@ async def _answer(queue, call: asyncio.Task, vector_size: int) -> None:
     async def claimed():
         nonlocal claim
         assert not call.done(), call.exception()
-        claim = await queue.claim(4096)
+        claim = await queue.consumer.claim(4096)
         return claim is not None
     await wait_for(claimed, 20, "the call's inputs to claim")
-    await queue.ack(claim.batch_id, [
+    await queue.consumer.ack(claim.batch_id, [
         (e, encode_ok(np.full(vector_size, e.index + 1, np.float32), 1.0, 2.0)) for e in claim.entries])
 
 
@@ -54,7 +54,7 @@ async def _call(redis_url, info, tokenizer, texts, vector_size: int, *, listen: 
     channels = [k.done_channel(GATEWAY if listen else "elsewhere") for k in queue.shard_keys()]
     # Listening, the poll is held off: on a loaded machine a poll landing between the answer
     # and its notice collects the results itself, and the notice's delivery goes untested.
-    router = ReplyRouter(pubsub, client, queue.reply_key, channels,
+    router = ReplyRouter(pubsub, client, queue.producer.reply_key, channels,
                          poll_after_s=3600 if listen else 0.05, poll_every_s=0.05)
     await router.start()
     await router.subscribed.wait()
@@ -64,7 +64,7 @@ async def _call(redis_url, info, tokenizer, texts, vector_size: int, *, listen: 
         await _answer(queue, call, vector_size)
         out = await asyncio.wait_for(call, 20)
         collects = sum(queue.shard(i).scripts.calls["collect"] for i in range(queue.num_shards))
-        replies = [k async for k in client.scan_iter(match=queue.reply_key("*"))]
+        replies = [k async for k in client.scan_iter(match=queue.producer.reply_key("*"))]
         return [v.tolist() for v in out.vectors], collects, replies
     finally:
         await router.stop()
@@ -94,7 +94,7 @@ def test_a_missed_notice_is_made_up_for_by_the_poll(redis_url, info, tokenizer):
 
 async def _queued(queue, call: asyncio.Task) -> bool:
     assert not call.done(), call.exception()
-    return (await queue.stats()).queued_entries > 0
+    return (await queue.stats.read()).queued_entries > 0
 
 
 async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_them_unavailable(
@@ -112,7 +112,7 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
     router = None
     try:
         queue = ShardedQueue(client, info.queue_name, QueueConfig())
-        router = ReplyRouter(pubsub, client, queue.reply_key, [k.done_channel(GATEWAY) for k in queue.shard_keys()],
+        router = ReplyRouter(pubsub, client, queue.producer.reply_key, [k.done_channel(GATEWAY) for k in queue.shard_keys()],
                              poll_after_s=3600)
         await router.start()
         await asyncio.wait_for(router.subscribed.wait(), 20)
@@ -137,7 +137,7 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
         with pytest.raises(Unavailable, match="lost the connection to Redis"):
             await asyncio.wait_for(waiting, 5)  # its deadline is 30 s away
         async def withdrawn():  # (after the answer: the withdrawal is not waited for)
-            return (await queue.stats()).counters["cancelled"] == 1
+            return (await queue.stats.read()).counters["cancelled"] == 1
         await wait_for(withdrawn, 10, "the call to be withdrawn")  # claims drop it
     finally:
         if router is not None:
@@ -154,7 +154,7 @@ async def test_a_notice_that_does_not_parse_costs_nothing_but_itself(redis_url, 
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
     channel = queue.shard_keys()[0].done_channel(GATEWAY)
-    router = ReplyRouter(pubsub, client, queue.reply_key,
+    router = ReplyRouter(pubsub, client, queue.producer.reply_key,
                          [k.done_channel(GATEWAY) for k in queue.shard_keys()], poll_after_s=3600)
     await router.start()
 

@@ -145,17 +145,17 @@ async def test_each_shard_pipelines_its_own_enqueues(redis_url):
     try:
         queue = ShardedQueue(client, "m", QueueConfig(queue_shards=4))
         carried = []
-        queue.observe_enqueues = carried.append
+        queue.producer.observe_enqueues = carried.append
         await asyncio.gather(*(queue.shard(i).enqueue(f"w{i}", items(1), timeout_ms=60_000, channel=CHANNEL)
                                for i in range(4)))  # scripts loaded on every node
         carried.clear()
-        results = await asyncio.gather(*(queue.enqueue(f"r{i}", items(i + 1), timeout_ms=60_000, gateway_id="g")
-                                         for i in range(40)))
+        results = await asyncio.gather(*(queue.producer.enqueue(f"r{i}", items(i + 1), timeout_ms=60_000,
+                                                                gateway_id="g") for i in range(40)))
         assert sum(carried) == 40 and len(carried) < 40  # some round trips carried several
-        shards = {queue.shard_of_request(f"r{i}") for i in range(40)}
+        shards = {queue.producer.shard_of_request(f"r{i}") for i in range(40)}
         assert len(carried) <= 2 * len(shards)  # per shard: one alone, then the rest together
         for i, r in enumerate(results):
-            shard = queue.shard(queue.shard_of_request(f"r{i}"))
+            shard = queue.shard(queue.producer.shard_of_request(f"r{i}"))
             assert r.request_id == f"r{i}" and await client.exists(shard.keys.reply(f"r{i}"))
     finally:
         await client.aclose()
@@ -167,7 +167,7 @@ async def test_the_gateway_s_enqueue_hold_reaches_every_shard_made_before_or_aft
         queue = ShardedQueue(client, "m", QueueConfig(queue_shards=4))
         before = queue.shard(0)
         assert before.pipeliner.hold_s == 0  # workers and tests: never hold
-        queue.enqueue_hold_s = 0.002
+        queue.producer.enqueue_hold_s = 0.002
         assert [queue.shard(i).pipeliner.hold_s for i in range(4)] == [0.002] * 4
         assert queue.shard(0) is before
     finally:

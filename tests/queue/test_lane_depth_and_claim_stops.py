@@ -19,7 +19,7 @@ async def test_stats_count_each_lane_entries_and_tokens(redis_url):
         stats = await q.stats()
         assert stats.lanes == {"light": (3, 35), "heavy": (2, 250)}
         assert (stats.queued_entries, stats.queued_tokens) == (5, 285)
-        sharded = await ShardedQueue.of(q).stats()
+        sharded = await ShardedQueue.of(q).stats.read()
         assert sharded.lanes == stats.lanes
 
         metrics.observe_queue_stats(stats, model="lanes-test")

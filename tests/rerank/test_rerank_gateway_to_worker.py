@@ -54,7 +54,7 @@ async def _serve(redis_url, info, tokenizer, engines, request, *, budget=4096, c
     ``budget``); returns (the output or the exception, the claims)."""
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
-    router = ReplyRouter(pubsub, client, queue.reply_key, [k.done_channel("gw-r") for k in queue.shard_keys()])
+    router = ReplyRouter(pubsub, client, queue.producer.reply_key, [k.done_channel("gw-r") for k in queue.shard_keys()])
     await router.start()
     claims = []
     try:
@@ -64,14 +64,14 @@ async def _serve(redis_url, info, tokenizer, engines, request, *, budget=4096, c
         call = asyncio.create_task(rerank(served, request, Timer(60)))
         turn = 0
         while not call.done():
-            claim = await queue.claim(budget)
+            claim = await queue.consumer.claim(budget)
             if claim is None:
                 await asyncio.sleep(0.01)
                 continue
             claims.append(claim)
             outcome = await asyncio.to_thread(workers[turn % len(workers)].run_batch, claim)
             turn += 1
-            await queue.ack(claim.batch_id, outcome.results)
+            await queue.consumer.ack(claim.batch_id, outcome.results)
             await asyncio.sleep(0.01)
         return (call.exception() or call.result()), claims
     finally:

@@ -94,7 +94,7 @@ async def _serve_one_batch(redis_url, info, tokenizer, engine, request: EmbedInp
     """The gateway enqueues the request; the worker's batch code answers it in one claim."""
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
-    router = ReplyRouter(pubsub, client, queue.reply_key,
+    router = ReplyRouter(pubsub, client, queue.producer.reply_key,
                          [k.done_channel("gw-prefix") for k in queue.shard_keys()])
     await router.start()
     try:
@@ -104,10 +104,10 @@ async def _serve_one_batch(redis_url, info, tokenizer, engine, request: EmbedInp
         claim = None
         while claim is None:
             assert not call.done(), call.exception()
-            claim = await queue.claim(4096)
+            claim = await queue.consumer.claim(4096)
             await asyncio.sleep(0.01)
         outcome = await asyncio.to_thread(worker.run_batch, claim)
-        await queue.ack(claim.batch_id, outcome.results)
+        await queue.consumer.ack(claim.batch_id, outcome.results)
         return await call, claim
     finally:
         await router.stop()

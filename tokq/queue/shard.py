@@ -156,7 +156,7 @@ class QueueStats:
     inflight_items: int
     inflight_batches: int
     counters: dict[str, int]
-    num_shards: int = 1  # the shards read (tokq.queue.sharded.ShardedQueue.stats)
+    num_shards: int = 1  # the shards read (tokq.queue.stats)
     # Those whose stats could not be read (their node unreachable): the figures above leave
     # them out, but for their counters' last reading.
     unreadable_shards: tuple[int, ...] = ()
