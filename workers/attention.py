@@ -122,6 +122,13 @@ def _torch_varlen_attend() -> AttendFn:
     return attend
 
 
+def _cpu_varlen_attend(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
+    cu = layout.plans.get("cpu_varlen")  # int64 cu_seqlens, converted once per batch
+    if cu is None:
+        cu = layout.plans["cpu_varlen"] = layout.cu_seqlens.to(torch.int64)
+    return cpu_attention.attend(q, k, v, cu, causal, scale)
+
+
 def attend_fn(backend: str, device: torch.device | str = "cpu") -> AttendFn:
     """``fn(q, k, v, layout, causal, scale) -> [T, Hq, D]`` for a backend name on ``device``.
     The backend's function is imported and its signature read here, once per model."""
@@ -130,8 +137,7 @@ def attend_fn(backend: str, device: torch.device | str = "cpu") -> AttendFn:
     if backend == "torch_varlen":
         return _torch_varlen_attend()
     if backend == "cpu_varlen":
-        return lambda q, k, v, layout, causal, scale: cpu_attention.attend(
-            q, k, v, layout.cu_seqlens, causal, scale)
+        return _cpu_varlen_attend
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}")
     return _sdpa_attend(expand_kv=torch.device(device).type == "cuda")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from tokq.workers.layout import Layout
 
@@ -14,6 +15,8 @@ _MIN_NORM = 1e-12  # an all-zero vector stays zero instead of becoming NaN
 
 def pool(hidden: torch.Tensor, layout: Layout, pooling: str) -> torch.Tensor:
     """fp32 ``[N, hidden]`` in the batch's original sequence order."""
+    if pooling == "mean" and layout.cu_seqlens.shape[0] == 2:  # one sequence: its mean, no scatter
+        return hidden.float().mean(0, keepdim=True)
     cu = layout.cu_seqlens.long()
     if pooling == "mean":
         num_seqs = cu.shape[0] - 1
@@ -33,6 +36,8 @@ def finish(pooled: torch.Tensor, normalize: np.ndarray, dimensions: np.ndarray) 
     """Truncate rows with ``dimensions > 0`` to their first d values (zeros after), then scale
     rows with ``normalize`` to unit norm over what is left; float32 ``[N, hidden]`` on the host."""
     hidden = pooled.shape[1]
+    if np.all(normalize) and not np.any(dimensions):  # the usual request: full vectors, unit length
+        return F.normalize(pooled, dim=1, eps=_MIN_NORM).cpu().numpy()
     device = pooled.device
     dims = torch.from_numpy(np.asarray(dimensions, dtype=np.int64)).to(device)
     dims = torch.where((dims > 0) & (dims < hidden), dims, hidden)

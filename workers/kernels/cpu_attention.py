@@ -63,20 +63,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
            causal: bool, scale: float, *, extra_flags: tuple[str, ...] = ()) -> torch.Tensor:
     """``[T, Hq, D]`` attention of each sequence (``cu_seqlens``) to itself. ``extra_flags``:
     a variant build of the kernel (``WITHOUT_DOT_PRODUCTS``), for comparisons."""
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
+    dtype = q.dtype  # plain comparisons: this runs once a layer, for every forward
+    if ((dtype is not torch.float32 and dtype is not torch.bfloat16) or k.dtype != dtype
+            or v.dtype != dtype):
         raise TypeError(f"cpu_varlen takes float32 or bfloat16 (have {q.dtype})")
-    if any(x.stride(-1) != 1 for x in (q, k, v)):
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("cpu_varlen needs each head's D values contiguous")
-    out = torch.empty(q.shape, dtype=q.dtype)
-    cu = cu_seqlens.to(torch.int64).contiguous()
-    cu_np = cu.numpy()
-    num_seqs = len(cu_np) - 1
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPES[q.dtype],
+    out = torch.empty(q.shape, dtype=dtype)
+    cu = cu_seqlens
+    if cu.dtype is not torch.int64 or not cu.is_contiguous():
+        cu = cu.to(torch.int64).contiguous()
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPES[dtype],
             cu.data_ptr())
     rest = (q.shape[1], k.shape[1], q.shape[2], q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), int(causal), scale)
     threads = torch.get_num_threads()
-    parts = _parts(cu_np, k.shape[1], threads) if threads > 1 else [(0, num_seqs, 0, k.shape[1])]
-    if any(cpu_build.run_parts(_kernel(extra_flags), [(*args, *part, *rest) for part in parts])):
+    kernel = _kernel(extra_flags)
+    if threads > 1:
+        failed = any(cpu_build.run_parts(kernel, [(*args, *part, *rest)
+                                                  for part in _parts(cu.numpy(), k.shape[1], threads)]))
+    else:  # on this thread, no hand-off
+        failed = kernel(*args, 0, cu.shape[0] - 1, 0, k.shape[1], *rest)
+    if failed:
         raise MemoryError("cpu_varlen: no memory for its scratch rows")
     return out

@@ -28,8 +28,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """``F.layer_norm`` of each row of ``x`` ``[T, n]`` (or of ``x + residual``, the sum
     rounded to the dtype as torch's add would); rows may be strided; a contiguous result,
     written over ``x`` with ``in_place`` (x contiguous): no new memory to bring into cache."""
-    inputs = (x, weight, bias) if residual is None else (x, weight, bias, residual)
-    if len({t.dtype for t in inputs}) != 1 or x.dtype not in DTYPES:
+    dtype = x.dtype  # plain comparisons: this runs twice a layer, for every forward
+    if ((dtype is not torch.float32 and dtype is not torch.bfloat16) or weight.dtype != dtype
+            or bias.dtype != dtype or (residual is not None and residual.dtype != dtype)):
+        inputs = (x, weight, bias) if residual is None else (x, weight, bias, residual)
         raise TypeError(f"cpu_norm takes float32 or bfloat16 (have {[t.dtype for t in inputs]})")
     if (x.dim() != 2 or x.stride(1) != 1 or not (weight.is_contiguous() and bias.is_contiguous())
             or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))):
@@ -39,12 +41,16 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
         raise ValueError("cpu_norm writes in place only over contiguous rows")
     fn = cpu_build.function("cpu_norm", "tokq_layer_norm", ARGTYPES)
     rows, n = x.shape
-    out = x if in_place else torch.empty((rows, n), dtype=x.dtype)
+    out = x if in_place else torch.empty((rows, n), dtype=dtype)
     head = (x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-            bias.data_ptr(), out.data_ptr(), DTYPES[x.dtype])
+            bias.data_ptr(), out.data_ptr(), DTYPES[dtype])
     strides = (x.stride(0), 0 if residual is None else residual.stride(0), eps)
-    parts = cpu_build.even(rows, max(1, min(torch.get_num_threads(), rows // ROWS_PER_PART)))
-    cpu_build.run_parts(fn, [(*head, first, last, n, *strides) for first, last in parts])
+    parts = min(torch.get_num_threads(), rows // ROWS_PER_PART)
+    if parts <= 1:  # on this thread, no hand-off
+        fn(*head, 0, rows, n, *strides)
+    else:
+        cpu_build.run_parts(fn, [(*head, first, last, n, *strides)
+                                 for first, last in cpu_build.even(rows, parts)])
     return out
 
 
