@@ -36,8 +36,14 @@ class FakeGateway(pb_grpc.EmbedderServicer):
     fails INTERNAL, UNNAMED is refused without naming it."""
 
     def __init__(self, *, budget: int = 256, max_inputs: int = 64, delay_s: float = 0.0, fail=None,
-                 model: str = "fake-model", prompts: tuple[str, ...] = ("query",)) -> None:
+                 model: str = "fake-model", prompts: tuple[str, ...] = ("query",),
+                 workers: int | None = None, token_s: float = 1e-4) -> None:
+        """``workers``: that many simulated workers, each request holding one for ``token_s``
+        a token; its wait for one is its queue time."""
         self.budget = budget
+        self.workers = threading.Semaphore(workers) if workers else None
+        self.token_s = token_s
+        self.in_flight = self.max_in_flight = 0
         self.max_inputs = max_inputs
         self.delay_s = delay_s
         self.fail = fail
@@ -75,6 +81,19 @@ class FakeGateway(pb_grpc.EmbedderServicer):
                 context.abort(grpc.StatusCode.INTERNAL, "internal error [abcd]; the gateway log has the details")
         if self.delay_s:
             time.sleep(self.delay_s)
+        tokens = sum(tokens_of(t) for t in texts)
+        queue_ms, inference_ms = 1.0, 5.0
+        if self.workers is not None:
+            with self._lock:
+                self.in_flight += tokens
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            t0 = time.perf_counter()
+            with self.workers:
+                t1 = time.perf_counter()
+                time.sleep(tokens * self.token_s)
+            queue_ms, inference_ms = (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
+            with self._lock:
+                self.in_flight -= tokens
         dims = request.dimensions if request.HasField("dimensions") else DIMS
         with self._lock:
             self.inputs_seen += len(texts)
@@ -82,11 +101,11 @@ class FakeGateway(pb_grpc.EmbedderServicer):
                 self.texts_seen.extend(texts)
         return pb.EmbedResponse(
             embeddings=[pb.Embedding(values=vector_of(t, dims).tolist()) for t in texts], model=self.model,
-            usage=pb.Usage(prompt_tokens=sum(tokens_of(t) for t in texts)),
-            timing=pb.Timing(queue_ms=1.0, inference_ms=5.0, total_ms=6.0))
+            usage=pb.Usage(prompt_tokens=tokens),
+            timing=pb.Timing(queue_ms=queue_ms, inference_ms=inference_ms, total_ms=queue_ms + inference_ms))
 
     def start(self, port: int = 0) -> FakeGateway:
-        self.server = grpc.server(futures.ThreadPoolExecutor(8))
+        self.server = grpc.server(futures.ThreadPoolExecutor(64))
         pb_grpc.add_EmbedderServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()

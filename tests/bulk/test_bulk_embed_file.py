@@ -309,6 +309,25 @@ def test_bad_input_and_settings_are_clear_errors(tmp_path, gateway):
     assert not (tmp_path / "c.npy").exists()
 
 
+def test_plain_progress_lines_say_rows_rate_and_time_left():
+    import io
+
+    from tokq.bulk.progress import Progress
+
+    now = [0.0]
+    fraction = [0.0]
+    out = io.StringIO()
+    progress = Progress(lambda: fraction[0], committed_rows=1000, stream=out, clock=lambda: now[0])
+    with progress:
+        progress.update(0, 0)  # the fraction done before this run: 0
+        now[0], fraction[0] = 5.0, 0.1
+        progress.update(500, 10_000)  # within 10 s of the last line: nothing printed
+        assert out.getvalue() == ""
+        now[0], fraction[0] = 12.0, 0.25
+        progress.update(500, 24_000)
+    assert out.getvalue() == "embed-file: 2,000 rows (25.0%), 2,000 tokens/s, about 36 s left\n"
+
+
 def test_window_grows_while_work_is_taken_at_once_and_shrinks_when_it_queues():
     w = Window(100)
     assert w.limit == START_UNITS * 100
@@ -343,6 +362,30 @@ async def test_window_bounds_tokens_in_flight():
     w.release(250)
     await w.acquire(5000)  # larger than the window: goes alone
     assert w.in_flight == 5000
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+async def test_tokens_in_flight_follow_the_workers_that_take_them(workers):
+    """Simulated workers (each request holds one for its tokens' time): the window grows until
+    the workers are kept busy, and no further than a few budgets past them."""
+    from tokq.bulk.send import EmbedOptions, FleetLimits, Sender, fetch_info
+    from tokq.client import AsyncClient
+
+    token_s = 2e-4  # ~2 s of simulated forwards at full use
+    texts = [f"doc {i} " + "w " * (i % 30) for i in range(600 * workers)]
+    with FakeGateway(workers=workers, token_s=token_s, budget=256) as gateway:
+        client = AsyncClient(gateway.target)
+        try:
+            info = await fetch_info(client, EmbedOptions())
+            sender = Sender(client, EmbedOptions(), FleetLimits.from_info(info, None))
+            start = time.monotonic()
+            await sender.embed_rows(texts)
+            rate = sender.tokens / (time.monotonic() - start)
+        finally:
+            await client.close()
+    assert rate >= 0.7 * workers / token_s, f"{rate:.0f} tokens/s of {workers / token_s:.0f}"
+    assert sender.window.limit <= (workers + 4) * 2 * 256
+    assert gateway.max_in_flight <= 3 * sender.window.limit
 
 
 def test_a_large_input_streams_with_bounded_memory(tmp_path):

@@ -82,6 +82,9 @@ def embed_file_command(input_path, output, text_field, id_field, target, dimensi
     except (BulkError, SourceError, StoreError) as exc:
         click.echo(f"embed-file: {exc}", err=True)
         sys.exit(1)
+    except OSError as exc:  # e.g. the disk filled up while writing a part or the output
+        click.echo(f"embed-file: {exc}; committed rows are kept: rerun the same command to continue", err=True)
+        sys.exit(1)
     done = result.finished
     if result.already_done:
         summary = f"{output} is already complete: {done.rows:,} rows"

@@ -161,9 +161,9 @@ class Source:
                         if pos <= i < pos + take:
                             current.errors[base + i - pos] = reason
                 pos += take
+        self.complete = True  # every row read: ``rows`` is the count
         if current is not None:
             yield current
-        self.complete = True
 
 
 class _LineSource(Source):
@@ -176,11 +176,13 @@ class _LineSource(Source):
         except OSError as exc:
             raise SourceError(f"{self.path!r}: {exc.strerror}") from None
         self._file = f
+        self._read_all = False
         with f:
             number = 0
             while True:
                 line = f.readline(MAX_LINE_BYTES + 1)
                 if not line:
+                    self._read_all = True
                     return
                 number += 1
                 cut = False
@@ -198,6 +200,8 @@ class _LineSource(Source):
                 yield number, line, cut
 
     def fraction(self) -> float | None:
+        if getattr(self, "_read_all", False):
+            return 1.0
         f = getattr(self, "_file", None)
         if f is None or f.closed or not self.size:
             return None
