@@ -37,10 +37,13 @@ class FakeGateway(pb_grpc.EmbedderServicer):
 
     def __init__(self, *, budget: int = 256, max_inputs: int = 64, delay_s: float = 0.0, fail=None,
                  model: str = "fake-model", prompts: tuple[str, ...] = ("query",),
-                 workers: int | None = None, token_s: float = 1e-4) -> None:
+                 workers: int | None = None, token_s: float = 1e-4, api_key: str | None = None,
+                 tls: tuple[bytes, bytes] | None = None) -> None:
         """``workers``: that many simulated workers, each request holding one for ``token_s``
         a token; its wait for one is its queue time."""
         self.budget = budget
+        self.api_key = api_key
+        self.tls = tls  # (certificate chain, private key) PEM: served over TLS
         self.workers = threading.Semaphore(workers) if workers else None
         self.token_s = token_s
         self.in_flight = self.max_in_flight = 0
@@ -57,12 +60,18 @@ class FakeGateway(pb_grpc.EmbedderServicer):
         self.server = None
         self.port = 0
 
+    def _authorize(self, context) -> None:
+        if self.api_key and ("authorization", f"Bearer {self.api_key}") not in context.invocation_metadata():
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
+
     def Info(self, request, context):
+        self._authorize(context)
         return pb.InfoResponse(model=self.model, dimensions=DIMS, max_input_length=MAX_LENGTH,
                                token_budget=self.budget, max_inputs=self.max_inputs,
                                prompt_names=list(self.prompts), task="embed")
 
     def Embed(self, request, context):
+        self._authorize(context)
         texts = list(request.inputs)
         with self._lock:
             self.calls += 1
@@ -107,7 +116,11 @@ class FakeGateway(pb_grpc.EmbedderServicer):
     def start(self, port: int = 0) -> FakeGateway:
         self.server = grpc.server(futures.ThreadPoolExecutor(64))
         pb_grpc.add_EmbedderServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        if self.tls:
+            credentials = grpc.ssl_server_credentials([(self.tls[1], self.tls[0])])
+            self.port = self.server.add_secure_port(f"127.0.0.1:{port}", credentials)
+        else:
+            self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()
         return self
 

@@ -6,13 +6,11 @@ to mix jobs, bad input, and bounded memory on a large input."""
 from __future__ import annotations
 
 import json
-import os
-import resource
 import signal
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -22,9 +20,12 @@ import pytest
 from bulk_fake_gateway import DIMS, FakeGateway, vector_of
 from click.testing import CliRunner
 
-from tokq.bulk.cli import embed_file_command
-from tokq.bulk.send import MIN_UNITS, START_UNITS, Window
-from tokq.bulk.store import errors_path, parts_path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "security"))
+from test_tls_and_api_keys import pki  # noqa: E402, F401 (the fixture: a CA, server and client certificates)
+
+from tokq.bulk.cli import embed_file_command  # noqa: E402
+from tokq.bulk.send import MIN_UNITS, START_UNITS, Window  # noqa: E402
+from tokq.bulk.store import errors_path, parts_path  # noqa: E402
 
 
 def write_jsonl(path, n: int, *, start: int = 0, words: int = 12) -> list[str]:
@@ -307,6 +308,20 @@ def test_bad_input_and_settings_are_clear_errors(tmp_path, gateway):
     done = run([tmp_path / "bad.csv", "--out", tmp_path / "c.npy"] + target)
     assert done.exit_code == 1 and "line 3: expected 2 columns, found 3" in done.output
     assert not (tmp_path / "c.npy").exists()
+
+
+def test_tls_and_api_key_options_reach_the_gateway(tmp_path, pki):  # noqa: F811 (the fixture)
+    texts = write_jsonl(tmp_path / "in.jsonl", 50)
+    certs = pki
+    server = (certs["server"].read_bytes(), certs["server_key"].read_bytes())
+    with FakeGateway(api_key="s3cret", tls=server) as gateway:
+        target = ["--target", f"localhost:{gateway.port}", "--tls-ca", certs["ca"]]
+        refused = run([tmp_path / "in.jsonl", "--out", tmp_path / "o.npy"] + target)
+        assert refused.exit_code == 1 and "UNAUTHENTICATED: missing or unknown API key" in refused.output
+        done = CliRunner(env={"TOKQ_API_KEY": "s3cret"}).invoke(
+            embed_file_command, list(map(str, [tmp_path / "in.jsonl", "--out", tmp_path / "o.npy"] + target)))
+    assert done.exit_code == 0, done.output
+    np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), expected(texts))
 
 
 def test_plain_progress_lines_say_rows_rate_and_time_left():

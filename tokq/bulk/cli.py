@@ -41,7 +41,7 @@ EXIT_INTERRUPTED = 130
 @click.option("--retry-for", type=click.FloatRange(min=0), default=300.0, show_default=True,
               callback=_timeout, help="seconds a gateway that answers nothing is retried before the job stops")
 @click.option("--commit-rows", type=click.IntRange(min=1, max=1_000_000), default=2048, show_default=True,
-              help="rows per committed part: at most this many finished rows are embedded again after a crash")
+              help="rows per committed part: a crash costs only the parts in flight")
 @click.option("--overwrite", is_flag=True, help="replace an output (or parts) of another input or other options")
 def embed_file_command(input_path, output, text_field, id_field, target, dimensions, prompt_name, truncate,
                        normalize, model, api_key, tls_ca, tls_cert, tls_key, timeout, retry_for, commit_rows,

@@ -13,8 +13,6 @@ connection per actor).
 
 from __future__ import annotations
 
-import numpy as np
-
 from tokq.bulk.column import ColumnEmbedder
 from tokq.integrations import credentials_from
 
