@@ -38,11 +38,12 @@ class FakeGateway(pb_grpc.EmbedderServicer):
     def __init__(self, *, budget: int = 256, max_inputs: int = 64, delay_s: float = 0.0, fail=None,
                  model: str = "fake-model", prompts: tuple[str, ...] = ("query",),
                  workers: int | None = None, token_s: float = 1e-4, api_key: str | None = None,
-                 tls: tuple[bytes, bytes] | None = None) -> None:
+                 tls: tuple[bytes, bytes] | None = None, also_serves: tuple[str, ...] = ()) -> None:
         """``workers``: that many simulated workers, each request holding one for ``token_s``
         a token; its wait for one is its queue time."""
         self.budget = budget
         self.api_key = api_key
+        self.models = sorted([model, *also_serves])
         self.tls = tls  # (certificate chain, private key) PEM: served over TLS
         self.workers = threading.Semaphore(workers) if workers else None
         self.token_s = token_s
@@ -68,7 +69,7 @@ class FakeGateway(pb_grpc.EmbedderServicer):
         self._authorize(context)
         return pb.InfoResponse(model=self.model, dimensions=DIMS, max_input_length=MAX_LENGTH,
                                token_budget=self.budget, max_inputs=self.max_inputs,
-                               prompt_names=list(self.prompts), task="embed")
+                               prompt_names=list(self.prompts), task="embed", models=self.models)
 
     def Embed(self, request, context):
         self._authorize(context)

@@ -99,6 +99,10 @@ def test_row_numbers_npy_and_dimensions(tmp_path, gateway):
     vectors = np.load(tmp_path / "out.npy")
     assert vectors.dtype == np.float32 and vectors.shape == (300, 4)
     np.testing.assert_array_equal(vectors, expected(texts)[:, :4])
+    record = json.loads((tmp_path / "out.npy.tokq.json").read_text())
+    assert record["rows"] == 300 and record["failed"] == 0 and record["job"]["dimensions"] == 4
+    again = run([tmp_path / "in.txt", "--out", tmp_path / "out.npy", "--target", gateway.target, "--dimensions", 4])
+    assert again.exit_code == 0 and "already complete: 300 rows" in again.output
 
 
 def test_failed_rows_go_to_the_errors_file_and_the_exit_code_says_so(tmp_path, gateway):
@@ -303,7 +307,13 @@ def test_bad_input_and_settings_are_clear_errors(tmp_path, gateway):
         assert done.exit_code == 1, done.output
         assert message in done.output and done.output.startswith("embed-file: ")
         assert len(done.output.strip().splitlines()) == 1
-    assert not list(tmp_path.glob("o.*"))
+    assert not list(tmp_path.glob("o.*"))  # nothing written for a job that could not start
+    with FakeGateway(also_serves=("other-model",)) as several:
+        done = run([tmp_path / "in.jsonl", "--out", tmp_path / "o.npy", "--target", several.target])
+        assert done.exit_code == 1 and "serves several models (fake-model, other-model): name one with --model" in done.output
+        done = run([tmp_path / "in.jsonl", "--out", tmp_path / "o.npy", "--target", several.target,
+                    "--model", "fake-model"])
+        assert done.exit_code == 0, done.output
     (tmp_path / "bad.csv").write_text("text,id\nfine,1\nbad,2,extra\n")
     done = run([tmp_path / "bad.csv", "--out", tmp_path / "c.npy"] + target)
     assert done.exit_code == 1 and "line 3: expected 2 columns, found 3" in done.output

@@ -71,7 +71,7 @@ class ColumnEmbedder:
         client = AsyncClient(target, credentials=credentials, model=model, api_key=api_key)
         try:
             info = await fetch_info(client, self._options)
-            check_options(info, self._options)
+            check_options(info, self._options, model)
         except BaseException:
             await client.close()
             raise

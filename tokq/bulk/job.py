@@ -78,7 +78,7 @@ async def run_job(spec: JobSpec, connect: Callable[[], AsyncClient], *, target: 
     try:
         progress = Progress(lambda: None, stream=progress_stream, terminal=False)
         info = await fetch_info(client, spec.options, on_retry=_Retries(progress, target))
-        check_options(info, spec.options)
+        check_options(info, spec.options, spec.model)
         limits = FleetLimits.from_info(info, spec.options.dimensions)
         store = PartStore(spec.output, job_record(spec, source, limits), dimensions=limits.dimensions,
                           id_type=source.id_type, rows_per_part=spec.rows_per_part)

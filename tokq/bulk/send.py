@@ -80,8 +80,10 @@ class FleetLimits:
                    info.max_inputs or 512, info.token_budget or DEFAULT_BUDGET)
 
 
-def check_options(info, options: EmbedOptions) -> None:
+def check_options(info, options: EmbedOptions, model: str = "") -> None:
     """Refuse before any row is sent what the gateway would refuse for every request."""
+    if not model and len(info.models) > 1:
+        raise BulkError(f"this gateway serves several models ({', '.join(info.models)}): name one with --model")
     task = getattr(info, "task", "") or "embed"
     if task != "embed":
         raise BulkError(f"model {info.model!r} is a {task} model: it gives no embeddings")
