@@ -115,13 +115,13 @@ def test_vectors_equal_sentence_transformers_and_long_rows_fail_or_are_cut(stack
 
 
 def test_kill_9_mid_run_then_rerun_writes_what_an_uninterrupted_run_writes(stack, words, tmp_path):
-    write_docs(tmp_path / "in.jsonl", words, 1200, seed=2)
-    args = [tmp_path / "in.jsonl", "--id-field", "id", "--commit-rows", 50, "--target", stack.target]
+    write_docs(tmp_path / "in.jsonl", words, 800, seed=2)
+    args = [tmp_path / "in.jsonl", "--id-field", "id", "--commit-rows", 40, "--target", stack.target]
     whole = embed_file(*args, "--out", tmp_path / "whole.parquet")
     assert whole.returncode == 0, whole.stderr
     out = tmp_path / "out.parquet"
     proc = spawn(*args, "--out", out)
-    committed = wait_for_parts(out, 4, proc)
+    wait_for_parts(out, 4, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not out.exists()
@@ -129,10 +129,10 @@ def test_kill_9_mid_run_then_rerun_writes_what_an_uninterrupted_run_writes(stack
     done = embed_file(*args, "--out", out)
     assert done.returncode == 0, done.stderr
     # the rerun embedded only the rows not committed
-    assert f"({1200 - committed:,} this run, {committed:,} committed before)" in done.stdout
+    assert f"({800 - committed:,} this run, {committed:,} committed before)" in done.stdout
     ids, got = vectors(out)
     want_ids, want = vectors(tmp_path / "whole.parquet")
-    assert ids == want_ids == list(range(1200))
+    assert ids == want_ids == list(range(800))
     np.testing.assert_allclose(got, want, atol=2e-6)
     assert pq.read_schema(out).metadata == pq.read_schema(tmp_path / "whole.parquet").metadata
 
