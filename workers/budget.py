@@ -1,5 +1,6 @@
-"""A worker's token budget when none is set or published: the device's default, cut down to what
-this device runs within the latency goal.
+"""A worker's token budget: set (--token-budget), published (tokq profile --apply, read every
+BUDGET_REFRESH_S), or else the device's default, cut down to what this device runs within the
+latency goal.
 
 The defaults (DEFAULT_BUDGET) suit a fast CPU core or any recent GPU, but one CPU thread's
 forward time spans several times across machines: 1,024 MiniLM tokens take ~170 ms on an
@@ -15,10 +16,23 @@ shrinks: `tokq profile`, which measures the whole curve, is how a budget is tune
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from tokq.latency_goal import max_forward_ms
+from tokq.queue import claim_rule
+
+if TYPE_CHECKING:
+    from tokq.config import WorkerConfig
+    from tokq.queue.sharded import ShardedQueue
+
+log = logging.getLogger("tokq.worker")
+
+BUDGET_REFRESH_S = 1.0  # how often a worker reads the published budget
 DEFAULT_BUDGET = {"cpu": 1024, "cuda": 4096}  # before fitting; `tokq profile --apply` overrides
 STEP = 64  # a fitted budget is a multiple of this, and at least this
 MAX_SIZES = 3
@@ -82,3 +96,56 @@ def timer(warmup: Callable[[int], None]) -> Callable[[int], float]:
         warmup(num_tokens)
         return (time.perf_counter() - start) * 1000
     return time_forward_ms
+
+
+class TokenBudget:
+    """A worker's budget (``tokens``) and where it came from (``source``): "set", "published",
+    "default" or "fitted" (the default cut to the latency goal at start)."""
+
+    def __init__(self, engine, config: WorkerConfig, queue: ShardedQueue, light_tokens: int) -> None:
+        self.engine = engine
+        self.config = config
+        self.queue = queue
+        self.light_tokens = light_tokens
+        self.tokens = config.token_budget or default_budget(engine.device.type)
+        self.source = "set" if config.token_budget else "default"
+        # What a published budget replaced, served again if it is withdrawn (fitted once idle
+        # when it never was: a worker started then would fit it, and the fleet should agree).
+        self._unpublished = (self.tokens, self.source)
+        self.refit = False  # withdrawn before any fit: fit the default when next idle
+        self._fitted = False  # the default was timed once: it is not timed again
+
+    @property
+    def preempt_budget(self) -> int:
+        """Tokens of a pre-empting (light-only) claim; a batch of more is heavy."""
+        return claim_rule.preempt_budget(self.tokens, self.light_tokens)
+
+    async def fit_default(self) -> None:
+        """No budget set or published: cut the device's default to the latency goal. Timed
+        after the warm-up, whose first forward pays one-time costs."""
+        self._fitted = True
+        default = default_budget(self.engine.device.type)
+        fit = await asyncio.to_thread(fit_budget, timer(self.engine.warmup), default,
+                                      max_forward_ms(self.config.latency_goal_ms))
+        (log.info if fit.fits else log.warning)("%s; p99 goal %d ms", fit.describe(),
+                                                self.config.latency_goal_ms)
+        self._unpublished = (fit.budget, "fitted" if fit.budget != default else "default")
+        if self.source != "published":  # one published while the fit ran wins
+            self.tokens, self.source = self._unpublished
+
+    async def read_published(self) -> None:
+        """Serve the published budget, if any; one withdrawn gives way to what it replaced."""
+        if self.config.token_budget:
+            return
+        published = await self.queue.shard(0).get_budget()
+        if published is not None and published > 0:
+            if published != self.tokens or self.source != "published":
+                log.info("token budget %d -> %d (published)", self.tokens, published)
+                self.tokens = published
+                self.source = "published"
+        elif self.source == "published":  # withdrawn (deleted, or not a positive count)
+            budget, source = self._unpublished
+            log.info("published budget withdrawn: token budget %d -> %d (%s)", self.tokens,
+                     budget, source)
+            self.tokens, self.source = budget, source
+            self.refit = not self._fitted and bool(self.config.latency_goal_ms)

@@ -53,8 +53,8 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
         loop.add_signal_handler(sig, worker.stop)
     # Only a set budget is known yet: a published one is read, or the default fitted, as it runs
     # (this line said the default's 1,024 just before "token budget 1024 -> 64 (published)").
-    budget = (f"budget {worker.token_budget} tokens" if config.token_budget else
-              f"budget: the published one, else the {worker.token_budget}-token default fitted to its goal")
+    budget = (f"budget {worker.budget.tokens} tokens" if config.token_budget else
+              f"budget: the published one, else the {worker.budget.tokens}-token default fitted to its goal")
     logging.getLogger("tokq.worker").info(
         "worker %s: %s on %s (%s, attention %s, linear %s%s), %s, queue %s",
         worker.worker_id, engine.info.name, engine.device, engine.dtype, engine.attn_backend,

@@ -11,7 +11,7 @@ The nested forward shares no tensor with the heavy one: both batches' vectors ar
 Nesting is for light work that arrives a little at a time: a heavy forward takes nested batches
 until they hold ``preempt_budget`` tokens, and a light lane longer than that goes in full batches.
 The slot counts the batches that ran nested, and their seconds: the heavy batch's forward time
-leaves those out (workers/worker.py), so the forward seconds of both add up to the device's.
+leaves those out (workers/loop.py), so the forward seconds of both add up to the device's.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
             sharded(redis_url, engine.info.queue_name) as client:
         worker = _worker(gated, q, exits)
         forwards: list[asyncio.Task] = []
-        real_preempt_while, real_finish = worker._preempt_while, worker._finish
+        real_preempt_while, real_finish = worker.loop._preempt_while, worker.loop._finish
 
         async def preempt_while(forward):
             forwards.append(forward)
@@ -126,8 +126,8 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
             if forwards and claim.num_tokens == sum(map(len, LIGHT_IDS)):
                 await asyncio.wait({forwards[-1]})  # the heavy forward ends first
             await real_finish(claim, outcome, **kwargs)
-        monkeypatch.setattr(worker, "_preempt_while", preempt_while)
-        monkeypatch.setattr(worker, "_finish", finish)
+        monkeypatch.setattr(worker.loop, "_preempt_while", preempt_while)
+        monkeypatch.setattr(worker.loop, "_finish", finish)
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("sharded")), 60, "the first heartbeat")
 
@@ -138,14 +138,14 @@ async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_
         await enqueue_ids(client.shard(0), "light", LIGHT_IDS)  # pops it from shard 0's set: 'light'
 
         async def offered():
-            return worker.preemption.waiting is not None
+            return worker.loop.preemption.waiting is not None
         await wait_for(offered, 30, "the light batch to be offered to the heavy forward")
         assert await _in_sets(q, "preemptible") == [False, True]
         gated.go.set()
         gated.finish.set()
         light = await answered_vectors(client.shard(0), "light", len(LIGHT_IDS))
         heavy = await answered_vectors(client.shard(0), "heavy", len(HEAVY_IDS))
-        assert worker.num_preemptions == 1 and light.shape[0] == 1 and heavy.shape[0] == 1
+        assert worker.loop.num_preemptions == 1 and light.shape[0] == 1 and heavy.shape[0] == 1
         # Answered after the pre-empting task ended: registered nowhere now.
         assert await _in_sets(q, "preemptible") == [False, False]
         worker.stop()
@@ -226,7 +226,7 @@ async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_
                 await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
 
                 async def notice_read():
-                    return worker._idle.notices == 1
+                    return worker.wake.idle.notices == 1
                 await wait_for(notice_read, 30, "the worker to read the work's notice")
             await real_mark(idle)
         monkeypatch.setattr(q.consumer, "mark_idle", mark_idle)

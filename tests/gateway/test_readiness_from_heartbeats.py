@@ -20,7 +20,7 @@ KEYS = QueueKeys(ModelInfo.load().queue_name)  # as gateways and workers name th
 
 
 def beat(client, worker_id: str, ttl_ms: int = 60_000) -> None:
-    """What a worker's heartbeat writes (workers/worker.py)."""
+    """What a worker's heartbeat writes (workers/heartbeat.py)."""
     client.set(KEYS.heartbeat(worker_id), "{}", px=ttl_ms)
     client.zadd(KEYS.workers, {worker_id: int(time.time() * 1000)})
 

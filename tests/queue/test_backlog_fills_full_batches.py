@@ -2,7 +2,7 @@
 the claim rule's reference (tokq/queue/claim_rule.py), deterministic, no Redis (the Lua script
 equals the reference: tests/queue/test_claim_rule_lua_matches_python.py).
 
-The worker model follows workers/worker.py: a claim reads both lanes; a heavy batch
+The worker model follows workers/loop.py: a claim reads both lanes; a heavy batch
 (``is_heavy_batch``) runs light-only claims nested at its checkpoints (5 steps x 6 layers)
 until they hold ``preempt_budget`` tokens, and the claim after it is "heavy". Forward time is
 A + B x tokens, fitted to a 2-core AVX2 CPU (12 tokens: 15.5 ms; 576 tokens: 166 ms). The
@@ -113,7 +113,7 @@ def simulate(queries: list[tuple[float, int]], *, budget: int = BUDGET) -> Run:
         nested_ms, nested_tokens = 0.0, 0
         if heavy_batch:
             for step in range(1, CHECKPOINTS + 1):
-                if nested_tokens >= nested_budget:  # workers/worker.py _preempt_while
+                if nested_tokens >= nested_budget:  # workers/loop.py _preempt_while
                     break
                 at = now + step * own_ms / CHECKPOINTS + nested_ms
                 admit(at)

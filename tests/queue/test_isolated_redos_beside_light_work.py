@@ -1,6 +1,6 @@
 """Redos to isolate (attempt >= isolate_attempt) at the heavy lane's head beside light work, one
 worker's claim sequence on the claim rule's reference (tokq/queue/claim_rule.py; claim.lua agrees:
-tests/queue/test_claim_rule_lua_matches_python.py). The worker model is workers/worker.py's: a heavy batch
+tests/queue/test_claim_rule_lua_matches_python.py). The worker model is workers/loop.py's: a heavy batch
 (``is_heavy_batch``) runs a light-only claim nested, and the claim after it is "heavy"."""
 
 from __future__ import annotations

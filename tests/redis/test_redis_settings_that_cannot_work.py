@@ -297,10 +297,10 @@ async def test_a_worker_fits_its_budget_while_redis_is_down(caplog):
     finally:
         run.cancel()
         await close_client(client)
-    assert worker.budget_source == "fitted" and STEP <= worker.token_budget < default_budget("cpu")
+    assert worker.budget.source == "fitted" and STEP <= worker.budget.tokens < default_budget("cpu")
     steps = [m for m in messages() if m.startswith(("reading the shard count", "budget ", "claim failed"))]
     assert [m.split(" ")[0] for m in steps[:4]] == ["reading", "budget", "reading", "claim"], steps
-    assert steps[1].startswith(f"budget {default_budget('cpu')} -> {worker.token_budget} tokens"), steps[1]
+    assert steps[1].startswith(f"budget {default_budget('cpu')} -> {worker.budget.tokens} tokens"), steps[1]
 
 
 @pytest.mark.parametrize("mode", ["auto", "no"])

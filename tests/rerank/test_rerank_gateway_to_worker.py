@@ -69,7 +69,7 @@ async def _serve(redis_url, info, tokenizer, engines, request, *, budget=4096, c
                 await asyncio.sleep(0.01)
                 continue
             claims.append(claim)
-            outcome = await asyncio.to_thread(workers[turn % len(workers)].run_batch, claim)
+            outcome = await asyncio.to_thread(workers[turn % len(workers)].loop.run_batch, claim)
             turn += 1
             await queue.consumer.ack(claim.batch_id, outcome.results)
             await asyncio.sleep(0.01)

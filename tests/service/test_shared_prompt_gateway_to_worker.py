@@ -106,7 +106,7 @@ async def _serve_one_batch(redis_url, info, tokenizer, engine, request: EmbedInp
             assert not call.done(), call.exception()
             claim = await queue.consumer.claim(4096)
             await asyncio.sleep(0.01)
-        outcome = await asyncio.to_thread(worker.run_batch, claim)
+        outcome = await asyncio.to_thread(worker.loop.run_batch, claim)
         await queue.consumer.ack(claim.batch_id, outcome.results)
         return await call, claim
     finally:

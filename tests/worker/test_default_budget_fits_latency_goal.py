@@ -126,7 +126,7 @@ async def test_a_worker_cuts_its_default_to_an_unreachable_goal_and_still_serves
     async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
         worker, run, status = await _start(q, engine, WorkerConfig(latency_goal_ms=1), "fit-cut")
         assert status["budget_source"] == "fitted" and STEP <= status["token_budget"] < default_budget("cpu")
-        assert status["token_budget"] == worker.token_budget and status["token_budget"] % STEP == 0
+        assert status["token_budget"] == worker.budget.tokens and status["token_budget"] % STEP == 0
         # The log says what was chosen and why, as a warning: the goal was not reached.
         fit_lines = [r for r in caplog.records if r.name == "tokq.worker" and "p99 goal 1 ms" in r.getMessage()]
         assert len(fit_lines) == 1 and fit_lines[0].levelno == logging.WARNING
@@ -243,7 +243,7 @@ async def test_the_worker_fits_to_half_the_goal_and_a_budget_published_later_tak
         while json.loads(await q.redis.get(q.keys.heartbeat("fit-model")))["token_budget"] != new_budget:
             assert time.monotonic() < deadline, "the newly published budget was not taken"
             await asyncio.sleep(0.05)
-        assert worker.token_budget == new_budget
+        assert worker.budget.tokens == new_budget
         # withdrawn: back to what it served before, as a worker started now would
         await q.redis.delete(q.keys.budget)
         await _await_budget(q, "fit-model", ("fitted", status["token_budget"]))
@@ -283,7 +283,7 @@ async def test_a_worker_started_on_a_published_budget_fits_its_default_once_that
                 await q.redis.delete(q.keys.budget)
             else:  # not a budget: `tokq profile --apply` never writes it, a hand-made SET could
                 await q.redis.set(q.keys.budget, 0)
-            await _await_budget(q, "fit-withdrawn", ("fitted", fresh.token_budget))
+            await _await_budget(q, "fit-withdrawn", ("fitted", fresh.budget.tokens))
             await _answer_one(q, q, "after-withdrawal")
             worker.stop()
             await asyncio.wait_for(run, 30)
@@ -306,7 +306,7 @@ async def test_a_worker_refitting_is_not_registered_idle(redis_url, engine, monk
         try:
             worker, run, _ = await _start(q, engine, WorkerConfig(latency_goal_ms=600, heartbeat_ms=100),
                                           "refit-idle")
-            while not worker._idle.registered:
+            while not worker.wake.idle.registered:
                 await asyncio.sleep(0.02)
             assert await q.redis.smembers(q.keys.idle)  # registered while it waits
             monkeypatch.setattr(engine, "warmup", warmup)
@@ -317,10 +317,10 @@ async def test_a_worker_refitting_is_not_registered_idle(redis_url, engine, monk
                 await asyncio.sleep(0.01)
             members = await q.redis.smembers(q.keys.idle)
             deadline = time.monotonic() + 10
-            while worker.budget_source != "fitted":  # 0.5 ms a token against 300 ms a forward
+            while worker.budget.source != "fitted":  # 0.5 ms a token against 300 ms a forward
                 assert time.monotonic() < deadline, "the refit did not end"
                 await asyncio.sleep(0.05)
-            assert 256 <= worker.token_budget <= 512
+            assert 256 <= worker.budget.tokens <= 512
             worker.stop()
             await asyncio.wait_for(run, 30)
         finally:

@@ -5,13 +5,12 @@ on healthy shards went unrenewed until another worker redid them (a queue bug hu
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 import redis.exceptions
 
 from tokq.config import QueueConfig
-from tokq.workers.worker import Worker
+from tokq.workers.leases import Leases
 
 
 class _Queue:
@@ -31,13 +30,12 @@ class _Queue:
 
 @pytest.mark.parametrize("held", [["refused", "silent", "ok-1", "ok-2"], ["ok-1", "silent", "refused", "ok-2"]])
 async def test_a_failing_or_silent_shard_does_not_stop_the_others_renewals(held):
-    worker = object.__new__(Worker)  # only what renewal reads
-    worker.queue, worker.queue_config, worker.healthy = SimpleNamespace(consumer=_Queue()), QueueConfig(lease_ms=300), True
-    worker._held = dict.fromkeys(held)  # in this order
-    task = asyncio.create_task(worker._renew_leases())
+    leases = Leases(_Queue(), QueueConfig(lease_ms=300).lease_ms, healthy=lambda: True)
+    leases.held = dict.fromkeys(held)  # in this order
+    task = asyncio.create_task(leases.renew_held())
     await asyncio.sleep(0.45)  # a round every 0.1 s, a silent renewal given up after 0.1 s
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    rounds = worker.queue.consumer.renewed.count("ok-1")
-    assert rounds >= 2 and worker.queue.consumer.renewed.count("ok-2") == rounds, worker.queue.consumer.renewed
+    rounds = leases.consumer.renewed.count("ok-1")
+    assert rounds >= 2 and leases.consumer.renewed.count("ok-2") == rounds, leases.consumer.renewed

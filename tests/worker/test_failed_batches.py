@@ -112,7 +112,7 @@ async def _serve(redis_url, engine, bodies, *, exit=None, observer=None):
     async with open_queue(redis_url) as queue:
         worker = Worker(engine, queue, WorkerConfig(token_budget=4096), QueueConfig(),
                         worker_id="w-runner", observer=observer)
-        worker.runner = BatchRunner(engine, observer=observer, release=release,
+        worker.loop.runner = BatchRunner(engine, observer=observer, release=release,
                                     exit=exit or exits.append)
         request_id = uuid.uuid4().hex
         items = [_item(ids) for ids in bodies]
@@ -208,7 +208,7 @@ async def test_oom_then_a_sticky_device_error_exits_for_the_supervisor_answering
     assert released == [True]  # the OOM retry came after its exception was gone
     assert results == {}  # nothing answered: the batch is redone once its lease expires
     assert stats.inflight_items == len(bodies)
-    assert not worker.runner.healthy
+    assert not worker.loop.runner.healthy
 
 
 async def test_nonfinite_vectors_are_never_returned_and_are_counted(redis_url, minilm):

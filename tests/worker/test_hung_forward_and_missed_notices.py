@@ -16,6 +16,7 @@ from queue_support import QUEUE, open_queue, wait_for
 
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.queue.wire import decode_result, encode_body
+from tokq.workers import wake as wake_module
 from tokq.workers import worker as worker_module
 from tokq.workers.worker import EXIT_HUNG, Worker
 
@@ -108,7 +109,7 @@ async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(r
         hanging.release.set()  # the forward returns at last; the worker had stopped claiming
         healthy.stop()
         await asyncio.wait_for(asyncio.gather(hung_run, healthy_run), 60)
-        assert hung.num_batches == 1
+        assert hung.loop.num_batches == 1
 
 
 async def _complete(q, reply: str, n: int) -> bool:
@@ -117,7 +118,7 @@ async def _complete(q, reply: str, n: int) -> bool:
 
 async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, engine, monkeypatch):
     # With the fallback poll an hour away, only the notice can make the worker claim.
-    monkeypatch.setattr(worker_module, "IDLE_FALLBACK_S", 3600.0)
+    monkeypatch.setattr(wake_module, "IDLE_FALLBACK_S", 3600.0)
     qcfg = QueueConfig()
     async with open_queue(redis_url, queue=engine.info.queue_name) as q:
         worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="idle")

@@ -20,7 +20,8 @@ from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.queue.wire import encode_body
 from tokq.metrics import WorkerMetrics
-from tokq.workers.worker import Worker, is_heavy
+from tokq.workers.loop import is_heavy
+from tokq.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         exits: list[int] = []  # a forward held past hung_forward_ms must not end pytest
         worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="preempt",
                         observer=metrics, exit_process=exits.append)
-        assert worker.preempt_budget == HEAVY_TOKENS
+        assert worker.budget.preempt_budget == HEAVY_TOKENS
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("preempt")), 60, "the first heartbeat")
 
@@ -93,7 +94,7 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         # light-only claim, if that ran after this enqueue: it follows the registration)
 
         async def offered():
-            return worker.preemption.waiting is not None
+            return worker.loop.preemption.waiting is not None
         await wait_for(offered, 30, "the light batch to be claimed and offered to the forward")
         gated.go.set()  # the heavy forward starts; its first block's checkpoint runs the light one
         got = {"light": await answered_vectors(client, "light", len(light_ids))}
@@ -108,7 +109,7 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
             assert _cosines(got[request_id], alone).min() >= 0.9999, request_id
             np.testing.assert_allclose(got[request_id], alone, atol=1e-5)
 
-        assert worker.num_preemptions == 1 and worker.num_batches == 2
+        assert worker.loop.num_preemptions == 1 and worker.loop.num_batches == 2
         assert REGISTRY.get_sample_value("tokq_worker_preemptions_total",
                                          {"model": name, "worker": "preempt"}) == 1
         stats = await q.stats()
@@ -143,7 +144,7 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
                 assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
 
         async def offered():
-            return lost.preemption.waiting is not None
+            return lost.loop.preemption.waiting is not None
         await wait_for(offered, 30, "the light batch to be offered to the heavy forward")
         assert (await q.stats()).inflight_items == 3  # both batches leased to the lost worker
         lost_run.cancel()
@@ -189,12 +190,12 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
         exits: list[int] = []
         worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="late",
                         exit_process=exits.append)
-        real_run_heavy = worker.run_heavy
+        real_run_heavy = worker.loop.run_heavy
 
         def late_run_heavy(claim):
             assert thread_may_start.wait(60)
             return real_run_heavy(claim)
-        monkeypatch.setattr(worker, "run_heavy", late_run_heavy)
+        monkeypatch.setattr(worker.loop, "run_heavy", late_run_heavy)
         run = asyncio.create_task(worker.run())
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("late")), 60, "the first heartbeat")
 
@@ -204,16 +205,16 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
         await enqueue_ids(client, "light", light_ids)
 
         async def offered_or_run():
-            return worker.preemption.waiting is not None or gated.log
+            return worker.loop.preemption.waiting is not None or gated.log
         await wait_for(offered_or_run, 30, "the light batch to be offered, or run")
-        assert gated.log == [] and worker.preemption.waiting is not None
+        assert gated.log == [] and worker.loop.preemption.waiting is not None
         thread_may_start.set()
         gated.finish.set()
         got = {"light": await answered_vectors(client, "light", len(light_ids)),
                "heavy": await answered_vectors(client, "heavy", len(heavy_ids))}
         light_n, heavy_n = sum(map(len, light_ids)), sum(map(len, heavy_ids))
         assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
-        assert worker.num_preemptions == 1
+        assert worker.loop.num_preemptions == 1
         for request_id, seqs in (("light", light_ids), ("heavy", heavy_ids)):
             np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         worker.stop()
@@ -251,7 +252,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                 calls += 1
                 if calls == 2:
                     deadline = time.monotonic() + 20
-                    while worker.preemption.waiting is None:
+                    while worker.loop.preemption.waiting is None:
                         assert time.monotonic() < deadline, "light2 was never offered"
                         time.sleep(0.005)
             inner()
@@ -277,7 +278,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                     await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
 
                     async def notice_read():
-                        return worker._preemptible.notices == 1
+                        return worker.wake.preemptible.notices == 1
                     await wait_for(notice_read, 30, "the worker to read light1's notice")
             monkeypatch.setattr(worker.queue.consumer, "mark_preemptible", mark_then_notice)
 
@@ -289,7 +290,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
             await enqueue_ids(client, "light1", light_ids["light1"])
 
         async def offered():
-            return worker.preemption.waiting is not None
+            return worker.loop.preemption.waiting is not None
         await wait_for(offered, 30, "light1 to be offered to the forward")
         gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
         got = {"light1": await answered_vectors(client, "light1", 1)}
@@ -303,7 +304,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                            sum(map(len, heavy_ids)))
         assert gated.log == [("start", heavy_n), ("start", n1), ("end", n1), ("start", n2),
                              ("end", n2), ("end", heavy_n)]
-        assert worker.num_preemptions == 2
+        assert worker.loop.num_preemptions == 2
         for request_id, seqs in (*light_ids.items(), ("heavy", heavy_ids)):
             np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         worker.stop()
@@ -336,7 +337,7 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
                 await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
 
                 async def notice_read():
-                    return worker._preemptible.notices == 1
+                    return worker.wake.preemptible.notices == 1
                 await wait_for(notice_read, 30, "the worker to read light1's notice")
                 # Another worker's claim lands first; it answers light1 (nothing left leased).
                 claim = await client.claim(512, lanes="light")
@@ -355,7 +356,7 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
         await enqueue_ids(client, "light2", light_ids["light2"])
 
         async def offered():
-            return worker.preemption.waiting is not None
+            return worker.loop.preemption.waiting is not None
         await wait_for(offered, 30, "light2 to be offered to the forward")
         gated.go.set()
         got = {"light2": await answered_vectors(client, "light2", 1)}
@@ -364,7 +365,7 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
         got["heavy"] = await answered_vectors(client, "heavy", len(heavy_ids))
         n2, heavy_n = sum(map(len, light_ids["light2"])), sum(map(len, heavy_ids))
         assert gated.log == [("start", heavy_n), ("start", n2), ("end", n2), ("end", heavy_n)]
-        assert worker.num_preemptions == 1
+        assert worker.loop.num_preemptions == 1
         for request_id, seqs in (("light2", light_ids["light2"]), ("heavy", heavy_ids)):
             np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         worker.stop()
@@ -428,7 +429,7 @@ async def _nest_one_light_batch(redis_url, engine, worker_id: str, *, light_s: f
         await enqueue_ids(client, "light", light_ids)
 
         async def offered():
-            return worker.preemption.waiting is not None
+            return worker.loop.preemption.waiting is not None
         await wait_for(offered, 30, "the light batch to be offered to the forward")
         gated.go.set()
         await answered_vectors(client, "light", len(light_ids))
@@ -436,7 +437,7 @@ async def _nest_one_light_batch(redis_url, engine, worker_id: str, *, light_s: f
         await answered_vectors(client, "heavy", len(heavy_ids))
         heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
         assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
-        assert worker.num_preemptions == 1
+        assert worker.loop.num_preemptions == 1
         worker.stop()
         await asyncio.wait_for(run, 30)
         assert exits == []
@@ -484,7 +485,7 @@ async def test_a_heavy_forwards_time_leaves_out_the_light_batch_nested_in_it(red
         assert total < slow.heavy_wall_s + light_s / 2
         assert _sample("tokq_worker_forward_tokens_total", "forward-s", model) == heavy_n + light_n
         # The next claim's timing still sees the forward's wall time, the nested batch in it.
-        assert worker._forward_s_avg >= light_s
+        assert worker.loop.prefetch.forward_s >= light_s
     finally:
         metrics.close()
 
@@ -517,13 +518,13 @@ async def test_a_light_batch_offered_too_late_to_nest_is_not_counted_as_a_preemp
         await enqueue_ids(client, "light", light_ids)
 
         async def offered():
-            return worker.preemption.waiting is not None
+            return worker.loop.preemption.waiting is not None
         await wait_for(offered, 30, "the light batch to be offered to the (still armed) forward")
         gated.finish.set()
         await answered_vectors(client, "light", len(light_ids))
         await answered_vectors(client, "heavy", len(heavy_ids))
         assert gated.log == [("start", heavy_n), ("end", heavy_n), ("start", light_n), ("end", light_n)]
-        assert worker.num_preemptions == 0 and worker.num_batches == 2
+        assert worker.loop.num_preemptions == 0 and worker.loop.num_batches == 2
         assert REGISTRY.get_sample_value("tokq_worker_preemptions_total",
                                          {"model": name, "worker": "too-late"}) in (None, 0.0)
         worker.stop()
@@ -575,14 +576,14 @@ async def test_a_light_backlog_beside_a_heavy_forward_goes_in_one_full_batch_not
         async def refused():
             return light_answers and light_answers[0] is None
         await wait_for(refused, 30, "the light-only claim to refuse the backlog")
-        assert worker.preemption.waiting is None
+        assert worker.loop.preemption.waiting is None
         gated.go.set()
         gated.finish.set()
         for request_id, seqs in light_ids.items():
             await answered_vectors(client, request_id, 1)
         await answered_vectors(client, "heavy", 1)
         assert gated.log == [("start", 150), ("end", 150), ("start", 180), ("end", 180)]
-        assert worker.num_preemptions == 0 and all(a is None for a in light_answers)
+        assert worker.loop.num_preemptions == 0 and all(a is None for a in light_answers)
         assert REGISTRY.get_sample_value("tokq_worker_claim_stops_total",
                                          {"model": name, "worker": "backlog", "reason": "backlog"}) >= 1
         worker.stop()
@@ -618,7 +619,7 @@ async def test_a_heavy_forward_stops_nesting_once_nested_batches_hold_the_pre_em
                 calls += 1
                 if calls == 2:  # until light2 is offered
                     deadline = time.monotonic() + 20
-                    while worker.preemption.waiting is None:
+                    while worker.loop.preemption.waiting is None:
                         assert time.monotonic() < deadline, "light2 was never offered"
                         time.sleep(0.005)
             inner()
@@ -637,7 +638,7 @@ async def test_a_heavy_forward_stops_nesting_once_nested_batches_hold_the_pre_em
         await enqueue_ids(client, "light1", light_ids["light1"])
 
         async def offered():
-            return worker.preemption.waiting is not None
+            return worker.loop.preemption.waiting is not None
         await wait_for(offered, 30, "light1 to be offered to the forward")
         gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
         await answered_vectors(client, "light1", 1)
@@ -649,14 +650,14 @@ async def test_a_heavy_forward_stops_nesting_once_nested_batches_hold_the_pre_em
             return not await _registered(q)
         await wait_for(withdrawn, 30, "the worker to stop taking nested batches")
         await enqueue_ids(client, "light3", light_ids["light3"])
-        assert worker.preemption.waiting is None
+        assert worker.loop.preemption.waiting is None
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")  # the heavy forward still runs
         gated.finish.set()
         await answered_vectors(client, "heavy", 1)
         await answered_vectors(client, "light3", 1)
         assert gated.log == [("start", 150), ("start", 100), ("end", 100), ("start", 100),
                              ("end", 100), ("end", 150), ("start", 10), ("end", 10)]
-        assert worker.num_preemptions == 2
+        assert worker.loop.num_preemptions == 2
         worker.stop()
         await asyncio.wait_for(run, 30)
         assert exits == []

@@ -1,4 +1,4 @@
-"""The prefetching claim (workers/worker.py) starts at a fraction of the average forward time,
+"""The prefetching claim (workers/loop.py) starts at a fraction of the average forward time,
 or as soon as the forward in flight ends: a short batch after long ones does not leave the
 worker waiting out the long ones' delay while new work queues. In process, a real Redis and the
 real bundled model; the long history is set directly (minutes), so the bug would be a wait of
@@ -14,7 +14,8 @@ from queue_support import QUEUE, open_queue, wait_for
 
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.queue.wire import encode_body
-from tokq.workers.worker import PREFETCH_AT, Worker
+from tokq.workers.loop import PREFETCH_AT
+from tokq.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +48,8 @@ async def test_work_after_a_short_forward_does_not_wait_for_the_long_forwards_de
             await wait_for(answered, 30, f"the answer to {request_id}")
 
         await call("first")
-        worker._forward_s_avg = LONG_FORWARDS_S
-        assert worker._prefetch_delay_s() > 0.5 * PREFETCH_AT * LONG_FORWARDS_S
+        worker.loop.prefetch.forward_s = LONG_FORWARDS_S
+        assert worker.loop.prefetch.delay_s() > 0.5 * PREFETCH_AT * LONG_FORWARDS_S
         for i in range(3):  # each forward's prefetching claim waits for that forward only
             await call(f"after-long-{i}")
         worker.stop()

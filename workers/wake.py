@@ -1,0 +1,163 @@
+"""How a worker hears of work without polling: pub/sub notices on its shards' channels.
+
+An idle worker registers as idle and waits on its owner channel, where enqueue and requeue wake
+one idle worker when the queue stops being empty (and a claim that leaves work wakes the next,
+so a burst spreads); the queue's work channel gets the notice when no worker is registered. It
+claims at least every IDLE_FALLBACK_S in case a notice was missed. A worker running a heavy
+forward registers as pre-emptible instead: light work arriving tells it 'light'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from tokq.queue.sharded import ShardedQueue
+from tokq.redis.pubsub import ShardedSubscriber
+from tokq.tasks import cancel_and_wait, raise_if_cancelled
+from tokq.workers.chores import REDIS_ERRORS, OutageLog
+
+log = logging.getLogger("tokq.worker")
+
+# An idle worker waits for a work notice, but claims at least this often: a missed notice
+# (a reconnect) costs at most this long.
+IDLE_FALLBACK_S = 0.5
+
+
+class Registration:
+    """The worker's place in one kind of wake-up set on every shard it claims from: ``idle`` (a
+    'work' notice may pick it) or ``preemptible`` (a 'light' one may, while a heavy forward
+    runs). A notice pops it out of that one shard's set only (lua/lib/wake.lua): with several
+    shards it may stay in the others' (so may a registration whose answer was lost) until it
+    withdraws; else, busy, it would take those shards' notices from the workers waiting."""
+
+    def __init__(self, queue: ShardedQueue, kind: str) -> None:
+        self.queue = queue
+        self.kind = kind
+        self.registered = False  # in every claimed shard's set, as far as this worker knows
+        self.maybe = False  # possibly in some shard's set: withdraw before that matters
+        self.notices = 0  # notices of this kind read (WakeUps.read)
+        self._outage = OutageLog(f"{kind} registration")
+
+    def noticed(self) -> None:
+        """A notice of this kind was read: the shard that sent it holds this worker no more."""
+        self.registered = False
+        self.maybe = self.maybe and self.queue.claim_shards > 1
+        self.notices += 1
+
+    async def set(self, on: bool) -> bool:
+        """Register (``on``) or withdraw; True if a notice was read meanwhile."""
+        read, was_maybe = self.notices, self.maybe
+        try:
+            await getattr(self.queue.consumer, f"mark_{self.kind}")(on)
+            # A notice read meanwhile took this worker out of a set: not registered. (Believing
+            # itself registered, it would hear no more notices: enqueue.lua tells only the
+            # workers in the set.) It may be in a set still: another shard's, or this one's if
+            # the notice popped an earlier registration whose answer was lost and this one
+            # landed after it.
+            self.registered = on and self.notices == read
+            self.maybe = on and (self.registered or was_maybe or self.queue.claim_shards > 1)
+            self._outage.worked()
+        except REDIS_ERRORS as exc:
+            # Not registered, or registered with its answer lost: taken for maybe registered,
+            # withdrawn later (idle: before the forward; pre-emptible: as the forward ends).
+            # Meanwhile work waits for a claim. With one shard's node down this fails at every
+            # wait (the other shards' sets are still written): logged once per outage.
+            self._outage.failed(exc)
+            self.maybe = self.maybe or on
+        return self.notices != read
+
+
+class WakeUps:
+    """The worker's subscription to its shards' work and owner channels, read by one task
+    (``start_reading``), and its registrations. ``healthy()``: False once the worker gave up
+    (it then stays off its owner channels)."""
+
+    def __init__(self, queue: ShardedQueue, *, healthy: Callable[[], bool]) -> None:
+        self.queue = queue
+        self.healthy = healthy
+        self._subscriber = ShardedSubscriber(queue.redis, label="work notices")
+        self._subscribed = False
+        self.idle = Registration(queue, "idle")  # withdrawn before each forward
+        self.preemptible = Registration(queue, "preemptible")  # while a heavy forward runs
+        self._reader: asyncio.Task | None = None  # read(), the subscription's one reader
+        self._work_notice = asyncio.Event()  # a notice came (set by read() only)
+        self.light_notice = asyncio.Event()  # a 'light' notice came
+
+    async def subscribe(self) -> None:
+        try:
+            # Every shard's work channel, and this process's owner channels: while it lives,
+            # they tell requeue not to take its leases early (tokq.queue.shard.Queue.owner_channel).
+            # A node that cannot be reached costs only its shards' channels, which the
+            # subscriber subscribes again in the background (tokq.redis.pubsub); claims still
+            # happen every IDLE_FALLBACK_S meanwhile.
+            consumer = self.queue.consumer
+            await self._subscriber.subscribe(*consumer.work_channels(), *consumer.owner_channels())
+            self._subscribed = True
+        except REDIS_ERRORS as exc:
+            log.warning("work-notice subscription failed: %s", exc)
+            self._subscribed = False
+
+    async def follow_shard_count(self) -> None:
+        """Gateways may have raised (or lowered) the shard count: claim from the shards in use,
+        listen for work on them, and register on them at the next wait (else their work wakes
+        every idle worker)."""
+        before = self.queue.claim_shards
+        if await self.queue.refresh_shard_count() != before:
+            self._subscribed = False
+            self.idle.registered = False
+
+    def start_reading(self) -> asyncio.Task:
+        self._reader = asyncio.create_task(self._read())
+        return self._reader
+
+    async def _read(self) -> None:
+        """The one reader of the subscription, busy or idle: a notice wakes the idle wait, a
+        'light' one also the pre-empting claim of a heavy forward."""
+        while self.healthy():  # a worker that gave up stays off its owner channels
+            raise_if_cancelled()
+            if not self._subscribed:
+                await self.subscribe()
+                if not self._subscribed:
+                    await asyncio.sleep(IDLE_FALLBACK_S)
+                    continue
+            try:
+                notice = await self._subscriber.get_message(timeout=IDLE_FALLBACK_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a lost or closed subscription: subscribe again
+                log.warning("work-notice subscription lost: %s", exc)
+                self._subscribed = False
+                continue
+            if notice is None:
+                continue
+            # Picked out of the idle or pre-emptible set (lua/lib/wake.lua): it registers
+            # again before its next wait.
+            if notice[1] == b"work":
+                self.idle.noticed()
+            elif notice[1] == b"light":
+                self.preemptible.noticed()
+                self.light_notice.set()
+            self._work_notice.set()
+
+    async def wait_for_work(self) -> None:
+        """Until a notice arrives or IDLE_FALLBACK_S pass. Notices that came while busy are
+        taken at once: one claim answers all of them."""
+        if not self.idle.registered:
+            await self.idle.set(True)
+        if not self._work_notice.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._work_notice.wait(), timeout=IDLE_FALLBACK_S)
+        self._work_notice.clear()
+
+    async def stop_reading(self) -> None:
+        """No read may be in flight on a connection closed under it: the reader ends first."""
+        if self._reader is not None:
+            await cancel_and_wait(self._reader)
+
+    async def close(self) -> None:
+        """The subscription closed: this process's owner channels go (its leases are redone
+        sooner once nobody listens)."""
+        await self._subscriber.aclose()
