@@ -44,6 +44,8 @@ class Engine:
                              if model.causal and info.pooling == "last" else None)
         self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
         self.last_graphed = False  # the last embed() replayed a CUDA graph
+        # CPU: batches of at most this many tokens run on one thread (workers/models/layers.py)
+        self.one_thread_tokens = getattr(model.linear, "threaded_rows", 0) if device.type == "cpu" else 0
         # CUDA, varlen attention: batches of at most cuda_graph_tokens replay captured graphs
         graphed = device.type == "cuda" and attn_backend in cuda_graphs.GRAPH_BACKENDS
         # the forward as a partial of the model's, not a lambda holding self: no reference cycle
@@ -88,6 +90,18 @@ class Engine:
         """float32 ``[N, hidden]``: rows with ``dimensions`` d > 0 hold d values then zeros;
         rows with ``normalize`` have unit norm over their first d values. A reranker's: float32
         ``[N, 1]``, each sequence's raw score (before the activation)."""
+        threads = torch.get_num_threads()
+        if threads == 1 or batch.num_tokens > self.one_thread_tokens:
+            return self._embed(batch)
+        # Few tokens: their linears run on the C kernel, on this thread; a second thread for the
+        # few torch ops left costs an OpenMP hand-off and gains nothing.
+        torch.set_num_threads(1)
+        try:
+            return self._embed(batch)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _embed(self, batch: PackedBatch) -> np.ndarray:
         if batch.max_seqlen > self.info.max_length:
             raise ValueError(f"sequence of {batch.max_seqlen} tokens exceeds the model's "
                              f"max length {self.info.max_length}")

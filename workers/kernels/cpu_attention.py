@@ -39,6 +39,16 @@ def bf16_dot_products(head_dim: int) -> bool:
                                    (ctypes.c_int,))(head_dim))
 
 
+# Less work than this (query-key pairs over all heads) stays on the calling thread: a hand-off to
+# another thread costs more than it saves (a 32-token MiniLM query: 12,672, 30-70 us on one thread)
+MIN_SPLIT_WORK = 1 << 15
+
+
+def _work(cu: np.ndarray, num_heads: int) -> int:
+    lengths = np.diff(cu)
+    return int(lengths @ (lengths + 1)) * num_heads
+
+
 def _seq_chunks(cu: np.ndarray, parts: int) -> list[tuple[int, int]]:
     """[first, last) sequence ranges of about equal work (length^2 + length each); a sequence is
     never split, so one long one can leave a range heavier than the rest."""
@@ -79,9 +89,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
             k.stride(1), v.stride(0), v.stride(1), int(causal), scale)
     threads = torch.get_num_threads()
     kernel = _kernel(extra_flags)
-    if threads > 1:
+    if threads > 1 and _work(cu_np := cu.numpy(), q.shape[1]) >= MIN_SPLIT_WORK:
         failed = any(cpu_build.run_parts(kernel, [(*args, *part, *rest)
-                                                  for part in _parts(cu.numpy(), k.shape[1], threads)]))
+                                                  for part in _parts(cu_np, k.shape[1], threads)]))
     else:  # on this thread, no hand-off
         failed = kernel(*args, 0, cu.shape[0] - 1, 0, k.shape[1], *rest)
     if failed:

@@ -18,7 +18,7 @@ from tokq.workers.attention import AttendFn
 from tokq.workers.kernels.cpu_norm import norm_kernels
 from tokq.workers.layout import Layout
 from tokq.workers.loader import moved, packed, take
-from tokq.workers.models.layers import activation, linear_kernels
+from tokq.workers.models.layers import activation, linear_kernels, linear_params
 from tokq.workers.preempt import no_checkpoint
 
 
@@ -85,7 +85,8 @@ class Bert:
         self.embed_norm_bias = take(weights, "embeddings.LayerNorm.bias").to(device)
         self.layers = [moved(BertLayer.from_weights(weights, f"encoder.layer.{i}."), device)
                        for i in range(int(config["num_hidden_layers"]))]
-        self.linear = linear_kernels(self.word_embeddings.device, self.word_embeddings.dtype, linear_kind)
+        self.linear = linear_kernels(self.word_embeddings.device, self.word_embeddings.dtype, linear_kind,
+                                     num_params=linear_params(self.layers))
         self.norm = norm_kernels(self.word_embeddings.device, self.word_embeddings.dtype)
         self.layers = [packed(layer, self.linear.pack) for layer in self.layers]
 

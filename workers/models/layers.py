@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -53,31 +54,68 @@ class TorchLinear:
 class OneDnnLinear:
     """oneDNN's linear (fp32 or bf16) with the activation or residual add fused in: torch's fp32
     ``F.linear`` goes to MKL, whose AMD path is AVX2 (profiling/RESULTS.md). Weights are reordered
-    once at load (``pack``) into oneDNN's blocked layout, which it otherwise redoes every call."""
+    once at load (``pack``) into oneDNN's blocked layout, which it otherwise redoes every call.
+
+    With ``small`` (the C kernel), inputs of at most ``small_rows`` rows run on it, over a second
+    copy of the weights in its panels: there oneDNN's fixed cost per call and its slower weight
+    reads dominate. With more than one torch thread the limit is ``threaded_rows``: past it
+    oneDNN's threads win."""
 
     name = "onednn"
 
-    def __init__(self):
+    def __init__(self, small=None, small_rows: int = 0, threaded_rows: int = 0):
         self._op = torch.ops.mkldnn._linear_pointwise
+        self.small = small
+        self.small_rows = small_rows if small is not None else 0
+        self.threaded_rows = min(threaded_rows, self.small_rows)
+        self._small_weights: dict[int, tuple] = {}  # id(oneDNN's weight) -> (it, the C kernel's)
 
     def pack(self, weight):
-        return torch.ops.mkldnn._reorder_linear_weight(weight)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        if self.small_rows:
+            self._small_weights[id(packed)] = (packed, self.small.pack(weight))
+        return packed
+
+    def _small(self, x, weight):
+        """The C kernel's copy of ``weight`` when ``x`` has few enough rows for it, else None."""
+        if x.shape[0] > (self.small_rows if torch.get_num_threads() == 1 else self.threaded_rows):
+            return None
+        pair = self._small_weights.get(id(weight))
+        return pair[1] if pair is not None else None
 
     def __call__(self, x, weight, bias=None):
+        if (small := self._small(x, weight)) is not None:
+            return self.small(x, small, bias)
         return self._op(x, weight, bias, "none", [], "")
 
     def act(self, x, weight, bias, act_name: str):
+        if (small := self._small(x, weight)) is not None:
+            return self.small.act(x, small, bias, act_name)
         attr, algorithm = _ONEDNN_ACTIVATIONS[act_name]
         return self._op(x, weight, bias, attr, [], algorithm)
 
     def add(self, x, weight, bias, residual):
+        if (small := self._small(x, weight)) is not None:
+            return self.small.add(x, small, bias, residual)
         return self._op.binary(x, residual, weight, bias, "add")
 
 
-def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto"):
+# Inputs of at most this many rows (tokens) run on the C kernel beside oneDNN (``auto``), per dtype:
+# where it measured faster than oneDNN on one thread (AVX-512 CPU, all-MiniLM-L6-v2)
+SMALL_ROWS = {torch.float32: 48, torch.bfloat16: 16}
+# ... with more torch threads, past this many oneDNN on all of them was faster (forwards of at
+# most this many tokens run on one thread: workers/engine.py)
+THREADED_ROWS = 8
+# ... when its second copy of the weights takes at most this much memory
+SMALL_ROWS_MAX_BYTES = 512 << 20
+
+
+def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto", num_params: int = 0):
     """For fp32 on one thread of an AVX2 CPU without AVX-512, the C kernel (workers/kernels/cpu_linear.py)
     where it builds; else oneDNN for fp32 and bf16 on CPU when this torch build has it (checked against
-    F.linear once per dtype); else F.linear. ``kind`` forces one: auto | c | onednn | torch."""
+    F.linear once per dtype), with the C kernel for inputs of few rows (``SMALL_ROWS``) when the model's
+    ``num_params`` linear weights fit ``SMALL_ROWS_MAX_BYTES`` twice; else F.linear. ``kind`` forces
+    one: auto | c | onednn | torch."""
     from tokq.workers.kernels import cpu_linear
 
     if kind == "torch":
@@ -91,7 +129,20 @@ def linear_kernels(device: torch.device, dtype: torch.dtype, kind: str = "auto")
     usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)
     if kind == "onednn" and not usable:
         raise ValueError("oneDNN linear needs fp32 or bf16 on CPU and a torch built with mkldnn")
-    return OneDnnLinear() if usable else TorchLinear()
+    if not usable:
+        return TorchLinear()
+    rows = SMALL_ROWS.get(dtype, 0) if kind == "auto" else 0
+    if rows and 0 < num_params * dtype.itemsize <= SMALL_ROWS_MAX_BYTES:
+        if cpu_linear.small_rows_unavailable_reason(device, dtype) is None:
+            return OneDnnLinear(cpu_linear.CLinear(split=False), rows, THREADED_ROWS)
+    return OneDnnLinear()
+
+
+def linear_params(layers) -> int:
+    """Linear weights' values in ``layers`` (frozen dataclasses): each 2-d tensor field is one
+    (workers/loader.py ``packed``)."""
+    return sum(getattr(layer, f.name).numel() for layer in layers for f in dataclasses.fields(layer)
+               if isinstance(getattr(layer, f.name), torch.Tensor) and getattr(layer, f.name).dim() == 2)
 
 
 @functools.cache

@@ -17,8 +17,8 @@ from tokq.model.info import UnsupportedModel
 from tokq.workers.attention import AttendFn
 from tokq.workers.layout import Layout
 from tokq.workers.loader import moved, packed, take
-from tokq.workers.models.layers import (Rotary, activation, apply_rope, linear_kernels, rms_norm,
-                                        rope_theta)
+from tokq.workers.models.layers import (Rotary, activation, apply_rope, linear_kernels, linear_params,
+                                        rms_norm, rope_theta)
 from tokq.workers.preempt import no_checkpoint
 
 
@@ -73,7 +73,8 @@ class Qwen:
         self.final_norm = take(weights, "norm.weight").to(device)
         self.layers = [moved(QwenLayer.from_weights(weights, f"layers.{i}.", qk_norm=family == "qwen3"),
                              device) for i in range(int(config["num_hidden_layers"]))]
-        self.linear = linear_kernels(self.embed_tokens.device, self.embed_tokens.dtype, linear_kind)
+        self.linear = linear_kernels(self.embed_tokens.device, self.embed_tokens.dtype, linear_kind,
+                                     num_params=linear_params(self.layers))
         self.layers = [packed(layer, self.linear.pack) for layer in self.layers]
         self.rotary = Rotary(self.head_dim, rope_theta(config), self.embed_tokens.device,
                              self.embed_tokens.dtype, num_positions=max_length)
