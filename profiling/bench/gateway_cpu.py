@@ -75,17 +75,18 @@ def measure(target: str, pids: dict[str, int], *, load: dict, calls: int, warmup
             workload: str | None, while_running=None, counters=None, connections: int = CLIENT_CONNECTIONS) -> dict:
     """One measured run of the load client against ``target``: CPU per process (``pids`` and the
     client) over exactly the measured calls, the client's summary, and how much each of
-    ``counters()`` grew over the same calls."""
+    ``counters()`` grew over the same calls. ``while_running()`` starts (a sampler) before the
+    calls and is finished after them."""
     how = ["--concurrency", str(load["concurrency"])] if "concurrency" in load else ["--rate", str(load["rate"])]
     client = harness.Child(__name__, "load-client", "--target", target, *how, "--calls", str(calls),
                            "--warmup-calls", str(warmup_calls), "--seed", str(seed), "--connections", str(connections),
                            *(["--workload", workload] if workload else []))
     try:
         client.ready()
+        extra = while_running() if while_running else None
         counted = counters() if counters else {}
         with harness.CpuWindow({**pids, "load client": client.pid}, wakeups=WAKEUPS_OF) as cpu:
             client.say("go")
-            extra = while_running() if while_running else None
             summary = client.answer()
         if counters:
             counted = {name: value - counted[name] for name, value in counters().items()}

@@ -32,6 +32,7 @@ from tokq.profiling.results_md import block, command_line, machine_cores, publis
 
 NUM_ABUSERS = 6
 PRESSURE_S = 2.0  # abusers at full pressure before probing
+WARMUP_S = 3.0  # probe calls before the first idle phase (1/3 of it before each reference server)
 PROBE_TEXT = "hello"
 BLOCK = "tokq bench hostile"
 CODES = ["OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE"]
@@ -152,7 +153,7 @@ def _reference(ctx, gateway, gateway_stub, specs: dict[str, dict], phase_s: floa
             for label, (target, stub, pid) in servers.items():
                 def noop(seconds: float) -> list[float]:
                     return _probe(stub, seconds, pace_s, call=lambda: stub.Info(pb.InfoRequest(), timeout=30))
-                noop(1.0)  # warm-up
+                noop(WARMUP_S / 3)
                 idle = noop(phase_s)
                 with _abusers(ctx, target, specs[name]) as (_, counts):
                     replies0 = sum(counts[:])
@@ -197,7 +198,7 @@ def run(rounds: int, phase_s: float, pace_s: float) -> dict:
         keys = QueueKeys(info.queue_name)
         with grpc.insecure_channel(gateway.target, GRPC_LIMITS) as channel:
             stub = _stub(channel)
-            _probe(stub, 3.0, pace_s)  # warm-up
+            _probe(stub, WARMUP_S, pace_s)
             for rnd in range(rounds):
                 for name, spec in scenarios(limits).items():
                     res = results[name]

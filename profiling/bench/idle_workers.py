@@ -24,6 +24,7 @@ from tokq.profiling.harness import pct
 from tokq.profiling.results_md import command_line, shared_machine_note, table, write_section
 
 POLL_PER_S = 1 / 0.002  # one claim every 2 ms
+SETTLE_S = 2.0  # every worker past its first claims before the idle window
 
 
 def command_calls(client) -> int:
@@ -67,7 +68,7 @@ def idle_workers_command(workers, idle_s, items, gap_s, results_md) -> None:
         for i in range(workers):
             stack.worker(f"idle{i}")
         stack.wait(timeout_s=600)
-        time.sleep(2.0)  # every worker past its first claims
+        time.sleep(SETTLE_S)
         before, t0 = command_calls(stack.client), time.monotonic()
         time.sleep(idle_s)
         per_worker = (command_calls(stack.client) - before) / (time.monotonic() - t0) / workers

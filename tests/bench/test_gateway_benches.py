@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_gateway_cpu(bench, tmp_path):
-    args = ["--calls", "40", "--rates", "50", "--concurrency", "0", "--rounds", "1", "--warmup-calls", "10",
+    args = ["--calls", "80", "--rates", "50", "--concurrency", "0", "--rounds", "1", "--warmup-calls", "10",
             "--profile-dir", str(tmp_path / "profile"), "--json", str(tmp_path / "g.json")]
     text = bench(gateway_cpu.gateway_cpu_command, args, f"{gateway_cpu.BLOCK} ({harness_extension()})")
     assert re.search(r"^\| 50 req/s \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+x\*\* \(", text, re.M)
@@ -24,7 +24,7 @@ def test_gateway_cpu(bench, tmp_path):
     assert "Collapsed stacks: [gateway-pyspy.txt.gz](profile/gateway-pyspy.txt.gz)." in text
     report = json.loads((tmp_path / "g.json").read_text())
     (only,) = report["loads"][0]["rounds"]
-    assert only["tokq"]["summary"]["num_ok"] == 40 and only["tokq"]["counters"]["enqueues"] >= 40
+    assert only["tokq"]["summary"]["num_ok"] == 80 and only["tokq"]["counters"]["enqueues"] >= 80
     # the target is judged on the median gateway CPU of a load, only where no call failed
     only["tokq"]["cpu_ms_per_call"]["gateway"] = 0.5
     assert gateway_cpu.verdict([only]) == "met"

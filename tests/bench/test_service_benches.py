@@ -62,6 +62,7 @@ def test_hostile(bench, monkeypatch):
     scenarios = hostile.scenarios
     monkeypatch.setattr(hostile, "scenarios", lambda limits: dict(list(scenarios(limits).items())[1:2]))
     monkeypatch.setattr(hostile, "PRESSURE_S", 0.2)
+    monkeypatch.setattr(hostile, "WARMUP_S", 0.3)
     text = bench(hostile.hostile_command, ["--rounds", "1", "--phase-s", "0.3"], hostile.BLOCK)
     rows = [line for line in text.splitlines() if re.match(r"\| (8 MB|\d+ x \d+ KiB)", line)]
     assert len(rows) == 1 and re.search(r"\*\*[\d.]+x\*\*", rows[0])
@@ -69,15 +70,16 @@ def test_hostile(bench, monkeypatch):
 
 
 def test_crash_recovery(bench, monkeypatch):
-    monkeypatch.setattr(crash_recovery, "PRE_S", 2.0)
+    monkeypatch.setattr(crash_recovery, "PRE_S", 1.5)
     monkeypatch.setattr(crash_recovery, "OBSERVE_LEASES", 4)
-    text = bench(crash_recovery.crash_recovery_command, ["--burst", "40", "--lease-ms", "500", "--rounds", "1"],
+    text = bench(crash_recovery.crash_recovery_command, ["--burst", "40", "--lease-ms", "400", "--rounds", "1"],
                  "tokq bench crash-recovery")
     assert re.search(r"^\| redone in batches \(tokq's rule\) \| [\d.]+ L \|", text, re.M)
     assert "| every redone item alone (`max_attempts=2`) |" in text and "Recovery, in batches / alone:" in text
 
 
-def test_idle_workers(bench):
+def test_idle_workers(bench, monkeypatch):
+    monkeypatch.setattr(idle_workers, "SETTLE_S", 0.5)
     text = bench(idle_workers.idle_workers_command, ["--workers", "1", "--idle-s", "1", "--items", "5"],
                  "tokq bench idle-workers")
     assert re.search(r"^\| Redis commands/s per idle worker \| [\d.]+ \|", text, re.M)

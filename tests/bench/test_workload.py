@@ -97,7 +97,7 @@ def test_whole_floats_are_whole_numbers(tmp_path):
 
 
 def test_bytes_that_are_not_utf8_are_named_by_line_number(tmp_path):
-    # Far past the first read buffer: the decoder used to fail there, naming no line.
+    # Far past the first read buffer, where a decoder reading ahead would fail naming no line.
     lines = [b'{"id": %d, "text": "query %d", "tokens": 5}\n' % (i, i) for i in range(2000)]
     lines[1500] = b'{"id": 1500, "text": "caf\xe9", "tokens": 5}\n'  # latin-1
     path = tmp_path / "w.jsonl"

@@ -1,6 +1,6 @@
-"""`tokq profile` on a model with a default prompt measures the budget as the queue counts it
-(issue 15): every query behind the prompt, the prompt computed once and cached, batch sizes in
-the tokens after it; FLOPs leave out what a cached prompt saves."""
+"""`tokq profile` on a model with a default prompt measures the budget as the queue counts it:
+every query behind the prompt, the prompt computed once and cached, batch sizes in the tokens
+after it; FLOPs leave out what a cached prompt saves."""
 
 from __future__ import annotations
 
