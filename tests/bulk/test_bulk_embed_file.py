@@ -191,7 +191,8 @@ def test_gateway_restart_mid_run_is_retried(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr
-    assert "UNAVAILABLE" in stderr and "retrying" in stderr
+    # a call cut by the gateway's stop ends UNAVAILABLE, or CANCELLED when the server went first
+    assert ("UNAVAILABLE" in stderr or "CANCELLED" in stderr) and "retrying" in stderr
     table = pq.read_table(out)
     np.testing.assert_array_equal(np.array(table.column("embedding").to_pylist(), np.float32), expected(texts))
 
@@ -410,7 +411,7 @@ async def test_tokens_in_flight_follow_the_workers_that_take_them(workers):
             await client.close()
     assert rate >= 0.7 * workers / token_s, f"{rate:.0f} tokens/s of {workers / token_s:.0f}"
     assert sender.window.limit <= (workers + 4) * 2 * 256
-    assert gateway.max_in_flight <= 3 * sender.window.limit
+    assert gateway.max_in_flight <= 3 * sender.window.peak  # the limit may have shrunk since
 
 
 def test_a_large_input_streams_with_bounded_memory(tmp_path):

@@ -103,6 +103,7 @@ class Window:
     def __init__(self, unit: int) -> None:
         self.unit = max(1, unit)
         self.limit = START_UNITS * self.unit
+        self.peak = self.limit  # the largest limit so far: what in flight was ever bounded by
         self.in_flight = 0
         self.slow_start = True  # doubling until the first sign of queueing
         self._waiters: list[tuple[asyncio.Future, int]] = []
@@ -113,6 +114,7 @@ class Window:
         unit = max(1, unit)
         if unit != self.unit:
             self.limit = max(MIN_UNITS * unit, round(self.limit * unit / self.unit))
+            self.peak = max(self.peak, self.limit)
             self.unit = unit
             self._wake()
 
@@ -165,6 +167,7 @@ class Window:
         elif ratio < GROW_BELOW and self._waited:
             grown = 2 * self.limit if self.slow_start else self.limit + self.unit
             self.limit = min(MAX_UNITS * self.unit, grown)
+            self.peak = max(self.peak, self.limit)
             self._wake()
         self._round = [0, 0.0, 0.0]
         self._waited = False
