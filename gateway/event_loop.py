@@ -1,6 +1,6 @@
 """The gateway process's event loop: uvloop (libuv, in C) where installed, else Python's asyncio.
 
-uvloop drives each call's callbacks for less CPU (profiling/RESULTS.md, "Gateway CPU per call").
+uvloop drives each call's callbacks for less CPU (profiling/results/gateway.md, "Gateway CPU per call").
 """
 
 from __future__ import annotations

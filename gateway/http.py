@@ -35,7 +35,7 @@ FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate",
 
 
 def _json(body, status: int = 200, headers: dict | None = None) -> Response:
-    # orjson writes numpy float32 arrays directly (see profiling/RESULTS.md, "HTTP API").
+    # orjson writes numpy float32 arrays directly (see profiling/results/gateway.md, "HTTP API").
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
                     media_type="application/json", headers=headers)
 

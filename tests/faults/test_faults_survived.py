@@ -14,7 +14,7 @@ right vectors (compared with the model run alone) or a retryable status the scen
 that no call hung (every wait is bounded); that nothing was queued twice; and that no request
 key is left in Redis afterwards.
 
-``TOKQ_FAULTS_RESULTS=profiling/RESULTS.md`` makes the module rewrite that file's "Faults
+``TOKQ_FAULTS_RESULTS=profiling/results/service.md`` makes the module rewrite that file's "Faults
 survived" table from what it measured.
 """
 
@@ -394,7 +394,7 @@ def test_kill_9_of_the_gateway_mid_request(stack, texts, reference):
     assert after.correct == 20
 
 
-# -- the RESULTS.md table --------------------------------------------------------------------
+# -- the results table --------------------------------------------------------------------
 
 
 def write_results(path: Path, table: list[Tally]) -> None:
@@ -420,5 +420,5 @@ def write_results(path: Path, table: list[Tally]) -> None:
         body.append(f"| {t.fault} | {t.calls} | {t.correct} | {t.retryable}"
                     f"{f' ({codes})' if codes else ''} | {t.lost} | {t.wrong} | {dup} |")
     write_section(path, "faults", "Faults survived",
-                  f"{RESULTS_ENV}=profiling/RESULTS.md .venv/bin/python -m pytest -q "
+                  f"{RESULTS_ENV}=profiling/results/service.md .venv/bin/python -m pytest -q "
                   "tests/faults/test_faults_survived.py -p no:cacheprovider", body)

@@ -73,12 +73,12 @@ class HttpSender:
     connections; a timeout reads as DEADLINE_EXCEEDED, an HTTP error as HTTP_<code>."""
 
     def __init__(self, base_url: str, model: str, timeout_s: float) -> None:
-        import httpx2
+        import httpx
 
-        self._httpx = httpx2
+        self._httpx = httpx
         # httpx's timeouts are per phase; the deadline is enforced whole below.
-        self._client = httpx2.AsyncClient(base_url=base_url, timeout=timeout_s + 1,
-                                          limits=httpx2.Limits(max_connections=256, max_keepalive_connections=256))
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s + 1,
+                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
         self.model, self.timeout_s = model, timeout_s
 
     async def __call__(self, texts) -> Reply:
@@ -103,9 +103,9 @@ async def fetch_vectors(system: RunningSystem, texts: list[str], timeout_s: floa
     import numpy as np
 
     if system.spec.kind == "infinity":
-        import httpx2
+        import httpx
 
-        async with httpx2.AsyncClient(base_url=f"http://{system.target}", timeout=timeout_s) as client:
+        async with httpx.AsyncClient(base_url=f"http://{system.target}", timeout=timeout_s) as client:
             async def one(text: str):
                 resp = await client.post("/embeddings", json={"model": MODEL, "input": [text]})
                 resp.raise_for_status()
