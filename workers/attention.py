@@ -122,11 +122,16 @@ def _torch_varlen_attend() -> AttendFn:
     return attend
 
 
-def _cpu_varlen_attend(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
-    cu = layout.plans.get("cpu_varlen")  # int64 cu_seqlens, converted once per batch
+def cpu_varlen_cu(layout: Layout) -> torch.Tensor:
+    """The batch's cu_seqlens in int64, as the C kernels read them: converted once per batch."""
+    cu = layout.plans.get("cpu_varlen")
     if cu is None:
         cu = layout.plans["cpu_varlen"] = layout.cu_seqlens.to(torch.int64)
-    return cpu_attention.attend(q, k, v, cu, causal, scale)
+    return cu
+
+
+def cpu_varlen_attend(q, k, v, layout: Layout, causal: bool, scale: float) -> torch.Tensor:
+    return cpu_attention.attend(q, k, v, cpu_varlen_cu(layout), causal, scale)
 
 
 def attend_fn(backend: str, device: torch.device | str = "cpu") -> AttendFn:
@@ -137,7 +142,7 @@ def attend_fn(backend: str, device: torch.device | str = "cpu") -> AttendFn:
     if backend == "torch_varlen":
         return _torch_varlen_attend()
     if backend == "cpu_varlen":
-        return _cpu_varlen_attend
+        return cpu_varlen_attend
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}")
     return _sdpa_attend(expand_kv=torch.device(device).type == "cuda")

@@ -9,6 +9,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -46,10 +47,13 @@ def compile_library(cc: str, flags, source: Path, out: Path) -> None:
 
 
 def build_key(source: Path, cc: str, flags=FLAGS) -> str:
-    """What a build depends on: the source and the headers beside it (cpu_vec.h), the flags,
-    the compiler and the CPU's feature flags."""
+    """What a build depends on: the source, the headers beside it (cpu_vec.h) and the sources it
+    includes (cpu_layers.c), the flags, the compiler and the CPU's feature flags."""
+    text = source.read_bytes()
+    included = re.findall(rb'^#include "([\w.]+\.c)"', text, re.MULTILINE)
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    return hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + cc.encode()
+    headers += b"".join((source.parent / name.decode()).read_bytes() for name in included)
+    return hashlib.sha256(text + headers + " ".join(flags).encode() + cc.encode()
                           + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
 
 

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from tokq.model.info import UnsupportedModel
-from tokq.workers.attention import AttendFn
-from tokq.workers.kernels.cpu_norm import norm_kernels
+from tokq.workers.attention import AttendFn, cpu_varlen_attend, cpu_varlen_cu
+from tokq.workers.kernels import cpu_layers
+from tokq.workers.kernels.cpu_norm import CNorms, norm_kernels
 from tokq.workers.layout import Layout
 from tokq.workers.loader import moved, packed, take
-from tokq.workers.models.layers import activation, linear_kernels, linear_params
+from tokq.workers.models.layers import SMALL_ROWS, activation, linear_kernels, linear_params
 from tokq.workers.preempt import no_checkpoint
 
 
@@ -89,6 +90,15 @@ class Bert:
                                      num_params=linear_params(self.layers))
         self.norm = norm_kernels(self.word_embeddings.device, self.word_embeddings.dtype)
         self.layers = [packed(layer, self.linear.pack) for layer in self.layers]
+        # Batches of at most fused_rows tokens on one thread run every layer in one C call
+        # (workers/kernels/cpu_layers.py): the linears' C kernel, its attention and LayerNorm
+        self.fused_rows, self._fused = 0, None
+        dtype = self.word_embeddings.dtype
+        rows = SMALL_ROWS.get(dtype, 0) if self.linear.name == "c" else getattr(self.linear, "small_rows", 0)
+        if (rows and self.act_name == "gelu" and isinstance(self.norm, CNorms)
+                and cpu_layers.unavailable_reason(device, dtype) is None):
+            self._fused = cpu_layers.BertLayers(self.layers, self.linear.c_weight, self.num_heads, self.eps)
+            self.fused_rows = rows
 
     @property
     def num_linear_params(self) -> int:
@@ -112,6 +122,9 @@ class Bert:
         x = self.norm(x, self.embed_norm_weight, self.embed_norm_bias, self.eps)
         num_tokens = x.shape[0]
         scale = self.head_dim ** -0.5
+        if (num_tokens <= self.fused_rows and checkpoint is no_checkpoint and attend is cpu_varlen_attend
+                and torch.get_num_threads() == 1):
+            return self._fused(x, cpu_varlen_cu(layout), scale)
         linear = self.linear
         for layer in self.layers:
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias).view(num_tokens, 3, self.num_heads,

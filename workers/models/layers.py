@@ -76,6 +76,11 @@ class OneDnnLinear:
             self._small_weights[id(packed)] = (packed, self.small.pack(weight))
         return packed
 
+    def c_weight(self, weight):
+        """The C kernel's copy of ``weight`` (a weight this linear packed), else None."""
+        pair = self._small_weights.get(id(weight))
+        return pair[1] if pair is not None else None
+
     def _small(self, x, weight):
         """The C kernel's copy of ``weight`` when ``x`` has few enough rows for it, else None."""
         if x.shape[0] > (self.small_rows if torch.get_num_threads() == 1 else self.threaded_rows):
