@@ -41,36 +41,60 @@ def _timeout(ctx, param, value: float) -> float:
     return value
 
 
+def target_option(f):
+    return click.option("--target", default="localhost:50051", show_default=True, envvar="TOKQ_TARGET",
+                        help="gateway address host:port ([::1]:50051 for IPv6)")(f)
+
+
+def access_options(f):
+    """--api-key and the client's TLS files, shared by every command that calls a gateway."""
+    # Not TOKQ_TLS_CERT/TOKQ_TLS_KEY: those are the gateway's own certificate (tokq gateway, tokq up).
+    for option in reversed([
+        click.option("--api-key", envvar="TOKQ_API_KEY", help="for a gateway started with --api-key (sent as "
+                     "a bearer token); prefer the env var: a flag is visible in ps"),
+        click.option("--tls-ca", envvar="TOKQ_TLS_CA", metavar="FILE",
+                     help="PEM roots that verify a gateway serving TLS (tokq gateway --tls-cert)"),
+        click.option("--tls-cert", envvar="TOKQ_CLIENT_TLS_CERT", metavar="FILE",
+                     help="PEM client certificate, for a gateway with --tls-client-ca (mutual TLS; needs --tls-key)"),
+        click.option("--tls-key", envvar="TOKQ_CLIENT_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert"),
+    ]):
+        f = option(f)
+    return f
+
+
+def client_factory(target, model, api_key, tls_ca, tls_cert, tls_key, client_class=None):
+    """Reads the TLS files now; returns what makes a Client (or ``client_class``) for the
+    command's options. A bad file or key is a usage error."""
+    from tokq.client import Client
+
+    credentials = _credentials(tls_ca, tls_cert, tls_key)
+
+    def make():
+        try:
+            return (client_class or Client)(target, credentials=credentials, model=model,
+                                            api_key=api_key or None)
+        except (ValueError, TypeError) as exc:  # e.g. a key holding a newline or non-ASCII character
+            raise click.UsageError(f"{exc} (--api-key / TOKQ_API_KEY)") from None
+    return make
+
+
 @click.command("embed")
 @click.argument("texts", nargs=-1, required=True)
-@click.option("--target", default="localhost:50051", show_default=True, envvar="TOKQ_TARGET",
-              help="gateway address host:port ([::1]:50051 for IPv6)")
+@target_option
 @click.option("--dimensions", type=click.IntRange(min=1, max=2**32 - 1), help="Matryoshka truncation")
 @click.option("--prompt-name", help="a prompt the model defines, e.g. query")
 @click.option("--truncate/--no-truncate", default=False, help="cut over-long inputs to the model's limit")
 @click.option("--normalize/--no-normalize", default=True, help="unit-length embeddings (default)")
 @click.option("--model", default="", help="the served model's name (needed where the gateway serves several)")
-@click.option("--api-key", envvar="TOKQ_API_KEY", help="for a gateway started with --api-key (sent as a "
-              "bearer token); prefer the env var: a flag is visible in ps")
-# Not TOKQ_TLS_CERT/TOKQ_TLS_KEY: those are the gateway's own certificate (tokq gateway, tokq up).
-@click.option("--tls-ca", envvar="TOKQ_TLS_CA", metavar="FILE",
-              help="PEM roots that verify a gateway serving TLS (tokq gateway --tls-cert)")
-@click.option("--tls-cert", envvar="TOKQ_CLIENT_TLS_CERT", metavar="FILE",
-              help="PEM client certificate, for a gateway with --tls-client-ca (mutual TLS; needs --tls-key)")
-@click.option("--tls-key", envvar="TOKQ_CLIENT_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
+@access_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               callback=_timeout, help="seconds (inf: none of its own, the gateway's default applies)")
 def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, model, api_key,
                   tls_ca, tls_cert, tls_key, timeout) -> None:
     """Embed TEXTS with the gateway at --target and print JSON."""
-    from tokq.client import Client, TokqError
+    from tokq.client import TokqError
 
-    credentials = _credentials(tls_ca, tls_cert, tls_key)
-    try:
-        client = Client(target, credentials=credentials, model=model, api_key=api_key or None)
-    except (ValueError, TypeError) as exc:  # e.g. a key holding a newline or non-ASCII character
-        raise click.UsageError(f"{exc} (--api-key / TOKQ_API_KEY)") from None
-    with client:
+    with client_factory(target, model, api_key, tls_ca, tls_cert, tls_key)() as client:
         try:
             out = client.embed_full(list(texts), truncate=truncate, normalize=normalize,
                                     dimensions=dimensions, prompt_name=prompt_name, timeout=timeout)
@@ -87,33 +111,16 @@ def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, m
     }))
 
 
-def _connect(target, model, api_key, tls_ca, tls_cert, tls_key):
-    from tokq.client import Client
-
-    credentials = _credentials(tls_ca, tls_cert, tls_key)
-    try:
-        return Client(target, credentials=credentials, model=model, api_key=api_key or None)
-    except (ValueError, TypeError) as exc:  # e.g. a key holding a newline or non-ASCII character
-        raise click.UsageError(f"{exc} (--api-key / TOKQ_API_KEY)") from None
-
-
 @click.command("rerank")
 @click.argument("query")
 @click.argument("documents", nargs=-1, required=True)
-@click.option("--target", default="localhost:50051", show_default=True, envvar="TOKQ_TARGET",
-              help="gateway address host:port ([::1]:50051 for IPv6)")
+@target_option
 @click.option("--top-n", type=click.IntRange(min=1, max=2**32 - 1), help="print only the best N results")
 @click.option("--raw-scores", is_flag=True, help="the model's raw logits, without its activation")
 @click.option("--return-documents", is_flag=True, help="print each result's document")
 @click.option("--truncate/--no-truncate", default=False, help="cut over-long pairs to the model's limit")
 @click.option("--model", default="", help="the served reranker's name (needed where the gateway serves several)")
-@click.option("--api-key", envvar="TOKQ_API_KEY", help="for a gateway started with --api-key (sent as a "
-              "bearer token); prefer the env var: a flag is visible in ps")
-@click.option("--tls-ca", envvar="TOKQ_TLS_CA", metavar="FILE",
-              help="PEM roots that verify a gateway serving TLS (tokq gateway --tls-cert)")
-@click.option("--tls-cert", envvar="TOKQ_CLIENT_TLS_CERT", metavar="FILE",
-              help="PEM client certificate, for a gateway with --tls-client-ca (mutual TLS; needs --tls-key)")
-@click.option("--tls-key", envvar="TOKQ_CLIENT_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
+@access_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               callback=_timeout, help="seconds (inf: none of its own, the gateway's default applies)")
 def rerank_command(query, documents, target, top_n, raw_scores, return_documents, truncate, model, api_key,
@@ -121,7 +128,7 @@ def rerank_command(query, documents, target, top_n, raw_scores, return_documents
     """Score DOCUMENTS by relevance to QUERY with the reranker at --target; print JSON, best first."""
     from tokq.client import TokqError
 
-    with _connect(target, model, api_key, tls_ca, tls_cert, tls_key) as client:
+    with client_factory(target, model, api_key, tls_ca, tls_cert, tls_key)() as client:
         try:
             out = client.rerank_full(query, list(documents), top_n=top_n, raw_scores=raw_scores,
                                      return_documents=return_documents, truncate=truncate, timeout=timeout)

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from tokq.client_cli import _credentials, _timeout
+from tokq.client_cli import _timeout, access_options, client_factory, target_option
 
 EXIT_ROWS_FAILED = 3  # finished, some rows in the errors file
 EXIT_INTERRUPTED = 130
@@ -21,21 +21,14 @@ EXIT_INTERRUPTED = 130
 @click.option("--text-field", default="text", show_default=True,
               help="the field or column holding the text (.jsonl, .csv, .parquet)")
 @click.option("--id-field", help="a field or column copied to the output's id column (default: a row column)")
-@click.option("--target", default="localhost:50051", show_default=True, envvar="TOKQ_TARGET",
-              help="gateway address host:port ([::1]:50051 for IPv6)")
+@target_option
 @click.option("--dimensions", type=click.IntRange(min=1, max=2**32 - 1), help="Matryoshka truncation")
 @click.option("--prompt-name", help="a prompt the model defines, e.g. document")
 @click.option("--truncate/--no-truncate", default=False,
               help="cut over-long inputs to the model's limit (default: such rows fail)")
 @click.option("--normalize/--no-normalize", default=True, help="unit-length embeddings (default)")
 @click.option("--model", default="", help="the served model's name (needed where the gateway serves several)")
-@click.option("--api-key", envvar="TOKQ_API_KEY", help="for a gateway started with --api-key (sent as a "
-              "bearer token); prefer the env var: a flag is visible in ps")
-@click.option("--tls-ca", envvar="TOKQ_TLS_CA", metavar="FILE",
-              help="PEM roots that verify a gateway serving TLS (tokq gateway --tls-cert)")
-@click.option("--tls-cert", envvar="TOKQ_CLIENT_TLS_CERT", metavar="FILE",
-              help="PEM client certificate, for a gateway with --tls-client-ca (mutual TLS; needs --tls-key)")
-@click.option("--tls-key", envvar="TOKQ_CLIENT_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
+@access_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               callback=_timeout, help="each request's deadline in seconds")
 @click.option("--retry-for", type=click.FloatRange(min=0), default=300.0, show_default=True,
@@ -57,17 +50,11 @@ def embed_file_command(input_path, output, text_field, id_field, target, dimensi
     from tokq.bulk.store import StoreError, errors_path, parts_path
     from tokq.client import AsyncClient
 
-    credentials = _credentials(tls_ca, tls_cert, tls_key)
+    connect = client_factory(target, model, api_key, tls_ca, tls_cert, tls_key, client_class=AsyncClient)
     spec = JobSpec(input_path, output, text_field=text_field, id_field=id_field or None, model=model,
                    options=EmbedOptions(dimensions=dimensions, prompt_name=prompt_name, truncate=truncate,
                                         normalize=normalize, timeout_s=timeout, retry_for_s=retry_for),
                    rows_per_part=commit_rows, overwrite=overwrite)
-
-    def connect() -> AsyncClient:
-        try:
-            return AsyncClient(target, credentials=credentials, model=model, api_key=api_key or None)
-        except (ValueError, TypeError) as exc:  # e.g. a key holding a newline or non-ASCII character
-            raise click.UsageError(f"{exc} (--api-key / TOKQ_API_KEY)") from None
 
     try:
         result = asyncio.run(run_job(spec, connect, target=target))
