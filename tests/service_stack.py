@@ -206,12 +206,13 @@ class ServiceStack:
 
 
 @contextlib.contextmanager
-def gateway_and_worker(*, env: dict[str, str] | None = None, http: bool = False) -> Iterator[ServiceStack]:
+def gateway_and_worker(*gateway_args: str, env: dict[str, str] | None = None, http: bool = False,
+                       model: str | None = None, gateway_over_unix_socket: bool = False) -> Iterator[ServiceStack]:
     """The stack most end-to-end tests want: one gateway and one worker ("w1"), serving (gRPC
     health SERVING) when the block starts, every process and Redis stopped after it."""
-    stack = ServiceStack(env=env, http=http)
+    stack = ServiceStack(env=env, http=http, model=model)
     try:
-        stack.start_gateway()
+        stack.start_gateway(*gateway_args, redis_url=stack.redis.unix_url if gateway_over_unix_socket else None)
         stack.start_worker("w1")
         stack.wait_ready()
         yield stack

@@ -47,16 +47,10 @@ def test_column_embedder_keeps_order_and_says_which_rows_failed():
 
 @pytest.fixture(scope="module")
 def stack():
-    from service_stack import ServiceStack
+    from service_stack import gateway_and_worker
 
-    s = ServiceStack()
-    try:
-        s.start_gateway()
-        s.start_worker("w1")
-        s.wait_ready()
+    with gateway_and_worker() as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

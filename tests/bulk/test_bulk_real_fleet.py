@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from service_stack import ServiceStack
+from service_stack import gateway_and_worker
 
 from tokq.bulk.store import errors_path, parts_path
 
@@ -24,14 +24,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack():
-    s = ServiceStack()
-    try:
-        s.start_gateway()
-        s.start_worker("w1")
-        s.wait_ready()
+    with gateway_and_worker() as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

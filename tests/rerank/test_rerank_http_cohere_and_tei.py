@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from service_stack import ServiceStack
+from service_stack import gateway_and_worker
 from tiny_rerankers import DOCUMENTS, LONG_DOCUMENT, QUERY, build_bert_cross_encoder
 
 MODEL = "bert-reranker"
@@ -20,14 +20,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(folder):
-    s = ServiceStack(model=str(folder), http=True)
-    try:
-        s.start_gateway("--max-inputs", "16")
-        s.start_worker("w1")
-        s.wait_ready()
+    with gateway_and_worker("--max-inputs", "16", model=str(folder), http=True) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

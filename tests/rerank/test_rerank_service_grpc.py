@@ -13,7 +13,7 @@ import sys
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from service_stack import ServiceStack, delivered_reply, embed_counts
+from service_stack import delivered_reply, embed_counts, gateway_and_worker
 from tiny_rerankers import DOCUMENTS, LONG_DOCUMENT, QUERY, build_bert_cross_encoder
 
 from tokq import AsyncClient, Client, TokqError
@@ -29,14 +29,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(folder):
-    s = ServiceStack(model=str(folder))
-    try:
-        s.start_gateway("--max-inputs", "16", "--metrics-port", str(METRICS_PORT))
-        s.start_worker("w1")
-        s.wait_ready()
+    with gateway_and_worker("--max-inputs", "16", "--metrics-port", str(METRICS_PORT), model=str(folder)) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

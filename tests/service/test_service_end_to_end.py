@@ -44,19 +44,14 @@ def reference(bundled_model_dir):
 
 @pytest.fixture(scope="module")
 def stack():
-    from service_stack import ServiceStack
+    from service_stack import gateway_and_worker
 
     # Short leases so a killed worker's batch is redone quickly; a small token cap to test overload.
-    s = ServiceStack(env={"TOKQ_LEASE_MS": "1500", "TOKQ_MAX_QUEUED_TOKENS": "40000"})
-    try:
-        # The gateway reaches Redis through its Unix socket (unix://), the workers over TCP: every
-        # test below runs on both kinds of URL, against one server.
-        s.start_gateway(redis_url=s.redis.unix_url)
-        s.start_worker("w1")
-        s.wait_ready()
+    # The gateway reaches Redis through its Unix socket (unix://), the workers over TCP: every test
+    # below runs on both kinds of URL, against one server.
+    with gateway_and_worker(env={"TOKQ_LEASE_MS": "1500", "TOKQ_MAX_QUEUED_TOKENS": "40000"},
+                            gateway_over_unix_socket=True) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")
