@@ -108,9 +108,9 @@ class OneDnnLinear:
 # Inputs of at most this many rows (tokens) run on the C kernel beside oneDNN (``auto``), per dtype:
 # where it measured faster than oneDNN on one thread (AVX-512 CPU, all-MiniLM-L6-v2)
 SMALL_ROWS = {torch.float32: 48, torch.bfloat16: 16}
-# ... with more torch threads, past this many oneDNN on all of them was faster (forwards of at
-# most this many tokens run on one thread: workers/engine.py)
-THREADED_ROWS = 8
+# ... with more torch threads, past this many oneDNN on all of them can be faster (forwards of at
+# most this many tokens run on one thread, their BERT layers in one C call: workers/engine.py)
+THREADED_ROWS = 12
 # ... when its second copy of the weights takes at most this much memory
 SMALL_ROWS_MAX_BYTES = 512 << 20
 
