@@ -120,6 +120,7 @@ def synthetic_traffic(model: str):
         inflight_items, inflight_batches = 4, 1
         counters = {"enqueued": 0, "acked": 0, "requeued": 0}
         num_shards, unreadable_shards = 1, ()
+        lanes = {"light": (10, 600), "heavy": (2, 2400)}
 
     def run():
         n = 0
@@ -128,6 +129,7 @@ def synthetic_traffic(model: str):
             gateway.request_started("Embed")
             gateway.embed_tokenized(1.0, 120)
             worker.observe_claim(0.001)
+            worker.observe_claim_stop("full" if n % 3 else "heavy_item")
             # every other batch replayed from a CUDA graph (workers/cuda_graphs.py)
             worker.observe_batch([100, 120, 200], token_budget=512, forward_s=0.02, graphed=n % 2 == 0)
             if n % 4 == 0:  # a light batch run inside a heavy forward now and then
