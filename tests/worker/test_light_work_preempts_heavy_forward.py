@@ -32,7 +32,9 @@ LEASE_MS = 3_000
 def engine():
     from tokq.workers.engine import Engine
 
-    return Engine.load(None, device="cpu", name=QUEUE)
+    # fp32: a redone item's vector is compared with its request embedded alone (atol 1e-5), and
+    # bf16 ("auto" on a CPU with AVX512-BF16) differs with the batch an item rides in.
+    return Engine.load(None, device="cpu", dtype="float32", name=QUEUE)
 
 
 
