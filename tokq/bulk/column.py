@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 
 from tokq.bulk.send import EmbedOptions, FleetLimits, Sender, check_options, fetch_info
+from tokq.bulk.sources import check_text
 
 ON_ERROR = ("raise", "null")
 
@@ -25,21 +26,6 @@ class RowsFailed(ValueError):
         more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
         super().__init__(f"{len(errors)} rows could not be embedded: {shown}{more}")
         self.errors = errors
-
-
-def _check_row(value) -> tuple[str | None, str | None]:
-    if value is None:
-        return None, "the text is null"
-    if not isinstance(value, str):
-        return None, f"the text is a {type(value).__name__}, not a string"
-    if not value:
-        return None, "empty text"
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return None, f"not valid UTF-8 (a lone surrogate at character {exc.start:,})"
-    return value, None
 
 
 class ColumnEmbedder:
@@ -93,7 +79,7 @@ class ColumnEmbedder:
         rows: list[str | None] = []
         errors: dict[int, str] = {}
         for i, value in enumerate(texts):
-            text, why = _check_row(value)
+            text, why = check_text(value)
             if why:
                 errors[i] = why
             rows.append(text)

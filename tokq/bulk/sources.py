@@ -85,7 +85,7 @@ def _decode(raw: bytes) -> tuple[str | None, str | None]:
     return text, None
 
 
-def _check_text(value) -> tuple[str | None, str | None]:
+def check_text(value) -> tuple[str | None, str | None]:
     if value is None:
         return None, "the text is null"
     if not isinstance(value, str):
@@ -352,7 +352,7 @@ class JsonlSource(_LineSource):
                             reason = f"line {number:,} has no field {self.id_field!r}"
                     if reason is None:
                         if self.text_field in obj:
-                            text, why = _check_text(obj[self.text_field])
+                            text, why = check_text(obj[self.text_field])
                             if why:
                                 reason = f"line {number:,}: {why}"
                         else:
