@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,8 +7,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    INTERACTIVE: _ClassVar[Priority]
+    BATCH: _ClassVar[Priority]
+PRIORITY_UNSPECIFIED: Priority
+INTERACTIVE: Priority
+BATCH: Priority
+
 class EmbedRequest(_message.Message):
-    __slots__ = ("inputs", "model", "truncate", "normalize", "dimensions", "prompt_name", "token_inputs")
+    __slots__ = ("inputs", "model", "truncate", "normalize", "dimensions", "prompt_name", "token_inputs", "priority")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +25,7 @@ class EmbedRequest(_message.Message):
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKEN_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedScalarFieldContainer[str]
     model: str
     truncate: bool
@@ -22,7 +33,8 @@ class EmbedRequest(_message.Message):
     dimensions: int
     prompt_name: str
     token_inputs: _containers.RepeatedCompositeFieldContainer[TokenIds]
-    def __init__(self, inputs: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., truncate: _Optional[bool] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., token_inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+    priority: Priority
+    def __init__(self, inputs: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., truncate: _Optional[bool] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., token_inputs: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -138,7 +150,7 @@ class TokenizeResponse(_message.Message):
     def __init__(self, inputs: _Optional[_Iterable[_Union[TokenizedInput, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("query", "documents", "top_n", "raw_scores", "return_documents", "truncate", "model")
+    __slots__ = ("query", "documents", "top_n", "raw_scores", "return_documents", "truncate", "model", "priority")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +158,7 @@ class RerankRequest(_message.Message):
     RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
     top_n: int
@@ -153,7 +166,8 @@ class RerankRequest(_message.Message):
     return_documents: bool
     truncate: bool
     model: str
-    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., raw_scores: _Optional[bool] = ..., return_documents: _Optional[bool] = ..., truncate: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    priority: Priority
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., raw_scores: _Optional[bool] = ..., return_documents: _Optional[bool] = ..., truncate: _Optional[bool] = ..., model: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "score", "document")
