@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import redis.exceptions
 
+from tokq.queue.priority import DEFAULT_PRIORITY, check_priority
 from tokq.queue.shard import Enqueued, Queue, QueueFull, Withdrawn
 from tokq.tasks import cancel_and_wait
 
@@ -134,9 +135,12 @@ class Producer:
         return self._sharded.shard(self._shard_of_request.get(request_id, 0)).keys.reply(request_id)
 
     async def enqueue(self, request_id: str, items: Sequence[tuple[int, bytes]], *,
-                      timeout_ms: int, gateway_id: str) -> Enqueued:
+                      timeout_ms: int, gateway_id: str,
+                      priority: str = DEFAULT_PRIORITY) -> Enqueued:
         """Queue the request on one shard; its completion notice comes on that shard's
-        ``done_channel(gateway_id)``. Every enqueue must end in ``collect`` or ``cancel``."""
+        ``done_channel(gateway_id)``. Every enqueue must end in ``collect`` or ``cancel``.
+        ``priority``: one of tokq.queue.PRIORITIES (ValueError otherwise, nothing queued)."""
+        check_priority(priority)
         self.loads.maybe_refresh()
         index = self.loads.pick()
         # Recorded before the script runs: a call cancelled mid-enqueue is still cancelled
@@ -145,7 +149,8 @@ class Producer:
         shard = self._sharded.shard(index)
         try:
             enqueued = await shard.enqueue(request_id, items, timeout_ms=timeout_ms,
-                                           channel=shard.keys.done_channel(gateway_id))
+                                           channel=shard.keys.done_channel(gateway_id),
+                                           priority=priority)
         except (ValueError, QueueFull, Withdrawn):  # nothing queued or to cancel: else kept for good
             self._shard_of_request.pop(request_id, None)
             raise

@@ -29,6 +29,7 @@ from tokq.queue.claim_rule import Lanes, isolate_attempt_for, preempt_budget
 from tokq.config import MAX_TOKEN_BUDGET, QueueConfig
 from tokq.queue.wire import Entry, parse_entry
 from tokq.queue.keys import QueueKeys
+from tokq.queue.priority import DEFAULT_PRIORITY, check_priority
 from tokq.redis.pipeline import ScriptPipeliner
 from tokq.queue.scripts import Scripts
 
@@ -203,9 +204,11 @@ class Queue:
             raise LostAnswer(script, exc) from exc
 
     async def enqueue(self, request_id: str, items: Sequence[tuple[int, bytes]], *,
-                      timeout_ms: int, channel: str) -> Enqueued:
+                      timeout_ms: int, channel: str, priority: str = DEFAULT_PRIORITY) -> Enqueued:
         """Queue all items of one request (token_count, body), atomically; raises QueueFull.
-        Idempotent by ``request_id``: running it again returns the first run's answer."""
+        Idempotent by ``request_id``: running it again returns the first run's answer.
+        ``priority``: one of tokq.queue.PRIORITIES, else ValueError."""
+        check_priority(priority)
         if not request_id or ":" in request_id:
             raise ValueError(f"request id {request_id!r} must be non-empty and hold no ':'")
         if not items:
