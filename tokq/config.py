@@ -192,10 +192,38 @@ _LATENCY_GOAL_MS = setting(int(DEFAULT_SLO_P99_MS), "p99 latency goal an unset b
 _DEVICE = setting("auto", "auto | cpu | cuda | cuda:N", pattern=r"auto|cpu|cuda(:\d+)?")
 
 
-_API_KEYS = setting((), "accepted API key (repeatable; callers send 'authorization: Bearer <key>'). "
+def api_key_entry(entry: str, where: str = "an API key") -> tuple[str, str | None]:
+    """'KEY' or 'KEY priority=batch' as (key, the key's default priority class or None); a
+    ConfigError starting with ``where`` says what is wrong, never quoting the key."""
+    from tokq.queue.priority import PRIORITIES
+
+    key, *options = entry.split() or [""]
+    priority = None
+    for option in options:
+        name, eq, value = option.partition("=")
+        if name != "priority" or not eq:  # not quoted: it may be the rest of a key holding a space
+            raise ConfigError(f"{where}: after the key only priority={'|'.join(PRIORITIES)} may follow")
+        if value not in PRIORITIES:
+            raise ConfigError(f"{where}: priority={value!r} is not one of {', '.join(PRIORITIES)}")
+        priority = value
+    return key, priority
+
+
+def _api_keys_problem(name: str, keys: tuple[str, ...]) -> str | None:
+    for i, entry in enumerate(keys, 1):
+        try:
+            api_key_entry(entry, f"{name} entry {i}")
+        except ConfigError as exc:
+            return str(exc)
+    return None
+
+
+_API_KEYS = setting((), "accepted API key (repeatable; callers send 'authorization: Bearer <key>'); "
+                    "'KEY priority=batch' gives the key's calls that default priority class. "
                     "Visible in ps: prefer --api-key-file", flag="--api-key", secret=True,
-                    default_text="none")
-_API_KEY_FILE = setting("", "file with one accepted API key per line")
+                    default_text="none", check=_api_keys_problem)
+_API_KEY_FILE = setting("", "file with one accepted API key per line, each optionally followed by "
+                        "priority=interactive or priority=batch: its calls' default priority class")
 
 
 @dataclass(frozen=True)
