@@ -2,15 +2,16 @@
 
 Names are ``tokq_<stage>_<what>_<unit>``; times are seconds (Prometheus' base unit), sizes
 are tokens or items. Labels: ``model`` on everything, ``worker`` on worker metrics, ``rpc``
-and ``code`` (gRPC status name) on requests. Importable without torch.
+and ``code`` (gRPC status name) on requests, ``priority`` (the call's class: interactive, batch;
+"" where none applies or it was refused before its class was read). Importable without torch.
 
 Gateway (``GatewayMetrics`` is the gateway's observer; see gateway/embedding.py)
-  tokq_gateway_requests_total{rpc,code}           counter   finished RPCs (model="": refused before
+  tokq_gateway_requests_total{rpc,code,priority}  counter   finished RPCs (model="": refused before
       naming a served model; rpc "Embed" or "Rerank" on gRPC, "http.Embeddings" or "http.Rerank"
       on HTTP)
-  tokq_gateway_request_duration_seconds{rpc}      histogram whole RPC, as the gateway saw it
+  tokq_gateway_request_duration_seconds{rpc,priority}  histogram whole RPC, as the gateway saw it
   tokq_gateway_tokenize_duration_seconds          histogram tokenizing one Embed request
-  tokq_gateway_queue_duration_seconds             histogram queue wait of a request (its slowest item)
+  tokq_gateway_queue_duration_seconds{priority}   histogram queue wait of a request (its slowest item)
   tokq_gateway_inference_duration_seconds         histogram forward time of a request (its slowest item)
   tokq_gateway_request_input_tokens               histogram tokens in one Embed request
   tokq_gateway_enqueue_batch_requests             histogram enqueues sent to Redis in one round trip
@@ -126,15 +127,15 @@ _QUEUE_COUNTER_HELP = {
 
 _M, _W = ("model",), ("model", "worker")
 
-GATEWAY_REQUESTS = Counter("tokq_gateway_requests", "Finished RPCs by status code",
-                           _M + ("rpc", "code"))
+GATEWAY_REQUESTS = Counter("tokq_gateway_requests", "Finished RPCs by status code and priority class",
+                           _M + ("rpc", "code", "priority"))
 GATEWAY_REQUEST_DURATION = Histogram("tokq_gateway_request_duration_seconds",
-                                     "Whole RPC as the gateway saw it", _M + ("rpc",),
+                                     "Whole RPC as the gateway saw it", _M + ("rpc", "priority"),
                                      buckets=LATENCY_BUCKETS_S)
 GATEWAY_TOKENIZE_DURATION = Histogram("tokq_gateway_tokenize_duration_seconds",
                                       "Tokenizing one Embed request", _M, buckets=LATENCY_BUCKETS_S)
 GATEWAY_QUEUE_DURATION = Histogram("tokq_gateway_queue_duration_seconds",
-                                   "Queue wait of an Embed request (its slowest item)", _M,
+                                   "Queue wait of an Embed request (its slowest item)", _M + ("priority",),
                                    buckets=LATENCY_BUCKETS_S)
 GATEWAY_INFERENCE_DURATION = Histogram("tokq_gateway_inference_duration_seconds",
                                        "Forward time of an Embed request (its slowest item)", _M,
@@ -294,18 +295,21 @@ class RequestCounts:
     def __init__(self, model: str) -> None:
         self.model = model
         # Each call's children looked up once, not per call (``labels`` locks and hashes).
-        self._requests: dict[tuple[str, str], object] = {}
-        self._durations: dict[str, object] = {}
+        self._requests: dict[tuple[str, str, str], object] = {}
+        self._durations: dict[tuple[str, str], object] = {}
 
-    def count(self, rpc: str, code: str, duration_s: float) -> None:
-        """``code`` is the gRPC status name ("OK", "INVALID_ARGUMENT", ...)."""
-        requests = self._requests.get((rpc, code))
+    def count(self, rpc: str, code: str, duration_s: float, priority: str = "") -> None:
+        """``code`` is the gRPC status name ("OK", "INVALID_ARGUMENT", ...); ``priority`` the
+        call's class, "" where none applies."""
+        requests = self._requests.get((rpc, code, priority))
         if requests is None:
-            requests = self._requests[rpc, code] = GATEWAY_REQUESTS.labels(self.model, rpc, code)
+            requests = self._requests[rpc, code, priority] = GATEWAY_REQUESTS.labels(
+                self.model, rpc, code, priority)
         requests.inc()
-        duration = self._durations.get(rpc)
+        duration = self._durations.get((rpc, priority))
         if duration is None:
-            duration = self._durations[rpc] = GATEWAY_REQUEST_DURATION.labels(self.model, rpc)
+            duration = self._durations[rpc, priority] = GATEWAY_REQUEST_DURATION.labels(
+                self.model, rpc, priority)
         duration.observe(duration_s)
 
 
@@ -320,23 +324,26 @@ class GatewayMetrics(RequestCounts):
         self._inflight.set(0)
         self._tokenize = GATEWAY_TOKENIZE_DURATION.labels(model)
         self._input_tokens = GATEWAY_INPUT_TOKENS.labels(model)
-        self._queue = GATEWAY_QUEUE_DURATION.labels(model)
+        self._queue: dict[str, object] = {}  # priority -> its child
         self._inference = GATEWAY_INFERENCE_DURATION.labels(model)
         self._enqueue_batch = GATEWAY_ENQUEUE_BATCH.labels(model)
 
     def request_started(self, rpc: str) -> None:
         self._inflight.inc()
 
-    def request_finished(self, rpc: str, code: str, duration_s: float) -> None:
+    def request_finished(self, rpc: str, code: str, duration_s: float, priority: str = "") -> None:
         self._inflight.dec()
-        self.count(rpc, code, duration_s)
+        self.count(rpc, code, duration_s, priority)
 
     def embed_tokenized(self, tokenize_ms: float, num_tokens: int) -> None:
         self._tokenize.observe(tokenize_ms / 1000.0)
         self._input_tokens.observe(num_tokens)
 
-    def embed_done(self, queue_ms: float, inference_ms: float) -> None:
-        self._queue.observe(queue_ms / 1000.0)
+    def embed_done(self, queue_ms: float, inference_ms: float, priority: str = "") -> None:
+        queue = self._queue.get(priority)
+        if queue is None:
+            queue = self._queue[priority] = GATEWAY_QUEUE_DURATION.labels(self.model, priority)
+        queue.observe(queue_ms / 1000.0)
         self._inference.observe(inference_ms / 1000.0)
 
     def enqueues_sent(self, num_requests: int) -> None:

@@ -119,17 +119,17 @@ def test_gateway_observer_counts_requests_by_rpc_and_code():
     gw.request_finished("Embed", "OK", 0.02)
     gw.request_finished("Embed", "RESOURCE_EXHAUSTED", 0.001)
     assert _value("tokq_gateway_inflight_requests", model=model) == 0
-    assert _value("tokq_gateway_requests_total", model=model, rpc="Embed", code="OK") == 1
+    assert _value("tokq_gateway_requests_total", model=model, rpc="Embed", code="OK", priority="") == 1
     assert _value("tokq_gateway_requests_total", model=model, rpc="Embed",
-                  code="RESOURCE_EXHAUSTED") == 1
-    assert _value("tokq_gateway_request_duration_seconds_count", model=model, rpc="Embed") == 2
+                  code="RESOURCE_EXHAUSTED", priority="") == 1
+    assert _value("tokq_gateway_request_duration_seconds_count", model=model, rpc="Embed", priority="") == 2
     assert _value("tokq_gateway_tokenize_duration_seconds_sum", model=model) == pytest.approx(0.0015)
-    assert _value("tokq_gateway_queue_duration_seconds_sum", model=model) == pytest.approx(0.012)
+    assert _value("tokq_gateway_queue_duration_seconds_sum", model=model, priority="") == pytest.approx(0.012)
     assert _value("tokq_gateway_inference_duration_seconds_sum", model=model) == pytest.approx(0.003)
     assert _value("tokq_gateway_request_input_tokens_sum", model=model) == 40
     # 12 ms lands in the 25 ms bucket, not the 10 ms one: the histogram is in seconds
-    assert _value("tokq_gateway_queue_duration_seconds_bucket", model=model, le="0.01") == 0
-    assert _value("tokq_gateway_queue_duration_seconds_bucket", model=model, le="0.025") == 1
+    assert _value("tokq_gateway_queue_duration_seconds_bucket", model=model, priority="", le="0.01") == 0
+    assert _value("tokq_gateway_queue_duration_seconds_bucket", model=model, priority="", le="0.025") == 1
     gw.enqueues_sent(1)
     gw.enqueues_sent(7)
     assert _value("tokq_gateway_enqueue_batch_requests_count", model=model) == 2  # round trips
