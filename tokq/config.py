@@ -140,8 +140,20 @@ class QueueConfig(_Validated):
     """How one model's queue behaves. Times are milliseconds."""
 
     max_queued_tokens: int = setting(
-        2_000_000, "cap on queued tokens: an enqueue that would pass it is rejected whole "
-        "(RESOURCE_EXHAUSTED)", min=1)
+        2_000_000, "cap on queued interactive-class tokens: an enqueue that would pass it is "
+        "rejected whole (RESOURCE_EXHAUSTED); batch-class work never counts against it", min=1)
+    max_queued_batch_tokens: int = setting(
+        2_000_000, "cap on queued batch-class tokens, apart from the interactive cap: a bulk "
+        "backlog refuses only batch-class enqueues", min=1)
+    # A batch-class head that waited batch_starve_ms gets batch_share of each budget first
+    # (tokq/queue/claim_rule.py): bulk work is never starved by live traffic.
+    batch_share: float = setting(0.25, "share of each batch's token budget batch-class work "
+                                 "takes first once its oldest entry waited --batch-starve-ms "
+                                 "(else it only fills the room interactive work leaves)",
+                                 min=0, max=1)
+    batch_starve_ms: int = setting(1_000, "how long the oldest batch-class entry may wait before "
+                                   "batch work gets --batch-share of each batch", min=0,
+                                   max=3_600_000)
     # Below ~100 ms a lease expires between two renewals of a healthy worker (0 would spin).
     lease_ms: int = setting(10_000, "a claimed batch's lease; the worker renews it while the "
                             "forward runs", min=100, max=3_600_000)
