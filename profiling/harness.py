@@ -1,7 +1,5 @@
-"""What the benchmarks that start tokq share: a stack of real processes (an embedded Redis, `tokq
-worker`s of the bundled model, `tokq gateway`s), a bare gRPC server to measure against, helper
-processes that talk in lines, /proc CPU windows, and medians and percentiles over rounds. The
-load drivers are in bench/loadgen.py, the markdown in results_md.py."""
+"""What the benchmarks that start tokq share: a stack of real processes, a bare gRPC server, helper
+processes that talk in lines, /proc CPU windows, rounds and their medians, and the benches' options."""
 
 from __future__ import annotations
 
@@ -24,6 +22,36 @@ from tokq.profiling.bench.proc_cpu import children, cmdline, machine_busy_s, pro
 START_TIMEOUT_S = 180
 HIDDEN_SIZE = 384  # all-MiniLM-L6-v2's vector: what the bare server answers too
 GRPC_LIMITS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+# -- the benches' shared options ---------------------------------------------------------------
+
+def results_md_option(topic: str):
+    return click.option("--results-md", type=click.Path(dir_okay=False), default=None,
+                        help=f"Rewrite this bench's section of this file (profiling/results/{topic}).")
+
+
+def bench_options(topic: str, *, rounds: int | None = 3, json_out: bool = False):
+    """The options a bench ends with, in this order: --rounds, --json (the raw figures), --results-md."""
+    options = [*([click.option("--rounds", default=rounds, show_default=True)] if rounds else []),
+               *([click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+                               help="Also write the raw figures here.")] if json_out else []),
+               results_md_option(topic)]
+
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return apply
+
+
+model_option = click.option("--model", default=None, help="Model directory [default: bundled all-MiniLM-L6-v2].")
+threads_option = click.option("--threads", default=0, show_default=True, help="torch threads (0: torch's default).")
+
+
+def save_json(path: str | None, report) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -177,10 +205,8 @@ class Stack:
 # -- the bare gRPC server ----------------------------------------------------------------------
 
 class BareServer:
-    """tokq.v1.Embedder with no tokq in it, its own process: the cost of a Python gRPC call alone.
-    By default it answers every Embed with one fixed unit vector, on the gateway's event loop and
-    thread policy; ``refuse``: it refuses every Embed as soon as gRPC has received it (unparsed),
-    with the gateway's message limits, and answers Info empty."""
+    """tokq.v1.Embedder with no tokq in it: one fixed unit vector per input, on the gateway's loop and
+    thread policy; ``refuse``: every Embed refused unparsed (the gateway's message limits), Info empty."""
 
     def __init__(self, *, refuse: bool = False, log=subprocess.DEVNULL) -> None:
         from tokq.processes import wait_for_health
@@ -243,8 +269,8 @@ async def serve_bare(port: int, refuse: bool) -> None:
 # -- helper processes --------------------------------------------------------------------------
 
 class Child:
-    """A bench's helper process (`python -m MODULE ARGS`) talking in lines: it prints "ready" once
-    warmed up, reads commands from stdin and answers one JSON line."""
+    """A helper process (`python -m MODULE ARGS`) talking in lines: it prints "ready" once warmed up,
+    reads commands from stdin and answers one JSON line."""
 
     def __init__(self, module: str, *args: str) -> None:
         self.proc = python("-m", module, *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -283,9 +309,8 @@ def reply(obj) -> None:
 # -- measuring ---------------------------------------------------------------------------------
 
 class CpuWindow:
-    """CPU-seconds of named processes over a ``with`` block, from /proc: ``cpu_s``, ``wall_s``,
-    ``cores()``, ``ms_per(calls)``; the context switches of the ``wakeups`` ones; and the cores the
-    whole machine was busy."""
+    """CPU-seconds of named processes over a ``with`` block (/proc): ``cpu_s``, ``wall_s``, ``cores()``,
+    ``ms_per(calls)``, the ``wakeups`` ones' context switches, and the whole machine's busy cores."""
 
     def __init__(self, pids: dict[str, int], wakeups: Iterable[str] = ()) -> None:
         self.pids, self.wakeup_names = pids, [n for n in wakeups if n in pids]
@@ -311,14 +336,25 @@ class CpuWindow:
 
 
 def settle(pid: int, timeout_s: float = 30.0, window_s: float = 0.5, busy: float = 0.1) -> None:
-    """Until ``pid`` uses less than ``busy`` of a core over ``window_s``: a server still working off
-    a phase's last requests would otherwise be measured in the next phase."""
+    """Until ``pid`` uses less than ``busy`` of a core over ``window_s``, so a phase's last requests
+    are not measured in the next phase."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         before = proc_cpu_s(pid)
         time.sleep(window_s)
         if proc_cpu_s(pid) - before < busy * window_s:
             return
+
+
+def interleaved(rounds: int, configs: Iterable, measure: Callable, *, flip: bool = False) -> dict:
+    """Per config, ``measure(config)`` of every round; each round runs every config in turn (in reverse
+    every other round with ``flip``), so load from other processes lands on each alike."""
+    configs = list(configs)
+    out: dict = {c: [] for c in configs}
+    for r in range(rounds):
+        for c in configs[::-1] if flip and r % 2 else configs:
+            out[c].append(measure(c))
+    return out
 
 
 def metrics(url: str, *names: str, **labels: str) -> dict[str, float]:
@@ -352,6 +388,11 @@ def dig(row, path):
 def median(rows: Iterable, *path):
     """The median over rounds of each round's value at ``path`` (keys into nested dicts)."""
     return statistics.median(dig(r, path) for r in rows)
+
+
+def medians(rows: list[dict]) -> dict:
+    """Every value of the rounds' dicts (nested ones too), as its median over rounds."""
+    return {k: medians([r[k] for r in rows]) if isinstance(v, dict) else median(rows, k) for k, v in rows[0].items()}
 
 
 def ratio(rows: Iterable, num: tuple, den: tuple) -> float:

@@ -1,6 +1,5 @@
-"""The benchmarks' markdown: generated blocks of profiling/results/*.md. A block is named for the
-command that writes it (``tokq bench queue``) and runs from ``<!-- NAME: start ... -->`` to
-``<!-- NAME: end -->``; that command rewrites it in place (or appends it), the rest of the file kept."""
+"""Generated blocks of profiling/results/*.md: ``<!-- NAME: start ... -->`` to ``<!-- NAME: end -->``,
+rewritten in place (or appended) by the command NAME, the rest of the file kept."""
 
 from __future__ import annotations
 
@@ -41,8 +40,9 @@ def write_block(path: str | Path, name: str, new_block: str) -> None:
     path.write_text(replace_block(text, name, new_block.rstrip("\n")))
 
 
-def publish(section: str, results_md: str | None, name: str) -> None:
-    """Print a bench's block, and write it into ``results_md`` when one is given."""
+def publish(section: str | list[str], results_md: str | None, name: str, generated_by: str | None = None) -> None:
+    """Print a bench's block (or its lines, made a block), and write it into ``results_md`` if given."""
+    section = block(name, section, generated_by) if isinstance(section, list) else section
     click.echo(section)
     if results_md:
         write_block(results_md, name, section)
@@ -54,8 +54,8 @@ def write_section(path: str | Path, name: str, title: str, command: str, body: l
 
 
 def table(head: str, rows: Iterable[Iterable], align: str = "") -> list[str]:
-    """A markdown table: ``head`` is "a | b | c"; ``align`` one letter per column (l or r, default
-    l for the first column and r for the rest); each row a sequence of cells."""
+    """A markdown table: ``head`` is "a | b | c"; ``align`` one letter (l or r) per column, by default
+    l then r; each row a sequence of cells."""
     names = [h.strip() for h in head.split("|")]
     align = align or "l" + "r" * (len(names) - 1)
     return [f"| {' | '.join(names)} |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
@@ -63,8 +63,7 @@ def table(head: str, rows: Iterable[Iterable], align: str = "") -> list[str]:
 
 
 def cpu_block_name(name: str, machine: dict) -> str:
-    """Block ``name`` of a run on a CPU with ``machine``'s vector extension ("AVX2"), so an AVX2
-    machine's run does not overwrite an AVX-512 machine's; a GPU run is named by its GPU."""
+    """Block ``name`` by the machine's vector extension ("AVX2") or GPU: runs elsewhere keep their own."""
     label = machine.get("gpu") or machine.get("vector_extension")
     return f"{name} ({label})" if label else name
 
@@ -85,8 +84,8 @@ def cpu_label(machine: dict) -> str:
 
 
 def command_line(ctx: click.Context | None = None, group: str = "tokq bench") -> str:
-    """The command running, with the options typed (in declared order; defaults and environment
-    values left out): what a block says made it, and what rewrites it."""
+    """The command running with the options typed, in declared order (not defaults or environment
+    values): what a block says made it, and what rewrites it."""
     ctx = ctx or click.get_current_context(silent=True)
     if ctx is None:  # a test driving the functions directly
         return shlex.join(["tokq", *sys.argv[1:]])

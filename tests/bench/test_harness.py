@@ -86,6 +86,9 @@ def test_rounds_give_medians_ratios_within_a_round_and_percentiles_by_rank():
     rounds = [{"a": {"x": 2.0}, "b": 1.0}, {"a": {"x": 9.0}, "b": 3.0}, {"a": {"x": 4.0}, "b": 4.0}]
     assert harness.median(rounds, "a", "x") == 4.0
     assert harness.ratio(rounds, ("a", "x"), ("b",)) == 2.0  # 2, 3, 1: not 4 / 3
+    assert harness.medians(rounds) == {"a": {"x": 4.0}, "b": 3.0}
+    order = []  # each round runs every config; with flip, every other round in reverse
+    assert harness.interleaved(2, "ab", lambda c: order.append(c) or len(order), flip=True) == {"a": [1, 4], "b": [2, 3]}
     values = list(range(1, 501))
     assert harness.pct(values, 0.99) == 496 and harness.pct([], 0.99) == 0.0
 
