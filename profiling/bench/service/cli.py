@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from pathlib import Path
 
 import click
@@ -67,6 +68,9 @@ def system_specs(names: list[str], *, budgets: list[int], profiled_budget: int |
                                               engine="optimum", onnx_dir=infinity_onnx_dir or onnx_dir)
     for b in budgets[:-1]:
         catalog[f"tokq-b{b}"] = SystemSpec(f"tokq look-ahead b{b}", "tokq", b, None)
+    for n in (int(name[len("tokq-defaults-t"):]) for name in names if re.fullmatch(r"tokq-defaults-t[1-9]\d*", name)):
+        catalog[f"tokq-defaults-t{n}"] = SystemSpec(f"tokq ({{budget}}, dtype auto, {n} worker thread{'s' * (n > 1)})",
+                                                   "tokq", worker_threads=n)
     if profiled_budget and profiled_budget not in budgets:
         catalog["tokq-profiled"] = SystemSpec(f"tokq look-ahead b{profiled_budget} (profiled)", "tokq",
                                               profiled_budget, None)
@@ -135,7 +139,7 @@ def profile_budget(queries, *, device: str, threads: int, slo_ms: float, max_tok
 @click.command("service")
 @click.option("--all", "run_all", is_flag=True, help="Every system: tokq budgets, FIFO, and all baselines.")
 @click.option("--system", "systems", multiple=True,
-              help="tokq | tokq-defaults | tokq-fifo | tokq-b<N> | tokq-profiled | one-at-a-time | onnx | padded | "
+              help="tokq | tokq-defaults | tokq-defaults-t<threads> | tokq-fifo | tokq-b<N> | tokq-profiled | one-at-a-time | onnx | padded | "
                    "infinity | infinity-onnx (repeatable) [default: tokq and one-at-a-time].")
 @click.option("--workload", "workload_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL workload [default: ../shared/workloads/short_queries.jsonl, else generated].")
@@ -184,6 +188,7 @@ def profile_budget(queries, *, device: str, threads: int, slo_ms: float, max_tok
               help="Bisections after the step search [default: 1; 3 with --budget-check, ~3% resolution].")
 @click.option("--profile-max-tokens", default=4096, show_default=True,
               help="Largest batch --budget-check profiles (raise it on a GPU).")
+@click.option("--section", default="", help="Write a block of its own, headed '...: SECTION', not the main one.")
 @click.option("--note", default="", help="Free text for the report (e.g. whether the machine was idle).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @click.option("--gateway-procs", type=click.IntRange(0, 64), default=0, show_default=True,
@@ -194,7 +199,7 @@ def profile_budget(queries, *, device: str, threads: int, slo_ms: float, max_tok
 def service_command(run_all, systems, workload_path, num_queries, seed, arrivals, rate, slo_ms, start_rate,
                     step_factor, max_steps, step_duration_s, timeout_ms, token_budgets, profile_json, profiled_budget,
                     padded_max_batch, padded_max_wait_ms, infinity_bin, threads, device, model_dir, out_path,
-                    plots_dir, results_md, budget_check, refinements, profile_max_tokens, note, quiet,
+                    plots_dir, results_md, budget_check, refinements, profile_max_tokens, section, note, quiet,
                     gateway_procs, generator_procs) -> None:
     """Open-loop load through tokq and its baselines; sustainable rate at a p99 SLO."""
     import dataclasses
@@ -275,7 +280,7 @@ def service_command(run_all, systems, workload_path, num_queries, seed, arrivals
     finally:
         shutil.rmtree(export_root, ignore_errors=True)
     report["meta"].update(workload_source=source, forward_ms_by_budget=forward_ms, note=note, infinity=infinity_note,
-                          profiled_budget=profiled, default_budget=default_budget,
+                          section=section, profiled_budget=profiled, default_budget=default_budget,
                           onnx_export=onnx_export.exporter if onnx_export else None)
     if budget_check:
         report["budget_check"] = {"device": device, "profile": profile, "profiled_budget": profiled,

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from tokq.profiling.bench.loadgen import within_slo
+from tokq.profiling.bench.service.run import LANE_SAMPLE_S
 from tokq.profiling.results_md import (block, cpu_block_name, cpu_heading, cpu_label, machine_cores, markers, table,
                                        write_block)
 
@@ -68,7 +69,7 @@ def _vectors(system: dict) -> str:
 def main_tokq(report: dict) -> dict | None:
     """The tokq system the targets judge: `tokq up`'s defaults, else the best tokq system of the run."""
     tokq = [s for s in report["systems"] if s["kind"] == "tokq"]
-    defaults = [s for s in tokq if not s.get("token_budget") and s.get("lookahead") is None]
+    defaults = [s for s in tokq if not (s.get("token_budget") or s.get("worker_threads")) and s.get("lookahead") is None]
     return defaults[0] if defaults else max(tokq, key=lambda s: s["sustainable_rps"], default=None)
 
 
@@ -108,6 +109,24 @@ def cpu_cores(step: dict | None) -> str:
     return ", ".join(f"{role} {c:.2f}" for role, c in cores.items()) if cores else "–"
 
 
+def _stops(systems: list[dict]) -> list[str]:
+    """Why each tokq claim stopped, with the fill and the lanes' depth, at half load, at the sustainable
+    rate and past it."""
+    from tokq.queue.claim_rule import STOP_REASONS
+
+    runs = [(s, label, run, run.get("batches") or {}) for s in systems if s["kind"] == "tokq"
+            for label, run in [("half load", s["half_load"])] * bool(s.get("half_load")) + [
+                ("sustainable" if st["offered_rps"] == s["sustainable_rps"] else "past the limit", st)
+                for st in sorted(s["steps"], key=lambda x: x["offered_rps"]) if st["offered_rps"] >= s["sustainable_rps"]]]
+    reasons = [r for r in STOP_REASONS if any(b.get("claim_stops", {}).get(r) for *_, b in runs)]
+    rows = [[f"{s['name']} ({label})", f"{run['offered_rps']:.0f}", fmt(run["latency_ms"]["p99"]), fmt(b.get("num_batches")),
+             *(f"{b['claim_stops'].get(r, 0):.0%}" if "claim_stops" in b else "–" for r in reasons or ["–"]),
+             fmt(b.get("fill_ratio"), 2), fmt(b.get("tokens_per_batch")),
+             *(fmt(b.get("queued_tokens", {}).get(lane)) for lane in ("light", "heavy"))] for s, label, run, b in runs]
+    return table(f"system (step) | offered req/s | p99 ms | batches | {' | '.join(reasons) or 'claims by stop reason'} | fill ratio | "
+                 "tokens/batch | light lane queued tokens | heavy lane queued tokens", rows)
+
+
 def _tables(report: dict, slo_ms: float) -> dict[str, list[str]]:
     systems, ref = report["systems"], _baseline(report, "one-at-a-time")
     ref_rps = ref["sustainable_rps"] if ref else 0.0
@@ -139,6 +158,7 @@ def _tables(report: dict, slo_ms: float) -> dict[str, list[str]]:
                           "what broke at the next rate", headline, "lrrrrrrrrl"),
         "bounds": table("system | " + " | ".join(f"p99 <= {b} ms" for b in P99_BOUNDS_MS),
                         ([s["name"], *(fmt(sustainable_at(s["steps"], b)) for b in P99_BOUNDS_MS)] for s in systems)),
+        "stops": _stops(systems),
         "batches": table("system | offered req/s | batches | items/batch | tokens/batch | fill ratio | forward ms | "
                          "queue wait p50 / p99 ms | inference p50 ms", batches),
         "steps": table("system | offered req/s | sent req/s | done req/s | tokens/s | p50 ms | p90 ms | p99 ms | max ms | "
@@ -159,7 +179,9 @@ def other_cpu(meta: dict) -> str:
 
 
 def block_name(report: dict) -> str:
-    return cpu_block_name(BLOCK, report["meta"]["machine"])
+    """The main block, or a ``--section`` run's own: "tokq bench service, worker threads (AVX-512)"."""
+    section = report["meta"].get("section")
+    return cpu_block_name(f"{BLOCK}, {section}" if section else BLOCK, report["meta"]["machine"])
 
 
 def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> str:
@@ -168,7 +190,8 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
     slo_ms, tables = o["slo_ms"], _tables(report, o["slo_ms"])
     forward = ", ".join(f"b{b}: {ms:.0f} ms" for b, ms in meta.get("forward_ms_by_budget", {}).items())
     lines = [
-        cpu_heading("Service benchmark", m), "", *run_header(meta),
+        cpu_heading("Service benchmark", m) + (f": {meta['section']}" if meta.get("section") else ""), "",
+        *run_header(meta),
         f"Machine: {cpu_label(m)}, {m['num_cpus']} CPUs, {m['platform']}; load average at start "
         f"{' '.join(m.get('loadavg_at_start', []))}, at end {' '.join(meta.get('loadavg_at_end', []))} (1/5/15-minute "
         "load averages, this run's own processes included). Everything (load generator, gateway, worker, Redis, "
@@ -191,7 +214,11 @@ def markdown_section(report: dict, plot_paths: dict[str, str] | None = None) -> 
         "### Targets", "", *_targets(report, slo_ms), "",
         "### Highest rate meeting other p99 bounds (same steps)", "", *tables["bounds"], "",
         "### Batches (read from tokq's worker metrics and queue counters; timings from responses)", "",
-        *tables["batches"], ""]
+        *tables["batches"], "", "### Why claims stopped (tokq's worker metrics and lane gauges, per step)", "",
+        "Share of claims by the reason their batch stopped growing (`tokq_worker_claim_stops_total{reason}`: `full`, the "
+        "budget was reached; `dry`, the lanes ran out; `heavy_item`, a heavy item did not fit; `lookahead`, the look-ahead "
+        "ran out), and mean tokens queued per lane (`tokq_queue_lane_queued_tokens{lane}`, read every "
+        f"{LANE_SAMPLE_S:g} s from 1 s into the step; the gateway refreshes it every 2 s).", "", *tables["stops"], ""]
     if plot_paths:
         lines += ["### Figures", "", *(f"![{name}]({path})" for name, path in plot_paths.items()), ""]
     lines += ["### Every step", "", "<details><summary>every offered rate of every system (p99 of overloaded steps is "

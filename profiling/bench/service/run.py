@@ -5,6 +5,7 @@ progress display shows which system and rate are running and how many requests c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
 import tempfile
@@ -24,6 +25,7 @@ WARMUP_S = 2.0
 MIN_REQUESTS_PER_STEP = 20  # a step down from a failing first rate stops before fewer than this
 MIN_COSINE = 0.9999  # a system's vectors against sentence-transformers', for its figure to count
 SETTLE_S = 0.5  # pause between runs so one run's stragglers never land in the next
+LANE_SAMPLE_S = 0.5  # lane gauges read this often in a step, from 1 s in (the gateway refreshes them every 2 s)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
         return {**cpu_by_role(system.process_roles()),
                 "load generator": {os.getpid(): time.process_time(), **cpu_by_role({"g": pids})["g"]}}
 
+    async def sample_lanes(into: list[dict]) -> None:
+        while True:
+            await asyncio.sleep(LANE_SAMPLE_S * (1 + (not into)))
+            with contextlib.suppress(OSError):
+                into.append(await asyncio.to_thread(system.lane_tokens))
+
     async def run_at(rate: float, duration_s: float = options.step_duration_s) -> dict:
         if options.arrivals == "replay":
             arrivals = loadgen.replay_schedule(queries, rate, duration_s)
@@ -63,6 +71,8 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
             arrivals = loadgen.poisson_schedule(queries, rate, duration_s, seed=options.seed)
         task = progress.add_task(f"{label} @ {rate:.0f} req/s", total=len(arrivals)) if progress else None
         before, cpu_before, wall_before = system.batch_snapshot(), cpu_now(), time.monotonic()
+        lanes: list[dict] = []
+        sampler = asyncio.create_task(sample_lanes(lanes)) if system.spec.kind == "tokq" else None
         if generators:  # the processes report at the end of the run, not per reply
             samples = await generators.run(arrivals)
             if progress:
@@ -71,8 +81,13 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
             samples = await loadgen.run_open_loop(sender, arrivals,
                                                   on_done=(lambda _s: progress.advance(task)) if progress else None)
         cpu_after, wall_s = cpu_now(), time.monotonic() - wall_before
+        if sampler:
+            sampler.cancel()
         summary = loadgen.summarize(samples, rate, duration_s)
         summary["batches"] = batch_stats(before, system.batch_snapshot())
+        if lanes and summary["batches"]:  # mean tokens queued in each lane over the step
+            summary["batches"]["queued_tokens"] = {lane: round(sum(x.get(lane, 0) for x in lanes) / len(lanes))
+                                                   for lane in ("light", "heavy")}
         # Cores each part used during the step: a single-threaded part near 1.0 limits it.
         summary["cpu_cores"] = cores_between(cpu_before, cpu_after, wall_s)
         if progress:

@@ -6,6 +6,7 @@ counters) read around each run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import subprocess
@@ -36,6 +37,7 @@ class SystemSpec:
     model: str = ""  # tokq and the sentence-transformers baselines: model directory ("" = bundled)
     device: str = "cpu"  # tokq and the sentence-transformers baselines
     gateway_procs: int = 0  # tokq: gateway processes (`tokq up --gateway-procs`; 0: its own choice)
+    worker_threads: int = 0  # tokq: the worker's torch threads (TOKQ_THREADS; 0: `tokq up`'s choice)
 
     def label(self, budget: int = 0, source: str = "") -> str:
         """The name; ``{budget}`` in it becomes the budget the worker serves at once started."""
@@ -43,7 +45,7 @@ class SystemSpec:
         return self.name.replace("{budget}", served)
 
     def describe(self) -> dict:
-        keep = {"tokq": ("token_budget", "lookahead", "gateway_procs"), "padded-batching": ("max_batch_size", "max_wait_ms"),
+        keep = {"tokq": ("token_budget", "lookahead", "gateway_procs", "worker_threads"), "padded-batching": ("max_batch_size", "max_wait_ms"),
                 "infinity": ("max_batch_size", "infinity_bin", "engine")}
         d = asdict(self)
         return {"name": self.name, "kind": self.kind, **{k: d[k] for k in keep.get(self.kind, ())}}
@@ -116,6 +118,18 @@ async def fetch_vectors(system: RunningSystem, texts: list[str], timeout_s: floa
     return np.concatenate(rows).astype(np.float32)
 
 
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus page's samples summed by name, and by "name|reason" or "name|lane" where so labelled."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(urllib.request.urlopen(url, timeout=5).read().decode()):
+        for s in family.samples:
+            for key in {s.name, "|".join([s.name, *(s.labels[k] for k in ("reason", "lane") if k in s.labels)])}:
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 def min_cosine(got, want) -> float:
     import numpy as np
 
@@ -164,18 +178,22 @@ class RunningSystem:
         finally:
             client.close()
         snap = {"batches_claimed": counters.get("batches", 0), "items_claimed": counters.get("claimed", 0)}
-        # worker 0's metrics port comes after the gateway processes' (tokq up's layout)
-        url = f"http://127.0.0.1:{self.metrics_port + self.spec.gateway_procs}/metrics"
         names = {"forward_tokens": "tokq_worker_forward_tokens_total", "fill_sum": "tokq_worker_batch_fill_ratio_sum",
                  "fill_count": "tokq_worker_batch_fill_ratio_count",
                  "forward_s": "tokq_worker_forward_duration_seconds_sum",
                  "forward_count": "tokq_worker_forward_duration_seconds_count"}
-        try:
-            values = harness.metrics(url, *names.values()) if self.metrics_port else {}
+        with contextlib.suppress(OSError):  # worker 0's metrics port follows the gateway processes' (tokq up's)
+            values = scrape(f"http://127.0.0.1:{self.metrics_port + self.spec.gateway_procs}/metrics")
             snap.update({key: values[name] for key, name in names.items() if name in values})
-        except OSError:
-            pass
+            snap.update({"stop " + k.split("|")[1]: v for k, v in values.items()
+                         if k.startswith("tokq_worker_claim_stops_total|")})
         return snap
+
+    def lane_tokens(self) -> dict[str, float]:
+        """Tokens queued per lane, from the lane gauges of the gateway process that exports them."""
+        pages = [scrape(f"http://127.0.0.1:{self.metrics_port + i}/metrics") for i in range(self.spec.gateway_procs)]
+        return {k.split("|")[1]: v for page in pages for k, v in page.items()
+                if k.startswith("tokq_queue_lane_queued_tokens|")}
 
     def close(self) -> None:
         from tokq.processes import stop_all
@@ -193,6 +211,8 @@ def batch_stats(before: dict | None, after: dict | None) -> dict | None:
     if (batches := d.get("batches_claimed", 0)) <= 0:
         return {"num_batches": 0}
     stats = {"num_batches": batches, "items_per_batch": round(d["items_claimed"] / batches, 2)}
+    if claims := sum(v for k, v in d.items() if k.startswith("stop ")):  # share of claims by stop reason
+        stats["claim_stops"] = {k[5:]: round(v / claims, 3) for k, v in d.items() if k.startswith("stop ") and v}
     if (n := d.get("forward_count", 0)) > 0:
         stats.update(tokens_per_batch=round(d["forward_tokens"] / n, 1),
                      fill_ratio=round(d["fill_sum"] / max(d["fill_count"], 1), 3),
@@ -209,7 +229,9 @@ def start_system(spec: SystemSpec, *, threads: int = 0, log_path: str | None = N
 
     port = free_port()
     target = f"127.0.0.1:{port}"
+    threads = spec.worker_threads or threads
     extra = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads > 0 else {}
+    extra.update({"TOKQ_THREADS": str(threads)} if spec.worker_threads else {})
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     redis_server, metrics_port, model_args = None, 0, ["--model", spec.model] if spec.model else []
     if spec.kind == "tokq":
