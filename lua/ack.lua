@@ -3,6 +3,7 @@
 -- KEYS[2] inflight  STRING claimed, unacknowledged items
 -- KEYS[3] counters  HASH   acked (items answered with an embedding), failed (with an error)
 -- KEYS[4] lease     LIST   lease:<batch_id>, the batch's entries
+-- KEYS[5] lease_batch_counts HASH batch_id -> batch-class entries of its lease (claim.lua)
 -- ARGV[1] reply key prefix
 -- ARGV[2] batch_id
 -- ARGV[3..] (request_id, index, result) triples; result is tokq.queue.wire's '+' or '-' bytes
@@ -41,6 +42,7 @@ publish_notices(notices)
 if #entries > 0 then
   redis.call('DEL', KEYS[4])
   redis.call('ZREM', KEYS[1], ARGV[2])
+  redis.call('HDEL', KEYS[5], ARGV[2])
   add_to_count(KEYS[2], -#entries)
 end
 add_to_counter(KEYS[3], 'acked', num_stored - num_errors)

@@ -1,11 +1,15 @@
--- requeue.lua: put the items of expired leases back at the FRONT of the heavy lane with
--- attempt + 1; items that reach max_attempts get an error result (docs/internals.md).
+-- requeue.lua: put the items of expired leases back at the FRONT of the heavy lane (interactive
+-- items) or of the batch lane (batch-class items: they keep their class) with attempt + 1;
+-- items that reach max_attempts get an error result (docs/internals.md).
 -- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
 -- KEYS[2] heavy     LIST   heavy lane, head = oldest
--- KEYS[3] tokens    STRING sum of the tokens in both lanes
+-- KEYS[3] tokens    STRING sum of the tokens in every lane
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
 -- KEYS[5] counters  HASH   requeued, failed (answered with an error), orphaned
 -- KEYS[6] idle      SET    idle workers' ids, their batch ids' prefix (lib/wake.lua)
+-- KEYS[7] batch     LIST   batch lane, head = oldest
+-- KEYS[8] batch_tokens STRING sum of the tokens in the batch lane
+-- KEYS[9] lease_batch_counts HASH batch_id -> batch-class entries of its lease (the last ones)
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
 -- ARGV[2] max_attempts
 -- ARGV[3] max_batches handled per call
@@ -39,12 +43,15 @@ for i = 1, #due, 2 do
   end
 end
 local back, back_tokens, num_failed, num_orphaned, num_released = {}, 0, 0, 0, 0
+local back_batch, back_batch_tokens = {}, 0
 local notices = {} -- one notice per waiting gateway (lib/reply.lua)
 for _, batch_id in ipairs(batch_ids) do
   local lease = lease_prefix .. batch_id
   local entries = redis.call('LRANGE', lease, 0, -1)
   num_released = num_released + #entries
-  for _, raw in ipairs(entries) do
+  -- The lease's last num_batch entries are batch-class (claim.lua).
+  local first_batch = #entries - tonumber(redis.call('HGET', KEYS[9], batch_id) or '0') + 1
+  for i, raw in ipairs(entries) do
     local tokens, _, request_id, index, _, attempt_text = parse_entry(raw)
     local attempt = tonumber(attempt_text)
     if redis.call('EXISTS', reply_prefix .. request_id) == 0 then
@@ -53,6 +60,9 @@ for _, batch_id in ipairs(batch_ids) do
       -- Counted as failed only if this error is its answer (not an earlier result's).
       num_failed = num_failed + write_result(reply_prefix, request_id, index, string.format(
         '-INTERNAL:item failed %d times (worker crashed or timed out)', attempt + 1), notices)
+    elseif i >= first_batch then
+      back_batch[#back_batch + 1] = with_attempt(raw, attempt + 1)
+      back_batch_tokens = back_batch_tokens + tokens
     else
       back[#back + 1] = with_attempt(raw, attempt + 1)
       back_tokens = back_tokens + tokens
@@ -60,15 +70,18 @@ for _, batch_id in ipairs(batch_ids) do
   end
   redis.call('DEL', lease)
   redis.call('ZREM', KEYS[1], batch_id)
+  redis.call('HDEL', KEYS[9], batch_id)
 end
 publish_notices(notices)
 push_front(KEYS[2], back)
-if #back > 0 then
+push_front(KEYS[7], back_batch)
+if #back + #back_batch > 0 then
   wake_one(KEYS[6], ARGV[8], ARGV[6])
 end
-add_to_count(KEYS[3], back_tokens)
+add_to_count(KEYS[3], back_tokens + back_batch_tokens)
+add_to_count(KEYS[8], back_batch_tokens)
 add_to_count(KEYS[4], -num_released)
-add_to_counter(KEYS[5], 'requeued', #back)
+add_to_counter(KEYS[5], 'requeued', #back + #back_batch)
 add_to_counter(KEYS[5], 'failed', num_failed)
 add_to_counter(KEYS[5], 'orphaned', num_orphaned)
 -- The next event: the earliest lease expiring, or the first one not yet due a check becoming due.
@@ -82,4 +95,4 @@ if #earliest > 0 then
     next_in_ms = math.min(next_in_ms, tonumber(later[2]) - half_lease - now)
   end
 end
-return {#back, num_failed, next_in_ms}
+return {#back + #back_batch, num_failed, next_in_ms}

@@ -17,7 +17,7 @@ async def test_stats_count_each_lane_entries_and_tokens(redis_url):
         await q.enqueue("heavy", items(150, 100), timeout_ms=60_000, channel=CHANNEL)
         await q.enqueue("light2", items(5), timeout_ms=60_000, channel=CHANNEL)
         stats = await q.stats()
-        assert stats.lanes == {"light": (3, 35), "heavy": (2, 250)}
+        assert stats.lanes == {"light": (3, 35), "heavy": (2, 250), "batch": (0, 0)}
         assert (stats.queued_entries, stats.queued_tokens) == (5, 285)
         sharded = await ShardedQueue.of(q).stats.read()
         assert sharded.lanes == stats.lanes
@@ -35,7 +35,7 @@ async def test_a_long_lane_s_tokens_are_scaled_from_the_shorter_lane_s_head(redi
         await q.enqueue("heavy", items(*[200] * 1_200), timeout_ms=60_000, channel=CHANNEL)
         await q.enqueue("light", items(*[4] * 30), timeout_ms=60_000, channel=CHANNEL)  # 120: light
         stats = await q.stats()
-        assert stats.lanes == {"light": (30, 120), "heavy": (1_200, 240_000)}
+        assert stats.lanes == {"light": (30, 120), "heavy": (1_200, 240_000), "batch": (0, 0)}
 
 
 async def test_each_claim_reports_why_its_batch_stopped_and_the_worker_counts_it(redis_url):

@@ -1,6 +1,7 @@
 """Queue depth by lane (lua/stats.lua) summed over the shards of a ShardedQueue, on a standalone
 server and on a cluster: each lane's entries and tokens equal what its lists hold, on shards
-where either lane is the shorter one, after claims that drop dead entries and after redos."""
+where either interactive lane is the shorter one, beside batch-class work, after claims that drop
+dead entries and after redos."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 
 async def _held(q: ShardedQueue) -> dict[str, tuple[int, int]]:
     """Each lane's (entries, tokens) as its lists hold them, over every shard."""
-    held = {"light": [0, 0], "heavy": [0, 0]}
+    held = {"light": [0, 0], "heavy": [0, 0], "batch": [0, 0]}
     for i in range(q.num_shards):
         k = q.shard(i).keys
-        for lane, key in (("light", k.pending), ("heavy", k.heavy)):
+        for lane, key in (("light", k.pending), ("heavy", k.heavy), ("batch", k.batch)):
             entries = [parse_entry(raw) for raw in await q.redis.lrange(key, 0, -1)]
             held[lane][0] += len(entries)
             held[lane][1] += sum(e.num_tokens for e in entries)
@@ -41,9 +42,12 @@ async def test_lane_depth_summed_over_shards_matches_the_lists(redis_url):
             await q.shard(1).enqueue(f"s1-l{r}", items(3, 5), timeout_ms=60_000, channel="c")
         await q.shard(1).enqueue("s1-h", items(300), timeout_ms=60_000, channel="c")
         await q.shard(2).enqueue("s2-l", items(11), timeout_ms=500, channel="c")
+        # Batch-class work on shards 1 and 2, light and heavy sized alike.
+        await q.shard(1).enqueue("s1-b", items(4, 150), timeout_ms=60_000, channel="c", priority="batch")
+        await q.shard(2).enqueue("s2-b", items(6), timeout_ms=60_000, channel="c", priority="batch")
         stats = await q.stats.read()
-        assert stats.lanes == await _held(q) == {"light": (11, 59), "heavy": (5, 770)}
-        assert stats.queued_tokens == 829 and stats.queued_entries == 16
+        assert stats.lanes == await _held(q) == {"light": (11, 59), "heavy": (5, 770), "batch": (3, 160)}
+        assert stats.queued_tokens == 989 and stats.queued_entries == 19
 
         # A cancelled request's entries stay queued (and counted) until a claim drops them.
         await q.shard(1).cancel("s1-l0")
@@ -57,7 +61,8 @@ async def test_lane_depth_summed_over_shards_matches_the_lists(redis_url):
         assert stats.lanes == await _held(q)
         assert stats.queued_tokens == sum(t for _, t in stats.lanes.values())
 
-        # Redone: the leases expire and their items come back at the heavy lane's front.
+        # Redone: the leases expire and their items come back at the front of the heavy lane, or
+        # of the batch lane for batch-class items.
         clock.advance(5_000)
         requeued, _ = await q.consumer.requeue_expired()
         assert requeued > 0

@@ -3,18 +3,29 @@
 Kept beside the queue client so the rule can be read, reasoned about and property-tested
 (``tests/queue/test_claim_rule_lua_matches_python.py`` runs both on random queues) without reading Lua.
 
-Two lanes: ``pending`` (light) holds requests of at most ``QueueConfig.light_tokens`` tokens,
-``heavy`` the larger ones and every redone item. Within a lane: FIFO, bounded lookahead.
+Three lanes. Interactive work (tokq/queue/priority.py) has two: ``pending`` (light) holds requests
+of at most ``QueueConfig.light_tokens`` tokens, ``heavy`` the larger ones and its redone items.
+Batch-class work has one, ``batch``, its redone items included. Within a lane: FIFO, bounded
+lookahead.
 
 - ``both`` (the usual claim): the light lane first, within half the budget while heavy work
   waits (less when the heavy head needs the room); then the heavy lane, its head always; then
   the light lane again with any room left. Each lane with work gets an item per batch.
 - ``light`` (pre-empting, run nested in a heavy forward): the whole light lane when it fits
   the budget; else nothing (``backlog``): a backlog goes in full batches, not small nested ones.
+  It never reads the batch lane.
 - ``heavy`` (the next batch beside a heavy forward): the heavy lane alone while the light lane
   holds at most ``preempt_tokens`` (light-only claims take it); past that, the light lane first
   up to the whole budget, then heavy work that fits. The claim after a batch that is not heavy
   is ``both``, so heavy work still moves at least every other claim.
+
+Batch-class work, in ``both`` and ``heavy`` claims, takes the room interactive work leaves: the
+interactive rule above runs first, then the batch lane fills what is left of the budget (its
+head goes when nothing else was taken). Once the batch lane's head has waited
+``batch_starve_ms`` the batch lane is *starving*: the interactive rule runs within the budget
+less ``batch_share_tokens``, and the batch lane's head goes in every claim, with more batch work
+up to the budget. A starving batch head that is a redo to isolate goes alone (unless the heavy
+head is one too: that goes first).
 
 Each plan says why the batch stopped growing (``ClaimPlan.stop``, one of ``STOP_REASONS``).
 """
@@ -27,29 +38,33 @@ from typing import Literal
 
 from tokq.queue.wire import Entry
 
-Lanes = Literal["both", "light", "heavy"]  # which lanes a claim reads (see the module doc)
+Lanes = Literal["both", "light", "heavy"]  # which kind of claim (see the module doc)
 DEADLINE_EXCEEDED = b"-DEADLINE_EXCEEDED:deadline passed while queued"
 # Why a claim's batch stopped growing: the budget was reached or a light entry did not fit;
 # a heavy-lane entry did not fit; `lookahead` entries were passed over and one
 # more did not fit; the lanes it read ran out; a redo to isolate went alone or ended the batch;
 # max_drop dead entries were dropped; a light-only claim took the whole light lane; a heavy-only
 # claim emptied the heavy lane, light work left to light-only claims; a light-only claim
-# refused a light lane longer than its budget (no batch).
+# refused a light lane longer than its budget (no batch); a batch-lane entry did not fit.
 STOP_REASONS = ("full", "heavy_item", "lookahead", "dry", "isolated", "dropped", "preempt",
-                "heavy_only", "backlog")
+                "heavy_only", "backlog", "batch_item")
+_ITEM_STOP = {"light": "full", "heavy": "heavy_item", "batch": "batch_item"}
 
 
 @dataclass(frozen=True)
 class ClaimPlan:
-    taken: tuple[Entry, ...]  # the batch: light-lane entries, then heavy-lane ones
+    taken: tuple[Entry, ...]  # the batch: light-lane entries, then heavy-lane, then batch-lane ones
     expired: tuple[Entry, ...]  # dropped: deadline passed (answered with DEADLINE_EXCEEDED)
     orphaned: tuple[Entry, ...]  # dropped: the request's reply key is gone
     skipped: tuple[Entry, ...]  # light lane: passed over; they stay at its head, in order
     num_scanned: int  # light-lane head entries consumed (taken + dropped + skipped)
     heavy_skipped: tuple[Entry, ...] = ()  # the same for the heavy lane
     heavy_scanned: int = 0
-    num_heavy: int = 0  # entries of `taken` from the heavy lane (the last ones)
+    num_heavy: int = 0  # entries of `taken` from the heavy lane (after the light ones)
     stop: str = "dry"  # why the batch stopped growing: one of STOP_REASONS
+    batch_skipped: tuple[Entry, ...] = ()  # the same for the batch lane
+    batch_scanned: int = 0
+    num_batch: int = 0  # entries of `taken` from the batch lane (the last ones)
 
     def remaining(self, pending: Sequence[Entry]) -> list[Entry]:
         """The light lane after the claim."""
@@ -58,6 +73,10 @@ class ClaimPlan:
     def remaining_heavy(self, heavy: Sequence[Entry]) -> list[Entry]:
         """The heavy lane after the claim."""
         return list(self.heavy_skipped) + list(heavy[self.heavy_scanned:])
+
+    def remaining_batch(self, batch: Sequence[Entry]) -> list[Entry]:
+        """The batch lane after the claim."""
+        return list(self.batch_skipped) + list(batch[self.batch_scanned:])
 
     @property
     def taken_tokens(self) -> int:
@@ -88,14 +107,22 @@ def preempt_budget(token_budget: int, light_tokens: int) -> int:
     return max(1, min(token_budget, max(light_tokens, token_budget // 8)))
 
 
-def is_heavy_batch(token_counts: Sequence[int], num_heavy: int, preempt_tokens: int) -> bool:
+def is_heavy_batch(token_counts: Sequence[int], num_heavy: int, preempt_tokens: int,
+                   num_batch: int = 0) -> bool:
     """A batch worth pre-empting: more tokens than a light-only claim, at least half of them
-    from the heavy lane (``token_counts``: its entries' tokens, the heavy lane's last). A batch
-    of mostly light work is not pre-empted: light work arriving meanwhile waits for the next
-    full batch."""
+    from the heavy or batch lanes (``token_counts``: its entries' tokens, light ones first, then
+    ``num_heavy`` heavy-lane and ``num_batch`` batch-lane ones). A batch of mostly light work is
+    not pre-empted: light work arriving meanwhile waits for the next full batch."""
     total = sum(token_counts)
-    heavy = sum(token_counts[len(token_counts) - num_heavy:]) if num_heavy > 0 else 0
+    tail = max(0, num_heavy) + max(0, num_batch)
+    heavy = sum(token_counts[len(token_counts) - tail:]) if tail > 0 else 0
     return total > preempt_tokens and 2 * heavy >= total
+
+
+def batch_share_tokens(token_budget: int, batch_share: float) -> int:
+    """The tokens of a claim's budget a starving batch lane may take before interactive work
+    (``QueueConfig.batch_share`` of it, rounded down)."""
+    return max(0, min(token_budget, int(token_budget * batch_share)))
 
 
 def lane_exceeds(lane: Sequence[Entry], limit: int) -> bool:
@@ -109,36 +136,42 @@ def lane_exceeds(lane: Sequence[Entry], limit: int) -> bool:
     return False
 
 
-def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms: int,
-               token_budget: int, lookahead: int, max_skip_age_ms: int, max_drop: int,
+def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Sequence[Entry] = (), *,
+               now_ms: int, token_budget: int, lookahead: int, max_skip_age_ms: int, max_drop: int,
                isolate_attempt: int, is_live: Callable[[str], bool],
-               lanes: Lanes = "both", preempt_tokens: int | None = None) -> ClaimPlan:
-    """Decide the next batch from the heads of the light lane ``pending`` and the ``heavy``
-    lane (each oldest first); ``lanes`` as in the module doc.
+               lanes: Lanes = "both", preempt_tokens: int | None = None,
+               batch_share_tokens: int = 0, batch_starve_ms: int = 0) -> ClaimPlan:
+    """Decide the next batch from the heads of the light lane ``pending``, the ``heavy`` lane
+    and the ``batch`` lane (each oldest first); ``lanes`` as in the module doc.
 
     A scan takes a lane's entries in order while they fit its share of ``token_budget`` (its
     first live item always, unless the lane only fills room left). An item that does not fit
     may be passed over (at most ``lookahead`` per scan) so that smaller ones behind it fill the
     batch, unless it has waited ``max_skip_age_ms``: then the scan ends and it goes first next
-    time. Expired and orphaned entries are dropped, at most ``max_drop`` per claim. An item
-    redone ``isolate_attempt`` times or more (``isolate_attempt_for``) is claimed alone; when
-    it heads the heavy lane, a ``both`` claim reads no light entry. ``preempt_tokens``: the
+    time (batch-lane items are passed over at any age: the starvation share bounds the batch
+    head's wait). Expired and orphaned entries are dropped, at most ``max_drop`` per claim. An
+    item redone ``isolate_attempt`` times or more (``isolate_attempt_for``) is claimed alone;
+    when it heads the heavy lane, a ``both`` claim reads no light entry. ``preempt_tokens``: the
     light-only claims' budget; a ``heavy`` claim reads the light lane first when it holds more
-    (None or 0: never).
+    (None or 0: never). ``batch_share_tokens`` and ``batch_starve_ms``: the batch lane's share
+    of the budget once its head has waited that long (module doc).
     """
     light_taken: list[Entry] = []
     heavy_taken: list[Entry] = []
+    batch_taken: list[Entry] = []
+    taken_by_lane = {"light": light_taken, "heavy": heavy_taken, "batch": batch_taken}
     expired: list[Entry] = []
     orphaned: list[Entry] = []
     tokens = 0
     done = False  # an isolated item was taken, or max_drop reached: the claim ends
 
-    def scan(lane: Sequence[Entry], share: int, in_heavy: bool,
+    def scan(lane: Sequence[Entry], share: int, kind: str,
              lane_taken: int = 0) -> tuple[list[Entry], int, str, int]:
-        """Take from ``lane`` within ``share`` tokens in all (its first live item always while
-        ``lane_taken`` is 0). Returns (entries passed over, entries consumed, stop, lane_taken)."""
+        """Take from ``lane`` (of ``kind``: light, heavy, batch) within ``share`` tokens in all
+        (its first live item always while ``lane_taken`` is 0). Returns (entries passed over,
+        entries consumed, stop, lane_taken)."""
         nonlocal tokens, done
-        taken = heavy_taken if in_heavy else light_taken
+        taken = taken_by_lane[kind]
         skipped: list[Entry] = []
         consumed = 0
         for entry in lane:
@@ -146,7 +179,7 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
                 expired.append(entry)
             elif not is_live(entry.request_id):
                 orphaned.append(entry)
-            elif (light_taken or heavy_taken) and entry.attempt >= isolate_attempt:
+            elif (light_taken or heavy_taken or batch_taken) and entry.attempt >= isolate_attempt:
                 return skipped, consumed, "isolated", lane_taken  # goes alone: it ends the batch
             elif lane_taken == 0 or tokens + entry.num_tokens <= share:
                 taken.append(entry)
@@ -156,10 +189,9 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
                     # Alone, so a poison item cannot use up its batch-mates' attempts with its own.
                     done = True
                     return skipped, consumed + 1, "isolated", lane_taken
-            elif len(skipped) >= lookahead or now_ms - entry.ts_ms >= max_skip_age_ms:
+            elif len(skipped) >= lookahead or (kind != "batch" and now_ms - entry.ts_ms >= max_skip_age_ms):
                 # lookahead 0: nothing is ever passed over (strict FIFO)
-                stop = "lookahead" if lookahead > 0 and len(skipped) >= lookahead else (
-                    "heavy_item" if in_heavy else "full")
+                stop = "lookahead" if lookahead > 0 and len(skipped) >= lookahead else _ITEM_STOP[kind]
                 return skipped, consumed, stop, lane_taken
             else:
                 skipped.append(entry)
@@ -170,40 +202,56 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), *, now_ms:
             if lane_taken > 0 and tokens >= share:
                 return skipped, consumed, "full", lane_taken
         # the lane's end; entries passed over did not fit
-        return skipped, consumed, ("heavy_item" if in_heavy else "full") if skipped else "dry", lane_taken
+        return skipped, consumed, _ITEM_STOP[kind] if skipped else "dry", lane_taken
 
     skipped: list[Entry] = []
     num_scanned = 0
     heavy_skipped: list[Entry] = []
     heavy_scanned = 0
+    batch_skipped: list[Entry] = []
+    batch_scanned = 0
     stop = "dry"
     if lanes == "light":
         if lane_exceeds(pending, token_budget):
             return ClaimPlan((), (), (), (), 0, stop="backlog")
-        skipped, num_scanned, stop, _ = scan(pending, token_budget, False)
+        skipped, num_scanned, stop, _ = scan(pending, token_budget, "light")
         stop = "preempt" if light_taken else stop
+        return ClaimPlan(tuple(light_taken), tuple(expired), tuple(orphaned), tuple(skipped),
+                         num_scanned, stop=stop)
+    heavy_head = heavy[0] if heavy else None
+    heavy_isolated = heavy_head is not None and heavy_head.attempt >= isolate_attempt
+    starving = bool(batch) and now_ms - batch[0].ts_ms >= batch_starve_ms
+    # A starving redo to isolate goes alone, before interactive work (a heavy one first).
+    batch_alone = starving and batch[0].attempt >= isolate_attempt and not heavy_isolated
+    # Interactive work's budget: all of it, or what a starving batch lane's share leaves.
+    room = max(0, token_budget - batch_share_tokens) if starving else token_budget
+    if batch_alone:
+        pass
     elif lanes == "heavy" and (not preempt_tokens or not lane_exceeds(pending, preempt_tokens)):
-        heavy_skipped, heavy_scanned, stop, _ = scan(heavy, token_budget, True)
+        heavy_skipped, heavy_scanned, stop, _ = scan(heavy, room, "heavy")
         stop = "heavy_only" if stop == "dry" and pending else stop
     elif lanes == "heavy":  # a light backlog: light first, all of the budget; heavy work that fits
-        skipped, num_scanned, stop, _ = scan(pending, token_budget, False)
-        if heavy and not done and tokens < token_budget:
-            heavy_skipped, heavy_scanned, stop, _ = scan(heavy, token_budget, True, lane_taken=1)
+        skipped, num_scanned, stop, _ = scan(pending, room, "light")
+        if heavy and not done and tokens < room:
+            heavy_skipped, heavy_scanned, stop, _ = scan(heavy, room, "heavy", lane_taken=1)
     else:
-        heavy_head = heavy[0] if heavy else None
-        share = light_share(token_budget, heavy_head)
+        share = light_share(room, heavy_head)
         capped, num_light = False, 0
-        if heavy_head is None or heavy_head.attempt < isolate_attempt:
-            skipped, num_scanned, stop, num_light = scan(pending, share, False)
-            capped = share < token_budget and stop in ("full", "lookahead")  # stopped by its share
+        if not heavy_isolated:
+            skipped, num_scanned, stop, num_light = scan(pending, share, "light")
+            capped = share < room and stop in ("full", "lookahead")  # stopped by its share
         if heavy and not done:
-            heavy_skipped, heavy_scanned, stop, _ = scan(heavy, token_budget, True)
-        if capped and not done and tokens < token_budget:
+            heavy_skipped, heavy_scanned, stop, _ = scan(heavy, room, "heavy")
+        if capped and not done and tokens < room:
             # The room the heavy lane left goes to the light lane: entries passed over first.
             again = skipped + list(pending[num_scanned:])
-            skipped2, consumed, stop, _ = scan(again, token_budget, False, num_light)
+            skipped2, consumed, stop, _ = scan(again, room, "light", num_light)
             num_scanned += max(0, consumed - len(skipped))
             skipped = skipped2 + skipped[consumed:]
-    return ClaimPlan(tuple(light_taken + heavy_taken), tuple(expired), tuple(orphaned),
+    if batch and not done and (starving or tokens < token_budget):
+        # Batch work: its head whenever starving or nothing else was taken, then what fits.
+        forced = starving or not (light_taken or heavy_taken)
+        batch_skipped, batch_scanned, stop, _ = scan(batch, token_budget, "batch", 0 if forced else 1)
+    return ClaimPlan(tuple(light_taken + heavy_taken + batch_taken), tuple(expired), tuple(orphaned),
                      tuple(skipped), num_scanned, tuple(heavy_skipped), heavy_scanned,
-                     len(heavy_taken), stop)
+                     len(heavy_taken), stop, tuple(batch_skipped), batch_scanned, len(batch_taken))

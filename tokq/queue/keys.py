@@ -63,9 +63,21 @@ class QueueKeys:
         return f"{self.base}:heavy"
 
     @cached_property
+    def batch(self) -> str:
+        """LIST, as ``pending``: the batch lane, every entry of batch-class requests (redone ones
+        too: they keep their class; tokq/queue/priority.py, claim_rule.py)."""
+        return f"{self.base}:batch"
+
+    @cached_property
     def tokens(self) -> str:
-        """STRING: sum of token counts in both lanes (kept by the scripts, for the cap)."""
+        """STRING: sum of token counts in every lane (kept by the scripts; the interactive
+        class's, for its cap, is this less ``batch_tokens``)."""
         return f"{self.base}:tokens"
+
+    @cached_property
+    def batch_tokens(self) -> str:
+        """STRING: sum of token counts in the batch lane (for the batch class's cap)."""
+        return f"{self.base}:batch-tokens"
 
     @cached_property
     def leases(self) -> str:
@@ -79,6 +91,12 @@ class QueueKeys:
 
     def lease(self, batch_id: str) -> str:
         return self.lease_prefix + batch_id
+
+    @cached_property
+    def lease_batch_counts(self) -> str:
+        """HASH batch_id -> how many of its lease's entries (the last ones) are batch-class, for
+        leases holding any: a redo puts them back in the batch lane."""
+        return f"{self.base}:lease-batch-counts"
 
     @cached_property
     def inflight(self) -> str:
@@ -124,9 +142,9 @@ class QueueKeys:
 
     @cached_property
     def preemptible(self) -> str:
-        """SET of the ids of workers running a heavy forward: light work arriving with no
-        idle worker tells one 'light' (lua/enqueue.lua), and it runs that work nested in its
-        forward (workers/preempt.py)."""
+        """SET of the ids of workers running a heavy forward (mostly heavy-lane or batch-class
+        work): light work arriving with no idle worker tells one 'light' (lua/enqueue.lua), and
+        it runs that work nested in its forward (workers/preempt.py)."""
         return f"{self.base}:preemptible"
 
     @cached_property

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from tokq.queue.claim_rule import Lanes, isolate_attempt_for, preempt_budget
+from tokq.queue.claim_rule import Lanes, batch_share_tokens, isolate_attempt_for, preempt_budget
 from tokq.config import MAX_TOKEN_BUDGET, QueueConfig
 from tokq.queue.wire import Entry, parse_entry
 from tokq.queue.keys import QueueKeys
@@ -118,14 +118,18 @@ class Withdrawn(Exception):
 
 
 class QueueFull(Exception):
-    """Enqueue rejected: the queue holds too many tokens (maps to RESOURCE_EXHAUSTED)."""
+    """Enqueue rejected: the request's priority class holds too many queued tokens (maps to
+    RESOURCE_EXHAUSTED). Each class has its own cap: ``queued_tokens`` and ``max_queued_tokens``
+    are the class's."""
 
-    def __init__(self, queued_tokens: int, request_tokens: int, max_queued_tokens: int) -> None:
-        super().__init__(f"queue full: {queued_tokens} tokens queued, request of {request_tokens} "
-                         f"would pass the cap of {max_queued_tokens}")
+    def __init__(self, queued_tokens: int, request_tokens: int, max_queued_tokens: int,
+                 priority: str = DEFAULT_PRIORITY) -> None:
+        super().__init__(f"queue full: {queued_tokens} {priority} tokens queued, request of "
+                         f"{request_tokens} would pass the cap of {max_queued_tokens}")
         self.queued_tokens = queued_tokens
         self.request_tokens = request_tokens
         self.max_queued_tokens = max_queued_tokens
+        self.priority = priority
 
 
 @dataclass(frozen=True)
@@ -141,8 +145,9 @@ class Claim:
     now_ms: int
     entries: tuple[Entry, ...]
     num_expired: int = 0  # entries dropped for their deadline while claiming
-    num_heavy: int = -1  # entries from the heavy lane, the last ones (-1: unknown, a repeated claim)
+    num_heavy: int = -1  # entries from the heavy lane, after the light ones (-1: unknown, a repeated claim)
     stop: str = ""  # why the batch stopped growing (claim_rule.STOP_REASONS; "": a repeated claim)
+    num_batch: int = -1  # entries from the batch lane, the last ones (-1: unknown, a repeated claim)
 
     @property
     def num_tokens(self) -> int:
@@ -161,8 +166,10 @@ class QueueStats:
     # Those whose stats could not be read (their node unreachable): the figures above leave
     # them out, but for their counters' last reading.
     unreadable_shards: tuple[int, ...] = ()
-    # lane ("light", "heavy") -> (queued entries, queued tokens) (lua/stats.lua)
+    # lane ("light", "heavy", "batch") -> (queued entries, queued tokens) (lua/stats.lua)
     lanes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # priority class ("interactive", "batch") -> age of its oldest queued entry (ms)
+    oldest_age_ms_by_class: dict[str, int] = field(default_factory=dict)
 
 
 def _pairs(flat: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
@@ -215,9 +222,10 @@ class Queue:
             raise ValueError("a request needs at least one item")
         if timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
-        args: list = [self._now_arg(), request_id, timeout_ms, self.config.max_queued_tokens,
+        cap = self.class_cap(priority)
+        args: list = [self._now_arg(), request_id, timeout_ms, cap,
                       self.config.reply_ttl_ms, channel, self.keys.work_channel,
-                      self.config.light_tokens, self.keys.owner_prefix]
+                      self.config.light_tokens, self.keys.owner_prefix, priority]
         for tokens, body in items:
             if tokens < 1:
                 raise ValueError(f"an item needs at least one token, got {tokens}")
@@ -225,15 +233,22 @@ class Queue:
         k = self.keys
         reply = await self._run(
             "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy, k.idle,
-                        k.preemptible, k.withdrawn(request_id)], args, pipelined=True)
+                        k.preemptible, k.withdrawn(request_id), k.batch, k.batch_tokens], args,
+            pipelined=True)
         status = reply[0]
         if status == b"QUEUE_FULL":
-            raise QueueFull(int(reply[1]), sum(t for t, _ in items), self.config.max_queued_tokens)
+            raise QueueFull(int(reply[1]), sum(t for t, _ in items), cap, priority)
         if status == b"WITHDRAWN":
             raise Withdrawn(f"request {request_id!r} was withdrawn before its enqueue ran")
         if status == b"DUPLICATE":
             raise ValueError(f"request id {request_id!r} is already used by another request")
         return Enqueued(request_id, int(reply[1]), int(reply[2]))
+
+    def class_cap(self, priority: str) -> int:
+        """The cap on a priority class's queued tokens (QueueConfig)."""
+        if priority == "batch":
+            return self.config.max_queued_batch_tokens
+        return self.config.max_queued_tokens
 
     async def cancel(self, request_id: str, *, enqueue_answered: bool = True) -> bool:
         """Withdraw a request: its reply key goes now, its queued entries at the next claim
@@ -295,10 +310,12 @@ class Queue:
         args = [self._now_arg(), token_budget, cfg.lease_ms,
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
                 max_drop, k.reply_prefix, k.lease_prefix, asked_id,
-                isolate_attempt_for(cfg.max_attempts), k.owner_prefix, lanes, preempt_tokens]
+                isolate_attempt_for(cfg.max_attempts), k.owner_prefix, lanes, preempt_tokens,
+                batch_share_tokens(token_budget, cfg.batch_share), cfg.batch_starve_ms]
         try:
-            batch_id, now_ms, expired, orphaned, raw, num_heavy, stop = await self._run(
-                "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle], args)
+            batch_id, now_ms, expired, orphaned, raw, num_heavy, stop, num_batch = await self._run(
+                "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle,
+                          k.batch, k.batch_tokens, k.lease_batch_counts], args)
         except LostAnswer:
             self._unanswered_claim = (asked_id, lanes, token_budget)
             raise
@@ -306,7 +323,7 @@ class Queue:
         claim = None
         if batch_id:
             claim = Claim(batch_id.decode(), now_ms, tuple(parse_entry(r) for r in raw), expired,
-                          int(num_heavy), stop)
+                          int(num_heavy), stop, int(num_batch))
         return claim, int(expired), int(orphaned), stop
 
     @property
@@ -350,18 +367,21 @@ class Queue:
         args: list = [k.reply_prefix, batch_id]
         for entry, result in results:
             args += [entry.request_id, entry.index, result]
-        await self._run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id)], args)
+        await self._run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id),
+                                k.lease_batch_counts], args)
 
     async def requeue_expired(self) -> tuple[int, int]:
         """Put the items of expired leases, and of leases whose owner is gone (see
-        ``owner_channel``), back at the front of the heavy lane: (requeued, failed). Sets
+        ``owner_channel``), back at the front of the heavy lane, batch-class ones at the front of
+        the batch lane: (requeued, failed). Sets
         ``next_expiry_ms`` (when to call again to check the next lease)."""
         k = self.keys
         args = [self._now_arg(), self.config.max_attempts, MAX_BATCHES_PER_REQUEUE,
                 k.reply_prefix, k.lease_prefix, k.work_channel, self.config.lease_ms,
                 k.owner_prefix]
         requeued, failed, next_in_ms = await self._run(
-            "requeue", [k.leases, k.heavy, k.tokens, k.inflight, k.counters, k.idle], args)
+            "requeue", [k.leases, k.heavy, k.tokens, k.inflight, k.counters, k.idle, k.batch,
+                        k.batch_tokens, k.lease_batch_counts], args)
         self.next_expiry_ms = None if int(next_in_ms) < 0 else int(next_in_ms)
         return int(requeued), int(failed)
 
@@ -387,13 +407,17 @@ class Queue:
     async def stats(self) -> QueueStats:
         k = self.keys
         (entries, tokens, age_ms, inflight, batches, counters, light_entries, heavy_entries,
-         light_tokens, heavy_tokens) = await self._run(
-            "stats", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy],
-            [self._now_arg()])
+         light_tokens, heavy_tokens, batch_entries, batch_tokens, interactive_age_ms,
+         batch_age_ms) = await self._run(
+            "stats", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.batch,
+                      k.batch_tokens], [self._now_arg()])
         return QueueStats(int(entries), int(tokens), int(age_ms), int(inflight), int(batches),
                           {f.decode(): int(v) for f, v in _pairs(counters)},
                           lanes={"light": (int(light_entries), int(light_tokens)),
-                                 "heavy": (int(heavy_entries), int(heavy_tokens))})
+                                 "heavy": (int(heavy_entries), int(heavy_tokens)),
+                                 "batch": (int(batch_entries), int(batch_tokens))},
+                          oldest_age_ms_by_class={"interactive": int(interactive_age_ms),
+                                                  "batch": int(batch_age_ms)})
 
     async def get_budget(self) -> int | None:
         """The published budget, None where none is (or what is there is not one: budget_from)."""

@@ -128,7 +128,7 @@ class ShardedQueue:
     async def _hold_work(self, shards: range) -> bool:
         """Whether any of ``shards`` holds queued entries or leases (one that cannot be read
         may: True)."""
-        answers = await asyncio.gather(*(self.redis.exists(k.pending, k.heavy, k.leases)
+        answers = await asyncio.gather(*(self.redis.exists(k.pending, k.heavy, k.batch, k.leases)
                                          for k in (self.shard(i).keys for i in shards)),
                                        return_exceptions=True)
         return any(isinstance(a, BaseException) or a > 0 for a in answers)

@@ -52,10 +52,12 @@ class SummedStats:
         lanes = {lane: (sum(p.lanes[lane][0] for p in parts if lane in p.lanes),
                         sum(p.lanes[lane][1] for p in parts if lane in p.lanes))
                  for lane in {lane for p in parts for lane in p.lanes}}
+        ages = {c: max(p.oldest_age_ms_by_class.get(c, 0) for p in parts)
+                for c in {c for p in parts for c in p.oldest_age_ms_by_class}}
         return QueueStats(sum(p.queued_entries for p in parts), sum(p.queued_tokens for p in parts),
                           max(p.oldest_age_ms for p in parts), sum(p.inflight_items for p in parts),
                           sum(p.inflight_batches for p in parts), dict(counters), n, tuple(unreadable),
-                          lanes)
+                          lanes, ages)
 
     def _count(self, shard: int, read: dict[str, int]) -> None:
         """Shard ``shard``'s event totals as read now, added to what read() reports so that the
