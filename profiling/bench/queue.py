@@ -1,33 +1,20 @@
-"""The queue's speed against the raw ceiling of the same Redis, measured in the same run.
-
-    tokq bench queue [--token-budget 600] [--num-claims 2000] [--json out.json] [--results-md profiling/results/queue.md]
-
-Starts an embedded Valkey. Item lengths come from ../shared/workloads/short_queries.jsonl when it
-exists, else from tokq.profiling.workload's seeded generator. Measures:
-  * enqueue: items/s, 32 items per call from 8 concurrent callers, against RPUSH of the same
-    entries (same callers, and pipelined 64 deep: the server's raw ceiling);
-  * claim at the budget: latency p50/p99 (one caller) and batches/s (8 concurrent callers),
-    against LPOP of the same number of entries (same callers, and pipelined 64 deep);
-  * Redis-side microseconds per script call (INFO commandstats), the part the client cannot hide;
-  * fill ratio (claimed tokens / budget) of strict FIFO (lookahead 0) against look-ahead.
-Figures are medians of --rounds rounds; ratios compare figures of the same round.
-"""
+"""The queue's speed (enqueue, claim, Redis time per script, fill ratio) against the raw ceiling of the
+same Redis (RPUSH/LPOP of the same entries), measured in the same round; medians over rounds."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import click
 import numpy as np
 
 from tokq.config import QueueConfig
 from tokq.profiling.bench.loadgen import closed_loop
-from tokq.profiling.harness import median, ratio
+from tokq.profiling import harness
+from tokq.profiling.harness import ratio
 from tokq.profiling.results_md import block, command_line, machine_cores, publish, table
 
 BLOCK = "tokq bench queue"
@@ -38,7 +25,7 @@ CHANNEL = "tokq:{bench}:done:bench"
 
 
 async def timed_callers(num_calls: int, call, callers: int = NUM_CALLERS) -> float:
-    """Seconds for ``callers`` tasks to make ``num_calls`` calls between them, one at a time each."""
+    """Seconds for ``callers`` tasks to make ``num_calls`` calls between them."""
     start = time.perf_counter()
     await closed_loop(call, range(num_calls), callers)
     return time.perf_counter() - start
@@ -120,9 +107,8 @@ async def bench_claim(client, queue, items, budget: int, num_claims: int) -> dic
 
 
 async def fill_ratio(client, items, budget: int, lookahead: int) -> float:
-    """Mean claimed tokens / budget draining the workload in arrival order, every item younger than
-    max_skip_age_ms (a queue under steady load); the last batch, short because the queue ran dry,
-    is left out."""
+    """Mean claimed tokens / budget draining the workload in order, every item young (a queue under
+    steady load); the last batch, short because the queue ran dry, left out."""
     from tokq.queue.shard import Queue
 
     await client.flushall()
@@ -196,10 +182,7 @@ def markdown(result: dict, command: str) -> str:
 @click.command("queue")
 @click.option("--token-budget", default=600, show_default=True)
 @click.option("--num-claims", default=2000, show_default=True)
-@click.option("--rounds", default=3, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures here.")
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's Queue section (profiling/results/queue.md).")
+@harness.bench_options("queue.md", json_out=True)
 def queue_command(token_budget, num_claims, rounds, json_path, results_md) -> None:
     """The queue's speed against the raw ceiling of the same Redis, measured in the same run."""
     from tokq.profiling.workload import load_or_generate
@@ -210,9 +193,6 @@ def queue_command(token_budget, num_claims, rounds, json_path, results_md) -> No
     items = [(q.num_tokens, encode_body(np.arange(1000, 1000 + q.num_tokens))) for q in queries]
     with EmbeddedRedis() as server:
         measured = [asyncio.run(one_round(server.url, items, token_budget, num_claims)) for _ in range(rounds)]
-    result = {"budget": token_budget, "workload": source, **{part: {k: median(measured, part, k) for k in
-                                                                  measured[0][part]} for part in ("enqueue", "claim", "fill")},
-              "rounds": measured}
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
+    result = {"budget": token_budget, "workload": source, **harness.medians(measured), "rounds": measured}
+    harness.save_json(json_path, result)
     publish(markdown(result, command_line()), results_md, BLOCK)
