@@ -1,11 +1,5 @@
-"""Load drivers. Open loop: requests leave at their *intended* times whether or not earlier ones have
-been answered, and each latency counts from the intended time (no coordinated omission: a server
-that stalls makes every request scheduled during the stall late, as real users would be). A
-schedule (``Arrival``s) comes from a workload's own timestamps rescaled to a mean rate, or from a
-Poisson process. Closed loop: a fixed number of calls in flight, each lane sending its next call
-when its last is answered. ``summarize`` turns samples into a report's figures, and says whether
-the generator itself kept up rather than report a lower rate.
-"""
+"""Load drivers. Open loop: requests leave at their intended times and latency counts from then (no
+coordinated omission); closed loop: a fixed number of calls in flight. ``summarize`` makes the figures."""
 
 from __future__ import annotations
 
@@ -22,8 +16,7 @@ import numpy as np
 
 from tokq.profiling.workload import Query, load_or_generate
 
-# The generator counts as keeping up when p99 of (actual - intended) send time stays under this
-# and it sent at >= MIN_SEND_RATIO of the offered rate; otherwise the run is flagged.
+# The generator kept up when its send lag p99 stays under this and it sent >= MIN_SEND_RATIO of the rate.
 MAX_SEND_LAG_P99_MS = 25.0
 MIN_SEND_RATIO = 0.95
 
@@ -37,8 +30,6 @@ class Arrival:
 
 @dataclass(frozen=True)
 class Reply:
-    """What a sender reports for one request: a gRPC status name and the server's timings."""
-
     status: str  # "OK" or a grpc.StatusCode name
     queue_ms: float | None = None  # None: the server does not report it
     inference_ms: float | None = None
@@ -69,10 +60,9 @@ Send = Callable[[Sequence[str]], Awaitable[Reply]]
 # -- schedules ---------------------------------------------------------------------------------
 
 def replay_schedule(queries: Sequence[Query], rate_per_s: float, duration_s: float) -> list[Arrival]:
-    """The workload's own arrival times, compressed or stretched to ``rate_per_s`` on average,
-    for ``duration_s`` seconds (the workload repeats from its start when it runs out)."""
-    if rate_per_s <= 0 or duration_s <= 0:
-        raise ValueError("rate_per_s and duration_s must be positive")
+    """The workload's own arrival times scaled to ``rate_per_s`` on average, for ``duration_s`` seconds
+    (the workload repeats when it runs out)."""
+    _check_rate(rate_per_s, duration_s)
     times = np.array([q.t_s for q in queries], dtype=np.float64)
     times -= times[0]
     native_span_s = float(times[-1]) * len(queries) / max(len(queries) - 1, 1)  # one mean gap past the last
@@ -92,8 +82,7 @@ def replay_schedule(queries: Sequence[Query], rate_per_s: float, duration_s: flo
 def poisson_schedule(queries: Sequence[Query], rate_per_s: float, duration_s: float,
                      seed: int = 1) -> list[Arrival]:
     """Exponential gaps at ``rate_per_s``; requests take the workload's queries in order."""
-    if rate_per_s <= 0 or duration_s <= 0:
-        raise ValueError("rate_per_s and duration_s must be positive")
+    _check_rate(rate_per_s, duration_s)
     rng = np.random.default_rng(seed)
     arrivals: list[Arrival] = []
     t_s = float(rng.exponential(1 / rate_per_s))
@@ -104,6 +93,11 @@ def poisson_schedule(queries: Sequence[Query], rate_per_s: float, duration_s: fl
     return arrivals
 
 
+def _check_rate(rate_per_s: float, duration_s: float) -> None:
+    if rate_per_s <= 0 or duration_s <= 0:
+        raise ValueError("rate_per_s and duration_s must be positive")
+
+
 def _text(q: Query) -> str:
     if q.text is None:
         raise ValueError(f"query {q.id} has no text; give the workload texts (texts_for_lengths)")
@@ -111,8 +105,8 @@ def _text(q: Query) -> str:
 
 
 def texts_for_lengths(queries: Sequence[Query], vocab_words: Sequence[str], seed: int = 1) -> list[Query]:
-    """Queries with texts of exactly their token count for a WordPiece model: ``num_tokens - 2``
-    whole words from the vocabulary (each one token), plus [CLS] and [SEP]."""
+    """Queries with texts of exactly their token count for a WordPiece model: ``num_tokens - 2`` whole
+    vocabulary words, plus [CLS] and [SEP]."""
     rng = np.random.default_rng(seed)
     words = np.asarray(vocab_words)
     return [Query(q.id, q.num_tokens, q.t_s,
@@ -125,8 +119,7 @@ MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length: longer queries are 
 
 
 def load_queries(workload_path: str | None, num_queries: int, seed: int) -> tuple[list[Query], str]:
-    """The workload (``workload.load_or_generate``) with texts, lengths capped at the bundled
-    model's limit; and where it came from."""
+    """The workload with texts, lengths capped at the bundled model's limit; and where it came from."""
     from tokq.profiling.harness import vocab_words
 
     queries, source = load_or_generate(workload_path, num_queries, seed)
@@ -140,29 +133,19 @@ def load_queries(workload_path: str | None, num_queries: int, seed: int) -> tupl
 async def run_open_loop(send: Send, arrivals: Sequence[Arrival], *,
                         on_done: Callable[[Sample], None] | None = None,
                         lead_s: float = 0.02, start_at: float | None = None) -> list[Sample]:
-    """Send every arrival at its intended time without waiting for replies; wait for all
-    replies (the sender enforces any deadline) and return the samples in schedule order.
-    ``start_at``: the run's start on ``time.monotonic()``'s clock (shared by every process of
-    the machine) instead of ``lead_s`` from now, for a run split over processes."""
+    """Send every arrival at its intended time; the samples in schedule order. ``start_at``: the start on
+    ``time.monotonic()``'s clock (shared by the machine's processes), for a run split over processes."""
     loop = asyncio.get_running_loop()
     start = loop.time() + (lead_s if start_at is None else start_at - time.monotonic())
     samples: list[Sample | None] = [None] * len(arrivals)
 
     async def one(i: int, arrival: Arrival) -> None:
-        sent = loop.time() - start
-        try:
-            reply = await send(arrival.texts)
-        except Exception as exc:  # a sender's error must show as an error, not kill the run
-            reply = Reply(f"CLIENT_{type(exc).__name__}")
-        sample = Sample(arrival.t_s, sent, loop.time() - start, reply.status, arrival.num_tokens,
-                        reply.queue_ms, reply.inference_ms)
-        samples[i] = sample
+        samples[i] = await _sample(send, arrival, arrival.t_s, loop, start)
         if on_done:
-            on_done(sample)
+            on_done(samples[i])
 
     tasks = []
-    # No cyclic-GC pauses while sending: a full collection over the run's objects can hold the
-    # loop for tens of ms, which would show as the generator's own lag. Collected once after.
+    # No cyclic-GC pauses while sending (tens of ms, the generator's own lag): collected once after.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -177,6 +160,17 @@ async def run_open_loop(send: Send, arrivals: Sequence[Arrival], *,
             gc.enable()
         gc.collect()
     return [s for s in samples if s is not None]
+
+
+async def _sample(send: Send, arrival: Arrival, intended_s: float | None, loop, start: float) -> Sample:
+    """One request's sample (times from ``start``; ``intended_s`` None: when it was sent)."""
+    sent = loop.time() - start
+    try:
+        reply = await send(arrival.texts)
+    except Exception as exc:  # a sender's error must show as an error, not kill the run
+        reply = Reply(f"CLIENT_{type(exc).__name__}")
+    return Sample(sent if intended_s is None else intended_s, sent, loop.time() - start, reply.status,
+                  arrival.num_tokens, reply.queue_ms, reply.inference_ms)
 
 
 async def closed_loop(call: Callable[[object], Awaitable], items: Iterable, concurrency: int) -> None:
@@ -195,24 +189,14 @@ async def run_closed_loop(send: Send, arrivals: Sequence[Arrival], concurrency: 
     start, samples = loop.time(), []
 
     async def one(arrival: Arrival) -> None:
-        sent = loop.time() - start
-        try:
-            reply = await send(arrival.texts)
-        except Exception as exc:  # a sender's error must show as an error, not kill the run
-            reply = Reply(f"CLIENT_{type(exc).__name__}")
-        samples.append(Sample(sent, sent, loop.time() - start, reply.status, arrival.num_tokens, reply.queue_ms,
-                              reply.inference_ms))
+        samples.append(await _sample(send, arrival, None, loop, start))
     await closed_loop(one, arrivals, concurrency)
     return samples
 
 
 class GeneratorProcs:
-    """Load from ``n`` processes, each with its own sender (``make_sender``, picklable: a
-    module-level class or a partial of one) and event loop, each sending its share of a run's
-    arrivals (every n-th) at their intended times on one shared clock. One Python process sends
-    ~3,000 calls a second before it falls behind (its send lag fails the run as not really
-    offered): a GPU-served tokq needs more to find its limit. The processes start once and serve
-    every run; their senders stay connected between runs."""
+    """Load from ``n`` processes (one sends ~3,000 calls/s), each with its own sender (``make_sender``,
+    picklable) and loop, sending every n-th arrival on one shared clock; they serve every run."""
 
     def __init__(self, make_sender: Callable[[], Send], n: int) -> None:
         if n < 1:
@@ -251,8 +235,7 @@ class GeneratorProcs:
         return sorted((s for part in parts for s in part), key=lambda s: s.intended_s)
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Stop the processes: each ends after its run in progress, if any; past ``wait_s`` in
-        all (a run cut short by Ctrl-C goes on to its end) they are terminated."""
+        """Stop the processes after their run in progress; past ``wait_s`` they are terminated."""
         for conn in self._conns:
             try:
                 conn.send(None)
@@ -269,8 +252,7 @@ class GeneratorProcs:
 
 
 def _generator_main(conn, make_sender: Callable[[], Send]) -> None:
-    """A GeneratorProcs process: one loop and sender for its life; runs until told None (or its
-    parent is gone). Ctrl-C is the parent's to handle: it closes the processes."""
+    """A GeneratorProcs process: one loop and sender until told None; Ctrl-C is the parent's to handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     loop = asyncio.new_event_loop()
 
@@ -303,49 +285,34 @@ def _pct(values: np.ndarray, q: float) -> float | None:
 
 
 def summarize(samples: Sequence[Sample], offered_rate_per_s: float, duration_s: float | None = None) -> dict:
-    """The figures of one run. Latency percentiles cover every request, failed ones included
-    (at the time their error came back), so timeouts cannot make a run look faster. With the
-    schedule's ``duration_s``, rates are over [0, max(duration, last reply)] and the rate the
-    random schedule really held (``scheduled_rps``) is reported beside the nominal one."""
+    """The figures of one run; latency percentiles include failed requests, so timeouts cannot make a run
+    look faster. With ``duration_s``, rates span [0, max(duration, last reply)]."""
     if not samples:
         raise ValueError("no samples to summarize")
-    lat = np.array([s.latency_ms for s in samples])
-    lag = np.array([s.send_lag_ms for s in samples])
+    lat, lag = np.array([s.latency_ms for s in samples]), np.array([s.send_lag_ms for s in samples])
     ok = [s for s in samples if s.status == "OK"]
-    intended = np.array([s.intended_s for s in samples])
-    sent = np.array([s.sent_s for s in samples])
+    intended, sent = np.array([s.intended_s for s in samples]), np.array([s.sent_s for s in samples])
     last_done_s = max(s.done_s for s in samples)
-    if duration_s:
-        span_s = max(duration_s, last_done_s)
-    else:
-        span_s = max(last_done_s - float(intended.min()), 1e-9)
-    intended_span_s = float(intended.max() - intended.min())
+    span_s = max(duration_s, last_done_s) if duration_s else max(last_done_s - float(intended.min()), 1e-9)
     sent_span_s = float(sent.max() - sent.min())
-    send_ratio = (intended_span_s / sent_span_s) if sent_span_s > 0 else 1.0
-    lag_p99 = _pct(lag, 99)
-    kept_up = bool(lag_p99 <= MAX_SEND_LAG_P99_MS and send_ratio >= MIN_SEND_RATIO)
-    queue_ms = np.array([s.queue_ms for s in ok if s.queue_ms is not None])
-    inference_ms = np.array([s.inference_ms for s in ok if s.inference_ms is not None])
+    send_ratio = float(intended.max() - intended.min()) / sent_span_s if sent_span_s > 0 else 1.0
+    server = {k: np.array([getattr(s, k) for s in ok if getattr(s, k) is not None]) for k in ("queue_ms", "inference_ms")}
     return {
         "offered_rps": round(offered_rate_per_s, 3),
         "scheduled_rps": round(len(samples) / duration_s, 3) if duration_s else None,
-        "num_requests": len(samples),
-        "num_ok": len(ok),
+        "num_requests": len(samples), "num_ok": len(ok),
         "errors": dict(sorted(Counter(s.status for s in samples if s.status != "OK").items())),
         "throughput_rps": round(len(ok) / span_s, 3),
         "tokens_per_s": round(sum(s.num_tokens for s in ok) / span_s, 1),
-        "latency_ms": {"p50": _pct(lat, 50), "p90": _pct(lat, 90), "p99": _pct(lat, 99),
-                       "max": round(float(lat.max()), 3)},
-        "server_queue_ms": {"p50": _pct(queue_ms, 50), "p99": _pct(queue_ms, 99)},
-        "server_inference_ms": {"p50": _pct(inference_ms, 50), "p99": _pct(inference_ms, 99)},
-        "send_lag_ms": {"p50": _pct(lag, 50), "p99": lag_p99, "max": round(float(lag.max()), 3)},
-        "generator_kept_up": kept_up,
+        "latency_ms": {"p50": _pct(lat, 50), "p90": _pct(lat, 90), "p99": _pct(lat, 99), "max": round(float(lat.max()), 3)},
+        **{f"server_{k}": {"p50": _pct(v, 50), "p99": _pct(v, 99)} for k, v in server.items()},
+        "send_lag_ms": {"p50": _pct(lag, 50), "p99": _pct(lag, 99), "max": round(float(lag.max()), 3)},
+        "generator_kept_up": bool(_pct(lag, 99) <= MAX_SEND_LAG_P99_MS and send_ratio >= MIN_SEND_RATIO),
     }
 
 
 def within_slo(summary: dict, slo_ms: float, max_error_ratio: float = 0.01) -> bool:
-    """A run is sustainable when p99 meets the SLO, at most ``max_error_ratio`` of requests
-    failed, and the load generator really offered the load."""
+    """p99 within the SLO, at most ``max_error_ratio`` failed, and the generator really offered the load."""
     error_ratio = 1 - summary["num_ok"] / summary["num_requests"]
     return (summary["latency_ms"]["p99"] <= slo_ms and error_ratio <= max_error_ratio
             and summary["generator_kept_up"])
@@ -369,16 +336,10 @@ async def step_search(run_at: Callable[[float], Awaitable[dict]], *, start_rate_
                       slo_ms: float, factor: float = 1.5, max_steps: int = 12,
                       num_refinements: int = 1, generator_retries: int = 1,
                       min_rate_per_s: float = 0.0) -> dict:
-    """Raise the offered rate by ``factor`` from ``start_rate_per_s`` until a run breaks the SLO
-    (``within_slo``), then bisect (geometrically) between the last good and the first bad rate
-    ``num_refinements`` times. If the first rate already fails, come down by ``factor`` until one
-    meets the SLO (a slow system would otherwise score 0: one start rate serves systems 100x
-    apart, as a GPU's baselines are), not below ``min_rate_per_s`` (a step must hold enough
-    requests for its p99 to mean something). A run where the generator itself fell behind says nothing
-    about the server: it is kept in ``steps`` but run again (``generator_retries`` times per
-    rate); if it still falls behind, the result is ``generator_limited`` (the server sustained at
-    least the rate found). Returns the highest sustainable rate (0 if no rate within
-    ``max_steps`` met the SLO), why the next failed, and every run's summary in the order run."""
+    """Raise the rate by ``factor`` until a run breaks the SLO, then bisect ``num_refinements`` times; if the
+    first fails, come down (not below ``min_rate_per_s``). A run the generator fell behind on is run again
+    (``generator_retries``), then ends the search as ``generator_limited``. Returns the highest
+    sustainable rate, why the next failed, and every run's summary in order."""
     if start_rate_per_s <= 0 or factor <= 1:
         raise ValueError("need start_rate_per_s > 0 and factor > 1")
     steps: list[dict] = []
@@ -412,11 +373,7 @@ async def step_search(run_at: Callable[[float], Awaitable[dict]], *, start_rate_
             good = summary
         else:
             bad = summary
-    return {
-        "slo_ms": slo_ms,
-        "sustainable_rps": good["offered_rps"] if good else 0.0,
-        "sustainable": good,
-        "generator_limited": bool(bad and not bad["generator_kept_up"]),
-        "limit": failure_reason(bad, slo_ms) if bad else f"no step failed up to {steps[-1]['offered_rps']:.0f} req/s",
-        "steps": steps,
-    }
+    return {"slo_ms": slo_ms, "sustainable_rps": good["offered_rps"] if good else 0.0, "sustainable": good,
+            "generator_limited": bool(bad and not bad["generator_kept_up"]),
+            "limit": failure_reason(bad, slo_ms) if bad else f"no step failed up to {steps[-1]['offered_rps']:.0f} req/s",
+            "steps": steps}
