@@ -1,16 +1,5 @@
-"""The workload tokq measures itself with: skewed short queries arriving in bursts.
-
-Search traffic is mostly short queries with a few long ones, and it arrives in spikes. The
-generator here is seeded and shaped like that: token lengths (special tokens included) follow
-a lognormal with median 10 and sigma 0.857 (p90 about 30), 0.5% of queries are a log-uniform
-tail in [100, 512], everything is clipped to [3, 512]; arrivals are a Poisson process at
-``rate_per_s`` that runs ``burst_factor`` times faster for ``burst_s`` every ``period_s``.
-
-A workload can also come from a JSONL file, one query per line:
-``{"id": int, "text": str, "tokens": int, "t": seconds_since_start}`` ("text" may be null when
-only lengths matter; numbers finite and >= 0, "tokens" >= 1). ``tokq profile --workload`` and
-the benchmarks read both the same way.
-"""
+"""The workload tokq measures itself with: seeded short queries (lognormal lengths, median 10 tokens, a 0.5%
+long tail) arriving in Poisson bursts, or a JSONL file of ``{"id", "text", "tokens", "t"}`` lines."""
 
 from __future__ import annotations
 
@@ -22,11 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-# The team's recorded search workload, beside the repository; where it is absent (a fresh clone),
-# the benchmarks use the generator below instead and say so.
+# The recorded search workload beside the repository; without it the benches use the generator, and say so.
 SHARED_PATH = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "short_queries.jsonl"
-# What a workload line may hold: longer than any model takes (each is cut to the model's max
-# length), an id that fits int64, arrivals within a year.
+# A line's limits: longer than any model takes (each is cut), an id that fits int64, arrivals within a year.
 LINE_MAX_TOKENS, LINE_MAX_ID, LINE_MAX_T_S = 1 << 20, (1 << 63) - 1, 365 * 86_400
 MEDIAN_TOKENS = 10.0
 SIGMA = 0.857  # lognormal sigma: p90 = median * exp(1.2816 * sigma) ~= 30 tokens
@@ -49,8 +36,8 @@ class Query:
 
 def query_lengths(num_queries: int, seed: int = 1, *, rng: np.random.Generator | None = None
                   ) -> np.ndarray:
-    """Token lengths of ``num_queries`` queries (int64). Draw order: body, tail mask, tail
-    lengths — the order ../shared/workloads/make_queries.py uses, so seed 1 gives its lengths."""
+    """Token lengths (int64): a lognormal body, a log-uniform tail, drawn in make_queries.py's order, so
+    seed 1 gives ../shared/workloads' lengths."""
     rng = rng if rng is not None else np.random.default_rng(seed)
     lens = np.exp(rng.normal(np.log(MEDIAN_TOKENS), SIGMA, size=num_queries))
     tail = rng.random(num_queries) < TAIL_FRACTION
@@ -62,8 +49,8 @@ def query_lengths(num_queries: int, seed: int = 1, *, rng: np.random.Generator |
 def arrival_times_s(num_queries: int, rate_per_s: float, seed: int = 1, *, burst_factor: float = 4.0,
                     burst_s: float = 1.0, period_s: float = 5.0,
                     rng: np.random.Generator | None = None) -> np.ndarray:
-    """Arrival times (s, increasing) of a Poisson process at ``rate_per_s``, ``burst_factor``
-    times faster during the first ``burst_s`` of every ``period_s``."""
+    """Poisson arrival times (s) at ``rate_per_s``, ``burst_factor`` times faster in the first ``burst_s``
+    of every ``period_s``."""
     if rate_per_s <= 0:
         raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
     rng = rng if rng is not None else np.random.default_rng(seed)
@@ -91,8 +78,7 @@ def generate(num_queries: int, *, seed: int = 1, rate_per_s: float = 200.0,
 
 def load_jsonl(path: str | Path) -> list[Query]:
     """Read a JSONL workload; a malformed line raises ValueError naming the file and line."""
-    path = Path(path)
-    queries: list[Query] = []
+    path, queries = Path(path), []
     # surrogateescape: bytes that are not UTF-8 reach the line they sit on, which names them.
     with path.open(encoding="utf-8-sig", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, start=1):
@@ -132,9 +118,8 @@ def _check_utf8(line: str) -> None:
 
 
 def _number(key: str, value: object, *, whole: bool, minimum: int, maximum: int) -> int | float:
-    """A field's value, checked: a JSON number (true/false are not), finite (json reads NaN,
-    Infinity and 1e400 as floats), whole where ``whole``, and in ``minimum..maximum`` (json
-    reads any integer, 10**400 included)."""
+    """A field's value: a finite JSON number (not true/false, NaN or 1e400), whole where ``whole``, and
+    in ``minimum..maximum``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{key} must be a number, got {json.dumps(value)}")
     if isinstance(value, float) and not math.isfinite(value):
@@ -149,8 +134,7 @@ def _number(key: str, value: object, *, whole: bool, minimum: int, maximum: int)
 
 
 def load_or_generate(path: str | Path | None, num_queries: int, seed: int = 1) -> tuple[list[Query], str]:
-    """``path``'s workload; without one, SHARED_PATH's where it exists, else ``generate``'s; and
-    where it came from, for the report."""
+    """``path``'s workload, else SHARED_PATH's, else ``generate``'s; and where it came from."""
     path = Path(path) if path else (SHARED_PATH if SHARED_PATH.is_file() else None)
     if path:
         return load_jsonl(path), str(path)
@@ -167,13 +151,6 @@ def describe(queries: list[Query]) -> dict:
     """Summary figures of a workload (for reports and the profile JSON)."""
     lens = np.array([q.num_tokens for q in queries])
     span_s = max(q.t_s for q in queries) - min(q.t_s for q in queries)
-    return {
-        "num_queries": len(queries),
-        "num_tokens": int(lens.sum()),
-        "p50_tokens": float(np.percentile(lens, 50)),
-        "p90_tokens": float(np.percentile(lens, 90)),
-        "p99_tokens": float(np.percentile(lens, 99)),
-        "max_tokens": int(lens.max()),
-        "span_s": round(float(span_s), 3),
-        "has_texts": all(q.text is not None for q in queries),
-    }
+    return {"num_queries": len(queries), "num_tokens": int(lens.sum()),
+            **{f"p{q}_tokens": float(np.percentile(lens, q)) for q in (50, 90, 99)}, "max_tokens": int(lens.max()),
+            "span_s": round(float(span_s), 3), "has_texts": all(q.text is not None for q in queries)}
