@@ -27,6 +27,7 @@ from tokq.gateway.tokenize import Tokenizer
 from tokq.gateway.validate import Limits, check_text_sizes, check_token_ids
 from tokq.gateway.wire import embed_response_max_bytes
 from tokq.model.info import ModelInfo
+from tokq.queue.priority import DEFAULT_PRIORITY
 from tokq.queue.shard import QueueFull, Withdrawn
 from tokq.queue.sharded import ShardedQueue
 
@@ -59,6 +60,7 @@ class EmbedInput:
     dimensions: int | None = None  # None: the model's full dimension
     prompt_name: str | None = None  # None: the model's default prompt, if any
     max_reply_bytes: int | None = None  # the transport's message limit (gRPC's), None: none
+    priority: str = DEFAULT_PRIORITY  # the queue class, resolved by the transport (gateway/priority.py)
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ class ServedModel:
             self.observer.embed_tokenized(tokenize_ms, num_tokens)
 
         request_id = f"{self.gateway_id}-{next(self._ids)}"
-        raw = await self._submit_and_wait(request_id, items, context)
+        raw = await self._submit_and_wait(request_id, items, context, request.priority)
 
         results = [decode_result(raw[i]) for i in range(len(items))]
         failed = next((r for r in results if not r.ok), None)
@@ -206,13 +208,15 @@ class ServedModel:
         inference_ms = max(r.inference_ms for r in results)
         total_ms = (time.perf_counter() - t_start) * 1000
         if self.observer:
-            self.observer.embed_done(queue_ms, inference_ms)
+            self.observer.embed_done(queue_ms, inference_ms, request.priority)
         return EmbedOutput(
             vectors=[r.vector for r in results], model=self.info.name, num_tokens=num_tokens,
             timing={"tokenize_ms": tokenize_ms, "queue_ms": queue_ms,
                     "inference_ms": inference_ms, "total_ms": total_ms})
 
-    async def _submit_and_wait(self, request_id: str, items, context) -> dict[int, bytes]:
+    async def _submit_and_wait(self, request_id: str, items, context,
+                               priority: str = DEFAULT_PRIORITY) -> dict[int, bytes]:
+        """Enqueue ``items`` in class ``priority`` and wait for every result."""
         done = self.router.expect(request_id, len(items))
         collected = False
         sent = answered = False  # the enqueue started; its answer came (it ran, and cannot later)
@@ -222,7 +226,7 @@ class ServedModel:
             sent = True
             try:
                 await self.queue.producer.enqueue(request_id, items, timeout_ms=timeout_ms,
-                                                  gateway_id=self.gateway_id)
+                                                  gateway_id=self.gateway_id, priority=priority)
                 answered = True
             finally:
                 self._enqueuing -= 1
@@ -327,15 +331,17 @@ class Embedder:
                                 f"{', '.join(repr(n) for n in sorted(self.models))}", param="model")
         return model
 
-    async def observed(self, rpc: str, model_name: str, operation, deadline: Deadline | None = None):
-        """Run ``operation(model)``, counted in that model's metrics under ``rpc`` and its gRPC status
-        name; an unserved name counts as refused. ``deadline`` tells expiry from a hang-up: gRPC
-        stops the handler when the deadline passes, often before the gateway's own timer."""
+    async def observed(self, rpc: str, model_name: str, operation, deadline: Deadline | None = None,
+                       priority: str = ""):
+        """Run ``operation(model)``, counted in that model's metrics under ``rpc``, its gRPC status
+        name and ``priority`` (the call's class, "" where none applies); an unserved name counts as
+        refused. ``deadline`` tells expiry from a hang-up: gRPC stops the handler when the deadline
+        passes, often before the gateway's own timer."""
         start = time.perf_counter()
         try:
             model = self.lookup(model_name)
         except ServiceError as exc:
-            self.refused(rpc, exc, start)
+            self.refused(rpc, exc, start, priority)
             raise
         if model.observer:
             model.observer.request_started(rpc)
@@ -350,12 +356,12 @@ class Embedder:
             raise
         finally:
             if model.observer:
-                model.observer.request_finished(rpc, code, time.perf_counter() - start)
+                model.observer.request_finished(rpc, code, time.perf_counter() - start, priority)
 
-    def refused(self, rpc: str, exc: BaseException, start: float) -> None:
+    def refused(self, rpc: str, exc: BaseException, start: float, priority: str = "") -> None:
         """Count a call refused before it reached a served model (``start``: its perf_counter)."""
         if self.unrouted is not None:
-            self.unrouted.count(rpc, status_name(exc), time.perf_counter() - start)
+            self.unrouted.count(rpc, status_name(exc), time.perf_counter() - start, priority)
 
 
 def _expired(deadline: Deadline | None) -> bool:

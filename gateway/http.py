@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API: Starlette on uvicorn, on the gateway's own asyncio loop, over
 the same embedding and reranking paths as gRPC (gateway/embedding.py, gateway/rerank.py). Routes:
-POST /v1/embeddings (with TEI's truncate, normalize and prompt_name), POST /v1/rerank, /v2/rerank
+POST /v1/embeddings (with TEI's truncate, normalize and prompt_name, and tokq's priority), POST /v1/rerank, /v2/rerank
 (Cohere's and Jina's shape) and /rerank (TEI's; gateway/http_rerank.py), GET /v1/models, /health
 (live) and /ready (503 until a live worker serves the model)."""
 
@@ -26,12 +26,15 @@ from tokq.gateway.auth import ApiKeys
 from tokq.gateway.embedding import EmbedInput, Embedder, Timer
 from tokq.gateway.errors import InvalidArgument, PayloadTooLarge, ServiceError, UnsupportedMediaType, to_http
 from tokq.gateway.http_rerank import cohere_reply, parse_cohere, parse_tei, tei_reply
+from tokq.gateway.priority import from_json, resolve
 from tokq.gateway.rerank import rerank, wrong_task
 
 EMBEDDINGS_RPC = "http.Embeddings"  # the rpc label of POST /v1/embeddings in the gateway's metrics
 RERANK_RPC = "http.Rerank"  # POST /v1/rerank, /v2/rerank and /rerank
-# Body fields: OpenAI's, then TEI's extras. Anything else is a 400 naming it (a typo is not ignored).
-FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "normalize", "prompt_name"}
+# Body fields: OpenAI's, then TEI's extras and tokq's priority class. Anything else is a 400 naming
+# it (a typo is not ignored).
+FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate", "normalize", "prompt_name",
+          "priority"}
 
 
 def _json(body, status: int = 200, headers: dict | None = None) -> Response:
@@ -127,8 +130,9 @@ async def _hung_up(request: Request) -> None:
         pass
 
 
-def parse_request(raw: bytes) -> tuple[EmbedInput, str]:
-    """(the embedding request, encoding_format) from a POST /v1/embeddings body."""
+def parse_request(raw: bytes, key_priority: str | None = None) -> tuple[EmbedInput, str]:
+    """(the embedding request, encoding_format) from a POST /v1/embeddings body; ``key_priority``:
+    the caller's API key's default class, for a body that names none."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -155,13 +159,15 @@ def parse_request(raw: bytes) -> tuple[EmbedInput, str]:
         normalize=_typed(body, "normalize", (bool,), "a boolean"),
         dimensions=_typed(body, "dimensions", (int,), "an integer"),
         prompt_name=_typed(body, "prompt_name", (str,), "a string"),
+        priority=resolve(from_json(body.get("priority")), key_priority),
     ), encoding
 
 
 def _named(params):
-    """(the model a parsed request names, the request): an EmbedInput with its encoding, or a
-    RerankInput."""
-    return (params[0] if isinstance(params, tuple) else params).model, params
+    """(the model a parsed request names, its priority class, the request): an EmbedInput with its
+    encoding, or a RerankInput."""
+    request = params[0] if isinstance(params, tuple) else params
+    return request.model, request.priority, params
 
 
 def _encode(vector: np.ndarray, encoding: str):
@@ -175,26 +181,29 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
     """``readiness``: an object with ``ready`` (bool) and ``reason`` (str); None = always ready.
     ``api_keys``: when given, every route but /health and /ready needs ``Authorization: Bearer``."""
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request) -> str | None:
+        """The caller's key's default priority class (None: none); Unauthenticated -> 401."""
         if api_keys is not None:
-            api_keys.check(request.headers.get("authorization"))  # Unauthenticated -> 401
+            return api_keys.check(request.headers.get("authorization"))
+        return None
 
     async def answer(request: Request, rpc: str, parse, operation, reply) -> Response:
-        """``parse(body)``: (the model named, params); then ``operation(model, params)`` on that
-        model and ``reply(out, params)`` as JSON; every failure mapped once (gateway.errors)."""
+        """``parse(body, key_priority)``: (the model named, the priority class, params); then
+        ``operation(model, params)`` on that model and ``reply(out, params)`` as JSON; every failure
+        mapped once (gateway.errors)."""
         start = time.perf_counter()
         try:
             try:
-                authorize(request)
+                key_priority = authorize(request)
                 _check_json(request)
-                model_name, params = parse(await _body(request, max_body_bytes))
+                model_name, priority, params = parse(await _body(request, max_body_bytes), key_priority)
             except ServiceError as exc:  # refused before it named a model: counted as such
                 embedder.refused(rpc, exc, start)
                 raise
 
             async def run(model):
                 return await operation(model, params)
-            call = asyncio.ensure_future(embedder.observed(rpc, model_name, run))
+            call = asyncio.ensure_future(embedder.observed(rpc, model_name, run, priority=priority))
             # A caller that hangs up (an SDK's timeout, then its retry) stops the call, which
             # cancels its queued request, as gRPC does: else a worker embeds it for nobody.
             hangup = asyncio.ensure_future(_hung_up(request))
@@ -228,21 +237,23 @@ def build_app(embedder: Embedder, readiness=None, *, max_body_bytes: int = 64 * 
         }
 
     async def embeddings(request: Request) -> Response:
-        return await answer(request, EMBEDDINGS_RPC, lambda raw: _named(parse_request(raw)), embed, embedded)
+        return await answer(request, EMBEDDINGS_RPC, lambda raw, key: _named(parse_request(raw, key)), embed,
+                            embedded)
 
     async def score(model, params):
         return await rerank(model, params, Timer())
 
     async def rerank_v1(request: Request) -> Response:
-        return await answer(request, RERANK_RPC, lambda raw: _named(parse_cohere(raw)), score,
+        return await answer(request, RERANK_RPC, lambda raw, key: _named(parse_cohere(raw, key)), score,
                             lambda out, params: cohere_reply(out, params, "1"))
 
     async def rerank_v2(request: Request) -> Response:
-        return await answer(request, RERANK_RPC, lambda raw: _named(parse_cohere(raw)), score,
+        return await answer(request, RERANK_RPC, lambda raw, key: _named(parse_cohere(raw, key)), score,
                             lambda out, params: cohere_reply(out, params, "2"))
 
     async def rerank_tei(request: Request) -> Response:
-        return await answer(request, RERANK_RPC, lambda raw: _named(parse_tei(raw)), score, tei_reply)
+        return await answer(request, RERANK_RPC, lambda raw, key: _named(parse_tei(raw, key)), score,
+                            tei_reply)
 
     def _model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "tokq"}

@@ -8,6 +8,9 @@
                                as Cohere cuts long documents).
   POST /rerank                 TEI's: {query, texts, raw_scores, return_text, truncate} ->
                                [{index, score, text?}], best first; truncate defaults to false.
+
+Both take tokq's "priority" ("interactive" or "batch"); Cohere's integer priority (0 first, the
+default) maps 0 to interactive and a higher number to batch.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import uuid
 import orjson
 
 from tokq.gateway.errors import InvalidArgument
+from tokq.gateway.priority import from_json, resolve
 from tokq.gateway.rerank import RerankInput, RerankOutput
+from tokq.queue.priority import PRIORITIES
 
 # Body fields per shape. Known fields tokq cannot honour are refused when set, never ignored.
 COHERE_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "truncate", "raw_scores",
@@ -28,7 +33,8 @@ _COHERE_UNSUPPORTED = {
     "max_chunks_per_doc": "tokq scores each document as one pair, cut at the model's max length",
     "relevant_spans": "tokq returns one score per document",
 }
-TEI_FIELDS = {"query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction", "model"}
+TEI_FIELDS = {"query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction", "model",
+              "priority"}
 
 
 def _object(raw: bytes) -> dict:
@@ -82,25 +88,37 @@ def _texts(body: dict, name: str, objects: bool) -> list[str]:
     return out
 
 
-def parse_cohere(raw: bytes) -> RerankInput:
-    """A POST /v1/rerank or /v2/rerank body (Cohere's and Jina's shape)."""
+def _cohere_priority(value) -> str | None:
+    """tokq's class names, or Cohere's integer priority: 0 (its default, handled first) is
+    interactive, a higher number batch."""
+    if type(value) is int and value >= 0:  # JSON true is no priority
+        return "interactive" if value == 0 else "batch"
+    if value is None or (isinstance(value, str) and value in PRIORITIES):
+        return value
+    raise InvalidArgument(f'priority must be "interactive", "batch" or an integer >= 0 (Cohere\'s: 0 is '
+                          f"interactive, higher is batch), got {value!r:.60}", param="priority")
+
+
+def parse_cohere(raw: bytes, key_priority: str | None = None) -> RerankInput:
+    """A POST /v1/rerank or /v2/rerank body (Cohere's and Jina's shape); ``key_priority``: the
+    caller's API key's default class, for a body that names none."""
     body = _object(raw)
     _known(body, COHERE_FIELDS)
     for name, why in _COHERE_UNSUPPORTED.items():
         if body.get(name) is not None:
             raise InvalidArgument(f"{name} is not supported: {why}", param=name)
-    _typed(body, "priority", (int,), "an integer")  # a scheduling hint: taken, not used
+    priority = resolve(_cohere_priority(body.get("priority")), key_priority)
     return RerankInput(
         query=_query(body), documents=_texts(body, "documents", objects=True),
         model=_typed(body, "model", (str,), "a string", ""),
         top_n=_typed(body, "top_n", (int,), "an integer >= 1"),
         raw_scores=_typed(body, "raw_scores", (bool,), "a boolean", False),
         return_documents=_typed(body, "return_documents", (bool,), "a boolean", False),
-        truncate=_typed(body, "truncate", (bool,), "a boolean", True))
+        truncate=_typed(body, "truncate", (bool,), "a boolean", True), priority=priority)
 
 
-def parse_tei(raw: bytes) -> RerankInput:
-    """A POST /rerank body (TEI's shape)."""
+def parse_tei(raw: bytes, key_priority: str | None = None) -> RerankInput:
+    """A POST /rerank body (TEI's shape); ``key_priority`` as parse_cohere's."""
     body = _object(raw)
     _known(body, TEI_FIELDS)
     direction = _typed(body, "truncation_direction", (str,), '"right"', "right")
@@ -112,7 +130,8 @@ def parse_tei(raw: bytes) -> RerankInput:
         model=_typed(body, "model", (str,), "a string", ""),
         raw_scores=_typed(body, "raw_scores", (bool,), "a boolean", False),
         return_documents=_typed(body, "return_text", (bool,), "a boolean", False),
-        truncate=_typed(body, "truncate", (bool,), "a boolean", False))
+        truncate=_typed(body, "truncate", (bool,), "a boolean", False),
+        priority=resolve(from_json(body.get("priority")), key_priority))
 
 
 def cohere_reply(out: RerankOutput, params: RerankInput, version: str) -> dict:

@@ -14,12 +14,13 @@ import grpc
 import numpy as np
 
 from tokq.gateway.embedding import Deadline, ServedModel
-from tokq.gateway.errors import InvalidArgument, from_result_code
+from tokq.gateway.errors import InvalidArgument, ServiceError, from_result_code
 from tokq.gateway.prompt_boundary import shared_prefix_len
-from tokq.gateway.service import EmbedderService
+from tokq.gateway.service import EmbedderService, priority_of
 from tokq.gateway.validate import check_pair_sizes
 from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES
 from tokq.model.info import ModelInfo
+from tokq.queue.priority import DEFAULT_PRIORITY
 from tokq.queue.wire import decode_result, encode_body
 from tokq.v1 import embedder_pb2 as pb
 
@@ -38,6 +39,7 @@ class RerankInput:
     raw_scores: bool = False
     return_documents: bool = False
     truncate: bool = False
+    priority: str = DEFAULT_PRIORITY  # the queue class, resolved by the transport (gateway/priority.py)
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ async def rerank(model: ServedModel, request: RerankInput, context: Deadline) ->
         model.observer.embed_tokenized(tokenize_ms, num_tokens)
 
     request_id = f"{model.gateway_id}-{next(model._ids)}"
-    raw = await model._submit_and_wait(request_id, items, context)
+    raw = await model._submit_and_wait(request_id, items, context, request.priority)
     results = [decode_result(raw[i]) for i in range(len(items))]
     failed = next((r for r in results if not r.ok), None)
     if failed is not None:
@@ -118,7 +120,7 @@ async def rerank(model: ServedModel, request: RerankInput, context: Deadline) ->
     queue_ms = max(r.queue_ms for r in results)
     inference_ms = max(r.inference_ms for r in results)
     if model.observer:
-        model.observer.embed_done(queue_ms, inference_ms)
+        model.observer.embed_done(queue_ms, inference_ms, request.priority)
     return RerankOutput(
         results=[(int(i), float(scores[i])) for i in order], documents=request.documents,
         model=info.name, num_tokens=num_tokens,
@@ -142,14 +144,18 @@ class RerankingService(EmbedderService):
     reranker by name."""
 
     async def Rerank(self, request: pb.RerankRequest, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
+        try:
+            priority = priority_of(request)
+        except ServiceError as exc:
+            return await self.refused("Rerank", request.model, exc, context)
         params = RerankInput(
             query=request.query, documents=list(request.documents), model=request.model,
             top_n=request.top_n if request.HasField("top_n") else None, raw_scores=request.raw_scores,
-            return_documents=request.return_documents, truncate=request.truncate)
+            return_documents=request.return_documents, truncate=request.truncate, priority=priority)
 
         async def run(model):
             return rerank_response(await rerank(model, params, context), params.return_documents)
-        return await self._call("Rerank", request.model, run, context)
+        return await self._call("Rerank", request.model, run, context, priority)
 
     async def Embed(self, request, context: grpc.aio.ServicerContext):
         try:

@@ -8,7 +8,8 @@ import asyncio
 import grpc
 
 from tokq.gateway.embedding import EmbedInput, Embedder
-from tokq.gateway.errors import refuse, to_status
+from tokq.gateway.errors import ServiceError, refuse, to_status
+from tokq.gateway.priority import KEY_DEFAULT, from_enum, resolve
 from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES, embed_response
 from tokq.client import GATEWAY_ID_METADATA
 from tokq.v1 import embedder_pb2 as pb
@@ -17,6 +18,12 @@ from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
 def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
+
+
+def priority_of(request) -> str:
+    """The class a request is queued in: its ``priority``, else its API key's default (set by
+    gateway.auth's interceptor), else interactive; an unknown value is INVALID_ARGUMENT."""
+    return resolve(from_enum(request.priority), KEY_DEFAULT.get())
 
 
 class EmbedderService(pb_grpc.EmbedderServicer):
@@ -32,11 +39,12 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         if self.embedder.unrouted is not None:
             self.embedder.unrouted.count(rpc, code, 0.0)
 
-    async def _call(self, rpc: str, model_name: str, operation, context: grpc.aio.ServicerContext):
+    async def _call(self, rpc: str, model_name: str, operation, context: grpc.aio.ServicerContext,
+                    priority: str = ""):
         if self._identity:
             context.set_trailing_metadata(self._identity)
         try:
-            return await self.embedder.observed(rpc, model_name, operation, context)
+            return await self.embedder.observed(rpc, model_name, operation, context, priority)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # mapped once, in gateway.errors
@@ -44,18 +52,30 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         refuse(context, code, message)
         return None
 
+    async def refused(self, rpc: str, model_name: str, exc: ServiceError,
+                      context: grpc.aio.ServicerContext):
+        """End the call with ``exc``, counted as ``model_name``'s calls are."""
+        async def refuse_call(model):
+            raise exc
+        return await self._call(rpc, model_name, refuse_call, context)
+
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> bytes:
         """Returns the EmbedResponse's wire bytes (gateway/wire.py registers it so)."""
+        try:
+            priority = priority_of(request)
+        except ServiceError as exc:
+            return await self.refused("Embed", request.model, exc, context)
         params = EmbedInput(
             texts=list(request.inputs), token_ids=[list(t.ids) for t in request.token_inputs],
             model=request.model, truncate=request.truncate,
             normalize=_optional(request, "normalize"), dimensions=_optional(request, "dimensions"),
-            prompt_name=_optional(request, "prompt_name"), max_reply_bytes=MAX_SEND_MESSAGE_BYTES)
+            prompt_name=_optional(request, "prompt_name"), max_reply_bytes=MAX_SEND_MESSAGE_BYTES,
+            priority=priority)
 
         async def embed(model):
             out = await model.embed(params, context)
             return embed_response(out.vectors, out.model, out.num_tokens, out.timing)
-        return await self._call("Embed", request.model, embed, context)
+        return await self._call("Embed", request.model, embed, context, priority)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         async def info(model):

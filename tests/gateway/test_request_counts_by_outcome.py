@@ -22,9 +22,14 @@ CODES = ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "UNAUTHENTI
 
 
 def _counts(model: str, rpc: str) -> dict[str, float]:
-    return {code: REGISTRY.get_sample_value("tokq_gateway_requests_total",
-                                            {"model": model, "rpc": rpc, "code": code}) or 0.0
-            for code in CODES}
+    """``model``/``rpc``'s calls by code, over every priority class."""
+    counts = dict.fromkeys(CODES, 0.0)
+    for family in REGISTRY.collect():
+        for s in family.samples if family.name == "tokq_gateway_requests" else ():
+            if (s.name == "tokq_gateway_requests_total" and s.labels["model"] == model
+                    and s.labels["rpc"] == rpc and s.labels["code"] in counts):
+                counts[s.labels["code"]] += s.value
+    return counts
 
 
 def _added(before: dict[str, float], model: str, rpc: str, total: int) -> dict[str, float]:
