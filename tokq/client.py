@@ -5,8 +5,9 @@
     best = Client("localhost:50051").rerank("red shoes", ["a red shoe", "a blue hat"])[0]  # .index, .score
 
 Errors raise ``TokqError`` (gRPC status code and message). TLS: ``credentials=``; API keys:
-``api_key=``. ``timeout=None`` or ``math.inf`` leaves the gateway's default deadline. Calls are
-spread over the gateway processes behind a few connections (docs/internals.md).
+``api_key=``. ``timeout=None`` or ``math.inf`` leaves the gateway's default deadline.
+``priority="batch"`` queues bulk work behind live queries (None: the API key's default, else
+interactive). Calls are spread over the gateway processes behind a few connections (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from tokq.queue.priority import PRIORITIES
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -95,10 +97,25 @@ def _check_dimensions(dimensions) -> int:
     return dims
 
 
+def check_priority(priority: str | None) -> str | None:
+    """``priority`` if it is a class name or None (the API key's default), else ValueError."""
+    if priority is not None and (not isinstance(priority, str) or priority not in PRIORITIES):
+        raise ValueError(f"priority must be one of {', '.join(map(repr, PRIORITIES))} or None (the API "
+                         f"key's default, else interactive), got {priority!r:.60}")
+    return priority
+
+
+def _priority(priority: str | None) -> int:
+    """A priority class as tokq.v1.Priority: None is PRIORITY_UNSPECIFIED."""
+    if check_priority(priority) is None:
+        return pb.PRIORITY_UNSPECIFIED
+    return pb.Priority.Value(priority.upper())
+
+
 def _request(texts: Sequence[str], truncate: bool, normalize: bool, dimensions: int | None,
-             prompt_name: str | None, model: str) -> pb.EmbedRequest:
+             prompt_name: str | None, model: str, priority: str | None = None) -> pb.EmbedRequest:
     req = pb.EmbedRequest(inputs=_text_list(texts, "embed"), truncate=truncate, normalize=normalize,
-                          model=model)
+                          model=model, priority=_priority(priority))
     if dimensions is not None:
         req.dimensions = _check_dimensions(dimensions)
     if prompt_name is not None:
@@ -107,12 +124,14 @@ def _request(texts: Sequence[str], truncate: bool, normalize: bool, dimensions: 
 
 
 def _rerank_request(query: str, documents: Sequence[str], top_n: int | None, raw_scores: bool,
-                    return_documents: bool, truncate: bool, model: str) -> pb.RerankRequest:
+                    return_documents: bool, truncate: bool, model: str,
+                    priority: str | None = None) -> pb.RerankRequest:
     if not isinstance(query, str):
         raise TypeError(f"rerank() takes the query as a string, got {type(query).__name__}")
     _text_list([query], "rerank")
     req = pb.RerankRequest(query=query, documents=_text_list(documents, "rerank"), raw_scores=raw_scores,
-                           return_documents=return_documents, truncate=truncate, model=model)
+                           return_documents=return_documents, truncate=truncate, model=model,
+                           priority=_priority(priority))
     if top_n is not None:
         if isinstance(top_n, bool):
             raise TypeError(f"top_n must be an integer, got {top_n!r}")
@@ -531,28 +550,30 @@ class Client(_ClientBase):
 
     def embed(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
               dimensions: int | None = None, prompt_name: str | None = None,
-              timeout: float | None = None) -> np.ndarray:
+              timeout: float | None = None, priority: str | None = None) -> np.ndarray:
+        """``priority``: "interactive" or "batch"; None: the API key's default, else interactive."""
         return self.embed_full(texts, truncate=truncate, normalize=normalize, dimensions=dimensions,
-                               prompt_name=prompt_name, timeout=timeout).vectors
+                               prompt_name=prompt_name, timeout=timeout, priority=priority).vectors
 
     def embed_full(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
                    dimensions: int | None = None, prompt_name: str | None = None,
-                   timeout: float | None = None) -> Embeddings:
-        req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model)
+                   timeout: float | None = None, priority: str | None = None) -> Embeddings:
+        req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model, priority)
         return _unpack(self._call("Embed", req, timeout))
 
     def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                raw_scores: bool = False, return_documents: bool = False, truncate: bool = False,
-               timeout: float | None = None) -> list[RerankResult]:
+               timeout: float | None = None, priority: str | None = None) -> list[RerankResult]:
         """``documents`` scored against ``query`` by a reranker, best first (``top_n`` of them)."""
         return self.rerank_full(query, documents, top_n=top_n, raw_scores=raw_scores,
                                 return_documents=return_documents, truncate=truncate,
-                                timeout=timeout).results
+                                timeout=timeout, priority=priority).results
 
     def rerank_full(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                     raw_scores: bool = False, return_documents: bool = False, truncate: bool = False,
-                    timeout: float | None = None) -> Reranking:
-        req = _rerank_request(query, documents, top_n, raw_scores, return_documents, truncate, self.model)
+                    timeout: float | None = None, priority: str | None = None) -> Reranking:
+        req = _rerank_request(query, documents, top_n, raw_scores, return_documents, truncate, self.model,
+                              priority)
         return _unpack_rerank(self._call("Rerank", req, timeout))
 
     def info(self, timeout: float | None = None) -> pb.InfoResponse:
@@ -639,28 +660,29 @@ class AsyncClient(_ClientBase):
 
     async def embed(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
                     dimensions: int | None = None, prompt_name: str | None = None,
-                    timeout: float | None = None) -> np.ndarray:
+                    timeout: float | None = None, priority: str | None = None) -> np.ndarray:
         return (await self.embed_full(texts, truncate=truncate, normalize=normalize,
                                       dimensions=dimensions, prompt_name=prompt_name,
-                                      timeout=timeout)).vectors
+                                      timeout=timeout, priority=priority)).vectors
 
     async def embed_full(self, texts: Sequence[str], *, truncate: bool = False, normalize: bool = True,
                          dimensions: int | None = None, prompt_name: str | None = None,
-                         timeout: float | None = None) -> Embeddings:
-        req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model)
+                         timeout: float | None = None, priority: str | None = None) -> Embeddings:
+        req = _request(texts, truncate, normalize, dimensions, prompt_name, self.model, priority)
         return _unpack(await self._call("Embed", req, timeout))
 
     async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                      raw_scores: bool = False, return_documents: bool = False, truncate: bool = False,
-                     timeout: float | None = None) -> list[RerankResult]:
+                     timeout: float | None = None, priority: str | None = None) -> list[RerankResult]:
         return (await self.rerank_full(query, documents, top_n=top_n, raw_scores=raw_scores,
                                        return_documents=return_documents, truncate=truncate,
-                                       timeout=timeout)).results
+                                       timeout=timeout, priority=priority)).results
 
     async def rerank_full(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                           raw_scores: bool = False, return_documents: bool = False, truncate: bool = False,
-                          timeout: float | None = None) -> Reranking:
-        req = _rerank_request(query, documents, top_n, raw_scores, return_documents, truncate, self.model)
+                          timeout: float | None = None, priority: str | None = None) -> Reranking:
+        req = _rerank_request(query, documents, top_n, raw_scores, return_documents, truncate, self.model,
+                              priority)
         return _unpack_rerank(await self._call("Rerank", req, timeout))
 
     async def info(self, timeout: float | None = None) -> pb.InfoResponse:

@@ -8,6 +8,8 @@ import sys
 
 import click
 
+from tokq.queue.priority import PRIORITIES
+
 
 def _pem(path: str, flag: str, env: str) -> bytes:
     """A PEM file's bytes, or one usage-error line naming the flag."""
@@ -39,6 +41,11 @@ def _timeout(ctx, param, value: float) -> float:
     if math.isnan(value):  # FloatRange lets NaN through: it compares false with every bound
         raise click.BadParameter("nan is not a number of seconds")
     return value
+
+
+def priority_option(default: str | None, help: str):
+    return click.option("--priority", type=click.Choice(PRIORITIES), default=default,
+                        show_default=default is not None, help=help)
 
 
 def target_option(f):
@@ -86,10 +93,12 @@ def client_factory(target, model, api_key, tls_ca, tls_cert, tls_key, client_cla
 @click.option("--truncate/--no-truncate", default=False, help="cut over-long inputs to the model's limit")
 @click.option("--normalize/--no-normalize", default=True, help="unit-length embeddings (default)")
 @click.option("--model", default="", help="the served model's name (needed where the gateway serves several)")
+@priority_option(None, "the queue class: batch work takes the room interactive work leaves "
+                 "(default: the API key's, else interactive)")
 @access_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               callback=_timeout, help="seconds (inf: none of its own, the gateway's default applies)")
-def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, model, api_key,
+def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, model, priority, api_key,
                   tls_ca, tls_cert, tls_key, timeout) -> None:
     """Embed TEXTS with the gateway at --target and print JSON."""
     from tokq.client import TokqError
@@ -97,7 +106,8 @@ def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, m
     with client_factory(target, model, api_key, tls_ca, tls_cert, tls_key)() as client:
         try:
             out = client.embed_full(list(texts), truncate=truncate, normalize=normalize,
-                                    dimensions=dimensions, prompt_name=prompt_name, timeout=timeout)
+                                    dimensions=dimensions, prompt_name=prompt_name, timeout=timeout,
+                                    priority=priority)
         except TokqError as exc:
             click.echo(json.dumps({"error": {"code": exc.code.name, "message": exc.message}}), err=True)
             sys.exit(1)
@@ -120,18 +130,21 @@ def embed_command(texts, target, dimensions, prompt_name, truncate, normalize, m
 @click.option("--return-documents", is_flag=True, help="print each result's document")
 @click.option("--truncate/--no-truncate", default=False, help="cut over-long pairs to the model's limit")
 @click.option("--model", default="", help="the served reranker's name (needed where the gateway serves several)")
+@priority_option(None, "the queue class: batch work takes the room interactive work leaves "
+                 "(default: the API key's, else interactive)")
 @access_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               callback=_timeout, help="seconds (inf: none of its own, the gateway's default applies)")
-def rerank_command(query, documents, target, top_n, raw_scores, return_documents, truncate, model, api_key,
-                   tls_ca, tls_cert, tls_key, timeout) -> None:
+def rerank_command(query, documents, target, top_n, raw_scores, return_documents, truncate, model, priority,
+                   api_key, tls_ca, tls_cert, tls_key, timeout) -> None:
     """Score DOCUMENTS by relevance to QUERY with the reranker at --target; print JSON, best first."""
     from tokq.client import TokqError
 
     with client_factory(target, model, api_key, tls_ca, tls_cert, tls_key)() as client:
         try:
             out = client.rerank_full(query, list(documents), top_n=top_n, raw_scores=raw_scores,
-                                     return_documents=return_documents, truncate=truncate, timeout=timeout)
+                                     return_documents=return_documents, truncate=truncate, timeout=timeout,
+                                     priority=priority)
         except TokqError as exc:
             click.echo(json.dumps({"error": {"code": exc.code.name, "message": exc.message}}), err=True)
             sys.exit(1)
