@@ -57,6 +57,7 @@ class FakeGateway(pb_grpc.EmbedderServicer):
         self.inputs_seen = 0
         self.texts_seen: list[str] = []
         self.keep_texts = False
+        self.priorities_seen: set[str] = set()  # each Embed's tokq.v1.Priority name
         self._lock = threading.Lock()
         self.server = None
         self.port = 0
@@ -76,6 +77,7 @@ class FakeGateway(pb_grpc.EmbedderServicer):
         texts = list(request.inputs)
         with self._lock:
             self.calls += 1
+            self.priorities_seen.add(pb.Priority.Name(request.priority))
         if self.fail is not None and (why := self.fail(texts)):
             context.abort(*why)
         if len(texts) > self.max_inputs:

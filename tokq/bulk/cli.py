@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from tokq.client_cli import _timeout, access_options, client_factory, target_option
+from tokq.client_cli import _timeout, access_options, client_factory, priority_option, target_option
 
 EXIT_ROWS_FAILED = 3  # finished, some rows in the errors file
 EXIT_INTERRUPTED = 130
@@ -28,6 +28,8 @@ EXIT_INTERRUPTED = 130
               help="cut over-long inputs to the model's limit (default: such rows fail)")
 @click.option("--normalize/--no-normalize", default=True, help="unit-length embeddings (default)")
 @click.option("--model", default="", help="the served model's name (needed where the gateway serves several)")
+@priority_option("batch", "the queue class: batch takes the room live queries leave; interactive "
+                 "competes with them")
 @access_options
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               callback=_timeout, help="each request's deadline in seconds")
@@ -37,8 +39,8 @@ EXIT_INTERRUPTED = 130
               help="rows per committed part: a crash costs only the parts in flight")
 @click.option("--overwrite", is_flag=True, help="replace an output (or parts) of another input or other options")
 def embed_file_command(input_path, output, text_field, id_field, target, dimensions, prompt_name, truncate,
-                       normalize, model, api_key, tls_ca, tls_cert, tls_key, timeout, retry_for, commit_rows,
-                       overwrite) -> None:
+                       normalize, model, priority, api_key, tls_ca, tls_cert, tls_key, timeout, retry_for,
+                       commit_rows, overwrite) -> None:
     """Embed every row of INPUT (.txt, .jsonl, .csv, .parquet) into OUTPUT, in input order.
 
     Rerun the same command after a crash or Ctrl-C: it continues from the rows committed in
@@ -53,7 +55,8 @@ def embed_file_command(input_path, output, text_field, id_field, target, dimensi
     connect = client_factory(target, model, api_key, tls_ca, tls_cert, tls_key, client_class=AsyncClient)
     spec = JobSpec(input_path, output, text_field=text_field, id_field=id_field or None, model=model,
                    options=EmbedOptions(dimensions=dimensions, prompt_name=prompt_name, truncate=truncate,
-                                        normalize=normalize, timeout_s=timeout, retry_for_s=retry_for),
+                                        normalize=normalize, priority=priority, timeout_s=timeout,
+                                        retry_for_s=retry_for),
                    rows_per_part=commit_rows, overwrite=overwrite)
 
     try:

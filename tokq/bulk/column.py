@@ -14,6 +14,7 @@ import numpy as np
 
 from tokq.bulk.send import EmbedOptions, FleetLimits, Sender, check_options, fetch_info
 from tokq.bulk.sources import check_text
+from tokq.client import check_priority
 
 ON_ERROR = ("raise", "null")
 
@@ -36,12 +37,17 @@ class ColumnEmbedder:
     def __init__(self, target: str = "localhost:50051", *, model: str = "", dimensions: int | None = None,
                  prompt_name: str | None = None, truncate: bool = False, normalize: bool = True,
                  timeout: float = 120.0, retry_for: float = 300.0, api_key: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, on_error: str = "raise") -> None:
+                 credentials: grpc.ChannelCredentials | None = None, on_error: str = "raise",
+                 priority: str | None = "batch") -> None:
+        """``priority``: the queue class ("batch": the room live queries leave; None: the API
+        key's default)."""
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+        check_priority(priority)
         self.on_error = on_error
         self._options = EmbedOptions(dimensions=dimensions, prompt_name=prompt_name, truncate=truncate,
-                                     normalize=normalize, timeout_s=timeout, retry_for_s=retry_for)
+                                     normalize=normalize, priority=priority, timeout_s=timeout,
+                                     retry_for_s=retry_for)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tokq-column", daemon=True)
         self._thread.start()

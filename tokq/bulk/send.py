@@ -2,8 +2,8 @@
 published budget and grown while the workers take the work at once, retries on failures that
 pass, and rows the gateway refuses isolated so that the others go through.
 
-Every request leaves through ``Sender._call``: a request-wide setting (a priority class, once
-the API has one) is added there.
+Every request leaves through ``Sender._call``, where request-wide settings such as the priority
+class (batch by default) are added.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class EmbedOptions:
     prompt_name: str | None = None
     truncate: bool = False
     normalize: bool = True
+    # The queue class: batch takes the room live queries leave. None: the API key's default.
+    priority: str | None = "batch"
     timeout_s: float = 120.0  # each request's deadline
     retry_for_s: float = 300.0  # how long failures that pass are retried with no request answered
 
@@ -269,7 +271,7 @@ class Sender:
         o = self.options
         return await self.client.embed_full(texts, truncate=o.truncate, normalize=o.normalize,
                                             dimensions=o.dimensions, prompt_name=o.prompt_name,
-                                            timeout=o.timeout_s)
+                                            timeout=o.timeout_s, priority=o.priority)
 
     async def _embed(self, positions: list[int], texts: list[str], vectors: np.ndarray,
                      errors: dict[int, str]) -> None:

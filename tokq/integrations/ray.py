@@ -20,19 +20,21 @@ from tokq.integrations import credentials_from
 class TokqEmbed:
     """``column`` in, ``output_column`` out: float32 [rows, dims] per batch (numpy or pandas
     batches). ``on_error``: "raise" fails the batch on a row the fleet refuses, "null" leaves
-    that row NaN. TLS: PEM file paths, read where the actor runs."""
+    that row NaN. ``priority``: the queue class ("batch": the room live queries leave;
+    "interactive"; None: the API key's default). TLS: PEM file paths, read where the actor runs."""
 
     def __init__(self, target: str = "localhost:50051", *, column: str = "text",
                  output_column: str = "embedding", model: str = "", dimensions: int | None = None,
                  prompt_name: str | None = None, truncate: bool = False, normalize: bool = True,
                  api_key: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, timeout: float = 120.0, retry_for: float = 300.0,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", priority: str | None = "batch") -> None:
         self.column = column
         self.output_column = output_column
         self.embedder = ColumnEmbedder(target, model=model, dimensions=dimensions, prompt_name=prompt_name,
                                        truncate=truncate, normalize=normalize, timeout=timeout,
                                        retry_for=retry_for, api_key=api_key, on_error=on_error,
+                                       priority=priority,
                                        credentials=credentials_from(tls_ca, tls_cert, tls_key))
 
     def __call__(self, batch):
