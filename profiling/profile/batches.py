@@ -1,10 +1,5 @@
-"""Packed batches for the profile: exact token totals, realistic lengths, real token ids.
-
-Lengths come from a workload in its order. Token ids are the query's own text, tokenized, when
-the workload has texts and the model a tokenizer; otherwise random ordinary vocabulary ids
-wrapped in the model's special tokens ([CLS] ... [SEP] for BERT), or, for a model saved
-without a tokenizer, random ids in [0, vocab_size).
-"""
+"""Packed batches for the profile: exact token totals, the workload's lengths, and its texts' token ids
+(else random ordinary ids in the model's special tokens, or in [0, vocab_size) without a tokenizer)."""
 
 from __future__ import annotations
 
@@ -37,8 +32,7 @@ class TokenIds:
         return self.tokenize is not None
 
     def __call__(self, query: Query, max_tokens: int) -> np.ndarray:
-        """The query's ids, at most ``max_tokens`` of them: its text's own length when it has
-        a text (the "tokens" field counts another tokenizer's tokens), else its "tokens"."""
+        """The query's ids, at most ``max_tokens``: its text's own when it has one, else "tokens" random ids."""
         if self.tokenize is None or query.text is None:
             return self.random_ids(min(query.num_tokens, max_tokens))
         ids = self._cache.get(query.text)
@@ -96,24 +90,14 @@ def token_ids_for(info: ModelInfo, *, seed: int = 0) -> TokenIds:
 
 
 class BatchMaker:
-    """Packs batches of an exact token count from a workload's lengths, in workload order.
-
-    ``make_ids(query, max_tokens)`` gives a query's ids, at most ``max_tokens`` (>= 1) of them.
-    Lengths are capped at ``max_length``; the last sequence is cut to hit the total. Each call
-    continues where the last stopped, so successive grid points see different queries.
-
-    ``prompt_ids``: every query goes behind this shared prompt (after its ``lead`` special ids,
-    e.g. a BOS), marked as each sequence's prefix and, as the queue counts them, not counted:
-    the worker computes it once and caches it.
-    """
+    """Packs batches of an exact token count from the workload in order (the last sequence cut), each
+    call going on where the last stopped; ``prompt_ids``: each query behind it, after ``lead`` specials."""
 
     def __init__(self, queries: Sequence[Query], make_ids: Callable[[Query, int], np.ndarray],
                  max_length: int, *, prompt_ids: np.ndarray | None = None, lead: int = 0) -> None:
         if not queries:
             raise ValueError("empty workload")
-        self.queries = queries
-        self.make_ids = make_ids
-        self.max_length = max_length
+        self.queries, self.make_ids, self.max_length = queries, make_ids, max_length
         self.prompt_ids = np.asarray(prompt_ids if prompt_ids is not None else [], dtype=np.int64)
         self.lead = lead if self.prompt_ids.size else 0
         self._next: Iterator[Query] = self._cycle()
@@ -128,8 +112,7 @@ class BatchMaker:
         seqs: list[np.ndarray] = []
         remaining = num_tokens
         while remaining > 0:
-            query = next(self._next)
-            seqs.append(self.make_ids(query, min(self.max_length, remaining)))
+            seqs.append(self.make_ids(next(self._next), min(self.max_length, remaining)))
             remaining -= seqs[-1].size
         return PackedBatch.pack(seqs)
 
@@ -149,8 +132,7 @@ class BatchMaker:
 
 
 def shared_prompt_ids(engine, token_ids: TokenIds) -> np.ndarray | None:
-    """The default prompt's ids (without special tokens) when the worker computes it once
-    (a prefix-capable engine, a default prompt, a tokenizer), else None."""
+    """The default prompt's ids (no specials) when the worker computes it once, else None."""
     info = engine.info
     prompt = info.prompt(None) if info.default_prompt_name else ""
     if not prompt or getattr(engine, "prefix_cache", None) is None or not token_ids.has_tokenizer:

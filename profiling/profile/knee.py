@@ -1,15 +1,5 @@
-"""Where forward latency stops being flat: a two-segment fit of latency against batch tokens.
-
-Below some token count a forward pass costs about the same whatever it holds (kernel launches,
-weight reads, Python); above it, cost grows linearly with tokens. The model fitted here is
-``latency = flat_ms + slope * max(0, tokens - break_tokens)``, by least squares on *relative*
-residuals (latencies span orders of magnitude; an absolute fit would ignore the flat part).
-
-The break is searched on a fine log grid; for each candidate the fit is linear in
-(flat_ms, slope), so each step is a 2x2 solve. The result says plainly when there is no knee:
-``kind == "flat"`` (latency never rises meaningfully: the knee lies beyond the grid) or
-``kind == "linear"`` (no flat stretch of two points or more: it lies below the grid).
-"""
+"""Where forward latency stops being flat: ``latency = flat_ms + slope * max(0, tokens - break)`` fitted by
+least squares on relative residuals; ``kind`` "flat" or "linear" says the knee lies beyond or below the grid."""
 
 from __future__ import annotations
 
@@ -25,8 +15,7 @@ MIN_RISE_FRACTION = 0.10
 
 
 def plain(value: float, digits: int = 4) -> str:
-    """``value`` to ``digits`` significant figures with thousands separators: 0.93 -> '0.93', but
-    10000 -> '10,000' where ``:g`` alone writes '1e+04' (tiny values keep their e-notation)."""
+    """``value`` to ``digits`` significant figures with thousands separators, 10000 -> '10,000' (not 1e+04)."""
     text = f"{value:,.{digits}g}"
     return f"{value:,.0f}" if "e+" in text else text
 
@@ -145,18 +134,8 @@ def throughput_saturation(num_tokens: np.ndarray, latency_ms: np.ndarray,
 def recommend_budget(num_tokens: np.ndarray, latency_ms: np.ndarray, fit: KneeFit | None = None,
                      slo_p99_ms: float = DEFAULT_SLO_P99_MS, fraction: float = SATURATION_FRACTION,
                      stopped_reason: str | None = None) -> Recommendation:
-    """The budget that serves best under a p99 latency goal: the largest measured batch whose
-    median forward keeps the goal reachable (tokq.latency_goal), but no larger than where
-    throughput stops growing (``fraction`` of the peak). Grid points only.
-
-    Throughput is read from ``fit`` when given: on a plateau, the peak of noisy measurements is
-    their luckiest point, and 95% of it may lie beyond every honest point; the fit averages
-    noise over the whole curve.
-
-    The budget is a cap: at low load a batch holds only what is queued, so a larger cap costs
-    latency only when the queue is deep, which is where it buys throughput. Past saturation it
-    buys none, so the cap stops there; on a GPU's flat-then-linear curve that is at or just past
-    the knee, on a CPU (no flat part) where the fixed cost per forward stops mattering."""
+    """The largest measured batch whose forward keeps the p99 goal reachable, but no larger than where
+    throughput (from ``fit`` when given: noise averaged) reaches ``fraction`` of its peak."""
     order = np.argsort(np.asarray(num_tokens, dtype=float))
     x = np.asarray(num_tokens, dtype=float)[order]
     y = np.asarray(latency_ms, dtype=float)[order]

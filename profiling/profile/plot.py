@@ -1,8 +1,4 @@
-"""The profile figure: latency and throughput against batch tokens, knee and budget marked.
-
-Readable without the JSON: the title names model, device and dtype, axes carry units, x is
-log-scaled (the grid is geometric), and the legend says what each mark is.
-"""
+"""The profile figure: latency and throughput against batch tokens (log x), the knee and budget marked."""
 
 from __future__ import annotations
 

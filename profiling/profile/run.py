@@ -1,5 +1,5 @@
-"""The `tokq profile` report: run the sweep on a loaded Engine, fit the knee, pick the budget,
-and say it all in one JSON document and one paragraph."""
+"""The `tokq profile` report: the sweep on a loaded Engine, the knee fit and the budget, in one JSON
+document and one paragraph."""
 
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ def device_name(device: object) -> str:
 
 def analyze(points: Sequence[Point], slo_p99_ms: float = DEFAULT_SLO_P99_MS, stopped_reason: str | None = None
             ) -> tuple[KneeFit | None, Recommendation | None]:
-    """Knee fit and recommended budget; (None, None) with fewer than 3 points.
-    ``stopped_reason``: why the sweep ended early (the recommendation's advice names it)."""
+    """Knee fit and recommended budget; (None, None) with fewer than 3 points."""
     if len(points) < 3:
         return None, None
     tokens = np.array([p.num_tokens for p in points], dtype=float)
@@ -42,8 +41,8 @@ def analyze(points: Sequence[Point], slo_p99_ms: float = DEFAULT_SLO_P99_MS, sto
 
 
 def token_ids_label(queries: Sequence[Query], has_tokenizer: bool) -> str:
-    """Where the batches' token ids came from: TokenIds tokenizes a query's text where it has one
-    (and the model a tokenizer), else draws random ids, so a file with some texts gets both."""
+    """Where the batches' token ids came from: a query's text where it has one (and the model a
+    tokenizer), else random ids."""
     num_texts = sum(q.text is not None for q in queries) if has_tokenizer else 0
     if num_texts == len(queries):
         return "text"
@@ -62,16 +61,13 @@ def _load_average() -> float | None:
 def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, slo_p99_ms: float = DEFAULT_SLO_P99_MS,
                 workload_source: str = "generated", seed: int = 0, timer=None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict:
-    """Profile a loaded Engine (``info``, ``device``, ``dtype``, ``attn_backend``, ``embed``)
-    and return the report that ``tokq profile --out`` writes."""
+    """Profile a loaded Engine; the report ``tokq profile --out`` writes."""
     import torch
 
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    load_before = _load_average()
-    t0 = time.perf_counter()
+    load_before, t0 = _load_average(), time.perf_counter()
     token_ids = token_ids_for(engine.info, seed=seed)
-    # With a default prompt on a prefix-capable model, batches are measured as the queue counts
-    # them: each query behind the prompt, which the worker computes once and caches.
+    # Behind a default prompt the worker caches, batches count the tokens after it, as the queue does.
     prompt_ids = shared_prompt_ids(engine, token_ids)
     make_batch = BatchMaker(queries, token_ids, engine.info.max_length, prompt_ids=prompt_ids,
                             lead=len(token_ids.prefix))
@@ -79,41 +75,27 @@ def run_profile(engine, queries: Sequence[Query], config: SweepConfig, *, slo_p9
                    batch_flops=getattr(engine, "batch_flops", None))
     fit, rec = analyze(result.points, slo_p99_ms, result.stopped_reason)
     summary = describe(list(queries))
+    info = engine.info
     report = {
-        "model": engine.info.name,
-        "model_path": str(engine.info.path),
-        "queue_name": engine.info.queue_name,
-        "device": str(engine.device),
-        "device_name": device_name(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "attn_backend": engine.attn_backend,
-        "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(),
-        # CPU timings depend on what else runs: the 1-minute load average before and after.
-        "load_average": [load_before, _load_average()],
+        "model": info.name, "model_path": str(info.path), "queue_name": info.queue_name,
+        "device": str(engine.device), "device_name": device_name(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."), "attn_backend": engine.attn_backend,
+        "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+        "load_average": [load_before, _load_average()],  # CPU timings depend on what else runs
         "workload": {"source": workload_source, **summary,
                      "token_ids": token_ids_label(queries, token_ids.has_tokenizer)},
-        "prompt": None if prompt_ids is None else {
-            "name": engine.info.default_prompt_name, "tokens": int(prompt_ids.size),
-            "counted": False},  # the budget counts the tokens after the prompt
-        "sweep": asdict(config),
-        "points": [p.to_dict() for p in result.points],
-        "stopped_reason": result.stopped_reason,
-        "out_of_memory_tokens": result.out_of_memory_tokens,
+        "prompt": None if prompt_ids is None else {  # the budget counts the tokens after the prompt
+            "name": info.default_prompt_name, "tokens": int(prompt_ids.size), "counted": False},
+        "sweep": asdict(config), "points": [p.to_dict() for p in result.points],
+        "stopped_reason": result.stopped_reason, "out_of_memory_tokens": result.out_of_memory_tokens,
         "fit": fit.to_dict() if fit else None,
-        "knee_tokens": fit.knee_tokens if fit else None,
-        "flat_ms": fit.flat_ms if fit else None,
-        "slope_ms_per_token": fit.slope_ms_per_token if fit else None,
-        # The goal, the forward time it allows, the budget and what limited it.
-        "slo_p99_ms": slo_p99_ms,
-        "max_batch_ms": max_forward_ms(slo_p99_ms),
-        "recommended_budget": rec.token_budget if rec else None,
-        "limited_by": rec.limited_by if rec else None,
+        **{k: getattr(fit, k) if fit else None for k in ("knee_tokens", "flat_ms", "slope_ms_per_token")},
+        "slo_p99_ms": slo_p99_ms, "max_batch_ms": max_forward_ms(slo_p99_ms),
+        "recommended_budget": rec.token_budget if rec else None, "limited_by": rec.limited_by if rec else None,
         "recommendation": rec.to_dict() if rec else None,
         "saturation": {"fraction": rec.saturation_fraction, "tokens": rec.throughput_cap_tokens,
                        "peak_tokens_per_s": rec.peak_tokens_per_s} if rec else None,
-        "started_at": started_at,
-        "duration_s": round(time.perf_counter() - t0, 3),
+        "started_at": started_at, "duration_s": round(time.perf_counter() - t0, 3),
     }
     report["summary"] = summarize(report)
     return report

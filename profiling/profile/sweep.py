@@ -1,16 +1,5 @@
-"""The sweep behind `tokq profile`: time forward passes at growing token counts.
-
-Batches are packed from a realistic length mix (the project's query workload or a user's file)
-to exact token totals on a geometric grid. Each grid point is warmed up, then timed until it
-has ``min_repeats`` runs and ``target_s_per_point`` seconds (or ``max_repeats``), and its median
-kept; repeats are interleaved across points (see ``sweep``). The grid stops early once a batch
-takes longer than ``stop_ms`` or memory runs out; an out-of-memory error ends the sweep and is
-reported, never raised.
-
-The model is any ``forward(PackedBatch)`` that returns once the work is done (the Engine's
-``embed`` copies the result to the host, so it does), timed by wall clock on CPU and by CUDA
-events on a GPU.
-"""
+"""The sweep behind `tokq profile`: forward passes timed on a geometric grid of batch token counts (wall
+clock on CPU, CUDA events on a GPU), stopping past ``stop_ms`` or out of memory (reported, not raised)."""
 
 from __future__ import annotations
 
@@ -88,8 +77,7 @@ class WallTimer:
 
 
 class CudaEventTimer:
-    """Times a call by CUDA events on the current stream, on the GPU's clock. The Engine's
-    embed() syncs before returning, so host-side packing inside the call is counted too."""
+    """Times a call by CUDA events on the current stream (embed() syncs, so host packing counts too)."""
 
     def __init__(self, device: object) -> None:
         import torch
@@ -130,15 +118,8 @@ def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], 
           config: SweepConfig, timer=None, on_progress: Callable[[str, int, int], None] | None = None,
           batch_flops: Callable[[PackedBatch], float] | None = None,
           release: Callable[[], None] = release_memory) -> SweepResult:
-    """Time ``forward`` on a batch of each grid size.
-
-    Pass 1 climbs the grid once (warm-up runs, then one timed run per size) and finds where to
-    stop. Pass 2 times the sizes kept in round-robin until each meets the repeat rule, so load
-    from other processes, clock boosts or heat land on every size alike instead of on a few.
-    ``on_progress(text, completed, total)`` is told of each step. After an out-of-memory
-    error, ``release()`` frees the device cache, once the exception (whose traceback holds the
-    failed forward's activations) is gone.
-    """
+    """Time ``forward`` on each grid size: one climb (warm-up, one timed run, find where to stop), then
+    round-robin repeats so load lands on every size alike; ``release()`` after an out-of-memory error."""
     timer = timer or WallTimer()
     result = SweepResult()
     grid = token_grid(config.min_tokens, config.max_tokens, config.points_per_doubling)
@@ -146,7 +127,7 @@ def sweep(forward: Callable[[PackedBatch], object], make_batch: Callable[[int], 
     samples: list[list[float]] = []
 
     def out_of_memory(exc: Exception, num_tokens: int) -> bool:
-        """Record an OOM (called inside ``except``; anything else is raised)."""
+        """Record an OOM (inside ``except``); anything else is raised."""
         if not is_out_of_memory(exc):
             raise exc
         result.out_of_memory_tokens = num_tokens
