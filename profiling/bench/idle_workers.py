@@ -1,15 +1,5 @@
-"""What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item.
-
-    tokq bench idle-workers [--workers 16] [--idle-s 10] [--items 200] [--results-md profiling/results/service.md]
-
-Starts an embedded Valkey and ``--workers`` `tokq worker` processes (the bundled model, one torch
-thread each), waits until all have beaten their heartbeat, then measures:
-  * idle: Redis commands per second per worker over ``--idle-s`` seconds with nothing queued (INFO
-    commandstats, this script's own INFO calls left out), against the 500/s of one claim every 2 ms;
-  * wake-up: ``--items`` single-item requests, each sent to an empty queue after the fleet went
-    idle; wake-up = the claim's Redis-clock time minus the enqueue's (the result's queue_ms),
-    p50/p99, against a PING round trip measured in the same run.
-"""
+"""What an idle fleet costs Redis (commands/s per idle worker), and how fast an idle worker wakes up for
+a new item (the claim's Redis time minus the enqueue's), against a PING round trip in the same run."""
 
 from __future__ import annotations
 
@@ -60,8 +50,7 @@ async def wake_ups(url: str, num_items: int, gap_s: float) -> tuple[list[float],
 @click.option("--idle-s", default=10.0, show_default=True)
 @click.option("--items", default=200, show_default=True)
 @click.option("--gap-s", default=0.05, show_default=True, help="Pause between wake-up items.")
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's idle-fleet section (profiling/results/service.md).")
+@harness.results_md_option("service.md")
 def idle_workers_command(workers, idle_s, items, gap_s, results_md) -> None:
     """What an idle fleet costs Redis, and how fast an idle worker wakes up for a new item."""
     with harness.Stack() as stack:
@@ -73,15 +62,15 @@ def idle_workers_command(workers, idle_s, items, gap_s, results_md) -> None:
         time.sleep(idle_s)
         per_worker = (command_calls(stack.client) - before) / (time.monotonic() - t0) / workers
         wake_ms, ping_ms = asyncio.run(wake_ups(stack.redis.url, items, gap_s))
+    wake = "wake-up of a new item, {} (Redis clock, ms)"
     lines = [f"{workers} idle `tokq worker` processes (one torch thread each), {idle_s:.0f} s with nothing queued; "
              f"then {items} single-item requests, each to an empty queue.", "",
              *table("measure | value | against", [
                  ["Redis commands/s per idle worker", f"{per_worker:.1f}",
                   f"a 2 ms claim poll: {POLL_PER_S:.0f}/s ({POLL_PER_S / per_worker:.0f}x more)"],
-                 ["wake-up of a new item, p50 (Redis clock, ms)", f"{statistics.median(wake_ms):.1f}",
+                 [wake.format("p50"), f"{statistics.median(wake_ms):.1f}",
                   f"PING round trip p50 {statistics.median(ping_ms):.2f} ms"],
-                 ["wake-up of a new item, p99 (Redis clock, ms)", f"{pct(wake_ms, 0.99):.1f}",
-                  f"PING round trip p99 {pct(ping_ms, 0.99):.2f} ms"],
+                 [wake.format("p99"), f"{pct(wake_ms, 0.99):.1f}", f"PING round trip p99 {pct(ping_ms, 0.99):.2f} ms"],
                  ["wake-up, max (ms)", f"{max(wake_ms):.1f}", ""]], "lrl"), "",
              "Commands are what INFO commandstats counts: the commands a script runs inside Redis (TIME, LRANGE, "
              "...) count besides its EVALSHA. Wake-up = the claim's Redis time minus the enqueue's (1 ms "
