@@ -1,23 +1,5 @@
-"""Redo without a storm: a worker holding ~600 short items is killed (-9) under steady load.
-
-    tokq bench crash-recovery [--rate 10] [--burst 600] [--lease-ms 2000] [--results-md profiling/results/service.md]
-
-Starts an embedded Valkey and two `tokq worker`s (the bundled model, one torch thread each): a
-survivor and a victim whose budget holds the whole burst. Steady load: single-item requests of 4
-tokens at ``--rate`` per second. Then a burst of ``--burst`` such items; once the victim has leased
-(nearly) all of them it is killed with SIGKILL. Its lease misses a renewal and its owner channel has
-no listener (tokq.queue.shard), so the items come back and the survivor redoes them while the steady
-load goes on. Measured for tokq's rule (redone items in normal batches; only a third try goes
-alone) against redoing every item alone (``max_attempts=2`` makes the first redo a last try):
-  * recovery: from the kill until the steady requests' p99 (1 s windows, by send time) is back at
-    its pre-crash value (the first of three windows in a row within it), in lease periods; also the
-    end of the last window above it in the 8 leases observed;
-  * redo began: from the kill until the dead worker's items were requeued;
-  * redone: from the kill until the last burst item is answered;
-  * throughput during recovery: steady requests answered per second from the kill to the end of
-    recovery (at least one lease), against the pre-crash rate.
-Figures are medians over ``--rounds`` rounds per rule.
-"""
+"""Redo without a storm: a worker holding ~600 short items is killed (-9) under steady load; recovery of the
+steady requests' p99 under tokq's redo rule against redoing every item alone (medians over rounds)."""
 
 from __future__ import annotations
 
@@ -28,7 +10,7 @@ import time
 import click
 
 from tokq.profiling import harness
-from tokq.profiling.harness import median, pct
+from tokq.profiling.harness import pct
 from tokq.profiling.results_md import command_line, shared_machine_note, table, write_section
 
 ITEM = [101, 7592, 2088, 102]  # 4 tokens
@@ -173,20 +155,15 @@ async def one_round(stack: harness.Stack, *, rate: float, burst: int, lease_ms: 
 @click.option("--rate", default=10.0, show_default=True, help="Steady requests per second.")
 @click.option("--burst", default=600, show_default=True, help="Items the victim holds.")
 @click.option("--lease-ms", default=2000, show_default=True)
-@click.option("--rounds", default=3, show_default=True)
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's crash-recovery section (profiling/results/service.md).")
+@harness.bench_options("service.md")
 def crash_recovery_command(rate, burst, lease_ms, rounds, results_md) -> None:
     """A worker holding a burst of short items is killed (-9) under steady load: how fast is it redone?"""
     rules = {"every redone item alone (`max_attempts=2`)": 2, "redone in batches (tokq's rule)": 3}
-    results: dict[str, list[dict]] = {name: [] for name in rules}
     with harness.Stack() as stack:
-        for _ in range(rounds):
-            for name, max_attempts in rules.items():
-                stack.client.flushall()
-                results[name].append(asyncio.run(one_round(stack, rate=rate, burst=burst, lease_ms=lease_ms,
-                                                           max_attempts=max_attempts)))
-    med = {name: {k: median(rs, k) for k in rs[0]} for name, rs in results.items()}
+        def measure(name: str) -> dict:
+            stack.client.flushall()
+            return asyncio.run(one_round(stack, rate=rate, burst=burst, lease_ms=lease_ms, max_attempts=rules[name]))
+        med = {name: harness.medians(rs) for name, rs in harness.interleaved(rounds, rules, measure).items()}
     alone, batched = med.values()
     lines = [f"kill -9 of a worker holding {burst} items of {len(ITEM)} tokens under steady load ({rate:.0f} "
              f"single-item requests/s), lease {lease_ms} ms; medians of {rounds} rounds per rule; L = lease periods.",
