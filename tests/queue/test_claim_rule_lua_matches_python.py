@@ -1,6 +1,8 @@
-"""claim.lua and the Python reference (tokq/queue/claim_rule.py) agree on random queues of two
-lanes (light and heavy), redone entries (attempt > 0) included; then the rule's promises:
-FIFO within a lane, light requests never starved by heavy ones, heavy ones never by light."""
+"""claim.lua and the Python reference (tokq/queue/claim_rule.py) agree on random queues of three
+lanes (light, heavy and batch), redone entries (attempt > 0) included, batch heads on both sides
+of the starvation age; then the rule's promises: FIFO within a lane, light requests never
+starved by heavy ones, heavy ones never by light (tests/queue/test_priority_classes.py: the
+batch class's)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from queue_support import CHANNEL, ManualClock, open_queue
 
-from tokq.queue.claim_rule import (DEADLINE_EXCEEDED, STOP_REASONS, isolate_attempt_for, plan_claim,
-                                   preempt_budget)
+from tokq.queue.claim_rule import (DEADLINE_EXCEEDED, STOP_REASONS, batch_share_tokens,
+                                   isolate_attempt_for, plan_claim, preempt_budget)
 from tokq.queue.wire import format_entry, parse_entry
 
 NOW_MS = 1_700_000_000_000
@@ -34,13 +36,16 @@ def _pending(spec, next_index=None) -> list:
     return pending
 
 
-def _case(spec, *, heavy=(), token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8, live="abc",
-          max_attempts=3, lanes="both", preempt_tokens=0):
+def _case(spec, *, heavy=(), batch=(), token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8,
+          live="abc", max_attempts=3, lanes="both", preempt_tokens=0, batch_share=0.25,
+          batch_starve_ms=100):
     next_index = dict.fromkeys(REQUEST_IDS, 0)
     return dict(pending=_pending(spec, next_index), heavy=_pending(heavy, next_index),
+                batch=_pending(batch, next_index),
                 live=set(live), token_budget=token_budget, lookahead=lookahead,
                 max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts,
-                lanes=lanes, preempt_tokens=preempt_tokens)
+                lanes=lanes, preempt_tokens=preempt_tokens, batch_share=batch_share,
+                batch_starve_ms=batch_starve_ms)
 
 
 @st.composite
@@ -61,47 +66,69 @@ def claim_cases(draw):
                         st.binary(max_size=6), attempts)  # a body may hold ':'
     spec = draw(st.lists(entries, min_size=0, max_size=30))
     heavy = draw(st.lists(entries, min_size=0, max_size=30))
-    return _case(spec, heavy=heavy, token_budget=token_budget, lookahead=draw(st.integers(0, 3)),
+    # Batch-class entries: heads younger and older than the starvation age, at its boundary.
+    batch_starve_ms = draw(st.sampled_from((0, 20, 100)))
+    batch_ages_ms = st.sampled_from((0, max(batch_starve_ms - 1, 0), batch_starve_ms,
+                                     batch_starve_ms + 1, 10_000))
+    batch_entries = st.tuples(st.sampled_from(REQUEST_IDS), sizes, batch_ages_ms, deadlines_in_ms,
+                              st.binary(max_size=6), attempts)
+    batch = draw(st.one_of(st.just([]), st.lists(batch_entries, min_size=1, max_size=30)))
+    return _case(spec, heavy=heavy, batch=batch, token_budget=token_budget,
+                 lookahead=draw(st.integers(0, 3)),
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.integers(1, 8)),
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
                  max_attempts=draw(st.sampled_from((2, 3, 5))),
                  lanes=draw(st.sampled_from(("both", "both", "light", "heavy"))),
-                 preempt_tokens=draw(st.sampled_from((0, 1, half, token_budget, 2 * token_budget))))
+                 preempt_tokens=draw(st.sampled_from((0, 1, half, token_budget, 2 * token_budget))),
+                 batch_share=draw(st.sampled_from((0.0, 0.1, 0.25, 0.5, 1.0))),
+                 batch_starve_ms=batch_starve_ms)
 
 
 async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max_skip_age_ms, max_drop,
-                   max_attempts, lanes, preempt_tokens):
-    """Run claim.lua once on `pending` and check everything it did against plan_claim."""
+                   max_attempts, lanes, preempt_tokens, batch=(), batch_share=0.25, batch_starve_ms=100):
+    """Run claim.lua once on the lanes and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
-                          max_skip_age_ms=max_skip_age_ms, max_attempts=max_attempts) as q:
+                          max_skip_age_ms=max_skip_age_ms, max_attempts=max_attempts,
+                          batch_share=batch_share, batch_starve_ms=batch_starve_ms) as q:
         k = q.keys
         await q.redis.flushdb()
         for request_id in live:
             await q.redis.hset(k.reply(request_id), mapping={"n": 99, "ch": CHANNEL})
-        for lane, entries in ((k.pending, pending), (k.heavy, heavy)):
+        for lane, entries in ((k.pending, pending), (k.heavy, heavy), (k.batch, batch)):
             if entries:
                 await q.redis.rpush(lane, *[e.raw for e in entries])
-        if pending or heavy:
-            await q.redis.set(k.tokens, sum(e.num_tokens for e in [*pending, *heavy]))
+        if pending or heavy or batch:
+            await q.redis.set(k.tokens, sum(e.num_tokens for e in [*pending, *heavy, *batch]))
+        if batch:
+            await q.redis.set(k.batch_tokens, sum(e.num_tokens for e in batch))
 
         claim, num_expired, num_orphaned, stop = await q.claim_step(
             token_budget, lookahead=lookahead, max_drop=max_drop, lanes=lanes,
             preempt_tokens=preempt_tokens)
-        plan = plan_claim(pending, heavy, now_ms=NOW_MS, token_budget=token_budget, lookahead=lookahead,
-                          max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
+        plan = plan_claim(pending, heavy, batch, now_ms=NOW_MS, token_budget=token_budget,
+                          lookahead=lookahead, max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
                           isolate_attempt=isolate_attempt_for(max_attempts),
-                          is_live=live.__contains__, lanes=lanes, preempt_tokens=preempt_tokens)
+                          is_live=live.__contains__, lanes=lanes, preempt_tokens=preempt_tokens,
+                          batch_share_tokens=batch_share_tokens(token_budget, batch_share),
+                          batch_starve_ms=batch_starve_ms)
 
         taken = [e.raw for e in claim.entries] if claim else []
         assert taken == [e.raw for e in plan.taken]
         assert stop == plan.stop and stop in STOP_REASONS
         if claim:
             assert claim.num_heavy == plan.num_heavy and claim.stop == plan.stop
+            assert claim.num_batch == plan.num_batch
+            # the lease's batch-class count, for a redo to put them back in the batch lane
+            assert await q.redis.hget(k.lease_batch_counts, claim.batch_id) == (
+                str(plan.num_batch).encode() if plan.num_batch else None)
         remaining, remaining_heavy = plan.remaining(pending), plan.remaining_heavy(heavy)
+        remaining_batch = plan.remaining_batch(batch)
         assert await q.redis.lrange(k.pending, 0, -1) == [e.raw for e in remaining]
         assert await q.redis.lrange(k.heavy, 0, -1) == [e.raw for e in remaining_heavy]
+        assert await q.redis.lrange(k.batch, 0, -1) == [e.raw for e in remaining_batch]
         assert int(await q.redis.get(k.tokens) or 0) == sum(
-            e.num_tokens for e in [*remaining, *remaining_heavy])
+            e.num_tokens for e in [*remaining, *remaining_heavy, *remaining_batch])
+        assert int(await q.redis.get(k.batch_tokens) or 0) == sum(e.num_tokens for e in remaining_batch)
         assert (num_expired, num_orphaned) == (len(plan.expired), len(plan.orphaned))
         for request_id in REQUEST_IDS:
             answered = await q.redis.hgetall(k.reply(request_id))
@@ -168,6 +195,30 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
 @example(case=_case([("a", 30, 0, 500, b"")] * 2, heavy=[("b", 60, 60, 500, b""), ("b", 10, 0, 500, b"")],
                     lanes="heavy", preempt_tokens=50))
 @example(case=_case([("a", 10, 0, 500, b"")], heavy=[], lanes="heavy"))
+# Batch lane: it fills the room interactive work leaves (its head only when it fits, unless
+# nothing else was taken); starving (its head waited batch_starve_ms), its share first and its
+# head always; a starving redo to isolate alone, unless the heavy head is one too; entries passed
+# over at any age; a light-only claim never reads it; a heavy claim reads it after the heavy lane.
+@example(case=_case([("a", 30, 0, 500, b"")] * 2, batch=[("b", 30, 0, 500, b"")] * 3))
+@example(case=_case([("a", 30, 0, 500, b"")] * 2, batch=[("b", 50, 0, 500, b""), ("b", 40, 0, 500, b"")]))
+@example(case=_case([], batch=[("b", 150, 0, 500, b""), ("b", 10, 0, 500, b"")]))
+@example(case=_case([("a", 30, 0, 500, b"")] * 4, batch=[("b", 50, 100, 500, b""), ("b", 20, 0, 500, b"")]))
+@example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("c", 90, 0, 500, b"")],
+                    batch=[("b", 150, 100, 500, b"")], batch_share=0.0))
+@example(case=_case([("a", 30, 0, 500, b"")] * 4, batch=[("b", 20, 99, 500, b"")] * 3, batch_share=0.5))
+@example(case=_case([("a", 30, 0, 500, b"")], batch=[("b", 20, 100, 500, b"", 2), ("b", 20, 0, 500, b"")]))
+@example(case=_case([("a", 30, 0, 500, b"")], heavy=[("c", 20, 0, 500, b"", 2)],
+                    batch=[("b", 20, 100, 500, b"", 2)]))
+@example(case=_case([("a", 30, 0, 500, b"")], batch=[("b", 20, 0, 500, b"", 2), ("b", 20, 0, 500, b"")]))
+@example(case=_case([("a", 50, 0, 500, b"")], batch=[("b", 60, 900, 500, b""), ("b", 70, 900, 500, b""),
+                                                     ("b", 40, 900, 500, b""), ("b", 10, 900, 500, b"")]))
+@example(case=_case([("a", 30, 0, 500, b"")], batch=[("b", 20, 500, 500, b"")], lanes="light"))
+@example(case=_case([("a", 30, 0, 500, b"")] * 2, heavy=[("c", 40, 0, 500, b"")],
+                    batch=[("b", 20, 0, 500, b"")] * 2, lanes="heavy", preempt_tokens=100))
+@example(case=_case([("a", 30, 0, 500, b"")] * 2, heavy=[("c", 40, 0, 500, b"")],
+                    batch=[("b", 20, 100, 500, b"")] * 2, lanes="heavy", preempt_tokens=50))
+@example(case=_case([], batch=[("d", 10, 100, 500, b""), ("b", 10, 0, -1, b""), ("b", 10, 0, 500, b"")],
+                    max_drop=2))
 def test_lua_claim_agrees_with_the_python_rule(redis_server, case):
     asyncio.run(_compare(redis_server.url, **case))
 
@@ -197,10 +248,16 @@ def deep_lane_cases(draw):
     preempt_tokens = draw(st.one_of(near_total, st.sampled_from((0, 1, unit, token_budget))))
     if lanes == "light" and draw(st.booleans()):
         token_budget = draw(near_total)  # the whole lane just fits, or just does not
-    return _case(light, heavy=heavy, token_budget=token_budget, lookahead=draw(st.integers(0, 5)),
+    # A deep batch lane behind them: its scans cross windows too.
+    batch = draw(st.lists(st.tuples(st.sampled_from(REQUEST_IDS), light_sizes,
+                                    st.sampled_from((0, 99, 100, 5_000)), deadlines_in_ms, st.just(b""),
+                                    st.sampled_from((0,) * 12 + (1, 2))), max_size=50))
+    return _case(light, heavy=heavy, batch=batch, token_budget=token_budget,
+                 lookahead=draw(st.integers(0, 5)),
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.sampled_from((1, 3, 8, 30))),
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
-                 max_attempts=draw(st.sampled_from((3, 5))), lanes=lanes, preempt_tokens=preempt_tokens)
+                 max_attempts=draw(st.sampled_from((3, 5))), lanes=lanes, preempt_tokens=preempt_tokens,
+                 batch_share=draw(st.sampled_from((0.0, 0.25, 1.0))), batch_starve_ms=100)
 
 
 def _e(tokens, deadline_in_ms=500, *, request_id="a", attempt=0, age_ms=0):
