@@ -1,19 +1,9 @@
-"""Hostile input: a one-input call's latency with nobody else calling, then beside six concurrent
-callers sending the largest requests the gateway takes (and larger), in the same run.
-
-    tokq bench hostile --results-md profiling/results/service.md
-
-A real stack: an embedded Redis, one `tokq gateway` and one `tokq worker` (one torch thread). The
-probe sends one short input at a time, paced, and records latency; the abusers run in their own
-process (six threads, each sending back to back). Each abuse scenario is measured between two idle
-phases and compared to their pooled median/p99 (rounds interleave, so load from other processes
-lands on every phase alike). CPU seconds per process are read from /proc for each phase.
-"""
+"""Hostile input: a one-input call's latency alone, then beside six callers (one process) sending the
+largest requests the gateway takes (and larger), on a real stack; CPU per process from /proc."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
 import os
 import random
@@ -21,7 +11,6 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import click
 import grpc
@@ -108,9 +97,8 @@ def _abusers(ctx, target: str, spec: dict):
 
 def _probe(stub, duration_s: float, pace_s: float, errors: dict | None = None, timings: list | None = None,
            call=None) -> list[float]:
-    """Latencies (ms) of one-input calls (or of ``call()``); a failed call counts in ``errors`` and,
-    as the worst case, as infinitely slow. ``timings`` gets each answered Embed's latency, then the
-    gateway's tokenize, queue, inference and total ms: where a slow call's time went."""
+    """Latencies (ms) of one-input calls (or ``call()``), a failed one infinite and counted in ``errors``;
+    ``timings`` gets each answer's latency and the gateway's tokenize, queue, inference and total ms."""
     from tokq.v1 import embedder_pb2 as pb
 
     call = call or (lambda: stub.Embed(pb.EmbedRequest(inputs=[PROBE_TEXT]), timeout=30))
@@ -138,9 +126,8 @@ def _compared(idle: list[float], abused: list[float]) -> dict[str, float]:
 
 
 def _reference(ctx, gateway, gateway_stub, specs: dict[str, dict], phase_s: float, pace_s: float) -> dict:
-    """For the scenario whose requests are all refused (the gateway's work alone): a no-op call
-    (Info) on the gateway and on a bare grpc.aio server, idle, then beside the same abusers: how
-    much of the probe's slow-down gRPC's Python server causes by itself."""
+    """A no-op call (Info) on the gateway and on a bare grpc.aio server, idle and beside the abusers whose
+    requests are all refused: how much of the slow-down gRPC's Python server causes by itself."""
     from tokq.v1 import embedder_pb2 as pb
 
     name = next(n for n, spec in specs.items() if not spec["truncate"] and len(spec["sizes"]) > 1)
@@ -170,8 +157,7 @@ def _reference(ctx, gateway, gateway_stub, specs: dict[str, dict], phase_s: floa
 
 
 def _drain(r, keys, timeout_s: float = 120) -> bool:
-    """Until nothing is queued or in flight and the worker has registered as idle, so the next
-    idle phase is idle; False if that did not happen within ``timeout_s``."""
+    """Until nothing is queued or in flight and the worker is idle; False if not within ``timeout_s``."""
     try:
         harness.wait_until(lambda: (not int(r.get(keys.tokens) or 0) and not int(r.get(keys.inflight) or 0)
                                     and r.scard(keys.idle) > 0), "an idle worker", timeout_s=timeout_s)
@@ -273,15 +259,11 @@ def render(report: dict, command: str) -> str:
 
 
 @click.command("hostile")
-@click.option("--rounds", default=3, show_default=True)
 @click.option("--phase-s", default=15.0, show_default=True)
 @click.option("--pace-ms", default=20.0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the raw report here.")
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's section (profiling/results/service.md).")
-def hostile_command(rounds, phase_s, pace_ms, json_path, results_md) -> None:
+@harness.bench_options("service.md", json_out=True)
+def hostile_command(phase_s, pace_ms, rounds, json_path, results_md) -> None:
     """A one-input call's latency alone, then beside six callers sending the largest requests."""
     report = run(rounds, phase_s, pace_ms / 1000)
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2))
+    harness.save_json(json_path, report)
     publish(render(report, command_line()), results_md, BLOCK)
