@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 import numpy as np
@@ -37,6 +39,8 @@ ST_BATCH = 32
 VECTOR_WIDTHS = (4, 8, 16)
 CPU_BACKENDS = ("cpu_varlen", "sdpa_packed", "sdpa_grouped", "sdpa_loop")
 LINEAR = "linear layers (epilogues included)"
+FORWARD_SIZES = (1, 2, 4, 12, 32, 64, 128, 256, 512, 1024)  # batch tokens of the forward-cost table
+ONE_QUERY_MAX, PACKED_QUERY = 32, 12  # a batch is one query up to ONE_QUERY_MAX tokens, else 12-token queries
 
 
 def block_name(dtype: str) -> str:
@@ -78,6 +82,47 @@ def pack_in_order(ids, budget: int) -> list[PackedBatch]:
         current.append(seq)
         num_tokens += len(seq)
     return batches + ([PackedBatch.pack(current)] if current else [])
+
+
+def forward_costs(engines: dict, onnx, sizes, rounds: int, repeats: int = 5) -> list[str]:
+    """Forward ms and tokens/s against batch tokens, per engine and for ONNX Runtime (``onnx``: an
+    OnnxSentenceEncoder or None) on one query of the same tokens; medians over interleaved rounds."""
+    rng, first = np.random.default_rng(0), next(iter(engines.values()))
+    vocab, max_len = first.info.config.get("vocab_size", 30522), first.info.max_length
+    names = [*engines, *(["ONNX Runtime (float32), one query"] if onnx else [])]
+    rows = []
+    for n in sizes:
+        size = n if n <= ONE_QUERY_MAX else PACKED_QUERY
+        batch = PackedBatch.pack([rng.integers(1000, vocab, min(size, n - i)).tolist() for i in range(0, n, size)])
+        fns = {name: (lambda e=e: e.embed(batch)) for name, e in engines.items()}
+        if onnx and n <= max_len:
+            ids = rng.integers(1000, vocab, (1, n))
+            feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+            feed = {i.name: feed[i.name] for i in onnx.session.get_inputs()}
+            fns[names[-1]] = lambda f=feed: onnx.session.run(["last_hidden_state"], f)[0].mean(1)
+        ms = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                fn()
+                ms[name].append(1e3 * statistics.median(timed(fn) for _ in range(repeats)))
+        cells = [(f"{statistics.median(ms[k]):.2f}", f"{1e3 * n / statistics.median(ms[k]):,.0f}") if k in ms
+                 else ("–", "–") for k in names]
+        rows.append(f"| {n} ({batch.num_seqs} quer{'y' if batch.num_seqs == 1 else 'ies'}) | "
+                    + " | ".join(c for pair in cells for c in pair) + " |")
+    return ["| batch tokens | " + " | ".join(f"{k} ms | {k} tokens/s" for k in names) + " |",
+            "|---|" + "---:|" * 2 * len(names), *rows]
+
+
+def onnx_encoder(model_dir, export_dir: str, max_len: int):
+    """ONNX Runtime on the model's ONNX export (profiling/bench/baselines/onnx_model.py), on torch's
+    thread count; None, with why, where it cannot run."""
+    try:
+        from tokq.profiling.bench.baselines.onnx_model import OnnxSentenceEncoder, export
+
+        export(model_dir, Path(export_dir))
+        return OnnxSentenceEncoder(export_dir, threads=torch.get_num_threads(), max_seq_length=max_len), ""
+    except (ImportError, RuntimeError, OSError) as exc:
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def matmul_peak_flops(size: int = 2048, repeats: int = 3) -> tuple[float, float]:
@@ -314,7 +359,14 @@ def measure(say, *, num_queries: int, rounds: int, token_budgets: list[int], wor
         splits.append({part: seconds / limit_s for part, seconds in time_split(engine, backend_batches).items()})
         say(f"round {round_index + 1}/{rounds} done, load average {os.getloadavg()[0]:.1f}")
     report(say, rates, peaks, flops, num_tokens, linear_flops_per_token(engine.info.config))
-    dtype = str(engine.dtype).removeprefix("torch.")
+    asked, dtype = dtype, str(engine.dtype).removeprefix("torch.")
+    with tempfile.TemporaryDirectory(prefix="tokq-runtime-onnx-") as export_dir:
+        onnx, why = onnx_encoder(Path(engine.info.path), export_dir, engine.info.max_length)
+        say(f"\nforward time against batch tokens ({torch.get_num_threads()} threads; one query up to {ONE_QUERY_MAX} "
+            f"tokens, else {PACKED_QUERY}-token queries packed; medians of {rounds} interleaved rounds of 5 forwards"
+            f"{'' if onnx else f'; ONNX Runtime not run: {why}'}):\n")
+        costed = {f"{dtype} (--dtype {asked})": engine, **{"float32": e for k, e in engines.items() if k == "fp32"}}
+        say("\n".join(forward_costs(costed, onnx, [n for n in FORWARD_SIZES if n <= max(token_budgets)], rounds)))
     say(f"\nlinear layers alone ({dtype}, {engine.linear_backend}, same kernels and shapes, 1,024 tokens): "
         f"{statistics.median(v for vs in limits.values() for v in vs):,.0f} tokens/s median")
     say(f"the same linear layers with the epilogues the forward fuses into them ({fused_epilogues(engine)}): "

@@ -34,6 +34,9 @@ def test_runtime(bench, monkeypatch):
     assert f"Command: `tokq bench runtime {' '.join(args)} --results-md" in text
     assert re.search(r"^\| packed 64 \| [\d,]+ \|", text, re.M) and "| st one at a time |" in text
     assert "where the packed 1024 forward's time goes" in text and "attention alone, ms per layer" in text
+    # forward time against batch tokens up to the budget: tokq's engine, then ONNX Runtime on one query
+    assert re.search(r"^\| 1 \(1 query\) \| [\d.]+ \| [\d,]+ \| [\d.]+ \| [\d,]+ \|$", text, re.M)
+    assert "| 64 (6 queries) |" in text and "| 128 " not in text
 
 
 def test_dtypes(bench):
@@ -62,7 +65,7 @@ def test_prefix(bench, monkeypatch):
             vocab_size=prefix.VOCAB, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=256)).save_pretrained(path)
     monkeypatch.setattr(prefix, "build_model", tiny)
-    args = ["--layers", "1", "--token-budget", "64", "--queries", "6", "--rounds", "1", "--threads", "1"]
+    args = ["--layers", "1", "--token-budget", "64", "--queries", "6", "--threads", "1", "--rounds", "1"]
     text = bench(prefix.prefix_command, args, prefix.block_name("cpu"))
     assert f"Command: `tokq bench prefix {' '.join(args)} --results-md" in text
     assert f" A shared {os.cpu_count()}-CPU machine: the ratios" in text
