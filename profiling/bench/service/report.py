@@ -116,7 +116,8 @@ def _stops(systems: list[dict]) -> list[str]:
 
     runs = [(s, label, run, run.get("batches") or {}) for s in systems if s["kind"] == "tokq"
             for label, run in [("half load", s["half_load"])] * bool(s.get("half_load")) + [
-                ("sustainable" if st["offered_rps"] == s["sustainable_rps"] else "past the limit", st)
+                ("sustainable" if st == s["sustainable"] else "past the limit" if st["offered_rps"] > s["sustainable_rps"]
+                 else "that rate again", st)
                 for st in sorted(s["steps"], key=lambda x: x["offered_rps"]) if st["offered_rps"] >= s["sustainable_rps"]]]
     reasons = [r for r in STOP_REASONS if any(b.get("claim_stops", {}).get(r) for *_, b in runs)]
     rows = [[f"{s['name']} ({label})", f"{run['offered_rps']:.0f}", fmt(run["latency_ms"]["p99"]), fmt(b.get("num_batches")),
