@@ -1,23 +1,10 @@
-"""Does `tokq gateway --procs 2` raise what one caller gets? Single-input Embed calls/s against
-`--procs 1` and `--procs 2`, from one client process and from two, over gRPC (tokq.AsyncClient,
-which spreads its calls over the processes it reaches) and over HTTP (httpx, keep-alive pool).
-
-    tokq bench spread [--seconds 8] [--concurrency 32] [--rounds 3] [--json spread.json]
-        [--results-md profiling/results/gateway.md]
-
-Starts an embedded Redis, one `tokq worker --threads 1`, and two gateways: `--procs 1` and
-`--procs 2` (each process with its metrics port). Each measurement starts the client processes
-(closed loop, ``--concurrency`` calls in flight each) and, once all have warmed up, measures a
-window of ``--seconds``: calls/s and the split between processes from the gateways' own metrics,
-CPU from /proc per process. Configurations are interleaved within each round; figures are medians
-over rounds, ratios taken within a round.
-"""
+"""Does `tokq gateway --procs 2` raise what one caller gets? Single-input Embed calls/s against `--procs 1`
+and `--procs 2`, from one and two client processes, over gRPC (tokq.AsyncClient) and HTTP (httpx)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -45,8 +32,7 @@ def ok_calls(gateway: harness.Gateway, rpc: str) -> list[float]:
 
 def measure(gateway: harness.Gateway, transport: str, num_clients: int, *, seconds: float, concurrency: int,
             fixed_pids: dict[str, int]) -> dict:
-    """One window: ``num_clients`` client processes against ``gateway``, opened once every client
-    has warmed up, closed before any of them stops."""
+    """One window of ``num_clients`` client processes against ``gateway``, from when all have warmed up."""
     target = gateway.target if transport == "grpc" else gateway.http_url
     clients = [harness.Child(__name__, "client", "--transport", transport, "--target", target,
                              "--concurrency", str(concurrency)) for _ in range(num_clients)]
@@ -129,8 +115,7 @@ async def client(transport: str, target: str, concurrency: int) -> None:
 
 
 def medians(report: dict) -> list[dict]:
-    """Per configuration: median calls/s, split share and cores over rounds; the --procs 2 /
-    --procs 1 ratio taken within each round."""
+    """Per configuration: medians over rounds; the --procs 2 / --procs 1 ratio taken within each round."""
     by: dict[tuple, list[dict]] = {}
     for r in report["results"]:
         by.setdefault((r["transport"], r["gateway_procs"], r["client_procs"]), []).append(r)
@@ -193,14 +178,11 @@ def markdown_section(report: dict, command: str) -> str:
 @click.command("spread")
 @click.option("--seconds", default=8.0, show_default=True, help="Measured window per configuration.")
 @click.option("--concurrency", default=32, show_default=True, help="Calls in flight per client process.")
-@click.option("--rounds", default=3, show_default=True)
 @click.option("--config", "configs", multiple=True,
               help="transport:gateway-procs:client-procs, e.g. grpc:2:1 (repeatable) [default: grpc 1/2 "
                    "procs x 1/2 clients, http 1/2 procs x 1 client].")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's section (profiling/results/gateway.md).")
-def spread_command(seconds, concurrency, rounds, configs, json_path, results_md) -> None:
+@harness.bench_options("gateway.md", json_out=True)
+def spread_command(seconds, concurrency, configs, rounds, json_path, results_md) -> None:
     """Calls/s from one caller against `tokq gateway --procs 1` and `--procs 2`."""
     try:
         chosen = [(t, int(p), int(c)) for t, p, c in (x.split(":") for x in configs)] or CONFIGS
@@ -209,8 +191,7 @@ def spread_command(seconds, concurrency, rounds, configs, json_path, results_md)
     except ValueError:
         raise click.UsageError(f"--config takes grpc|http:procs:clients, got {configs}") from None
     report = run(seconds=seconds, concurrency=concurrency, rounds=rounds, configs=chosen)
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+    harness.save_json(json_path, report)
     publish(markdown_section(report, command_line()), results_md, BLOCK)
 
 

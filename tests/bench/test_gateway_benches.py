@@ -47,7 +47,7 @@ def test_http_cpu(bench, monkeypatch):
 
 
 def test_spread(bench):
-    args = ["--seconds", "0.5", "--concurrency", "4", "--rounds", "1", "--config", "grpc:2:1"]
+    args = ["--seconds", "0.5", "--concurrency", "4", "--config", "grpc:2:1", "--rounds", "1"]
     text = bench(spread.spread_command, args, spread.BLOCK)
     assert f"`tokq bench spread {' '.join(args)} --results-md" in text
     row = next(line for line in text.splitlines() if line.startswith("| grpc | 2 | 1 |"))
