@@ -1,17 +1,5 @@
-"""Shared-prompt benchmark: queries behind Qwen3-Embedding's instruction, computed with the prompt
-once (workers/prefix_attention.py) against the full forward, in the same run.
-
-    tokq bench prefix --threads 1 --results-md profiling/results/model.md          # CPU
-    tokq bench prefix --device cuda --layers 28 --token-budget 8192 --queries 8192 --results-md profiling/results/gpu.md
-
-The model has random weights and Qwen3-Embedding-0.6B's shapes (hidden 1024, 16 q / 8 kv heads of
-128, MLP 3072); ``--layers`` of its 28 (both paths scale with layers alike) and a small vocabulary.
-Token ids are random: the instruction is ``--prompt-tokens`` ids, each query's length comes from
-the workload generator or is fixed by the scenario. Each system serves the same queries in
-batches of at most ``--token-budget`` queued tokens, counted as the queue counts them: the full
-forward's by every token, the prefix path's by the tokens after the prompt (whose K/V come from the
-worker's cache, filled before timing). Per round the systems run in turn; figures are medians.
-"""
+"""Shared-prompt benchmark: queries behind Qwen3-Embedding's instruction, the prompt computed once
+(workers/prefix_attention.py) against the full forward, on random weights of its shapes, in the same run."""
 
 from __future__ import annotations
 
@@ -27,6 +15,7 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
+from tokq.profiling import harness
 from tokq.profiling.results_md import block, command_line, machine_cores, publish, table
 
 VOCAB = 8192
@@ -90,12 +79,9 @@ def scenario(rng, num_queries: int, prompt: np.ndarray | None, fixed_len: int | 
 @click.option("--token-budget", default=1024, show_default=True, help="Queued tokens per batch.")
 @click.option("--queries", default=96, show_default=True, help="Queries per scenario.")
 @click.option("--prompt-tokens", default=20, show_default=True)
-@click.option("--rounds", default=7, show_default=True)
-@click.option("--threads", default=0, show_default=True,
-              help="torch threads (0: torch's default); 1 keeps ratios steady on a shared CPU.")
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's section for the device type (profiling/results/model.md or gpu.md).")
-def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, rounds, threads, results_md) -> None:
+@harness.threads_option
+@harness.bench_options("model.md or gpu.md, by device type", rounds=7)
+def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, threads, rounds, results_md) -> None:
     """The shared prompt computed once against the full forward, in the same run."""
     from tokq.workers.engine import Engine
 
@@ -129,14 +115,11 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
             for batch in packed:
                 eng.embed(batch)
             computed[label] = eng.tokens_computed - before
-        times: dict[str, list[float]] = {label: [] for label in systems}
-        for round_index in range(rounds):
-            # back to back, the order flipped every round: load from other processes drifts over
-            # seconds, so each round's ratio compares like with like
-            for label in list(systems)[::1 if round_index % 2 == 0 else -1]:
-                times[label].append(time_system(*systems[label]))
-            click.echo(f"{name}: round {round_index + 1}/{rounds} "
-                       + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
+        def measure(label: str) -> float:
+            click.echo(f"{name}: {label} {(t := time_system(*systems[label])):.2f} s")
+            return t
+        # back to back, the order flipped every round: each round's ratio compares like with like
+        times = harness.interleaved(rounds, systems, measure, flip=True)
         input_tokens = sum(len(s) for s in seqs)
         for label, (_, packed) in systems.items():
             t, ratios = statistics.median(times[label]), [b / x for b, x in zip(times[FULL], times[label])]
