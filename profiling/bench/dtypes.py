@@ -1,13 +1,5 @@
-"""How far each dtype's embeddings are from fp32's on the workload generator's queries, and what each costs.
-
-    tokq bench dtypes [--num-queries 1000] [--model DIR] [--dtype bfloat16 --dtype float16] [--threads 1]
-        [--results-md profiling/results/model.md]
-
-Per dtype: cosine of each query's vector with its fp32 vector (min, p1, median), and how many of
-each query's 10 nearest neighbours (cosine, among all the queries) are the same as in fp32 (mean
-and min). Speed: tokens/s of the packed forward over the whole workload in 1,024-token batches,
-each dtype timed right after fp32, rounds interleaved; ratios are medians of per-round ratios.
-"""
+"""How far each dtype's embeddings are from fp32's on the workload's queries (cosine, 10 nearest neighbours
+kept), and each one's tokens/s, timed right after fp32 in interleaved rounds."""
 
 from __future__ import annotations
 
@@ -18,6 +10,7 @@ import click
 import numpy as np
 import torch
 
+from tokq.profiling import harness
 from tokq.profiling.bench.runtime import load_engines, pack_in_order, timed
 from tokq.profiling.results_md import block, command_line, machine_cores, markers, publish, table
 
@@ -56,10 +49,7 @@ def run(*, num_queries: int, seed: int, rounds: int, dtypes: list[str], model: s
     batches, num_tokens = pack_in_order(ids, BUDGET), sum(len(s) for s in ids)
     embed_all = lambda e: np.concatenate([e.embed(b) for b in batches])  # noqa: E731
     vectors = {name: embed_all(e) for name, e in engines.items()}  # also warms up
-    rates: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            rates[name].append(num_tokens / timed(lambda e=engine: embed_all(e)))
+    rates = harness.interleaved(rounds, engines, lambda name: num_tokens / timed(lambda: embed_all(engines[name])))
     rows = []
     for name, engine in engines.items():
         c = compare(vectors["float32"], vectors[name])
@@ -87,10 +77,9 @@ def run(*, num_queries: int, seed: int, rounds: int, dtypes: list[str], model: s
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--dtype", "dtypes", multiple=True, default=["bfloat16", "float16"], show_default=True,
               help="Compared with float32 (repeatable).")
-@click.option("--model", default=None, help="Model directory [default: bundled all-MiniLM-L6-v2].")
-@click.option("--threads", default=0, show_default=True, help="torch threads (0: torch's default).")
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's section (profiling/results/model.md).")
+@harness.model_option
+@harness.threads_option
+@harness.bench_options("model.md", rounds=None)
 def dtypes_command(num_queries, seed, rounds, dtypes, model, threads, results_md) -> None:
     """How far each dtype's embeddings are from fp32's, and what each costs."""
     publish(run(num_queries=num_queries, seed=seed, rounds=rounds, dtypes=list(dtypes), model=model, threads=threads,
