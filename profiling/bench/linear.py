@@ -1,14 +1,5 @@
-"""The fp32 linear kernels on CPU side by side: the C kernel (workers/kernels/cpu_linear.py) against
-oneDNN, at the row counts a forward meets (a lone short query up to a full batch).
-
-    tokq bench linear [--rows 1,8,16,32,64,256,1024] [--rounds 5] [--threads 1,2] [--model DIR]
-        [--results-md profiling/results/model.md]
-
-Per thread count and row count: the model's own linear calls in a forward (its shapes, with the
-epilogues it fuses), timed through each kernel, then the whole forward of one batch of that many
-tokens (sequences of at most 32 tokens). Kernels alternate within each round; ratios are medians
-of per-round ratios (oneDNN time / C time: above 1, the C kernel is faster).
-"""
+"""The fp32 linear kernels on CPU side by side: the C kernel (workers/kernels/cpu_linear.py) against oneDNN,
+on the model's own linear calls and whole forwards, per row count; ratios are medians of per-round ratios."""
 
 from __future__ import annotations
 
@@ -20,6 +11,7 @@ import torch
 
 from tokq.batch import PackedBatch
 from tokq.profiling.bench.runtime import forward_linear_calls, load_engines, timed
+from tokq.profiling import harness
 from tokq.profiling.harness import ratio
 from tokq.profiling.results_md import (block, command_line, cpu_block_name, cpu_heading, publish, shared_machine_note,
                                        table)
@@ -57,12 +49,10 @@ def rows_table(engines: dict, rows: list[int], rounds: int) -> list[str]:
 @click.command("linear")
 @click.option("--rows", default="1,8,16,32,64,256,1024", show_default=True,
               help="Row counts (tokens in the batch), comma-separated.")
-@click.option("--rounds", default=5, show_default=True)
 @click.option("--threads", default="1", show_default=True, help="torch thread counts, comma-separated.")
-@click.option("--model", default=None, help="Model directory [default: bundled all-MiniLM-L6-v2].")
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's section (profiling/results/model.md).")
-def linear_command(rows, rounds, threads, model, results_md) -> None:
+@harness.model_option
+@harness.bench_options("model.md", rounds=5)
+def linear_command(rows, threads, model, rounds, results_md) -> None:
     """The C fp32 linear kernel against oneDNN, per row count."""
     from tokq.host import cpu_name, vector_extension
 
