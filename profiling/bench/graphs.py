@@ -1,15 +1,5 @@
-"""CUDA graphs against eager forwards (workers/cuda_graphs.py), in the same run, on one GPU.
-
-    tokq bench graphs --results-md profiling/results/gpu.md
-
-For the bundled all-MiniLM-L6-v2 and a random-weight Qwen3-0.6B-shaped model (28 layers), each batch
-size from 16 tokens up runs through two engines sharing the weights: one replaying CUDA graphs (the
-worker's default), one eager. A batch is the workload's query lengths packed to exactly that many
-tokens. Per size: warm-up runs (the graph's capture among them), then ``--repeats`` timed
-``Engine.embed`` calls per engine, interleaved, host batch to host vectors. Figures are medians; the
-host CPU time per call is this process's. The two engines' vectors are compared (minimum cosine).
-Without a CUDA GPU it says so and exits 0.
-"""
+"""CUDA graphs against eager forwards (workers/cuda_graphs.py) on one GPU, for MiniLM and a Qwen3-0.6B-shaped
+model: two engines sharing the weights, interleaved calls per batch size, wall and host CPU ms, vectors compared."""
 
 from __future__ import annotations
 
@@ -21,6 +11,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from tokq.profiling import harness
 from tokq.profiling.results_md import block, command_line, publish, table
 
 BLOCK = "tokq bench graphs"
@@ -92,8 +83,7 @@ def markdown(gpu: str, torch_version: str, results: list[dict], repeats: int, co
 
 @click.command("graphs")
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(min=1))
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this benchmark's section of this file (profiling/results/gpu.md).")
+@harness.results_md_option("gpu.md")
 def graphs_command(repeats, results_md) -> None:
     """CUDA graphs against eager forwards, MiniLM and a Qwen3-0.6B-shaped model, on a CUDA GPU."""
     import torch
