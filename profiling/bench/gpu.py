@@ -1,16 +1,5 @@
-"""`make bench-gpu`: on a CUDA host, profile and benchmark the service with the bundled
-all-MiniLM-L6-v2 and a Qwen3-0.6B-shaped random-weight model, and write the "GPU benchmark" section
-of profiling/results/gpu.md.
-
-    tokq bench gpu [--results-md profiling/results/gpu.md] [--out-dir profiling/results/gpu]
-
-For each model: `tokq profile --device cuda` (latency knee, recommended budget, FLOP/s per batch
-size), then `tokq bench service --device cuda` with tokq at `tokq up`'s defaults and at the
-profiled budget against sentence-transformers one request at a time on the same GPU. The section
-gives the GPU's name, throughput against one-at-a-time at equal p99, and MFU at the profiled
-budget (model FLOP/s there over the GPU's dense 16-bit peak). Without a CUDA GPU it says so and
-exits 0.
-"""
+"""`make bench-gpu`: on a CUDA host, `tokq profile` and `tokq bench service` of the bundled MiniLM and a
+Qwen3-0.6B-shaped model; the section gives throughput against one-at-a-time at equal p99, and MFU."""
 
 from __future__ import annotations
 
@@ -29,19 +18,17 @@ from pathlib import Path
 import click
 
 from tokq.profiling import harness
-from tokq.profiling.results_md import block, command_line, markers, table, write_block
+from tokq.profiling.results_md import block, command_line, table, write_block
 
 BLOCK = "tokq bench gpu"
-SECTION_START, SECTION_END = markers(BLOCK)
 QWEN3_NAME = "qwen3-0.6b-random"
 QUICK_STEPS = ["--start-rate", "50", "--step-factor", "1.5", "--step-duration-s", "2", "--max-steps", "14"]
 CPUS_PER_GENERATOR = 5  # load-generator processes: one per this many CPUs (the gateways need the rest)
 
 
 def generator_procs() -> int:
-    """Load-generator processes for the service bench: one Python process sends ~3,000 calls a
-    second, where an H100 run's ramp ends before the service fails a step, so a host with the
-    cores gets more (3 on 16 CPUs), a small one keeps one."""
+    """Load-generator processes: one sends ~3,000 calls/s, short of an H100's limit, so more where there
+    are cores (3 on 16 CPUs)."""
     from tokq.host import usable_cpus
 
     return max(1, usable_cpus() // CPUS_PER_GENERATOR)
@@ -49,9 +36,8 @@ def generator_procs() -> int:
 
 def build_qwen3_shaped(path: Path, *, num_hidden_layers: int = 28, vocab_size: int = 151_669,
                        max_seq_length: int = 256) -> Path:
-    """A random-weight model of Qwen3-Embedding-0.6B's shape, with last-token pooling and
-    normalization as the real one declares them, and the bundled model's WordPiece tokenizer files
-    (their ids are valid Qwen3 ids), so the gateway and the workload's texts work unchanged."""
+    """Random weights of Qwen3-Embedding-0.6B's shape, last-token pooling and normalization as it declares
+    them, and the bundled model's tokenizer files (valid Qwen3 ids), so gateway and workload work unchanged."""
     import torch
     from transformers import Qwen3Config, Qwen3Model
 
@@ -97,9 +83,7 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gat
           "--plot", str(out_dir / f"gpu-profile-{name}.png"), "--quiet")
     profile = json.loads(profile_json.read_text())
     budget = profile.get("recommended_budget")
-    # The defaults first, then the profiled budget (systems run in the order given; "tokq" runs at
-    # the last of --token-budgets). Quick steps start higher and grow faster, as a GPU serves
-    # hundreds to thousands of requests a second.
+    # The defaults first, then the profiled budget; quick steps start higher, as a GPU serves thousands a second.
     systems = ["--system", "tokq-defaults", *(["--system", "tokq", "--token-budgets", str(budget)] if budget else []),
                "--system", "one-at-a-time"]
     _tokq("bench", "service", "--device", "cuda", *(["--model", str(model_dir)] if model_dir else []), *systems,
@@ -110,9 +94,8 @@ def run_model(name: str, model_dir: Path | None, out_dir: Path, quick: bool, gat
 
 
 def saved_result(name: str, out_dir: Path, gateway_procs: int | None = None) -> dict | None:
-    """A model's profile and bench JSON from an earlier run into ``out_dir``, if both are there and
-    belong together (the bench started after the profile and served its recommended budget) and
-    its tokq ran ``gateway_procs`` gateway processes (None: as many as that run chose)."""
+    """A model's profile and bench JSON of an earlier run, if both belong together (the bench after the
+    profile, at its budget) and its tokq ran ``gateway_procs`` gateway processes (None: any)."""
     profile_json, bench_json = out_dir / f"gpu-profile-{name}.json", out_dir / f"gpu-bench-{name}.json"
     if not (profile_json.exists() and bench_json.exists()):
         return None
@@ -130,8 +113,7 @@ def saved_result(name: str, out_dir: Path, gateway_procs: int | None = None) -> 
 
 def run_models(models: list[tuple[str, Callable[[], Path | None]]], out_dir: Path, quick: bool,
                saved: dict[str, dict] | None = None, gateway_procs: int = 0) -> list[dict]:
-    """Each model in turn (name, and what makes its directory); one that fails is reported with its
-    error and the others still run; a model in ``saved`` is not measured again."""
+    """Each model in turn (name, what makes its directory), but those ``saved``; a failure is reported."""
     results = []
     for name, make_model in models:
         if name in (saved or {}):
@@ -172,8 +154,7 @@ def _ratio(tokq: dict | None, ref: dict | None) -> str:
 
 
 def _notes(result: dict) -> str:
-    """How long each profile point and load step ran, and the cores tokq's processes used at the
-    highest rate it sustained."""
+    """How long each profile point and load step ran, and tokq's cores at its highest sustained rate."""
     from tokq.profiling.bench.service.report import cpu_cores
 
     sweep, opts = result["profile"].get("sweep", {}), result["bench"]["meta"].get("options", {})
@@ -191,7 +172,7 @@ def _notes(result: dict) -> str:
 
 def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], command: str,
                      links: dict[str, str] | None = None) -> str:
-    """``links``: each model's folder of raw figures (its profile and bench JSON), relative to the results file."""
+    """``links``: each model's folder of raw figures, relative to the results file."""
     measured = sorted(r["profile"].get("started_at", "") for r in results if "profile" in r)
     rows = []
     for r in results:
@@ -237,14 +218,10 @@ def markdown_section(gpu: str, peak_flops: float | None, results: list[dict], co
 @click.option("--results-md", type=click.Path(dir_okay=False), default="profiling/results/gpu.md", show_default=True)
 @click.option("--out-dir", type=click.Path(file_okay=False), default="profiling/results/gpu", show_default=True,
               help="Profile and bench JSON and figures of each model.")
-@click.option("--quick", is_flag=True,
-              help="0.3 s per profile point and 2-second load steps from 50 req/s, x1.5 each: both models in about 8 "
-                   "minutes on an H100, for a short GPU lease (the section gives each model's step sizes).")
-@click.option("--resume", is_flag=True,
-              help="Read back a model whose profile and bench JSON are already in --out-dir (a run cut short).")
+@click.option("--quick", is_flag=True, help="0.3 s profile points, 2 s load steps from 50 req/s: ~8 minutes on an H100.")
+@click.option("--resume", is_flag=True, help="Read back a model whose profile and bench JSON are in --out-dir.")
 @click.option("--gateway-procs", type=click.IntRange(0, 64), default=0, show_default=True,
-              help="Gateway processes of the tokq systems (one serves up to ~3,000 calls/s; 0: as tokq up chooses on "
-                   "a GPU host, one per 4 CPUs, at most 4).")
+              help="Gateway processes of the tokq systems (0: as tokq up chooses on a GPU host).")
 def gpu_command(results_md, out_dir, quick, resume, gateway_procs) -> None:
     """On a CUDA host: profile and bench the bundled MiniLM and a Qwen3-0.6B-shaped model (`make bench-gpu`)."""
     out = Path(out_dir)
