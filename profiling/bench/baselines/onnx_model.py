@@ -1,14 +1,5 @@
-"""The ONNX Runtime baseline's model: an ONNX export of the bundled model run by ONNX Runtime,
-with the model's own tokenizer, mean pooling and normalization (what its sentence-transformers
-pipeline does), behind the few methods of ``SentenceTransformer`` the baseline servers call.
-
-The export is made at bench time into a directory the caller owns. optimum (the exporter
-Hugging Face maintains) needs transformers < 4.58, so it runs from Infinity's virtualenv
-(``make .venv-infinity/bin/infinity_emb``) when one is there; otherwise the model is exported
-with ``torch.onnx.export`` (TorchScript exporter, opset 17, the same inputs and dynamic axes as
-optimum's feature-extraction export). Either way the bench checks the vectors against
-sentence-transformers before a figure counts.
-"""
+"""The ONNX Runtime baseline's model: an ONNX export of the bundled model (optimum from Infinity's virtualenv
+where there is one, else torch.onnx.export) with its tokenizer, mean pooling and normalization."""
 
 from __future__ import annotations
 
@@ -72,10 +63,8 @@ def _torch_export(model_dir: Path, out_dir: Path) -> None:
 
 
 def for_infinity(export_dir: Path, out_dir: Path, max_seq_length: int) -> Path:
-    """The export as Infinity's ONNX engine should see it: that engine truncates inputs at the
-    config's ``max_position_embeddings`` (512 for MiniLM) instead of the model's
-    ``max_seq_length`` (256), so longer inputs would give other vectors than the model's. This
-    copy (model.onnx hard-linked) says ``max_seq_length`` there; the graph is unchanged."""
+    """A copy (model.onnx hard-linked) whose config's max_position_embeddings is ``max_seq_length``: Infinity
+    truncates inputs there, so longer inputs give the model's own vectors."""
     import json
     import shutil
 
@@ -93,8 +82,7 @@ def for_infinity(export_dir: Path, out_dir: Path, max_seq_length: int) -> Path:
 
 
 class OnnxSentenceEncoder:
-    """ONNX Runtime in place of sentence-transformers: ``encode`` (padded batch -> mean pooling ->
-    unit length), ``tokenizer``, ``max_seq_length``, ``get_embedding_dimension``."""
+    """ONNX Runtime behind the SentenceTransformer methods the servers call (``encode``: mean pooling, unit length)."""
 
     def __init__(self, export_dir: Path, *, threads: int = 0, max_seq_length: int = 256) -> None:
         import onnxruntime as ort

@@ -1,17 +1,5 @@
-"""How each baseline turns requests into sentence-transformers ``encode`` calls.
-
-Both run the model in one thread beside the gRPC event loop (torch releases the GIL), so the
-server keeps accepting while a forward runs, and both skip requests whose caller has gone
-(as tokq's gateway cancels a timed-out request's queued entries).
-
-- ``OneAtATime``: each request is encoded as it arrives, alone, in arrival order: the
-  non-batched pipeline Voyage measured against (with sentence-transformers, or with ONNX
-  Runtime on an ONNX export: ``onnx_model.OnnxSentenceEncoder``).
-- ``PaddedBatching``: Triton-style dynamic batching. A batch closes when it holds
-  ``max_batch_size`` inputs or its oldest request has waited ``max_wait_ms``; the next batch
-  forms while the current one runs; inputs are padded to the longest in the batch (one
-  ``encode`` call with ``batch_size`` = the batch).
-"""
+"""How each baseline turns requests into ``encode`` calls, in a thread beside the gRPC loop, skipping
+callers gone: ``OneAtATime`` (each request alone), ``PaddedBatching`` (Triton-style: N inputs or X ms)."""
 
 from __future__ import annotations
 
@@ -45,8 +33,7 @@ class OneAtATime:
     kind = "one-at-a-time"
 
     def __init__(self, model, kind: str = "one-at-a-time") -> None:
-        self.model = model
-        self.kind = kind
+        self.model, self.kind = model, kind
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="encode")
 
     def describe(self) -> dict:
@@ -84,9 +71,7 @@ class PaddedBatching:
     def __init__(self, model, max_batch_size: int = 64, max_wait_ms: float = 10.0) -> None:
         if max_batch_size < 1 or max_wait_ms < 0:
             raise ValueError("need max_batch_size >= 1 and max_wait_ms >= 0")
-        self.model = model
-        self.max_batch_size = max_batch_size
-        self.max_wait_ms = max_wait_ms
+        self.model, self.max_batch_size, self.max_wait_ms = model, max_batch_size, max_wait_ms
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._pending: asyncio.Queue[_Pending] = asyncio.Queue()
         self._task: asyncio.Task | None = None

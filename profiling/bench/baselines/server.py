@@ -1,6 +1,5 @@
-"""A baseline as a gRPC server speaking tokq.v1.Embedder (plus standard health), so the load generator
-drives it exactly as it drives tokq's gateway. It serves the model's own sentence-transformers
-output: unit-length vectors, inputs cut at ``max_seq_length``."""
+"""A baseline as a gRPC tokq.v1.Embedder (plus health), driven as tokq's gateway is: the model's own
+sentence-transformers output, unit-length vectors, inputs cut at ``max_seq_length``."""
 
 from __future__ import annotations
 
