@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from tokq.batch import PackedBatch
-from tokq.profiling.bench.runtime import forward_linear_calls, load_engines, timed
 from tokq.profiling import harness
+from tokq.profiling.bench.runtime import forward_linear_calls, load_engines, timed
 from tokq.profiling.harness import ratio
 from tokq.profiling.results_md import (block, command_line, cpu_block_name, cpu_heading, publish, shared_machine_note,
                                        table)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import statistics
 import tempfile
 import time

@@ -12,8 +12,8 @@ import click
 import numpy as np
 
 from tokq.config import QueueConfig
-from tokq.profiling.bench.loadgen import closed_loop
 from tokq.profiling import harness
+from tokq.profiling.bench.loadgen import closed_loop
 from tokq.profiling.harness import ratio
 from tokq.profiling.results_md import block, command_line, machine_cores, publish, table
 
