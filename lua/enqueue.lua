@@ -1,7 +1,7 @@
 -- enqueue.lua: put all items of one request on the queue atomically, in FIFO order, or none.
 -- KEYS[1] pending   LIST   light lane: entries of interactive requests of <= light_tokens, head = oldest
 -- KEYS[2] tokens    STRING sum of the tokens in every lane
--- KEYS[3] counters  HASH   enqueued, rejected (items)
+-- KEYS[3] counters  HASH   enqueued, rejected, rejected_batch (items)
 -- KEYS[4] reply     HASH   reply:<request_id>, created here
 -- KEYS[5] heavy     LIST   heavy lane: entries of larger interactive requests (tokq/queue/claim_rule.py)
 -- KEYS[6] idle      SET    idle workers' ids, their batch ids' prefix (lib/wake.lua)
@@ -63,6 +63,9 @@ local batch_tokens = tonumber(redis.call('GET', KEYS[10]) or '0')
 local class_tokens = in_batch and batch_tokens or queued_tokens - batch_tokens
 if class_tokens > 0 and class_tokens + request_tokens > tonumber(ARGV[4]) then
   redis.call('HINCRBY', KEYS[3], 'rejected', num_items)
+  if in_batch then
+    redis.call('HINCRBY', KEYS[3], 'rejected_batch', num_items)
+  end
   return {'QUEUE_FULL', class_tokens}
 end
 

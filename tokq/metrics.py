@@ -25,15 +25,19 @@ Queue (``observe_queue_stats``; exported by one gateway process per model, elect
 lock (gateway/server.py), so each series exists once and sum() over processes adds up)
   tokq_queue_queued_entries / tokq_queue_queued_tokens       gauge   waiting to be claimed
   tokq_queue_oldest_age_seconds                              gauge   age of the head entry
+  tokq_queue_priority_oldest_age_seconds{priority}           gauge   the same per priority class
+      (interactive, batch: tokq/queue/priority.py)
   tokq_queue_lane_queued_entries{lane} / tokq_queue_lane_queued_tokens{lane}   gauge   the same
-      per lane (light, heavy: tokq/queue/claim_rule.py); a lane's tokens are exact while the
-      shorter lane holds at most 1,000 entries, else scaled from its first 1,000 (lua/stats.lua)
+      per lane (light, heavy: interactive work; batch: batch-class work; tokq/queue/claim_rule.py);
+      the batch lane's tokens are exact; of the interactive lanes', the shorter one's are exact
+      while it holds at most 1,000 entries, else scaled from its first 1,000 (lua/stats.lua)
   tokq_queue_inflight_items / tokq_queue_inflight_batches    gauge   claimed, not yet acked
   tokq_queue_unreadable_shards_ratio                         gauge   share of the queue's shards
       whose stats the last reading could not get (their node unreachable; the exporter logs
       which): the gauges above then sum the other shards only, and the totals below keep
       those shards' last reading. 0 while every shard answers
-  tokq_queue_{enqueued,rejected,cancelled,claimed,expired,orphaned,requeued,failed,acked}_total   counter
+  tokq_queue_{enqueued,rejected,rejected_batch,cancelled,claimed,expired,orphaned,requeued,failed,acked}_total   counter
+      rejected counts both classes' refused items; rejected_batch the batch class's of them
       The totals live in a Redis hash shared by every process, so a Counter's inc() cannot
       express them; a custom collector reports the last value read as a true counter (TYPE
       counter), which keeps rate() and increase() correct and treats a Redis restart as a reset.
@@ -54,8 +58,9 @@ a batch none of whose items was forwarded is no forward pass at all.
       seconds add up to the device's, not more
   tokq_worker_claim_duration_seconds              histogram one claim-script call
   tokq_worker_claim_stops_total{reason}           counter   claims by why their batch stopped growing
-      (tokq.queue.claim_rule.STOP_REASONS): full, heavy_item, lookahead, dry, isolated, dropped,
-      preempt (a light-only claim), heavy_only, and backlog (a light-only claim refused, no batch)
+      (tokq.queue.claim_rule.STOP_REASONS): full, heavy_item, batch_item, lookahead, dry, isolated,
+      dropped, preempt (a light-only claim), heavy_only, and backlog (a light-only claim refused,
+      no batch)
   tokq_worker_forward_tokens_total                counter   tokens forwarded
   tokq_worker_forward_flops_total                 counter   model FLOPs forwarded (tokq.model.flops)
   tokq_worker_budget_tokens                       gauge     token budget in force
@@ -70,7 +75,8 @@ a batch none of whose items was forwarded is no forward pass at all.
       (TokqWorkerRestarted)
   tokq_worker_nonfinite_vectors_total             counter   NaN/inf vectors refused (INTERNAL)
   tokq_worker_preemptions_total                   counter   light batches run nested in a heavy
-      forward (workers/preempt.py; each is also one of batches_total), counted as it ends; one
+      forward (mostly heavy-lane or batch-class work: workers/preempt.py; each is also one of
+      batches_total), counted as it ends; one
       offered too late, run right after it, is not
   tokq_worker_graphed_batches_total               counter   forward passes replayed from a CUDA graph
       (workers/cuda_graphs.py; each is also one of batches_total)
@@ -91,6 +97,7 @@ from prometheus_client import (REGISTRY, Counter, Gauge, Histogram, disable_crea
 from prometheus_client.core import CounterMetricFamily
 
 from tokq.model.flops import forward_flops
+from tokq.queue.priority import PRIORITIES
 
 # No *_created series: they would double every counter and histogram for no use in tokq's
 # dashboards (rate() does not need them).
@@ -107,11 +114,13 @@ FILL_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1
 # gRPC codes that count as the service failing (not the caller's mistake): alerts use this set.
 ERROR_CODES = ("UNKNOWN", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INTERNAL", "UNAVAILABLE",
                "DATA_LOSS")
-QUEUE_COUNTERS = ("enqueued", "rejected", "cancelled", "claimed", "expired", "orphaned", "requeued",
-                  "failed", "acked")
+QUEUE_COUNTERS = ("enqueued", "rejected", "rejected_batch", "cancelled", "claimed", "expired", "orphaned",
+                  "requeued", "failed", "acked")
 _QUEUE_COUNTER_HELP = {
     "enqueued": "Items accepted into the queue",
-    "rejected": "Items refused because the queue was at its token cap",
+    "rejected": "Items refused because their priority class was at its token cap",
+    "rejected_batch": "Batch-class items refused because the batch class was at its token cap "
+                      "(also counted in rejected)",
     "claimed": "Items handed to a worker in a batch",
     "cancelled": "Requests withdrawn by the gateway (the caller cancelled or timed out)",
     "expired": "Items dropped because their deadline passed before they ran",
@@ -160,7 +169,11 @@ QUEUE_LANE_ENTRIES = Gauge("tokq_queue_lane_queued_entries", "Entries waiting to
 QUEUE_LANE_TOKENS = Gauge("tokq_queue_lane_queued_tokens", "Tokens waiting to be claimed, per lane "
                           "(scaled from the shorter lane's first 1,000 entries past that)",
                           _M + ("lane",))
-QUEUE_LANES = ("light", "heavy")
+QUEUE_LANES = ("light", "heavy", "batch")
+QUEUE_PRIORITY_OLDEST_AGE = Gauge("tokq_queue_priority_oldest_age_seconds",
+                                  "Age of the oldest waiting entry of each priority class",
+                                  _M + ("priority",))
+QUEUE_PRIORITIES = PRIORITIES
 QUEUE_UNREADABLE_SHARDS = Gauge("tokq_queue_unreadable_shards_ratio",
                                 "Share of the queue's shards the last stats reading could not read "
                                 "(left out of the other queue gauges)", _M)
@@ -269,6 +282,8 @@ def forget_queue_stats(model: str) -> None:
     for lane in QUEUE_LANES:
         QUEUE_LANE_ENTRIES.remove(model, lane)
         QUEUE_LANE_TOKENS.remove(model, lane)
+    for priority in QUEUE_PRIORITIES:
+        QUEUE_PRIORITY_OLDEST_AGE.remove(model, priority)
     QUEUE_COUNTER_COLLECTOR.forget(model)
 
 
@@ -283,6 +298,8 @@ def observe_queue_stats(stats, *, model: str) -> None:
     for lane, (entries, tokens) in (lanes or {}).items():
         QUEUE_LANE_ENTRIES.labels(model, lane).set(entries)
         QUEUE_LANE_TOKENS.labels(model, lane).set(tokens)
+    for priority, age_ms in (getattr(stats, "oldest_age_ms_by_class", None) or {}).items():
+        QUEUE_PRIORITY_OLDEST_AGE.labels(model, priority).set(age_ms / 1000.0)
     QUEUE_UNREADABLE_SHARDS.labels(model).set(len(stats.unreadable_shards) / max(1, stats.num_shards))
     QUEUE_COUNTER_COLLECTOR.update(model, stats.counters)
 

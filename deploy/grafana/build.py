@@ -130,6 +130,12 @@ def overview() -> gd.Dashboard:
                           "cps", [query(f"sum by (model) (rate(tokq_queue_{c}_total{{{M}}}"
                                         f"[{RATE}]))", f"{{{{model}}}} {c}", ref)
                                   for c, ref in (("enqueued", "A"), ("acked", "B"))], span=8))
+        .with_panel(panel("Embed latency by priority", "Whole Embed call (gRPC and HTTP) by "
+                          "priority class: interactive work is served first, batch-class work "
+                          "takes the room it leaves (docs/design.md, priority classes).", "s",
+                          quantiles("tokq_gateway_request_duration_seconds", "priority, ",
+                                    f"{M}, {EMBED_RPCS}", "{{{{priority}}}} {q}", qs=(0.5, 0.99)),
+                          span=24))
         .with_row(gd.Row("Queue"))
         .with_panel(panel("Queue depth (tokens)", "Tokens waiting to be claimed, and claimed "
                           "items not yet answered.", "none",
@@ -137,26 +143,30 @@ def overview() -> gd.Dashboard:
                                  "{{model}} queued tokens"),
                            query(f"sum by (model) (tokq_queue_inflight_items{{{M}}})",
                                  "{{model}} in-flight items", "B")]))
-        .with_panel(panel("Oldest queued entry age", "Age of the head of the queue. Rising "
-                          "towards the clients' deadline means too few workers.", "s",
-                          [query(f"max by (model) (tokq_queue_oldest_age_seconds{{{M}}})",
-                                 "{{model}}")]))
+        .with_panel(panel("Oldest queued entry age", "Age of each priority class's oldest queued "
+                          "entry. Interactive rising towards the clients' deadline means too few "
+                          "workers; a bulk backlog's batch age grows with its depth.", "s",
+                          [query(f"max by (model, priority) "
+                                 f"(tokq_queue_priority_oldest_age_seconds{{{M}}})",
+                                 "{{model}} {{priority}}")]))
         .with_panel(panel(
             "Requeues and expirations", "Requeued: a worker's lease ran out (crash or a "
             "forward longer than the lease). Expired: dropped at the deadline before running. "
-            "Rejected: refused at the queue's token cap. Failed: answered with an error.", "cps",
+            "Rejected: refused at a priority class's token cap (rejected_batch: the batch "
+            "class's of them). Failed: answered with an error.", "cps",
             [query(f"sum by (model) (rate(tokq_queue_{c}_total{{{M}}}[{RATE}]))",
                    f"{{{{model}}}} {c}", ref)
              for c, ref in (("requeued", "A"), ("expired", "B"), ("rejected", "C"),
-                            ("failed", "D"))], span=16))
+                            ("rejected_batch", "D"), ("failed", "E"))], span=16))
         .with_panel(panel("Queue shards not answering", "Share of a model's queue shards whose "
                           "Redis node is out: calls on them fail UNAVAILABLE, and the gauges "
                           "above cover the others only.", "percentunit",
                           [query(f"max by (model) (tokq_queue_unreadable_shards_ratio{{{M}}})",
                                  "{{model}}")], span=8))
         .with_panel(panel("Queue depth by lane", "Tokens and entries waiting per lane: light "
-                          "(requests of at most TOKQ_LIGHT_TOKENS), heavy (larger ones and "
-                          "redone items). Read beside the workers' claim stops.", "none",
+                          "(interactive requests of at most TOKQ_LIGHT_TOKENS), heavy (larger ones "
+                          "and redone items), batch (batch-class work). Read beside the workers' "
+                          "claim stops.", "none",
                           [query(f"sum by (model, lane) (tokq_queue_lane_queued_tokens{{{M}}})",
                                  "{{model}} {{lane}} tokens"),
                            query(f"sum by (model, lane) (tokq_queue_lane_queued_entries{{{M}}})",
@@ -195,7 +205,8 @@ def workers() -> gd.Dashboard:
                           quantiles("tokq_worker_batch_items", "model, worker, ", W,
                                     "{{{{model}}}} {{{{worker}}}} {q}", qs=(0.5, 0.99))))
         .with_panel(panel("Pre-emptions and CUDA graphs", "Light batches per second run nested "
-                          "inside a heavy forward (workers/preempt.py) and batches replayed from "
+                          "inside a heavy forward (mostly heavy-lane or batch-class work: "
+                          "workers/preempt.py) and batches replayed from "
                           "a CUDA graph (workers/cuda_graphs.py), beside all batches per second.",
                           "cps",
                           [query(f"sum by (model, worker) (rate(tokq_worker_preemptions_total{{{W}}}"
@@ -206,7 +217,8 @@ def workers() -> gd.Dashboard:
                                  f"[{RATE}]))", "{{model}} {{worker}} graphed", "C")], span=24))
         .with_panel(panel("Claim stops", "Claims per second by why their batch stopped growing "
                           "(tokq/queue/claim_rule.py): full, heavy_item (the heavy lane's next entry "
-                          "did not fit), lookahead, dry (the lanes ran out), isolated, dropped, "
+                          "did not fit), batch_item (the batch lane's), lookahead, dry (the lanes "
+                          "ran out), isolated, dropped, "
                           "preempt (light-only, nested), heavy_only, backlog (light-only refused: "
                           "a light backlog goes in full batches).", "cps",
                           [query(f"sum by (model, reason) (rate(tokq_worker_claim_stops_total{{{W}}}"

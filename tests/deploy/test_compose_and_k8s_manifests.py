@@ -199,13 +199,19 @@ def test_k8s_autoscaler_scales_the_worker_deployment_on_queued_tokens():
     (scaled,) = _kind("ScaledObject").values()
     assert scaled["spec"]["scaleTargetRef"]["name"] in _kind("Deployment")
     assert scaled["spec"]["scaleTargetRef"]["name"] == "tokq-worker"
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "prometheus"
-    assert "tokq_queue_queued_tokens" in trigger["metadata"]["query"]
+    triggers = {t["name"]: t for t in scaled["spec"]["triggers"]}
+    assert set(triggers) == {"interactive", "all"}
+    assert all(t["type"] == "prometheus" for t in triggers.values())
+    # interactive work alone: its lanes (light, heavy), not the batch lane
+    interactive = triggers["interactive"]["metadata"]["query"]
+    assert "tokq_queue_lane_queued_tokens" in interactive and 'lane=~"light|heavy"' in interactive
+    assert "tokq_queue_queued_tokens" in triggers["all"]["metadata"]["query"]
     from tokq.workers.budget import DEFAULT_BUDGET
 
-    # the comment's promise: a replica per 16 full batches at the CUDA workers' default budget
-    assert int(trigger["metadata"]["threshold"]) == 16 * DEFAULT_BUDGET["cuda"]
+    # the comment's promise: a replica per 16 full batches of interactive work at the CUDA
+    # workers' default budget, per 64 of either class
+    assert int(triggers["interactive"]["metadata"]["threshold"]) == 16 * DEFAULT_BUDGET["cuda"]
+    assert int(triggers["all"]["metadata"]["threshold"]) == 64 * DEFAULT_BUDGET["cuda"]
     assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
 
 

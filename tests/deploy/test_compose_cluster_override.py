@@ -38,25 +38,32 @@ def test_compose_cluster_override_builds_a_replicated_cluster_and_uses_it():
         assert "redis-cluster-init" in override[name]["depends_on"]
 
 
-def test_autoscaler_reads_the_queue_gauge_that_sums_every_shard(redis_url):
+def test_autoscaler_reads_the_queue_gauges_that_sum_every_shard(redis_url):
     (scaled,) = [d for d in yaml.safe_load_all((K8S / "autoscaler.yaml").read_text())
                  if d and d["kind"] == "ScaledObject"]
-    (trigger,) = scaled["spec"]["triggers"]
-    assert "tokq_queue_queued_tokens" in trigger["metadata"]["query"]
+    queries = {t["name"]: t["metadata"]["query"] for t in scaled["spec"]["triggers"]}
+    assert "tokq_queue_queued_tokens" in queries["all"]
+    assert "tokq_queue_lane_queued_tokens" in queries["interactive"]
 
-    async def run() -> int:
+    async def run() -> None:
         client = connect(redis_url)
         q = ShardedQueue(client, "gauge-model", QueueConfig(queue_shards=4))
         try:
-            for r in range(12):
+            for r in range(12):  # interactive: 11 tokens each; batch-class: 7 each
                 await q.producer.enqueue(f"r{r}", items(5, 6), timeout_ms=60_000, gateway_id="gw")
+                await q.producer.enqueue(f"b{r}", items(7), timeout_ms=60_000, gateway_id="gw",
+                                         priority="batch")
             used = {q.producer.shard_of_request(f"r{r}") for r in range(12)}
             assert len(used) > 1
             metrics.observe_queue_stats(await q.stats.read(), model="gauge-model")
         finally:
             await q.close()
             await client.aclose()
-        return 12 * 11
 
-    total = asyncio.run(run())
-    assert REGISTRY.get_sample_value("tokq_queue_queued_tokens", {"model": "gauge-model"}) == total
+    asyncio.run(run())
+    sample = REGISTRY.get_sample_value
+    assert sample("tokq_queue_queued_tokens", {"model": "gauge-model"}) == 12 * 11 + 12 * 7
+    interactive = sum(sample("tokq_queue_lane_queued_tokens", {"model": "gauge-model", "lane": lane})
+                      for lane in ("light", "heavy"))
+    assert interactive == 12 * 11
+    assert sample("tokq_queue_lane_queued_tokens", {"model": "gauge-model", "lane": "batch"}) == 12 * 7

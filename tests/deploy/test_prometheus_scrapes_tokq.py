@@ -116,11 +116,12 @@ def synthetic_traffic(model: str):
     stop = threading.Event()
 
     class Stats:
-        queued_entries, queued_tokens, oldest_age_ms = 12, 3000, 800
+        queued_entries, queued_tokens, oldest_age_ms = 52, 7000, 5000
         inflight_items, inflight_batches = 4, 1
         counters = {"enqueued": 0, "acked": 0, "requeued": 0}
         num_shards, unreadable_shards = 1, ()
-        lanes = {"light": (10, 600), "heavy": (2, 2400)}
+        lanes = {"light": (10, 600), "heavy": (2, 2400), "batch": (40, 4000)}
+        oldest_age_ms_by_class = {"interactive": 800, "batch": 5000}
 
     def run():
         n = 0
@@ -166,7 +167,10 @@ def test_prometheus_scrapes_tokq_metrics_and_runs_rules_and_dashboards(tmp_path)
             # loaded machine one can lag the MFU rule's (CI once found this one still empty).
             depth = _wait_until(lambda: query(
                 url, f'model:tokq_queue_queued_tokens:sum{{model="{model}"}}'), 60)
-            assert float(depth[0]["value"][1]) == 3000
+            assert float(depth[0]["value"][1]) == 7000
+            batch_age = _wait_until(lambda: query(
+                url, f'model_priority:tokq_queue_oldest_age_seconds:max{{model="{model}",priority="batch"}}'), 60)
+            assert float(batch_age[0]["value"][1]) == 5
             errors = _wait_until(lambda: query(
                 url, f'model:tokq_gateway_request_errors:ratio_rate5m{{model="{model}"}}'), 60)
             assert 0.05 < float(errors[0]["value"][1]) < 0.2  # one request in ten fails
