@@ -1,7 +1,7 @@
 """Light work pre-empts a heavy forward between two steps of its layers.
 
-While a worker runs a heavy batch (more tokens than ``tokq.queue.claim_rule.preempt_budget``) it is
-registered as pre-emptible; light work arriving then tells it 'light' (lua/enqueue.lua), and its
+While a worker runs a heavy batch (more tokens than ``tokq.queue.claim_rule.preempt_budget``, mostly
+heavy-lane or batch-class work: workers/loop.py is_heavy) it is registered as pre-emptible; light work arriving then tells it 'light' (lua/enqueue.lua), and its
 event loop claims that work light-only and leaves it in this slot. The forward thread looks at
 the slot after each step of each layer (qkv, attention, out-proj, MLP up, MLP down: the models
 call ``checkpoint``) and runs a waiting batch to completion right there, nested, then goes on: a

@@ -39,7 +39,8 @@ async def test_every_script_call_stays_in_its_first_key_slot(redis_url):
             runner.run = recording
     try:
         for r in range(6):
-            await q.producer.enqueue(f"r{r}", items(3, 4), timeout_ms=60_000, gateway_id="gw")
+            await q.producer.enqueue(f"r{r}", items(3, 4), timeout_ms=60_000, gateway_id="gw",
+                                     priority="batch" if r % 2 else "interactive")
         claim = await q.consumer.claim(7)
         await q.consumer.renew(claim.batch_id)
         await q.consumer.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])

@@ -1,6 +1,8 @@
 """Every queue script is safe to run twice: its answer is lost after it ran (tokq/testing/fault_proxy.py
 cuts the connection), redis-py runs it again with the same arguments, and Redis ends up exactly
-as after one run, with the caller getting the one run's answer."""
+as after one run, with the caller getting the one run's answer. Each state holds batch-class work
+beside interactive work: a claimed batch holds both, so ack and requeue handle the batch lane's
+record of a lease too."""
 
 from __future__ import annotations
 
@@ -45,16 +47,22 @@ async def _evalsha_calls(q) -> int:
 
 
 async def _setup_claimed(q):
-    await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
-    return await q.claim(11)
+    await _setup_queued(q)
+    claim = await q.claim(15)  # 5 and 6 of r; 7 passed over; batch-class 4 fills the room
+    assert claim.num_batch == 1
+    return claim
 
 
 async def _op_enqueue(q, _):
     return await q.enqueue("x", items(3, 4), timeout_ms=60_000, channel=CHANNEL)
 
 
+async def _op_enqueue_batch(q, _):
+    return await q.enqueue("xb", items(3, 4), timeout_ms=60_000, channel=CHANNEL, priority="batch")
+
+
 async def _op_claim(q, _):
-    claim = await q.claim(11)
+    claim = await q.claim(15)
     return [e.raw for e in claim.entries]
 
 
@@ -87,16 +95,19 @@ async def _op_heartbeat(q, _):
 
 async def _setup_queued(q):
     await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
+    await q.enqueue("rb", items(4), timeout_ms=60_000, channel=CHANNEL, priority="batch")
 
 
 async def _setup_answered(q):
     await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
+    await q.enqueue("rb", items(4), timeout_ms=60_000, channel=CHANNEL, priority="batch")
     return await q.claim(600)
 
 
 # script name -> (state before, the operation, whether the caller gets the one run's answer)
 CASES = {
     "enqueue": (_setup_queued, _op_enqueue, True),
+    "enqueue-batch": (_setup_queued, _op_enqueue_batch, True),
     "claim": (_setup_queued, _op_claim, True),
     "ack": (_setup_claimed, _op_ack, True),
     "renew": (_setup_claimed, _op_renew, True),
@@ -110,6 +121,7 @@ CASES = {
 
 async def _run_case(url, script, *, proxy: FaultProxy | None):
     setup, op, _ = CASES[script]
+    script = script.split("-")[0]  # the case's script
     clock = ManualClock()
     async with open_queue(url, clock, lease_ms=1_000) as q:
         await q.redis.flushall()
