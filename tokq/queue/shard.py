@@ -271,9 +271,10 @@ class Queue:
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
                     lanes: Lanes = "both", on_stop: Callable[[str], object] | None = None) -> Claim | None:
         """The next batch of at most ``token_budget`` tokens (tokq/queue/claim_rule.py: small requests
-        first, within their share; a lane's first item goes even when longer), leased for
-        ``config.lease_ms``; None when nothing is queued. ``lanes``: "light" or "heavy" for a
-        worker in a heavy forward (tokq/queue/claim_rule.py). ``on_stop(reason)``: called for a
+        first, within their share; a lane's first item goes even when longer; batch-class work in
+        the room left, or its share once starving), leased for ``config.lease_ms``; None when
+        nothing is queued. ``lanes``: "light" or "heavy" for a worker in a heavy forward
+        (tokq/queue/claim_rule.py). ``on_stop(reason)``: called for a
         batch and for a light-only claim refused as a backlog (claim_rule.STOP_REASONS)."""
         num_expired = 0
         while True:
