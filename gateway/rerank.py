@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from tokq.gateway.embedding import Deadline, ServedModel
-from tokq.gateway.errors import InvalidArgument, ServiceError, from_result_code
+from tokq.gateway.errors import InvalidArgument, from_result_code
 from tokq.gateway.prompt_boundary import shared_prefix_len
 from tokq.gateway.service import EmbedderService, priority_of
 from tokq.gateway.validate import check_pair_sizes
@@ -144,10 +144,9 @@ class RerankingService(EmbedderService):
     reranker by name."""
 
     async def Rerank(self, request: pb.RerankRequest, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
-        try:
-            priority = priority_of(request)
-        except ServiceError as exc:
-            return await self.refused("Rerank", request.model, exc, context)
+        priority = priority_of(request)
+        if priority is None:
+            return await self.refuse_priority("Rerank", request, context)
         params = RerankInput(
             query=request.query, documents=list(request.documents), model=request.model,
             top_n=request.top_n if request.HasField("top_n") else None, raw_scores=request.raw_scores,

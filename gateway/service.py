@@ -8,8 +8,8 @@ import asyncio
 import grpc
 
 from tokq.gateway.embedding import EmbedInput, Embedder
-from tokq.gateway.errors import ServiceError, refuse, to_status
-from tokq.gateway.priority import KEY_DEFAULT, from_enum, resolve
+from tokq.gateway.errors import refuse, to_status
+from tokq.gateway.priority import BY_ENUM, KEY_DEFAULT, from_enum, resolve
 from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES, embed_response
 from tokq.client import GATEWAY_ID_METADATA
 from tokq.v1 import embedder_pb2 as pb
@@ -20,9 +20,11 @@ def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
 
 
-def priority_of(request) -> str:
+def priority_of(request) -> str | None:
     """The class a request is queued in: its ``priority``, else its API key's default (set by
-    gateway.auth's interceptor), else interactive; an unknown value is INVALID_ARGUMENT."""
+    gateway.auth's interceptor), else interactive; None for a value the enum does not define."""
+    if request.priority and request.priority not in BY_ENUM:
+        return None
     return resolve(from_enum(request.priority), KEY_DEFAULT.get())
 
 
@@ -52,19 +54,18 @@ class EmbedderService(pb_grpc.EmbedderServicer):
         refuse(context, code, message)
         return None
 
-    async def refused(self, rpc: str, model_name: str, exc: ServiceError,
-                      context: grpc.aio.ServicerContext):
-        """End the call with ``exc``, counted as ``model_name``'s calls are."""
+    async def refuse_priority(self, rpc: str, request, context: grpc.aio.ServicerContext):
+        """Refuse a request whose priority names no class (INVALID_ARGUMENT, raised inside the
+        call as other bad fields are), counted as its model's calls are."""
         async def refuse_call(model):
-            raise exc
-        return await self._call(rpc, model_name, refuse_call, context)
+            from_enum(request.priority)
+        return await self._call(rpc, request.model, refuse_call, context)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> bytes:
         """Returns the EmbedResponse's wire bytes (gateway/wire.py registers it so)."""
-        try:
-            priority = priority_of(request)
-        except ServiceError as exc:
-            return await self.refused("Embed", request.model, exc, context)
+        priority = priority_of(request)
+        if priority is None:
+            return await self.refuse_priority("Embed", request, context)
         params = EmbedInput(
             texts=list(request.inputs), token_ids=[list(t.ids) for t in request.token_inputs],
             model=request.model, truncate=request.truncate,

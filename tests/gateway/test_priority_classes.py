@@ -21,7 +21,7 @@ import grpc
 import httpx
 import pytest
 from click.testing import CliRunner
-from gateway_support import running_gateway
+from gateway_support import left_for_the_gc, running_gateway
 from prometheus_client import REGISTRY
 from service_stack import gateway_and_worker
 
@@ -132,6 +132,11 @@ def test_an_unknown_class_is_refused_before_anything_is_enqueued(gateway, enqueu
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details() == (f"priority {value} is not a tokq.v1.Priority: send INTERACTIVE (1) "
                                            "or BATCH (2), or leave it unset for the API key's default")
+
+        def refused():
+            with pytest.raises(grpc.RpcError):
+                stub.Embed(pb.EmbedRequest(inputs=["x"], priority=3), timeout=10, metadata=metadata)
+        assert left_for_the_gc(refused) == []  # freed at once, as gateway.errors.refuse wants
     for value in ("BATCH", "urgent", "", 2, True, ["batch"], {"class": "batch"}):
         reply = httpx.post(f"{http_url}/v1/embeddings", json={"input": "x", "priority": value},
                            headers={"Authorization": "Bearer plain-key"}, timeout=30)
