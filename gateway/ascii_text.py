@@ -87,24 +87,32 @@ class WordPiece:
                    model.get("max_input_chars_per_word", 100), *specials)
 
     def encode(self, text: str) -> list[int]:
-        vocab = self.vocab
-        out = list(self.before)
-        for word in _BERT_WORDS.findall(text):
-            if len(word) > self.max_chars:
-                out.append(self.unk_id)
-                continue
-            whole = vocab.get(word)
-            if whole is not None:  # most words of a query: the longest match is the word
-                out.append(whole)
-                continue
-            out.extend(self._pieces(word))
-        out.extend(self.after)
-        return out
+        words = _BERT_WORDS.findall(text)
+        # Most words of a query are whole in the vocabulary: looked up in one C loop.
+        ids = list(map(self.vocab.get, words))
+        too_long = len(text) > self.max_chars and max(map(len, words), default=0) > self.max_chars
+        if None in ids or too_long:  # the others split into pieces (a word too long: unknown)
+            pieces: list[int] = []
+            for word, whole in zip(words, ids):
+                if whole is None or len(word) > self.max_chars:
+                    pieces.extend(self._pieces(word))
+                else:
+                    pieces.append(whole)
+            ids = pieces
+        return self.before + ids + self.after
+
+    def truncated(self, ids: list[int], max_length: int) -> list[int]:
+        """``encode``'s ``ids`` cut to ``max_length`` as right-side truncation cuts: the first
+        tokens of the text kept, the special tokens around them."""
+        keep = max_length - len(self.before) - len(self.after)
+        return ids[:len(self.before) + keep] + self.after
 
     def _pieces(self, word: str) -> list[int]:
         """Greedy longest match first, as the WordPiece model does; one unknown piece makes the
         whole word unknown."""
         vocab, pieces, start, n = self.vocab, [], 0, len(word)
+        if n > self.max_chars:
+            return [self.unk_id]
         while start < n:
             for end in range(n, start, -1):
                 piece = word[start:end] if start == 0 else self.prefix + word[start:end]
@@ -173,3 +181,11 @@ class AsciiPath:
         if self._word_piece is not None:
             return self._word_piece.encode(normalized)
         return self._backend.encode(normalized).ids
+
+    def encode_word_pieces(self, text: str, max_length: int | None = None) -> list[int] | None:
+        """``encode`` where ``WordPiece`` does it whole, else None: pure Python, so any thread may
+        call it (the Rust tokenizer this path holds is the loop thread's). ``max_length``: the
+        ids right-side truncated to it."""
+        if self._word_piece is None or (ids := self.encode(text)) is None:
+            return None
+        return ids if max_length is None or len(ids) <= max_length else self._word_piece.truncated(ids, max_length)

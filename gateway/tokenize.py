@@ -44,6 +44,9 @@ STARTED_THREADS = 4
 # characters a token, so one tokenization of a prefix this long nearly always suffices.
 PREFIX_CHARS_PER_TOKEN = 8
 
+# Requests up to this many first prefixes long are read whole by the Python WordPiece.
+WORD_PIECE_PREFIXES = 2
+
 
 def encode_truncated(backend: RustTokenizer, text: str, max_length: int) -> list[int]:
     """``text``'s ids truncated to ``max_length`` (special tokens included), equal to right-side
@@ -145,7 +148,10 @@ class Tokenizer:
         if info.lowercase:
             lowercase_first(backend)
         self._backend = backend
-        self._ascii = AsciiPath(backend)  # used on the event loop's thread only
+        self._ascii = AsciiPath(backend)  # its Rust path on the event loop's thread only
+        # Requests of at most this many characters go through AsciiPath's WordPiece in the pools
+        # too: for a long query it costs a fifth of the Rust call, which tracks offsets.
+        self._word_piece_chars = WORD_PIECE_PREFIXES * PREFIX_CHARS_PER_TOKEN * info.max_length
         # a reranker's (query, document) pairs, as its tokenizer pairs them (gateway/pairs.py)
         self.pairs = PairTemplate(info, self._tok, backend) if info.is_reranker else None
         self._cut_prefix = getattr(self._tok, "truncation_side", "right") == "right"
@@ -226,6 +232,13 @@ class Tokenizer:
     def encode_sync(self, texts: list[str] | list[bytes], *, prompt: str = "",
                     truncate: bool = False) -> list[list[int]]:
         """Ids per text; texts may be UTF-8 bytes (``validate.decode_texts``), decoded here."""
+        if sum(map(len, texts)) <= self._word_piece_chars and (
+                ids := self._encode_small(texts, prompt, truncate, word_pieces_only=True)) is not None:
+            return ids
+        return self._encode_general(texts, prompt, truncate)
+
+    def _encode_general(self, texts: list[str] | list[bytes], prompt: str, truncate: bool) -> list[list[int]]:
+        """``encode_sync`` through the Rust tokenizer, cutting or refusing long inputs from a prefix."""
         max_len = self.info.max_length
         backend = self._backend_copy()
         if prompt:
@@ -250,10 +263,15 @@ class Tokenizer:
                 raise self._too_long(i, str(len(seq)))
         return ids
 
-    def _encode_small(self, texts: list[str] | list[bytes], prompt: str) -> list[list[int]] | None:
-        """A tiny request's ids, one ``encode`` call per text (no truncation to set up, no GIL
-        to give up and take back), ASCII text through ``AsciiPath``; None when a text needs
-        ``encode_sync`` instead (it is too long, or not UTF-8: that path says which byte)."""
+    def _encode_small(self, texts: list[str] | list[bytes], prompt: str, truncate: bool = False,
+                      word_pieces_only: bool = False) -> list[list[int]] | None:
+        """A request's ids, one ``encode`` call per text (no truncation to set up, no GIL to give
+        up and take back), ASCII text through ``AsciiPath``; None when a text needs the general
+        path of ``encode_sync`` instead (too long and not cut here, or not UTF-8: that path says
+        which byte). ``word_pieces_only``: only what ``AsciiPath`` does in Python (pool threads:
+        the loop thread's Rust copy is its own)."""
+        max_len = self.info.max_length
+        cut = max_len if truncate and self._cut_prefix else None  # right-side truncation, as the general path's
         out = []
         for text in texts:
             if isinstance(text, bytes):
@@ -262,10 +280,12 @@ class Tokenizer:
                 except UnicodeDecodeError:
                     return None
             text = prompt + text
-            ids = self._ascii.encode(text)
+            ids = self._ascii.encode_word_pieces(text, cut)
             if ids is None:
-                ids = self._backend_copy().encode(text).ids
-            if len(ids) > self.info.max_length:  # truncate, or refuse: encode_sync decides
+                if word_pieces_only:
+                    return None
+                ids = self._ascii.encode(text) or self._backend_copy().encode(text).ids
+            if len(ids) > max_len:  # truncate, or refuse: the general path decides
                 return None
             out.append(ids)
         return out
@@ -288,8 +308,8 @@ class Tokenizer:
                 lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
         self._large.light_seen()
         if cost_bytes <= INLINE_BYTES:
-            ids = self._encode_small(texts, prompt)
-            return ids if ids is not None else self.encode_sync(texts, prompt=prompt, truncate=truncate)
+            ids = self._encode_small(texts, prompt, truncate)
+            return ids if ids is not None else self._encode_general(texts, prompt, truncate)
         return await asyncio.get_running_loop().run_in_executor(
             self._light, lambda: self.encode_sync(texts, prompt=prompt, truncate=truncate))
 
