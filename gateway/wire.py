@@ -5,6 +5,7 @@ Request inputs are read as bytes so the byte caps run before any UTF-8 decoding 
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Mapping, Sequence
 
@@ -107,24 +108,52 @@ def _field(tag: int, payload: bytes) -> bytes:
     return bytes((tag,)) + _varint(len(payload)) + payload
 
 
+# Timing with no field at its default, written in one pack: 4 doubles, each after its tag byte.
+_ALL_TIMING = struct.Struct("<" + "Bd" * len(_TIMING))
+_ALL_TIMING_HEAD = _field(0x22, bytes(_ALL_TIMING.size))[:-_ALL_TIMING.size]
+_TIMING_TAGS = [tag for tag, _ in _TIMING]
+_vector_heads: dict[int, bytes] = {}  # by a vector's byte size: its Embedding's and values' headers
+
+
+def _vector_head(size: int) -> bytes:
+    head = _vector_heads.get(size)
+    if head is None:
+        inner = b"\x0a" + _varint(size)
+        head = _vector_heads[size] = b"\x0a" + _varint(len(inner) + size) + inner
+    return head
+
+
 def embed_response(vectors: Sequence[np.ndarray], model: str, num_tokens: int,
                    timing: Mapping[str, float]) -> bytes:
     """tokq.v1.EmbedResponse's wire bytes, as protobuf writes them: packed little-endian float32s,
     model, usage (prompt and total tokens alike) and timing. Fields at their default are left out;
     usage and timing are always present."""
-    parts = [_field(0x0A, _field(0x0A, v.astype("<f4", copy=False).tobytes()) if v.size else b"")
-             for v in vectors]
+    parts = []
+    for v in vectors:
+        data = v.astype("<f4", copy=False).tobytes()
+        parts += (_vector_head(len(data)), data) if data else (b"\x0a\x00",)
     if model:
-        parts.append(_field(0x12, model.encode()))
+        parts.append(_model_field(model))
     usage = b"\x08" + _varint(num_tokens) + b"\x10" + _varint(num_tokens) if num_tokens else b""
     parts.append(_field(0x1A, usage))
-    doubles = []
-    for tag, name in _TIMING:
-        raw = _DOUBLE.pack(timing[name])
-        if raw != _ZERO_DOUBLE:  # +0.0 is the default; -0.0 is not
-            doubles.append(bytes((tag,)) + raw)
-    parts.append(_field(0x22, b"".join(doubles)))
+    values = [timing[name] for _, name in _TIMING]
+    if 0.0 in values:  # a field at its default (+0.0) is left out; -0.0 is not
+        doubles = []
+        for (tag, _), value in zip(_TIMING, values):
+            raw = _DOUBLE.pack(value)
+            if raw != _ZERO_DOUBLE:
+                doubles.append(bytes((tag,)) + raw)
+        parts.append(_field(0x22, b"".join(doubles)))
+    else:
+        fields = [0] * (2 * len(_TIMING))
+        fields[::2], fields[1::2] = _TIMING_TAGS, values
+        parts += (_ALL_TIMING_HEAD, _ALL_TIMING.pack(*fields))
     return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_field(model: str) -> bytes:
+    return _field(0x12, model.encode())
 
 
 def add_embedder_service(servicer, server: grpc.aio.Server) -> None:
