@@ -41,7 +41,7 @@ def test_service_and_its_report(bench, tmp_path):
     assert step["batches"]["num_batches"] >= 1 and report["meta"]["forward_ms_by_budget"]["64"] > 0
     # why each claim stopped (the worker's counter) and the lanes' depth (the gateway's gauges), per step
     assert sum(step["batches"]["claim_stops"].values()) == pytest.approx(1, abs=0.01)
-    assert set(step["batches"]["queued_tokens"]) == {"light", "heavy"} and "### Why claims stopped" in text
+    assert set(step["batches"]["queued_tokens"]) >= {"light", "heavy"} and "### Why claims stopped" in text
     assert set(baseline["steps"][0]["cpu_cores"]) == {"server", "load generator"}
     assert "| CPU cores by process |" in text and "![bench latency](bench_latency.png)" in text
     again = tmp_path / "again.md"

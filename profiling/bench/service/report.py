@@ -112,6 +112,7 @@ def cpu_cores(step: dict | None) -> str:
 def _stops(systems: list[dict]) -> list[str]:
     """Why each tokq claim stopped, with the fill and the lanes' depth, at half load, at the sustainable
     rate and past it."""
+    from tokq.metrics import QUEUE_LANES
     from tokq.queue.claim_rule import STOP_REASONS
 
     runs = [(s, label, run, run.get("batches") or {}) for s in systems if s["kind"] == "tokq"
@@ -120,12 +121,13 @@ def _stops(systems: list[dict]) -> list[str]:
                  else "that rate again", st)
                 for st in sorted(s["steps"], key=lambda x: x["offered_rps"]) if st["offered_rps"] >= s["sustainable_rps"]]]
     reasons = [r for r in STOP_REASONS if any(b.get("claim_stops", {}).get(r) for *_, b in runs)]
+    lanes = [lane for lane in QUEUE_LANES if any(lane in b.get("queued_tokens", {}) for *_, b in runs)] or ["light"]
     rows = [[f"{s['name']} ({label})", f"{run['offered_rps']:.0f}", fmt(run["latency_ms"]["p99"]), fmt(b.get("num_batches")),
              *(f"{b['claim_stops'].get(r, 0):.0%}" if "claim_stops" in b else "–" for r in reasons or ["–"]),
              fmt(b.get("fill_ratio"), 2), fmt(b.get("tokens_per_batch")),
-             *(fmt(b.get("queued_tokens", {}).get(lane)) for lane in ("light", "heavy"))] for s, label, run, b in runs]
+             *(fmt(b.get("queued_tokens", {}).get(lane)) for lane in lanes)] for s, label, run, b in runs]
     return table(f"system (step) | offered req/s | p99 ms | batches | {' | '.join(reasons) or 'claims by stop reason'} | fill ratio | "
-                 "tokens/batch | light lane queued tokens | heavy lane queued tokens", rows)
+                 "tokens/batch | " + " | ".join(f"{lane} lane queued tokens" for lane in lanes), rows)
 
 
 def _tables(report: dict, slo_ms: float) -> dict[str, list[str]]:

@@ -87,7 +87,7 @@ async def measure(system, queries, options: BenchOptions, progress=None, *, labe
         summary["batches"] = batch_stats(before, system.batch_snapshot())
         if lanes and summary["batches"]:  # mean tokens queued in each lane over the step
             summary["batches"]["queued_tokens"] = {lane: round(sum(x.get(lane, 0) for x in lanes) / len(lanes))
-                                                   for lane in ("light", "heavy")}
+                                                   for lane in {lane for x in lanes for lane in x}}
         # Cores each part used during the step: a single-threaded part near 1.0 limits it.
         summary["cpu_cores"] = cores_between(cpu_before, cpu_after, wall_s)
         if progress:
