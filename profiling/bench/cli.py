@@ -28,6 +28,7 @@ COMMANDS = {
     "crash-recovery": "tokq.profiling.bench.crash_recovery:crash_recovery_command",
     "idle-workers": "tokq.profiling.bench.idle_workers:idle_workers_command",
     "rerank": "tokq.profiling.bench.rerank:rerank_command",  # rerank.md: rerankers and fairness beside Embed
+    "bulk": "tokq.profiling.bench.bulk:bulk_command",  # bulk.md: embed-file, live queries beside a bulk job
     # gpu.md: on a CUDA GPU (prefix --device cuda too)
     "gpu": "tokq.profiling.bench.gpu:gpu_command",
     "graphs": "tokq.profiling.bench.graphs:graphs_command",
