@@ -98,9 +98,8 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
                        device: str = "cpu") -> dict[str, float]:
     """Median forward time of one full-budget batch packed from the workload mix (the worker's
     engine, this process, the same thread count as the systems)."""
-    import time
-
-    import numpy as np
+    import statistics
+    import timeit
 
     from tokq.profiling.profile.batches import BatchMaker, token_ids_for
     from tokq.workers.device import use_threads
@@ -109,14 +108,9 @@ def measure_forward_ms(queries, budgets: list[int], threads: int, repeats: int =
     with use_threads(threads):
         engine = Engine.load(model_dir, device=device)
         make, out = BatchMaker(queries, token_ids_for(engine.info), engine.info.max_length), {}
-        for budget in budgets:
-            batch, times = make(budget), []
-            engine.embed(batch)
-            for _ in range(repeats):
-                start = time.perf_counter()
-                engine.embed(batch)  # returns host arrays: a CUDA forward has finished
-                times.append((time.perf_counter() - start) * 1000)
-            out[str(budget)] = round(float(np.median(times)), 2)
+        for batch, budget in ((make(b), b) for b in budgets):  # embed returns host arrays: a CUDA forward is done
+            times = timeit.repeat(lambda: engine.embed(batch), number=1, repeat=repeats + 1)[1:]  # the first warms
+            out[str(budget)] = round(1000 * statistics.median(times), 2)
         return out
 
 
