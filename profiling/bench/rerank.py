@@ -1,16 +1,11 @@
 """Rerank benchmark, four sections from one run: 100-candidate requests through the service against
-sentence-transformers' CrossEncoder.predict on the same pairs; one request's candidates on one
-worker and on two (and a 1 s deadline); an Embed call beside a rerank burst; a causal reranker with
-the query computed once or not.
+CrossEncoder.predict on the same pairs; 200-candidate requests on one worker and on two, against a
+1 s deadline; an Embed call beside a rerank burst; a causal reranker with its query computed once.
 
     tokq bench rerank --results-md profiling/results/rerank.md
 
-Models have random weights, nothing is downloaded: a BertForSequenceClassification shaped like
-cross-encoder/ms-marco-MiniLM-L6-v2 on the bundled MiniLM tokenizer, and a Qwen3ForCausalLM with
-Qwen3-Reranker-0.6B's widths and chat template (``--causal-layers`` of its 28; a BPE trained on the
-MiniLM vocabulary), saved by sentence-transformers (LogitScore "yes" - "no"). Queries are 8
-vocabulary words, documents 20-60 (22-30 for the causal model: ~40 tokens). One gateway serves the
-embedding model and the cross-encoder under three names, each its own queue and workers.
+Random weights, nothing downloaded: a BERT cross-encoder shaped like ms-marco-MiniLM-L6-v2 on the
+bundled tokenizer, and a Qwen3 causal reranker with Qwen3-Reranker-0.6B's widths and template.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import os
 import random
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -168,27 +162,20 @@ def ratio(num: list[float], den: list[float]) -> str:
     return f"**{statistics.median(r):.2f}** ({min(r):.2f}-{max(r):.2f})"
 
 
-def rows(res: dict, base: str, deadline_ms: float = 0) -> list[list]:
+def rows(res: dict, base: str) -> list[list]:
     return [[name, len(r["lat"]), f"{statistics.median(r['rate']):,.0f}",
              f"{statistics.median(r['lat']):,.0f} / {pct(r['lat'], 0.99):,.0f}",
-             *([f"{sum(x <= deadline_ms for x in r['lat'])}/{len(r['lat'])}"] if deadline_ms else []),
-             f"{statistics.median(r['cores']):.2f}", ratio(r["rate"], res[base]["rate"])] for name, r in res.items()]
+             f"{sum(x <= 1000 for x in r['lat'])}/{len(r['lat'])}", f"{statistics.median(r['cores']):.2f}",
+             ratio(r["rate"], res[base]["rate"])] for name, r in res.items()]
 
 
-def _burst(target: str, model: str, reqs: list, stop, done) -> None:
-    """A burst process: BURST_CALLERS threads sending ``reqs`` back to back until ``stop``."""
-    def loop(i: int) -> None:
-        call = reranker(target, model)
-        while not stop.is_set():
-            call(*reqs[i % len(reqs)])
-            i += BURST_CALLERS
-            with done.get_lock():
-                done.value += 1
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(BURST_CALLERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def _burst(target: str, reqs: list, stop, done) -> None:
+    """One burst caller: 100-candidate requests to ce-1x1 back to back until ``stop``."""
+    call = reranker(target, "ce-1x1")
+    while not stop.is_set():
+        call(*reqs[done.value % len(reqs)])
+        with done.get_lock():
+            done.value += 1
 
 
 def fairness(target: str, pids: dict[str, int], reqs: list, rounds: int, phase_s: float) -> dict:
@@ -197,30 +184,34 @@ def fairness(target: str, pids: dict[str, int], reqs: list, rounds: int, phase_s
     from tokq.v1 import embedder_pb2_grpc as pb_grpc
 
     rpc, ctx = pb_grpc.EmbedderStub(grpc.insecure_channel(target)), multiprocessing.get_context("spawn")
-    out = {"idle": [], "burst": [], "cores": [], "machine": [], "reranks": 0}
+    out = {"idle": [], "burst": [], "cores": [], "machine": [], "reranks": 0, "queue": [], "inference": []}
 
-    def probe(seconds: float) -> list[float]:
-        lat, end = [], time.monotonic() + seconds
+    def probe(seconds: float, phase: str) -> None:
+        end = time.monotonic() + seconds
         while time.monotonic() < end:
             start = time.perf_counter()
-            rpc.Embed(pb.EmbedRequest(inputs=["red running shoes for long trail races"], model=EMBED), timeout=30)
-            lat.append(1000 * (time.perf_counter() - start))
+            t = rpc.Embed(pb.EmbedRequest(inputs=["red running shoes for long trail races"], model=EMBED), timeout=30).timing
+            out[phase].append(1000 * (time.perf_counter() - start))
+            if phase == "burst":  # where a slowed call's time went: waiting in the queue, or its forward
+                out["queue"].append(t.queue_ms)
+                out["inference"].append(t.inference_ms)
             time.sleep(PACE_S)
-        return lat
-    probe(2.0)  # warm-up
+    probe(2.0, "idle")  # warm-up
+    out["idle"].clear()
     for r in range(rounds):
-        out["idle"] += probe(phase_s)
+        probe(phase_s, "idle")
         stop, done = ctx.Event(), ctx.Value("l", 0)
-        burst = ctx.Process(target=_burst, args=(target, "ce-1x1", reqs, stop, done), daemon=True)
-        burst.start()
-        while done.value < 1:  # under way: its first request answered, the next ones queued
-            time.sleep(0.05)
-        with harness.CpuWindow({**pids, "burst": burst.pid}) as cpu:
-            out["burst"] += probe(phase_s)
+        callers = [ctx.Process(target=_burst, args=(target, reqs, stop, done), daemon=True) for _ in range(BURST_CALLERS)]
+        for c in callers:
+            c.start()
+        harness.wait_until(lambda: done.value > 0, "a burst reply", timeout_s=300)  # under way, more queued
+        with harness.CpuWindow({**pids, **{f"burst {i}": c.pid for i, c in enumerate(callers)}}) as cpu:
+            probe(phase_s, "burst")
         out["cores"].append(cpu.cores())
         out["machine"].append(cpu.machine_cores or 0.0)
         stop.set()
-        burst.join(300)
+        for c in callers:
+            c.join(300)
         out["reranks"] += done.value
         click.echo(f"fairness round {r + 1}/{rounds}: Embed p99 idle {pct(out['idle'], 0.99):.1f} ms, "
                    f"burst {pct(out['burst'], 0.99):.1f} ms")
@@ -278,47 +269,40 @@ def section(part: str, title: str, text: str, head: str, table_rows: list, readi
 def cross_encoder_parts(parts, folder, threads, dtype, budget, requests, rounds, phase_s) -> list[str]:
     from sentence_transformers import CrossEncoder
 
-    how = (f"Workers: budget {budget} tokens, `--dtype {dtype}`. Each request is sent alone, one after another; "
-           "pairs/s and cores are medians over rounds; ratios the median (range) of per-round ratios, the systems "
-           "back to back in each round, their order flipped every round. Cores: CPU-seconds of the gateway, every "
-           "worker, Redis and this process (the caller; CrossEncoder runs in it) per wall second.")
-    out, head = [], "system | requests | pairs/s | latency p50 / p99 ms | cores | x "
+    how = (f"Workers: budget {budget} tokens, `--dtype {dtype}`. Requests go one at a time. pairs/s and cores: medians "
+           "over rounds; ratios: the median (range) of per-round ratios, the systems back to back in each round, in an "
+           "order flipped every round. Cores: CPU-seconds of the gateway, every worker, Redis and this process (the "
+           "caller, and CrossEncoder) per wall second. Within 1 s: requests answered within a 1 s deadline.")
+    out, head = [], "system | requests | pairs/s | latency p50 / p99 ms | within 1 s | cores | x "
     with fleet(folder, threads, dtype, budget) as (target, pids):
         if "service" in parts:
-            reqs, tokq_call = make_requests(requests, 100, (20, 60), 1), reranker(target, f"ce-1x{threads}")
+            reqs, (q, docs) = make_requests(requests, 100, (20, 60), 1), make_requests(1, 100, (20, 60), 0)[0]
             ces = {d: CrossEncoder(str(folder), device="cpu", model_kwargs={"dtype": getattr(torch, d)})
                    for d in ("float32", "bfloat16")}
-            q, docs = reqs[0]
             want = ces["float32"].predict([(q, d) for d in docs], activation_fn=torch.nn.Identity())
-            diff = max(abs(r.score - want[r.index]) for r in reranker(target, f"ce-1x{threads}", raw=True)(q, docs).results)
-            systems = {f"tokq: gateway + 1 worker ({threads} threads)": (tokq_call, reqs), **{
-                f"CrossEncoder.predict(batch_size=32), {d}": (
-                    lambda q, docs, ce=ce: ce.predict([(q, d) for d in docs], batch_size=32), reqs) for d, ce in ces.items()}}
-            res = run_rounds(systems, rounds, pids)
-            base = list(res)[1]
+            diff = max(abs(r.score - want[r.index]) for r in reranker(target, f"ce-1x{threads}", True)(q, docs).results)
+            res = run_rounds({f"tokq: gateway + 1 worker ({threads} threads)": (reranker(target, f"ce-1x{threads}"), reqs),
+                              **{f"CrossEncoder.predict(batch_size=32), {d}": (lambda q, docs, ce=ce: ce.predict(
+                                  [(q, d) for d in docs], batch_size=32), reqs) for d, ce in ces.items()}}, rounds, pids)
+            tokq, st32, st16 = res.values()
             out.append(section("service", "A cross-encoder through the service against CrossEncoder.predict",
                                f"{requests} requests of 100 candidates per system per round, {rounds} rounds, the same "
-                               f"pairs for each system. CrossEncoder: {threads} torch threads. {how} Raw scores against "
+                               f"pairs for each. CrossEncoder: {threads} torch threads. {how} Raw scores against "
                                f"CrossEncoder fp32's: within {diff:.2g} (they span {np.ptp(want):.2g}).",
-                               head + "CrossEncoder fp32", rows(res, base),
-                               f"tokq against CrossEncoder in bf16: {ratio(res[list(res)[0]]['rate'], res[list(res)[2]]['rate'])}."))
+                               head + "CrossEncoder fp32", rows(res, list(res)[1]),
+                               f"tokq's pairs/s against CrossEncoder bf16's: {ratio(tokq['rate'], st16['rate'])}."))
         if "workers" in parts:
             reqs = make_requests(requests, 200, (20, 60), 2)
             names = {"1 worker x 1 thread": "ce-1x1", f"1 worker x {threads} threads": f"ce-1x{threads}",
                      "2 workers x 1 thread": "ce-2x1"}
             res = run_rounds({k: (reranker(target, m), reqs) for k, m in names.items()}, rounds, pids)
-            best = max(statistics.median(r["rate"]) for r in res.values())
             out.append(section("workers", "One request's candidates on one worker and on two",
                                f"{requests} requests of 200 candidates per system per round, {rounds} rounds. A request's "
-                               f"pairs are queue items that any free worker of its model claims. {how} Within 1 s: "
-                               "requests answered within a 1 s deadline (measured without one). Two one-thread workers, "
-                               f"or one {threads}-thread worker, use {2 if threads == 2 else 'more'} cores beside the "
-                               f"gateway and Redis, on {os.cpu_count()} CPUs.",
-                               head.replace("system", "workers") + "1 worker x 1 thread",
-                               [r[:4] + [f"{sum(x <= 1000 for x in res[r[0]]['lat'])}/{len(res[r[0]]['lat'])}"] + r[4:]
-                                for r in rows(res, "1 worker x 1 thread")],
-                               f"A 200-candidate request within 1 s needs 200 pairs/s; the fastest fleet here "
-                               f"served {best:,.0f}."))
+                               f"pairs are queue items that any free worker of its model claims. {how} The gateway and "
+                               f"Redis share the {os.cpu_count()} CPUs with the workers.",
+                               head + "1 worker x 1 thread", rows(res, "1 worker x 1 thread"),
+                               "A 200-candidate request answered within 1 s needs 200 pairs/s; the fastest fleet here "
+                               f"served {max(statistics.median(r['rate']) for r in res.values()):,.0f}."))
         if "fairness" in parts:
             keep = {k: pids[k] for k in ("gateway", f"{EMBED}-0", "ce-1x1-0", "redis", "bench")}
             f = fairness(target, keep, make_requests(4, 100, (20, 60), 3), rounds, phase_s)
@@ -327,12 +311,13 @@ def cross_encoder_parts(parts, folder, threads, dtype, budget, requests, rounds,
             out.append(section(
                 "fairness", "An Embed call beside a burst of rerank requests",
                 "One gateway serves the embedding model (all-MiniLM-L6-v2) and the cross-encoder, each with its own "
-                f"queue and its own one-thread worker. A probe sends one 8-word Embed, then sleeps {PACE_S * 1000:.0f} "
-                f"ms: {phase_s:.0f} s idle, then {phase_s:.0f} s while {BURST_CALLERS} callers (their own process) send "
-                f"100-candidate rerank requests back to back ({f['reranks']} answered), {rounds} rounds, latencies "
-                "pooled. Cores during the bursts (median over rounds): "
-                + ", ".join(f"{k} {v:.2f}" for k, v in cores.items()) + f"; the whole machine "
-                f"{statistics.median(f['machine']):.2f} of {os.cpu_count()}, other processes included.",
+                f"queue and one-thread worker. A probe sends one 8-word Embed, then sleeps {PACE_S * 1000:.0f} ms: "
+                f"{phase_s:.0f} s idle, then {phase_s:.0f} s while {BURST_CALLERS} callers (processes) send 100-candidate "
+                f"rerank requests back to back ({f['reranks']} answered); {rounds} rounds, latencies pooled. Cores during "
+                "the bursts (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in cores.items()) + "; the whole machine "
+                f"{statistics.median(f['machine']):.2f} of {os.cpu_count()}, other processes included. During the "
+                f"bursts an Embed call's own timing gave p99 {pct(f['queue'], 0.99):.1f} ms waiting in its queue and "
+                f"p99 {pct(f['inference'], 0.99):.1f} ms in its forward.",
                 "Embed calls | idle p50 / p99 ms | burst p50 / p99 ms | p99 ratio (target <= 2)",
                 [[f"{len(idle)} idle, {len(burst)} burst", f"{statistics.median(idle):.1f} / {pct(idle, 0.99):.1f}",
                   f"{statistics.median(burst):.1f} / {pct(burst, 0.99):.1f}", f"**{pct(burst, 0.99) / pct(idle, 0.99):.2f}**"]]))
