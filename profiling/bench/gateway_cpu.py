@@ -143,10 +143,11 @@ def _frame(frame: str) -> tuple[str, bool]:
     return f"{m['name']} ({m['file']})", m["file"].endswith(".py") or m["file"].startswith("<")
 
 
-def top_frames(collapsed: str, n: int = 12) -> dict:
-    """From py-spy's collapsed stacks, as shares of the busy samples: time per thread; the Python
-    function running (with the native code it called); the native frame on top; and the
-    project's own functions, inclusive."""
+def top_frames(collapsed: str, n: int = 10) -> dict:
+    """From py-spy's collapsed stacks, as shares of the busy samples: time per thread; by self
+    time, the Python function running (with the native code it called) and the native frame on
+    top; by total time, every Python function below the process's entry (those in 90% or more
+    of the samples)."""
     threads, python_top, native_top, ours = Counter(), Counter(), Counter(), Counter()
     total = all_samples = 0
     for line in collapsed.splitlines():
@@ -164,11 +165,12 @@ def top_frames(collapsed: str, n: int = 12) -> dict:
         python_top[next((f for f, py in reversed(parsed) if py), "(no Python frame)")] += c
         if parsed and not parsed[-1][1]:
             native_top[parsed[-1][0]] += c
-        for f in {f for f, py in parsed if py and f.split("(")[-1].startswith(("gateway/", "tokq/", "workers/", "profiling/"))}:
+        for f in {f for f, py in parsed if py}:
             ours[f] += c
     share = lambda counts: [(f, round(k / max(total, 1), 4)) for f, k in counts.most_common(n)]  # noqa: E731
+    ours = Counter({f: k for f, k in ours.items() if k < 0.9 * total})
     return {"samples": all_samples, "busy_samples": total, "threads": share(threads), "python": share(python_top),
-            "native": share(native_top), "ours": share(ours)}
+            "native": share(native_top), "total": share(ours)}
 
 
 def gzip_file(path: Path) -> Path:
@@ -285,7 +287,9 @@ def markdown_section(report: dict, results_md: str | None = None) -> str:
              "per round trip), so its queue-stats export every 2 s is counted too. CPU = utime + stime of every "
              "thread of each process (/proc/<pid>/stat) over the measured calls only; wake-ups = context switches "
              "of all the server's threads (/proc/<pid>/task/*/status) over the same calls; medians over a load's "
-             "rounds.", ""]
+             "rounds. Calls/s per gateway core = 1000 / gateway ms per call: the calls one core of gateway would "
+             "serve at this cost a call; the cores busy show how far the gateway was from saturated (on a "
+             "small CPU host the worker's forward is the limit, not the gateway).", ""]
     rows = []
     for load in loads:
         rounds, med = load["rounds"], medians(load["rounds"])
@@ -293,13 +297,16 @@ def markdown_section(report: dict, results_md: str | None = None) -> str:
                 f"{median(rounds, 'echo', 'wakeups_per_call', 'echo server'):.1f}")
         errors = ", ".join(f"{sum(r['tokq']['summary']['errors'].values())}/{sum(r['echo']['summary']['errors'].values())}"
                            for r in rounds)
+        cores = median([r["tokq"]["cpu_s"]["gateway"] / r["tokq"]["wall_s"] for r in rounds])
         rows.append([load_name(load), f"{med['tokq']['gateway']:.3f}", f"{med['echo']['echo server']:.3f}",
+                     f"{1000 / med['tokq']['gateway']:,.0f} ({cores:.2f})",
                      f"**{med['gateway_vs_echo']:.2f}x** ({', '.join(str(r['gateway_vs_echo']) for r in rounds)})",
                      f"**{verdict(rounds)}**", wake, enqueues_per_round_trip(rounds),
                      ", ".join(f"{r['tokq']['summary']['latency_ms']['p99']:.0f}" for r in rounds), errors])
-    lines += table(f"load | gateway ms/call | bare grpc.aio server ms/call | gateway / bare (within rounds) | target "
+    lines += table(f"load | gateway ms/call | bare grpc.aio server ms/call | calls/s per gateway core (gateway cores busy) "
+                   f"| gateway / bare (within rounds) | target "
                    f"<= {TARGET_MS_PER_CALL} ms | thread wake-ups per call, gateway / bare | enqueues per Redis round "
-                   "trip | tokq p99 ms per round | failed calls per round (tokq, echo)", rows, "rrrrlrrll")
+                   "trip | tokq p99 ms per round | failed calls per round (tokq, echo)", rows, "rrrrrlrrll")
     lines += ["", "Every process, CPU ms per call (median over the rounds; per round):", ""]
     lines += table("load | process | median | per round", (
         [load_name(load), f"{name} ({system} run)", f"{value:.3f}",
@@ -314,9 +321,9 @@ def markdown_section(report: dict, results_md: str | None = None) -> str:
                   f"{prof['samples']} samples of one more run at {prof['load']}; "
                   f"gateway {prof['gateway_cpu_ms_per_call']:.3f} ms/call while sampled)", "",
                   f"Collapsed stacks: {stacks}. Shares are of the busy samples (those not blocked in a wait).", ""]
-        for key, title in (("threads", "thread"), ("python", "Python function running (with the native code it called)"),
-                           ("native", "native frame on top"), ("ours", "tokq function, inclusive")):
-            lines += table(f"{title} | share", ([f"`{frame}`", f"{value:.1%}"] for frame, value in prof[key])) + [""]
+        for key, title in (("threads", "thread"), ("python", "self: Python function running (with the native code it called)"),
+                           ("native", "self: native frame on top"), ("total", "total: Python function, inclusive")):
+            lines += table(f"{title} | share", ([f"`{frame}`", f"{value:.1%}"] for frame, value in prof.get(key, ()))) + [""]
     lines.append(end)
     return "\n".join(lines) + "\n"
 

@@ -18,10 +18,12 @@ def test_gateway_cpu(bench, tmp_path):
     args = ["--calls", "80", "--rates", "50", "--concurrency", "0", "--rounds", "1", "--warmup-calls", "10",
             "--profile-dir", str(tmp_path / "profile"), "--json", str(tmp_path / "g.json")]
     text = bench(gateway_cpu.gateway_cpu_command, args, f"{gateway_cpu.BLOCK} ({harness_extension()})")
-    assert re.search(r"^\| 50 req/s \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+x\*\* \(", text, re.M)
+    # gateway and bare ms per call, then calls/s per gateway core (the gateway's cores busy)
+    assert re.search(r"^\| 50 req/s \| [\d.]+ \| [\d.]+ \| [\d,]+ \([\d.]+\) \| \*\*[\d.]+x\*\* \(", text, re.M)
     assert "| 50 req/s | gateway (tokq run) |" in text and "| 50 req/s | echo server (echo run) |" in text
     assert "### Where the gateway's CPU goes" in text and (tmp_path / "profile" / "gateway-pyspy.txt.gz").is_file()
     assert "Collapsed stacks: [gateway-pyspy.txt.gz](profile/gateway-pyspy.txt.gz)." in text
+    assert "| self: Python function running" in text and "| total: Python function, inclusive" in text
     report = json.loads((tmp_path / "g.json").read_text())
     (only,) = report["loads"][0]["rounds"]
     assert only["tokq"]["summary"]["num_ok"] == 80 and only["tokq"]["counters"]["enqueues"] >= 80
