@@ -28,7 +28,7 @@ from tokq.gateway.validate import Limits, check_text_sizes, check_token_ids
 from tokq.gateway.wire import embed_response_max_bytes
 from tokq.model.info import ModelInfo
 from tokq.queue.priority import DEFAULT_PRIORITY
-from tokq.queue.shard import QueueFull, Withdrawn
+from tokq.queue.shard import QueueFull, RequestCancelled
 from tokq.queue.sharded import ShardedQueue
 
 
@@ -84,7 +84,7 @@ class ServedModel:
         self.gateway_id = gateway_id
         self.observer = observer  # metrics hooks (tokq.metrics.GatewayMetrics), optional
         self._ids = itertools.count()
-        self._withdrawals: set[asyncio.Task] = set()  # cancel scripts still running
+        self._cancels: set[asyncio.Task] = set()  # cancel scripts still running
         self._enqueuing = 0  # enqueues awaiting their answer: a stopped call cancels after it
         self.limits = Limits.resolve(info, config)  # byte caps, checked before tokenizing
         self._prompt_boundary = PromptBoundary(info, tokenizer)
@@ -249,7 +249,7 @@ class ServedModel:
         except QueueFull:
             collected = True  # a rejected enqueue queues nothing (a repeat is never rejected)
             raise
-        except Withdrawn:  # already cancelled while its enqueue was out
+        except RequestCancelled:  # already cancelled while its enqueue was out
             collected = True
             raise Unavailable("the request was cancelled before it was queued; retry it") from None
         finally:
@@ -258,11 +258,11 @@ class ServedModel:
                 # Cancel the request so no worker computes it; the caller is not kept waiting
                 # for that (docs/internals.md, "Cancelling a call's request").
                 loop = asyncio.get_running_loop()
-                self._track_withdrawal(loop.create_task(self._cancel_quietly(request_id, answered)))
+                self._track_cancel(loop.create_task(self._cancel_quietly(request_id, answered)))
 
-    def _track_withdrawal(self, task: asyncio.Task) -> None:
-        self._withdrawals.add(task)
-        task.add_done_callback(self._withdrawals.discard)
+    def _track_cancel(self, task: asyncio.Task) -> None:
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def _cancel_quietly(self, request_id: str, enqueue_answered: bool = True) -> None:
         try:
@@ -270,19 +270,19 @@ class ServedModel:
         except Exception:  # Redis gone: the reply key expires by its TTL anyway
             pass
 
-    async def finish_withdrawals(self, timeout_s: float) -> None:
+    async def finish_cancels(self, timeout_s: float) -> None:
         """At shutdown, before the Redis clients close: wait up to ``timeout_s`` for the cancels
         running and those started meanwhile, then stop the rest (reply keys expire by their TTL)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while (left := deadline - loop.time()) > 0:
-            if running := {t for t in self._withdrawals if not t.done()}:
+            if running := {t for t in self._cancels if not t.done()}:
                 await asyncio.wait(running, timeout=left)
             elif self._enqueuing:  # a stopped call's cancel starts when its enqueue answers
                 await asyncio.sleep(min(left, 0.01))
             else:
                 break
-        await cancel_and_wait(list(self._withdrawals))
+        await cancel_and_wait(list(self._cancels))
 
     async def tokenize(self, texts, *, truncate: bool = False, prompt_name: str | None = None) -> list[list[int]]:
         texts = self._check_texts(texts)

@@ -230,7 +230,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
         if metrics_server:  # its port is free for a gateway started next in this process
             await asyncio.to_thread(metrics_server.shutdown)  # waits out its 0.5 s poll: not on the loop
             metrics_server.server_close()
-        await asyncio.gather(*(model.finish_withdrawals(STOP_WAIT_S) for model in models.values()))
+        await asyncio.gather(*(model.finish_cancels(STOP_WAIT_S) for model in models.values()))
         for model in models.values():
             await model.router.stop()
             await model.queue.close()

@@ -7,7 +7,7 @@
 -- KEYS[6] idle      SET    idle workers' ids, their batch ids' prefix (lib/wake.lua)
 -- KEYS[7] preemptible SET  ids of workers in a heavy forward: one is told 'light' when
 --                          the light lane stops being empty and no idle worker was woken
--- KEYS[8] withdrawn STRING withdrawn:<request_id> (cancel.lua): this request was cancelled
+-- KEYS[8] cancelled STRING cancelled:<request_id> (cancel.lua): this request was cancelled
 -- KEYS[9] batch     LIST   batch lane: entries of batch-class requests
 -- KEYS[10] batch_tokens STRING sum of the tokens in the batch lane
 -- ARGV[1] now_ms override ("" or 0 = Redis TIME)
@@ -25,9 +25,9 @@
 -- ARGV[10] priority: "interactive" or "batch" (tokq/queue/priority.py)
 -- ARGV[11..] (token_count, body) pairs, one per item
 -- Idempotent by request id: a repeat gets the first run's answer, never QUEUE_FULL; QUEUE_FULL
--- and WITHDRAWN (cancelled before this run) queue nothing (docs/internals.md).
+-- and CANCELLED (cancelled before this run) queue nothing (docs/internals.md).
 -- Returns {'OK', ts_ms, deadline_ms} | {'QUEUE_FULL', the class's queued tokens} | {'DUPLICATE'}
---   | {'WITHDRAWN'}
+--   | {'CANCELLED'}
 --#include lib/common.lua
 --#include lib/entry.lua
 --#include lib/wake.lua
@@ -35,7 +35,7 @@
 local FIRST_ITEM = 11
 local num_items = (#ARGV - FIRST_ITEM + 1) / 2
 if redis.call('EXISTS', KEYS[8]) == 1 then
-  return {'WITHDRAWN'}
+  return {'CANCELLED'}
 end
 local first = redis.call('HMGET', KEYS[4], 'n', 't')
 if first[1] then

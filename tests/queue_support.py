@@ -12,7 +12,7 @@ import numpy as np
 from tokq.config import QueueConfig
 from tokq.redis.connection import close_client, connect
 from tokq.queue.wire import Entry, decode_result, encode_body, encode_ok, format_entry
-from tokq.queue.shard import COLLECT_GRACE_MS, REPLY_META_FIELDS, WITHDRAWN_TTL_MS, Queue
+from tokq.queue.shard import COLLECT_GRACE_MS, REPLY_META_FIELDS, CANCELLED_TTL_MS, Queue
 
 QUEUE = "test-model"
 CHANNEL = "tokq:{test-model}:done:gw-test"
@@ -66,15 +66,15 @@ async def all_keys(queue: Queue) -> set[str]:
 
 async def keys_left(queue: Queue) -> set[str]:
     """Keys still in Redis besides the event counters. A collected reply stays a short grace
-    for a repeated collect (tokq.queue.shard.COLLECT_GRACE_MS), a withdrawn request's mark a while
-    for an enqueue run late (WITHDRAWN_TTL_MS): each checked to expire by itself within it,
+    for a repeated collect (tokq.queue.shard.COLLECT_GRACE_MS), a cancelled request's mark a while
+    for an enqueue run late (CANCELLED_TTL_MS): each checked to expire by itself within it,
     then left out."""
     left = set()
     for key in await all_keys(queue):
         if key == queue.keys.counters:
             continue
         for prefix, grace_ms in ((queue.keys.collected(""), COLLECT_GRACE_MS),
-                                 (queue.keys.withdrawn(""), WITHDRAWN_TTL_MS)):
+                                 (queue.keys.cancelled(""), CANCELLED_TTL_MS)):
             if key.startswith(prefix):
                 pttl = await queue.redis.pttl(key)  # -2 or 0: its grace ended as it was listed
                 assert pttl in (-2, 0) or 0 < pttl <= grace_ms, (key, pttl)

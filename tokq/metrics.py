@@ -122,7 +122,7 @@ _QUEUE_COUNTER_HELP = {
     "rejected_batch": "Batch-class items refused because the batch class was at its token cap "
                       "(also counted in rejected)",
     "claimed": "Items handed to a worker in a batch",
-    "cancelled": "Requests withdrawn by the gateway (the caller cancelled or timed out)",
+    "cancelled": "Requests cancelled by the gateway (the caller cancelled or timed out)",
     "expired": "Items dropped because their deadline passed before they ran",
     "orphaned": "Queued items dropped because their request was cancelled or timed out",
     "requeued": "Items put back after a worker's lease ran out",

@@ -217,7 +217,7 @@ async def test_a_failover_fails_its_shards_waiting_calls_at_once_then_serves_the
         async def resubscribed() -> bool:
             return router.subscribed.is_set()
         await wait_for(resubscribed, 10, "the router to subscribe on the new primary")
-        # The first call's entry may be there still (its withdrawal met the dead node).
+        # The first call's entry may be there still (its cancel met the dead node).
         before = (await queue.shard(dead[0]).stats()).queued_entries
         call = call_on(dead[0], "after the failover")
 

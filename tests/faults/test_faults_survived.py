@@ -167,11 +167,11 @@ def enqueued_items(stack) -> int:
 def keys_left(stack, settle_s: float = 30) -> list[bytes]:
     """Keys of requests still in Redis once in-flight work and grace periods are over (waits
     up to ``settle_s``); the counters, budget, shard counts, worker registries and the metrics
-    exporter's lock are not request keys, nor a withdrawn request's mark (set where its enqueue's
+    exporter's lock are not request keys, nor a cancelled request's mark (set where its enqueue's
     answer was lost; it expires by itself, tests/queue_support.keys_left checks how soon)."""
     r = stack.client()
     keep = re.compile(
-        rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|idle|heartbeat:.*|metrics-exporter|withdrawn:.*)$")
+        rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|idle|heartbeat:.*|metrics-exporter|cancelled:.*)$")
     deadline = time.monotonic() + settle_s
     while True:
         found = r.keys("*", target_nodes="primaries") if stack.cluster else r.keys("*")
@@ -270,7 +270,7 @@ def test_answers_lost_on_the_gateways_link(stack, texts, reference):
     record(tally, stack)
 
 
-def test_an_enqueue_whose_every_answer_is_lost_is_unavailable_and_withdrawn(stack, texts, reference):
+def test_an_enqueue_whose_every_answer_is_lost_is_unavailable_and_cancelled(stack, texts, reference):
     from tokq.testing.fault_proxy import script_sha
 
     cut_link(stack, "gateway", 1.0, only=script_sha("enqueue"))  # it runs; no answer ever comes
@@ -281,7 +281,7 @@ def test_an_enqueue_whose_every_answer_is_lost_is_unavailable_and_withdrawn(stac
     finally:
         cut_link(stack, "gateway", 0)
     assert tally.codes == {"UNAVAILABLE": 10}
-    record(tally, stack)  # each was withdrawn: nothing computed for nobody, no key left
+    record(tally, stack)  # each was cancelled: nothing computed for nobody, no key left
 
 
 def test_answers_lost_on_the_workers_link(stack, texts, reference):

@@ -95,7 +95,7 @@ def keys_left(r: redis.Redis, settle_s: float = 30) -> list[bytes]:
     """Request keys still in Redis once delivered replies' grace is over (waits up to
     ``settle_s``); counters, budget, worker registries and the like are not request keys."""
     keep = re.compile(rb"^tokq:\{[^}]+\}:(counters|budget|shards|workers|idle|heartbeat:.*"
-                      rb"|metrics-exporter|withdrawn:.*)$")  # a withdrawn mark expires by itself
+                      rb"|metrics-exporter|cancelled:.*)$")  # a cancelled mark expires by itself
     deadline = time.monotonic() + settle_s
     while True:
         left = [k for k in r.keys("*") if not keep.match(k)]

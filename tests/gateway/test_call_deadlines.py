@@ -1,5 +1,5 @@
 """How long the gateway keeps a call: the caller's own deadline (longer or shorter than the
-default), and an error answered without waiting for the call's withdrawal. Real gateway in this
+default), and an error answered without waiting for the call's cancel. Real gateway in this
 process, real Redis; no worker (nothing is ever answered)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_a_call_deadline_shorter_than_the_default_is_kept(redis_url):
 
 
 def test_a_redis_that_stops_answering_is_answered_after_one_socket_timeout(monkeypatch):
-    """Its enqueue times out; the withdrawal that follows (a cancel script, which would time out
+    """Its enqueue times out; the cancel that follows (a cancel script, which would time out
     too) runs after the answer, not before it: one socket timeout, not two."""
     monkeypatch.setattr(tokq.redis.connection, "SOCKET_TIMEOUT_S", 2.0)
     server = EmbeddedRedis().start()
@@ -74,7 +74,7 @@ def test_a_call_deadline_is_cut_to_max_timeout_ms(redis_url):
             assert "(400 ms)" in str(err) and elapsed < 20, (elapsed, err)
 
 
-async def test_shutdown_waits_for_the_withdrawals_started_meanwhile_then_cancels_the_rest(redis_url):
+async def test_shutdown_waits_for_the_cancels_started_meanwhile_then_stops_the_rest(redis_url):
     import asyncio
 
     from tokq.config import GatewayConfig, QueueConfig
@@ -93,33 +93,33 @@ async def test_shutdown_waits_for_the_withdrawals_started_meanwhile_then_cancels
     served = ServedModel(info, Tokenizer(info), queue, router, GatewayConfig(), "gw")
     finished = []
 
-    async def withdrawal(delay_s: float, then=None):
+    async def cancel_script(delay_s: float, then=None):
         await asyncio.sleep(delay_s)
         finished.append(delay_s)
         if then is not None:  # starts another one, as a call cancelled by the stop does
-            served._track_withdrawal(asyncio.create_task(withdrawal(then)))
+            served._track_cancel(asyncio.create_task(cancel_script(then)))
 
     try:
-        served._track_withdrawal(asyncio.create_task(withdrawal(0.1, then=0.2)))
-        stuck = asyncio.create_task(withdrawal(3600))  # a Redis that does not answer
-        served._track_withdrawal(stuck)
+        served._track_cancel(asyncio.create_task(cancel_script(0.1, then=0.2)))
+        stuck = asyncio.create_task(cancel_script(3600))  # a Redis that does not answer
+        served._track_cancel(stuck)
         start = asyncio.get_running_loop().time()
-        await served.finish_withdrawals(1.0)
+        await served.finish_cancels(1.0)
         assert finished == [0.1, 0.2]  # the one started meanwhile was waited for too
-        assert stuck.cancelled() and not served._withdrawals
+        assert stuck.cancelled() and not served._cancels
         assert asyncio.get_running_loop().time() - start < 5
 
         # None running yet, one call's enqueue still out: cancelled by the stop, it starts its
-        # withdrawal once the enqueue answers, which the shutdown waits for too.
+        # cancel once the enqueue answers, which the shutdown waits for too.
         async def enqueue_answered_late():
             served._enqueuing += 1
             await asyncio.sleep(0.3)
             served._enqueuing -= 1
-            served._track_withdrawal(asyncio.create_task(withdrawal(0.05)))
+            served._track_cancel(asyncio.create_task(cancel_script(0.05)))
         late = asyncio.create_task(enqueue_answered_late())
         await asyncio.sleep(0)
-        await served.finish_withdrawals(2.0)
-        assert late.done() and finished[-1] == 0.05 and not served._withdrawals
+        await served.finish_cancels(2.0)
+        assert late.done() and finished[-1] == 0.05 and not served._cancels
     finally:
         served.tokenizer.close()
         await queue.close()

@@ -101,7 +101,7 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
         redis_url, info, tokenizer):
     # The README: a subscription that breaks while calls wait is restored at once when Redis
     # answers (the calls keep waiting and are answered); when its reconnect fails, the waiting
-    # calls are answered UNAVAILABLE at once, not at their deadline, and withdrawn. The poll is
+    # calls are answered UNAVAILABLE at once, not at their deadline, and cancelled. The poll is
     # held off here, so only the restored subscription can answer the first call.
     from tokq.testing.fault_proxy import FaultProxy
 
@@ -136,9 +136,9 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
         proxy.close()  # the subscriber's Redis is gone: its reconnects are refused
         with pytest.raises(Unavailable, match="lost the connection to Redis"):
             await asyncio.wait_for(waiting, 5)  # its deadline is 30 s away
-        async def withdrawn():  # (after the answer: the withdrawal is not waited for)
+        async def cancelled():  # (after the answer: the cancel is not waited for)
             return (await queue.stats.read()).counters["cancelled"] == 1
-        await wait_for(withdrawn, 10, "the call to be withdrawn")  # claims drop it
+        await wait_for(cancelled, 10, "the call to be cancelled")  # claims drop it
     finally:
         if router is not None:
             await router.stop()

@@ -232,7 +232,7 @@ async def test_claim_clears_a_run_of_dead_entries_longer_than_one_step(redis_url
         assert claim.num_expired == num_dead
 
 
-async def test_cancel_withdraws_queued_and_inflight_items(redis_url):
+async def test_cancel_drops_queued_and_inflight_items(redis_url):
     async with open_queue(redis_url) as q:
         await q.enqueue("a", items(10, 10), timeout_ms=5_000, channel=CHANNEL)
         b = await q.enqueue("b", items(7), timeout_ms=5_000, channel=CHANNEL)

@@ -99,7 +99,7 @@ async def test_a_script_redis_forgot_is_loaded_and_every_call_answered(redis_url
         assert len(await q.redis.lrange(q.keys.pending, 0, -1)) == 6  # each queued once
 
 
-async def test_a_cancelled_call_withdrawn_by_its_caller_leaves_nothing_and_others_go_on(redis_url):
+async def test_a_call_cancelled_by_its_caller_leaves_nothing_and_others_go_on(redis_url):
     """However the cancel falls (before its pipeline left, or after), once the caller sees it
     the enqueue is answered or never sent: the caller's cancel script leaves no reply behind."""
     async with open_queue(redis_url) as q:
@@ -252,7 +252,7 @@ async def test_a_run_whose_arguments_cannot_be_sent_fails_alone(redis_url):
         first = asyncio.ensure_future(q.enqueue("r0", items(1), timeout_ms=60_000, channel=CHANNEL))
         await asyncio.sleep(0)  # out alone: the next ones share the round trip after it
         bad = asyncio.ensure_future(q.pipeliner.run("cancel", [q.keys.reply("x"), q.keys.counters,
-                                                              q.keys.withdrawn("x")], [object()]))
+                                                              q.keys.cancelled("x")], [object()]))
         rest = [asyncio.ensure_future(q.enqueue(f"r{i}", items(1), timeout_ms=60_000, channel=CHANNEL))
                 for i in (1, 2)]
         pipelines, cancels = q.pipeliner.pipelines, q.scripts.calls["cancel"]
@@ -298,7 +298,7 @@ async def test_a_pipeline_whose_every_answer_is_lost_raises_lost_answer_to_each_
             assert q.pipeliner.pipelines - pipelines == 2  # r0 alone, then r1 and r2 together
             assert all(isinstance(o, LostAnswer) and "enqueue" in str(o) for o in outcomes), outcomes
             proxy.reset()
-            assert (await q.stats()).queued_entries == 3  # they did run; the callers withdraw them
+            assert (await q.stats()).queued_entries == 3  # they did run; the callers cancel them
             assert all([await q.cancel(f"r{i}") for i in range(3)])
     finally:
         proxy.close()

@@ -223,7 +223,7 @@ async def test_an_answer_lost_on_every_retry_raises_lost_answer(redis_url):
             with pytest.raises(LostAnswer, match="enqueue"):
                 await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
             proxy.reset()
-            # It did run (three times, as one): queued once, and the caller may now withdraw it.
+            # It did run (three times, as one): queued once, and the caller may now cancel it.
             assert (await q.stats()).queued_entries == 1
             assert await q.cancel("r") is True
     finally:
@@ -256,23 +256,23 @@ async def test_the_claim_after_a_claim_that_lost_its_answer_gets_that_batch(redi
         proxy.close()
 
 
-async def test_an_enqueue_run_after_its_withdrawal_queues_nothing(redis_url):
+async def test_an_enqueue_run_after_its_cancel_queues_nothing(redis_url):
     """A call whose enqueue got no answer (given up on a stalled Redis, or cancelled while it was
-    out) is withdrawn with a mark: that enqueue, run late, queues nothing (its entries would be
-    embedded for nobody and its reply key live to its deadline). A withdrawal after an answered
+    out) is cancelled with a mark: that enqueue, run late, queues nothing (its entries would be
+    embedded for nobody and its reply key live to its deadline). A cancel after an answered
     enqueue leaves no mark."""
-    from tokq.queue.shard import WITHDRAWN_TTL_MS, Withdrawn
+    from tokq.queue.shard import CANCELLED_TTL_MS, RequestCancelled
 
     async with open_queue(redis_url) as q:
         assert await q.cancel("late", enqueue_answered=False) is False  # it had not run yet
-        assert 0 < await q.redis.pttl(q.keys.withdrawn("late")) <= WITHDRAWN_TTL_MS
-        with pytest.raises(Withdrawn):
+        assert 0 < await q.redis.pttl(q.keys.cancelled("late")) <= CANCELLED_TTL_MS
+        with pytest.raises(RequestCancelled):
             await q.enqueue("late", items(3), timeout_ms=60_000, channel=CHANNEL)
         assert (await q.stats()).queued_entries == 0
         assert not await q.redis.exists(q.keys.reply("late"))
 
         await q.enqueue("answered", items(3), timeout_ms=60_000, channel=CHANNEL)
         assert await q.cancel("answered") is True
-        assert not await q.redis.exists(q.keys.withdrawn("answered"))
+        assert not await q.redis.exists(q.keys.cancelled("answered"))
         assert await q.claim(600) is None  # its entry dropped as an orphan
         assert await keys_left(q) == set()

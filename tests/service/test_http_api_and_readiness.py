@@ -140,9 +140,9 @@ def test_models_health_and_unknown_routes(http):
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_a_caller_that_hangs_up_has_its_inputs_withdrawn(stack, http):
+def test_a_caller_that_hangs_up_has_its_request_cancelled(stack, http):
     # An SDK that times out closes its connection and retries: the inputs it left queued are
-    # withdrawn then, as a cancelled gRPC call's are, not left to a worker until the 30 s deadline.
+    # cancelled then, as a cancelled gRPC call's are, not left to a worker until the 30 s deadline.
     import json
     import socket
 
@@ -160,7 +160,7 @@ def test_a_caller_that_hangs_up_has_its_inputs_withdrawn(stack, http):
                 time.sleep(0.02)
         deadline = time.monotonic() + 5
         while int(r.hget(keys.counters, "cancelled") or 0) == cancelled:
-            assert time.monotonic() < deadline, "a call whose caller left was not withdrawn"
+            assert time.monotonic() < deadline, "a call whose caller left was not cancelled"
             time.sleep(0.05)
     finally:
         stack.signal_worker("w1", signal.SIGCONT)

@@ -68,7 +68,7 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
 
 def no_request_keys_left(stack, settle_s: float = 15) -> list[bytes]:
     """Request keys still in Redis once the workers have finished what they hold and dropped
-    what is left of withdrawn requests (at their next claim: a resumed worker may not have
+    what is left of cancelled requests (at their next claim: a resumed worker may not have
     claimed yet)."""
     r = stack.client()
     deadline = time.monotonic() + settle_s

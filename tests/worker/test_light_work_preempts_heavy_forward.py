@@ -648,9 +648,9 @@ async def test_a_heavy_forward_stops_nesting_once_nested_batches_hold_the_pre_em
         await enqueue_ids(client, "light2", light_ids["light2"])
         await answered_vectors(client, "light2", 1)
 
-        async def withdrawn():
+        async def unregistered():
             return not await _registered(q)
-        await wait_for(withdrawn, 30, "the worker to stop taking nested batches")
+        await wait_for(unregistered, 30, "the worker to stop taking nested batches")
         await enqueue_ids(client, "light3", light_ids["light3"])
         assert worker.loop.preemption.waiting is None
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")  # the heavy forward still runs

@@ -103,7 +103,7 @@ class Consumer:
 
 async def _on_every_shard(commands) -> list:
     """Run one command per shard at once and return their answers; raise the first failure only
-    once every shard has answered: returning earlier, a later command (a withdrawal) could
+    once every shard has answered: returning earlier, a later command (a cancel) could
     overtake one still out, and one shard's node out would stop the others' work midway."""
     results = await asyncio.gather(*commands, return_exceptions=True)
     for result in results:

@@ -116,10 +116,10 @@ class QueueKeys:
     def reply(self, request_id: str) -> str:
         return self.reply_prefix + request_id
 
-    def withdrawn(self, request_id: str) -> str:
+    def cancelled(self, request_id: str) -> str:
         """STRING: a cancelled request's mark (cancel.lua), for a while, so an enqueue of it that
         Redis runs after the cancel (its answer lost, its caller gone) queues nothing."""
-        return f"{self.base}:withdrawn:{request_id}"
+        return f"{self.base}:cancelled:{request_id}"
 
     def collected(self, request_id: str) -> str:
         """HASH: a collected reply, kept a short grace so a repeated collect (after a lost

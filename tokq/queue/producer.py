@@ -1,5 +1,5 @@
 """The gateway's side of a model's sharded queue: each request goes whole to one shard (its items
-stay together, one script), and its reply, notice and withdrawal are found there by its id.
+stay together, one script), and its reply, notice and cancel mark are found there by its id.
 
 The shard is the less loaded by queued tokens of two shards picked at random. Loads are read in
 the background (one GET per shard every ``LOAD_REFRESH_S``) and bumped locally by each enqueue,
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import redis.exceptions
 
 from tokq.queue.priority import DEFAULT_PRIORITY, check_priority
-from tokq.queue.shard import Enqueued, Queue, QueueFull, Withdrawn
+from tokq.queue.shard import Enqueued, Queue, QueueFull, RequestCancelled
 from tokq.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ class Producer:
             enqueued = await shard.enqueue(request_id, items, timeout_ms=timeout_ms,
                                            channel=shard.keys.done_channel(gateway_id),
                                            priority=priority)
-        except (ValueError, QueueFull, Withdrawn):  # nothing queued or to cancel: else kept for good
+        except (ValueError, QueueFull, RequestCancelled):  # nothing queued or to cancel: else kept for good
             self._shard_of_request.pop(request_id, None)
             raise
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):

@@ -44,9 +44,9 @@ MAX_BATCHES_PER_REQUEUE = 100
 # and retries (tokq.redis.connection), short enough that nothing lingers. A reply delivered in its
 # notice is kept as long (DELIVERED_TTL_MS in lua/lib/reply.lua).
 COLLECT_GRACE_MS = 5_000
-# A withdrawn request's mark outlives any enqueue of it still on its way: a connection given up
+# A cancelled request's mark outlives any enqueue of it still on its way: a connection given up
 # after redis-py's tries of the 5 s socket timeout (a cluster's three), and a Redis stalled as long.
-WITHDRAWN_TTL_MS = 60_000
+CANCELLED_TTL_MS = 60_000
 # Fields of a reply hash besides the answered items: n, ch, t (lua/lib/reply.lua).
 REPLY_META_FIELDS = (b"n", b"ch", b"t")
 
@@ -104,7 +104,7 @@ def budget_from(value: bytes | str | None, key: str = "") -> int | None:
 class LostAnswer(redis.exceptions.ConnectionError):
     """A queue script got no answer from Redis (connection lost or timed out, even after
     retries): it may or may not have run. Retryable (the gateway answers UNAVAILABLE and
-    withdraws the request)."""
+    cancels the request)."""
 
     def __init__(self, script: str, cause: Exception) -> None:
         super().__init__(f"no answer from Redis to {script} ({type(cause).__name__}); "
@@ -112,8 +112,8 @@ class LostAnswer(redis.exceptions.ConnectionError):
         self.script = script
 
 
-class Withdrawn(Exception):
-    """Enqueue refused: the request was withdrawn before this run reached Redis (its caller is
+class RequestCancelled(Exception):
+    """Enqueue refused: the request was cancelled before this run reached Redis (its caller is
     gone; nothing was queued)."""
 
 
@@ -233,13 +233,13 @@ class Queue:
         k = self.keys
         reply = await self._run(
             "enqueue", [k.pending, k.tokens, k.counters, k.reply(request_id), k.heavy, k.idle,
-                        k.preemptible, k.withdrawn(request_id), k.batch, k.batch_tokens], args,
+                        k.preemptible, k.cancelled(request_id), k.batch, k.batch_tokens], args,
             pipelined=True)
         status = reply[0]
         if status == b"QUEUE_FULL":
             raise QueueFull(int(reply[1]), sum(t for t, _ in items), cap, priority)
-        if status == b"WITHDRAWN":
-            raise Withdrawn(f"request {request_id!r} was withdrawn before its enqueue ran")
+        if status == b"CANCELLED":
+            raise RequestCancelled(f"request {request_id!r} was cancelled before its enqueue ran")
         if status == b"DUPLICATE":
             raise ValueError(f"request id {request_id!r} is already used by another request")
         return Enqueued(request_id, int(reply[1]), int(reply[2]))
@@ -251,13 +251,13 @@ class Queue:
         return self.config.max_queued_tokens
 
     async def cancel(self, request_id: str, *, enqueue_answered: bool = True) -> bool:
-        """Withdraw a request: its reply key goes now, its queued entries at the next claim
+        """Cancel a request: its reply key goes now, its queued entries at the next claim
         that reaches them (O(1) here). False if it was already collected or gone. With
         ``enqueue_answered`` False (its enqueue failed or was given up without an answer: it may
-        yet run), it is marked withdrawn for WITHDRAWN_TTL_MS, so that a late run queues nothing."""
+        yet run), it is marked cancelled for CANCELLED_TTL_MS, so that a late run queues nothing."""
         k = self.keys
-        return bool(await self._run("cancel", [k.reply(request_id), k.counters, k.withdrawn(request_id)],
-                                    [0 if enqueue_answered else WITHDRAWN_TTL_MS]))
+        return bool(await self._run("cancel", [k.reply(request_id), k.counters, k.cancelled(request_id)],
+                                    [0 if enqueue_answered else CANCELLED_TTL_MS]))
 
     async def collect(self, request_id: str) -> dict[int, bytes]:
         """Take a request's results (index -> raw result); its reply key goes (a copy stays
