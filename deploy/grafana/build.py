@@ -35,6 +35,7 @@ SERVER_ERRORS = 'code=~"UNKNOWN|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|INTERNAL|UN
 # model="": calls refused before they named a served model, the caller's fault whatever the code
 ROUTED = 'model!=""'
 EMBED_RPCS = 'rpc=~"Embed|http.Embeddings"'  # the Embed call over gRPC and HTTP
+RERANK_RPCS = 'rpc=~"Rerank|http.Rerank"'  # the Rerank call over gRPC and HTTP
 
 
 def query(expr: str, legend: str, ref_id: str = "A") -> prometheus.Dataquery:
@@ -134,8 +135,11 @@ def overview() -> gd.Dashboard:
                           "priority class: interactive work is served first, batch-class work "
                           "takes the room it leaves (docs/design.md, priority classes).", "s",
                           quantiles("tokq_gateway_request_duration_seconds", "priority, ",
-                                    f"{M}, {EMBED_RPCS}", "{{{{priority}}}} {q}", qs=(0.5, 0.99)),
-                          span=24))
+                                    f"{M}, {EMBED_RPCS}", "{{{{priority}}}} {q}", qs=(0.5, 0.99))))
+        .with_panel(panel("Rerank latency", "Whole Rerank call (gRPC and HTTP) as the gateway saw "
+                          "it: one call scores all its documents, each pair a queue item.",
+                          "s", quantiles("tokq_gateway_request_duration_seconds", "",
+                                         f"{M}, {RERANK_RPCS}", "{q}")))
         .with_row(gd.Row("Queue"))
         .with_panel(panel("Queue depth (tokens)", "Tokens waiting to be claimed, and claimed "
                           "items not yet answered.", "none",
