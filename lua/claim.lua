@@ -5,7 +5,7 @@
 -- KEYS[4] inflight  STRING claimed, unacknowledged items
 -- KEYS[5] counters  HASH   claimed, batches, expired, orphaned
 -- KEYS[6] heavy     LIST   heavy lane: larger requests' entries and redone items
--- KEYS[7] idle      SET    owner ids of idle workers (lib/wake.lua)
+-- KEYS[7] idle      SET    batch prefixes of idle workers (lib/wake.lua)
 -- KEYS[8] batch     LIST   batch lane: batch-class entries, redone ones included
 -- KEYS[9] batch_tokens STRING sum of the tokens in the batch lane
 -- KEYS[10] lease_batch_counts HASH batch_id -> batch-lane entries of its lease (the last ones)
@@ -20,7 +20,7 @@
 --         same claim after a lost answer finds the lease and gets the same batch back, instead
 --         of leasing a second one that nobody would ever process
 -- ARGV[10] isolate_attempt: an entry redone this many times or more is claimed alone
--- ARGV[11] owner channel prefix: a claim that leaves work queued wakes one more idle worker
+-- ARGV[11] worker channel prefix: a claim that leaves work queued wakes one more idle worker
 -- ARGV[12] lanes: "light" = a pre-empting claim (a worker in a heavy forward runs it nested,
 --          workers/preempt.py): the whole light lane if it fits token_budget, else nothing;
 --          "heavy" = the next batch of a worker in a heavy forward: the heavy lane only while

@@ -21,7 +21,7 @@
 -- ARGV[7] the queue's work shard channel: told when the queue stops being empty and no idle
 --         worker is registered
 -- ARGV[8] light_tokens: a request of at most this many tokens in all goes in the light lane
--- ARGV[9] owner channel prefix: one idle worker is woken on its own channel
+-- ARGV[9] worker channel prefix: one idle worker is woken on its own channel
 -- ARGV[10] priority: "interactive" or "batch" (tokq/queue/priority.py)
 -- ARGV[11..] (token_count, body) pairs, one per item
 -- Idempotent by request id: a repeat gets the first run's answer, never QUEUE_FULL; QUEUE_FULL

@@ -15,8 +15,8 @@
 -- ARGV[3] max_batches handled per call
 -- ARGV[4] reply key prefix, ARGV[5] lease key prefix (same hash tag)
 -- ARGV[6] the queue's work shard channel: told when items come back and no idle worker is
---         registered (else one idle worker is woken on its owner channel)
--- ARGV[7] lease_ms, ARGV[8] owner channel prefix: a lease that missed a renewal whose worker's
+--         registered (else one idle worker is woken on its worker channel)
+-- ARGV[7] lease_ms, ARGV[8] worker channel prefix: a lease that missed a renewal whose worker's
 --         channel (prefix + batch id up to its last '-') has no subscriber is redone now
 -- Idempotent: a repeat finds the handled leases gone and does nothing.
 -- Returns {items requeued, items failed, ms until the next lease expires or is due a check;

@@ -77,7 +77,7 @@ class Leases:
     async def redo_expired(self) -> None:
         """Chore: every half lease, and as soon as the earliest lease is due a check (half a
         lease before its deadline): a lease that missed a renewal is redone then if its owner's
-        process is gone (its owner channel has no subscriber), else when it expires."""
+        process is gone (its worker channel has no subscriber), else when it expires."""
         period_s = self.lease_ms / 2000
 
         def wait_s() -> float:

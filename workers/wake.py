@@ -1,6 +1,6 @@
 """How a worker hears of work without polling: pub/sub notices on its shards' channels.
 
-An idle worker registers as idle and waits on its owner channel, where enqueue and requeue wake
+An idle worker registers as idle and waits on its worker channel, where enqueue and requeue wake
 one idle worker when the queue stops being empty (and a claim that leaves work wakes the next,
 so a burst spreads); the queue's work channel gets the notice when no worker is registered. It
 claims at least every IDLE_FALLBACK_S in case a notice was missed. A worker running a heavy
@@ -71,9 +71,9 @@ class Registration:
 
 
 class WakeUps:
-    """The worker's subscription to its shards' work and owner channels, read by one task
+    """The worker's subscription to its shards' work and worker channels, read by one task
     (``start_reading``), and its registrations. ``healthy()``: False once the worker gave up
-    (it then stays off its owner channels)."""
+    (it then stays off its worker channels)."""
 
     def __init__(self, queue: ShardedQueue, *, healthy: Callable[[], bool]) -> None:
         self.queue = queue
@@ -88,13 +88,13 @@ class WakeUps:
 
     async def subscribe(self) -> None:
         try:
-            # Every shard's work channel, and this process's owner channels: while it lives,
-            # they tell requeue not to take its leases early (tokq.queue.shard.Queue.owner_channel).
+            # Every shard's work channel, and this process's worker channels: while it lives,
+            # they tell requeue not to take its leases early (tokq.queue.shard.Queue.worker_channel).
             # A node that cannot be reached costs only its shards' channels, which the
             # subscriber subscribes again in the background (tokq.redis.pubsub); claims still
             # happen every IDLE_FALLBACK_S meanwhile.
             consumer = self.queue.consumer
-            await self._subscriber.subscribe(*consumer.work_channels(), *consumer.owner_channels())
+            await self._subscriber.subscribe(*consumer.work_channels(), *consumer.worker_channels())
             self._subscribed = True
         except REDIS_ERRORS as exc:
             log.warning("work-notice subscription failed: %s", exc)
@@ -116,7 +116,7 @@ class WakeUps:
     async def _read(self) -> None:
         """The one reader of the subscription, busy or idle: a notice wakes the idle wait, a
         'light' one also the pre-empting claim of a heavy forward."""
-        while self.healthy():  # a worker that gave up stays off its owner channels
+        while self.healthy():  # a worker that gave up stays off its worker channels
             raise_if_cancelled()
             if not self._subscribed:
                 await self.subscribe()
@@ -158,6 +158,6 @@ class WakeUps:
             await cancel_and_wait(self._reader)
 
     async def close(self) -> None:
-        """The subscription closed: this process's owner channels go (its leases are redone
+        """The subscription closed: this process's worker channels go (its leases are redone
         sooner once nobody listens)."""
         await self._subscriber.aclose()

@@ -137,7 +137,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.queue.consumer.forget_worker(self.worker_id), timeout=2.0)
             await self.wake.stop_reading()
-            with contextlib.suppress(Exception):  # its owner channels go: leases redone sooner
+            with contextlib.suppress(Exception):  # its worker channels go: leases redone sooner
                 await asyncio.wait_for(self.wake.close(), timeout=2.0)
             self._exit_process(EXIT_HUNG)
             self.stop()  # only reached when exit_process returns (tests)

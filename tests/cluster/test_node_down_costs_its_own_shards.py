@@ -389,7 +389,7 @@ async def test_a_worker_hears_the_live_shards_notices_while_a_node_is_down(clust
     try:
         async def idle_on_live_shards() -> bool:
             return all([await client.sismember(queue.shard(i).keys.idle,
-                                               worker_queue.shard(i).owner_id) for i in live])
+                                               worker_queue.shard(i).batch_prefix) for i in live])
         await wait_for(idle_on_live_shards, 60, "the worker to register idle on the live shards")
         for n, shard in enumerate(live[:3]):
             heard = worker.wake.idle.notices

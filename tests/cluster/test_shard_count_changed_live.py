@@ -105,6 +105,6 @@ async def test_a_worker_leaves_the_wake_up_sets_of_the_shards_it_stops_claiming_
 
         async def member(shard: int, set_name: str) -> bool:
             queue = worker.shard(shard)
-            return bool(await worker.redis.sismember(getattr(queue.keys, set_name), queue.owner_id))
+            return bool(await worker.redis.sismember(getattr(queue.keys, set_name), queue.batch_prefix))
         assert [await member(i, "idle") for i in range(4)] == [True, False, False, False]
         assert [await member(i, "preemptible") for i in range(4)] == [True, False, False, False]

@@ -168,7 +168,7 @@ async def test_a_worker_in_a_heavy_forward_hears_light_work_on_any_shard_and_cla
 
     async with open_sharded(redis_url, 3) as worker, open_sharded(redis_url, 3, seed=2) as gateway:
         sub = ShardedSubscriber(worker.redis)
-        await sub.subscribe(*worker.consumer.owner_channels())
+        await sub.subscribe(*worker.consumer.worker_channels())
         await worker.consumer.mark_preemptible(True)  # on every shard it claims from
         for r in range(6):  # heavy requests on every shard, light ones after them
             await gateway.producer.enqueue(f"h{r}", items(100, 100), timeout_ms=60_000, gateway_id=GW)
@@ -178,9 +178,9 @@ async def test_a_worker_in_a_heavy_forward_hears_light_work_on_any_shard_and_cla
         heard = []
         while (msg := await sub.get_message(timeout=0.3)) is not None:
             heard.append(msg)
-        # One 'light' per shard whose light lane filled, each on that shard's owner channel.
+        # One 'light' per shard whose light lane filled, each on that shard's worker channel.
         assert sorted(channel for channel, _ in heard) == sorted(
-            worker.shard(s).owner_channel.encode() for s in light_shards)
+            worker.shard(s).worker_channel.encode() for s in light_shards)
         assert {data for _, data in heard} == {b"light"}
         taken = []
         while (claim := await worker.consumer.claim(128, lanes="light")) is not None:

@@ -47,8 +47,8 @@ async def sharded(redis_url: str, name: str, shards: int = SHARDS):
 
 
 async def _in_sets(queue: ShardedQueue, set_name: str) -> list[bool]:
-    """Per shard: is this client's owner id in that shard's ``idle`` or ``preemptible`` set?"""
-    return [bool(await queue.redis.sismember(getattr(queue.shard(i).keys, set_name), queue.shard(i).owner_id))
+    """Per shard: is this client's batch prefix in that shard's ``idle`` or ``preemptible`` set?"""
+    return [bool(await queue.redis.sismember(getattr(queue.shard(i).keys, set_name), queue.shard(i).batch_prefix))
             for i in range(queue.claim_shards)]
 
 

@@ -1,4 +1,4 @@
-"""A busy worker taken for dead: its owner-channel subscription drops while it also misses a
+"""A busy worker taken for dead: its worker-channel subscription drops while it also misses a
 lease renewal, so requeue.lua redoes its batch early, on another worker, while it is still
 computing it; then it comes back and acknowledges the same batch late. The work is done twice;
 each request must still be answered once, with the right vectors, and the queue's counters and
@@ -79,8 +79,8 @@ def counters(r: redis.Redis) -> dict[str, int]:
     return {k.decode(): int(v) for k, v in r.hgetall(KEYS.counters).items()}
 
 
-def owner_subscribers(r: redis.Redis, owner: str) -> int:
-    [(_, count)] = r.pubsub_shardnumsub(KEYS.owner_prefix + owner)
+def worker_channel_subscribers(r: redis.Redis, batch_prefix: str) -> int:
+    [(_, count)] = r.pubsub_shardnumsub(KEYS.worker_channel_prefix + batch_prefix)
     return int(count)
 
 
@@ -174,12 +174,12 @@ def test_a_live_worker_taken_for_dead_has_its_batch_redone_and_every_call_answer
         leased_items = sum(r.llen(KEYS.lease(b)) for b in leases)
         assert leased_items > 0
 
-        # w1's subscriber link resets: Redis drops its owner-channel subscription.
+        # w1's subscriber link resets: Redis drops its worker-channel subscription.
         assert stack.worker_proxy.drop_connections(b"SSUBSCRIBE") >= 1
-        wait_for(lambda: owner_subscribers(r, owner) == 0, "w1's subscription to drop")
+        wait_for(lambda: worker_channel_subscribers(r, owner) == 0, "w1's subscription to drop")
 
         # Requeue as it runs once w1's renewal is overdue: within half a lease of the deadline
-        # but before it (not expired: only the silent owner channel makes it redo the batch).
+        # but before it (not expired: only the silent worker channel makes it redo the batch).
         now_ms = max(leases.values()) - LEASE_MS // 2 + 1
         assert now_ms < min(leases.values())
         before = counters(r)
@@ -207,7 +207,7 @@ def test_a_live_worker_taken_for_dead_has_its_batch_redone_and_every_call_answer
         # w1 resumes: it finishes the same batch and acknowledges it late (the first write
         # won); it has acknowledged once it waits for work again, subscribed anew.
         os.kill(w1.pid, signal.SIGCONT)
-        wait_for(lambda: owner_subscribers(r, owner) >= 1, "w1 to resubscribe")
+        wait_for(lambda: worker_channel_subscribers(r, owner) >= 1, "w1 to resubscribe")
         calls.send([0, 4])  # and both workers serve on
         calls.settle()
     finally:

@@ -22,7 +22,7 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
         pubsub = ShardedSubscriber(q.redis)
         await pubsub.subscribe(CHANNEL)  # confirmed when it returns
         stalled = ShardedSubscriber(q.redis)
-        await stalled.subscribe(q.owner_channel)  # its process lives on: redone at expiry
+        await stalled.subscribe(q.worker_channel)  # its process lives on: redone at expiry
         await q.enqueue("r", items(5, 5, 5), timeout_ms=60_000, channel=CHANNEL)
         crashed = await q.claim(10)  # items 0 and 1; this worker never acks
         await q.enqueue("later", items(5), timeout_ms=60_000, channel=CHANNEL)
@@ -113,7 +113,7 @@ async def test_requeue_says_when_the_next_lease_expires_or_is_due_a_check(redis_
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
         owner = ShardedSubscriber(q.redis)
-        await owner.subscribe(q.owner_channel)  # alive: leases go only at their deadline
+        await owner.subscribe(q.worker_channel)  # alive: leases go only at their deadline
         assert await q.requeue_expired() == (0, 0)
         assert q.next_expiry_ms is None  # no lease: the half-lease poll
         await q.enqueue("r", items(5, 5), timeout_ms=60_000, channel=CHANNEL)
@@ -133,13 +133,13 @@ async def test_requeue_says_when_the_next_lease_expires_or_is_due_a_check(redis_
 
 
 async def test_a_lease_that_missed_a_renewal_is_redone_at_once_when_its_owner_is_gone(redis_url):
-    """A worker killed -9 loses its connection, and with it its owner-channel subscription:
+    """A worker killed -9 loses its connection, and with it its worker-channel subscription:
     half a lease after its last renewal its batch is redone, without waiting for the deadline.
     While the owner's subscription lives, the same lease waits for its deadline."""
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
         owner = ShardedSubscriber(q.redis)
-        await owner.subscribe(q.owner_channel)
+        await owner.subscribe(q.worker_channel)
         await q.enqueue("r", items(5), timeout_ms=60_000, channel=CHANNEL)
         await q.claim(5)
         clock.advance(499)

@@ -1,5 +1,5 @@
 """Work notices wake one idle worker, not the whole idle fleet (lua/lib/wake.lua): an idle
-worker registers its owner id and listens on its owner channel; enqueue wakes one registered
+worker registers its batch prefix and listens on its worker channel; enqueue wakes one registered
 worker, a claim that leaves work queued wakes the next, a dead one is skipped, and with nobody
 registered the notice goes to the shared work channel."""
 
@@ -36,7 +36,7 @@ async def _heard(sub: ShardedSubscriber) -> int:
 async def test_an_enqueue_wakes_one_idle_worker_and_a_claim_that_leaves_work_the_next(redis_url):
     async with open_queue(redis_url) as a, open_queue(redis_url) as b, open_queue(redis_url) as c:
         workers = [a, b, c]
-        owners = [await _listener(q, q.owner_channel) for q in workers]
+        owners = [await _listener(q, q.worker_channel) for q in workers]
         broadcast = await _listener(a, a.keys.work_channel)
         for q in workers:
             await q.mark_idle(True)
@@ -55,7 +55,7 @@ async def test_an_enqueue_wakes_one_idle_worker_and_a_claim_that_leaves_work_the
 
 async def test_a_dead_registered_worker_is_skipped_and_nobody_registered_means_everyone(redis_url):
     async with open_queue(redis_url) as dead, open_queue(redis_url) as live:
-        live_owner = await _listener(live, live.owner_channel)
+        live_owner = await _listener(live, live.worker_channel)
         broadcast = await _listener(live, live.keys.work_channel)
 
         async def drain():
@@ -81,7 +81,7 @@ async def test_a_worker_that_goes_busy_or_away_leaves_the_idle_set(redis_url):
     async with open_queue(redis_url) as q:
         await q.mark_idle(True)
         await q.mark_idle(True)  # again after each idle wait: the same single member
-        assert await q.redis.smembers(q.keys.idle) == {q.owner_id.encode()}
+        assert await q.redis.smembers(q.keys.idle) == {q.batch_prefix.encode()}
         await q.mark_idle(False)
         assert await q.redis.scard(q.keys.idle) == 0
         await q.mark_idle(True)
@@ -101,7 +101,7 @@ async def _said(sub: ShardedSubscriber) -> list[bytes]:
 
 async def test_light_work_tells_one_worker_in_a_heavy_forward_only_as_the_light_lane_fills(redis_url):
     async with open_queue(redis_url) as a, open_queue(redis_url) as b:
-        owners = [await _listener(q, q.owner_channel) for q in (a, b)]
+        owners = [await _listener(q, q.worker_channel) for q in (a, b)]
         broadcast = await _listener(a, a.keys.work_channel)
         await a.enqueue("h1", items(200), timeout_ms=60_000, channel=CHANNEL)  # heavy, queued
         assert await _said(broadcast) == [b"1"]  # (nobody idle, nobody pre-emptible)
@@ -114,7 +114,7 @@ async def test_light_work_tells_one_worker_in_a_heavy_forward_only_as_the_light_
         said = [await _said(s) for s in owners]
         assert sorted(said) == [[], [b"light"]] and await _said(broadcast) == []
         told = (a, b)[said.index([b"light"])]
-        assert await a.redis.smembers(a.keys.preemptible) == {({a, b} - {told}).pop().owner_id.encode()}
+        assert await a.redis.smembers(a.keys.preemptible) == {({a, b} - {told}).pop().batch_prefix.encode()}
         await a.enqueue("l2", items(5), timeout_ms=60_000, channel=CHANNEL)  # lane not empty: silent
         assert [await _said(s) for s in owners] == [[], []]
 
@@ -129,13 +129,13 @@ async def test_light_work_tells_one_worker_in_a_heavy_forward_only_as_the_light_
 
 async def test_an_idle_worker_takes_light_work_before_a_worker_in_a_heavy_forward_is_told(redis_url):
     async with open_queue(redis_url) as idle, open_queue(redis_url) as busy:
-        idle_owner, busy_owner = [await _listener(q, q.owner_channel) for q in (idle, busy)]
+        idle_owner, busy_owner = [await _listener(q, q.worker_channel) for q in (idle, busy)]
         await busy.enqueue("h", items(200), timeout_ms=60_000, channel=CHANNEL)
         await busy.mark_preemptible(True)
         await idle.mark_idle(True)
         await busy.enqueue("l", items(5), timeout_ms=60_000, channel=CHANNEL)
         assert (await _said(idle_owner), await _said(busy_owner)) == ([b"work"], [])
-        assert await busy.redis.smembers(busy.keys.preemptible) == {busy.owner_id.encode()}
+        assert await busy.redis.smembers(busy.keys.preemptible) == {busy.batch_prefix.encode()}
         await busy.forget_worker("w")  # a worker that stops leaves the set
         assert await busy.redis.scard(busy.keys.preemptible) == 0
         for s in (idle_owner, busy_owner):

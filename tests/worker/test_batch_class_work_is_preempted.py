@@ -79,7 +79,7 @@ async def test_an_interactive_request_runs_inside_a_batch_class_forward_and_is_a
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
 
         async def registered():
-            return await q.redis.sismember(q.keys.preemptible, q.owner_id)
+            return await q.redis.sismember(q.keys.preemptible, q.batch_prefix)
         await wait_for(registered, 30, "the worker in a batch-class forward to register as pre-emptible")
         await enqueue_ids(client, "query", query_ids)  # interactive: its 'light' notice
 

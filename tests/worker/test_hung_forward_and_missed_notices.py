@@ -86,9 +86,9 @@ async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(r
         assert not await q.redis.exists(heartbeat)
         # Nor does it answer for its leases any more: requeue may take them at their next check.
 
-        async def owner_gone():
-            return (await q.redis.execute_command("PUBSUB", "SHARDNUMSUB", q.owner_channel))[1] == 0
-        await wait_for(owner_gone, 30, "the hung worker to leave its owner channel")
+        async def worker_channel_gone():
+            return (await q.redis.execute_command("PUBSUB", "SHARDNUMSUB", q.worker_channel))[1] == 0
+        await wait_for(worker_channel_gone, 30, "the hung worker to leave its worker channel")
         assert await q.redis.zscore(q.keys.workers, "hung") is None
         assert await asyncio.to_thread(_check, redis_url, "hung") == 1
 
@@ -131,10 +131,10 @@ async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, en
             reply = q.keys.reply(f"r{n}")
             await wait_for(lambda: _complete(q, reply, 1), 30, "the notice to wake the worker")
             assert decode_result((await q.collect(f"r{n}"))[0]).ok
-        # While it lives it listens on its owner channel, so requeue never takes its leases
-        # early (tokq.queue.shard.Queue.owner_channel).
-        assert await q.redis.execute_command("PUBSUB", "SHARDNUMSUB", q.owner_channel) == [
-            q.owner_channel.encode(), 1]
+        # While it lives it listens on its worker channel, so requeue never takes its leases
+        # early (tokq.queue.shard.Queue.worker_channel).
+        assert await q.redis.execute_command("PUBSUB", "SHARDNUMSUB", q.worker_channel) == [
+            q.worker_channel.encode(), 1]
         # stop() is seen at the next wake-up (within IDLE_FALLBACK_S in service, an hour here).
         run.cancel()
         with pytest.raises(asyncio.CancelledError):

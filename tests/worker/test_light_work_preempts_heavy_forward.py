@@ -40,7 +40,7 @@ def engine():
 
 async def _registered(queue) -> bool:
     """The worker on ``queue`` is in the pre-emptible set (runs a heavy forward, unnoticed)."""
-    return await queue.redis.sismember(queue.keys.preemptible, queue.owner_id)
+    return await queue.redis.sismember(queue.keys.preemptible, queue.batch_prefix)
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

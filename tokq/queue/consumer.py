@@ -1,5 +1,5 @@
 """The workers' side of a model's sharded queue: claims from the shards in use, in rotation, and a
-worker's place on each of them (wake-up sets, owner and work channels, its registry entry).
+worker's place on each of them (wake-up sets, worker and work channels, its registry entry).
 
 Claims go round the shards, starting after the shard that served the last batch, so no non-empty
 shard waits more than S-1 claims; still one budget-bounded batch from one shard per claim. A
@@ -76,9 +76,9 @@ class Consumer:
         known = [q.next_expiry_ms for q in self._claimed() if q.next_expiry_ms is not None]
         return min(known, default=None)
 
-    def owner_channels(self) -> list[str]:
-        """Every claimed shard's owner channel (Queue.owner_channel) of this process."""
-        return [q.owner_channel for q in self._claimed()]
+    def worker_channels(self) -> list[str]:
+        """Every claimed shard's worker channel (Queue.worker_channel) of this process."""
+        return [q.worker_channel for q in self._claimed()]
 
     def work_channels(self) -> list[str]:
         """The channels an idle worker listens on: every shard it claims from."""

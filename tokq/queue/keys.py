@@ -148,11 +148,12 @@ class QueueKeys:
         return f"{self.base}:preemptible"
 
     @cached_property
-    def owner_prefix(self) -> str:
-        """Shard channel ``<owner_prefix><batch prefix>`` a worker subscribes to while it lives:
+    def worker_channel_prefix(self) -> str:
+        """Shard channel ``<worker_channel_prefix><batch prefix>``: the worker channel a worker
+        process subscribes to while it lives (distinct from ``workers`` and ``heartbeat:``).
         requeue.lua SPUBLISHes to the worker of a lease that missed a renewal, and with nobody
         listening (the worker died) redoes the batch at once."""
-        return f"{self.base}:owner:"
+        return f"{self.base}:worker:"
 
     @cached_property
     def budget(self) -> str:

@@ -225,7 +225,7 @@ class Queue:
         cap = self.class_cap(priority)
         args: list = [self._now_arg(), request_id, timeout_ms, cap,
                       self.config.reply_ttl_ms, channel, self.keys.work_channel,
-                      self.config.light_tokens, self.keys.owner_prefix, priority]
+                      self.config.light_tokens, self.keys.worker_channel_prefix, priority]
         for tokens, body in items:
             if tokens < 1:
                 raise ValueError(f"an item needs at least one token, got {tokens}")
@@ -311,7 +311,7 @@ class Queue:
         args = [self._now_arg(), token_budget, cfg.lease_ms,
                 cfg.lookahead if lookahead is None else lookahead, cfg.max_skip_age_ms,
                 max_drop, k.reply_prefix, k.lease_prefix, asked_id,
-                isolate_attempt_for(cfg.max_attempts), k.owner_prefix, lanes, preempt_tokens,
+                isolate_attempt_for(cfg.max_attempts), k.worker_channel_prefix, lanes, preempt_tokens,
                 batch_share_tokens(token_budget, cfg.batch_share), cfg.batch_starve_ms]
         try:
             batch_id, now_ms, expired, orphaned, raw, num_heavy, stop, num_batch = await self._run(
@@ -328,32 +328,33 @@ class Queue:
         return claim, int(expired), int(orphaned), stop
 
     @property
-    def owner_id(self) -> str:
-        """This client's id as a lease owner and idle worker (its batch ids' prefix)."""
+    def batch_prefix(self) -> str:
+        """This process's id for this start: it prefixes its batch ids, ends its worker channel's
+        name and marks it in the idle and pre-emptible sets."""
         return self._batch_prefix
 
     @property
-    def owner_channel(self) -> str:
+    def worker_channel(self) -> str:
         """The channel this client's process subscribes to while it lives: requeue redoes a
         lease that missed a renewal at once when nobody listens on it, and a work notice for
         this idle worker comes on it (``mark_idle``)."""
-        return self.keys.owner_prefix + self._batch_prefix
+        return self.keys.worker_channel_prefix + self._batch_prefix
 
     async def mark_idle(self, idle: bool) -> None:
         """Register this client as an idle worker (before it waits for work), or not (it got
         work, or stops): a notice wakes one registered worker, not all (lua/lib/wake.lua)."""
         if idle:
-            await self.redis.sadd(self.keys.idle, self.owner_id)
+            await self.redis.sadd(self.keys.idle, self.batch_prefix)
         else:
-            await self.redis.srem(self.keys.idle, self.owner_id)
+            await self.redis.srem(self.keys.idle, self.batch_prefix)
 
     async def mark_preemptible(self, preemptible: bool) -> None:
         """Register this client as a worker running a heavy forward (light work arriving then
-        tells it 'light' on its owner channel, lua/enqueue.lua), or not (the forward ended)."""
+        tells it 'light' on its worker channel, lua/enqueue.lua), or not (the forward ended)."""
         if preemptible:
-            await self.redis.sadd(self.keys.preemptible, self.owner_id)
+            await self.redis.sadd(self.keys.preemptible, self.batch_prefix)
         else:
-            await self.redis.srem(self.keys.preemptible, self.owner_id)
+            await self.redis.srem(self.keys.preemptible, self.batch_prefix)
 
     async def renew(self, batch_id: str) -> bool:
         """Extend a running batch's lease; False if it was already requeued or acknowledged."""
@@ -373,13 +374,13 @@ class Queue:
 
     async def requeue_expired(self) -> tuple[int, int]:
         """Put the items of expired leases, and of leases whose owner is gone (see
-        ``owner_channel``), back at the front of the heavy lane, batch-class ones at the front of
+        ``worker_channel``), back at the front of the heavy lane, batch-class ones at the front of
         the batch lane: (requeued, failed). Sets
         ``next_expiry_ms`` (when to call again to check the next lease)."""
         k = self.keys
         args = [self._now_arg(), self.config.max_attempts, MAX_BATCHES_PER_REQUEUE,
                 k.reply_prefix, k.lease_prefix, k.work_channel, self.config.lease_ms,
-                k.owner_prefix]
+                k.worker_channel_prefix]
         requeued, failed, next_in_ms = await self._run(
             "requeue", [k.leases, k.heavy, k.tokens, k.inflight, k.counters, k.idle, k.batch,
                         k.batch_tokens, k.lease_batch_counts], args)
@@ -401,8 +402,8 @@ class Queue:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(k.heartbeat(worker_id))
             pipe.zrem(k.workers, worker_id)
-            pipe.srem(k.idle, self.owner_id)
-            pipe.srem(k.preemptible, self.owner_id)
+            pipe.srem(k.idle, self.batch_prefix)
+            pipe.srem(k.preemptible, self.batch_prefix)
             await pipe.execute()
 
     async def stats(self) -> QueueStats:
