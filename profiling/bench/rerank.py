@@ -47,11 +47,6 @@ QWEN3_TEMPLATE = (  # Qwen3-Reranker's, as sentence-transformers ships it
     "<Document>: {{ document_text }}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def pools(threads: int) -> dict[str, list[int]]:
-    """The cross-encoder's served names -> torch threads of each of its workers."""
-    return {"ce-1x1": [1], f"ce-1x{threads}": [threads], "ce-2x1": [1, 1]}
-
-
 def build_cross_encoder(path: Path) -> Path:
     import transformers
 
@@ -107,7 +102,9 @@ def fleet(folder: Path, threads: int, dtype: str, budget: int):
     from tokq.queue.keys import QueueKeys
     from tokq.redis.embedded import EmbeddedRedis, free_port
 
-    served = {EMBED: ([1], bundled_model_path()), **{n: (t, folder) for n, t in pools(threads).items()}}
+    # the cross-encoder under three names, each its own queue: torch threads of each of its workers
+    pools = {"ce-1x1": [1], f"ce-1x{threads}": [threads], "ce-2x1": [1, 1]}
+    served = {EMBED: ([1], bundled_model_path()), **{n: (t, folder) for n, t in pools.items()}}
     server, procs, port = EmbeddedRedis().start(), {}, free_port()
     client, beats = redis.Redis.from_url(server.url), []
     try:
@@ -284,7 +281,7 @@ def cross_encoder_parts(parts, folder, threads, dtype, budget, requests, rounds,
             res = run_rounds({f"tokq: gateway + 1 worker ({threads} threads)": (reranker(target, f"ce-1x{threads}"), reqs),
                               **{f"CrossEncoder.predict(batch_size=32), {d}": (lambda q, docs, ce=ce: ce.predict(
                                   [(q, d) for d in docs], batch_size=32), reqs) for d, ce in ces.items()}}, rounds, pids)
-            tokq, st32, st16 = res.values()
+            tokq, _, st16 = res.values()
             out.append(section("service", "A cross-encoder through the service against CrossEncoder.predict",
                                f"{requests} requests of 100 candidates per system per round, {rounds} rounds, the same "
                                f"pairs for each. CrossEncoder: {threads} torch threads. {how} Raw scores against "
