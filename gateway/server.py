@@ -114,7 +114,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
                                   "own --served-model-name")
         queue = ShardedQueue(client, info.queue_name, queue_config)
         router = ReplyRouter(pubsub_client, client, queue.producer.reply_key,
-                             [k.done_channel(gid) for k in queue.shard_keys()],
+                             [k.notice_channel(gid) for k in queue.shard_keys()],
                              shard_of=queue.producer.shard_of_request)
         observer = metrics.GatewayMetrics(info.name, info.task)
         queue.producer.observe_enqueues = observer.enqueues_sent

@@ -17,7 +17,7 @@
 --         the batch lane's; batch: the batch lane's); a class holding tokens rejects a request
 --         that would pass it
 -- ARGV[5] reply_ttl_ms: how long an uncollected reply outlives the deadline
--- ARGV[6] shard channel the reply's notice is published on
+-- ARGV[6] the gateway's notice channel (a shard channel): the reply's notice is published on it
 -- ARGV[7] the queue's work shard channel: told when the queue stops being empty and no idle
 --         worker is registered
 -- ARGV[8] light_tokens: a request of at most this many tokens in all goes in the light lane

@@ -15,7 +15,7 @@ from tokq.queue.wire import Entry, decode_result, encode_body, encode_ok, format
 from tokq.queue.shard import COLLECT_GRACE_MS, REPLY_META_FIELDS, CANCELLED_TTL_MS, Queue
 
 QUEUE = "test-model"
-CHANNEL = "tokq:{test-model}:done:gw-test"
+NOTICE_CHANNEL = "tokq:{test-model}:notice:gw-test"
 T0_MS = 1_700_000_000_000
 
 
@@ -95,7 +95,7 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
 async def enqueue_ids(queue: Queue, request_id: str, seqs) -> None:
     """Enqueue one request of these token-id sequences (a minute's deadline)."""
     await queue.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
-                        channel=queue.keys.done_channel("test"))
+                        notice_channel=queue.keys.notice_channel("test"))
 
 
 async def answered_vectors(queue: Queue, request_id: str, n: int) -> np.ndarray:
@@ -112,7 +112,7 @@ async def answered_vectors(queue: Queue, request_id: str, n: int) -> np.ndarray:
 async def queue_cycle(q: Queue, request_id: str = "r1") -> None:
     """One request of two items (3 and 4 tokens) enqueued, claimed, acked and collected: the
     whole cycle through ``q``, checked at each step."""
-    await q.enqueue(request_id, items(3, 4), timeout_ms=10_000, channel=q.keys.done_channel("gw"))
+    await q.enqueue(request_id, items(3, 4), timeout_ms=10_000, notice_channel=q.keys.notice_channel("gw"))
     claim = await q.claim(100)
     assert [e.num_tokens for e in claim.entries] == [3, 4]
     await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])

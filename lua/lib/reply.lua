@@ -1,14 +1,14 @@
 -- lib/reply.lua: writing one item's result into its request's reply HASH, and the completion
 -- notices of the requests a script completed.
--- The hash holds `n` (item count), `ch` (the gateway's shard channel), `t` ("ts_ms:deadline_ms",
--- for a repeated enqueue) and one field per answered item index. The first result for an
--- index wins (HSETNX), so a redone or late ack is never seen twice; the write that completes
--- the request adds its notice to ``notices``, and ``publish_notices`` SPUBLISHes them at the end
--- of the script, one message per gateway channel carrying every request of that gateway the
--- script completed (a batch's replies wake a gateway once, not once per request). The channel
--- carries the queue's hash tag, so on Redis Cluster the notice stays on the queue's node. A
--- reply hash that no longer exists (collected, cancelled or expired) gets nothing: a late ack
--- must not resurrect it.
+-- The hash holds `n` (item count), `ch` (the gateway's notice channel, a shard channel),
+-- `t` ("ts_ms:deadline_ms", for a repeated enqueue) and one field per answered item index.
+-- The first result for an index wins (HSETNX), so a redone or late ack is never seen twice;
+-- the write that completes the request adds its notice to ``notices``, and
+-- ``publish_notices`` SPUBLISHes them at the end of the script, one message per notice
+-- channel carrying every request of that gateway the script completed (a batch's replies wake
+-- a gateway once, not once per request). The channel carries the queue's hash tag, so on
+-- Redis Cluster the notice stays on the queue's node. A reply hash that no longer exists
+-- (collected, cancelled or expired) gets nothing: a late ack must not resurrect it.
 local REPLY_META_FIELDS = 3 -- n, ch, t (tokq.queue.shard.REPLY_META_FIELDS)
 -- A complete reply up to this many bytes of results travels in its notice, so the gateway
 -- needs no collect round trip (tokq.queue.shard.parse_notices). Bigger ones notify by id only; and a
@@ -42,21 +42,21 @@ local function reply_notice(reply, request_id)
 end
 
 -- A message: one or more "<length>:<notice>" records (tokq.queue.shard.parse_notices).
-local function publish_message(channel, pending)
-  redis.call('SPUBLISH', channel, table.concat(pending.parts))
+local function publish_message(notice_channel, pending)
+  redis.call('SPUBLISH', notice_channel, table.concat(pending.parts))
 end
 
--- ``notices`` (a script's own, {} at its start): channel -> {parts, size}, and the channels in
+-- ``notices`` (a script's own, {} at its start): notice channel -> {parts, size}, and the channels in
 -- the order they first completed a request.
-local function add_notice(notices, channel, notice, size)
+local function add_notice(notices, notice_channel, notice, size)
   local record = #notice .. ':' .. notice
-  local pending = notices[channel]
+  local pending = notices[notice_channel]
   if pending == nil then
     pending = {parts = {}, size = 0}
-    notices[channel] = pending
-    notices[#notices + 1] = channel -- publish in the order channels first completed
+    notices[notice_channel] = pending
+    notices[#notices + 1] = notice_channel -- publish in the order channels first completed
   elseif pending.size + size > MAX_NOTICE_BYTES then
-    publish_message(channel, pending)
+    publish_message(notice_channel, pending)
     pending.parts, pending.size = {}, 0
   end
   pending.parts[#pending.parts + 1] = record
@@ -64,10 +64,10 @@ local function add_notice(notices, channel, notice, size)
 end
 
 local function publish_notices(notices)
-  for _, channel in ipairs(notices) do
-    local pending = notices[channel]
+  for _, notice_channel in ipairs(notices) do
+    local pending = notices[notice_channel]
     if #pending.parts > 0 then
-      publish_message(channel, pending)
+      publish_message(notice_channel, pending)
     end
   end
 end

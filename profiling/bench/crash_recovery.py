@@ -29,7 +29,7 @@ class Load:
 
         self.client = connect(url, cluster="no")
         self.queue = Queue(self.client, harness.bundled_queue())
-        self.channel = self.queue.keys.done_channel("bench")
+        self.notice_channel = self.queue.keys.notice_channel("bench")
         self.sent: dict[str, tuple[float, str]] = {}  # request id -> (send time, kind)
         self.done: dict[str, float] = {}
         self._n, self._tasks = 0, set()
@@ -39,7 +39,7 @@ class Load:
         from tokq.redis.pubsub import ShardedSubscriber
 
         subscriber = ShardedSubscriber(self.client)
-        await subscriber.subscribe(self.channel)
+        await subscriber.subscribe(self.notice_channel)
         ready.set()
         try:
             while True:
@@ -66,7 +66,7 @@ class Load:
         self.sent[rid] = (time.perf_counter(), kind)
         try:
             await self.queue.enqueue(rid, [(len(ITEM), encode_body(ITEM))] * num_items, timeout_ms=300_000,
-                                     channel=self.channel)
+                                     notice_channel=self.notice_channel)
         except QueueFull:
             del self.sent[rid]
         return rid

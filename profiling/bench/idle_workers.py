@@ -35,7 +35,7 @@ async def wake_ups(url: str, num_items: int, gap_s: float) -> tuple[list[float],
             await client.ping()
             ping_ms.append((time.perf_counter() - t) * 1000)
             await queue.enqueue(f"wake{n}", [(3, encode_body([101, 2000 + n % 500, 102]))], timeout_ms=30_000,
-                                channel=queue.keys.done_channel("bench"))
+                                notice_channel=queue.keys.notice_channel("bench"))
             while await client.hlen(queue.keys.reply(f"wake{n}")) < len(REPLY_META_FIELDS) + 1:
                 await asyncio.sleep(0.001)
             wake_ms.append(decode_result((await queue.collect(f"wake{n}"))[0]).queue_ms)

@@ -21,7 +21,7 @@ BLOCK = "tokq bench queue"
 ITEMS_PER_ENQUEUE = 32
 NUM_CALLERS = 8
 PIPELINE_DEPTH = 64
-CHANNEL = "tokq:{bench}:done:bench"
+NOTICE_CHANNEL = "tokq:{bench}:notice:bench"
 
 
 async def timed_callers(num_calls: int, call, callers: int = NUM_CALLERS) -> float:
@@ -60,7 +60,7 @@ async def bench_enqueue(client, queue, items, num_calls: int) -> dict:
     raw, raw_key, num_items = [raw_entries(r) for r in requests], "bench:{raw}:rpush", num_calls * ITEMS_PER_ENQUEUE
     await client.config_resetstat()
     seconds = await timed_callers(num_calls, lambda i: queue.enqueue(f"e{i}", requests[i], timeout_ms=600_000,
-                                                                    channel=CHANNEL))
+                                                                    notice_channel=NOTICE_CHANNEL))
     usec = await usec_per_call(client)
     same_callers = await timed_callers(num_calls, lambda i: client.rpush(raw_key, *raw[i]))
     await client.delete(raw_key)
@@ -114,7 +114,7 @@ async def fill_ratio(client, items, budget: int, lookahead: int) -> float:
     await client.flushall()
     queue = Queue(client, "fill", QueueConfig(max_queued_tokens=10**9), clock=lambda: 1_700_000_000_000)
     for first in range(0, len(items), ITEMS_PER_ENQUEUE):
-        await queue.enqueue(f"f{first}", items[first:first + ITEMS_PER_ENQUEUE], timeout_ms=600_000, channel=CHANNEL)
+        await queue.enqueue(f"f{first}", items[first:first + ITEMS_PER_ENQUEUE], timeout_ms=600_000, notice_channel=NOTICE_CHANNEL)
     fills = []
     while (claim := await queue.claim(budget, lookahead=lookahead)) is not None:
         fills.append(min(claim.num_tokens, budget) / budget)

@@ -123,7 +123,7 @@ async def test_concurrent_first_calls_go_straight_to_the_slot_owner(redis_cluste
 @pytest.mark.parametrize("kind", ["standalone", "cluster"])
 async def test_sharded_subscriber_hears_channels_on_every_node(kind, request):
     url = request.getfixturevalue("redis_cluster_url" if kind == "cluster" else "redis_url")
-    channels = [QueueKeys(f"m{i}").done_channel("gw") for i in range(6)]
+    channels = [QueueKeys(f"m{i}").notice_channel("gw") for i in range(6)]
     client, sub = connect(url), ShardedSubscriber(connect_pubsub(url))
     try:
         await sub.subscribe(*channels)

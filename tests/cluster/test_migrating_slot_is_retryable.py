@@ -36,7 +36,7 @@ async def test_a_collect_while_its_slot_migrates_is_unavailable(redis_cluster, r
     client = connect(redis_cluster_url)
     try:
         q = Queue(client, QUEUE)
-        await q.enqueue("r1", items(3), timeout_ms=10_000, channel=keys.done_channel("gw"))
+        await q.enqueue("r1", items(3), timeout_ms=10_000, notice_channel=keys.notice_channel("gw"))
         nodes[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
         nodes[source].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
         # collect's keys: the reply hash (still on the source) and its copy (on neither yet)

@@ -96,7 +96,7 @@ async def _delivered_within(sub: ShardedSubscriber, publisher, channel: str, dat
 
 def _channels_on_every_node(cluster: LocalCluster, count: int = 9) -> dict[str, int]:
     channels = {ch: cluster.owner_port(ch)
-                for ch in (QueueKeys(f"spread{i}").done_channel("gw") for i in range(count))}
+                for ch in (QueueKeys(f"spread{i}").notice_channel("gw") for i in range(count))}
     assert len(set(channels.values())) == 3, channels
     return channels
 
@@ -182,11 +182,11 @@ async def test_a_failover_fails_its_shards_waiting_calls_at_once_then_serves_the
     # their notices (the poll is an hour away).
     client, pubsub = connect(healthy.url), connect_pubsub(healthy.url)
     queue = ShardedQueue(client, "failover", QueueConfig(queue_shards=SHARDS))
-    owner = [healthy.owner_port(k.done_channel(GATEWAY)) for k in queue.shard_keys()]
+    owner = [healthy.owner_port(k.notice_channel(GATEWAY)) for k in queue.shard_keys()]
     victim = owner[0]
     dead = [i for i in range(SHARDS) if owner[i] == victim]
     router = ReplyRouter(pubsub, client, queue.producer.reply_key,
-                         [k.done_channel(GATEWAY) for k in queue.shard_keys()],
+                         [k.notice_channel(GATEWAY) for k in queue.shard_keys()],
                          poll_after_s=3600, shard_of=queue.producer.shard_of_request)
     served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), GATEWAY)
     calls: list[asyncio.Task] = []
@@ -211,7 +211,7 @@ async def test_a_failover_fails_its_shards_waiting_calls_at_once_then_serves_the
         assert time.monotonic() - start < 2  # the failover itself takes ~3-5 s
 
         async def served_again() -> bool:
-            return healthy.owner_port(queue.shard_keys()[dead[0]].done_channel(GATEWAY)) != victim
+            return healthy.owner_port(queue.shard_keys()[dead[0]].notice_channel(GATEWAY)) != victim
         await wait_for(served_again, 30, "the replica to take over")
 
         async def resubscribed() -> bool:
@@ -239,13 +239,13 @@ async def test_a_failover_fails_its_shards_waiting_calls_at_once_then_serves_the
 async def test_a_dead_node_fails_only_the_calls_on_its_shards(healthy, info, tokenizer):
     client, pubsub = connect(healthy.url), connect_pubsub(healthy.url)
     queue = ShardedQueue(client, "node-down", QueueConfig(queue_shards=SHARDS))
-    owner = [healthy.owner_port(k.done_channel(GATEWAY)) for k in queue.shard_keys()]
+    owner = [healthy.owner_port(k.notice_channel(GATEWAY)) for k in queue.shard_keys()]
     victim = owner[0]
     dead = [i for i in range(SHARDS) if owner[i] == victim]
     alive = [i for i in range(SHARDS) if owner[i] != victim]
     assert alive, owner
     router = ReplyRouter(pubsub, client, queue.producer.reply_key,
-                         [k.done_channel(GATEWAY) for k in queue.shard_keys()],
+                         [k.notice_channel(GATEWAY) for k in queue.shard_keys()],
                          poll_after_s=3600, shard_of=queue.producer.shard_of_request)
     served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), GATEWAY)
     calls: dict[int, asyncio.Task] = {}

@@ -1,5 +1,5 @@
 """Every key a queue script touches is in one slot: the keys it declares, and the keys it builds
-from ARGV prefixes (reply and lease keys) or publishes on (the done channel). On a cluster a
+from ARGV prefixes (reply and lease keys) or publishes on (the notice channel). On a cluster a
 script reaching another slot fails; this check catches it on any server, for every script."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ async def _age_past_the_horizon(q: ShardedQueue, num_shards: int) -> None:
 
 async def _enqueue_on(q: ShardedQueue, shard: int, request_id: str, timeout_ms: int = 60_000) -> None:
     queue = q.shard(shard)
-    await queue.enqueue(request_id, items(5), timeout_ms=timeout_ms, channel=queue.keys.done_channel(GW))
+    await queue.enqueue(request_id, items(5), timeout_ms=timeout_ms, notice_channel=queue.keys.notice_channel(GW))
 
 
 async def test_a_retired_shard_s_work_outlasting_the_horizon_is_still_claimed_and_redone(redis_url):

@@ -83,8 +83,8 @@ async def test_a_busy_shard_does_not_starve_the_others(redis_url):
         busy, quiet = q.shard(0), q.shard(2)
         for r in range(30):
             await busy.enqueue(f"b{r}", items(8), timeout_ms=60_000,
-                               channel=busy.keys.done_channel(GW))
-        await quiet.enqueue("q0", items(8), timeout_ms=60_000, channel=quiet.keys.done_channel(GW))
+                               notice_channel=busy.keys.notice_channel(GW))
+        await quiet.enqueue("q0", items(8), timeout_ms=60_000, notice_channel=quiet.keys.notice_channel(GW))
         served = []
         for _ in range(3):  # within S claims every non-empty shard is served
             claim = await q.consumer.claim(8)

@@ -89,7 +89,7 @@ async def test_shutdown_waits_for_the_cancels_started_meanwhile_then_stops_the_r
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
     router = ReplyRouter(pubsub, client, queue.producer.reply_key,  # never started: no call goes through it
-                         [k.done_channel("gw") for k in queue.shard_keys()])
+                         [k.notice_channel("gw") for k in queue.shard_keys()])
     served = ServedModel(info, Tokenizer(info), queue, router, GatewayConfig(), "gw")
     finished = []
 

@@ -41,7 +41,7 @@ def assert_retryable(exc: BaseException) -> None:
 async def enqueue_one(url: str) -> None:
     client = connect(url)
     try:
-        await Queue(client, "errors-test").enqueue("r1", [(3, b"body")], timeout_ms=1000, channel="c")
+        await Queue(client, "errors-test").enqueue("r1", [(3, b"body")], timeout_ms=1000, notice_channel="c")
     finally:
         await client.aclose()
 

@@ -51,7 +51,7 @@ async def _call(redis_url, info, tokenizer, texts, vector_size: int, *, listen: 
     Returns (vectors, collect scripts run, reply keys left)."""
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
-    channels = [k.done_channel(GATEWAY if listen else "elsewhere") for k in queue.shard_keys()]
+    channels = [k.notice_channel(GATEWAY if listen else "elsewhere") for k in queue.shard_keys()]
     # Listening, the poll is held off: on a loaded machine a poll landing between the answer
     # and its notice collects the results itself, and the notice's delivery goes untested.
     router = ReplyRouter(pubsub, client, queue.producer.reply_key, channels,
@@ -112,7 +112,7 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
     router = None
     try:
         queue = ShardedQueue(client, info.queue_name, QueueConfig())
-        router = ReplyRouter(pubsub, client, queue.producer.reply_key, [k.done_channel(GATEWAY) for k in queue.shard_keys()],
+        router = ReplyRouter(pubsub, client, queue.producer.reply_key, [k.notice_channel(GATEWAY) for k in queue.shard_keys()],
                              poll_after_s=3600)
         await router.start()
         await asyncio.wait_for(router.subscribed.wait(), 20)
@@ -121,7 +121,7 @@ async def test_a_broken_subscription_is_restored_under_waiting_calls_or_fails_th
         await wait_for(lambda: _queued(queue, call), 20, "the call's entry")
         assert await asyncio.to_thread(proxy.drop_connections, b"SUBSCRIBE") == 1
 
-        channel = queue.shard_keys()[0].done_channel(GATEWAY)
+        channel = queue.shard_keys()[0].notice_channel(GATEWAY)
 
         async def subscribed_again():  # a new link has subscribed, and Redis counts one subscriber
             return (await asyncio.to_thread(proxy.connections, b"SUBSCRIBE") == 1
@@ -153,9 +153,9 @@ async def test_a_notice_that_does_not_parse_costs_nothing_but_itself(redis_url, 
     which would lose the notices published meanwhile) and the next notice answers its call."""
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
-    channel = queue.shard_keys()[0].done_channel(GATEWAY)
+    channel = queue.shard_keys()[0].notice_channel(GATEWAY)
     router = ReplyRouter(pubsub, client, queue.producer.reply_key,
-                         [k.done_channel(GATEWAY) for k in queue.shard_keys()], poll_after_s=3600)
+                         [k.notice_channel(GATEWAY) for k in queue.shard_keys()], poll_after_s=3600)
     await router.start()
 
     async def ssubscribes() -> int:

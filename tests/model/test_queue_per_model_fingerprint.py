@@ -101,8 +101,8 @@ async def test_a_worker_claims_only_its_models_queue_and_refuses_ids_past_its_vo
         queue_a, queue_b = Queue(client, a.queue_name), Queue(client, b.queue_name)
         good, bad = [101, 7592, 102], [101, a.vocab_size + 5, 102]
         await queue_a.enqueue("ra", [(3, encode_body(good)), (3, encode_body(bad)), (3, encode_body(good))],
-                              timeout_ms=120_000, channel="c")
-        await queue_b.enqueue("rb", [(3, encode_body(good))], timeout_ms=120_000, channel="c")
+                              timeout_ms=120_000, notice_channel="c")
+        await queue_b.enqueue("rb", [(3, encode_body(good))], timeout_ms=120_000, notice_channel="c")
         run = subprocess.run([sys.executable, "-m", "tokq.cli", "worker", "--model", str(two_models[0]),
                               "--burst", "--device", "cpu", "--threads", "1"],
                              env={**os.environ, "TOKQ_REDIS_URL": redis_url}, capture_output=True,

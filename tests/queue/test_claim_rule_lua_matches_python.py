@@ -11,7 +11,7 @@ import os
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from queue_support import CHANNEL, ManualClock, open_queue
+from queue_support import NOTICE_CHANNEL, ManualClock, open_queue
 
 from tokq.queue.claim_rule import (DEADLINE_EXCEEDED, STOP_REASONS, batch_share_tokens,
                                    isolate_attempt_for, plan_claim, preempt_budget)
@@ -93,7 +93,7 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
         k = q.keys
         await q.redis.flushdb()
         for request_id in live:
-            await q.redis.hset(k.reply(request_id), mapping={"n": 99, "ch": CHANNEL})
+            await q.redis.hset(k.reply(request_id), mapping={"n": 99, "ch": NOTICE_CHANNEL})
         for lane, entries in ((k.pending, pending), (k.heavy, heavy), (k.batch, batch)):
             if entries:
                 await q.redis.rpush(lane, *[e.raw for e in entries])

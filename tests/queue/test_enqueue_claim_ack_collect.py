@@ -7,7 +7,7 @@ from unittest.mock import ANY
 
 import numpy as np
 import pytest
-from queue_support import (CHANNEL, ManualClock, items, keys_left, ok_result, open_queue,
+from queue_support import (NOTICE_CHANNEL, ManualClock, items, keys_left, ok_result, open_queue,
                            stored_entries)
 
 from tokq.queue.wire import decode_body, decode_result, encode_ok, parse_entry
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.redis_kinds("standalone", "cluster")
 async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
     async with open_queue(redis_url) as q:
         pubsub = ShardedSubscriber(q.redis)
-        await pubsub.subscribe(CHANNEL)  # confirmed when it returns
+        await pubsub.subscribe(NOTICE_CHANNEL)  # confirmed when it returns
         req_items = items(3, 5, 2)
-        enq = await q.enqueue("req1", req_items, timeout_ms=5_000, channel=CHANNEL)
+        enq = await q.enqueue("req1", req_items, timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         assert [e.index for e in claim.entries] == [0, 1, 2]
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
@@ -45,8 +45,8 @@ async def test_full_cycle_leaves_no_key_of_the_request(redis_url):
 async def test_completion_is_published_once_when_the_last_item_is_answered(redis_url):
     async with open_queue(redis_url) as q:
         pubsub = ShardedSubscriber(q.redis)
-        await pubsub.subscribe(CHANNEL)  # confirmed when it returns
-        await q.enqueue("req1", items(4, 4), timeout_ms=5_000, channel=CHANNEL)
+        await pubsub.subscribe(NOTICE_CHANNEL)  # confirmed when it returns
+        await q.enqueue("req1", items(4, 4), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(4)  # only item 0 fits
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         assert await pubsub.get_message(timeout=0.1) is None
@@ -60,8 +60,8 @@ async def test_completion_is_published_once_when_the_last_item_is_answered(redis
 async def test_a_complete_reply_travels_in_its_notice_and_is_kept_only_a_grace(redis_url):
     async with open_queue(redis_url) as q:
         pubsub = ShardedSubscriber(q.redis)
-        await pubsub.subscribe(CHANNEL)
-        await q.enqueue("small", items(3, 4), timeout_ms=60_000, channel=CHANNEL)
+        await pubsub.subscribe(NOTICE_CHANNEL)
+        await q.enqueue("small", items(3, 4), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         sent = {e.index: ok_result(e) for e in claim.entries}
         await q.ack(claim.batch_id, [(e, sent[e.index]) for e in claim.entries])
@@ -76,8 +76,8 @@ async def test_a_complete_reply_travels_in_its_notice_and_is_kept_only_a_grace(r
 async def test_a_large_reply_is_notified_by_id_and_collected(redis_url):
     async with open_queue(redis_url) as q:
         pubsub = ShardedSubscriber(q.redis)
-        await pubsub.subscribe(CHANNEL)
-        await q.enqueue("large", items(3, 4), timeout_ms=60_000, channel=CHANNEL)
+        await pubsub.subscribe(NOTICE_CHANNEL)
+        await q.enqueue("large", items(3, 4), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         big = encode_ok(np.ones(10_000, np.float32), 1.0, 2.0)  # 2 x 40 kB: past the notice's cap
         await q.ack(claim.batch_id, [(e, big) for e in claim.entries])
@@ -89,13 +89,13 @@ async def test_a_large_reply_is_notified_by_id_and_collected(redis_url):
 
 
 async def test_a_batch_wakes_each_waiting_gateway_once_with_all_its_replies(redis_url):
-    other = CHANNEL.replace("gw-test", "gw-other")  # a second gateway on the same queue
+    other = NOTICE_CHANNEL.replace("gw-test", "gw-other")  # a second gateway on the same queue
     async with open_queue(redis_url) as q:
         pubsub = ShardedSubscriber(q.redis)
-        await pubsub.subscribe(CHANNEL, other)
-        for rid, channel in (("a", CHANNEL), ("b", other), ("c", CHANNEL), ("d", CHANNEL)):
+        await pubsub.subscribe(NOTICE_CHANNEL, other)
+        for rid, channel in (("a", NOTICE_CHANNEL), ("b", other), ("c", NOTICE_CHANNEL), ("d", NOTICE_CHANNEL)):
             await q.enqueue(rid, items(3, 2) if rid == "c" else items(3), timeout_ms=60_000,
-                            channel=channel)
+                            notice_channel=channel)
         claim = await q.claim(600)
         sent = {(e.request_id, e.index): ok_result(e) for e in claim.entries}
         # "d" is left out of the ack: ack.lua answers it INTERNAL, in the same message.
@@ -105,7 +105,7 @@ async def test_a_batch_wakes_each_waiting_gateway_once_with_all_its_replies(redi
         while (message := await pubsub.get_message(timeout=0.3)):
             messages.append((message[0].decode(), parse_notices(message[1])))
         assert [(channel, [rid for rid, _ in notices]) for channel, notices in messages] == [
-            (CHANNEL, ["a", "c", "d"]), (other, ["b"])]
+            (NOTICE_CHANNEL, ["a", "c", "d"]), (other, ["b"])]
         delivered = dict(messages[0][1] + messages[1][1])
         for rid in "abc":
             assert delivered[rid] == await q.collect(rid)
@@ -118,9 +118,9 @@ async def test_a_batch_wakes_each_waiting_gateway_once_with_all_its_replies(redi
 async def test_one_message_carries_at_most_the_notice_cap_of_results(redis_url):
     async with open_queue(redis_url) as q:
         pubsub = ShardedSubscriber(q.redis)
-        await pubsub.subscribe(CHANNEL)
+        await pubsub.subscribe(NOTICE_CHANNEL)
         for rid in ("r0", "r1", "r2"):
-            await q.enqueue(rid, items(3), timeout_ms=60_000, channel=CHANNEL)
+            await q.enqueue(rid, items(3), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         mid = encode_ok(np.ones(7_000, np.float32), 1.0, 2.0)  # 28 kB each, 2 fit in 64 kB
         await q.ack(claim.batch_id, [(e, mid) for e in claim.entries])
@@ -141,8 +141,8 @@ def test_a_truncated_notice_is_refused_not_misread():
 async def test_items_are_queued_in_order_with_their_token_ids(redis_url):
     async with open_queue(redis_url, ManualClock()) as q:
         a_items, b_items = items(2, 7), items(1)
-        a = await q.enqueue("a", a_items, timeout_ms=1_000, channel=CHANNEL)
-        b = await q.enqueue("b", b_items, timeout_ms=1_000, channel=CHANNEL)
+        a = await q.enqueue("a", a_items, timeout_ms=1_000, notice_channel=NOTICE_CHANNEL)
+        b = await q.enqueue("b", b_items, timeout_ms=1_000, notice_channel=NOTICE_CHANNEL)
         stored = await q.redis.lrange(q.keys.pending, 0, -1)
         assert stored == list(stored_entries(a, a_items) + stored_entries(b, b_items))
         first = parse_entry(stored[1])
@@ -154,9 +154,9 @@ async def test_items_are_queued_in_order_with_their_token_ids(redis_url):
 
 async def test_over_cap_request_is_rejected_whole(redis_url):
     async with open_queue(redis_url, max_queued_tokens=100) as q:
-        await q.enqueue("small", items(30, 30), timeout_ms=5_000, channel=CHANNEL)
+        await q.enqueue("small", items(30, 30), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         with pytest.raises(QueueFull) as excinfo:
-            await q.enqueue("big", items(10, 20, 20), timeout_ms=5_000, channel=CHANNEL)
+            await q.enqueue("big", items(10, 20, 20), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         assert excinfo.value.queued_tokens == 60 and excinfo.value.request_tokens == 50
         assert await q.redis.llen(q.keys.pending) == 2
         assert not await q.redis.exists(q.keys.reply("big"))
@@ -164,20 +164,20 @@ async def test_over_cap_request_is_rejected_whole(redis_url):
         assert (stats.queued_tokens, stats.counters["rejected"]) == (60, 3)  # items
         # An empty queue takes any one request, so no request is too big to ever be served.
         await q.claim(600)
-        await q.enqueue("huge", items(400), timeout_ms=5_000, channel=CHANNEL)
+        await q.enqueue("huge", items(400), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         assert (await q.stats()).queued_tokens == 400
 
 
 async def test_request_id_with_a_colon_is_refused(redis_url):
     async with open_queue(redis_url) as q:
         with pytest.raises(ValueError, match="no ':'"):
-            await q.enqueue("a:b", items(1), timeout_ms=5_000, channel=CHANNEL)
+            await q.enqueue("a:b", items(1), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         assert await q.redis.llen(q.keys.pending) == 0
 
 
 async def test_claim_never_exceeds_budget_and_a_long_item_goes_alone(redis_url):
     async with open_queue(redis_url, lookahead=0) as q:
-        await q.enqueue("r", items(300, 200, 200, 900, 5), timeout_ms=5_000, channel=CHANNEL)
+        await q.enqueue("r", items(300, 200, 200, 900, 5), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         sizes = []
         while (claim := await q.claim(600)) is not None:
             sizes.append([e.num_tokens for e in claim.entries])
@@ -187,7 +187,7 @@ async def test_claim_never_exceeds_budget_and_a_long_item_goes_alone(redis_url):
 async def test_lookahead_fills_the_budget_past_an_item_that_does_not_fit(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lookahead=2, max_skip_age_ms=50) as q:
-        await q.enqueue("r", items(400, 300, 100, 100, 50), timeout_ms=5_000, channel=CHANNEL)
+        await q.enqueue("r", items(400, 300, 100, 100, 50), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         assert [e.num_tokens for e in claim.entries] == [400, 100, 100]
         # The passed-over item is still first, and goes next.
@@ -198,7 +198,7 @@ async def test_lookahead_fills_the_budget_past_an_item_that_does_not_fit(redis_u
 async def test_an_old_item_is_never_passed_over(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lookahead=2, max_skip_age_ms=50) as q:
-        await q.enqueue("r", items(400, 300, 100), timeout_ms=5_000, channel=CHANNEL)
+        await q.enqueue("r", items(400, 300, 100), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         clock.advance(50)
         claim = await q.claim(600)
         assert [e.num_tokens for e in claim.entries] == [400]
@@ -207,8 +207,8 @@ async def test_an_old_item_is_never_passed_over(redis_url):
 async def test_expired_deadlines_never_reach_a_model(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock) as q:
-        await q.enqueue("late", items(3, 4), timeout_ms=100, channel=CHANNEL)
-        await q.enqueue("fine", items(5), timeout_ms=10_000, channel=CHANNEL)
+        await q.enqueue("late", items(3, 4), timeout_ms=100, notice_channel=NOTICE_CHANNEL)
+        await q.enqueue("fine", items(5), timeout_ms=10_000, notice_channel=NOTICE_CHANNEL)
         clock.advance(100)
         claim = await q.claim(600)
         assert [(e.request_id, e.index) for e in claim.entries] == [("fine", 0)]
@@ -224,8 +224,8 @@ async def test_claim_clears_a_run_of_dead_entries_longer_than_one_step(redis_url
     clock = ManualClock()
     async with open_queue(redis_url, clock, light_tokens=0) as q:  # one lane: dead ones first
         num_dead = MAX_DROPS_PER_CLAIM + 200
-        await q.enqueue("late", items(*[1] * num_dead), timeout_ms=10, channel=CHANNEL)
-        await q.enqueue("fine", items(2), timeout_ms=10_000, channel=CHANNEL)
+        await q.enqueue("late", items(*[1] * num_dead), timeout_ms=10, notice_channel=NOTICE_CHANNEL)
+        await q.enqueue("fine", items(2), timeout_ms=10_000, notice_channel=NOTICE_CHANNEL)
         clock.advance(10)
         claim = await q.claim(600)
         assert [e.request_id for e in claim.entries] == ["fine"]
@@ -234,8 +234,8 @@ async def test_claim_clears_a_run_of_dead_entries_longer_than_one_step(redis_url
 
 async def test_cancel_drops_queued_and_inflight_items(redis_url):
     async with open_queue(redis_url) as q:
-        await q.enqueue("a", items(10, 10), timeout_ms=5_000, channel=CHANNEL)
-        b = await q.enqueue("b", items(7), timeout_ms=5_000, channel=CHANNEL)
+        await q.enqueue("a", items(10, 10), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
+        b = await q.enqueue("b", items(7), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(10)  # a's first item is now in flight
         assert await q.cancel("a") is True
         assert await q.cancel("a") is False  # already gone
@@ -258,7 +258,7 @@ async def test_stats_in_one_call(redis_url):
     async with open_queue(redis_url, clock) as q:
         empty = await q.stats()
         assert (empty.queued_entries, empty.oldest_age_ms, empty.counters) == (0, 0, {})
-        await q.enqueue("a", items(10, 20, 30), timeout_ms=5_000, channel=CHANNEL)
+        await q.enqueue("a", items(10, 20, 30), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         clock.advance(250)
         await q.claim(30)
         stats = await q.stats()
@@ -276,7 +276,7 @@ async def test_budget_round_trip(redis_url):
 async def test_concurrent_enqueues_keep_each_request_contiguous(redis_url):
     async with open_queue(redis_url) as q:
         await asyncio.gather(*(q.enqueue(f"r{i}", items(*[1] * 50), timeout_ms=5_000,
-                                         channel=CHANNEL) for i in range(8)))
+                                         notice_channel=NOTICE_CHANNEL) for i in range(8)))
         stored = [parse_entry(raw) for raw in await q.redis.lrange(q.keys.pending, 0, -1)]
         runs = [stored[i:i + 50] for i in range(0, 400, 50)]
         for run in runs:

@@ -35,16 +35,16 @@ async def test_lane_depth_summed_over_shards_matches_the_lists(redis_url):
                                                           max_attempts=5), clock=clock)
     try:
         # Shard 0: the light lane shorter by entries; shard 1: the heavy lane; shard 2: light only.
-        await q.shard(0).enqueue("s0-l", items(7, 9), timeout_ms=60_000, channel="c")
-        await q.shard(0).enqueue("s0-h", items(100, 90, 80), timeout_ms=60_000, channel="c")
-        await q.shard(0).enqueue("s0-h2", items(200), timeout_ms=60_000, channel="c")
+        await q.shard(0).enqueue("s0-l", items(7, 9), timeout_ms=60_000, notice_channel="c")
+        await q.shard(0).enqueue("s0-h", items(100, 90, 80), timeout_ms=60_000, notice_channel="c")
+        await q.shard(0).enqueue("s0-h2", items(200), timeout_ms=60_000, notice_channel="c")
         for r in range(4):
-            await q.shard(1).enqueue(f"s1-l{r}", items(3, 5), timeout_ms=60_000, channel="c")
-        await q.shard(1).enqueue("s1-h", items(300), timeout_ms=60_000, channel="c")
-        await q.shard(2).enqueue("s2-l", items(11), timeout_ms=500, channel="c")
+            await q.shard(1).enqueue(f"s1-l{r}", items(3, 5), timeout_ms=60_000, notice_channel="c")
+        await q.shard(1).enqueue("s1-h", items(300), timeout_ms=60_000, notice_channel="c")
+        await q.shard(2).enqueue("s2-l", items(11), timeout_ms=500, notice_channel="c")
         # Batch-class work on shards 1 and 2, light and heavy sized alike.
-        await q.shard(1).enqueue("s1-b", items(4, 150), timeout_ms=60_000, channel="c", priority="batch")
-        await q.shard(2).enqueue("s2-b", items(6), timeout_ms=60_000, channel="c", priority="batch")
+        await q.shard(1).enqueue("s1-b", items(4, 150), timeout_ms=60_000, notice_channel="c", priority="batch")
+        await q.shard(2).enqueue("s2-b", items(6), timeout_ms=60_000, notice_channel="c", priority="batch")
         stats = await q.stats.read()
         assert stats.lanes == await _held(q) == {"light": (11, 59), "heavy": (5, 770), "batch": (3, 160)}
         assert stats.queued_tokens == 989 and stats.queued_entries == 19

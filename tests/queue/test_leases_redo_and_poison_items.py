@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
+from queue_support import NOTICE_CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
 from tokq.queue.wire import decode_result, encode_error
 from tokq.queue.shard import parse_notices
@@ -20,12 +20,12 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
         pubsub = ShardedSubscriber(q.redis)
-        await pubsub.subscribe(CHANNEL)  # confirmed when it returns
+        await pubsub.subscribe(NOTICE_CHANNEL)  # confirmed when it returns
         stalled = ShardedSubscriber(q.redis)
         await stalled.subscribe(q.worker_channel)  # its process lives on: redone at expiry
-        await q.enqueue("r", items(5, 5, 5), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 5, 5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         crashed = await q.claim(10)  # items 0 and 1; this worker never acks
-        await q.enqueue("later", items(5), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("later", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         clock.advance(999)
         assert await q.requeue_expired() == (0, 0)
         clock.advance(1)
@@ -57,7 +57,7 @@ async def test_crashed_worker_batch_is_redone_and_seen_once(redis_url):
 async def test_late_ack_before_the_redo_answers_once(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
-        await q.enqueue("r", items(5, 5), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         slow = await q.claim(600)
         clock.advance(1_000)
         await q.requeue_expired()
@@ -76,7 +76,7 @@ async def test_late_ack_before_the_redo_answers_once(redis_url):
 async def test_poison_items_stop_after_max_attempts(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000, max_attempts=3) as q:
-        await q.enqueue("poison", items(5, 5), timeout_ms=600_000, channel=CHANNEL)
+        await q.enqueue("poison", items(5, 5), timeout_ms=600_000, notice_channel=NOTICE_CHANNEL)
         outcomes = []
         for _ in range(10):
             claim = await q.claim(600)
@@ -97,7 +97,7 @@ async def test_poison_items_stop_after_max_attempts(redis_url):
 async def test_renewed_lease_is_not_requeued(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
-        await q.enqueue("r", items(5), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         for _ in range(3):
             clock.advance(800)
@@ -116,7 +116,7 @@ async def test_requeue_says_when_the_next_lease_expires_or_is_due_a_check(redis_
         await owner.subscribe(q.worker_channel)  # alive: leases go only at their deadline
         assert await q.requeue_expired() == (0, 0)
         assert q.next_expiry_ms is None  # no lease: the half-lease poll
-        await q.enqueue("r", items(5, 5), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         first = await q.claim(5)  # due at 1_000
         clock.advance(300)
         await q.claim(5)  # due at 1_300
@@ -140,7 +140,7 @@ async def test_a_lease_that_missed_a_renewal_is_redone_at_once_when_its_owner_is
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
         owner = ShardedSubscriber(q.redis)
         await owner.subscribe(q.worker_channel)
-        await q.enqueue("r", items(5), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         await q.claim(5)
         clock.advance(499)
         assert await q.requeue_expired() == (0, 0)  # renewed on time would be at 333: not due
@@ -158,7 +158,7 @@ async def test_a_lease_that_missed_a_renewal_is_redone_at_once_when_its_owner_is
 
 async def test_ack_is_idempotent(redis_url):
     async with open_queue(redis_url) as q:
-        await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 6), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         for _ in range(2):
             await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
@@ -169,7 +169,7 @@ async def test_ack_is_idempotent(redis_url):
 
 async def test_worker_can_ack_an_item_with_an_error(redis_url):
     async with open_queue(redis_url) as q:
-        await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 6), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         first, second = claim.entries
         await q.ack(claim.batch_id, [(first, ok_result(first)),
@@ -184,7 +184,7 @@ async def test_an_ack_counts_embeddings_as_acked_and_every_error_answer_as_faile
     """acked: items answered with an embedding; failed: with an error, the worker's own error
     results included (they were counted as acked), and items it left out."""
     async with open_queue(redis_url) as q:
-        await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         refused, good, _left_out = claim.entries
         sent = [(refused, encode_error("INVALID_ARGUMENT", "token id 40000 is out of range")),
@@ -200,7 +200,7 @@ async def test_an_ack_counts_embeddings_as_acked_and_every_error_answer_as_faile
 async def test_a_late_error_ack_after_the_redo_counts_nothing(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
-        await q.enqueue("r", items(5, 5), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         slow = await q.claim(600)
         clock.advance(1_000)
         assert await q.requeue_expired() == (2, 0)
@@ -216,7 +216,7 @@ async def test_an_item_answered_by_a_late_ack_is_not_failed_when_its_redo_runs_o
     crashed on its last attempt: its answer stays the embedding, and it is not counted failed."""
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000, max_attempts=2) as q:
-        await q.enqueue("r", items(5), timeout_ms=600_000, channel=CHANNEL)
+        await q.enqueue("r", items(5), timeout_ms=600_000, notice_channel=NOTICE_CHANNEL)
         slow = await q.claim(600)
         clock.advance(1_000)
         assert await q.requeue_expired() == (1, 0)
@@ -231,7 +231,7 @@ async def test_an_item_answered_by_a_late_ack_is_not_failed_when_its_redo_runs_o
 
 async def test_items_left_out_of_an_ack_are_answered_with_an_error(redis_url):
     async with open_queue(redis_url) as q:
-        await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         await q.ack(claim.batch_id, [(claim.entries[1], ok_result(claim.entries[1]))])
         results = {i: decode_result(r) for i, r in (await q.collect("r")).items()}
@@ -245,7 +245,7 @@ async def test_items_left_out_of_an_ack_are_answered_with_an_error(redis_url):
 async def test_poison_item_does_not_use_up_its_batch_mates_attempts(redis_url, max_attempts):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000, max_attempts=max_attempts) as q:
-        await q.enqueue("r", items(5, 5, 5), timeout_ms=600_000, channel=CHANNEL)
+        await q.enqueue("r", items(5, 5, 5), timeout_ms=600_000, notice_channel=NOTICE_CHANNEL)
         for _ in range(20):
             claim = await q.claim(600)
             if claim is None:
@@ -266,7 +266,7 @@ async def test_a_crashed_workers_many_items_come_back_in_full_batches(redis_url)
     batches, not one forward each."""
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
-        await q.enqueue("r", items(*[4] * 300), timeout_ms=600_000, channel=CHANNEL)
+        await q.enqueue("r", items(*[4] * 300), timeout_ms=600_000, notice_channel=NOTICE_CHANNEL)
         held = [await q.claim(400), await q.claim(400)]  # a batch and its prefetch: 200 items
         clock.advance(1_000)
         assert await q.requeue_expired() == (200, 0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import tokq.lua
-from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
+from queue_support import NOTICE_CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
 from tokq.queue.wire import decode_result
 from tokq.queue.scripts import script_names, script_source
@@ -42,8 +42,8 @@ def test_a_reply_delivered_in_its_notice_is_kept_the_grace_of_a_collected_one():
 async def test_every_script_is_exercised(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
-        await q.enqueue("kept", items(3, 4), timeout_ms=10_000, channel=CHANNEL)
-        dropped = await q.enqueue("dropped", items(5), timeout_ms=10_000, channel=CHANNEL)
+        await q.enqueue("kept", items(3, 4), timeout_ms=10_000, notice_channel=NOTICE_CHANNEL)
+        dropped = await q.enqueue("dropped", items(5), timeout_ms=10_000, notice_channel=NOTICE_CHANNEL)
         await q.cancel(dropped.request_id)
         claim = await q.claim(600)
         assert await q.renew(claim.batch_id)
@@ -59,7 +59,7 @@ async def test_every_script_is_exercised(redis_url):
 
 async def test_script_flush_mid_run_recovers(redis_url):
     async with open_queue(redis_url) as q:
-        await q.enqueue("r", items(3, 4), timeout_ms=10_000, channel=CHANNEL)
+        await q.enqueue("r", items(3, 4), timeout_ms=10_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(3)
         await q.redis.script_flush()
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
@@ -73,11 +73,11 @@ async def test_script_flush_mid_run_recovers(redis_url):
 @pytest.mark.redis_kinds("standalone")  # restarts the standalone server
 async def test_redis_restart_mid_run_recovers(redis_server, redis_url):
     async with open_queue(redis_url) as q:
-        await q.enqueue("lost", items(3), timeout_ms=10_000, channel=CHANNEL)
+        await q.enqueue("lost", items(3), timeout_ms=10_000, notice_channel=NOTICE_CHANNEL)
         await q.claim(600)
         redis_server.restart()  # no persistence: everything queued is gone, as after a crash
         assert (await q.stats()).queued_entries == 0
-        await q.enqueue("after", items(2, 2), timeout_ms=10_000, channel=CHANNEL)
+        await q.enqueue("after", items(2, 2), timeout_ms=10_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         results = await q.collect("after")

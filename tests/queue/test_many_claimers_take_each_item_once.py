@@ -7,7 +7,7 @@ import random
 from collections import Counter
 
 import pytest
-from queue_support import CHANNEL, items, keys_left, ok_result, open_queue
+from queue_support import NOTICE_CHANNEL, items, keys_left, ok_result, open_queue
 
 from tokq.queue.shard import Claim
 
@@ -37,7 +37,7 @@ async def test_eight_claimers_drain_ten_thousand_items_exactly_once(redis_url):
             # Mostly short items and, now and then, one longer than the whole budget.
             counts = [rng.choice((700, 900)) if rng.random() < 0.002 else rng.randint(1, 60)
                       for _ in range(ITEMS_PER_REQUEST)]
-            await q.enqueue(f"r{r}", items(*counts), timeout_ms=600_000, channel=CHANNEL)
+            await q.enqueue(f"r{r}", items(*counts), timeout_ms=600_000, notice_channel=NOTICE_CHANNEL)
 
         per_claimer = await asyncio.gather(*(_drain(redis_url) for _ in range(NUM_CLAIMERS)))
 

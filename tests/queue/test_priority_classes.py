@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from queue_support import CHANNEL, ManualClock, all_keys, items, keys_left, ok_result, open_queue
+from queue_support import NOTICE_CHANNEL, ManualClock, all_keys, items, keys_left, ok_result, open_queue
 
 from tokq.queue import PRIORITIES
 from tokq.queue.claim_rule import batch_share_tokens, isolate_attempt_for, plan_claim
@@ -39,7 +39,7 @@ async def test_an_unknown_priority_is_refused_and_queues_nothing(redis_url):
             await sharded.producer.enqueue("r1", items(3), timeout_ms=MINUTE_MS, gateway_id="gw",
                                            priority="urgent")
         with pytest.raises(ValueError, match="priority"):
-            await q.enqueue("r2", items(3), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="BATCH")
+            await q.enqueue("r2", items(3), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="BATCH")
         assert sharded.producer.shard_of_request("r1") is None
         assert await all_keys(q) == set()
 
@@ -63,10 +63,10 @@ async def test_each_class_goes_to_its_lanes(redis_url):
 async def test_interactive_work_first_and_batch_work_fills_the_room_left(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lookahead=2) as q:
-        await q.enqueue("b", items(40, 30, 20, 10), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
+        await q.enqueue("b", items(40, 30, 20, 10), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
         clock.advance(5)
-        await q.enqueue("i", items(25, 25), timeout_ms=MINUTE_MS, channel=CHANNEL)
-        await q.enqueue("h", items(150), timeout_ms=MINUTE_MS, channel=CHANNEL)
+        await q.enqueue("i", items(25, 25), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
+        await q.enqueue("h", items(150), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
         # Interactive first by the usual rule (light 50, heavy 150), although the batch work is
         # older; batch work fills the 40 left.
         claim = await q.claim(240)
@@ -81,8 +81,8 @@ async def test_interactive_work_first_and_batch_work_fills_the_room_left(redis_u
 
 async def test_batch_work_passed_over_keeps_its_place_and_an_oversized_head_goes_alone(redis_url):
     async with open_queue(redis_url, ManualClock(), lookahead=2) as q:
-        await q.enqueue("b", items(300, 50, 10), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
-        await q.enqueue("i", items(30), timeout_ms=MINUTE_MS, channel=CHANNEL)
+        await q.enqueue("b", items(300, 50, 10), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
+        await q.enqueue("i", items(30), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(100)  # interactive 30; batch 300 passed over, 50 and 10 fit
         assert [e.num_tokens for e in claim.entries] == [30, 50, 10]
         assert claim.num_batch == 2
@@ -93,10 +93,10 @@ async def test_batch_work_passed_over_keeps_its_place_and_an_oversized_head_goes
 async def test_a_starving_batch_lane_gets_its_share_of_every_claim(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, batch_share=0.25, batch_starve_ms=1_000) as q:
-        await q.enqueue("b", items(*[10] * 100), timeout_ms=10 * MINUTE_MS, channel=CHANNEL,
+        await q.enqueue("b", items(*[10] * 100), timeout_ms=10 * MINUTE_MS, notice_channel=NOTICE_CHANNEL,
                         priority="batch")
         for n in range(30):  # light work that fills every budget on its own
-            await q.enqueue(f"i{n}", items(*[20] * 6), timeout_ms=10 * MINUTE_MS, channel=CHANNEL)
+            await q.enqueue(f"i{n}", items(*[20] * 6), timeout_ms=10 * MINUTE_MS, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(200)  # the batch head is young: interactive work alone
         assert claim.num_batch == 0 and claim.num_tokens == 200
         clock.advance(999)
@@ -148,13 +148,13 @@ async def test_a_deep_batch_backlog_never_delays_interactive_work_past_the_next_
     clock = ManualClock()
     async with open_queue(redis_url, clock, batch_starve_ms=1_000, max_queued_batch_tokens=10**9) as q:
         for r in range(10):
-            await q.enqueue(f"b{r}", items(*[50] * 1_000), timeout_ms=10 * MINUTE_MS, channel=CHANNEL,
+            await q.enqueue(f"b{r}", items(*[50] * 1_000), timeout_ms=10 * MINUTE_MS, notice_channel=NOTICE_CHANNEL,
                             priority="batch")
         for starving in (False, True):
             if starving:
                 clock.advance(1_000)
-            await q.enqueue(f"light-{starving}", items(5), timeout_ms=MINUTE_MS, channel=CHANNEL)
-            await q.enqueue(f"heavy-{starving}", items(300, 100), timeout_ms=MINUTE_MS, channel=CHANNEL)
+            await q.enqueue(f"light-{starving}", items(5), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
+            await q.enqueue(f"heavy-{starving}", items(300, 100), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
             claim = await q.claim(600)
             # Every interactive item in this claim (its 405 tokens fit the 450 a starving batch
             # lane leaves); batch work after it, within the budget.
@@ -168,9 +168,9 @@ async def test_a_deep_batch_backlog_never_delays_interactive_work_past_the_next_
 
 async def test_light_only_claims_never_read_batch_work(redis_url):
     async with open_queue(redis_url, ManualClock(), batch_starve_ms=0) as q:
-        await q.enqueue("b", items(5), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
+        await q.enqueue("b", items(5), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
         assert await q.claim(128, lanes="light") is None
-        await q.enqueue("i", items(5), timeout_ms=MINUTE_MS, channel=CHANNEL)
+        await q.enqueue("i", items(5), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(128, lanes="light")
         assert [e.request_id for e in claim.entries] == ["i"] and claim.stop == "preempt"
 
@@ -179,15 +179,15 @@ async def test_a_batch_backlog_at_its_cap_never_refuses_interactive_work(redis_u
     async with open_queue(redis_url, ManualClock(), max_queued_tokens=1_000,
                           max_queued_batch_tokens=500) as q:
         for r in range(5):
-            await q.enqueue(f"b{r}", items(100), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
+            await q.enqueue(f"b{r}", items(100), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
         with pytest.raises(QueueFull) as full:
-            await q.enqueue("b-over", items(1), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
+            await q.enqueue("b-over", items(1), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
         assert (full.value.queued_tokens, full.value.max_queued_tokens, full.value.priority) == (
             500, 500, "batch")
         # Interactive work has its own cap: the full batch class counts nothing against it.
-        await q.enqueue("i", items(600, 400), timeout_ms=MINUTE_MS, channel=CHANNEL)
+        await q.enqueue("i", items(600, 400), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
         with pytest.raises(QueueFull) as full:
-            await q.enqueue("i-over", items(1), timeout_ms=MINUTE_MS, channel=CHANNEL)
+            await q.enqueue("i-over", items(1), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
         assert (full.value.queued_tokens, full.value.priority) == (1_000, "interactive")
         stats = await q.stats()
         assert stats.queued_tokens == 1_500 and stats.counters["rejected"] == 2
@@ -195,23 +195,23 @@ async def test_a_batch_backlog_at_its_cap_never_refuses_interactive_work(redis_u
         # Claimed batch work makes room for batch work again.
         claim = await q.claim(1_200)
         assert claim.num_batch == 2
-        await q.enqueue("b-later", items(200), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
+        await q.enqueue("b-later", items(200), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
 
 
 async def test_an_empty_batch_class_takes_one_request_over_its_cap(redis_url):
     async with open_queue(redis_url, ManualClock(), max_queued_tokens=10,
                           max_queued_batch_tokens=10) as q:
-        await q.enqueue("i", items(50), timeout_ms=MINUTE_MS, channel=CHANNEL)
-        await q.enqueue("b", items(50), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
+        await q.enqueue("i", items(50), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
+        await q.enqueue("b", items(50), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
         with pytest.raises(QueueFull):
-            await q.enqueue("b2", items(1), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
+            await q.enqueue("b2", items(1), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
 
 
 async def test_a_crashed_worker_s_batch_items_are_redone_in_the_batch_lane(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
-        await q.enqueue("b", items(10, 10), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
-        await q.enqueue("i", items(300), timeout_ms=MINUTE_MS, channel=CHANNEL)
+        await q.enqueue("b", items(10, 10), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
+        await q.enqueue("i", items(300), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL)
         crashed = await q.claim(600)
         assert _lanes(crashed) == ["heavy", "batch", "batch"]
         assert await q.redis.hget(q.keys.lease_batch_counts, crashed.batch_id) == b"2"
@@ -236,10 +236,10 @@ async def test_a_crashed_worker_s_batch_items_are_redone_in_the_batch_lane(redis
 async def test_a_poison_batch_item_is_isolated_and_stopped(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000, max_attempts=3, batch_starve_ms=1_000) as q:
-        await q.enqueue("b", items(5, 5), timeout_ms=10 * MINUTE_MS, channel=CHANNEL, priority="batch")
+        await q.enqueue("b", items(5, 5), timeout_ms=10 * MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
         batches = []
         for n in range(3):  # a worker crashes on every batch holding item b:0
-            await q.enqueue(f"i{n}", items(5), timeout_ms=10 * MINUTE_MS, channel=CHANNEL)
+            await q.enqueue(f"i{n}", items(5), timeout_ms=10 * MINUTE_MS, notice_channel=NOTICE_CHANNEL)
             claim = await q.claim(600)
             batches.append([(e.request_id, e.attempt) for e in claim.entries])
             assert any(e.request_id == "b" and e.index == 0 for e in claim.entries)
@@ -264,8 +264,8 @@ async def test_a_poison_batch_item_is_isolated_and_stopped(redis_url):
 async def test_a_cancelled_batch_request_leaves_nothing_in_redis(redis_url):
     clock = ManualClock()
     async with open_queue(redis_url, clock, lease_ms=1_000) as q:
-        await q.enqueue("b", items(5, 5, 5), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
-        await q.enqueue("b2", items(5), timeout_ms=MINUTE_MS, channel=CHANNEL, priority="batch")
+        await q.enqueue("b", items(5, 5, 5), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
+        await q.enqueue("b2", items(5), timeout_ms=MINUTE_MS, notice_channel=NOTICE_CHANNEL, priority="batch")
         claim = await q.claim(10)  # two of b's items leased
         assert await q.cancel("b") and await q.cancel("b2")
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])  # answers nothing

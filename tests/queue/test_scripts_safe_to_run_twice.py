@@ -11,7 +11,7 @@ import re
 
 import pytest
 from tokq.testing.fault_proxy import FaultProxy, script_sha
-from queue_support import CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
+from queue_support import NOTICE_CHANNEL, ManualClock, items, keys_left, ok_result, open_queue
 
 from tokq.queue.wire import decode_result, encode_error
 from tokq.queue.shard import COLLECT_GRACE_MS, LostAnswer
@@ -54,11 +54,11 @@ async def _setup_claimed(q):
 
 
 async def _op_enqueue(q, _):
-    return await q.enqueue("x", items(3, 4), timeout_ms=60_000, channel=CHANNEL)
+    return await q.enqueue("x", items(3, 4), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
 
 
 async def _op_enqueue_batch(q, _):
-    return await q.enqueue("xb", items(3, 4), timeout_ms=60_000, channel=CHANNEL, priority="batch")
+    return await q.enqueue("xb", items(3, 4), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL, priority="batch")
 
 
 async def _op_claim(q, _):
@@ -94,13 +94,13 @@ async def _op_heartbeat(q, _):
 
 
 async def _setup_queued(q):
-    await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, channel=CHANNEL)
-    await q.enqueue("rb", items(4), timeout_ms=60_000, channel=CHANNEL, priority="batch")
+    await q.enqueue("r", items(5, 6, 7), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
+    await q.enqueue("rb", items(4), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL, priority="batch")
 
 
 async def _setup_answered(q):
-    await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
-    await q.enqueue("rb", items(4), timeout_ms=60_000, channel=CHANNEL, priority="batch")
+    await q.enqueue("r", items(5, 6), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
+    await q.enqueue("rb", items(4), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL, priority="batch")
     return await q.claim(600)
 
 
@@ -161,7 +161,7 @@ async def test_an_ack_run_again_after_its_answer_was_lost_counts_each_answer_onc
     proxy = FaultProxy(redis_url).start()
     try:
         async with open_queue(proxy.url) as q:
-            await q.enqueue("r", items(5, 6), timeout_ms=60_000, channel=CHANNEL)
+            await q.enqueue("r", items(5, 6), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
             claim = await q.claim(600)
             refused, good = claim.entries
             proxy.cut_next(script_sha("ack"))
@@ -179,10 +179,10 @@ async def test_a_repeated_enqueue_is_never_rejected_by_the_cap(redis_url):
     proxy = FaultProxy(redis_url).start()
     try:
         async with open_queue(redis_url, max_queued_tokens=10) as warm:
-            await warm.enqueue("warm", items(1), timeout_ms=60_000, channel=CHANNEL)
+            await warm.enqueue("warm", items(1), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         async with open_queue(proxy.url, max_queued_tokens=10) as q:
             proxy.cut_next(script_sha("enqueue"))
-            enq = await q.enqueue("full", items(9), timeout_ms=60_000, channel=CHANNEL)
+            enq = await q.enqueue("full", items(9), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
             assert proxy.cuts == 1 and enq.deadline_ms == enq.ts_ms + 60_000
             assert (await q.stats()).queued_tokens == 10
             assert "rejected" not in (await q.stats()).counters
@@ -192,16 +192,16 @@ async def test_a_repeated_enqueue_is_never_rejected_by_the_cap(redis_url):
 
 async def test_a_reused_request_id_is_told_apart_from_a_repeat(redis_url):
     async with open_queue(redis_url) as q:
-        first = await q.enqueue("r", items(1, 2), timeout_ms=5_000, channel=CHANNEL)
-        assert await q.enqueue("r", items(1, 2), timeout_ms=5_000, channel=CHANNEL) == first
+        first = await q.enqueue("r", items(1, 2), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
+        assert await q.enqueue("r", items(1, 2), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL) == first
         with pytest.raises(ValueError, match="already used"):
-            await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
+            await q.enqueue("r", items(1), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
         assert await q.redis.llen(q.keys.pending) == 2
 
 
 async def test_a_collected_reply_is_kept_only_a_short_grace(redis_url):
     async with open_queue(redis_url) as q:
-        await q.enqueue("r", items(2), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("r", items(2), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         claim = await q.claim(600)
         await q.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
         first = await q.collect("r")
@@ -221,7 +221,7 @@ async def test_an_answer_lost_on_every_retry_raises_lost_answer(redis_url):
             await q.stats()  # scripts loaded, connection warm
             proxy.cut_rate(1.0, script_sha("enqueue"))
             with pytest.raises(LostAnswer, match="enqueue"):
-                await q.enqueue("r", items(1), timeout_ms=5_000, channel=CHANNEL)
+                await q.enqueue("r", items(1), timeout_ms=5_000, notice_channel=NOTICE_CHANNEL)
             proxy.reset()
             # It did run (three times, as one): queued once, and the caller may now cancel it.
             assert (await q.stats()).queued_entries == 1
@@ -238,7 +238,7 @@ async def test_the_claim_after_a_claim_that_lost_its_answer_gets_that_batch(redi
     try:
         async with open_queue(proxy.url) as q:
             assert await q.claim(100) is None  # the claim script loaded (else NOSCRIPT is all that is lost)
-            await q.enqueue("r", items(5, 5), timeout_ms=3_000, channel=CHANNEL)
+            await q.enqueue("r", items(5, 5), timeout_ms=3_000, notice_channel=NOTICE_CHANNEL)
             proxy.cut_rate(1.0, script_sha("claim"))
             with pytest.raises(LostAnswer, match="claim"):
                 await q.claim(100)
@@ -267,11 +267,11 @@ async def test_an_enqueue_run_after_its_cancel_queues_nothing(redis_url):
         assert await q.cancel("late", enqueue_answered=False) is False  # it had not run yet
         assert 0 < await q.redis.pttl(q.keys.cancelled("late")) <= CANCELLED_TTL_MS
         with pytest.raises(RequestCancelled):
-            await q.enqueue("late", items(3), timeout_ms=60_000, channel=CHANNEL)
+            await q.enqueue("late", items(3), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         assert (await q.stats()).queued_entries == 0
         assert not await q.redis.exists(q.keys.reply("late"))
 
-        await q.enqueue("answered", items(3), timeout_ms=60_000, channel=CHANNEL)
+        await q.enqueue("answered", items(3), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         assert await q.cancel("answered") is True
         assert not await q.redis.exists(q.keys.cancelled("answered"))
         assert await q.claim(600) is None  # its entry dropped as an orphan

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import redis.utils
-from queue_support import CHANNEL, items, open_queue
+from queue_support import NOTICE_CHANNEL, items, open_queue
 
 from tokq.queue.shard import Queue
 from tokq.redis.pubsub import ShardedSubscriber
@@ -41,7 +41,7 @@ async def test_an_enqueue_wakes_one_idle_worker_and_a_claim_that_leaves_work_the
         for q in workers:
             await q.mark_idle(True)
 
-        await a.enqueue("r", items(5, 5, 5), timeout_ms=60_000, channel=CHANNEL)
+        await a.enqueue("r", items(5, 5, 5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         heard = [await _heard(s) for s in owners]
         assert sorted(heard) == [0, 0, 1] and await _heard(broadcast) == 0
         woken = workers[heard.index(1)]
@@ -63,14 +63,14 @@ async def test_a_dead_registered_worker_is_skipped_and_nobody_registered_means_e
             await live.ack(claim.batch_id, [])
 
         await dead.mark_idle(True)  # registered, but nobody listens on its channel: skipped,
-        await live.enqueue("r", items(5), timeout_ms=60_000, channel=CHANNEL)  # then everyone
+        await live.enqueue("r", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)  # then everyone
         assert (await _heard(live_owner), await _heard(broadcast)) == (0, 1)
         assert await live.redis.scard(live.keys.idle) == 0
         await drain()
 
         await dead.mark_idle(True)
         await live.mark_idle(True)
-        await live.enqueue("s", items(5), timeout_ms=60_000, channel=CHANNEL)
+        await live.enqueue("s", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         assert (await _heard(live_owner), await _heard(broadcast)) == (1, 0)  # the live one
         await drain()
         for s in (live_owner, broadcast):
@@ -103,25 +103,25 @@ async def test_light_work_tells_one_worker_in_a_heavy_forward_only_as_the_light_
     async with open_queue(redis_url) as a, open_queue(redis_url) as b:
         owners = [await _listener(q, q.worker_channel) for q in (a, b)]
         broadcast = await _listener(a, a.keys.work_channel)
-        await a.enqueue("h1", items(200), timeout_ms=60_000, channel=CHANNEL)  # heavy, queued
+        await a.enqueue("h1", items(200), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)  # heavy, queued
         assert await _said(broadcast) == [b"1"]  # (nobody idle, nobody pre-emptible)
         for q in (a, b):
             await q.mark_preemptible(True)
-        await a.enqueue("h2", items(200), timeout_ms=60_000, channel=CHANNEL)
+        await a.enqueue("h2", items(200), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         assert [await _said(s) for s in owners] == [[], []]  # heavy work: nobody is told
 
-        await a.enqueue("l1", items(5), timeout_ms=60_000, channel=CHANNEL)  # light lane: empty -> 1
+        await a.enqueue("l1", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)  # light lane: empty -> 1
         said = [await _said(s) for s in owners]
         assert sorted(said) == [[], [b"light"]] and await _said(broadcast) == []
         told = (a, b)[said.index([b"light"])]
         assert await a.redis.smembers(a.keys.preemptible) == {({a, b} - {told}).pop().batch_prefix.encode()}
-        await a.enqueue("l2", items(5), timeout_ms=60_000, channel=CHANNEL)  # lane not empty: silent
+        await a.enqueue("l2", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)  # lane not empty: silent
         assert [await _said(s) for s in owners] == [[], []]
 
         claim = await told.claim(128, lanes="light")  # both light requests, no heavy one
         assert sorted(e.request_id for e in claim.entries) == ["l1", "l2"]
         await told.mark_preemptible(True)
-        await a.enqueue("l3", items(5), timeout_ms=60_000, channel=CHANNEL)  # empty again: told
+        await a.enqueue("l3", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)  # empty again: told
         assert sorted([await _said(s) for s in owners]) == [[], [b"light"]]
         for s in [*owners, broadcast]:
             await s.aclose()
@@ -130,10 +130,10 @@ async def test_light_work_tells_one_worker_in_a_heavy_forward_only_as_the_light_
 async def test_an_idle_worker_takes_light_work_before_a_worker_in_a_heavy_forward_is_told(redis_url):
     async with open_queue(redis_url) as idle, open_queue(redis_url) as busy:
         idle_owner, busy_owner = [await _listener(q, q.worker_channel) for q in (idle, busy)]
-        await busy.enqueue("h", items(200), timeout_ms=60_000, channel=CHANNEL)
+        await busy.enqueue("h", items(200), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         await busy.mark_preemptible(True)
         await idle.mark_idle(True)
-        await busy.enqueue("l", items(5), timeout_ms=60_000, channel=CHANNEL)
+        await busy.enqueue("l", items(5), timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         assert (await _said(idle_owner), await _said(busy_owner)) == ([b"work"], [])
         assert await busy.redis.smembers(busy.keys.preemptible) == {busy.batch_prefix.encode()}
         await busy.forget_worker("w")  # a worker that stops leaves the set

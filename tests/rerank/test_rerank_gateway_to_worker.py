@@ -54,7 +54,7 @@ async def _serve(redis_url, info, tokenizer, engines, request, *, budget=4096, c
     ``budget``); returns (the output or the exception, the claims)."""
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
-    router = ReplyRouter(pubsub, client, queue.producer.reply_key, [k.done_channel("gw-r") for k in queue.shard_keys()])
+    router = ReplyRouter(pubsub, client, queue.producer.reply_key, [k.notice_channel("gw-r") for k in queue.shard_keys()])
     await router.start()
     claims = []
     try:

@@ -95,7 +95,7 @@ async def _serve_one_batch(redis_url, info, tokenizer, engine, request: EmbedInp
     client, pubsub = connect(redis_url), connect_pubsub(redis_url)
     queue = ShardedQueue(client, info.queue_name, QueueConfig())
     router = ReplyRouter(pubsub, client, queue.producer.reply_key,
-                         [k.done_channel("gw-prefix") for k in queue.shard_keys()])
+                         [k.notice_channel("gw-prefix") for k in queue.shard_keys()])
     await router.start()
     try:
         served = ServedModel(info, tokenizer, queue, router, GatewayConfig(), "gw-prefix")

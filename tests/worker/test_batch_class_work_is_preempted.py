@@ -32,7 +32,7 @@ def engine():
 
 async def _enqueue_batch_class(queue, request_id: str, seqs) -> None:
     await queue.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
-                        channel=queue.keys.done_channel("test"), priority="batch")
+                        notice_channel=queue.keys.notice_channel("test"), priority="batch")
 
 
 async def test_a_batch_of_mostly_batch_class_work_is_heavy(redis_url):
@@ -40,22 +40,22 @@ async def test_a_batch_of_mostly_batch_class_work_is_heavy(redis_url):
         def body(n):
             return n, encode_body(np.arange(1, n + 1))
 
-        done = q.keys.done_channel("t")
+        notice = q.keys.notice_channel("t")
         for i in range(3):  # batch-class requests of light size: 180 batch-lane tokens
-            await q.enqueue(f"b{i}", [body(60)], timeout_ms=60_000, channel=done, priority="batch")
+            await q.enqueue(f"b{i}", [body(60)], timeout_ms=60_000, notice_channel=notice, priority="batch")
         claim = await q.claim(512)
         assert (claim.num_tokens, claim.num_heavy, claim.num_batch) == (180, 0, 3)
         assert is_heavy(claim, HEAVY_TOKENS)
         assert not is_heavy(claim, 180)  # no more tokens than a light-only claim: not worth it
         for i in range(4):  # 240 light tokens beside 200 of batch work: mostly light
-            await q.enqueue(f"l{i}", [body(60)], timeout_ms=60_000, channel=done)
-        await q.enqueue("b-big", [body(200)], timeout_ms=60_000, channel=done, priority="batch")
+            await q.enqueue(f"l{i}", [body(60)], timeout_ms=60_000, notice_channel=notice)
+        await q.enqueue("b-big", [body(200)], timeout_ms=60_000, notice_channel=notice, priority="batch")
         claim = await q.claim(512)
         assert (claim.num_tokens, claim.num_heavy, claim.num_batch) == (440, 0, 1)
         assert not is_heavy(claim, HEAVY_TOKENS)
-        await q.enqueue("h", [body(150)], timeout_ms=60_000, channel=done)
-        await q.enqueue("b-more", [body(60)], timeout_ms=60_000, channel=done, priority="batch")
-        await q.enqueue("l-last", [body(50)], timeout_ms=60_000, channel=done)
+        await q.enqueue("h", [body(150)], timeout_ms=60_000, notice_channel=notice)
+        await q.enqueue("b-more", [body(60)], timeout_ms=60_000, notice_channel=notice, priority="batch")
+        await q.enqueue("l-last", [body(50)], timeout_ms=60_000, notice_channel=notice)
         claim = await q.claim(512)  # 50 light, 150 heavy, 60 batch: 210 of 260 not light
         assert (claim.num_tokens, claim.num_heavy, claim.num_batch) == (260, 1, 1)
         assert is_heavy(claim, HEAVY_TOKENS)

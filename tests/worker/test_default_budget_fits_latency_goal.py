@@ -112,7 +112,7 @@ async def _start(q, engine, config: WorkerConfig, worker_id: str):
 async def _answer_one(q, client, request_id: str) -> None:
     ids = np.array([101, 7592, 2088, 102])
     await client.enqueue(request_id, [(len(ids), encode_body(ids))], timeout_ms=60_000,
-                         channel=client.keys.done_channel("test"))
+                         notice_channel=client.keys.notice_channel("test"))
     deadline = time.monotonic() + 60
     while await q.redis.hlen(q.keys.reply(request_id)) < 4:  # the item + n, ch, t
         assert time.monotonic() < deadline, "no answer"

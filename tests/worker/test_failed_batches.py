@@ -17,7 +17,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from queue_support import CHANNEL, open_queue
+from queue_support import NOTICE_CHANNEL, open_queue
 from tokq import metrics
 from tokq.batch import PackedBatch
 from tokq.config import QueueConfig, WorkerConfig
@@ -116,7 +116,7 @@ async def _serve(redis_url, engine, bodies, *, exit=None, observer=None):
                                     exit=exit or exits.append)
         request_id = uuid.uuid4().hex
         items = [_item(ids) for ids in bodies]
-        await queue.enqueue(request_id, items, timeout_ms=60_000, channel=CHANNEL)
+        await queue.enqueue(request_id, items, timeout_ms=60_000, notice_channel=NOTICE_CHANNEL)
         error = None
         try:
             await worker.run(burst=True)

@@ -76,7 +76,7 @@ async def test_a_hung_forward_makes_the_worker_give_up_and_its_batch_is_redone(r
 
         hanging.hang.set()
         await q2.enqueue("r", [(len(t), encode_body(t)) for t in ids], timeout_ms=60_000,
-                         channel=q.keys.done_channel("test"))
+                         notice_channel=q.keys.notice_channel("test"))
         await asyncio.to_thread(hanging.entered.wait, 30)
 
         async def gave_up():
@@ -127,7 +127,7 @@ async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, en
         await asyncio.sleep(0.5)  # idle now: its first claim found nothing
         for n in range(3):  # each request arrives at an empty queue, so each sends a notice
             await q.enqueue(f"r{n}", [(3, encode_body([101, 2000 + n, 102]))], timeout_ms=60_000,
-                            channel=q.keys.done_channel("test"))
+                            notice_channel=q.keys.notice_channel("test"))
             reply = q.keys.reply(f"r{n}")
             await wait_for(lambda: _complete(q, reply, 1), 30, "the notice to wake the worker")
             assert decode_result((await q.collect(f"r{n}"))[0]).ok
@@ -150,7 +150,7 @@ async def test_a_missed_work_notice_costs_at_most_the_fallback_poll(redis_url, e
         # Queue an item behind an entry that keeps the queue non-empty, so no notice is sent.
         await q.redis.set(q.keys.tokens, 1)
         await q.enqueue("r", [(3, encode_body([101, 2000, 102]))], timeout_ms=60_000,
-                        channel=q.keys.done_channel("test"))
+                        notice_channel=q.keys.notice_channel("test"))
         await q.redis.incrby(q.keys.tokens, -1)
         await wait_for(lambda: _complete(q, q.keys.reply("r"), 1), 30, "the fallback claim")
         assert decode_result((await q.collect("r"))[0]).ok
@@ -190,7 +190,7 @@ async def test_the_hung_threshold_is_at_least_20x_the_warm_up_forward(redis_url,
         await wait_for(lambda: q.redis.exists(q.keys.heartbeat("slow")), 60, "the first heartbeat")
         assert worker.hung_after_s >= worker_module.HUNG_FACTOR * 0.2
         await q.enqueue("r", [(len(t), encode_body(t)) for t in ids], timeout_ms=60_000,
-                        channel=q.keys.done_channel("test"))
+                        notice_channel=q.keys.notice_channel("test"))
         await wait_for(lambda: _complete(q, q.keys.reply("r"), len(ids)), 60, "the answer")
         assert exits == [] and worker.healthy  # a 0.3 s forward, 3x --hung-forward-ms: not hung
         worker.stop()

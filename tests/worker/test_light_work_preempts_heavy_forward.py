@@ -55,19 +55,19 @@ async def test_only_a_batch_holding_heavy_lane_work_is_pre_empted(redis_url):
             return n, encode_body(np.arange(1, n + 1))
 
         for i in range(3):  # 3 light requests of 60 tokens: a 180-token batch, all light lane
-            await q.enqueue(f"light{i}", [body(60)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
+            await q.enqueue(f"light{i}", [body(60)], timeout_ms=60_000, notice_channel=q.keys.notice_channel("t"))
         light = await q.claim(512)
         assert light.num_tokens == 180 and light.num_heavy == 0
         assert not is_heavy(light, HEAVY_TOKENS)
-        await q.enqueue("small", [body(10)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
-        await q.enqueue("big", [body(100), body(100)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
+        await q.enqueue("small", [body(10)], timeout_ms=60_000, notice_channel=q.keys.notice_channel("t"))
+        await q.enqueue("big", [body(100), body(100)], timeout_ms=60_000, notice_channel=q.keys.notice_channel("t"))
         mixed = await q.claim(512)
         assert mixed.num_tokens == 210 and mixed.num_heavy == 2  # the light item first, then the heavy ones
         assert is_heavy(mixed, HEAVY_TOKENS)
         assert not is_heavy(mixed, 210)  # no more tokens than a light-only claim: not worth it
         for i in range(4):
-            await q.enqueue(f"light-{i}", [body(60)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
-        await q.enqueue("big2", [body(200)], timeout_ms=60_000, channel=q.keys.done_channel("t"))
+            await q.enqueue(f"light-{i}", [body(60)], timeout_ms=60_000, notice_channel=q.keys.notice_channel("t"))
+        await q.enqueue("big2", [body(200)], timeout_ms=60_000, notice_channel=q.keys.notice_channel("t"))
         mostly_light = await q.claim(512)
         assert mostly_light.num_tokens == 440 and mostly_light.num_heavy == 1
         assert not is_heavy(mostly_light, HEAVY_TOKENS)  # 200 of 440 tokens heavy: under half

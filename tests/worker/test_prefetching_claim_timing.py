@@ -40,7 +40,7 @@ async def test_work_after_a_short_forward_does_not_wait_for_the_long_forwards_de
 
         async def call(request_id: str) -> None:
             await client.enqueue(request_id, [(len(ids), encode_body(ids))], timeout_ms=600_000,
-                                 channel=client.keys.done_channel("test"))
+                                 notice_channel=client.keys.notice_channel("test"))
 
             async def answered():
                 return await q.redis.hlen(q.keys.reply(request_id)) >= 4  # the item + n, ch, t

@@ -126,9 +126,9 @@ class QueueKeys:
         answer) gets the same results; it expires by itself."""
         return f"{self.base}:collected:{request_id}"
 
-    def done_channel(self, gateway_id: str) -> str:
+    def notice_channel(self, gateway_id: str) -> str:
         """Shard channel (SSUBSCRIBE) a gateway listens on for notices of complete replies."""
-        return f"{self.base}:done:{gateway_id}"
+        return f"{self.base}:notice:{gateway_id}"
 
     @cached_property
     def work_channel(self) -> str:

@@ -138,7 +138,7 @@ class Producer:
                       timeout_ms: int, gateway_id: str,
                       priority: str = DEFAULT_PRIORITY) -> Enqueued:
         """Queue the request on one shard; its completion notice comes on that shard's
-        ``done_channel(gateway_id)``. Every enqueue must end in ``collect`` or ``cancel``.
+        ``notice_channel(gateway_id)``. Every enqueue must end in ``collect`` or ``cancel``.
         ``priority``: one of tokq.queue.PRIORITIES (ValueError otherwise, nothing queued)."""
         check_priority(priority)
         self.loads.maybe_refresh()
@@ -149,7 +149,7 @@ class Producer:
         shard = self._sharded.shard(index)
         try:
             enqueued = await shard.enqueue(request_id, items, timeout_ms=timeout_ms,
-                                           channel=shard.keys.done_channel(gateway_id),
+                                           notice_channel=shard.keys.notice_channel(gateway_id),
                                            priority=priority)
         except (ValueError, QueueFull, RequestCancelled):  # nothing queued or to cancel: else kept for good
             self._shard_of_request.pop(request_id, None)

@@ -211,7 +211,7 @@ class Queue:
             raise LostAnswer(script, exc) from exc
 
     async def enqueue(self, request_id: str, items: Sequence[tuple[int, bytes]], *,
-                      timeout_ms: int, channel: str, priority: str = DEFAULT_PRIORITY) -> Enqueued:
+                      timeout_ms: int, notice_channel: str, priority: str = DEFAULT_PRIORITY) -> Enqueued:
         """Queue all items of one request (token_count, body), atomically; raises QueueFull.
         Idempotent by ``request_id``: running it again returns the first run's answer.
         ``priority``: one of tokq.queue.PRIORITIES, else ValueError."""
@@ -224,7 +224,7 @@ class Queue:
             raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
         cap = self.class_cap(priority)
         args: list = [self._now_arg(), request_id, timeout_ms, cap,
-                      self.config.reply_ttl_ms, channel, self.keys.work_channel,
+                      self.config.reply_ttl_ms, notice_channel, self.keys.work_channel,
                       self.config.light_tokens, self.keys.worker_channel_prefix, priority]
         for tokens, body in items:
             if tokens < 1:
