@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from tokq import __version__
-from tokq.tasks import cancel_and_wait
+from tokq.tasks import stop_tasks
 from tokq.config import GatewayConfig
 from tokq.queue.wire import decode_result, encode_body
 from tokq.gateway.prompt_boundary import PromptBoundary
@@ -282,7 +282,7 @@ class ServedModel:
                 await asyncio.sleep(min(left, 0.01))
             else:
                 break
-        await cancel_and_wait(list(self._cancels))
+        await stop_tasks(list(self._cancels))
 
     async def tokenize(self, texts, *, truncate: bool = False, prompt_name: str | None = None) -> list[list[int]]:
         texts = self._check_texts(texts)

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from tokq.tasks import cancel_and_wait, raise_if_cancelled
+from tokq.tasks import stop_tasks, raise_if_cancelled
 from tokq.queue.keys import QueueKeys
 
 log = logging.getLogger(__name__)
@@ -103,4 +103,4 @@ class Readiness:
         self._task = asyncio.create_task(self._run(), name="readiness")
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        await stop_tasks(self._task)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from tokq.tasks import cancel_and_wait, raise_if_cancelled
+from tokq.tasks import stop_tasks, raise_if_cancelled
 from tokq.gateway.errors import Unavailable
 from tokq.queue.shard import REPLY_META_FIELDS, parse_notices
 from tokq.redis.pubsub import ShardedSubscriber
@@ -56,7 +56,7 @@ class ReplyRouter:
         self._task = asyncio.create_task(self._run(), name="reply-router")
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        await stop_tasks(self._task)
 
     def expect(self, request_id: str, num_items: int) -> asyncio.Future:
         """Register before enqueueing, so a fast reply cannot be missed. The future's result:

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from redis.exceptions import LockNotOwnedError
 
-from tokq.tasks import cancel_and_wait, raise_if_cancelled
+from tokq.tasks import stop_tasks, raise_if_cancelled
 from tokq.gateway import http
 from tokq.gateway.embedding import Embedder, ServedModel
 from tokq.gateway.auth import ApiKeyInterceptor, ApiKeys, http_tls_options, server_credentials
@@ -226,7 +226,7 @@ async def serve(config: cfg.GatewayConfig, queue_config: cfg.QueueConfig | None 
             await http_task
         # Waited for (a little): each releases its exporter lock on the way out, on the client
         # closed below; a Redis that does not answer does not hold up the stop.
-        await cancel_and_wait(stats_tasks, timeout_s=STOP_WAIT_S)
+        await stop_tasks(stats_tasks, timeout_s=STOP_WAIT_S)
         if metrics_server:  # its port is free for a gateway started next in this process
             await asyncio.to_thread(metrics_server.shutdown)  # waits out its 0.5 s poll: not on the loop
             metrics_server.server_close()

@@ -23,8 +23,8 @@ GRACE_S = 0.5  # after the first ask: a task still running by then dropped it, o
 RECANCEL_S = 0.05  # then asked again this often
 
 
-async def cancel_and_wait(tasks: asyncio.Task | Iterable[asyncio.Task | None] | None,
-                          timeout_s: float | None = None) -> bool:
+async def stop_tasks(tasks: asyncio.Task | Iterable[asyncio.Task | None] | None,
+                     timeout_s: float | None = None) -> bool:
     """Stop ``tasks`` (None skipped) and wait until each has ended, asking again every RECANCEL_S
     after GRACE_S; their exceptions are taken, not raised. False if ``timeout_s`` passed first.
     Stopped itself, it asks the running tasks once more and lets its own stop through."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from tokq.queue.sharded import ShardedQueue
 from tokq.redis.pubsub import ShardedSubscriber
-from tokq.tasks import cancel_and_wait, raise_if_cancelled
+from tokq.tasks import stop_tasks, raise_if_cancelled
 from tokq.workers.chores import REDIS_ERRORS, OutageLog
 
 log = logging.getLogger("tokq.worker")
@@ -155,7 +155,7 @@ class WakeUps:
     async def stop_reading(self) -> None:
         """No read may be in flight on a connection closed under it: the reader ends first."""
         if self._reader is not None:
-            await cancel_and_wait(self._reader)
+            await stop_tasks(self._reader)
 
     async def close(self) -> None:
         """The subscription closed: this process's worker channels go (its leases are redone

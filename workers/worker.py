@@ -24,7 +24,7 @@ from collections.abc import Callable
 from tokq.config import QueueConfig, WorkerConfig
 from tokq.queue.shard import Queue
 from tokq.queue.sharded import ShardedQueue
-from tokq.tasks import cancel_and_wait
+from tokq.tasks import stop_tasks
 from tokq.workers.budget import BUDGET_REFRESH_S, TokenBudget
 from tokq.workers.chores import REDIS_ERRORS, every
 from tokq.workers.heartbeat import Heartbeat
@@ -101,7 +101,7 @@ class Worker:
         try:
             await self.loop.run(burst)
         finally:
-            await cancel_and_wait(chores)  # again until they end: tokq/tasks.py
+            await stop_tasks(chores)  # again until they end: tokq/tasks.py
             await self.wake.close()
             with contextlib.suppress(Exception):
                 await self.queue.consumer.forget_worker(self.worker_id)

@@ -1,6 +1,6 @@
 """tokq.tasks: Python 3.11's asyncio.wait_for (under redis-py's sends) returns the result when
 a cancel lands as it arrives, and a background loop then runs on. ``raise_if_cancelled`` ends
-such a loop at its next check; ``cancel_and_wait`` stops tasks, cancelling again after a grace."""
+such a loop at its next check; ``stop_tasks`` stops tasks, cancelling again after a grace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tokq.tasks import GRACE_S, cancel_and_wait, raise_if_cancelled
+from tokq.tasks import GRACE_S, stop_tasks, raise_if_cancelled
 from tokq.redis.connection import connect
 
 
@@ -34,7 +34,7 @@ async def test_a_task_that_drops_cancels_is_cancelled_again_until_it_ends():
     loop, state = dropping(3)
     task = asyncio.create_task(loop())
     await asyncio.sleep(0.01)
-    assert await cancel_and_wait([task, None], timeout_s=5) is True
+    assert await stop_tasks([task, None], timeout_s=5) is True
     assert task.cancelled() and state["dropped"] == 3
 
 
@@ -49,14 +49,14 @@ async def test_a_clean_up_within_the_grace_is_not_cut_short():
             done.append(True)
     task = asyncio.create_task(slow_clean_up())
     await asyncio.sleep(0.01)
-    assert await cancel_and_wait(task, timeout_s=5) is True and done == [True]
+    assert await stop_tasks(task, timeout_s=5) is True and done == [True]
 
 
 async def test_cancelled_itself_it_cancels_the_tasks_once_more_and_lets_the_cancel_through():
     loop, state = dropping(1)
     task = asyncio.create_task(loop())
     await asyncio.sleep(0.01)
-    waiter = asyncio.create_task(cancel_and_wait(task))
+    waiter = asyncio.create_task(stop_tasks(task))
     await asyncio.sleep(GRACE_S / 5)  # the first cancel was dropped; the grace is running
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -69,7 +69,7 @@ async def test_a_task_that_never_ends_is_given_up_on_after_the_timeout():
     loop, state = dropping(None)
     task = asyncio.create_task(loop())
     await asyncio.sleep(0.01)
-    assert await cancel_and_wait(task, timeout_s=GRACE_S + 0.3) is False
+    assert await stop_tasks(task, timeout_s=GRACE_S + 0.3) is False
     assert not task.done() and state["dropped"] >= 2
     task.cancel()  # let it go: it drops this one too, so stop it the hard way
     task.get_coro().close()
@@ -80,7 +80,7 @@ async def test_failed_and_finished_tasks_are_taken_as_they_are():
         raise RuntimeError("boom")
     failed, finished = asyncio.create_task(fail()), asyncio.create_task(asyncio.sleep(0))
     await asyncio.sleep(0.01)
-    assert await cancel_and_wait([failed, finished]) is True
+    assert await stop_tasks([failed, finished]) is True
     assert isinstance(failed.exception(), RuntimeError) and finished.result() is None
 
 

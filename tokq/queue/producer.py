@@ -21,7 +21,7 @@ import redis.exceptions
 
 from tokq.queue.priority import DEFAULT_PRIORITY, check_priority
 from tokq.queue.shard import Enqueued, Queue, QueueFull, RequestCancelled
-from tokq.tasks import cancel_and_wait
+from tokq.tasks import stop_tasks
 
 if TYPE_CHECKING:
     from tokq.queue.sharded import ShardedQueue
@@ -92,7 +92,7 @@ class ShardLoads:
                 await sharded.record_shard_count()
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)
+        await stop_tasks(self._task)
 
 
 class Producer:
