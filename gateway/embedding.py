@@ -190,9 +190,9 @@ class ServedModel:
                 cost_bytes=self.tokenizer.cost_bytes(sizes, request.truncate))
         tokenize_ms = (time.perf_counter() - t_start) * 1000
         # A shared prompt is computed once by the worker: the queue counts only the rest.
-        prefix_lens = self._prompt_boundary.prefix_lens(prompt, ids)
-        items = [(len(seq) - p, encode_body(seq, normalize=normalize, dimensions=dims, prefix_len=p))
-                 for seq, p in zip(ids, prefix_lens)]
+        prompt_lens = self._prompt_boundary.prompt_lens(prompt, ids)
+        items = [(len(seq) - p, encode_body(seq, normalize=normalize, dimensions=dims, prompt_len=p))
+                 for seq, p in zip(ids, prompt_lens)]
         num_tokens = sum(len(seq) for seq in ids)
         if self.observer:
             self.observer.embed_tokenized(tokenize_ms, num_tokens)

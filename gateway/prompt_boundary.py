@@ -21,15 +21,15 @@ class PromptBoundary:
                 if prompt:
                     self._prompt_ids[prompt] = list(tokenizer.encode_sync([""], prompt=prompt)[0])
 
-    def prefix_lens(self, prompt: str, seqs: Sequence[Sequence[int]]) -> list[int]:
+    def prompt_lens(self, prompt: str, seqs: Sequence[Sequence[int]]) -> list[int]:
         """Per input: how many leading tokens are the shared prompt (0: the full path)."""
         prompt_ids = self._prompt_ids.get(prompt) if prompt else None
         if not prompt_ids:
             return [0] * len(seqs)
-        return [shared_prefix_len(seq, prompt_ids) for seq in seqs]
+        return [shared_prompt_len(seq, prompt_ids) for seq in seqs]
 
 
-def shared_prefix_len(seq: Sequence[int], prompt_ids: Sequence[int]) -> int:
+def shared_prompt_len(seq: Sequence[int], prompt_ids: Sequence[int]) -> int:
     """Leading tokens ``seq`` has in common with ``prompt_ids``, leaving at least one of its own."""
     limit = min(len(seq) - 1, len(prompt_ids))
     if list(seq[:limit]) == list(prompt_ids[:limit]):

@@ -15,7 +15,7 @@ import numpy as np
 
 from tokq.gateway.embedding import Deadline, ServedModel
 from tokq.gateway.errors import InvalidArgument, from_result_code
-from tokq.gateway.prompt_boundary import shared_prefix_len
+from tokq.gateway.prompt_boundary import shared_prompt_len
 from tokq.gateway.service import EmbedderService, priority_of
 from tokq.gateway.validate import check_pair_sizes
 from tokq.gateway.wire import MAX_SEND_MESSAGE_BYTES
@@ -97,9 +97,9 @@ async def rerank(model: ServedModel, request: RerankInput, context: Deadline) ->
     prefix = pairs.prefix_ids if info.is_decoder else None
     items = []
     for seq, segment in zip(pairs.ids, pairs.segment_starts):
-        p = shared_prefix_len(seq, prefix) if prefix else 0
+        p = shared_prompt_len(seq, prefix) if prefix else 0
         # dimensions=1: the worker answers the first (only) value of its [1] score row
-        items.append((len(seq) - p, encode_body(seq, normalize=False, dimensions=1, prefix_len=p,
+        items.append((len(seq) - p, encode_body(seq, normalize=False, dimensions=1, prompt_len=p,
                                                 segment_start=segment)))
     num_tokens = sum(len(seq) for seq in pairs.ids)
     if model.observer:

@@ -21,9 +21,9 @@ class PackedBatch:
     max_seqlen: int
     normalize: np.ndarray  # bool [N]: L2-normalize this sequence's embedding
     dimensions: np.ndarray  # int32 [N]: Matryoshka truncation, 0 = full dimension
-    # int32 [N] or None: the first prefix_lens[i] tokens of sequence i are a shared prompt a
-    # causal model may compute once (workers/prefix_attention.py); the ids stay complete
-    prefix_lens: np.ndarray | None = None
+    # int32 [N] or None: the first prompt_lens[i] tokens of sequence i are a shared prompt a
+    # causal model may compute once (workers/prompt_attention.py); the ids stay complete
+    prompt_lens: np.ndarray | None = None
     # int64 [T] or None (all 0): each token's segment, as a tokenizer's pair template gives it (a
     # cross-encoder's query is segment 0, its document 1)
     token_type_ids: np.ndarray | None = None
@@ -31,7 +31,7 @@ class PackedBatch:
     @classmethod
     def pack(cls, sequences: Sequence[Sequence[int]], *, normalize: bool | Sequence[bool] = True,
              dimensions: int | Sequence[int] = 0,
-             prefix_lens: int | Sequence[int] = 0,
+             prompt_lens: int | Sequence[int] = 0,
              segment_starts: int | Sequence[int] = 0) -> PackedBatch:
         """``segment_starts``: per sequence, the first token of its second segment (0: one segment)."""
         if not sequences:
@@ -45,7 +45,7 @@ class PackedBatch:
         # positions: 0..len-1 within each sequence, built without a Python loop
         positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
         n = len(seqs)
-        shared_lens = np.broadcast_to(np.asarray(prefix_lens, dtype=np.int32), (n,))
+        shared_lens = np.broadcast_to(np.asarray(prompt_lens, dtype=np.int32), (n,))
         if ((shared_lens < 0) | (shared_lens >= lens)).any():
             raise ValueError("a shared prompt must leave at least one token of its sequence")
         starts = np.broadcast_to(np.asarray(segment_starts, dtype=np.int64), (n,))
@@ -59,7 +59,7 @@ class PackedBatch:
             max_seqlen=int(lens.max()),
             normalize=np.broadcast_to(np.asarray(normalize, dtype=bool), (n,)).copy(),
             dimensions=np.broadcast_to(np.asarray(dimensions, dtype=np.int32), (n,)).copy(),
-            prefix_lens=shared_lens.copy() if shared_lens.any() else None,
+            prompt_lens=shared_lens.copy() if shared_lens.any() else None,
             token_type_ids=types.astype(np.int64) if types is not None else None,
         )
 
@@ -75,7 +75,7 @@ class PackedBatch:
     def num_queued_tokens(self) -> int:
         """The tokens the queue counts for this batch: shared prompts are computed once and
         cached by the worker, so they are not counted."""
-        return self.num_tokens - (int(self.prefix_lens.sum()) if self.prefix_lens is not None else 0)
+        return self.num_tokens - (int(self.prompt_lens.sum()) if self.prompt_lens is not None else 0)
 
     @property
     def seqlens(self) -> np.ndarray:

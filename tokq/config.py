@@ -267,7 +267,7 @@ class WorkerConfig(_Validated):
                                    "forward at the full budget) is hung: the worker drops its "
                                    "heartbeat and leases and exits (code 3) for its supervisor",
                                    min=100, max=86_400_000)
-    prefix_cache_mb: int = setting(256, "memory for shared prompts' K/V, so a decoder computes "
+    prompt_cache_mb: int = setting(256, "memory for shared prompts' K/V, so a decoder computes "
                                    "each prompt once, not per batch (0 = once per batch)",
                                    min=0, max=1 << 20)
     # Past ~4k tokens a GPU forward is no longer launch-bound, and padding to a graph's shape

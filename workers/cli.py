@@ -31,7 +31,7 @@ async def _serve(config: cfg.WorkerConfig, queue_config: cfg.QueueConfig, worker
         engine = Engine.load(config.model or None, device=config.device, dtype=config.dtype,
                              attn_backend=config.attn_backend, name=config.served_model_name or None,
                              revision=config.revision or None,
-                             prefix_cache_bytes=config.prefix_cache_mb << 20,
+                             prompt_cache_bytes=config.prompt_cache_mb << 20,
                              cuda_graph_tokens=config.cuda_graph_tokens)
     check_redis_or_exit(config.redis_url, config.redis_cluster)  # a setting that cannot work: one line
     client = connect(config.redis_url, max_connections=8, cluster=config.redis_cluster)

@@ -13,7 +13,7 @@ from tokq.batch import PackedBatch
 from tokq.config import WorkerConfig
 from tokq.model.flops import forward_flops
 from tokq.model.info import ModelInfo
-from tokq.workers import attention, cuda_graphs, pooling, prefix_attention, preempt
+from tokq.workers import attention, cuda_graphs, pooling, prompt_attention, preempt
 from tokq.workers.kernels import cpu_memory
 from tokq.workers.device import check_torch_version, resolve_device, resolve_dtype, synchronize
 from tokq.workers.layout import build_layout
@@ -21,15 +21,15 @@ from tokq.workers.layout import to_device
 from tokq.workers.loader import load_weights
 from tokq.workers.models.bert import Bert
 from tokq.workers.models.qwen import Qwen
-from tokq.workers.prefix_cache import PrefixCache
+from tokq.workers.prompt_cache import PromptCache
 from tokq.workers.scoring import ScoreHead, load_head
 
-DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
+DEFAULT_PROMPT_CACHE_BYTES = 256 << 20
 
 
 class Engine:
     def __init__(self, info: ModelInfo, model: Bert | Qwen, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 attn_backend: str, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
                  cuda_graph_tokens: int = 0, head: ScoreHead | None = None):
         self.info = info
         self.head = head  # a reranker's: embed() then returns one raw score per sequence
@@ -40,7 +40,7 @@ class Engine:
         self._attend = attention.attend_fn(attn_backend, device)
         # Shared prompts are computed once only where that is exact: causal attention, and the
         # last token pooled (mean or CLS pooling would need the prompt tokens' own states).
-        self.prefix_cache = (PrefixCache(prefix_cache_bytes, _fingerprint(info))
+        self.prompt_cache = (PromptCache(prompt_cache_bytes, _fingerprint(info))
                              if model.causal and info.pooling == "last" else None)
         self.tokens_computed = 0  # tokens run through the model: what a prefix saves shows here
         self.last_graphed = False  # the last embed() replayed a CUDA graph
@@ -63,7 +63,7 @@ class Engine:
     def load(cls, path: str | Path | None = None, *, device: str | torch.device = "auto",
              dtype: str | torch.dtype = "auto", attn_backend: str = "auto",
              name: str | None = None, linear: str = "auto", revision: str | None = None,
-             prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+             prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
              cuda_graph_tokens: int = WorkerConfig.cuda_graph_tokens) -> Engine:
         """Load a model directory or Hugging Face repo id at ``revision`` (None: the bundled
         all-MiniLM-L6-v2); UnsupportedModel names the supported architectures. ``linear``: the linear
@@ -82,7 +82,7 @@ class Engine:
         else:
             model = Qwen(info.config, weights, info.family, info.max_length, linear, device=resolved_device)
         head = load_head(info, weights, resolved_device) if info.is_reranker else None
-        return cls(info, model, resolved_device, resolved_dtype, backend, prefix_cache_bytes,
+        return cls(info, model, resolved_device, resolved_dtype, backend, prompt_cache_bytes,
                    cuda_graph_tokens, head)
 
     @torch.inference_mode()
@@ -107,9 +107,9 @@ class Engine:
                              f"max length {self.info.max_length}")
         # A heavy batch's forward may run light work between its layers' steps (workers/preempt.py).
         checkpoint = preempt.current_checkpoint()
-        if batch.prefix_lens is not None and self.prefix_cache is not None:
-            pooled, computed = prefix_attention.forward_pooled(
-                self.model, batch, self.prefix_cache, self.attn_backend, self.device, self.dtype,
+        if batch.prompt_lens is not None and self.prompt_cache is not None:
+            pooled, computed = prompt_attention.forward_pooled(
+                self.model, batch, self.prompt_cache, self.attn_backend, self.device, self.dtype,
                 checkpoint)
             self.tokens_computed += computed
             self.last_graphed = False
@@ -139,7 +139,7 @@ class Engine:
     def batch_flops(self, batch: PackedBatch) -> float:
         """FLOPs of one forward over ``batch`` (tokq.model.flops.forward_flops); a cached shared
         prompt is not computed, so it counts only as keys its queries attend to."""
-        cached = batch.prefix_lens if batch.prefix_lens is not None and self.prefix_cache is not None else None
+        cached = batch.prompt_lens if batch.prompt_lens is not None and self.prompt_cache is not None else None
         return float(forward_flops(self.info.config, batch.seqlens, cached))
 
     def capture_graphs(self, max_tokens: int | None = None) -> int:

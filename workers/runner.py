@@ -130,7 +130,7 @@ class BatchRunner:
         batch = PackedBatch.pack([b.token_ids for b in bodies],
                                  normalize=[b.normalize for b in bodies],
                                  dimensions=[b.dimensions for b in bodies],
-                                 prefix_lens=[b.prefix_len for b in bodies],
+                                 prompt_lens=[b.prompt_len for b in bodies],
                                  segment_starts=[b.segment_start for b in bodies])
         return self.engine.embed(batch)
 

@@ -1,5 +1,5 @@
 """Shared-prompt benchmark: queries behind Qwen3-Embedding's instruction, the prompt computed once
-(workers/prefix_attention.py) against the full forward, on random weights of its shapes, in the same run."""
+(workers/prompt_attention.py) against the full forward, on random weights of its shapes, in the same run."""
 
 from __future__ import annotations
 
@@ -36,17 +36,17 @@ def build_model(path: Path, layers: int) -> None:
         architectures=["Qwen3Model"])).save_pretrained(path)
 
 
-def batches(seqs: list[np.ndarray], prefix_lens: list[int], budget: int, shared: bool) -> list[PackedBatch]:
+def batches(seqs: list[np.ndarray], prompt_lens: list[int], budget: int, shared: bool) -> list[PackedBatch]:
     """Consecutive queries packed up to ``budget`` queued tokens (a longer query goes alone)."""
     out, current, cost = [], [], 0
     for i, seq in enumerate(seqs):
-        tokens = len(seq) - (prefix_lens[i] if shared else 0)
+        tokens = len(seq) - (prompt_lens[i] if shared else 0)
         if current and cost + tokens > budget:
             out.append(current)
             current, cost = [], 0
         current.append(i)
         cost += tokens
-    return [PackedBatch.pack([seqs[i] for i in b], prefix_lens=[prefix_lens[i] for i in b] if shared else 0)
+    return [PackedBatch.pack([seqs[i] for i in b], prompt_lens=[prompt_lens[i] for i in b] if shared else 0)
             for b in out + ([current] if current else [])]
 
 
@@ -93,7 +93,7 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
         build_model(Path(tmp), layers)
         engine = Engine.load(tmp, device=device, dtype=dtype)
         plain = Engine(engine.info, engine.model, engine.device, engine.dtype, engine.attn_backend)
-        plain.prefix_cache = None  # the same model with no prefix path at all
+        plain.prompt_cache = None  # the same model with no prefix path at all
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, VOCAB, size=prompt_tokens)
     scenarios = {f"instruction ({prompt_tokens} tok) + 10-token queries": scenario(rng, queries, prompt, 10),
@@ -101,12 +101,12 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
                  "no prompt, workload queries": scenario(rng, queries, None, None)}
     load_before, cpu_before, wall_before = os.getloadavg()[0], time.process_time(), time.perf_counter()
     rows = []
-    for name, (seqs, prefix_lens) in scenarios.items():
-        systems = {FULL: (plain, batches(seqs, prefix_lens, token_budget, False))}
-        if any(prefix_lens):
-            systems["prompt computed once"] = (engine, batches(seqs, prefix_lens, token_budget, True))
+    for name, (seqs, prompt_lens) in scenarios.items():
+        systems = {FULL: (plain, batches(seqs, prompt_lens, token_budget, False))}
+        if any(prompt_lens):
+            systems["prompt computed once"] = (engine, batches(seqs, prompt_lens, token_budget, True))
         else:  # the engine with the prefix path, given no prompt: must cost what the full forward does
-            systems["prefix-capable engine"] = (engine, batches(seqs, prefix_lens, token_budget, False))
+            systems["prefix-capable engine"] = (engine, batches(seqs, prompt_lens, token_budget, False))
         computed = {}
         for label, (eng, packed) in systems.items():
             eng.embed(packed[0])  # warm-up; fills the prompt's cache entry
@@ -130,7 +130,7 @@ def prefix_command(device, dtype, layers, token_budget, queries, prompt_tokens, 
                    else f"CPU, {torch.get_num_threads()} threads of {os.cpu_count()}")
     name = block_name(engine.device.type)
     publish(block(name, [
-        f"## Shared prompt computed once (`workers/prefix_attention.py`), {engine.device.type.upper()}", "",
+        f"## Shared prompt computed once (`workers/prompt_attention.py`), {engine.device.type.upper()}", "",
         f"Command: `{command_line()}`. {device_name}, {str(engine.dtype).removeprefix('torch.')}, attention "
         f"{engine.attn_backend}, torch {torch.__version__}. Model: random weights with Qwen3-Embedding-0.6B's shapes, "
         f"{layers} of its 28 layers (both paths scale with layers alike), vocabulary {VOCAB}. {queries} queries per "

@@ -217,7 +217,7 @@ def fairness(target: str, pids: dict[str, int], reqs: list, rounds: int, phase_s
 
 def causal(folder: Path, reqs: list, budget: int, rounds: int, dtype: str) -> tuple[list, dict]:
     """One 100-candidate request per round (a new query each) through a worker's engine three ways."""
-    from tokq.gateway.prompt_boundary import shared_prefix_len
+    from tokq.gateway.prompt_boundary import shared_prompt_len
     from tokq.gateway.tokenize import Tokenizer
     from tokq.profiling.bench.prefix import batches, time_system
     from tokq.workers.engine import Engine
@@ -225,16 +225,16 @@ def causal(folder: Path, reqs: list, budget: int, rounds: int, dtype: str) -> tu
     once = Engine.load(folder, dtype=dtype)
     info, args = once.info, (once.info, once.model, once.device, once.dtype, once.attn_backend)
     full = Engine(*args, head=once.head)
-    full.prefix_cache = None  # every pair computed whole: no shared-prompt path at all
+    full.prompt_cache = None  # every pair computed whole: no shared-prompt path at all
     engines = {"each pair whole": (full, False), "query once per request (prefix cache)": (once, True),
-               "query once per batch (--prefix-cache-mb 0)": (Engine(*args, prefix_cache_bytes=0, head=once.head), True)}
+               "query once per batch (--prompt-cache-mb 0)": (Engine(*args, prompt_cache_bytes=0, head=once.head), True)}
     tok = Tokenizer(info, threads=1)
     try:
         encoded = [tok.encode_pairs_sync(q, docs, prompt=info.prompt(None)) for q, docs in reqs]
     finally:
         tok.close()
     seqs = [[np.asarray(s) for s in p.ids] for p in encoded]
-    lens = [[shared_prefix_len(s, p.prefix_ids) for s in p.ids] for p in encoded]
+    lens = [[shared_prompt_len(s, p.prefix_ids) for s in p.ids] for p in encoded]
     packed = {k: [batches(s, n, budget, shared) for s, n in zip(seqs, lens)] for k, (_, shared) in engines.items()}
     computed, scores = {}, {}
     for k, (eng, _) in engines.items():  # the warm-up request, not timed
@@ -357,7 +357,7 @@ def rerank_command(requests, rounds, threads, dtype, token_budget, causal_layers
                 f"candidate adds {c['after']:.0f}. Batches of at most {token_budget} queued tokens, counted as the queue "
                 "counts them (without the shared prefix). Tokens computed and score differences (raw scores spanning "
                 f"{c['spread']:.2g}): on the warm-up request. A worker computes the query once per request; with "
-                "`--prefix-cache-mb 0`, once per batch. No setting computes each pair whole.",
+                "`--prompt-cache-mb 0`, once per batch. No setting computes each pair whole.",
                 "system | batches | tokens computed | pairs/s | ms per request | max score difference | x each pair whole",
                 table_rows))
     for s in out:

@@ -118,7 +118,7 @@ class BatchMaker:
 
     def _prompted(self, num_tokens: int) -> PackedBatch:
         seqs: list[np.ndarray] = []
-        prefix_len = self.lead + self.prompt_ids.size
+        prompt_len = self.lead + self.prompt_ids.size
         remaining = num_tokens
         while remaining > 0:
             query = next(self._next)
@@ -128,14 +128,14 @@ class BatchMaker:
                 continue
             seqs.append(np.concatenate([ids[:self.lead], self.prompt_ids, ids[self.lead:]]))
             remaining -= ids.size - self.lead
-        return PackedBatch.pack(seqs, prefix_lens=prefix_len)
+        return PackedBatch.pack(seqs, prompt_lens=prompt_len)
 
 
 def shared_prompt_ids(engine, token_ids: TokenIds) -> np.ndarray | None:
     """The default prompt's ids (no specials) when the worker computes it once, else None."""
     info = engine.info
     prompt = info.prompt(None) if info.default_prompt_name else ""
-    if not prompt or getattr(engine, "prefix_cache", None) is None or not token_ids.has_tokenizer:
+    if not prompt or getattr(engine, "prompt_cache", None) is None or not token_ids.has_tokenizer:
         return None
     ids = list(token_ids.tokenize(prompt))
     body = ids[len(token_ids.prefix):len(ids) - len(token_ids.suffix)]

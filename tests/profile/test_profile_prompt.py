@@ -36,7 +36,7 @@ def test_batches_put_every_query_behind_the_prompt_and_count_the_rest(engine):
     for total in (64, 181, 1000):
         batch = make(total)
         assert batch.num_queued_tokens == total
-        assert (batch.prefix_lens == prompt.size).all()
+        assert (batch.prompt_lens == prompt.size).all()
         for start in batch.cu_seqlens[:-1]:
             assert batch.input_ids[start:start + prompt.size].tolist() == prompt.tolist()
     # what the prefix path computes is what the queue counted: the prompt is already cached
@@ -60,7 +60,7 @@ def test_batch_flops_leave_out_a_cached_prompt(engine):
     prompt = rng.integers(1, 300, 20)
     queries = [rng.integers(1, 300, n) for n in (3, 10, 40)]
     full = PackedBatch.pack([np.concatenate([prompt, q]) for q in queries])
-    shared = PackedBatch.pack([np.concatenate([prompt, q]) for q in queries], prefix_lens=20)
+    shared = PackedBatch.pack([np.concatenate([prompt, q]) for q in queries], prompt_lens=20)
     model = engine.model
     cross = 4 * len(model.layers) * model.q_dim * sum(20 * len(q) for q in queries)
     assert engine.batch_flops(shared) == forward_flops(engine.info.config, [len(q) for q in queries]) + cross

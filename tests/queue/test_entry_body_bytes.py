@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from tokq.queue.wire import FLAG_NORMALIZE, FLAG_PREFIX, decode_body, encode_body
+from tokq.queue.wire import FLAG_NORMALIZE, FLAG_PROMPT, decode_body, encode_body
 
 
 def test_a_body_is_its_head_then_little_endian_uint16_ids():
@@ -15,12 +15,12 @@ def test_a_body_is_its_head_then_little_endian_uint16_ids():
 
 def test_ids_past_uint16_take_four_bytes_each():
     # Qwen-sized vocabularies (151k ids): every id of the item is then written as uint32.
-    body = encode_body([151_000, 5], normalize=False, prefix_len=1)
-    assert body == (struct.pack("<BBH", 4, FLAG_PREFIX, 0) + struct.pack("<H", 1)
+    body = encode_body([151_000, 5], normalize=False, prompt_len=1)
+    assert body == (struct.pack("<BBH", 4, FLAG_PROMPT, 0) + struct.pack("<H", 1)
                     + struct.pack("<2I", 151_000, 5))
     decoded = decode_body(body)
     assert decoded.token_ids.tolist() == [151_000, 5]
-    assert (decoded.normalize, decoded.prefix_len) == (False, 1)
+    assert (decoded.normalize, decoded.prompt_len) == (False, 1)
 
 
 @pytest.mark.parametrize("ids", [
@@ -43,5 +43,5 @@ def test_ids_that_are_not_token_ids_are_refused(ids, message):
 def test_options_out_of_range_are_refused():
     with pytest.raises(ValueError, match="dimensions"):
         encode_body([1, 2], dimensions=70_000)
-    with pytest.raises(ValueError, match="prefix_len"):
-        encode_body([1, 2], prefix_len=2)
+    with pytest.raises(ValueError, match="prompt_len"):
+        encode_body([1, 2], prompt_len=2)

@@ -16,7 +16,7 @@ from tiny_rerankers import (DOCUMENTS, LONG_DOCUMENT, QUERY, build_bert_cross_en
 from tokq.config import GatewayConfig, QueueConfig, WorkerConfig
 from tokq.gateway.embedding import ServedModel, Timer
 from tokq.gateway.errors import InvalidArgument
-from tokq.gateway.prompt_boundary import shared_prefix_len
+from tokq.gateway.prompt_boundary import shared_prompt_len
 from tokq.gateway.rerank import RerankInput, rerank
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
@@ -105,12 +105,12 @@ def test_results_equal_cross_encoder_rank(redis_url, stacks, folders, kind):
     assert [b.token_ids.tolist() for b in bodies] == pairs.ids
     assert [b.segment_start for b in bodies] == pairs.segment_starts
     if info.is_decoder:  # the rendered text before the document is computed once
-        prefix_lens = [shared_prefix_len(s, pairs.prefix_ids) for s in pairs.ids]
-        assert [b.prefix_len for b in bodies] == prefix_lens and min(prefix_lens) > 40
-        assert [e.num_tokens for e in entries] == [len(s) - p for s, p in zip(pairs.ids, prefix_lens)]
+        prompt_lens = [shared_prompt_len(s, pairs.prefix_ids) for s in pairs.ids]
+        assert [b.prompt_len for b in bodies] == prompt_lens and min(prompt_lens) > 40
+        assert [e.num_tokens for e in entries] == [len(s) - p for s, p in zip(pairs.ids, prompt_lens)]
         assert engine.tokens_computed - computed_before < out.num_tokens // 2
     else:  # bidirectional attention: every token depends on the document, nothing is shared
-        assert [b.prefix_len for b in bodies] == [0] * len(docs)
+        assert [b.prompt_len for b in bodies] == [0] * len(docs)
         assert [e.num_tokens for e in entries] == [len(s) for s in pairs.ids]
         assert min(pairs.segment_starts) > 0
 
@@ -121,14 +121,14 @@ def test_the_query_is_computed_once_across_batches(redis_url, stacks, folders):
     info, tok, engine = stacks["qwen3_causal"]
     docs = [f"{d} number {i}" for i in range(3) for d in DOCUMENTS]
     pairs = tok.encode_pairs_sync(QUERY + " once", docs)
-    prefix_lens = [shared_prefix_len(s, pairs.prefix_ids) for s in pairs.ids]
-    own = sum(len(s) - p for s, p in zip(pairs.ids, prefix_lens))
+    prompt_lens = [shared_prompt_len(s, pairs.prefix_ids) for s in pairs.ids]
+    own = sum(len(s) - p for s, p in zip(pairs.ids, prompt_lens))
     before = engine.tokens_computed
     out, claims = asyncio.run(_serve(redis_url, info, tok, [engine], RerankInput(QUERY + " once", docs),
                                      budget=own // 3))
     assert len(claims) >= 3
     assert sum(e.num_tokens for c in claims for e in c.entries) == own  # the claims count what is computed
-    distinct = {tuple(s[:p]) for s, p in zip(pairs.ids, prefix_lens)}
+    distinct = {tuple(s[:p]) for s, p in zip(pairs.ids, prompt_lens)}
     assert engine.tokens_computed - before == own + sum(len(d) for d in distinct)  # each prefix once
     want = _rank(folders["qwen3_causal"], docs, query=QUERY + " once")
     assert [i for i, _ in out.results] == [r["corpus_id"] for r in want]

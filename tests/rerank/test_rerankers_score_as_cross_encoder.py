@@ -16,7 +16,7 @@ from tiny_rerankers import (DOCUMENTS, LONG_DOCUMENT, QUERY, build_bert_cross_en
 
 from tokq.batch import PackedBatch
 from tokq.gateway.errors import InvalidArgument
-from tokq.gateway.prompt_boundary import shared_prefix_len
+from tokq.gateway.prompt_boundary import shared_prompt_len
 from tokq.gateway.tokenize import Tokenizer
 from tokq.model.info import ModelInfo, UnsupportedModel
 from tokq.workers.engine import Engine
@@ -140,7 +140,7 @@ def test_pair_ids_are_cross_encoders(kind, folders, cross_encoders):
         assert len(pairs.ids[-1]) == info.max_length  # the long one was cut, as CrossEncoder cuts it
         if info.scoring.pair_format == "chat":  # the text before the document, the same for all
             # ("<Document>: " ends in a space that merges into the document's first word)
-            shared = [shared_prefix_len(seq, pairs.prefix_ids) for seq in pairs.ids]
+            shared = [shared_prompt_len(seq, pairs.prefix_ids) for seq in pairs.ids]
             assert min(shared) >= len(pairs.prefix_ids) - 1 > 40
             assert pairs.segment_starts == [0] * len(docs)
         else:
@@ -212,8 +212,8 @@ def test_entry_body_carries_the_segment_start():
     from tokq.queue.wire import decode_body, encode_body
 
     ids = np.arange(100, 130)
-    body = decode_body(encode_body(ids, normalize=False, dimensions=1, prefix_len=4, segment_start=9))
-    assert (body.token_ids.tolist(), body.dimensions, body.prefix_len, body.segment_start) == (
+    body = decode_body(encode_body(ids, normalize=False, dimensions=1, prompt_len=4, segment_start=9))
+    assert (body.token_ids.tolist(), body.dimensions, body.prompt_len, body.segment_start) == (
         ids.tolist(), 1, 4, 9)
     assert decode_body(encode_body(ids)).segment_start == 0
     assert len(encode_body(ids, segment_start=9)) == len(encode_body(ids)) + 2

@@ -17,7 +17,7 @@ from tokq.config import GatewayConfig, QueueConfig, WorkerConfig
 from tokq.redis.connection import connect, connect_pubsub
 from tokq.queue.wire import decode_body, encode_body
 from tokq.gateway.embedding import EmbedInput, ServedModel, Timer
-from tokq.gateway.prompt_boundary import PromptBoundary, shared_prefix_len
+from tokq.gateway.prompt_boundary import PromptBoundary, shared_prompt_len
 from tokq.gateway.replies import ReplyRouter
 from tokq.gateway.tokenize import Tokenizer
 from tokq.model.info import ModelInfo
@@ -50,21 +50,21 @@ def test_prompt_boundary_per_prompt_form(info, tokenizer):
     clean = _prompt_ids(tokenizer, INSTRUCT)[:-1]  # the prompt's tokens, without the closing <|endoftext|>
     # a clean boundary: every input starts with the prompt's own tokens, and shares all of them
     assert all(seq[:len(clean)] == clean for seq in full["query"])
-    assert boundary.prefix_lens(INSTRUCT, full["query"]) == [len(clean)] * len(TEXTS)
+    assert boundary.prompt_lens(INSTRUCT, full["query"]) == [len(clean)] * len(TEXTS)
     # a prompt ending in a space or mid-word: inputs whose first word merges with that end
     # ("Query: passages" -> "Query", ":", " passages"; "summ" + "arize" -> "summarize") do not
     # start with the prompt's tokens and share all but its last piece(s); the others share it all
     for name in ("spaced", "midword"):
         prompt_ids = _prompt_ids(tokenizer, PROMPTS[name])[:-1]
-        lens = boundary.prefix_lens(PROMPTS[name], full[name])
+        lens = boundary.prompt_lens(PROMPTS[name], full[name])
         starts = [seq[:len(prompt_ids)] == prompt_ids for seq in full[name]]
         assert True in starts and False in starts, name  # both kinds in one request
         for seq, n, start in zip(full[name], lens, starts):
             assert n == len(prompt_ids) if start else 0 < n < len(prompt_ids)
             assert seq[:n] == prompt_ids[:n] and n < len(seq)
     # no prompt, or only special tokens in common: the full path
-    assert boundary.prefix_lens("", full["document"]) == [0] * len(TEXTS)
-    assert shared_prefix_len([eos], [eos, 5]) == 0  # a prefix always leaves a token
+    assert boundary.prompt_lens("", full["document"]) == [0] * len(TEXTS)
+    assert shared_prompt_len([eos], [eos, 5]) == 0  # a prefix always leaves a token
 
 
 def test_encoders_never_mark_a_prefix(bundled_model_dir):
@@ -74,20 +74,20 @@ def test_encoders_never_mark_a_prefix(bundled_model_dir):
     try:
         boundary = PromptBoundary(bert, tok)
         assert not boundary.enabled
-        assert boundary.prefix_lens("query: ", tok.encode_sync(["hi"], prompt="query: ")) == [0]
+        assert boundary.prompt_lens("query: ", tok.encode_sync(["hi"], prompt="query: ")) == [0]
     finally:
         tok.close()
 
 
-def test_entry_body_carries_the_prefix_length_compatibly():
+def test_entry_body_carries_the_prompt_length_compatibly():
     ids = np.arange(100, 130)
-    body = decode_body(encode_body(ids, normalize=False, dimensions=8, prefix_len=20))
-    assert (body.token_ids.tolist(), body.normalize, body.dimensions, body.prefix_len) == (
+    body = decode_body(encode_body(ids, normalize=False, dimensions=8, prompt_len=20))
+    assert (body.token_ids.tolist(), body.normalize, body.dimensions, body.prompt_len) == (
         ids.tolist(), False, 8, 20)
     plain = encode_body(ids)
-    assert decode_body(plain).prefix_len == 0 and len(plain) == 4 + 2 * 30  # unchanged format
+    assert decode_body(plain).prompt_len == 0 and len(plain) == 4 + 2 * 30  # unchanged format
     with pytest.raises(ValueError, match="at least one"):
-        encode_body(ids, prefix_len=30)
+        encode_body(ids, prompt_len=30)
 
 
 async def _serve_one_batch(redis_url, info, tokenizer, engine, request: EmbedInput):
@@ -121,16 +121,16 @@ def test_gateway_to_worker_computes_the_prompt_once_and_matches_the_full_forward
     engine = Engine.load(model_dir, device="cpu", dtype="float32")
     prompt = PROMPTS[prompt_name]
     full_ids = tokenizer.encode_sync(TEXTS, prompt=prompt)
-    prefix_lens = PromptBoundary(info, tokenizer).prefix_lens(prompt, full_ids)
+    prompt_lens = PromptBoundary(info, tokenizer).prompt_lens(prompt, full_ids)
     request = EmbedInput(texts=TEXTS, prompt_name=prompt_name, normalize=False)
     out, claim = asyncio.run(_serve_one_batch(redis_url, info, tokenizer, engine, request))
 
     # the queue counted the tokens the worker computes: each input's own, past its prefix
     assert sorted(e.num_tokens for e in claim.entries) == sorted(
-        len(s) - p for s, p in zip(full_ids, prefix_lens))
+        len(s) - p for s, p in zip(full_ids, prompt_lens))
     assert out.num_tokens == sum(len(s) for s in full_ids)  # usage still counts every token
-    distinct = {tuple(s[:p]) for s, p in zip(full_ids, prefix_lens) if p}
-    assert engine.tokens_computed == sum(len(s) - p for s, p in zip(full_ids, prefix_lens)) + sum(
+    distinct = {tuple(s[:p]) for s, p in zip(full_ids, prompt_lens) if p}
+    assert engine.tokens_computed == sum(len(s) - p for s, p in zip(full_ids, prompt_lens)) + sum(
         len(d) for d in distinct)
     if prompt_name != "document":
         assert distinct and engine.tokens_computed < sum(len(s) for s in full_ids)

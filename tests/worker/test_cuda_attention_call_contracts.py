@@ -92,7 +92,7 @@ def test_shared_prompt_path_through_flash_attn_call_matches_sdpa(tmp_path, monke
     prompt = rng.integers(1, VOCAB, size=9).tolist()
     seqs = [prompt + rng.integers(1, VOCAB, size=n).tolist() for n in (1, 5, 17, 3)]
     seqs.append(rng.integers(1, VOCAB, size=6).tolist())  # no prompt
-    batch = PackedBatch.pack(seqs, prefix_lens=[9, 9, 9, 9, 0])
+    batch = PackedBatch.pack(seqs, prompt_lens=[9, 9, 9, 9, 0])
     for _ in range(2):  # first computes the prompt, second takes it from the cache
         got, want = flash.embed(batch), sdpa.embed(batch)
         cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)

@@ -96,8 +96,8 @@ def _item(ids) -> tuple[int, bytes]:
     the queue does not count."""
     if isinstance(ids, bytes):
         return 3, ids
-    ids, prefix_len = ids if isinstance(ids, tuple) else (ids, 0)
-    return len(ids) - prefix_len, encode_body(ids, prefix_len=prefix_len)
+    ids, prompt_len = ids if isinstance(ids, tuple) else (ids, 0)
+    return len(ids) - prompt_len, encode_body(ids, prompt_len=prompt_len)
 
 
 async def _serve(redis_url, engine, bodies, *, exit=None, observer=None):

@@ -25,12 +25,12 @@ def linear_flops_per_token(config: Mapping) -> int:
     return int(config["num_hidden_layers"]) * 2 * (proj + mlp)
 
 
-def forward_flops(config: Mapping, seqlens: Iterable[int], prefix_lens: Iterable[int] | None = None) -> int:
+def forward_flops(config: Mapping, seqlens: Iterable[int], prompt_lens: Iterable[int] | None = None) -> int:
     """Matmul FLOPs of one unpadded forward pass over these sequences, causal attention counted on
-    the full square as torch's FlopCounterMode does. ``prefix_lens``: shared-prompt tokens per
+    the full square as torch's FlopCounterMode does. ``prompt_lens``: shared-prompt tokens per
     sequence, attended to but not computed (docs/internals.md)."""
     lens = np.asarray(list(seqlens), dtype=np.int64)
-    computed = lens - (np.asarray(list(prefix_lens), dtype=np.int64) if prefix_lens is not None else 0)
+    computed = lens - (np.asarray(list(prompt_lens), dtype=np.int64) if prompt_lens is not None else 0)
     per_key = 4 * int(config["num_attention_heads"]) * _head_dim(config)
     attention = int(config["num_hidden_layers"]) * per_key * int((computed * lens).sum())
     return linear_flops_per_token(config) * int(computed.sum()) + attention

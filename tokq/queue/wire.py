@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 FLAG_NORMALIZE = 1
-FLAG_PREFIX = 2
+FLAG_PROMPT = 2
 FLAG_SEGMENT = 4  # a '<H' follows (after any prefix length): where the second segment starts
 _BODY_HEAD = struct.Struct("<BBH")
-_PREFIX_LEN = struct.Struct("<H")
+_PROMPT_LEN = struct.Struct("<H")
 _SEGMENT_START = struct.Struct("<H")
 _RESULT_HEAD = struct.Struct("<ff")
 # (width in bytes, array typecode); "H"/"I" are 2 and 4 bytes wherever CPython runs.
@@ -25,7 +25,7 @@ if any(array(code).itemsize != width for width, code in _ID_ARRAYS):
     raise ImportError("array's 'H'/'I' are not 2/4 bytes here: entry bodies need them so")
 
 
-def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0, prefix_len: int = 0,
+def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0, prompt_len: int = 0,
                 segment_start: int = 0) -> bytes:
     """Pack one item's token ids and options into an entry body. ``segment_start``: the first
     token of a pair's second segment (0: one segment)."""
@@ -33,15 +33,15 @@ def encode_body(token_ids, *, normalize: bool = True, dimensions: int = 0, prefi
     if not 0 <= dimensions <= 0xFFFF:
         raise ValueError(f"dimensions {dimensions} out of range")
     size = len(packed) // width
-    if not 0 <= prefix_len < size:
-        raise ValueError(f"prefix_len {prefix_len} must leave at least one of {size} tokens")
+    if not 0 <= prompt_len < size:
+        raise ValueError(f"prompt_len {prompt_len} must leave at least one of {size} tokens")
     if not 0 <= segment_start < min(size, 0x10000):
         raise ValueError(f"segment_start {segment_start} must be inside the {size} tokens")
-    flags = ((FLAG_NORMALIZE if normalize else 0) | (FLAG_PREFIX if prefix_len else 0)
+    flags = ((FLAG_NORMALIZE if normalize else 0) | (FLAG_PROMPT if prompt_len else 0)
              | (FLAG_SEGMENT if segment_start else 0))
     head = _BODY_HEAD.pack(width, flags, dimensions)
-    if prefix_len:
-        head += _PREFIX_LEN.pack(prefix_len)
+    if prompt_len:
+        head += _PROMPT_LEN.pack(prompt_len)
     if segment_start:
         head += _SEGMENT_START.pack(segment_start)
     return head + packed
@@ -82,7 +82,7 @@ class Body:
     token_ids: np.ndarray  # int64 [n]
     normalize: bool
     dimensions: int  # 0 = the model's full dimension
-    prefix_len: int = 0  # leading ids that are a shared prompt (0: none)
+    prompt_len: int = 0  # leading ids that are a shared prompt (0: none)
     segment_start: int = 0  # first id of a pair's second segment (0: one segment)
 
 
@@ -90,20 +90,20 @@ def decode_body(body: bytes) -> Body:
     width, flags, dims = _BODY_HEAD.unpack_from(body)
     if width not in (2, 4):
         raise ValueError(f"bad id width {width} in entry body")
-    offset, prefix_len = _BODY_HEAD.size, 0
-    if flags & FLAG_PREFIX:
-        (prefix_len,) = _PREFIX_LEN.unpack_from(body, offset)
-        offset += _PREFIX_LEN.size
+    offset, prompt_len = _BODY_HEAD.size, 0
+    if flags & FLAG_PROMPT:
+        (prompt_len,) = _PROMPT_LEN.unpack_from(body, offset)
+        offset += _PROMPT_LEN.size
     segment_start = 0
     if flags & FLAG_SEGMENT:
         (segment_start,) = _SEGMENT_START.unpack_from(body, offset)
         offset += _SEGMENT_START.size
     ids = np.frombuffer(body, dtype="<u2" if width == 2 else "<u4", offset=offset)
-    if prefix_len >= ids.size:  # only a hint: a bad one costs speed, never the answer
-        prefix_len = 0
+    if prompt_len >= ids.size:  # only a hint: a bad one costs speed, never the answer
+        prompt_len = 0
     if segment_start >= ids.size:  # segments change the answer: refused, not guessed
         raise ValueError(f"segment start {segment_start} past the item's {ids.size} tokens")
-    return Body(ids.astype(np.int64), bool(flags & FLAG_NORMALIZE), dims, prefix_len, segment_start)
+    return Body(ids.astype(np.int64), bool(flags & FLAG_NORMALIZE), dims, prompt_len, segment_start)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 batches' vectors as if each ran alone: tiny random BERT, Qwen2 and Qwen3 models, the light
 batch offered at each of the forward's checkpoints in turn (after qkv, attention, out-proj, MLP
 up and MLP down of every layer), and for the decoders also through the shared-prompt path
-(workers/prefix_attention.py), with the light batch behind the same new prompt."""
+(workers/prompt_attention.py), with the light batch behind the same new prompt."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tokq.batch import PackedBatch
 from tokq.workers import preempt
 from tokq.workers.engine import Engine
 from tokq.workers.preempt import Preemption
-from tokq.workers.prefix_cache import PrefixCache
+from tokq.workers.prompt_cache import PromptCache
 
 STEPS_PER_LAYER = 5  # qkv, attention, out-proj, MLP up, MLP down
 
@@ -68,21 +68,21 @@ def _checkpoints(engine: Engine, batch: PackedBatch, monkeypatch, at: int | None
 
 @pytest.mark.parametrize("prompted", [False, True], ids=["plain", "shared_prompt"])
 def test_a_light_batch_nested_at_any_checkpoint_leaves_both_as_if_run_alone(engine, prompted, monkeypatch):
-    if prompted and engine.prefix_cache is None:
+    if prompted and engine.prompt_cache is None:
         pytest.skip("encoders never take the shared-prompt path")
     heavy_seqs, light_seqs, prompt_len = _sequences(prompted)
-    heavy_batch = PackedBatch.pack(heavy_seqs, prefix_lens=prompt_len)
-    light_batch = PackedBatch.pack(light_seqs, prefix_lens=prompt_len)
+    heavy_batch = PackedBatch.pack(heavy_seqs, prompt_lens=prompt_len)
+    light_batch = PackedBatch.pack(light_seqs, prompt_lens=prompt_len)
     num_layers = len(engine.model.layers)
     calls, _, _ = _checkpoints(engine, heavy_batch, monkeypatch)
     assert calls == STEPS_PER_LAYER * num_layers  # a checkpoint after every step of every layer
     alone_heavy = engine.embed(PackedBatch.pack(heavy_seqs))  # each alone, the full forward
     alone_light = engine.embed(PackedBatch.pack(light_seqs))
     for at in range(1, calls + 1):
-        if engine.prefix_cache is not None:  # the prompt new to both batches each time
-            engine.prefix_cache = PrefixCache(engine.prefix_cache.max_bytes, engine.prefix_cache.fingerprint)
+        if engine.prompt_cache is not None:  # the prompt new to both batches each time
+            engine.prompt_cache = PromptCache(engine.prompt_cache.max_bytes, engine.prompt_cache.fingerprint)
         _, heavy, light = _checkpoints(engine, heavy_batch, monkeypatch, at=at, light=light_batch)
         np.testing.assert_allclose(heavy, alone_heavy, atol=2e-5, err_msg=f"heavy, light nested at {at}")
         np.testing.assert_allclose(light, alone_light, atol=2e-5, err_msg=f"light, nested at {at}")
     if prompted:
-        assert len(engine.prefix_cache) == 1  # both stored the one prompt; the cache holds it once
+        assert len(engine.prompt_cache) == 1  # both stored the one prompt; the cache holds it once

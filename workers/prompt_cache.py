@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 
-class PrefixCache:
+class PromptCache:
     def __init__(self, max_bytes: int, fingerprint: str = "") -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")

@@ -1,4 +1,4 @@
-"""A shared prompt computed once (workers/prefix_attention.py) gives the full forward's
+"""A shared prompt computed once (workers/prompt_attention.py) gives the full forward's
 embeddings: tiny random Qwen2 and Qwen3 models and a Qwen3-0.6B-shaped one (its widths, heads
 and head_dim; 2 layers instead of 28 to stay affordable on CPU), mixed prompts in one batch, a
 query with no prompt, cache hits across batches, and a cache that stays within its bound."""
@@ -16,7 +16,7 @@ from tiny_models import randomize
 
 from tokq.batch import PackedBatch
 from tokq.workers.engine import Engine
-from tokq.workers.prefix_cache import PrefixCache
+from tokq.workers.prompt_cache import PromptCache
 
 VOCAB = 211
 
@@ -59,13 +59,13 @@ def _workload(seed: int = 0):
     rng = np.random.default_rng(seed)
     long_prompt, short_prompt = _ids(rng, 20), _ids(rng, 7)
     prompts = [long_prompt, short_prompt, long_prompt[:10], None]
-    seqs, prefix_lens = [], []
+    seqs, prompt_lens = [], []
     for i, q_len in enumerate([10, 1, 3, 10, 40, 17, 2, 10, 5, 33, 10, 1, 8]):
         prompt = prompts[i % len(prompts)]
         query = _ids(rng, q_len)
         seqs.append(query if prompt is None else np.concatenate([prompt, query]))
-        prefix_lens.append(0 if prompt is None else len(prompt))
-    return seqs, prefix_lens
+        prompt_lens.append(0 if prompt is None else len(prompt))
+    return seqs, prompt_lens
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -73,32 +73,32 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def test_prefix_path_matches_the_full_forward(engine):
-    seqs, prefix_lens = _workload()
-    engine.prefix_cache = PrefixCache(64 << 20, "test")
+    seqs, prompt_lens = _workload()
+    engine.prompt_cache = PromptCache(64 << 20, "test")
     full = engine.embed(PackedBatch.pack(seqs, normalize=False))
     before = engine.tokens_computed
-    shared = engine.embed(PackedBatch.pack(seqs, normalize=False, prefix_lens=prefix_lens))
+    shared = engine.embed(PackedBatch.pack(seqs, normalize=False, prompt_lens=prompt_lens))
     assert np.abs(full).max() > 0.1
     assert _cos(shared, full).min() >= 0.9999
     np.testing.assert_allclose(shared, full, atol=2e-4, rtol=2e-4)
     # each of the three prompts computed once, every query's own tokens once
-    query_tokens = sum(len(s) - p for s, p in zip(seqs, prefix_lens))
+    query_tokens = sum(len(s) - p for s, p in zip(seqs, prompt_lens))
     assert engine.tokens_computed - before == query_tokens + 20 + 7 + 10
-    assert len(engine.prefix_cache) == 3
+    assert len(engine.prompt_cache) == 3
 
 
 def test_cache_hits_across_batches_give_the_same_vectors(engine):
-    seqs, prefix_lens = _workload(seed=1)
-    engine.prefix_cache = PrefixCache(64 << 20, "test")
-    first = engine.embed(PackedBatch.pack(seqs, prefix_lens=prefix_lens))
-    hits = engine.prefix_cache.hits
+    seqs, prompt_lens = _workload(seed=1)
+    engine.prompt_cache = PromptCache(64 << 20, "test")
+    first = engine.embed(PackedBatch.pack(seqs, prompt_lens=prompt_lens))
+    hits = engine.prompt_cache.hits
     before = engine.tokens_computed
     # the same prompts again, reordered: every prefix comes from the cache
     order = np.random.default_rng(2).permutation(len(seqs))
     again = engine.embed(PackedBatch.pack([seqs[i] for i in order],
-                                          prefix_lens=[prefix_lens[i] for i in order]))
-    assert engine.prefix_cache.hits - hits == 3
-    assert engine.tokens_computed - before == sum(len(s) - p for s, p in zip(seqs, prefix_lens))
+                                          prompt_lens=[prompt_lens[i] for i in order]))
+    assert engine.prompt_cache.hits - hits == 3
+    assert engine.tokens_computed - before == sum(len(s) - p for s, p in zip(seqs, prompt_lens))
     np.testing.assert_allclose(again, first[order], atol=1e-5)
     full = engine.embed(PackedBatch.pack(seqs))
     assert _cos(first, full).min() >= 0.9999
@@ -107,10 +107,10 @@ def test_cache_hits_across_batches_give_the_same_vectors(engine):
 def test_batch_of_only_cached_prompts_and_single_token_queries(engine):
     rng = np.random.default_rng(4)
     prompt = _ids(rng, 20)
-    engine.prefix_cache = PrefixCache(64 << 20, "test")
+    engine.prompt_cache = PromptCache(64 << 20, "test")
     seqs = [np.concatenate([prompt, _ids(rng, 1)]) for _ in range(3)]
-    engine.embed(PackedBatch.pack(seqs[:1], prefix_lens=20))  # fills the cache
-    shared = engine.embed(PackedBatch.pack(seqs, prefix_lens=20))
+    engine.embed(PackedBatch.pack(seqs[:1], prompt_lens=20))  # fills the cache
+    shared = engine.embed(PackedBatch.pack(seqs, prompt_lens=20))
     assert _cos(shared, engine.embed(PackedBatch.pack(seqs))).min() >= 0.9999
 
 
@@ -119,22 +119,22 @@ def test_cache_stays_within_its_bound(engine):
     layer_bytes = 2 * engine.model.num_kv_heads * engine.model.head_dim * 4  # fp32 K and V
     per_token = len(engine.model.layers) * layer_bytes
     bound = 50 * per_token  # room for two 20-token prompts, not three
-    engine.prefix_cache = PrefixCache(bound, "test")
+    engine.prompt_cache = PromptCache(bound, "test")
     prompts = [_ids(rng, 20) for _ in range(4)]
     for prompt in prompts:
         seqs = [np.concatenate([prompt, _ids(rng, 5)]) for _ in range(2)]
-        shared = engine.embed(PackedBatch.pack(seqs, prefix_lens=20))
-        assert engine.prefix_cache.num_bytes <= bound
+        shared = engine.embed(PackedBatch.pack(seqs, prompt_lens=20))
+        assert engine.prompt_cache.num_bytes <= bound
         assert _cos(shared, engine.embed(PackedBatch.pack(seqs))).min() >= 0.9999
-    assert len(engine.prefix_cache) == 2
+    assert len(engine.prompt_cache) == 2
     # the least recently used left first: the last two prompts remain
-    assert engine.prefix_cache.key(prompts[3]) in engine.prefix_cache
-    assert engine.prefix_cache.key(prompts[2]) in engine.prefix_cache
-    assert engine.prefix_cache.key(prompts[0]) not in engine.prefix_cache
+    assert engine.prompt_cache.key(prompts[3]) in engine.prompt_cache
+    assert engine.prompt_cache.key(prompts[2]) in engine.prompt_cache
+    assert engine.prompt_cache.key(prompts[0]) not in engine.prompt_cache
 
 
 def test_lru_cache_evicts_least_recently_used_and_refuses_oversized_entries():
-    cache = PrefixCache(3 * 64, "m")  # three 16-float (64-byte) entries
+    cache = PromptCache(3 * 64, "m")  # three 16-float (64-byte) entries
     keys = [cache.key(np.array([i])) for i in range(4)]
     for key in keys[:3]:
         cache.put(key, torch.zeros(16))
@@ -143,7 +143,7 @@ def test_lru_cache_evicts_least_recently_used_and_refuses_oversized_entries():
     assert keys[1] not in cache and all(k in cache for k in (keys[0], keys[2], keys[3]))
     cache.put(cache.key(np.array([9])), torch.zeros(100))  # larger than the bound: not kept
     assert len(cache) == 3 and cache.num_bytes == 3 * 64
-    assert cache.key(np.array([1])) != PrefixCache(64, "other").key(np.array([1]))
+    assert cache.key(np.array([1])) != PromptCache(64, "other").key(np.array([1]))
 
 
 def _reference_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal):
@@ -173,25 +173,25 @@ def test_flash_attn_call_contract(engine, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     flash = Engine(engine.info, engine.model, engine.device, engine.dtype, "sdpa_packed")
     flash.attn_backend = "flash_attn"  # the prefix path's choice; the full path stays on sdpa
-    flash.prefix_cache = PrefixCache(64 << 20, "test")
-    seqs, prefix_lens = _workload(seed=6)
+    flash.prompt_cache = PromptCache(64 << 20, "test")
+    seqs, prompt_lens = _workload(seed=6)
     full = engine.embed(PackedBatch.pack(seqs))
     for _ in range(2):  # computed in the batch, then from the cache
-        shared = flash.embed(PackedBatch.pack(seqs, prefix_lens=prefix_lens))
+        shared = flash.embed(PackedBatch.pack(seqs, prompt_lens=prompt_lens))
         assert _cos(shared, full).min() >= 0.9999
 
 
 def test_encoders_never_take_the_prefix_path(bundled_model_dir):
     bert = Engine.load(bundled_model_dir, device="cpu", dtype="float32")
-    assert bert.prefix_cache is None  # bidirectional: a prompt token sees the query after it
+    assert bert.prompt_cache is None  # bidirectional: a prompt token sees the query after it
     seqs = [np.array([101, 7592, 2088, 102]), np.array([101, 7592, 102])]
-    np.testing.assert_allclose(bert.embed(PackedBatch.pack(seqs, prefix_lens=2)),
+    np.testing.assert_allclose(bert.embed(PackedBatch.pack(seqs, prompt_lens=2)),
                                bert.embed(PackedBatch.pack(seqs)), atol=1e-6)
 
 
 def test_prefix_must_leave_a_token():
     with pytest.raises(ValueError, match="at least one token"):
-        PackedBatch.pack([[1, 2, 3]], prefix_lens=3)
+        PackedBatch.pack([[1, 2, 3]], prompt_lens=3)
 
 
 @pytest.mark.cuda
@@ -206,10 +206,10 @@ def test_cuda_prefix_path_matches_the_full_forward_in_bf16(engine, backend):
     if reason:
         pytest.skip(reason)
     gpu = Engine.load(engine.info.path, device="cuda", dtype="bfloat16", attn_backend=backend)
-    seqs, prefix_lens = _workload(seed=8)
+    seqs, prompt_lens = _workload(seed=8)
     full = engine.embed(PackedBatch.pack(seqs))  # fp32 CPU reference
     for _ in range(2):  # computed in the batch, then from the cache
-        shared = gpu.embed(PackedBatch.pack(seqs, prefix_lens=prefix_lens))
+        shared = gpu.embed(PackedBatch.pack(seqs, prompt_lens=prompt_lens))
         assert _cos(shared, full).min() >= 0.99
 
 
@@ -219,9 +219,9 @@ def test_cache_size_is_a_worker_setting(engine):
     from tokq import config as cfg
     from tokq.workers.cli import worker_command
 
-    assert cfg.load(cfg.WorkerConfig, env={"TOKQ_PREFIX_CACHE_MB": "8"}).prefix_cache_mb == 8
-    assert cfg.load(cfg.WorkerConfig, env={}).prefix_cache_mb == 256
-    assert "--prefix-cache-mb" in CliRunner().invoke(worker_command, ["--help"]).output
+    assert cfg.load(cfg.WorkerConfig, env={"TOKQ_PROMPT_CACHE_MB": "8"}).prompt_cache_mb == 8
+    assert cfg.load(cfg.WorkerConfig, env={}).prompt_cache_mb == 256
+    assert "--prompt-cache-mb" in CliRunner().invoke(worker_command, ["--help"]).output
     small = Engine(engine.info, engine.model, engine.device, engine.dtype, engine.attn_backend,
-                   prefix_cache_bytes=8 << 20)
-    assert small.prefix_cache.max_bytes == 8 << 20
+                   prompt_cache_bytes=8 << 20)
+    assert small.prompt_cache.max_bytes == 8 << 20

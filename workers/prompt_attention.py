@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tokq.batch import PackedBatch
 from tokq.workers.layout import Layout, to_device
 from tokq.workers.preempt import no_checkpoint
-from tokq.workers.prefix_cache import PrefixCache
+from tokq.workers.prompt_cache import PromptCache
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class PrefixPass:
                 softmax_scale=scale, causal=True)
         return _sdpa_buckets(q, k_all, v_all, self.buckets, scale)
 
-    def store_new_prefixes(self, cache: PrefixCache) -> None:
+    def store_new_prefixes(self, cache: PromptCache) -> None:
         """Put the shared prompts computed in this batch into the cache, one ``[layers, 2, p, Hkv, D]``
         tensor each (cloned: the cache must not hold the batch's whole K/V alive)."""
         if not self._captured:
@@ -87,13 +87,13 @@ class PrefixPass:
         return self.layout.cu_seqlens[self.num_new + 1:].long() - 1
 
 
-def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: torch.dtype,
+def plan(batch: PackedBatch, cache: PromptCache, device: torch.device, dtype: torch.dtype,
          backend: str) -> PrefixPass:
-    """Split ``batch`` (sequences holding their full ids, ``prefix_lens`` marking the shared
+    """Split ``batch`` (sequences holding their full ids, ``prompt_lens`` marking the shared
     part) into the tokens to compute and the K/V each sequence attends to."""
     cu = batch.cu_seqlens.astype(np.int64)
     lens = np.diff(cu)
-    prefix_lens = batch.prefix_lens if batch.prefix_lens is not None else np.zeros_like(lens)
+    prompt_lens = batch.prompt_lens if batch.prompt_lens is not None else np.zeros_like(lens)
     ids = batch.input_ids
     num_seqs = len(lens)
 
@@ -101,8 +101,8 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
     index_of: dict = {}
     prefix_ids, cached = [], []
     seq_prefix = np.full(num_seqs, -1, dtype=np.int64)
-    for i in np.flatnonzero(prefix_lens).tolist():
-        pid = ids[cu[i]:cu[i] + prefix_lens[i]]
+    for i in np.flatnonzero(prompt_lens).tolist():
+        pid = ids[cu[i]:cu[i] + prompt_lens[i]]
         key = cache.key(pid)
         j = index_of.get(key)
         if j is None:
@@ -127,7 +127,7 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
     seq_ids = [prefix_ids[j] for j in new]
     seq_start_pos = [0] * len(new)
     for i in range(num_seqs):
-        p = int(prefix_lens[i])
+        p = int(prompt_lens[i])
         seq_ids.append(ids[cu[i] + p:cu[i + 1]])
         seq_start_pos.append(p)
     q_lens = np.fromiter((len(s) for s in seq_ids), dtype=np.int64, count=len(seq_ids))
@@ -138,7 +138,7 @@ def plan(batch: PackedBatch, cache: PrefixCache, device: torch.device, dtype: to
     ctx_lens = np.zeros(len(seq_ids), dtype=np.int64)
     ctx_rows = np.zeros(len(seq_ids), dtype=np.int64)
     has = seq_prefix >= 0
-    ctx_lens[len(new):][has] = prefix_lens[has]
+    ctx_lens[len(new):][has] = prompt_lens[has]
     ctx_rows[len(new):][has] = ctx_start[seq_prefix[has]]
     own_rows = num_ctx + cu_q[:-1]
 
@@ -226,7 +226,7 @@ def _sdpa_buckets(q, k_all, v_all, buckets: tuple[_Bucket, ...], scale: float) -
     return out
 
 
-def forward_pooled(model, batch: PackedBatch, cache: PrefixCache, backend: str,
+def forward_pooled(model, batch: PackedBatch, cache: PromptCache, backend: str,
                    device: torch.device, dtype: torch.dtype,
                    checkpoint: Callable[[], None] = no_checkpoint) -> tuple[torch.Tensor, int]:
     """fp32 ``[N, hidden]`` last-token states of ``batch`` through the shared prompt path, and the
