@@ -33,7 +33,7 @@ PHASES = {"none": "none", "batch": "batch class", "interactive": "interactive cl
           "alone": "batch class, no queries"}
 PRESSURE_S = 3.0  # the job's forwards running this long before a window opens
 FORWARD = ("tokq_worker_forward_tokens_total", "tokq_worker_forward_duration_seconds_sum")
-NESTED = ("tokq_worker_batches_total", "tokq_worker_preemptions_total")  # forwards; of them, nested in the job's
+NESTED = ("tokq_worker_batches_total", "tokq_worker_preemptions_total")  # forwards; of them, nested in a heavy one
 
 
 def make_docs(n: int, seed: int = 1) -> list[str]:
@@ -145,7 +145,7 @@ def mixed_rounds(src: Path, tmp: Path, target: str, pids: dict, worker_url: str,
                 else:
                     samples = asyncio.run(gens.run(poisson_schedule(queries, rate, duration_s)))
             fwd = {k: v - before[k] for k, v in harness.metrics(worker_url, *FORWARD, *NESTED).items()}
-            tokens = fwd[FORWARD[0]] - sum(s.num_tokens for s in samples if s.status == "OK")
+            live_tokens = sum(s.num_tokens for s in samples if s.status == "OK")
             if job and job.poll() is not None:
                 raise RuntimeError(f"the embed-file job ended within the window: {job.communicate()[1][-2000:]}")
         finally:
@@ -153,7 +153,7 @@ def mixed_rounds(src: Path, tmp: Path, target: str, pids: dict, worker_url: str,
                 job.terminate()
                 job.communicate()
         return {"live": summarize(samples, rate, duration_s) if samples else None, "cores": cpu.cores(),
-                "job_tps": tokens / cpu.wall_s if job else 0.0, "busy": fwd[FORWARD[1]] / cpu.wall_s,
+                "job_tps": (fwd[FORWARD[0]] - live_tokens) / cpu.wall_s if job else 0.0, "live_tps": live_tokens / cpu.wall_s,
                 "forwards": fwd[NESTED[0]] / cpu.wall_s, "nested": fwd[NESTED[1]] / cpu.wall_s}
     try:
         by = harness.interleaved(rounds, PHASES, measure)
@@ -182,7 +182,7 @@ def bulk_section(rows: list[dict], meta: dict) -> str:
     cells = [[names[s], f"{docs_s[s]:,.1f}", f"{docs_s[s] * tokens / n:,.0f}",
               f"**{harness.ratio(rows, ('st', 's'), (s, 's')):.2f}x**",
               cores_text(rows, s, "cores") if s == "service" else "this process"] for s in SYSTEMS]
-    small = (" N is below the 50,000 documents asked for: with it, the whole bench takes ~12 minutes on this machine."
+    small = (" N is below the default 50,000 (`--docs`), so that the whole bench takes about 12 minutes here."
              if n < 50_000 else "")
     return section("bulk", "Bulk embedding: `tokq embed-file` against SentenceTransformer.encode", [
         f"N = {n:,} seeded documents of {DOC_TOKENS[0]}-{DOC_TOKENS[1]} tokens (vocabulary words; {tokens:,} tokens, "
@@ -203,42 +203,40 @@ def bulk_section(rows: list[dict], meta: dict) -> str:
 
 
 def mixed_section(rows: list[dict], meta: dict) -> str:
-    # the worker's forward time the queries take, as a share of what the job alone keeps busy
-    used = statistics.median(r["none"]["busy"] / r["alone"]["busy"] for r in rows)
-    left = statistics.median(r["alone"]["job_tps"] for r in rows) * (1 - used)
-    cells, figures = [], {}
+    live_tps, figures, cells = harness.median(rows, "none", "live_tps"), {}, []
+    left = harness.median(rows, "alone", "job_tps") - live_tps
     for phase, name in PHASES.items():
         live = [r[phase]["live"] for r in rows if r[phase]["live"]]
-        p99 = live and statistics.median(r[phase]["live"]["latency_ms"]["p99"] / r["none"]["live"]["latency_ms"]["p99"]
-                                         for r in rows)
-        share = phase in ("batch", "interactive") and statistics.median(r[phase]["job_tps"] for r in rows) / left
-        figures[phase] = (p99, share)
-        lat = [" / ".join(f"{statistics.median(x['latency_ms'][q] for x in live):,.0f}" for q in ("p50", "p99")),
-               f"**{p99:.2f}x**"] if live else ["–", "–"]
-        cells.append([name, *lat, f"{statistics.median(r[phase]['job_tps'] for r in rows):,.0f}" if phase != "none"
-                      else "–", f"**{share:.0%}**" if share else "–", " / ".join(
-                          f"{statistics.median(r[phase][k] for r in rows):,.1f}" for k in ("forwards", "nested")),
+        p99 = live and harness.ratio(rows, (phase, "live", "latency_ms", "p99"), ("none", "live", "latency_ms", "p99"))
+        figures[phase] = p99, statistics.median(r[phase]["job_tps"] / (r["alone"]["job_tps"] - r[phase]["live_tps"])
+                                                for r in rows)
+        cells.append([name, *([" / ".join(f"{harness.median(live, 'latency_ms', q):,.0f}" for q in ("p50", "p99")),
+                               f"**{p99:.2f}x**"] if live else ["–", "–"]),
+                      f"{harness.median(rows, phase, 'job_tps'):,.0f}" if phase != "none" else "–",
+                      f"**{figures[phase][1]:.0%}**" if phase in ("batch", "interactive") else "–",
+                      f"{harness.median(rows, phase, 'forwards'):,.1f} / {harness.median(rows, phase, 'nested'):,.1f}",
                       *([sum(x["num_requests"] - x["num_ok"] for x in live),
-                         "yes" if all(x["generator_kept_up"] for x in live) else "no"] if live else ["–", "–"]),
+                         f"{sum(x['generator_kept_up'] for x in live)}/{len(live)}"] if live else ["–", "–"]),
                       cores_text(rows, phase, "cores")])
     (b99, bshare), (i99, ishare) = figures["batch"], figures["interactive"]
     return section("mixed", "Live queries beside an embed-file job: batch class against no classes", [
         f"Live queries: single short queries ({meta['source']}), open loop (Poisson) at {meta['rate']:,.0f}/s: half "
         f"the {meta['capacity']:,.0f} calls/s the service answered closed loop (32 in flight) just before. "
         f"{meta['duration']:g} s a phase, {len(rows)} round(s), phases in the table's order. The job: `tokq "
-        f"embed-file` on the same documents, its forwards running {PRESSURE_S:g} s before the window; its tokens/s: "
+        f"embed-file` on the same documents (repeated), its forwards running {PRESSURE_S:g} s before the window; its tokens/s: "
         "the worker's forwarded tokens less the queries'. Capacity the queries leave: the job's tokens/s with no "
-        "queries x (1 - u), u = the worker's time in forwards with the queries alone / with the job alone "
-        f"({used:.0%}): {left:,.0f} tokens/s. Medians over rounds; ratios per round. "
+        f"queries less the queries' tokens/s ({live_tps:,.0f}): {left:,.0f} tokens/s; shares are per round. Medians over rounds; ratios per round. "
         "Cores: CPU-seconds per wall second per process. On 2 cores the service competes with itself: the load "
         "generator and `embed-file` use the cores the gateway, Redis and the worker need.", "",
-        *table("job beside the queries | queries p50 / p99 ms | p99 vs no job (target <= 2x) | job tokens/s | share of "
-               "capacity left (target >= 70%) | worker forwards/s / nested in the job's | failed queries | generator kept up | "
-               "cores", cells, "lrrrrrrll"), "",
+        *table("job beside the queries | queries p50 / p99 ms | p99 vs no job (target <= 2x) | job tokens/s | share "
+               "of capacity left (target >= 70%) | worker forwards/s / nested in a heavy one | failed queries | rounds "
+               "the generator kept up | cores", cells, "lrrrrrrll"), "",
         "Reading (generated from the figures above):",
         f"- Batch class: the queries' p99 was {b99:.2f}x their p99 with no job (target <= 2x: {met(b99 <= 2)}); the "
         f"job took {bshare:.0%} of the capacity left (target >= 70%: {met(bshare >= 0.7)}).",
-        f"- The same job sent as interactive (no classes): p99 {i99:.2f}x; the job took {ishare:.0%}."])
+        f"- The same job sent as interactive (no classes): p99 {i99:.2f}x; the job took {ishare:.0%}.",
+        f"- The ratios are against the queries' p99 with no job, {harness.median(rows, 'none', 'live', 'latency_ms', 'p99'):,.0f} "
+        f"ms; the batch class's p99 was {b99 / i99:.2f}x that with no classes."])
 
 
 def section(part: str, title: str, body: list[str]) -> str:

@@ -30,7 +30,7 @@ def test_bulk_bench_rewrites_both_sections(tmp_path, monkeypatch):
     for name in names:
         assert text.count(f"<!-- {name}: start") == 1 and f"<!-- {name}: end -->" in text
     assert text.count(f"Command: `tokq bench bulk {' '.join(args)} --results-md") == 2
-    assert "N = 40 seeded documents" in text and "N is below the 50,000" in text
+    assert "N = 40 seeded documents" in text and "N is below the default 50,000" in text
     for system in ("`tokq embed-file`", "`SentenceTransformer.encode", "the worker's engine alone"):
         assert re.search(rf"^\| {re.escape(system)}[^|]* \| [\d,.]+ \| [\d,]+ \| \*\*[\d.]+x\*\* \|", text, re.M)
     assert float(re.search(r"cosine to SentenceTransformer's >= ([\d.]+)", text).group(1)) > 0.999
