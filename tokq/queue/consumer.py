@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 import redis.exceptions
@@ -36,18 +36,21 @@ class Consumer:
         return [self._sharded.shard(i) for i in range(self._sharded.claim_shards)]
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
-                    lanes: Lanes = "both", on_stop: Callable[[str], object] | None = None) -> Claim | None:
+                    lanes: Lanes = "both", on_stop: Callable[[str], object] | None = None,
+                    after_isolated: Collection[int] = ()) -> Claim | None:
         """One batch from the next non-empty shard in rotation; None when all are empty. A
         shard whose node is down (failing over) is passed over, so the others keep being
         served; a claim that may have run there is redone when its lease expires. Raises
-        only when every shard failed. ``on_stop``: as Queue.claim's, for each shard asked."""
+        only when every shard failed. ``on_stop``: as Queue.claim's, for each shard asked;
+        ``after_isolated``: the shards whose claim is Queue.claim's ``after_isolated``."""
         n = self._sharded.claim_shards
         errors: list[Exception] = []
         for step in range(n):
             index = (self._next_claim + step) % n
             try:
                 claim = await self._sharded.shard(index).claim(token_budget, lookahead=lookahead,
-                                                               lanes=lanes, on_stop=on_stop)
+                                                               lanes=lanes, on_stop=on_stop,
+                                                               after_isolated=index in after_isolated)
             except redis.exceptions.RedisError as exc:
                 errors.append(exc)
                 continue
