@@ -30,6 +30,9 @@
 --          the light lane)
 -- ARGV[14] batch_share_tokens: tokens a starving batch lane takes first (claim_rule.batch_share_tokens)
 -- ARGV[15] batch_starve_ms: the batch lane starves once its head has waited this long
+-- ARGV[16] after_isolated: "1" = this worker's last full claim on this shard took a redo to
+--          isolate: no isolated head (heavy, or starving batch) goes first; the lanes are read
+--          by the rule and the redo ends the batch, alone the claim after ("" or "0": as usual)
 -- "both" and "heavy" claims read the batch lane after the interactive lanes (the room they
 -- leave), or first within its share when it starves; "light" claims never read it.
 -- The rule is tokq/queue/claim_rule.py, entry for entry. Returns
@@ -60,6 +63,7 @@ local lanes = ARGV[12]
 local preempt_tokens = tonumber(ARGV[13]) or 0
 local batch_share_tokens = tonumber(ARGV[14]) or 0
 local batch_starve_ms = tonumber(ARGV[15]) or 0
+local after_isolated = ARGV[16] == '1'
 local EXPIRED = '-DEADLINE_EXCEEDED:deadline passed while queued'
 
 -- One EXISTS per request, not per item: a request's items sit together.
@@ -202,8 +206,10 @@ else
   if batch_head then
     local _, head_ts, _, _, _, head_attempt = parse_entry(batch_head)
     starving = now - tonumber(head_ts) >= batch_starve_ms
-    -- A starving redo to isolate goes alone, before interactive work (a heavy one first).
+    -- A starving redo to isolate goes alone, before interactive work (a heavy one first); not
+    -- after_isolated: light work goes first, the redo the claim after.
     batch_alone = starving and tonumber(head_attempt) >= isolate_attempt and not heavy_isolated
+      and not after_isolated
   end
   -- Interactive work's budget: all of it, or what a starving batch lane's share leaves.
   local room = token_budget
@@ -224,12 +230,12 @@ else
     end
   else
     -- The light lane first, within its share (claim_rule.light_share); not at all when the heavy
-    -- lane's head is a redo to isolate (it goes alone now).
+    -- lane's head is a redo to isolate (it goes alone now), unless after_isolated.
     local share, capped, num_light = room, false, 0
     if heavy_head then
       share = math.max(0, math.min(math.floor(room / 2), room - head_tokens))
     end
-    if not heavy_isolated then
+    if not heavy_isolated or after_isolated then
       light_skipped, light_scanned, stop, num_light = scan(pending, share, 'light', 0, {}, 0)
       capped = share < room and (stop == 'full' or stop == 'lookahead') -- stopped by its share
     end

@@ -14,6 +14,10 @@ light-only and the forward thread runs it nested between two steps of the heavy 
 redoes both. A heavy forward stops taking nested batches once they hold ``preempt_budget`` tokens,
 and a light lane longer than that is left to full batches (tokq/queue/claim_rule.py): a backlog
 becomes full batches, not many small nested ones.
+
+Redos to isolate cannot hold light work back either: after a full claim on a shard took one
+(alone), the worker's next full claim there reads light work first (``after_isolated``,
+tokq/queue/claim_rule.py): light work and a stream of such redos alternate at worst.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from tokq.queue.claim_rule import Lanes, is_heavy_batch
+from tokq.queue.claim_rule import Lanes, is_heavy_batch, isolate_attempt_for
 from tokq.queue.shard import Claim
 from tokq.queue.sharded import ShardedQueue
 from tokq.workers.budget import TokenBudget
@@ -94,6 +98,9 @@ class ClaimLoop:
         self.forward_since: float | None = None  # monotonic start of the running forward
         self.num_batches = 0
         self.num_preemptions = 0
+        # Shards whose last full claim took a redo to isolate: light work goes first there next.
+        self.isolated_at: set[int] = set()
+        self.isolate_attempt = isolate_attempt_for(queue.config.max_attempts)
 
     def stop(self) -> None:
         """Stop claiming; the batches in hand are finished and acknowledged."""
@@ -227,9 +234,11 @@ class ClaimLoop:
             if self.stopping.is_set():
                 return None
         start = time.perf_counter()
+        full = lanes != "light"
         try:
             claim = await self.queue.consumer.claim(token_budget or self.budget.tokens, lanes=lanes,
-                                                    on_stop=getattr(self.observer, "observe_claim_stop", None))
+                                                    on_stop=getattr(self.observer, "observe_claim_stop", None),
+                                                    after_isolated=self.isolated_at if full else ())
         except REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
             log.warning("claim failed: %s; retrying", exc)
             if self.observer:
@@ -240,6 +249,12 @@ class ClaimLoop:
         self.prefetch.claimed(claim_s)
         if claim is not None:
             self.leases.held.add(claim.batch_id)
+            if full:
+                shard = self.queue.shard_of_batch(claim.batch_id)
+                if any(e.attempt >= self.isolate_attempt for e in claim.entries):
+                    self.isolated_at.add(shard)
+                else:
+                    self.isolated_at.discard(shard)
         if self.observer:
             self.observer.observe_claim(claim_s)
         return claim

@@ -38,14 +38,14 @@ def _pending(spec, next_index=None) -> list:
 
 def _case(spec, *, heavy=(), batch=(), token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8,
           live="abc", max_attempts=3, lanes="both", preempt_tokens=0, batch_share=0.25,
-          batch_starve_ms=100):
+          batch_starve_ms=100, after_isolated=False):
     next_index = dict.fromkeys(REQUEST_IDS, 0)
     return dict(pending=_pending(spec, next_index), heavy=_pending(heavy, next_index),
                 batch=_pending(batch, next_index),
                 live=set(live), token_budget=token_budget, lookahead=lookahead,
                 max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts,
                 lanes=lanes, preempt_tokens=preempt_tokens, batch_share=batch_share,
-                batch_starve_ms=batch_starve_ms)
+                batch_starve_ms=batch_starve_ms, after_isolated=after_isolated)
 
 
 @st.composite
@@ -81,11 +81,12 @@ def claim_cases(draw):
                  lanes=draw(st.sampled_from(("both", "both", "light", "heavy"))),
                  preempt_tokens=draw(st.sampled_from((0, 1, half, token_budget, 2 * token_budget))),
                  batch_share=draw(st.sampled_from((0.0, 0.1, 0.25, 0.5, 1.0))),
-                 batch_starve_ms=batch_starve_ms)
+                 batch_starve_ms=batch_starve_ms, after_isolated=draw(st.booleans()))
 
 
 async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max_skip_age_ms, max_drop,
-                   max_attempts, lanes, preempt_tokens, batch=(), batch_share=0.25, batch_starve_ms=100):
+                   max_attempts, lanes, preempt_tokens, batch=(), batch_share=0.25, batch_starve_ms=100,
+                   after_isolated=False):
     """Run claim.lua once on the lanes and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
                           max_skip_age_ms=max_skip_age_ms, max_attempts=max_attempts,
@@ -104,13 +105,13 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
 
         claim, num_expired, num_orphaned, stop = await q.claim_step(
             token_budget, lookahead=lookahead, max_drop=max_drop, lanes=lanes,
-            preempt_tokens=preempt_tokens)
+            preempt_tokens=preempt_tokens, after_isolated=after_isolated)
         plan = plan_claim(pending, heavy, batch, now_ms=NOW_MS, token_budget=token_budget,
                           lookahead=lookahead, max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
                           isolate_attempt=isolate_attempt_for(max_attempts),
                           is_live=live.__contains__, lanes=lanes, preempt_tokens=preempt_tokens,
                           batch_share_tokens=batch_share_tokens(token_budget, batch_share),
-                          batch_starve_ms=batch_starve_ms)
+                          batch_starve_ms=batch_starve_ms, after_isolated=after_isolated)
 
         taken = [e.raw for e in claim.entries] if claim else []
         assert taken == [e.raw for e in plan.taken]
@@ -219,6 +220,23 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
                     batch=[("b", 20, 100, 500, b"")] * 2, lanes="heavy", preempt_tokens=50))
 @example(case=_case([], batch=[("d", 10, 100, 500, b""), ("b", 10, 0, -1, b""), ("b", 10, 0, 500, b"")],
                     max_drop=2))
+# After a claim that took a redo to isolate: light work before an isolated heavy head (the redo
+# ends the batch), with the refill pass after it; the redo alone when no light work is live; a
+# starving batch redo to isolate waits too (ends the batch); a starving batch head that is not
+# one still goes; a heavy claim's batch lane.
+@example(case=_case([("a", 30, 0, 500, b"")] * 4, heavy=[("b", 10, 0, 500, b"", 2), ("b", 10, 0, 500, b"")],
+                    after_isolated=True))
+@example(case=_case([("a", 30, 0, 500, b"")] * 5, heavy=[("b", 60, 0, 500, b"", 2)], after_isolated=True))
+@example(case=_case([("a", 30, 0, -1, b""), ("d", 30, 0, 500, b"")], heavy=[("b", 10, 0, 500, b"", 2)],
+                    after_isolated=True))
+@example(case=_case([("a", 30, 0, 500, b"")], batch=[("b", 20, 100, 500, b"", 2), ("b", 20, 0, 500, b"")],
+                    after_isolated=True))
+@example(case=_case([], batch=[("b", 20, 100, 500, b"", 2), ("b", 20, 0, 500, b"")], after_isolated=True))
+@example(case=_case([("a", 30, 0, 500, b"")], heavy=[("c", 20, 0, 500, b"", 2)],
+                    batch=[("b", 20, 100, 500, b"")], after_isolated=True))
+@example(case=_case([("a", 30, 0, 500, b"")] * 2, heavy=[("c", 40, 0, 500, b"")],
+                    batch=[("b", 20, 100, 500, b"", 2)] * 2, lanes="heavy", preempt_tokens=50,
+                    after_isolated=True))
 def test_lua_claim_agrees_with_the_python_rule(redis_server, case):
     asyncio.run(_compare(redis_server.url, **case))
 
@@ -257,7 +275,8 @@ def deep_lane_cases(draw):
                  max_skip_age_ms=max_skip_age_ms, max_drop=draw(st.sampled_from((1, 3, 8, 30))),
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
                  max_attempts=draw(st.sampled_from((3, 5))), lanes=lanes, preempt_tokens=preempt_tokens,
-                 batch_share=draw(st.sampled_from((0.0, 0.25, 1.0))), batch_starve_ms=100)
+                 batch_share=draw(st.sampled_from((0.0, 0.25, 1.0))), batch_starve_ms=100,
+                 after_isolated=draw(st.booleans()))
 
 
 def _e(tokens, deadline_in_ms=500, *, request_id="a", attempt=0, age_ms=0):

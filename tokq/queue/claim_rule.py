@@ -27,6 +27,11 @@ less ``batch_share_tokens``, and the batch lane's head goes in every claim, with
 up to the budget. A starving batch head that is a redo to isolate goes alone (unless the heavy
 head is one too: that goes first).
 
+``after_isolated``: the worker's last full claim on this shard took a redo to isolate. Then no
+isolated head (the heavy lane's, a starving batch lane's) goes first: the lanes are read by the
+rules above, a redo to isolate ends the batch, and goes alone the claim after. So light work and
+a stream of redos to isolate alternate: each waits at most one of a worker's claims.
+
 Each plan says why the batch stopped growing (``ClaimPlan.stop``, one of ``STOP_REASONS``).
 """
 
@@ -140,7 +145,8 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
                now_ms: int, token_budget: int, lookahead: int, max_skip_age_ms: int, max_drop: int,
                isolate_attempt: int, is_live: Callable[[str], bool],
                lanes: Lanes = "both", preempt_tokens: int | None = None,
-               batch_share_tokens: int = 0, batch_starve_ms: int = 0) -> ClaimPlan:
+               batch_share_tokens: int = 0, batch_starve_ms: int = 0,
+               after_isolated: bool = False) -> ClaimPlan:
     """Decide the next batch from the heads of the light lane ``pending``, the ``heavy`` lane
     and the ``batch`` lane (each oldest first); ``lanes`` as in the module doc.
 
@@ -151,7 +157,8 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
     time (batch-lane items are passed over at any age: the starvation share bounds the batch
     head's wait). Expired and orphaned entries are dropped, at most ``max_drop`` per claim. An
     item redone ``isolate_attempt`` times or more (``isolate_attempt_for``) is claimed alone;
-    when it heads the heavy lane, a ``both`` claim reads no light entry. ``preempt_tokens``: the
+    when it heads the heavy lane, a ``both`` claim reads no light entry, unless ``after_isolated``
+    (module doc): then it waits for this claim's light work. ``preempt_tokens``: the
     light-only claims' budget; a ``heavy`` claim reads the light lane first when it holds more
     (None or 0: never). ``batch_share_tokens`` and ``batch_starve_ms``: the batch lane's share
     of the budget once its head has waited that long (module doc).
@@ -221,8 +228,11 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
     heavy_head = heavy[0] if heavy else None
     heavy_isolated = heavy_head is not None and heavy_head.attempt >= isolate_attempt
     starving = bool(batch) and now_ms - batch[0].ts_ms >= batch_starve_ms
-    # A starving redo to isolate goes alone, before interactive work (a heavy one first).
-    batch_alone = starving and batch[0].attempt >= isolate_attempt and not heavy_isolated
+    # A starving redo to isolate goes alone, before interactive work (a heavy one first); not
+    # after_isolated: light work goes first, the redo the claim after.
+    batch_alone = (starving and batch[0].attempt >= isolate_attempt and not heavy_isolated
+                   and not after_isolated)
+    heavy_alone = heavy_isolated and not after_isolated  # a usual claim reads no light entry
     # Interactive work's budget: all of it, or what a starving batch lane's share leaves.
     room = max(0, token_budget - batch_share_tokens) if starving else token_budget
     if batch_alone:
@@ -237,7 +247,7 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
     else:
         share = light_share(room, heavy_head)
         capped, num_light = False, 0
-        if not heavy_isolated:
+        if not heavy_alone:
             skipped, num_scanned, stop, num_light = scan(pending, share, "light")
             capped = share < room and stop in ("full", "lookahead")  # stopped by its share
         if heavy and not done:
