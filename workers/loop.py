@@ -2,7 +2,7 @@
 
 The forward runs in a thread (torch releases the GIL), so while it runs the event loop claims
 the next batch (prefetch), and the chores (renewals, requeues, heartbeat) go on: the device never
-waits on Redis, and Redis never waits on the device. Idle, the loop waits for a notice
+waits on Redis, and Redis never waits on the device. Idle, the loop waits for a wake-up
 (workers/wake.py).
 
 Heavy work cannot hold light work back: while a heavy batch's forward runs (``is_heavy``: more tokens
@@ -179,33 +179,33 @@ class ClaimLoop:
 
     async def _preempt_while(self, forward: asyncio.Task) -> None:
         """While a heavy forward runs: registered as pre-emptible, claim light work on each
-        'light' notice and hand it to the forward thread, which runs it nested; acknowledge it.
+        'light' wake-up and hand it to the forward thread, which runs it nested; acknowledge it.
         Until the nested batches hold preempt_budget tokens: light work past that waits for the
         next batch, as light work past a light-only claim's budget does (a backlog)."""
         loop = asyncio.get_running_loop()
-        registration, light_notice = self.wake.preemptible, self.wake.light_notice
-        noticed = False  # woken by a 'light' notice: claim at once, register again after
+        registration, light_wakeup = self.wake.preemptible, self.wake.light_wakeup
+        woken = False  # woken by a 'light' wake-up: claim at once, register again after
         nested_tokens = 0
         try:
             while (not forward.done() and self.healthy() and not self.stopping.is_set()
                    and nested_tokens < self.budget.preempt_budget):
-                if not registration.registered and not noticed:
-                    # Registered before the claim: no notice falls between. After a notice
+                if not registration.registered and not woken:
+                    # Registered before the claim: no wake-up falls between. After a wake-up
                     # (which took this worker out of the set) the claim goes first, one round
                     # trip sooner; registering and this claim follow it, so nothing is missed.
-                    # A notice read meanwhile is cleared below, and took this worker out of the
+                    # A wake-up read meanwhile is cleared below, and took this worker out of the
                     # set: should its work go elsewhere, register again rather than wait unheard.
-                    noticed = await registration.set(True)
-                after_notice, noticed = noticed, False
-                light_notice.clear()
+                    woken = await registration.set(True)
+                after_wakeup, woken = woken, False
+                light_wakeup.clear()
                 claim = await self._claim(self.budget.preempt_budget, lanes="light")
                 if claim is None:
-                    if after_notice:  # its work went elsewhere: register, claim again, wait
+                    if after_wakeup:  # its work went elsewhere: register, claim again, wait
                         continue
-                    notice = asyncio.create_task(light_notice.wait())
-                    await asyncio.wait({forward, notice}, return_when=asyncio.FIRST_COMPLETED)
-                    noticed = notice.done()
-                    notice.cancel()
+                    wakeup = asyncio.create_task(light_wakeup.wait())
+                    await asyncio.wait({forward, wakeup}, return_when=asyncio.FIRST_COMPLETED)
+                    woken = wakeup.done()
+                    wakeup.cancel()
                     continue
                 nested_tokens += claim.num_tokens
                 future = self.preemption.offer(claim, loop)

@@ -1,9 +1,9 @@
-"""How a worker hears of work without polling: pub/sub notices on its shards' channels.
+"""How a worker hears of work without polling: pub/sub wake-ups on its shards' channels.
 
 An idle worker registers as idle and waits on its worker channel, where enqueue and requeue wake
 one idle worker when the queue stops being empty (and a claim that leaves work wakes the next,
-so a burst spreads); the queue's work channel gets the notice when no worker is registered. It
-claims at least every IDLE_FALLBACK_S in case a notice was missed. A worker running a heavy
+so a burst spreads); the queue's work channel gets the wake-up when no worker is registered. It
+claims at least every IDLE_FALLBACK_S in case a wake-up was missed. A worker running a heavy
 forward registers as pre-emptible instead: light work arriving tells it 'light'.
 """
 
@@ -21,43 +21,43 @@ from tokq.workers.chores import REDIS_ERRORS, OutageLog
 
 log = logging.getLogger("tokq.worker")
 
-# An idle worker waits for a work notice, but claims at least this often: a missed notice
+# An idle worker waits for a work wake-up, but claims at least this often: a missed wake-up
 # (a reconnect) costs at most this long.
 IDLE_FALLBACK_S = 0.5
 
 
 class Registration:
     """The worker's place in one kind of wake-up set on every shard it claims from: ``idle`` (a
-    'work' notice may pick it) or ``preemptible`` (a 'light' one may, while a heavy forward
-    runs). A notice pops it out of that one shard's set only (lua/lib/wake.lua): with several
+    'work' wake-up may pick it) or ``preemptible`` (a 'light' one may, while a heavy forward
+    runs). A wake-up pops it out of that one shard's set only (lua/lib/wake.lua): with several
     shards it may stay in the others' (so may a registration whose answer was lost) until it
-    withdraws; else, busy, it would take those shards' notices from the workers waiting."""
+    withdraws; else, busy, it would take those shards' wake-ups from the workers waiting."""
 
     def __init__(self, queue: ShardedQueue, kind: str) -> None:
         self.queue = queue
         self.kind = kind
         self.registered = False  # in every claimed shard's set, as far as this worker knows
         self.maybe = False  # possibly in some shard's set: withdraw before that matters
-        self.notices = 0  # notices of this kind read (WakeUps.read)
+        self.wakeups = 0  # wake-ups of this kind read (WakeUps.read)
         self._outage = OutageLog(f"{kind} registration")
 
-    def noticed(self) -> None:
-        """A notice of this kind was read: the shard that sent it holds this worker no more."""
+    def woken(self) -> None:
+        """A wake-up of this kind was read: the shard that sent it holds this worker no more."""
         self.registered = False
         self.maybe = self.maybe and self.queue.claim_shards > 1
-        self.notices += 1
+        self.wakeups += 1
 
     async def set(self, on: bool) -> bool:
-        """Register (``on``) or withdraw; True if a notice was read meanwhile."""
-        read, was_maybe = self.notices, self.maybe
+        """Register (``on``) or withdraw; True if a wake-up was read meanwhile."""
+        read, was_maybe = self.wakeups, self.maybe
         try:
             await getattr(self.queue.consumer, f"mark_{self.kind}")(on)
-            # A notice read meanwhile took this worker out of a set: not registered. (Believing
-            # itself registered, it would hear no more notices: enqueue.lua tells only the
+            # A wake-up read meanwhile took this worker out of a set: not registered. (Believing
+            # itself registered, it would hear no more wake-ups: enqueue.lua tells only the
             # workers in the set.) It may be in a set still: another shard's, or this one's if
-            # the notice popped an earlier registration whose answer was lost and this one
+            # the wake-up popped an earlier registration whose answer was lost and this one
             # landed after it.
-            self.registered = on and self.notices == read
+            self.registered = on and self.wakeups == read
             self.maybe = on and (self.registered or was_maybe or self.queue.claim_shards > 1)
             self._outage.worked()
         except REDIS_ERRORS as exc:
@@ -67,7 +67,7 @@ class Registration:
             # wait (the other shards' sets are still written): logged once per outage.
             self._outage.failed(exc)
             self.maybe = self.maybe or on
-        return self.notices != read
+        return self.wakeups != read
 
 
 class WakeUps:
@@ -78,13 +78,13 @@ class WakeUps:
     def __init__(self, queue: ShardedQueue, *, healthy: Callable[[], bool]) -> None:
         self.queue = queue
         self.healthy = healthy
-        self._subscriber = ShardedSubscriber(queue.redis, label="work notices")
+        self._subscriber = ShardedSubscriber(queue.redis, label="wake-ups")
         self._subscribed = False
         self.idle = Registration(queue, "idle")  # withdrawn before each forward
         self.preemptible = Registration(queue, "preemptible")  # while a heavy forward runs
         self._reader: asyncio.Task | None = None  # read(), the subscription's one reader
-        self._work_notice = asyncio.Event()  # a notice came (set by read() only)
-        self.light_notice = asyncio.Event()  # a 'light' notice came
+        self._woken = asyncio.Event()  # a wake-up came (set by read() only)
+        self.light_wakeup = asyncio.Event()  # a 'light' wake-up came
 
     async def subscribe(self) -> None:
         try:
@@ -97,7 +97,7 @@ class WakeUps:
             await self._subscriber.subscribe(*consumer.work_channels(), *consumer.worker_channels())
             self._subscribed = True
         except REDIS_ERRORS as exc:
-            log.warning("work-notice subscription failed: %s", exc)
+            log.warning("wake-up subscription failed: %s", exc)
             self._subscribed = False
 
     async def follow_shard_count(self) -> None:
@@ -114,7 +114,7 @@ class WakeUps:
         return self._reader
 
     async def _read(self) -> None:
-        """The one reader of the subscription, busy or idle: a notice wakes the idle wait, a
+        """The one reader of the subscription, busy or idle: a wake-up wakes the idle wait, a
         'light' one also the pre-empting claim of a heavy forward."""
         while self.healthy():  # a worker that gave up stays off its worker channels
             raise_if_cancelled()
@@ -124,33 +124,33 @@ class WakeUps:
                     await asyncio.sleep(IDLE_FALLBACK_S)
                     continue
             try:
-                notice = await self._subscriber.get_message(timeout=IDLE_FALLBACK_S)
+                message = await self._subscriber.get_message(timeout=IDLE_FALLBACK_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a lost or closed subscription: subscribe again
-                log.warning("work-notice subscription lost: %s", exc)
+                log.warning("wake-up subscription lost: %s", exc)
                 self._subscribed = False
                 continue
-            if notice is None:
+            if message is None:
                 continue
             # Picked out of the idle or pre-emptible set (lua/lib/wake.lua): it registers
             # again before its next wait.
-            if notice[1] == b"work":
-                self.idle.noticed()
-            elif notice[1] == b"light":
-                self.preemptible.noticed()
-                self.light_notice.set()
-            self._work_notice.set()
+            if message[1] == b"work":
+                self.idle.woken()
+            elif message[1] == b"light":
+                self.preemptible.woken()
+                self.light_wakeup.set()
+            self._woken.set()
 
     async def wait_for_work(self) -> None:
-        """Until a notice arrives or IDLE_FALLBACK_S pass. Notices that came while busy are
+        """Until a wake-up arrives or IDLE_FALLBACK_S pass. Wake-ups that came while busy are
         taken at once: one claim answers all of them."""
         if not self.idle.registered:
             await self.idle.set(True)
-        if not self._work_notice.is_set():
+        if not self._woken.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._work_notice.wait(), timeout=IDLE_FALLBACK_S)
-        self._work_notice.clear()
+                await asyncio.wait_for(self._woken.wait(), timeout=IDLE_FALLBACK_S)
+        self._woken.clear()
 
     async def stop_reading(self) -> None:
         """No read may be in flight on a connection closed under it: the reader ends first."""

@@ -392,11 +392,11 @@ async def test_a_worker_hears_the_live_shards_notices_while_a_node_is_down(clust
                                                worker_queue.shard(i).batch_prefix) for i in live])
         await wait_for(idle_on_live_shards, 60, "the worker to register idle on the live shards")
         for n, shard in enumerate(live[:3]):
-            heard = worker.wake.idle.notices
+            heard = worker.wake.idle.wakeups
             await enqueue_ids(queue.shard(shard), f"r{n}", [np.array([101, 7592, 102])])
             got = await answered_vectors(queue.shard(shard), f"r{n}", 1)
             assert got.shape == (1, engine.info.hidden_size)
-            assert worker.wake.idle.notices > heard, f"no work notice heard from shard {shard}"
+            assert worker.wake.idle.wakeups > heard, f"no work wake-up heard from shard {shard}"
             await wait_for(idle_on_live_shards, 20, "the worker to wait for work again")
     finally:
         worker.stop()

@@ -105,9 +105,9 @@ async def test_woken_through_one_shard_it_leaves_every_shard_s_idle_set_before_i
     assert exits == []
 
 
-async def test_a_heavy_forward_ending_after_a_light_notice_leaves_every_shard_s_pre_emptible_set(
+async def test_a_heavy_forward_ending_after_a_light_wakeup_leaves_every_shard_s_pre_emptible_set(
         redis_url, engine, monkeypatch):
-    """The last 'light' notice of a heavy forward (through shard 0) took the worker out of
+    """The last 'light' wake-up of a heavy forward (through shard 0) took the worker out of
     shard 0's set only; the forward ends before it registers again, and it must still leave
     shard 1's."""
     gated = GatedEngine(engine)
@@ -226,7 +226,7 @@ async def test_a_notice_popping_a_lost_registration_while_the_next_is_out_still_
                 await enqueue_ids(client.shard(0), "heavy", HEAVY_IDS)
 
                 async def notice_read():
-                    return worker.wake.idle.notices == 1
+                    return worker.wake.idle.wakeups == 1
                 await wait_for(notice_read, 30, "the worker to read the work's notice")
             await real_mark(idle)
         monkeypatch.setattr(q.consumer, "mark_idle", mark_idle)

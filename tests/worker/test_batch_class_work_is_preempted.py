@@ -81,7 +81,7 @@ async def test_an_interactive_request_runs_inside_a_batch_class_forward_and_is_a
         async def registered():
             return await q.redis.sismember(q.keys.preemptible, q.batch_prefix)
         await wait_for(registered, 30, "the worker in a batch-class forward to register as pre-emptible")
-        await enqueue_ids(client, "query", query_ids)  # interactive: its 'light' notice
+        await enqueue_ids(client, "query", query_ids)  # interactive: its 'light' wake-up
 
         async def offered():
             return worker.loop.preemption.waiting is not None

@@ -92,7 +92,7 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         await wait_for(lambda: _registered(q), 30,
                        "the worker in a heavy forward to register as pre-emptible")
-        await enqueue_ids(client, "light", light_ids)  # claimed on its 'light' notice (or by the first
+        await enqueue_ids(client, "light", light_ids)  # claimed on its 'light' wake-up (or by the first
         # light-only claim, if that ran after this enqueue: it follows the registration)
 
         async def offered():
@@ -280,7 +280,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
                     await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
 
                     async def notice_read():
-                        return worker.wake.preemptible.notices == 1
+                        return worker.wake.preemptible.wakeups == 1
                     await wait_for(notice_read, 30, "the worker to read light1's notice")
             monkeypatch.setattr(worker.queue.consumer, "mark_preemptible", mark_then_notice)
 
@@ -317,7 +317,7 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
 
 async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_it_registered(
         redis_url, engine, monkeypatch):
-    """A 'light' notice read while the worker registers as pre-emptible took it out of the set;
+    """A 'light' wake-up read while the worker registers as pre-emptible took it out of the set;
     when another worker then takes that light work first, the worker's claim finds nothing. It
     must register again: otherwise it waits, in no set, for the rest of the heavy forward, and
     the next light request gets no notice and waits for all of it."""
@@ -339,7 +339,7 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
                 await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
 
                 async def notice_read():
-                    return worker.wake.preemptible.notices == 1
+                    return worker.wake.preemptible.wakeups == 1
                 await wait_for(notice_read, 30, "the worker to read light1's notice")
                 # Another worker's claim lands first; it answers light1 (nothing left leased).
                 claim = await client.claim(512, lanes="light")

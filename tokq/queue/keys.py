@@ -137,7 +137,7 @@ class QueueKeys:
 
     @cached_property
     def idle(self) -> str:
-        """SET of idle workers' ids (their batch ids' prefix): a work notice wakes one (lua/lib/wake.lua)."""
+        """SET of idle workers' ids (their batch ids' prefix): a work wake-up wakes one (lua/lib/wake.lua)."""
         return f"{self.base}:idle"
 
     @cached_property

@@ -341,7 +341,7 @@ class Queue:
     @property
     def worker_channel(self) -> str:
         """The channel this client's process subscribes to while it lives: requeue redoes a
-        lease that missed a renewal at once when nobody listens on it, and a work notice for
+        lease that missed a renewal at once when nobody listens on it, and a work wake-up for
         this idle worker comes on it (``mark_idle``)."""
         return self.keys.worker_channel_prefix + self._batch_prefix
 

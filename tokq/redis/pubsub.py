@@ -5,7 +5,7 @@ A shard channel lives on the node that owns its slot, so a subscription is one c
 such node (one in all on a standalone Redis), each read by its own task, which hands each
 message on at once (to ``on_message``, or into one queue for ``get_message``). (redis-py's
 ``ClusterPubSub`` reads the nodes one after another, each for the whole timeout, so a notice on
-the third node waited up to twice the read timeout: 0.5-1 s for a worker's work notice.)
+the third node waited up to twice the read timeout: 0.5-1 s for a worker's work wake-up.)
 
 A node that cannot be reached takes only its own channels down: ``on_down`` is told which, and
 why, once per outage, and the other nodes' channels keep delivering; the lost channels are

@@ -116,7 +116,7 @@ async def _complete(q, reply: str, n: int) -> bool:
     return await q.redis.hlen(reply) >= n + 3
 
 
-async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, engine, monkeypatch):
+async def test_an_idle_worker_is_woken_by_a_woken_not_a_poll(redis_url, engine, monkeypatch):
     # With the fallback poll an hour away, only the notice can make the worker claim.
     monkeypatch.setattr(wake_module, "IDLE_FALLBACK_S", 3600.0)
     qcfg = QueueConfig()
@@ -141,7 +141,7 @@ async def test_an_idle_worker_is_woken_by_a_work_notice_not_a_poll(redis_url, en
             await run
 
 
-async def test_a_missed_work_notice_costs_at_most_the_fallback_poll(redis_url, engine):
+async def test_a_missed_woken_costs_at_most_the_fallback_poll(redis_url, engine):
     qcfg = QueueConfig()
     async with open_queue(redis_url, queue=engine.info.queue_name) as q:
         worker = Worker(engine, q, WorkerConfig(token_budget=256), qcfg, worker_id="deaf")
