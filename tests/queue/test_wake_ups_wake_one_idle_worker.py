@@ -1,4 +1,4 @@
-"""wake-ups wake one idle worker, not the whole idle fleet (lua/lib/wake.lua): an idle
+"""Wake-ups wake one idle worker, not the whole idle fleet (lua/lib/wake.lua): an idle
 worker registers its batch prefix and listens on its worker channel; enqueue wakes one registered
 worker, a claim that leaves work queued wakes the next, a dead one is skipped, and with nobody
 registered the notice goes to the shared work channel."""
