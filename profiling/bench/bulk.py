@@ -182,7 +182,7 @@ def bulk_section(rows: list[dict], meta: dict) -> str:
     cells = [[names[s], f"{docs_s[s]:,.1f}", f"{docs_s[s] * tokens / n:,.0f}",
               f"**{harness.ratio(rows, ('st', 's'), (s, 's')):.2f}x**",
               cores_text(rows, s, "cores") if s == "service" else "this process"] for s in SYSTEMS]
-    small = (" N is below the default 50,000 (`--docs`), so that the whole bench takes about 12 minutes here."
+    small = (f" N is below the default 50,000 (`--docs`): the whole bench took {meta['minutes']:.1f} minutes here."
              if n < 50_000 else "")
     return section("bulk", "Bulk embedding: `tokq embed-file` against SentenceTransformer.encode", [
         f"N = {n:,} seeded documents of {DOC_TOKENS[0]}-{DOC_TOKENS[1]} tokens (vocabulary words; {tokens:,} tokens, "
@@ -259,7 +259,7 @@ def bulk_command(num_docs, threads, duration_s, capacity_s, rounds, results_md) 
 
     from tokq.up import threads_per_worker
 
-    threads = threads or threads_per_worker(1)
+    threads, started = threads or threads_per_worker(1), time.monotonic()
     torch.set_num_threads(threads)
     docs, (queries, source) = make_docs(num_docs), load_queries(None, 4000, seed=1)
     with tempfile.TemporaryDirectory() as tmp, harness.Stack(Path(tmp) / "stack.log") as stack:
@@ -277,5 +277,6 @@ def bulk_command(num_docs, threads, duration_s, capacity_s, rounds, results_md) 
         need = int(2 * statistics.median(num_docs / r["service"]["s"] for r in rows) * (duration_s + PRESSURE_S + 30))
         src = write_docs(tmp / "job.jsonl", itertools.islice(itertools.cycle(docs), need))
         mixed = mixed_rounds(src, tmp, target, pids, worker_url, queries, cap / 2, duration_s, rounds)
+    meta["minutes"] = (time.monotonic() - started) / 60
     for text in (bulk_section(rows, meta), mixed_section(mixed, meta)):
         publish(text, results_md, text.split(": start", 1)[0].removeprefix("<!-- "))
