@@ -33,6 +33,9 @@
 -- ARGV[16] after_isolated: "1" = this worker's last full claim on this shard took a redo to
 --          isolate: no isolated head (heavy, or starving batch) goes first; the lanes are read
 --          by the rule and the redo ends the batch, alone the claim after ("" or "0": as usual)
+-- ARGV[17] bulk_forward: "1" = a "light" claim nested in a batch-class forward
+--          (claim_rule.is_bulk_batch): it takes what fits token_budget from the light lane's
+--          head, as a usual scan, rather than refuse a longer lane ("" or "0": as usual)
 -- "both" and "heavy" claims read the batch lane after the interactive lanes (the room they
 -- leave), or first within its share when it starves; "light" claims never read it.
 -- The rule is tokq/queue/claim_rule.py, entry for entry. Returns
@@ -64,6 +67,7 @@ local preempt_tokens = tonumber(ARGV[13]) or 0
 local batch_share_tokens = tonumber(ARGV[14]) or 0
 local batch_starve_ms = tonumber(ARGV[15]) or 0
 local after_isolated = ARGV[16] == '1'
+local bulk_forward = ARGV[17] == '1'
 local EXPIRED = '-DEADLINE_EXCEEDED:deadline passed while queued'
 
 -- One EXISTS per request, not per item: a request's items sit together.
@@ -186,11 +190,12 @@ local batch_skipped, batch_scanned = {}, 0
 local stop = 'dry'
 local refused = false
 if lanes == 'light' then
-  if lane_exceeds(pending, token_budget) then
+  local backlog = lane_exceeds(pending, token_budget)
+  if backlog and not bulk_forward then
     refused = true -- a backlog: left to full batches
-  else
+  else -- in a batch-class forward, a longer lane gives what fits
     light_skipped, light_scanned, stop = scan(pending, token_budget, 'light', 0, {}, 0)
-    if #light_taken > 0 then
+    if #light_taken > 0 and not backlog then
       stop = 'preempt'
     end
   end

@@ -13,7 +13,9 @@ light-only and the forward thread runs it nested between two steps of the heavy 
 (workers/preempt.py). Either batch is leased, renewed and acknowledged like any other: a crash
 redoes both. A heavy forward stops taking nested batches once they hold ``preempt_budget`` tokens,
 and a light lane longer than that is left to full batches (tokq/queue/claim_rule.py): a backlog
-becomes full batches, not many small nested ones.
+becomes full batches, not many small nested ones. A batch-class forward (bulk work,
+``is_bulk_batch``) has no such cap, and its nested claims take what fits: queries wait for a
+checkpoint, not for its end. One nested batch per checkpoint bounds how far bulk work is delayed.
 
 Redos to isolate cannot hold light work back either: after a full claim on a shard took one
 (alone), the worker's next full claim there reads light work first (``after_isolated``,
@@ -28,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from tokq.queue.claim_rule import Lanes, is_heavy_batch, isolate_attempt_for
+from tokq.queue.claim_rule import Lanes, is_bulk_batch, is_heavy_batch, isolate_attempt_for
 from tokq.queue.shard import Claim
 from tokq.queue.sharded import ShardedQueue
 from tokq.workers.budget import TokenBudget
@@ -59,6 +61,11 @@ def is_heavy(claim: Claim, preempt_budget: int) -> bool:
     items to ~5 and its throughput by 40%; one with any heavy item, to ~15)."""
     return is_heavy_batch([e.num_tokens for e in claim.entries], claim.num_heavy, preempt_budget,
                           claim.num_batch)
+
+
+def is_bulk(claim: Claim) -> bool:
+    """A forward whose heavy part is batch-class work (claim_rule.is_bulk_batch)."""
+    return is_bulk_batch([e.num_tokens for e in claim.entries], claim.num_heavy, claim.num_batch)
 
 
 class Prefetch:
@@ -136,7 +143,8 @@ class ClaimLoop:
             if heavy:
                 self.preemption.arm()  # before the thread starts: the pre-empting claim may be first
             forward = asyncio.create_task(asyncio.to_thread(run, claim))
-            preempting = asyncio.create_task(self._preempt_while(forward)) if heavy else None
+            preempting = (asyncio.create_task(self._preempt_while(forward, bulk=is_bulk(claim)))
+                          if heavy else None)
             if not self.stopping.is_set():
                 # Overlap the next claim with the end of this forward (Prefetch). Beside a heavy
                 # forward, from the heavy lane (then batch work) only: light work arriving
@@ -177,18 +185,19 @@ class ClaimLoop:
             for _ in range(outcome.num_failed):
                 self.observer.observe_error("item")
 
-    async def _preempt_while(self, forward: asyncio.Task) -> None:
+    async def _preempt_while(self, forward: asyncio.Task, *, bulk: bool = False) -> None:
         """While a heavy forward runs: registered as pre-emptible, claim light work on each
         'light' wake-up and hand it to the forward thread, which runs it nested; acknowledge it.
         Until the nested batches hold preempt_budget tokens: light work past that waits for the
-        next batch, as light work past a light-only claim's budget does (a backlog)."""
+        next batch, as light work past a light-only claim's budget does (a backlog). ``bulk``: a
+        batch-class forward: no cap, and each claim takes what fits (one nested batch a checkpoint)."""
         loop = asyncio.get_running_loop()
         registration, light_wakeup = self.wake.preemptible, self.wake.light_wakeup
         woken = False  # woken by a 'light' wake-up: claim at once, register again after
         nested_tokens = 0
         try:
             while (not forward.done() and self.healthy() and not self.stopping.is_set()
-                   and nested_tokens < self.budget.preempt_budget):
+                   and (bulk or nested_tokens < self.budget.preempt_budget)):
                 if not registration.registered and not woken:
                     # Registered before the claim: no wake-up falls between. After a wake-up
                     # (which took this worker out of the set) the claim goes first, one round
@@ -198,7 +207,7 @@ class ClaimLoop:
                     woken = await registration.set(True)
                 after_wakeup, woken = woken, False
                 light_wakeup.clear()
-                claim = await self._claim(self.budget.preempt_budget, lanes="light")
+                claim = await self._claim(self.budget.preempt_budget, lanes="light", bulk_forward=bulk)
                 if claim is None:
                     if after_wakeup:  # its work went elsewhere: register, claim again, wait
                         continue
@@ -219,7 +228,8 @@ class ClaimLoop:
                 await registration.set(False)
 
     async def _claim(self, token_budget: int | None = None, *, delay_s: float = 0.0,
-                     until: asyncio.Future | None = None, lanes: Lanes = "both") -> Claim | None:
+                     until: asyncio.Future | None = None, lanes: Lanes = "both",
+                     bulk_forward: bool = False) -> Claim | None:
         """A batch of up to ``token_budget`` tokens (None: nothing queued), claimed after
         ``delay_s`` or as soon as ``until`` (the forward in flight) ends, whichever is first:
         the delay comes from the average forward, and a short batch after long ones (a one-word
@@ -238,7 +248,8 @@ class ClaimLoop:
         try:
             claim = await self.queue.consumer.claim(token_budget or self.budget.tokens, lanes=lanes,
                                                     on_stop=getattr(self.observer, "observe_claim_stop", None),
-                                                    after_isolated=self.isolated_at if full else ())
+                                                    after_isolated=self.isolated_at if full else (),
+                                                    bulk_forward=bulk_forward)
         except REDIS_ERRORS as exc:  # Redis down or restarting: wait, then claim again
             log.warning("claim failed: %s; retrying", exc)
             if self.observer:

@@ -10,6 +10,7 @@ kernels queue behind the heavy ones already launched, in stream order, so this h
 The nested forward shares no tensor with the heavy one: both batches' vectors are as if run alone.
 Nesting is for light work that arrives a little at a time: a heavy forward takes nested batches
 until they hold ``preempt_budget`` tokens, and a light lane longer than that goes in full batches.
+A batch-class (bulk) forward has no cap: its nested claims take what fits, one per checkpoint at most.
 The slot counts the batches that ran nested, and their seconds: the heavy batch's forward time
 leaves those out (workers/loop.py), so the forward seconds of both add up to the device's.
 """

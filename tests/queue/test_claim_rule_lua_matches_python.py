@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from queue_support import NOTICE_CHANNEL, ManualClock, open_queue
 
 from tokq.queue.claim_rule import (DEADLINE_EXCEEDED, STOP_REASONS, batch_share_tokens,
-                                   isolate_attempt_for, plan_claim, preempt_budget)
+                                   is_bulk_batch, isolate_attempt_for, plan_claim, preempt_budget)
 from tokq.queue.wire import format_entry, parse_entry
 
 NOW_MS = 1_700_000_000_000
@@ -38,14 +38,15 @@ def _pending(spec, next_index=None) -> list:
 
 def _case(spec, *, heavy=(), batch=(), token_budget=100, lookahead=2, max_skip_age_ms=50, max_drop=8,
           live="abc", max_attempts=3, lanes="both", preempt_tokens=0, batch_share=0.25,
-          batch_starve_ms=100, after_isolated=False):
+          batch_starve_ms=100, after_isolated=False, bulk_forward=False):
     next_index = dict.fromkeys(REQUEST_IDS, 0)
     return dict(pending=_pending(spec, next_index), heavy=_pending(heavy, next_index),
                 batch=_pending(batch, next_index),
                 live=set(live), token_budget=token_budget, lookahead=lookahead,
                 max_skip_age_ms=max_skip_age_ms, max_drop=max_drop, max_attempts=max_attempts,
                 lanes=lanes, preempt_tokens=preempt_tokens, batch_share=batch_share,
-                batch_starve_ms=batch_starve_ms, after_isolated=after_isolated)
+                batch_starve_ms=batch_starve_ms, after_isolated=after_isolated,
+                bulk_forward=bulk_forward)
 
 
 @st.composite
@@ -81,12 +82,13 @@ def claim_cases(draw):
                  lanes=draw(st.sampled_from(("both", "both", "light", "heavy"))),
                  preempt_tokens=draw(st.sampled_from((0, 1, half, token_budget, 2 * token_budget))),
                  batch_share=draw(st.sampled_from((0.0, 0.1, 0.25, 0.5, 1.0))),
-                 batch_starve_ms=batch_starve_ms, after_isolated=draw(st.booleans()))
+                 batch_starve_ms=batch_starve_ms, after_isolated=draw(st.booleans()),
+                 bulk_forward=draw(st.booleans()))
 
 
 async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max_skip_age_ms, max_drop,
                    max_attempts, lanes, preempt_tokens, batch=(), batch_share=0.25, batch_starve_ms=100,
-                   after_isolated=False):
+                   after_isolated=False, bulk_forward=False):
     """Run claim.lua once on the lanes and check everything it did against plan_claim."""
     async with open_queue(redis_url, ManualClock(NOW_MS), lease_ms=1_000,
                           max_skip_age_ms=max_skip_age_ms, max_attempts=max_attempts,
@@ -105,13 +107,14 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
 
         claim, num_expired, num_orphaned, stop = await q.claim_step(
             token_budget, lookahead=lookahead, max_drop=max_drop, lanes=lanes,
-            preempt_tokens=preempt_tokens, after_isolated=after_isolated)
+            preempt_tokens=preempt_tokens, after_isolated=after_isolated, bulk_forward=bulk_forward)
         plan = plan_claim(pending, heavy, batch, now_ms=NOW_MS, token_budget=token_budget,
                           lookahead=lookahead, max_skip_age_ms=max_skip_age_ms, max_drop=max_drop,
                           isolate_attempt=isolate_attempt_for(max_attempts),
                           is_live=live.__contains__, lanes=lanes, preempt_tokens=preempt_tokens,
                           batch_share_tokens=batch_share_tokens(token_budget, batch_share),
-                          batch_starve_ms=batch_starve_ms, after_isolated=after_isolated)
+                          batch_starve_ms=batch_starve_ms, after_isolated=after_isolated,
+                          bulk_forward=bulk_forward)
 
         taken = [e.raw for e in claim.entries] if claim else []
         assert taken == [e.raw for e in plan.taken]
@@ -276,7 +279,7 @@ def deep_lane_cases(draw):
                  live=draw(st.sets(st.sampled_from(REQUEST_IDS), min_size=3)),
                  max_attempts=draw(st.sampled_from((3, 5))), lanes=lanes, preempt_tokens=preempt_tokens,
                  batch_share=draw(st.sampled_from((0.0, 0.25, 1.0))), batch_starve_ms=100,
-                 after_isolated=draw(st.booleans()))
+                 after_isolated=draw(st.booleans()), bulk_forward=draw(st.booleans()))
 
 
 def _e(tokens, deadline_in_ms=500, *, request_id="a", attempt=0, age_ms=0):
@@ -291,6 +294,10 @@ def _e(tokens, deadline_in_ms=500, *, request_id="a", attempt=0, age_ms=0):
 @example(case=_case([_e(3)] * 40, heavy=[_e(60, request_id="b")] * 3, lanes="heavy", preempt_tokens=119))
 @example(case=_case([_e(3)] * 40, heavy=[_e(60, request_id="b")], lanes="light", token_budget=120))
 @example(case=_case([_e(3)] * 40, heavy=[_e(60, request_id="b")], lanes="light", token_budget=119))
+# Nested in a batch-class forward: a light-only claim takes the head of a longer lane.
+@example(case=_case([_e(3)] * 40, heavy=[_e(60, request_id="b")], lanes="light", token_budget=119,
+                    bulk_forward=True))
+@example(case=_case([_e(3)] * 40, lanes="light", token_budget=120, bulk_forward=True))
 # A heavy claim beside a light backlog: a redo to isolate at the heavy head ends the batch and
 # stays; with every light entry dead, the heavy head goes only when it fits.
 @example(case=_case([_e(30)] * 5, heavy=[_e(60, request_id="b", attempt=2), _e(10, request_id="b")],
@@ -410,6 +417,36 @@ def test_a_light_only_claim_takes_the_whole_light_lane_or_nothing():
     assert plan.taken == () and plan.remaining(backlog) == backlog and plan.stop == "backlog"
     assert _plan([], heavy, lanes="light").taken == ()
     assert [preempt_budget(b, 128) for b in (64, 1024, 4096, 16384)] == [64, 128, 512, 2048]
+
+
+def test_nested_in_a_batch_class_forward_a_light_only_claim_takes_what_fits():
+    heavy = _entries((200, 0), (200, 0))
+    backlog = _entries((50, 0), (50, 0), (50, 0), (20, 0))
+    # Inside an interactive heavy forward the longer lane is a backlog, left to full batches.
+    assert _plan(backlog, heavy, token_budget=128, lanes="light").stop == "backlog"
+    # Inside a batch-class forward: its head, FIFO, as a usual scan (lookahead 0: the 20 waits).
+    plan = _plan(backlog, heavy, token_budget=128, lanes="light", lookahead=0, bulk_forward=True)
+    assert plan.taken == tuple(backlog[:2]) and plan.stop == "full"
+    assert plan.remaining(backlog) == backlog[2:] and plan.remaining_heavy(heavy) == heavy
+    # Passed over like a usual scan: the 20 behind the third 50 fills the budget.
+    plan = _plan(backlog, heavy, token_budget=128, lanes="light", lookahead=1, bulk_forward=True)
+    assert [e.num_tokens for e in plan.taken] == [50, 50, 20] and plan.remaining(backlog) == [backlog[2]]
+    # A lane that fits goes whole, as in any forward; the batch lane is never read.
+    plan = _plan(backlog[:2], heavy, batch=_entries((30, 0)), token_budget=128, lanes="light",
+                 bulk_forward=True)
+    assert plan.taken == tuple(backlog[:2]) and plan.stop == "preempt" and plan.num_batch == 0
+    # The flag changes nothing outside light-only claims.
+    both = _plan(backlog, heavy, token_budget=300)
+    assert _plan(backlog, heavy, token_budget=300, bulk_forward=True) == both
+
+
+def test_a_bulk_batch_has_more_batch_lane_tokens_than_heavy_lane_ones():
+    assert is_bulk_batch([10, 500], num_heavy=0, num_batch=1)
+    assert not is_bulk_batch([10, 500], num_heavy=1, num_batch=0)
+    assert is_bulk_batch([10, 200, 300], num_heavy=1, num_batch=1)
+    assert not is_bulk_batch([10, 300, 200], num_heavy=1, num_batch=1)
+    assert not is_bulk_batch([10, 200, 200], num_heavy=1, num_batch=1)  # interactive heavy: backlog rule
+    assert not is_bulk_batch([10, 20], num_heavy=-1, num_batch=-1)  # a repeat: counts unknown
 
 
 def test_a_heavy_only_claim_leaves_a_short_light_lane_to_light_only_claims():

@@ -13,6 +13,8 @@ lookahead.
   the light lane again with any room left. Each lane with work gets an item per batch.
 - ``light`` (pre-empting, run nested in a heavy forward): the whole light lane when it fits
   the budget; else nothing (``backlog``): a backlog goes in full batches, not small nested ones.
+  Nested in a batch-class forward (``bulk_forward``, ``is_bulk_batch``) it takes what fits from
+  the lane's head, as a usual scan: queries do not wait for a bulk forward to end.
   It never reads the batch lane.
 - ``heavy`` (the next batch beside a heavy forward): the heavy lane alone while the light lane
   holds at most ``preempt_tokens`` (light-only claims take it); past that, the light lane first
@@ -51,6 +53,7 @@ DEADLINE_EXCEEDED = b"-DEADLINE_EXCEEDED:deadline passed while queued"
 # max_drop dead entries were dropped; a light-only claim took the whole light lane; a heavy-only
 # claim emptied the heavy lane, light work left to light-only claims; a light-only claim
 # refused a light lane longer than its budget (no batch); a batch-lane entry did not fit.
+# (A light-only claim nested in a batch-class forward stops as a usual scan when the lane is longer.)
 STOP_REASONS = ("full", "heavy_item", "lookahead", "dry", "isolated", "dropped", "preempt",
                 "heavy_only", "backlog", "batch_item")
 _ITEM_STOP = {"light": "full", "heavy": "heavy_item", "batch": "batch_item"}
@@ -124,6 +127,17 @@ def is_heavy_batch(token_counts: Sequence[int], num_heavy: int, preempt_tokens: 
     return total > preempt_tokens and 2 * heavy >= total
 
 
+def is_bulk_batch(token_counts: Sequence[int], num_heavy: int, num_batch: int) -> bool:
+    """A batch whose heavy part is batch-class work: more batch-lane tokens than heavy-lane ones
+    (``token_counts`` as in ``is_heavy_batch``). Light-only claims nested in its forward take
+    what fits (``plan_claim``'s ``bulk_forward``), and the worker does not cap their tokens."""
+    num_heavy, num_batch = max(0, num_heavy), max(0, num_batch)
+    if num_batch == 0:
+        return False
+    tail = token_counts[len(token_counts) - num_heavy - num_batch:]
+    return sum(tail[num_heavy:]) > sum(tail[:num_heavy])
+
+
 def batch_share_tokens(token_budget: int, batch_share: float) -> int:
     """The tokens of a claim's budget a starving batch lane may take before interactive work
     (``QueueConfig.batch_share`` of it, rounded down)."""
@@ -146,7 +160,7 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
                isolate_attempt: int, is_live: Callable[[str], bool],
                lanes: Lanes = "both", preempt_tokens: int | None = None,
                batch_share_tokens: int = 0, batch_starve_ms: int = 0,
-               after_isolated: bool = False) -> ClaimPlan:
+               after_isolated: bool = False, bulk_forward: bool = False) -> ClaimPlan:
     """Decide the next batch from the heads of the light lane ``pending``, the ``heavy`` lane
     and the ``batch`` lane (each oldest first); ``lanes`` as in the module doc.
 
@@ -161,7 +175,8 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
     (module doc): then it waits for this claim's light work. ``preempt_tokens``: the
     light-only claims' budget; a ``heavy`` claim reads the light lane first when it holds more
     (None or 0: never). ``batch_share_tokens`` and ``batch_starve_ms``: the batch lane's share
-    of the budget once its head has waited that long (module doc).
+    of the budget once its head has waited that long (module doc). ``bulk_forward``: a ``light``
+    claim nested in a batch-class forward takes what fits instead of refusing a backlog.
     """
     light_taken: list[Entry] = []
     heavy_taken: list[Entry] = []
@@ -219,10 +234,11 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
     batch_scanned = 0
     stop = "dry"
     if lanes == "light":
-        if lane_exceeds(pending, token_budget):
+        backlog = lane_exceeds(pending, token_budget)
+        if backlog and not bulk_forward:
             return ClaimPlan((), (), (), (), 0, stop="backlog")
         skipped, num_scanned, stop, _ = scan(pending, token_budget, "light")
-        stop = "preempt" if light_taken else stop
+        stop = "preempt" if light_taken and not backlog else stop
         return ClaimPlan(tuple(light_taken), tuple(expired), tuple(orphaned), tuple(skipped),
                          num_scanned, stop=stop)
     heavy_head = heavy[0] if heavy else None

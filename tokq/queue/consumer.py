@@ -37,12 +37,13 @@ class Consumer:
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
                     lanes: Lanes = "both", on_stop: Callable[[str], object] | None = None,
-                    after_isolated: Collection[int] = ()) -> Claim | None:
+                    after_isolated: Collection[int] = (), bulk_forward: bool = False) -> Claim | None:
         """One batch from the next non-empty shard in rotation; None when all are empty. A
         shard whose node is down (failing over) is passed over, so the others keep being
         served; a claim that may have run there is redone when its lease expires. Raises
         only when every shard failed. ``on_stop``: as Queue.claim's, for each shard asked;
-        ``after_isolated``: the shards whose claim is Queue.claim's ``after_isolated``."""
+        ``after_isolated``: the shards whose claim is Queue.claim's ``after_isolated``;
+        ``bulk_forward``: as Queue.claim's."""
         n = self._sharded.claim_shards
         errors: list[Exception] = []
         for step in range(n):
@@ -50,7 +51,8 @@ class Consumer:
             try:
                 claim = await self._sharded.shard(index).claim(token_budget, lookahead=lookahead,
                                                                lanes=lanes, on_stop=on_stop,
-                                                               after_isolated=index in after_isolated)
+                                                               after_isolated=index in after_isolated,
+                                                               bulk_forward=bulk_forward)
             except redis.exceptions.RedisError as exc:
                 errors.append(exc)
                 continue

@@ -270,7 +270,7 @@ class Queue:
 
     async def claim(self, token_budget: int, *, lookahead: int | None = None,
                     lanes: Lanes = "both", on_stop: Callable[[str], object] | None = None,
-                    after_isolated: bool = False) -> Claim | None:
+                    after_isolated: bool = False, bulk_forward: bool = False) -> Claim | None:
         """The next batch of at most ``token_budget`` tokens (tokq/queue/claim_rule.py: small requests
         first, within their share; a lane's first item goes even when longer; batch-class work in
         the room left, or its share once starving), leased for ``config.lease_ms``; None when
@@ -278,11 +278,13 @@ class Queue:
         (tokq/queue/claim_rule.py). ``on_stop(reason)``: called for a
         batch and for a light-only claim refused as a backlog (claim_rule.STOP_REASONS).
         ``after_isolated``: this worker's last full claim here took a redo to isolate; light work
-        goes before an isolated head (claim_rule.plan_claim)."""
+        goes before an isolated head (claim_rule.plan_claim). ``bulk_forward``: a "light" claim
+        nested in a batch-class forward takes what fits rather than refuse a backlog."""
         num_expired = 0
         while True:
             claim, expired, orphaned, stop = await self.claim_step(
-                token_budget, lookahead=lookahead, lanes=lanes, after_isolated=after_isolated)
+                token_budget, lookahead=lookahead, lanes=lanes, after_isolated=after_isolated,
+                bulk_forward=bulk_forward)
             num_expired += expired
             if on_stop is not None and (claim is not None or stop == "backlog") and stop:
                 on_stop(stop)
@@ -294,13 +296,15 @@ class Queue:
     async def claim_step(self, token_budget: int, *, lookahead: int | None = None,
                          max_drop: int = MAX_DROPS_PER_CLAIM, lanes: Lanes = "both",
                          preempt_tokens: int | None = None,
-                         after_isolated: bool = False) -> tuple[Claim | None, int, int, str]:
+                         after_isolated: bool = False,
+                         bulk_forward: bool = False) -> tuple[Claim | None, int, int, str]:
         """One run of claim.lua: (the batch or None, entries dropped as expired, entries
         dropped because their request is gone, why the batch stopped growing). It stops after
         ``max_drop`` drops. The batch id is picked here, so a run repeated after a lost answer
         returns the same batch: the next call after a LostAnswer repeats the lost one's id.
         ``preempt_tokens``: the light-only claims' budget (default: claim_rule.preempt_budget of
-        ``token_budget``), past which a "heavy" claim reads the light lane first."""
+        ``token_budget``), past which a "heavy" claim reads the light lane first.
+        ``bulk_forward``: as Queue.claim's."""
         if token_budget < 1:
             raise ValueError(f"budget must be positive, got {token_budget}")
         k, cfg = self.keys, self.config
@@ -317,7 +321,7 @@ class Queue:
                 max_drop, k.reply_prefix, k.lease_prefix, asked_id,
                 isolate_attempt_for(cfg.max_attempts), k.worker_channel_prefix, lanes, preempt_tokens,
                 batch_share_tokens(token_budget, cfg.batch_share), cfg.batch_starve_ms,
-                "1" if after_isolated else "0"]
+                "1" if after_isolated else "0", "1" if bulk_forward else "0"]
         try:
             batch_id, now_ms, expired, orphaned, raw, num_heavy, stop, num_batch = await self._run(
                 "claim", [k.pending, k.tokens, k.leases, k.inflight, k.counters, k.heavy, k.idle,
