@@ -87,7 +87,7 @@ bench: install
 	$(BIN)/tokq bench service --system tokq-defaults --system tokq-defaults-t2 --system tokq-defaults-t2 \
 		--system tokq-defaults --start-rate 100 --step-duration-s 3 --section 'worker threads' --results-md $(RESULTS)/service.md
 	$(BIN)/tokq bench rerank --results-md $(RESULTS)/rerank.md
-	$(BIN)/tokq bench bulk --docs 2500 --results-md $(RESULTS)/bulk.md
+	$(BIN)/tokq bench bulk --docs 1200 --results-md $(RESULTS)/bulk.md
 
 # Gateway CPU per single-input call (gateway, worker, Redis, load client) against a bare gRPC
 # server, with a py-spy profile of the gateway.
