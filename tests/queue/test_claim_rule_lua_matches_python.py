@@ -1,7 +1,7 @@
 """claim.lua and the Python reference (tokq/queue/claim_rule.py) agree on random queues of three
 lanes (light, heavy and batch), redone entries (attempt > 0) included, batch heads on both sides
 of the starvation age; then the rule's promises: FIFO within a lane, light requests never
-starved by heavy ones, heavy ones never by light (tests/queue/test_priority_classes.py: the
+starved by heavy ones, heavy ones never by light (tests/queue/test_claims_by_priority_class.py: the
 batch class's)."""
 
 from __future__ import annotations
