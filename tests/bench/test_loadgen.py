@@ -135,6 +135,7 @@ async def test_a_stalled_server_shows_as_deadline_errors_not_a_lower_rate():
     assert not loadgen.within_slo(summary, slo_ms=1000)
 
 
+@pytest.mark.slow
 async def test_step_search_stops_at_the_capacity_of_a_known_server():
     capacity_rps = 100.0  # 10 ms per request, one at a time
     server, target = await start_sleeper(1 / capacity_rps)

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from click.testing import CliRunner
 
 from tokq.profiling.bench import rerank
 from tokq.profiling.results_md import block
+
+pytestmark = pytest.mark.slow
 
 
 def test_rerank_bench_rewrites_each_section(tmp_path, monkeypatch):

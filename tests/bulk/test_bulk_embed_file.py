@@ -174,6 +174,7 @@ def test_ctrl_c_stops_cleanly_and_a_rerun_finishes(tmp_path):
     np.testing.assert_array_equal(np.load(out), expected(texts))
 
 
+@pytest.mark.slow
 def test_gateway_restart_mid_run_is_retried(tmp_path):
     texts = write_jsonl(tmp_path / "in.jsonl", 2000)
     out = tmp_path / "out.parquet"
@@ -197,6 +198,7 @@ def test_gateway_restart_mid_run_is_retried(tmp_path):
     np.testing.assert_array_equal(np.array(table.column("embedding").to_pylist(), np.float32), expected(texts))
 
 
+@pytest.mark.slow
 def test_target_down_fails_in_one_line_and_a_later_run_resumes(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", 3000)
     out = tmp_path / "out.parquet"
@@ -414,6 +416,7 @@ async def test_tokens_in_flight_follow_the_workers_that_take_them(workers):
     assert gateway.max_in_flight <= 3 * sender.window.peak  # the limit may have shrunk since
 
 
+@pytest.mark.slow
 def test_a_large_input_streams_with_bounded_memory(tmp_path):
     """A 60 MB input through the whole job (reader, requests, parts, output) peaks within a few
     MB of what a 1 MB input of the same rows peaks at."""

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None, reason="prometheus not installed (Debian: apt-get install -y prometheus)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus not installed (Debian: apt-get install -y prometheus)")]
 
 
 def loopback_config(targets: dict[str, list[str]], tmp_path: Path) -> Path:

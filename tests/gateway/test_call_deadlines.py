@@ -42,6 +42,7 @@ def test_a_call_deadline_shorter_than_the_default_is_kept(redis_url):
     assert elapsed < 30, elapsed
 
 
+@pytest.mark.slow
 def test_a_redis_that_stops_answering_is_answered_after_one_socket_timeout(monkeypatch):
     """Its enqueue times out; the cancel that follows (a cancel script, which would time out
     too) runs after the answer, not before it: one socket timeout, not two."""

@@ -43,6 +43,7 @@ def _added(before: dict[str, float], model: str, rpc: str, total: int) -> dict[s
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_passed_deadline_is_deadline_exceeded_and_a_cancelled_call_cancelled(redis_url):
     with running_gateway(redis_url) as port, Client(f"127.0.0.1:{port}") as client:
         before = _counts(MODEL, "Embed")

@@ -104,6 +104,7 @@ def test_apply_refuses_when_no_batch_fits_the_ceiling(tmp_path, redis_url):
     assert json.loads((tmp_path / "p.json").read_text())["recommended_budget"] is None
 
 
+@pytest.mark.slow
 def test_apply_with_no_redis_answering_fails_before_the_sweep_naming_the_url_masked(tmp_path):
     from tokq.redis.embedded import free_port
 

@@ -83,6 +83,7 @@ def test_apply_as_a_user_without_info_says_to_set_redis_cluster(tmp_path, no_inf
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.slow
 def test_apply_as_a_user_without_info_publishes_with_redis_cluster_no(tmp_path, no_info_user):
     run = _run([*TINY, "--slo-p99-ms", "1e9", "--out", str(tmp_path / "p.json"), "--apply",
                 "--redis-url", no_info_user], {"TOKQ_REDIS_CLUSTER": "no"})
@@ -107,6 +108,7 @@ def test_redis_cluster_takes_only_what_the_workers_take(tmp_path):
     assert "--redis-cluster" in CliRunner().invoke(profile_command, ["--help"]).output
 
 
+@pytest.mark.slow
 def test_redis_stopping_during_the_sweep_is_one_line_and_the_profile_is_still_written(tmp_path):
     from tokq.redis.embedded import EmbeddedRedis
 

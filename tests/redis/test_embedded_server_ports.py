@@ -34,12 +34,14 @@ def test_a_port_in_use_or_taken_is_passed_over(monkeypatch):
         assert free_port(taken={taken}) == free
 
 
+@pytest.mark.slow
 def test_a_server_that_cannot_start_says_why():
     with EmbeddedRedis() as running:
         with pytest.raises(RuntimeError, match=f"on port {running.port} exited at start: .*Address already in use"):
             EmbeddedRedis(port=running.port).start()
 
 
+@pytest.mark.slow
 def test_a_server_that_never_answers_is_stopped_not_left_running(tmp_path):
     # A start that fails (here: a "server" that never listens) stops what it started: the
     # process runs in its own session, and nobody else holds it to close.

@@ -185,6 +185,7 @@ class _SlowToAccept:
         self._listener.close()
 
 
+@pytest.mark.slow
 def test_auto_waits_about_10_s_for_a_server_whose_connects_time_out(redis_server, redis_url):
     """The README's '(with auto) no answer within ~10 s': a server whose connects time out (not
     refused) stopped the probe after its first connect's three tries (~1.6 s). A server that
@@ -200,6 +201,7 @@ def test_auto_waits_about_10_s_for_a_server_whose_connects_time_out(redis_server
         front.close()
 
 
+@pytest.mark.slow
 def test_a_worker_started_before_its_redis_waits_for_it_then_serves():
     """The README: with ``--redis-cluster no``, a server not up yet is not an error. A worker with
     the default budget (fitted to the latency goal after its warm-up, then read again from Redis:

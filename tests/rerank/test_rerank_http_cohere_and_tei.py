@@ -10,6 +10,8 @@ import pytest
 from service_stack import gateway_and_worker
 from tiny_rerankers import DOCUMENTS, LONG_DOCUMENT, QUERY, build_bert_cross_encoder
 
+pytestmark = pytest.mark.slow
+
 MODEL = "bert-reranker"
 
 

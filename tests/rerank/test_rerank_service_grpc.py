@@ -19,6 +19,8 @@ from tiny_rerankers import DOCUMENTS, LONG_DOCUMENT, QUERY, build_bert_cross_enc
 from tokq import AsyncClient, Client, TokqError
 from tokq.redis.embedded import free_port
 
+pytestmark = pytest.mark.slow
+
 METRICS_PORT = free_port()
 
 

@@ -153,6 +153,7 @@ def test_reflection_can_be_turned_off_and_metrics_bind_their_own_address(redis_u
         assert b"tokq_" in body
 
 
+@pytest.mark.slow
 def test_embedded_redis_password_is_in_a_private_file_not_on_its_command_line():
     import os
     import stat
@@ -253,6 +254,7 @@ def tls_redis_url(pki):
         yield server.url
 
 
+@pytest.mark.slow
 def test_gateway_and_worker_reach_redis_over_tls_with_a_rediss_url(tls_redis_url):
     # The README: "rediss:// for TLS". The server speaks TLS only: plaintext is not answered.
     with pytest.raises(redis.ConnectionError):

@@ -109,6 +109,7 @@ print(float((np.array([tiny]) * np.float32(1.0))[0]),
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cpu_build.compiler() is None, reason="needs a C compiler")
 def test_loading_the_kernels_keeps_subnormal_floats_in_the_rest_of_the_process(tmp_path):
     run = subprocess.run([sys.executable, "-c", SUBNORMALS], capture_output=True, text=True,
