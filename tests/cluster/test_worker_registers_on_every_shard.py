@@ -118,9 +118,9 @@ async def test_a_heavy_forward_ending_after_a_light_wakeup_leaves_every_shard_s_
         forwards: list[asyncio.Task] = []
         real_preempt_while, real_finish = worker.loop._preempt_while, worker.loop._finish
 
-        async def preempt_while(forward):
+        async def preempt_while(forward, **kwargs):
             forwards.append(forward)
-            await real_preempt_while(forward)
+            await real_preempt_while(forward, **kwargs)
 
         async def finish(claim, outcome, **kwargs):
             if forwards and claim.num_tokens == sum(map(len, LIGHT_IDS)):
