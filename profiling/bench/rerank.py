@@ -27,6 +27,7 @@ import torch
 from tokq.profiling import harness
 from tokq.profiling.harness import pct
 from tokq.profiling.results_md import block, command_line, machine_cores, publish, table
+from tokq.testing.rerankers import QWEN3_RERANKER_TEMPLATE
 
 BLOCK = "tokq bench rerank"
 PARTS = ("service", "workers", "fairness", "causal")
@@ -35,16 +36,6 @@ BURST_CALLERS = 2  # each sends 100-candidate requests back to back
 PACE_S = 0.02  # the Embed probe's sleep between calls
 CROSS_ENCODER = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 QWEN3 = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072)
-QWEN3_TEMPLATE = (  # Qwen3-Reranker's, as sentence-transformers ships it
-    '{%- set instruction = messages | selectattr("role", "eq", "system") | map(attribute="content") '
-    '| first | default("Given a web search query, retrieve relevant passages that answer the query") -%}\n'
-    '{%- set query_text = messages | selectattr("role", "eq", "query") | map(attribute="content") | first -%}\n'
-    '{%- set document_text = messages | selectattr("role", "eq", "document") | map(attribute="content") '
-    '| first -%}\n'
-    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
-    'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
-    "<|im_start|>user\n<Instruct>: {{ instruction }}\n<Query>: {{ query_text }}\n"
-    "<Document>: {{ document_text }}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def build_cross_encoder(path: Path) -> Path:
@@ -71,12 +62,12 @@ def build_causal(path: Path, layers: int) -> Path:
 
     words, rust = harness.vocab_words(lowercase=True), Tokenizer(models.BPE())
     rust.pre_tokenizer, rust.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    rust.train_from_iterator([QWEN3_TEMPLATE, "yes", "no", *(" ".join(words[i:i + 50]) for i in range(0, len(words), 50))],
+    rust.train_from_iterator([QWEN3_RERANKER_TEMPLATE, "yes", "no", *(" ".join(words[i:i + 50]) for i in range(0, len(words), 50))],
                              trainers.BpeTrainer(vocab_size=32768, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                                model_max_length=512)
-    tok.chat_template = QWEN3_TEMPLATE
+    tok.chat_template = QWEN3_RERANKER_TEMPLATE
     tok.save_pretrained(path / "plain")
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
