@@ -86,3 +86,18 @@ def left_for_the_gc(calls) -> list:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+
+
+def record_enqueues(monkeypatch) -> list[str | None]:
+    """Makes every ``Producer.enqueue`` record the ``priority=`` it is given (None: not passed)
+    and answer "queue full" (RESOURCE_EXHAUSTED / 429), so nothing is queued."""
+    from tokq.queue.producer import Producer
+    from tokq.queue.shard import QueueFull
+
+    seen: list[str | None] = []
+
+    async def record(self, request_id, items, *, timeout_ms, gateway_id, priority=None):
+        seen.append(priority)
+        raise QueueFull(0, sum(t for t, _ in items), 0, priority or "interactive")
+    monkeypatch.setattr(Producer, "enqueue", record)
+    return seen

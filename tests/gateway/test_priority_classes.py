@@ -21,14 +21,12 @@ import grpc
 import httpx
 import pytest
 from click.testing import CliRunner
-from gateway_support import left_for_the_gc, running_gateway
+from gateway_support import record_enqueues, left_for_the_gc, running_gateway
 from prometheus_client import REGISTRY
 from service_stack import gateway_and_worker
 
 from tokq import Client, TokqError
 from tokq.client_cli import embed_command
-from tokq.queue.producer import Producer
-from tokq.queue.shard import QueueFull
 from tokq.redis.embedded import free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -45,15 +43,7 @@ MATRIX = [("plain-key", None, "interactive"), ("plain-key", "batch", "batch"),
 
 @pytest.fixture
 def enqueued(monkeypatch):
-    """The ``priority=`` of every enqueue (None: not passed); each is answered "queue full"
-    (RESOURCE_EXHAUSTED / 429), so nothing is queued."""
-    seen: list[str | None] = []
-
-    async def record(self, request_id, items, *, timeout_ms, gateway_id, priority=None):
-        seen.append(priority)
-        raise QueueFull(0, sum(t for t, _ in items), 0, priority or "interactive")
-    monkeypatch.setattr(Producer, "enqueue", record)
-    return seen
+    return record_enqueues(monkeypatch)
 
 
 @pytest.fixture

@@ -10,13 +10,11 @@ import grpc
 import httpx
 import pytest
 from click.testing import CliRunner
-from gateway_support import running_gateway
+from gateway_support import record_enqueues, running_gateway
 from tiny_rerankers import DOCUMENTS, QUERY, build_bert_cross_encoder
 
 from tokq import Client, TokqError
 from tokq.client_cli import rerank_command
-from tokq.queue.producer import Producer
-from tokq.queue.shard import QueueFull
 from tokq.redis.embedded import free_port
 from tokq.v1 import embedder_pb2 as pb
 from tokq.v1 import embedder_pb2_grpc as pb_grpc
@@ -29,13 +27,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture
 def enqueued(monkeypatch):
-    seen: list[str | None] = []
-
-    async def record(self, request_id, items, *, timeout_ms, gateway_id, priority=None):
-        seen.append(priority)
-        raise QueueFull(0, sum(t for t, _ in items), 0, priority or "interactive")
-    monkeypatch.setattr(Producer, "enqueue", record)
-    return seen
+    return record_enqueues(monkeypatch)
 
 
 @pytest.fixture
