@@ -1,26 +1,17 @@
 """LangChain's and LlamaIndex's Cohere rerankers (langchain-cohere's CohereRerank, LlamaIndex's
 cohere_rerank postprocessor) pointed at a real deployment's Cohere-shaped /v2/rerank by base_url:
-their order and scores equal CrossEncoder.rank's. Each test is skipped where its package is not
-installed: both need cohere < 7 (langchain-cohere < 6), which the test extra does not force."""
+their order and scores equal CrossEncoder.rank's. Both packages are in the test extra, which pins
+cohere to 5.x, the range langchain-cohere allows; a missing package fails its test, not skips it."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 from service_stack import gateway_and_worker
 from tiny_rerankers import DOCUMENTS, QUERY, build_bert_cross_encoder
 
+pytestmark = pytest.mark.slow  # starts a gateway and worker
+
 MODEL = "bert-reranker"
-
-
-def missing(module: str):
-    """Skip a test, before its fixtures start a deployment, where ``module`` is not installed."""
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        found = False
-    return pytest.mark.skipif(not found, reason=f"{module} is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +32,6 @@ def want(folder):
     return CrossEncoder(str(folder), device="cpu").rank(QUERY, DOCUMENTS)[:3]
 
 
-@missing("langchain_cohere")
 def test_langchain_cohere_rerank(stack, want):
     import langchain_cohere
     from langchain_core.documents import Document
@@ -54,7 +44,6 @@ def test_langchain_cohere_rerank(stack, want):
     assert [d.metadata["relevance_score"] for d in got] == pytest.approx([w["score"] for w in want], abs=2e-5)
 
 
-@missing("llama_index.postprocessor.cohere_rerank")
 def test_llama_index_cohere_rerank(stack, want):
     from llama_index.core.schema import NodeWithScore, TextNode
     from llama_index.postprocessor import cohere_rerank
