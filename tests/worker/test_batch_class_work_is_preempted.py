@@ -11,28 +11,19 @@ import asyncio
 import numpy as np
 import pytest
 from gated_engine import HEAVY_TOKENS, GatedEngine
-from queue_support import QUEUE, answered_vectors, enqueue_ids, open_queue, wait_for
+from gated_worker import enqueue_batch_class, fp32_engine, token_ids, worker_rig
+from queue_support import answered_vectors, open_queue, wait_for
 
 from tokq.batch import PackedBatch
-from tokq.config import QueueConfig, WorkerConfig
 from tokq.queue.wire import encode_body
 from tokq.workers.loop import is_heavy
-from tokq.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from tokq.workers.engine import Engine
-
-    # fp32: vectors are compared with each request embedded alone at atol 1e-5
-    return Engine.load(None, device="cpu", dtype="float32", name=QUEUE)
-
-
-async def _enqueue_batch_class(queue, request_id: str, seqs) -> None:
-    await queue.enqueue(request_id, [(len(s), encode_body(s)) for s in seqs], timeout_ms=60_000,
-                        notice_channel=queue.keys.notice_channel("test"), priority="batch")
+    return fp32_engine()
 
 
 async def test_a_batch_of_mostly_batch_class_work_is_heavy(redis_url):
@@ -65,27 +56,16 @@ async def test_an_interactive_request_runs_inside_a_batch_class_forward_and_is_a
         redis_url, engine):
     gated = GatedEngine(engine)
     rng = np.random.default_rng(11)
-    bulk_ids = [np.concatenate([[101], rng.integers(1000, 20000, 98), [102]]) for _ in range(2)]
+    bulk_ids = [token_ids(rng, 100) for _ in range(2)]
     query_ids = [np.array([101, 7592, 2088, 102])]
-    name = engine.info.queue_name
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="bulk",
-                        exit_process=exits.append)
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("bulk")), 60, "the first heartbeat")
+    async with worker_rig(redis_url, engine) as rig:
+        q, client = rig.q, rig.client
+        worker = rig.worker(gated, "bulk")
+        await rig.start(worker)
 
-        await _enqueue_batch_class(client, "bulk", bulk_ids)
-        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-
-        async def registered():
-            return await q.redis.sismember(q.keys.preemptible, q.batch_prefix)
-        await wait_for(registered, 30, "the worker in a batch-class forward to register as pre-emptible")
-        await enqueue_ids(client, "query", query_ids)  # interactive: its 'light' wake-up
-
-        async def offered():
-            return worker.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "the interactive batch to be claimed and offered to the forward")
+        # the query is interactive: its 'light' wake-up
+        await rig.offer_during_heavy(worker, gated.heavy_entered, ("bulk", bulk_ids), ("query", query_ids),
+                                     batch_class=True)
         gated.go.set()
         got = {"query": await answered_vectors(client, "query", len(query_ids))}
         assert not await q.redis.hexists(q.keys.reply("bulk"), "0")  # the bulk batch still runs
@@ -98,33 +78,24 @@ async def test_an_interactive_request_runs_inside_a_batch_class_forward_and_is_a
         assert worker.loop.num_preemptions == 1
         stats = await q.stats()
         assert (stats.inflight_items, stats.queued_entries, stats.counters["acked"]) == (0, 0, 3)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
-        assert exits == []
+        await rig.stop(worker)
+        assert rig.exits == []
 
 
 async def test_a_lost_worker_s_batch_class_forward_is_redone_from_the_batch_lane(redis_url, engine):
     gated = GatedEngine(engine)  # its bulk forward never starts: the worker is lost holding it
     rng = np.random.default_rng(12)
-    bulk_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
-    name = engine.info.queue_name
-    qcfg = QueueConfig(lease_ms=3_000)
-    async with open_queue(redis_url, lease_ms=3_000, queue=name) as q, \
-            open_queue(redis_url, lease_ms=3_000, queue=name) as q2:
-        exits: list[int] = []
-        lost = Worker(gated, q, WorkerConfig(token_budget=512), qcfg, worker_id="lost",
-                      exit_process=exits.append)
-        lost_run = asyncio.create_task(lost.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("lost")), 60, "the first heartbeat")
-        await _enqueue_batch_class(q2, "bulk", bulk_ids)
+    bulk_ids = [token_ids(rng, 150)]
+    async with worker_rig(redis_url, engine, lease_ms=3_000) as rig:
+        q2 = rig.client
+        lost = rig.worker(gated, "lost")
+        await rig.start(lost)
+        await enqueue_batch_class(q2, "bulk", bulk_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-        lost_run.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await lost_run
+        await rig.kill(lost)
 
-        redo = Worker(engine, q2, WorkerConfig(token_budget=512), qcfg, worker_id="redo",
-                      exit_process=exits.append)
-        redo_run = asyncio.create_task(redo.run())
+        redo = rig.worker(engine, "redo", queue=q2)
+        await rig.start(redo)
 
         async def back_in_the_batch_lane():
             return await q2.redis.llen(q2.keys.batch) > 0 or await q2.redis.hexists(q2.keys.reply("bulk"), "0")
@@ -136,6 +107,5 @@ async def test_a_lost_worker_s_batch_class_forward_is_redone_from_the_batch_lane
         assert stats.lanes["heavy"] == (0, 0)
         gated.go.set()
         gated.finish.set()
-        redo.stop()
-        await asyncio.wait_for(redo_run, 30)
-        assert exits == []
+        await rig.stop(redo)
+        assert rig.exits == []

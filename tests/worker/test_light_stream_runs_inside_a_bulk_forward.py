@@ -6,20 +6,17 @@ forward lasts until the test ends it (its thread runs checkpoints meanwhile), ne
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
 import numpy as np
 import pytest
 from gated_engine import HEAVY_TOKENS
-from queue_support import QUEUE, answered_vectors, enqueue_ids, open_queue, wait_for
+from gated_worker import fp32_engine, token_ids, worker_rig
+from queue_support import answered_vectors, enqueue_ids, wait_for
 
 from tokq.batch import PackedBatch
-from tokq.config import QueueConfig, WorkerConfig
-from tokq.queue.wire import encode_body
 from tokq.workers.preempt import current_checkpoint
-from tokq.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +25,7 @@ QUERY_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def engine():
-    from tokq.workers.engine import Engine
-
-    # fp32: vectors are compared with each request embedded alone at atol 1e-5
-    return Engine.load(None, device="cpu", dtype="float32", name=QUEUE)
+    return fp32_engine()
 
 
 class LongBulkEngine:
@@ -67,35 +61,19 @@ class LongBulkEngine:
             self.log.append(("end", batch.num_tokens, self.depth + 1))
 
 
-def _query(rng) -> np.ndarray:
-    return np.concatenate([[101], rng.integers(1000, 20000, QUERY_TOKENS - 2), [102]])
-
-
 async def test_a_light_stream_beside_a_bulk_forward_all_runs_nested(redis_url, engine):
     slow = LongBulkEngine(engine)
     rng = np.random.default_rng(21)
-    bulk_ids = [np.concatenate([[101], rng.integers(1000, 20000, 98), [102]]) for _ in range(2)]
-    queries = {f"q{i}": [_query(rng)] for i in range(17)}  # 340 tokens: past a light-only claim's 128
-    name = engine.info.queue_name
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(slow, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="bulk",
-                        exit_process=exits.append)
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("bulk")), 60, "the first heartbeat")
+    bulk_ids = [token_ids(rng, 100) for _ in range(2)]
+    # 17 queries, 340 tokens: past a light-only claim's 128
+    queries = {f"q{i}": [token_ids(rng, QUERY_TOKENS)] for i in range(17)}
+    async with worker_rig(redis_url, engine) as rig:
+        q, client = rig.q, rig.client
+        worker = rig.worker(slow, "bulk")
+        await rig.start(worker)
 
-        await client.enqueue("bulk", [(len(s), encode_body(s)) for s in bulk_ids], timeout_ms=60_000,
-                             notice_channel=client.keys.notice_channel("test"), priority="batch")
-        assert await asyncio.to_thread(slow.entered.wait, 60)
-
-        async def registered():
-            return await q.redis.sismember(q.keys.preemptible, q.batch_prefix)
-        await wait_for(registered, 30, "the worker in the bulk forward to register as pre-emptible")
-        await enqueue_ids(client, "q0", queries["q0"])
-
-        async def offered():
-            return worker.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "the first query to be claimed and offered to the forward")
+        await rig.offer_during_heavy(worker, slow.entered, ("bulk", bulk_ids), ("q0", queries["q0"]),
+                                     batch_class=True)
         for i in range(1, 11):  # 200 tokens queue behind it: more than a light-only claim's budget
             await enqueue_ids(client, f"q{i}", queries[f"q{i}"])
         slow.go.set()
@@ -123,6 +101,5 @@ async def test_a_light_stream_beside_a_bulk_forward_all_runs_nested(redis_url, e
             np.testing.assert_allclose(got[rid], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
         stats = await q.stats()
         assert (stats.inflight_items, stats.queued_entries) == (0, 0)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
-        assert exits == []
+        await rig.stop(worker)
+        assert rig.exits == []

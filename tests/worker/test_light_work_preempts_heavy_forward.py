@@ -14,33 +14,22 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from gated_engine import HEAVY_TOKENS, GatedEngine
-from queue_support import QUEUE, answered_vectors, enqueue_ids, ok_result, open_queue, wait_for
+from gated_worker import fp32_engine, hold_heavy_checkpoint, offered, token_ids, worker_rig
+from queue_support import answered_vectors, enqueue_ids, ok_result, open_queue, wait_for
 
 from tokq.batch import PackedBatch
-from tokq.config import QueueConfig, WorkerConfig
 from tokq.queue.wire import encode_body
 from tokq.metrics import WorkerMetrics
 from tokq.workers.loop import is_heavy
-from tokq.workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
-LEASE_MS = 3_000
+LEASE_MS = 3_000  # long enough that a busy machine misses no renewal
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from tokq.workers.engine import Engine
-
-    # fp32: a redone item's vector is compared with its request embedded alone (atol 1e-5), and
-    # bf16 ("auto" on a CPU with AVX512-BF16) differs with the batch an item rides in.
-    return Engine.load(None, device="cpu", dtype="float32", name=QUEUE)
-
-
-
-async def _registered(queue) -> bool:
-    """The worker on ``queue`` is in the pre-emptible set (runs a heavy forward, unnoticed)."""
-    return await queue.redis.sismember(queue.keys.preemptible, queue.batch_prefix)
+    return fp32_engine()
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -76,28 +65,19 @@ async def test_only_a_batch_holding_heavy_lane_work_is_pre_empted(redis_url):
 async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first(redis_url, engine):
     gated = GatedEngine(engine)
     rng = np.random.default_rng(7)
-    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 98), [102]]) for _ in range(2)]
+    heavy_ids = [token_ids(rng, 100) for _ in range(2)]
     light_ids = [np.array([101, 7592, 2088, 102])]
     name = engine.info.queue_name
     metrics = WorkerMetrics(name, "preempt")
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []  # a forward held past hung_forward_ms must not end pytest
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="preempt",
-                        observer=metrics, exit_process=exits.append)
+    async with worker_rig(redis_url, engine) as rig:
+        q, client = rig.q, rig.client
+        worker = rig.worker(gated, "preempt", observer=metrics)
         assert worker.budget.preempt_budget == HEAVY_TOKENS
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("preempt")), 60, "the first heartbeat")
+        await rig.start(worker)
 
-        await enqueue_ids(client, "heavy", heavy_ids)
-        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-        await wait_for(lambda: _registered(q), 30,
-                       "the worker in a heavy forward to register as pre-emptible")
-        await enqueue_ids(client, "light", light_ids)  # claimed on its 'light' wake-up (or by the first
-        # light-only claim, if that ran after this enqueue: it follows the registration)
-
-        async def offered():
-            return worker.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "the light batch to be claimed and offered to the forward")
+        # light is claimed on its 'light' wake-up (or by the first light-only claim, if that ran
+        # after its enqueue: it follows the registration)
+        await rig.offer_during_heavy(worker, gated.heavy_entered, ("heavy", heavy_ids), ("light", light_ids))
         gated.go.set()  # the heavy forward starts; its first block's checkpoint runs the light one
         got = {"light": await answered_vectors(client, "light", len(light_ids))}
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")  # heavy still unanswered
@@ -117,10 +97,9 @@ async def test_a_light_request_runs_inside_a_heavy_forward_and_is_answered_first
         stats = await q.stats()
         assert (stats.inflight_items, stats.queued_entries, stats.counters["acked"]) == (0, 0, 3)
         assert await q.redis.scard(q.keys.preemptible) == 0  # the heavy forward is over
-        worker.stop()
-        await asyncio.wait_for(run, 30)
+        await rig.stop(worker)
         metrics.close()
-        assert exits == []
+        assert rig.exits == []
 
 
 async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_has_both_redone(
@@ -129,33 +108,22 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
     # sees it) holding a heavy batch in its forward and a light batch offered to it.
     gated = GatedEngine(engine)
     rng = np.random.default_rng(8)
-    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    heavy_ids = [token_ids(rng, 150)]
     light_ids = [np.array([101, 2204, 2851, 102]), np.array([101, 7592, 102])]
-    name = engine.info.queue_name
-    qcfg = QueueConfig(lease_ms=LEASE_MS)  # long enough that a busy machine misses no renewal
-    async with open_queue(redis_url, lease_ms=LEASE_MS, queue=name) as q, \
-            open_queue(redis_url, lease_ms=LEASE_MS, queue=name) as q2:
-        exits: list[int] = []
-        lost = Worker(gated, q, WorkerConfig(token_budget=512), qcfg, worker_id="lost",
-                      exit_process=exits.append)
-        lost_run = asyncio.create_task(lost.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("lost")), 60, "the first heartbeat")
+    async with worker_rig(redis_url, engine, lease_ms=LEASE_MS) as rig:
+        q, q2 = rig.q, rig.client
+        lost = rig.worker(gated, "lost")
+        await rig.start(lost)
         for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
             await enqueue_ids(q2, request_id, seqs)
             if request_id == "heavy":
                 assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-
-        async def offered():
-            return lost.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "the light batch to be offered to the heavy forward")
+        await wait_for(offered(lost), 30, "the light batch to be offered to the heavy forward")
         assert (await q.stats()).inflight_items == 3  # both batches leased to the lost worker
-        lost_run.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await lost_run
+        await rig.kill(lost)
 
-        redo = Worker(engine, q2, WorkerConfig(token_budget=512), qcfg, worker_id="redo",
-                      exit_process=exits.append)
-        redo_run = asyncio.create_task(redo.run())
+        redo = rig.worker(engine, "redo", queue=q2)
+        await rig.start(redo)
         for request_id, seqs in (("heavy", heavy_ids), ("light", light_ids)):
             got = await answered_vectors(q2, request_id, len(seqs))
             np.testing.assert_allclose(got, engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
@@ -169,10 +137,9 @@ async def test_a_worker_lost_while_a_light_batch_waits_inside_its_heavy_forward_
         async def lost_thread_done():
             return len(gated.log) == 4
         await wait_for(lost_thread_done, 60, "the lost worker's forward thread to end")
-        redo.stop()
-        await asyncio.wait_for(redo_run, 30)
+        await rig.stop(redo)
         assert (await q2.stats()).counters["acked"] == 3  # the lost worker acknowledged nothing
-        assert exits == []
+        assert rig.exits == []
 
 
 async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_nested(
@@ -185,25 +152,21 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
     gated.go.set()  # here the thread's start is held instead of the heavy embed
     thread_may_start = threading.Event()
     rng = np.random.default_rng(10)
-    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    heavy_ids = [token_ids(rng, 150)]
     light_ids = [np.array([101, 7592, 102])]
-    name = engine.info.queue_name
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="late",
-                        exit_process=exits.append)
+    async with worker_rig(redis_url, engine) as rig:
+        client = rig.client
+        worker = rig.worker(gated, "late")
         real_run_heavy = worker.loop.run_heavy
 
         def late_run_heavy(claim):
             assert thread_may_start.wait(60)
             return real_run_heavy(claim)
         monkeypatch.setattr(worker.loop, "run_heavy", late_run_heavy)
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("late")), 60, "the first heartbeat")
+        await rig.start(worker)
 
         await enqueue_ids(client, "heavy", heavy_ids)
-        await wait_for(lambda: _registered(q), 30,
-                       "the worker with a heavy batch to register as pre-emptible")
+        await wait_for(rig.registered, 30, "the worker with a heavy batch to register as pre-emptible")
         await enqueue_ids(client, "light", light_ids)
 
         async def offered_or_run():
@@ -219,9 +182,29 @@ async def test_light_work_claimed_before_the_heavy_forward_thread_starts_runs_ne
         assert worker.loop.num_preemptions == 1
         for request_id, seqs in (("light", light_ids), ("heavy", heavy_ids)):
             np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
-        assert exits == []
+        await rig.stop(worker)
+        assert rig.exits == []
+
+
+def _light1_lands_while_registering(monkeypatch, rig, worker, seqs, then=None) -> None:
+    """At the worker's first registration as pre-emptible, light1 is enqueued (its 'light'
+    wake-up pops the worker from the set) and the worker reads that wake-up; then ``then()``."""
+    real_mark = worker.queue.consumer.mark_preemptible
+    sent = False
+
+    async def mark_then_notice(preemptible: bool) -> None:
+        nonlocal sent
+        await real_mark(preemptible)
+        if preemptible and not sent:  # the first registration only
+            sent = True
+            await enqueue_ids(rig.client, "light1", seqs)  # pops this worker: 'light'
+
+            async def notice_read():
+                return worker.wake.preemptible.wakeups == 1
+            await wait_for(notice_read, 30, "the worker to read light1's notice")
+            if then is not None:
+                await then()
+    monkeypatch.setattr(worker.queue.consumer, "mark_preemptible", mark_then_notice)
 
 
 @pytest.mark.parametrize("race", [False, True], ids=["notice_after_registering", "notice_while_registering"])
@@ -233,70 +216,27 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
     request lands, and its notice is read, while the worker's registration is in flight: that
     notice took it out of the set, so it must not believe itself registered (it would then get
     no notice for the second request, which would wait for the whole heavy forward)."""
-    from tokq.workers import preempt
-
     gated = GatedEngine(engine)
     rng = np.random.default_rng(9)
-    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    heavy_ids = [token_ids(rng, 150)]
     light_ids = {"light1": [np.array([101, 7592, 102])], "light2": [np.array([101, 2088, 2003, 102])]}
-    name = engine.info.queue_name
-    real_checkpoint = preempt.current_checkpoint
-    calls = 0
-
-    def held_checkpoint():
-        inner = real_checkpoint()
-        if inner is preempt.no_checkpoint:
-            return inner
-
-        def checkpoint():
-            nonlocal calls
-            if gated.depth == 1:  # the heavy forward's own checkpoints
-                calls += 1
-                if calls == 2:
-                    deadline = time.monotonic() + 20
-                    while worker.loop.preemption.waiting is None:
-                        assert time.monotonic() < deadline, "light2 was never offered"
-                        time.sleep(0.005)
-            inner()
-        return checkpoint
-
-    monkeypatch.setattr(preempt, "current_checkpoint", held_checkpoint)
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="twice",
-                        exit_process=exits.append)
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("twice")), 60, "the first heartbeat")
+    async with worker_rig(redis_url, engine) as rig:
+        q, client = rig.q, rig.client
+        worker = rig.worker(gated, "twice")
+        hold_heavy_checkpoint(monkeypatch, gated, worker, 2, "light2")
+        await rig.start(worker)
 
         if race:
-            real_mark = worker.queue.consumer.mark_preemptible
-            sent = False
-
-            async def mark_then_notice(preemptible: bool) -> None:
-                nonlocal sent
-                await real_mark(preemptible)
-                if preemptible and not sent:  # the first registration only
-                    sent = True
-                    await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
-
-                    async def notice_read():
-                        return worker.wake.preemptible.wakeups == 1
-                    await wait_for(notice_read, 30, "the worker to read light1's notice")
-            monkeypatch.setattr(worker.queue.consumer, "mark_preemptible", mark_then_notice)
-
+            _light1_lands_while_registering(monkeypatch, rig, worker, light_ids["light1"])
         await enqueue_ids(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         if not race:
-            await wait_for(lambda: _registered(q), 30,
-                           "the worker in a heavy forward to register as pre-emptible")
+            await wait_for(rig.registered, 30, "the worker in a heavy forward to register as pre-emptible")
             await enqueue_ids(client, "light1", light_ids["light1"])
-
-        async def offered():
-            return worker.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "light1 to be offered to the forward")
+        await wait_for(offered(worker), 30, "light1 to be offered to the forward")
         gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
         got = {"light1": await answered_vectors(client, "light1", 1)}
-        await wait_for(lambda: _registered(q), 30, "the worker to register again after light1")
+        await wait_for(rig.registered, 30, "the worker to register again after light1")
         await enqueue_ids(client, "light2", light_ids["light2"])
         got["light2"] = await answered_vectors(client, "light2", 1)
         assert not await q.redis.hexists(q.keys.reply("heavy"), "0")
@@ -309,10 +249,9 @@ async def test_light_requests_one_after_another_each_pre_empt_the_same_heavy_for
         assert worker.loop.num_preemptions == 2
         for request_id, seqs in (*light_ids.items(), ("heavy", heavy_ids)):
             np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
+        await rig.stop(worker)
         assert await q.redis.scard(q.keys.preemptible) == 0
-        assert exits == []
+        assert rig.exits == []
 
 
 async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_it_registered(
@@ -323,46 +262,33 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
     the next light request gets no notice and waits for all of it."""
     gated = GatedEngine(engine)
     rng = np.random.default_rng(11)
-    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    heavy_ids = [token_ids(rng, 150)]
     light_ids = {"light1": [np.array([101, 7592, 102])], "light2": [np.array([101, 2088, 2003, 102])]}
-    name = engine.info.queue_name
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="passed-over",
-                        exit_process=exits.append)
-        real_mark = worker.queue.consumer.mark_preemptible
+    async with worker_rig(redis_url, engine) as rig:
+        client = rig.client
+        worker = rig.worker(gated, "passed-over")
         stolen = []
 
-        async def mark_then_lose_the_work(preemptible: bool) -> None:
-            await real_mark(preemptible)
-            if preemptible and not stolen:  # the first registration only
-                await enqueue_ids(client, "light1", light_ids["light1"])  # pops this worker: 'light'
-
-                async def notice_read():
-                    return worker.wake.preemptible.wakeups == 1
-                await wait_for(notice_read, 30, "the worker to read light1's notice")
-                # Another worker's claim lands first; it answers light1 (nothing left leased).
-                claim = await client.claim(512, lanes="light")
-                stolen.append(claim)
-                await client.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
-        monkeypatch.setattr(worker.queue.consumer, "mark_preemptible", mark_then_lose_the_work)
-
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("passed-over")), 60, "the first heartbeat")
+        async def another_worker_answers_light1() -> None:
+            # Another worker's claim lands first; it answers light1 (nothing left leased).
+            claim = await client.claim(512, lanes="light")
+            stolen.append(claim)
+            await client.ack(claim.batch_id, [(e, ok_result(e)) for e in claim.entries])
+        _light1_lands_while_registering(monkeypatch, rig, worker, light_ids["light1"],
+                                        then=another_worker_answers_light1)
+        await rig.start(worker)
         await enqueue_ids(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+
         async def registered_again():
-            return len(stolen) == 1 and await _registered(q)
+            return len(stolen) == 1 and await rig.registered()
         await wait_for(registered_again, 30, "the worker to register again after its notice's work went elsewhere")
         assert [e.request_id for e in stolen[0].entries] == ["light1"]
         await enqueue_ids(client, "light2", light_ids["light2"])
-
-        async def offered():
-            return worker.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "light2 to be offered to the forward")
+        await wait_for(offered(worker), 30, "light2 to be offered to the forward")
         gated.go.set()
         got = {"light2": await answered_vectors(client, "light2", 1)}
-        assert not await q.redis.hexists(q.keys.reply("heavy"), "0")
+        assert not await rig.q.redis.hexists(rig.q.keys.reply("heavy"), "0")
         gated.finish.set()
         got["heavy"] = await answered_vectors(client, "heavy", len(heavy_ids))
         n2, heavy_n = sum(map(len, light_ids["light2"])), sum(map(len, heavy_ids))
@@ -370,10 +296,9 @@ async def test_a_notice_read_while_registering_whose_work_went_elsewhere_leaves_
         assert worker.loop.num_preemptions == 1
         for request_id, seqs in (("light2", light_ids["light2"]), ("heavy", heavy_ids)):
             np.testing.assert_allclose(got[request_id], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
-        assert await q.redis.scard(q.keys.preemptible) == 0
-        assert exits == []
+        await rig.stop(worker)
+        assert await rig.q.redis.scard(rig.q.keys.preemptible) == 0
+        assert rig.exits == []
 
 
 class _RecordingMetrics(WorkerMetrics):
@@ -415,24 +340,14 @@ async def _nest_one_light_batch(redis_url, engine, worker_id: str, *, light_s: f
     gated = GatedEngine(engine)
     slow = _SlowLightEngine(gated, light_s)
     rng = np.random.default_rng(12)
-    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 98), [102]]) for _ in range(2)]
+    heavy_ids = [token_ids(rng, 100) for _ in range(2)]
     light_ids = [np.array([101, 7592, 2088, 102])]
-    name = engine.info.queue_name
-    metrics = _RecordingMetrics(name, worker_id)
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(slow, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id=worker_id,
-                        observer=metrics, exit_process=exits.append)
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat(worker_id)), 60, "the first heartbeat")
-        await enqueue_ids(client, "heavy", heavy_ids)
-        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-        await wait_for(lambda: _registered(q), 30, "the worker in a heavy forward to register")
-        await enqueue_ids(client, "light", light_ids)
-
-        async def offered():
-            return worker.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "the light batch to be offered to the forward")
+    metrics = _RecordingMetrics(engine.info.queue_name, worker_id)
+    async with worker_rig(redis_url, engine) as rig:
+        client = rig.client
+        worker = rig.worker(slow, worker_id, observer=metrics)
+        await rig.start(worker)
+        await rig.offer_during_heavy(worker, gated.heavy_entered, ("heavy", heavy_ids), ("light", light_ids))
         gated.go.set()
         await answered_vectors(client, "light", len(light_ids))
         gated.finish.set()
@@ -440,9 +355,8 @@ async def _nest_one_light_batch(redis_url, engine, worker_id: str, *, light_s: f
         heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
         assert gated.log == [("start", heavy_n), ("start", light_n), ("end", light_n), ("end", heavy_n)]
         assert worker.loop.num_preemptions == 1
-        worker.stop()
-        await asyncio.wait_for(run, 30)
-        assert exits == []
+        await rig.stop(worker)
+        assert rig.exits == []
     return worker, metrics, slow, heavy_n, light_n
 
 
@@ -498,19 +412,17 @@ async def test_a_light_batch_offered_too_late_to_nest_is_not_counted_as_a_preemp
     Before, every offered batch counted in tokq_worker_preemptions_total."""
     gated = GatedEngine(engine)
     rng = np.random.default_rng(13)
-    heavy_ids = [np.concatenate([[101], rng.integers(1000, 20000, 148), [102]])]
+    heavy_ids = [token_ids(rng, 150)]
     light_ids = [np.array([101, 7592, 102])]
     name = engine.info.queue_name
     metrics = WorkerMetrics(name, "too-late")
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="too-late",
-                        observer=metrics, exit_process=exits.append)
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("too-late")), 60, "the first heartbeat")
+    async with worker_rig(redis_url, engine) as rig:
+        client = rig.client
+        worker = rig.worker(gated, "too-late", observer=metrics)
+        await rig.start(worker)
         await enqueue_ids(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-        await wait_for(lambda: _registered(q), 30, "the worker in a heavy forward to register")
+        await wait_for(rig.registered, 30, "the worker in a heavy forward to register")
         gated.go.set()  # the heavy forward runs through all its checkpoints, then holds
         heavy_n, light_n = sum(map(len, heavy_ids)), sum(map(len, light_ids))
 
@@ -518,10 +430,7 @@ async def test_a_light_batch_offered_too_late_to_nest_is_not_counted_as_a_preemp
             return ("end", heavy_n) in gated.log
         await wait_for(heavy_passed_its_checkpoints, 30, "the heavy forward to pass its last checkpoint")
         await enqueue_ids(client, "light", light_ids)
-
-        async def offered():
-            return worker.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "the light batch to be offered to the (still armed) forward")
+        await wait_for(offered(worker), 30, "the light batch to be offered to the (still armed) forward")
         gated.finish.set()
         await answered_vectors(client, "light", len(light_ids))
         await answered_vectors(client, "heavy", len(heavy_ids))
@@ -529,14 +438,9 @@ async def test_a_light_batch_offered_too_late_to_nest_is_not_counted_as_a_preemp
         assert worker.loop.num_preemptions == 0 and worker.loop.num_batches == 2
         assert REGISTRY.get_sample_value("tokq_worker_preemptions_total",
                                          {"model": name, "worker": "too-late"}) in (None, 0.0)
-        worker.stop()
-        await asyncio.wait_for(run, 30)
+        await rig.stop(worker)
         metrics.close()
-        assert exits == []
-
-
-def _ids(rng, n: int) -> np.ndarray:
-    return np.concatenate([[101], rng.integers(1000, 20000, n - 2), [102]])
+        assert rig.exits == []
 
 
 async def test_a_light_backlog_beside_a_heavy_forward_goes_in_one_full_batch_not_nested(
@@ -547,14 +451,13 @@ async def test_a_light_backlog_beside_a_heavy_forward_goes_in_one_full_batch_not
     batches it ran as many small forwards. Light claims wait on an event until it is queued."""
     gated = GatedEngine(engine)
     rng = np.random.default_rng(14)
-    heavy_ids = [_ids(rng, 150)]
-    light_ids = {f"light{i}": [_ids(rng, 60)] for i in range(3)}
+    heavy_ids = [token_ids(rng, 150)]
+    light_ids = {f"light{i}": [token_ids(rng, 60)] for i in range(3)}
     name = engine.info.queue_name
     metrics = WorkerMetrics(name, "backlog")
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="backlog",
-                        observer=metrics, exit_process=exits.append)
+    async with worker_rig(redis_url, engine) as rig:
+        client = rig.client
+        worker = rig.worker(gated, "backlog", observer=metrics)
         light_claims_may_run = asyncio.Event()
         light_answers: list = []
         real_claim = worker.queue.consumer.claim
@@ -567,8 +470,7 @@ async def test_a_light_backlog_beside_a_heavy_forward_goes_in_one_full_batch_not
                 return answer
             return await real_claim(token_budget, **kwargs)
         monkeypatch.setattr(worker.queue.consumer, "claim", gated_claim)
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("backlog")), 60, "the first heartbeat")
+        await rig.start(worker)
         await enqueue_ids(client, "heavy", heavy_ids)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         for request_id, seqs in light_ids.items():
@@ -588,10 +490,9 @@ async def test_a_light_backlog_beside_a_heavy_forward_goes_in_one_full_batch_not
         assert worker.loop.num_preemptions == 0 and all(a is None for a in light_answers)
         assert REGISTRY.get_sample_value("tokq_worker_claim_stops_total",
                                          {"model": name, "worker": "backlog", "reason": "backlog"}) >= 1
-        worker.stop()
-        await asyncio.wait_for(run, 30)
+        await rig.stop(worker)
         metrics.close()
-        assert exits == []
+        assert rig.exits == []
 
 
 async def test_a_heavy_forward_stops_nesting_once_nested_batches_hold_the_pre_emption_budget(
@@ -600,56 +501,25 @@ async def test_a_heavy_forward_stops_nesting_once_nested_batches_hold_the_pre_em
     nested tokens, 100, were under the 128 of the pre-emption budget); a third light request
     then waits for the heavy forward's end and runs after it: nesting is for light work that
     arrives a little at a time, and bounded per heavy forward. Checkpoints held by events."""
-    from tokq.workers import preempt
-
     gated = GatedEngine(engine)
     rng = np.random.default_rng(15)
-    heavy_ids = [_ids(rng, 150)]
-    light_ids = {"light1": [_ids(rng, 100)], "light2": [_ids(rng, 100)], "light3": [_ids(rng, 10)]}
-    name = engine.info.queue_name
-    real_checkpoint = preempt.current_checkpoint
-    calls = 0
-
-    def held_checkpoint():
-        inner = real_checkpoint()
-        if inner is preempt.no_checkpoint:
-            return inner
-
-        def checkpoint():
-            nonlocal calls
-            if gated.depth == 1:  # the heavy forward's own checkpoints
-                calls += 1
-                if calls == 2:  # until light2 is offered
-                    deadline = time.monotonic() + 20
-                    while worker.loop.preemption.waiting is None:
-                        assert time.monotonic() < deadline, "light2 was never offered"
-                        time.sleep(0.005)
-            inner()
-        return checkpoint
-
-    monkeypatch.setattr(preempt, "current_checkpoint", held_checkpoint)
-    async with open_queue(redis_url, queue=name) as q, open_queue(redis_url, queue=name) as client:
-        exits: list[int] = []
-        worker = Worker(gated, q, WorkerConfig(token_budget=512), QueueConfig(), worker_id="bounded",
-                        exit_process=exits.append)
-        run = asyncio.create_task(worker.run())
-        await wait_for(lambda: q.redis.exists(q.keys.heartbeat("bounded")), 60, "the first heartbeat")
-        await enqueue_ids(client, "heavy", heavy_ids)
-        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
-        await wait_for(lambda: _registered(q), 30, "the worker in a heavy forward to register")
-        await enqueue_ids(client, "light1", light_ids["light1"])
-
-        async def offered():
-            return worker.loop.preemption.waiting is not None
-        await wait_for(offered, 30, "light1 to be offered to the forward")
+    heavy_ids = [token_ids(rng, 150)]
+    light_ids = {"light1": [token_ids(rng, 100)], "light2": [token_ids(rng, 100)], "light3": [token_ids(rng, 10)]}
+    async with worker_rig(redis_url, engine) as rig:
+        q, client = rig.q, rig.client
+        worker = rig.worker(gated, "bounded")
+        hold_heavy_checkpoint(monkeypatch, gated, worker, 2, "light2")
+        await rig.start(worker)
+        await rig.offer_during_heavy(worker, gated.heavy_entered, ("heavy", heavy_ids),
+                                     ("light1", light_ids["light1"]))
         gated.go.set()  # checkpoint 1 runs light1; checkpoint 2 holds until light2 is offered
         await answered_vectors(client, "light1", 1)
-        await wait_for(lambda: _registered(q), 30, "the worker to register again after light1")
+        await wait_for(rig.registered, 30, "the worker to register again after light1")
         await enqueue_ids(client, "light2", light_ids["light2"])
         await answered_vectors(client, "light2", 1)
 
         async def unregistered():
-            return not await _registered(q)
+            return not await rig.registered()
         await wait_for(unregistered, 30, "the worker to stop taking nested batches")
         await enqueue_ids(client, "light3", light_ids["light3"])
         assert worker.loop.preemption.waiting is None
@@ -660,6 +530,5 @@ async def test_a_heavy_forward_stops_nesting_once_nested_batches_hold_the_pre_em
         assert gated.log == [("start", 150), ("start", 100), ("end", 100), ("start", 100),
                              ("end", 100), ("end", 150), ("start", 10), ("end", 10)]
         assert worker.loop.num_preemptions == 2
-        worker.stop()
-        await asyncio.wait_for(run, 30)
-        assert exits == []
+        await rig.stop(worker)
+        assert rig.exits == []
