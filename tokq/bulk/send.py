@@ -98,9 +98,11 @@ def check_options(info, options: EmbedOptions, model: str = "") -> None:
 
 
 class Window:
-    """Tokens in flight. Starts at START_UNITS budgets; after each round (a window's worth of
-    answers) it grows while the work was taken at once and requests waited for room, and shrinks
-    while the work queued for several forwards or the queue was full."""
+    """Tokens in flight, judged once a round. A round is the requests sent in a window's worth of
+    tokens from its start, judged on their answers' queue and inference times once all are back.
+    It grows while that work was taken at once and requests waited for room, and shrinks while
+    the work queued for several forwards or the queue was full. Slow start doubles it until the
+    first round whose work was not taken at once; then it grows one budget a round."""
 
     def __init__(self, unit: int) -> None:
         self.unit = max(1, unit)
@@ -109,7 +111,14 @@ class Window:
         self.in_flight = 0
         self.slow_start = True  # doubling until the first sign of queueing
         self._waiters: list[tuple[asyncio.Future, int]] = []
-        self._round = [0, 0.0, 0.0]  # tokens, queue ms, inference ms
+        self._tickets = 0  # one per request let in
+        self._new_round()
+
+    def _new_round(self) -> None:
+        # Members: requests let in since the round began. Those sent at an older limit tell of that.
+        self._members: set[int] = set()  # this round's tickets not yet released
+        self._filled = 0  # tokens sent in this round
+        self._times = [0, 0.0, 0.0]  # its answers: count, queue ms, inference ms
         self._waited = False
 
     def set_unit(self, unit: int) -> None:
@@ -118,29 +127,43 @@ class Window:
             self.limit = max(MIN_UNITS * unit, round(self.limit * unit / self.unit))
             self.peak = max(self.peak, self.limit)
             self.unit = unit
+            self._new_round()
             self._wake()
 
     def _fits(self, n: int) -> bool:
         return self.in_flight == 0 or self.in_flight + n <= self.limit
 
-    async def acquire(self, n: int) -> None:
+    def _let_in(self, n: int) -> int:
+        self.in_flight += n
+        ticket = self._tickets
+        self._tickets += 1
+        if self._filled < self.limit:
+            self._filled += n
+            self._members.add(ticket)
+        return ticket
+
+    async def acquire(self, n: int) -> int:
+        """Room for ``n`` tokens; returns the request's ticket for ``observe`` and ``release``."""
         if not self._waiters and self._fits(n):
-            self.in_flight += n
-            return
+            return self._let_in(n)
         self._waited = True
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((fut, n))
         try:
-            await fut
+            return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():  # granted as it was cancelled: hand it back
-                self.release(n)
+                self.release(n, fut.result())
             else:
                 self._waiters = [w for w in self._waiters if w[0] is not fut]
             raise
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, ticket: int | None = None) -> None:
         self.in_flight -= n
+        if ticket in self._members:
+            self._members.discard(ticket)
+            if not self._members and self._filled >= self.limit:
+                self._judge()
         self._wake()
 
     def _wake(self) -> None:
@@ -150,34 +173,37 @@ class Window:
                 self._waiters.pop(0)
             elif self._fits(n):
                 self._waiters.pop(0)
-                self.in_flight += n
-                fut.set_result(None)
+                fut.set_result(self._let_in(n))
             else:
                 break
 
-    def observe(self, tokens: int, queue_ms: float, inference_ms: float) -> None:
-        r = self._round
-        r[0] += tokens
-        r[1] += queue_ms
-        r[2] += inference_ms
-        if r[0] < self.limit:
-            return
-        ratio = r[1] / max(r[2], 1e-3)
-        if ratio > SHRINK_ABOVE:
-            self.slow_start = False
-            self.limit = max(MIN_UNITS * self.unit, self.limit - self.unit)
-        elif ratio < GROW_BELOW and self._waited:
-            grown = 2 * self.limit if self.slow_start else self.limit + self.unit
-            self.limit = min(MAX_UNITS * self.unit, grown)
-            self.peak = max(self.peak, self.limit)
-            self._wake()
-        self._round = [0, 0.0, 0.0]
-        self._waited = False
+    def observe(self, ticket: int, queue_ms: float, inference_ms: float) -> None:
+        """An answer's times; counted when its request is in the round being measured."""
+        if ticket in self._members:
+            t = self._times
+            t[0] += 1
+            t[1] += queue_ms
+            t[2] += inference_ms
+
+    def _judge(self) -> None:
+        answers, queue_ms, inference_ms = self._times
+        if answers:
+            ratio = queue_ms / max(inference_ms, 1e-3)
+            if ratio >= GROW_BELOW:
+                self.slow_start = False
+            if ratio > SHRINK_ABOVE:
+                self.limit = max(MIN_UNITS * self.unit, self.limit - self.unit)
+            elif ratio < GROW_BELOW and self._waited:
+                grown = 2 * self.limit if self.slow_start else self.limit + self.unit
+                self.limit = min(MAX_UNITS * self.unit, grown)
+                self.peak = max(self.peak, self.limit)
+        self._new_round()
 
     def congested(self) -> None:
         """The queue refused work (over its token cap): half as much in flight."""
         self.slow_start = False
         self.limit = max(MIN_UNITS * self.unit, self.limit // 2)
+        self._new_round()
 
 
 @contextlib.asynccontextmanager
@@ -254,17 +280,18 @@ class Sender:
         async with first_error():
             async with asyncio.TaskGroup() as tasks:
                 for positions, est in self.pack(texts):
-                    await self.window.acquire(est)
-                    tasks.create_task(self._send(positions, [texts[p] for p in positions], est, vectors, errors))
+                    ticket = await self.window.acquire(est)
+                    tasks.create_task(self._send(positions, [texts[p] for p in positions], est, ticket,
+                                                 vectors, errors))
                 if on_dispatched is not None:
                     on_dispatched()
         return vectors, errors
 
-    async def _send(self, positions, texts, est, vectors, errors) -> None:
+    async def _send(self, positions, texts, est, ticket, vectors, errors) -> None:
         try:
-            await self._embed(positions, texts, vectors, errors)
+            await self._embed(positions, texts, vectors, errors, ticket)
         finally:
-            self.window.release(est)
+            self.window.release(est, ticket)
 
     async def _call(self, texts: list[str]):
         """The one place a request leaves."""
@@ -274,7 +301,7 @@ class Sender:
                                             timeout=o.timeout_s, priority=o.priority)
 
     async def _embed(self, positions: list[int], texts: list[str], vectors: np.ndarray,
-                     errors: dict[int, str]) -> None:
+                     errors: dict[int, str], ticket: int) -> None:
         attempt = internal = 0
         while True:
             self._maybe_refresh()
@@ -306,8 +333,8 @@ class Sender:
                         positions, texts = positions[:i] + positions[i + 1:], texts[:i] + texts[i + 1:]
                         continue
                     half = len(texts) // 2  # which input is at fault is not said: halve
-                    await self._embed(positions[:half], texts[:half], vectors, errors)
-                    await self._embed(positions[half:], texts[half:], vectors, errors)
+                    await self._embed(positions[:half], texts[:half], vectors, errors, ticket)
+                    await self._embed(positions[half:], texts[half:], vectors, errors, ticket)
                     return
                 raise BulkError(f"{exc.code.name}: {exc.message}") from None
             got = out.vectors
@@ -315,10 +342,10 @@ class Sender:
                 raise BulkError(f"the gateway answered {got.shape[0]} vectors of {got.shape[1] if got.ndim == 2 else 0} "
                                 f"dimensions for {len(texts)} inputs of {self.limits.dimensions}")
             vectors[positions] = got
-            self._answered(texts, out)
+            self._answered(texts, out, ticket)
             return
 
-    def _answered(self, texts: list[str], out) -> None:
+    def _answered(self, texts: list[str], out, ticket: int) -> None:
         self._last_ok = self._clock()
         self._internal_run = 0
         self.requests += 1
@@ -328,8 +355,7 @@ class Sender:
         if chars:
             seen = max(0.0, out.prompt_tokens - 2 * len(texts)) / chars
             self.tokens_per_char = 0.8 * self.tokens_per_char + 0.2 * min(2.0, max(0.02, seen))
-        self.window.observe(out.prompt_tokens, out.timing.get("queue_ms", 0.0),
-                            out.timing.get("inference_ms", 0.0))
+        self.window.observe(ticket, out.timing.get("queue_ms", 0.0), out.timing.get("inference_ms", 0.0))
 
     async def _pause(self, attempt: int, exc: TokqError) -> None:
         waited = self._clock() - self._last_ok
