@@ -28,8 +28,7 @@
 --          budget) and heavy work that fits; "" or "both" = the usual claim
 -- ARGV[13] preempt_tokens: the light-only claims' budget ("" or 0: a "heavy" claim never reads
 --          the light lane)
--- ARGV[14] batch_share_tokens: the most batch-lane tokens a claim that takes interactive work
---          takes; a starving batch lane takes them first (claim_rule.batch_share_tokens)
+-- ARGV[14] batch_share_tokens: tokens a starving batch lane takes first (claim_rule.batch_share_tokens)
 -- ARGV[15] batch_starve_ms: the batch lane starves once its head has waited this long
 -- ARGV[16] after_isolated: "1" = this worker's last full claim on this shard took a redo to
 --          isolate: no isolated head (heavy, or starving batch) goes first; the lanes are read
@@ -38,8 +37,7 @@
 --          (claim_rule.is_bulk_batch): it takes what fits token_budget from the light lane's
 --          head, as a usual scan, rather than refuse a longer lane ("" or "0": as usual)
 -- "both" and "heavy" claims read the batch lane after the interactive lanes (the room they
--- leave, at most ARGV[14] tokens when they took any), or first within its share when it
--- starves; "light" claims never read it.
+-- leave), or first within its share when it starves; "light" claims never read it.
 -- The rule is tokq/queue/claim_rule.py, entry for entry. Returns
 --   {batch_id or '', now_ms, num_expired, num_orphaned, {taken entries}, num_heavy, stop, num_batch}
 -- Taken entries: light lane's, then heavy lane's, then batch lane's.
@@ -260,16 +258,10 @@ else
       light_skipped = skipped
     end
   end
-  -- Beside interactive work, batch work takes at most its share: a short forward for the queries.
-  local interactive = (#light_taken + #heavy_taken) > 0
-  local batch_room = token_budget
-  if interactive then
-    batch_room = math.min(token_budget, taken_tokens + batch_share_tokens)
-  end
-  if batch_head and not done and (starving or taken_tokens < batch_room) then
+  if batch_head and not done and (starving or taken_tokens < token_budget) then
     -- Batch work: its head whenever starving or nothing else was taken, then what fits.
-    local forced = starving or not interactive
-    batch_skipped, batch_scanned, stop = scan(batch, batch_room, 'batch', forced and 0 or 1, {}, 0)
+    local forced = starving or (#light_taken + #heavy_taken) == 0
+    batch_skipped, batch_scanned, stop = scan(batch, token_budget, 'batch', forced and 0 or 1, {}, 0)
   end
 end
 local num_heavy, num_batch = #heavy_taken, #batch_taken

@@ -145,12 +145,11 @@ class QueueConfig(_Validated):
     max_queued_batch_tokens: int = setting(
         2_000_000, "cap on queued batch-class tokens, apart from the interactive cap: a bulk "
         "backlog refuses only batch-class enqueues", min=1)
-    # Batch work's share of a claim that holds interactive work (tokq/queue/claim_rule.py): a
-    # cap that keeps forwards carrying live queries short, and reserved once the lane starves.
+    # A batch-class head that waited batch_starve_ms gets batch_share of each budget first
+    # (tokq/queue/claim_rule.py): bulk work is never starved by live traffic.
     batch_share: float = setting(0.25, "share of each batch's token budget batch-class work "
-                                 "takes beside interactive work: at most this, and this first "
-                                 "once its oldest entry waited --batch-starve-ms (a batch with "
-                                 "no interactive work fills with batch work)",
+                                 "takes first once its oldest entry waited --batch-starve-ms "
+                                 "(else it only fills the room interactive work leaves)",
                                  min=0, max=1)
     batch_starve_ms: int = setting(1_000, "how long the oldest batch-class entry may wait before "
                                    "batch work gets --batch-share of each batch", min=0,

@@ -199,14 +199,11 @@ async def _compare(redis_url, pending, heavy, live, token_budget, lookahead, max
 @example(case=_case([("a", 30, 0, 500, b"")] * 2, heavy=[("b", 60, 60, 500, b""), ("b", 10, 0, 500, b"")],
                     lanes="heavy", preempt_tokens=50))
 @example(case=_case([("a", 10, 0, 500, b"")], heavy=[], lanes="heavy"))
-# Batch lane: it fills the room interactive work leaves, at most its share beside interactive
-# work (its head only when it fits, unless nothing else was taken); starving (its head waited batch_starve_ms), its share first and its
+# Batch lane: it fills the room interactive work leaves (its head only when it fits, unless
+# nothing else was taken); starving (its head waited batch_starve_ms), its share first and its
 # head always; a starving redo to isolate alone, unless the heavy head is one too; entries passed
 # over at any age; a light-only claim never reads it; a heavy claim reads it after the heavy lane.
 @example(case=_case([("a", 30, 0, 500, b"")] * 2, batch=[("b", 30, 0, 500, b"")] * 3))
-@example(case=_case([("a", 13, 0, 500, b"")], batch=[("b", 10, 0, 500, b"")] * 9))
-@example(case=_case([("a", 13, 0, 500, b"")], batch=[("b", 10, 100, 500, b"")] * 9))
-@example(case=_case([("a", 13, 0, 500, b"")], batch=[("b", 40, 100, 500, b""), ("b", 5, 0, 500, b"")]))
 @example(case=_case([("a", 30, 0, 500, b"")] * 2, batch=[("b", 50, 0, 500, b""), ("b", 40, 0, 500, b"")]))
 @example(case=_case([], batch=[("b", 150, 0, 500, b""), ("b", 10, 0, 500, b"")]))
 @example(case=_case([("a", 30, 0, 500, b"")] * 4, batch=[("b", 50, 100, 500, b""), ("b", 20, 0, 500, b"")]))

@@ -27,7 +27,7 @@ def engine():
 
 
 async def test_a_batch_of_mostly_batch_class_work_is_heavy(redis_url):
-    async with open_queue(redis_url, batch_share=0.5) as q:  # 200 batch tokens fit beside light work
+    async with open_queue(redis_url) as q:
         def body(n):
             return n, encode_body(np.arange(1, n + 1))
 

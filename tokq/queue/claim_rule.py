@@ -23,13 +23,11 @@ lookahead.
 
 Batch-class work, in ``both`` and ``heavy`` claims, takes the room interactive work leaves: the
 interactive rule above runs first, then the batch lane fills what is left of the budget (its
-head goes when nothing else was taken). A claim that took interactive work takes at most
-``batch_share_tokens`` of batch work: its forward stays short, and pre-empting it is rarely
-needed. Once the batch lane's head has waited ``batch_starve_ms`` the batch lane is *starving*:
-the interactive rule runs within the budget less ``batch_share_tokens``, and the batch lane's
-head goes in every claim (even when larger than the share), with more batch work up to the share
-(the whole budget when no interactive work was taken). A starving batch head that is a redo to
-isolate goes alone (unless the heavy head is one too: that goes first).
+head goes when nothing else was taken). Once the batch lane's head has waited
+``batch_starve_ms`` the batch lane is *starving*: the interactive rule runs within the budget
+less ``batch_share_tokens``, and the batch lane's head goes in every claim, with more batch work
+up to the budget. A starving batch head that is a redo to isolate goes alone (unless the heavy
+head is one too: that goes first).
 
 ``after_isolated``: the worker's last full claim on this shard took a redo to isolate. Then no
 isolated head (the heavy lane's, a starving batch lane's) goes first: the lanes are read by the
@@ -141,8 +139,8 @@ def is_bulk_batch(token_counts: Sequence[int], num_heavy: int, num_batch: int) -
 
 
 def batch_share_tokens(token_budget: int, batch_share: float) -> int:
-    """The batch lane's tokens in a claim that takes interactive work: at most these, and a
-    starving lane takes them before interactive work (``QueueConfig.batch_share``, rounded down)."""
+    """The tokens of a claim's budget a starving batch lane may take before interactive work
+    (``QueueConfig.batch_share`` of it, rounded down)."""
     return max(0, min(token_budget, int(token_budget * batch_share)))
 
 
@@ -176,8 +174,8 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
     when it heads the heavy lane, a ``both`` claim reads no light entry, unless ``after_isolated``
     (module doc): then it waits for this claim's light work. ``preempt_tokens``: the
     light-only claims' budget; a ``heavy`` claim reads the light lane first when it holds more
-    (None or 0: never). ``batch_share_tokens``: the batch lane's share of a claim that takes
-    interactive work, first once its head has waited ``batch_starve_ms`` (module doc). ``bulk_forward``: a ``light``
+    (None or 0: never). ``batch_share_tokens`` and ``batch_starve_ms``: the batch lane's share
+    of the budget once its head has waited that long (module doc). ``bulk_forward``: a ``light``
     claim nested in a batch-class forward takes what fits instead of refusing a backlog.
     """
     light_taken: list[Entry] = []
@@ -276,13 +274,10 @@ def plan_claim(pending: Sequence[Entry], heavy: Sequence[Entry] = (), batch: Seq
             skipped2, consumed, stop, _ = scan(again, room, "light", num_light)
             num_scanned += max(0, consumed - len(skipped))
             skipped = skipped2 + skipped[consumed:]
-    # Beside interactive work, batch work takes at most its share: a short forward for the queries.
-    interactive = bool(light_taken or heavy_taken)
-    batch_room = min(token_budget, tokens + batch_share_tokens) if interactive else token_budget
-    if batch and not done and (starving or tokens < batch_room):
+    if batch and not done and (starving or tokens < token_budget):
         # Batch work: its head whenever starving or nothing else was taken, then what fits.
-        forced = starving or not interactive
-        batch_skipped, batch_scanned, stop, _ = scan(batch, batch_room, "batch", 0 if forced else 1)
+        forced = starving or not (light_taken or heavy_taken)
+        batch_skipped, batch_scanned, stop, _ = scan(batch, token_budget, "batch", 0 if forced else 1)
     return ClaimPlan(tuple(light_taken + heavy_taken + batch_taken), tuple(expired), tuple(orphaned),
                      tuple(skipped), num_scanned, tuple(heavy_skipped), heavy_scanned,
                      len(heavy_taken), stop, tuple(batch_skipped), batch_scanned, len(batch_taken))
