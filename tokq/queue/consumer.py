@@ -66,8 +66,10 @@ class Consumer:
     async def renew(self, batch_id: str) -> bool:
         return await self._sharded.shard(self._sharded.shard_of_batch(batch_id)).renew(batch_id)
 
-    async def ack(self, batch_id: str, results: Sequence[tuple[Entry, bytes]]) -> None:
-        await self._sharded.shard(self._sharded.shard_of_batch(batch_id)).ack(batch_id, results)
+    async def ack(self, batch_id: str, results: Sequence[tuple[Entry, bytes]], *,
+                  partial: bool = False) -> None:
+        await self._sharded.shard(self._sharded.shard_of_batch(batch_id)).ack(batch_id, results,
+                                                                             partial=partial)
 
     async def requeue_expired(self) -> tuple[int, int]:
         """Every shard's expired leases redone; a shard whose node is out does not stop the

@@ -370,12 +370,14 @@ class Queue:
         args = [self._now_arg(), self.config.lease_ms, batch_id]
         return bool(await self._run("renew", [self.keys.leases], args))
 
-    async def ack(self, batch_id: str, results: Sequence[tuple[Entry, bytes]]) -> None:
+    async def ack(self, batch_id: str, results: Sequence[tuple[Entry, bytes]], *,
+                  partial: bool = False) -> None:
         """Deliver each item's result (tokq.queue.wire encode_ok/encode_error bytes) and release
         the lease. Safe to repeat, and safe after the lease was requeued: each item's first
-        result is the one its client sees."""
+        result is the one its client sees. ``partial``: deliver these results early and keep the
+        lease; a later ack releases it and answers the items no ack answered."""
         k = self.keys
-        args: list = [k.reply_prefix, batch_id]
+        args: list = [k.reply_prefix, batch_id, 1 if partial else 0]
         for entry, result in results:
             args += [entry.request_id, entry.index, result]
         await self._run("ack", [k.leases, k.inflight, k.counters, k.lease(batch_id),
