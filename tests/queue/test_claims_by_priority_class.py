@@ -92,7 +92,8 @@ async def test_batch_work_passed_over_keeps_its_place_and_an_oversized_head_goes
 
 async def test_a_starving_batch_lane_gets_its_share_of_every_claim(redis_url):
     clock = ManualClock()
-    async with open_queue(redis_url, clock, batch_share=0.25, batch_starve_ms=1_000) as q:
+    # QueueConfig's defaults, as the README states them: a quarter of each batch after a second
+    async with open_queue(redis_url, clock) as q:
         await q.enqueue("b", items(*[10] * 100), timeout_ms=10 * MINUTE_MS, notice_channel=NOTICE_CHANNEL,
                         priority="batch")
         for n in range(30):  # light work that fills every budget on its own
