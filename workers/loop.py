@@ -16,6 +16,9 @@ and a light lane longer than that is left to full batches (tokq/queue/claim_rule
 becomes full batches, not many small nested ones. A batch-class forward (bulk work,
 ``is_bulk_batch``) has no such cap, and its nested claims take what fits: queries wait for a
 checkpoint, not for its end. One nested batch per checkpoint bounds how far bulk work is delayed.
+A claim of interactive work (not heavy) beside batch-class work runs its interactive entries first,
+as their own short forward answered at once (a partial ack), then the batch-class part
+(``split_interactive``): queries that rode a bulk claim do not wait for its stretched forward.
 
 Redos to isolate cannot hold light work back either: after a full claim on a shard took one
 (alone), the worker's next full claim there reads light work first (``after_isolated``,
@@ -66,6 +69,19 @@ def is_heavy(claim: Claim, preempt_budget: int) -> bool:
 def is_bulk(claim: Claim) -> bool:
     """A forward whose heavy part is batch-class work (claim_rule.is_bulk_batch)."""
     return is_bulk_batch([e.num_tokens for e in claim.entries], claim.num_heavy, claim.num_batch)
+
+
+def split_interactive(claim: Claim, preempt_budget: int) -> tuple[Claim, Claim] | None:
+    """A claim holding batch-class work beside interactive work that is not heavy, as two parts
+    of its one lease: (its interactive entries, its batch-class ones, the last). None for any
+    other claim (heavy interactive work stays in one forward, pre-emptible as ``is_heavy`` says)."""
+    num_interactive = len(claim.entries) - claim.num_batch
+    if claim.num_batch <= 0 or num_interactive <= 0:
+        return None
+    interactive = dataclasses.replace(claim, entries=claim.entries[:num_interactive], num_batch=0)
+    if is_heavy(interactive, preempt_budget):
+        return None
+    return interactive, dataclasses.replace(claim, entries=claim.entries[num_interactive:], num_heavy=0)
 
 
 class Prefetch:
@@ -138,6 +154,12 @@ class ClaimLoop:
                 next_claim = asyncio.create_task(self._claim())
                 continue
             self.forward_since = time.monotonic()
+            first: BatchOutcome | None = None  # the interactive part's, answered before the rest
+            if (parts := split_interactive(claim, self.budget.preempt_budget)) is not None:
+                interactive, claim = parts
+                first = await asyncio.to_thread(self.run_batch, interactive)  # short: not pre-empted
+                await self._answer_first(interactive, first)
+                self.forward_since = time.monotonic()
             heavy = is_heavy(claim, self.budget.preempt_budget)
             run = self.run_heavy if heavy else self.run_batch
             if heavy:
@@ -166,12 +188,31 @@ class ClaimLoop:
                 self.num_preemptions += outcome.nested
                 if self.observer:
                     self.observer.observe_preemption(outcome.nested)
-            await self._finish(claim, outcome)
+            await self._finish(claim, outcome, first=first)
 
-    async def _finish(self, claim: Claim, outcome: BatchOutcome, *, full_claim: bool = True) -> None:
+    async def _answer_first(self, part: Claim, outcome: BatchOutcome) -> None:
+        """Deliver the interactive part's results now and keep the lease (a partial ack); if
+        this ack fails, the lease's final ack carries them again."""
+        try:
+            await self.queue.consumer.ack(part.batch_id, outcome.results, partial=True)
+        except REDIS_ERRORS as exc:
+            log.warning("early answer of batch %s failed (%s); left to its final ack", part.batch_id, exc)
+            if self.observer:
+                self.observer.observe_error("redis")
+        self._observe(outcome, full_claim=False)
+
+    async def _finish(self, claim: Claim, outcome: BatchOutcome, *, full_claim: bool = True,
+                      first: BatchOutcome | None = None) -> None:
         """Acknowledge ``claim`` and observe its batch. ``full_claim``: claimed up to the token
-        budget (not a light-only pre-empting claim)."""
-        await self.leases.ack(claim, outcome)
+        budget (not a light-only pre-empting claim). ``first``: the lease's interactive part,
+        answered already; its results go again (first write wins) in case that ack failed."""
+        results = outcome if first is None else dataclasses.replace(
+            outcome, results=first.results + outcome.results)
+        await self.leases.ack(claim, results)
+        self._observe(outcome, full_claim=full_claim)
+
+    def _observe(self, outcome: BatchOutcome, *, full_claim: bool) -> None:
+        """Count one forward's batch in the loop's and the observer's metrics."""
         self.num_batches += 1
         if self.observer:
             # Only full claims count in the fill ratio, whose alert reads "fewer workers would

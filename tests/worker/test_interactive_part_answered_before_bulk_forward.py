@@ -1,0 +1,80 @@
+"""Queries claimed beside batch-class work do not wait for the bulk forward (workers/loop.py
+``split_interactive``): the claim's interactive entries run first, as their own forward, and are
+answered at once (a partial ack, the lease kept); then the batch-class part runs, pre-emptible.
+In process, with a real Redis and the real bundled model; the order is forced with events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from gated_engine import HEAVY_TOKENS, GatedEngine
+from gated_worker import enqueue_batch_class, fp32_engine, token_ids, worker_rig
+from queue_support import answered_vectors, enqueue_ids
+
+from tokq.batch import PackedBatch
+from tokq.queue.shard import REPLY_META_FIELDS, parse_notices
+from tokq.redis.pubsub import ShardedSubscriber
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return fp32_engine()
+
+
+async def _notified(pubsub) -> list[str]:
+    ids = []
+    while (message := await pubsub.get_message(timeout=0.3)) is not None:
+        ids += [request_id for request_id, _ in parse_notices(message[1])]
+    return ids
+
+
+async def test_queries_claimed_beside_bulk_work_are_answered_before_its_forward(redis_url, engine):
+    gated = GatedEngine(engine)
+    rng = np.random.default_rng(31)
+    bulk_ids = [token_ids(rng, 100) for _ in range(2)]
+    queries = {f"q{i}": [token_ids(rng, 20)] for i in range(2)}
+    async with worker_rig(redis_url, engine) as rig:
+        q, client = rig.q, rig.client
+        pubsub = ShardedSubscriber(client.redis)
+        await pubsub.subscribe(client.keys.notice_channel("test"))
+        # All queued before the worker starts: its first claim takes the queries, then the bulk work.
+        await enqueue_batch_class(client, "bulk", bulk_ids)
+        for rid, seqs in queries.items():
+            await enqueue_ids(client, rid, seqs)
+        worker = rig.worker(gated, "bulk")
+        await rig.start(worker)
+
+        # The bulk part's forward is held at the engine's gate, pre-emptible ...
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        assert await rig.registered()
+        # ... and the queries it was claimed with are answered and notified already.
+        for rid in queries:
+            assert await q.redis.hlen(q.keys.reply(rid)) == 1 + len(REPLY_META_FIELDS)
+        assert sorted(await _notified(pubsub)) == sorted(queries)
+        assert not await q.redis.hexists(q.keys.reply("bulk"), "0")
+        stats = await q.stats()
+        assert stats.inflight_items == 4  # one lease for all four items, held for the bulk part
+        assert stats.counters["acked"] == 2
+
+        gated.go.set()
+        gated.finish.set()
+        got = {rid: await answered_vectors(client, rid, 1) for rid in queries}
+        got["bulk"] = await answered_vectors(client, "bulk", len(bulk_ids))
+        assert await _notified(pubsub) == ["bulk"]  # each request notified once
+        query_n, bulk_n = 2 * 20, sum(map(len, bulk_ids))
+        assert query_n <= HEAVY_TOKENS < bulk_n
+        assert gated.log == [("start", query_n), ("end", query_n), ("start", bulk_n), ("end", bulk_n)]
+        for rid, seqs in (*queries.items(), ("bulk", bulk_ids)):
+            np.testing.assert_allclose(got[rid], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
+        assert worker.loop.num_batches == 2  # two forwards counted
+        stats = await q.stats()
+        assert (stats.inflight_items, stats.queued_entries) == (0, 0)
+        assert stats.counters["acked"] == 4 and stats.counters.get("failed", 0) == 0
+        assert stats.counters["batches"] == 1  # one claim, one lease
+        await pubsub.aclose()
+        await rig.stop(worker)
+        assert rig.exits == []
