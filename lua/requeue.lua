@@ -1,6 +1,7 @@
 -- requeue.lua: put the items of expired leases back at the FRONT of the heavy lane (interactive
 -- items) or of the batch lane (batch-class items: they keep their class) with attempt + 1;
--- items that reach max_attempts get an error result (docs/internals.md).
+-- items that reach max_attempts get an error result; items answered already (a partial ack) are
+-- only released (docs/internals.md).
 -- KEYS[1] leases    ZSET   batch_id -> lease deadline (ms)
 -- KEYS[2] heavy     LIST   heavy lane, head = oldest
 -- KEYS[3] tokens    STRING sum of the tokens in every lane
@@ -56,6 +57,8 @@ for _, batch_id in ipairs(batch_ids) do
     local attempt = tonumber(attempt_text)
     if redis.call('EXISTS', reply_prefix .. request_id) == 0 then
       num_orphaned = num_orphaned + 1
+    elseif redis.call('HEXISTS', reply_prefix .. request_id, index) == 1 then
+      -- answered already (ack.lua's partial mode): nothing to redo
     elseif attempt + 1 >= max_attempts then
       -- Counted as failed only if this error is its answer (not an earlier result's).
       num_failed = num_failed + write_result(reply_prefix, request_id, index, string.format(
