@@ -405,11 +405,13 @@ class WorkerMetrics:
     def set_budget(self, token_budget: int) -> None:
         WORKER_BUDGET.labels(*self.labels).set(token_budget)
 
-    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float, graphed: bool = False) -> None:
+    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float, graphed: bool = False,
+                      claimed_tokens: int | None = None) -> None:
         """One forward pass over sequences of these lengths (np.diff(batch.cu_seqlens)): the
         items it ran, not those refused before it (BatchOutcome.seqlens); ``graphed``: replayed
         from a CUDA graph. ``token_budget``: the budget it was claimed up to; 0 for a
-        pre-empting claim, left out of the fill ratio."""
+        pre-empting claim, left out of the fill ratio. ``claimed_tokens``: the fill's tokens
+        where one claim ran as two forwards (its interactive part first), else this forward's."""
         if graphed:
             WORKER_GRAPHED.labels(*self.labels).inc()
         lens = [int(n) for n in seqlens]
@@ -420,7 +422,8 @@ class WorkerMetrics:
         WORKER_BATCH_ITEMS.labels(*self.labels).observe(len(lens))
         if token_budget > 0:
             self.set_budget(token_budget)
-            WORKER_FILL_RATIO.labels(*self.labels).observe(min(1.0, num_tokens / token_budget))
+            filled = num_tokens if claimed_tokens is None else claimed_tokens
+            WORKER_FILL_RATIO.labels(*self.labels).observe(min(1.0, filled / token_budget))
         WORKER_FORWARD_DURATION.labels(*self.labels).observe(forward_s)
         WORKER_TOKENS.labels(*self.labels).inc(num_tokens)
         WORKER_FLOPS.labels(*self.labels).inc(flops)

@@ -17,8 +17,8 @@ becomes full batches, not many small nested ones. A batch-class forward (bulk wo
 ``is_bulk_batch``) has no such cap, and its nested claims take what fits: queries wait for a
 checkpoint, not for its end. One nested batch per checkpoint bounds how far bulk work is delayed.
 A claim of interactive work (not heavy) beside batch-class work runs its interactive entries first,
-as their own short forward answered at once (a partial ack), then the batch-class part
-(``split_interactive``): queries that rode a bulk claim do not wait for its stretched forward.
+as their own short forward answered at once (a partial ack), then the batch-class part, pre-emptible
+when heavy (``split_interactive``): queries that rode a bulk claim do not wait for its stretched forward.
 
 Redos to isolate cannot hold light work back either: after a full claim on a shard took one
 (alone), the worker's next full claim there reads light work first (``after_isolated``,
@@ -157,6 +157,7 @@ class ClaimLoop:
             if (parts := split_interactive(claim, self.budget.preempt_budget)) is not None:
                 interactive, claim = parts
                 first = await asyncio.to_thread(self.run_batch, interactive)  # short: not pre-empted
+                self.forward_since = None  # a Redis stall in the ack is no hung forward
                 await self._answer_first(interactive, first)
                 self.forward_since = time.monotonic()
             heavy = is_heavy(claim, self.budget.preempt_budget)
@@ -208,19 +209,19 @@ class ClaimLoop:
         results = outcome if first is None else dataclasses.replace(
             outcome, results=first.results + outcome.results)
         await self.leases.ack(claim, results)
-        self._observe(outcome, full_claim=full_claim)
+        claimed = None if first is None else int(sum(first.seqlens)) + int(sum(outcome.seqlens))
+        self._observe(outcome, full_claim=full_claim, claimed_tokens=claimed)
 
-    def _observe(self, outcome: BatchOutcome, *, full_claim: bool) -> None:
-        """Count one forward's batch in the loop's and the observer's metrics."""
+    def _observe(self, outcome: BatchOutcome, *, full_claim: bool, claimed_tokens: int | None = None) -> None:
+        """Count one forward's batch in the loop's and the observer's metrics. ``claimed_tokens``:
+        the whole claim's, where it ran as two forwards (its fill)."""
         self.num_batches += 1
         if self.observer:
-            # Only full claims count in the fill ratio, whose alert reads "fewer workers would
-            # carry this traffic": a pre-empting claim takes the light work that landed during a
-            # heavy forward, often one query, however busy the worker (counted, a saturated
-            # worker under mixed load read a mean fill of 0.066).
+            # Only full claims count in the fill ratio ("fewer workers would carry this traffic"):
+            # a pre-empting claim holds what landed during one forward, however busy the worker.
             budget = self.budget.tokens if full_claim else 0
             if outcome.seqlens:  # else no forward completed (every item refused or failed)
-                self.observer.observe_batch(outcome.seqlens, token_budget=budget,
+                self.observer.observe_batch(outcome.seqlens, token_budget=budget, claimed_tokens=claimed_tokens,
                                             forward_s=outcome.forward_s, graphed=outcome.graphed)
             for _ in range(outcome.num_failed):
                 self.observer.observe_error("item")

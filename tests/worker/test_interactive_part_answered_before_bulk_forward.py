@@ -78,3 +78,26 @@ async def test_queries_claimed_beside_bulk_work_are_answered_before_its_forward(
         await pubsub.aclose()
         await rig.stop(worker)
         assert rig.exits == []
+
+
+def test_only_light_interactive_work_beside_batch_work_splits():
+    from tokq.queue.shard import Claim
+    from tokq.queue.wire import format_entry, parse_entry
+    from tokq.workers.loop import split_interactive
+
+    def entry(tokens, index):
+        return parse_entry(format_entry(tokens, 0, "r", index, 60_000, 0, b"x"))
+
+    def claim(light, heavy, batch, *, repeated=False):
+        entries = tuple(entry(n, i) for i, n in enumerate([*light, *heavy, *batch]))
+        return Claim("b-1", 0, entries, num_heavy=-1 if repeated else len(heavy),
+                     num_batch=-1 if repeated else len(batch))
+
+    interactive, bulk = split_interactive(claim([20, 20], [], [200, 300]), preempt_budget=128)
+    assert [e.num_tokens for e in interactive.entries] == [20, 20] and interactive.num_batch == 0
+    assert [e.num_tokens for e in bulk.entries] == [200, 300] and (bulk.num_heavy, bulk.num_batch) == (0, 2)
+    assert interactive.batch_id == bulk.batch_id == "b-1"  # one lease
+    assert split_interactive(claim([20], [400], [200]), preempt_budget=128) is None  # heavy interactive part
+    assert split_interactive(claim([20, 20], [], []), preempt_budget=128) is None  # no batch work
+    assert split_interactive(claim([], [], [200, 300]), preempt_budget=128) is None  # no interactive work
+    assert split_interactive(claim([20], [], [200], repeated=True), preempt_budget=128) is None

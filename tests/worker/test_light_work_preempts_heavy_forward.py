@@ -308,9 +308,9 @@ class _RecordingMetrics(WorkerMetrics):
         super().__init__(*args, **kwargs)
         self.batches: list[tuple[int, float, int]] = []
 
-    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float, graphed: bool = False) -> None:
+    def observe_batch(self, seqlens, *, token_budget: int, forward_s: float, **kwargs) -> None:
         self.batches.append((sum(seqlens), forward_s, token_budget))
-        super().observe_batch(seqlens, token_budget=token_budget, forward_s=forward_s, graphed=graphed)
+        super().observe_batch(seqlens, token_budget=token_budget, forward_s=forward_s, **kwargs)
 
 
 class _SlowLightEngine:
