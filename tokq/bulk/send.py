@@ -115,7 +115,7 @@ class Window:
         self._new_round()
 
     def _new_round(self) -> None:
-        # Members: requests let in since the round began. Those sent at an older limit tell of that.
+        # Members: requests let in from the round's start until it held a window's worth of tokens.
         self._members: set[int] = set()  # this round's tickets not yet released
         self._filled = 0  # tokens sent in this round
         self._times = [0, 0.0, 0.0]  # its answers: count, queue ms, inference ms
