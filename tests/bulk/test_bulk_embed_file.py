@@ -389,6 +389,16 @@ async def test_window_grows_while_work_is_taken_at_once_and_shrinks_when_it_queu
     w.set_unit(1000)
     assert w.limit == 2000 and w.unit == 1000
     w = Window(100)
+    await window_round(w, queue_ms=1)
+    assert w.limit == 600
+    sent = [await w.acquire(100) for _ in range(3)]
+    for t in sent:  # three refusals from one full queue: one halving
+        w.congested(t)
+    assert w.limit == 300
+    w.release(300)
+    w.congested(await w.acquire(100))  # refused again after the cut: another halving
+    assert w.limit == MIN_UNITS * 100
+    w = Window(100)
     await window_round(w, queue_ms=10)  # the first sign of queueing ends slow start
     assert w.limit == 300 and not w.slow_start
     await window_round(w, queue_ms=1)

@@ -112,6 +112,7 @@ class Window:
         self.slow_start = True  # doubling until the first sign of queueing
         self._waiters: list[tuple[asyncio.Future, int]] = []
         self._tickets = 0  # one per request let in
+        self._cut_at = 0  # the first ticket let in after the last halving
         self._new_round()
 
     def _new_round(self) -> None:
@@ -199,8 +200,12 @@ class Window:
                 self.peak = max(self.peak, self.limit)
         self._new_round()
 
-    def congested(self) -> None:
-        """The queue refused work (over its token cap): half as much in flight."""
+    def congested(self, ticket: int | None = None) -> None:
+        """The queue refused work (over its token cap): half as much in flight. Once for the
+        requests in flight at a halving: their refusals tell of the same full queue."""
+        if ticket is not None and ticket < self._cut_at:
+            return
+        self._cut_at = self._tickets
         self.slow_start = False
         self.limit = max(MIN_UNITS * self.unit, self.limit // 2)
         self._new_round()
@@ -310,7 +315,7 @@ class Sender:
             except TokqError as exc:
                 if exc.code in RETRY_CODES:
                     if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        self.window.congested()
+                        self.window.congested(ticket)
                     await self._pause(attempt, exc)
                     attempt += 1
                     continue
