@@ -33,6 +33,16 @@ class Leases:
         self.observer = observer
         self.held: set[str] = set()  # batch ids whose leases we renew
 
+    async def answer_early(self, part: Claim, outcome: BatchOutcome) -> None:
+        """Deliver a part of a held lease's results now and keep renewing the lease (a partial
+        ack, tried once): if it fails, the lease's final ``ack`` carries them again."""
+        try:
+            await self.consumer.ack(part.batch_id, outcome.results, partial=True)
+        except REDIS_ERRORS as exc:
+            log.warning("early answer of batch %s failed (%s); left to its final ack", part.batch_id, exc)
+            if self.observer:
+                self.observer.observe_error("redis")
+
     async def ack(self, claim: Claim, outcome: BatchOutcome) -> None:
         """Deliver ``outcome``'s results and release the lease (retried), then stop renewing it."""
         for attempt in range(ACK_ATTEMPTS):

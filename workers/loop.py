@@ -158,7 +158,8 @@ class ClaimLoop:
                 interactive, claim = parts
                 first = await asyncio.to_thread(self.run_batch, interactive)  # short: not pre-empted
                 self.forward_since = None  # a Redis stall in the ack is no hung forward
-                await self._answer_first(interactive, first)
+                await self.leases.answer_early(interactive, first)
+                self._observe(first, full_claim=False)
                 self.forward_since = time.monotonic()
             heavy = is_heavy(claim, self.budget.preempt_budget)
             run = self.run_heavy if heavy else self.run_batch
@@ -189,17 +190,6 @@ class ClaimLoop:
                 if self.observer:
                     self.observer.observe_preemption(outcome.nested)
             await self._finish(claim, outcome, first=first)
-
-    async def _answer_first(self, part: Claim, outcome: BatchOutcome) -> None:
-        """Deliver the interactive part's results now and keep the lease (a partial ack); if
-        this ack fails, the lease's final ack carries them again."""
-        try:
-            await self.queue.consumer.ack(part.batch_id, outcome.results, partial=True)
-        except REDIS_ERRORS as exc:
-            log.warning("early answer of batch %s failed (%s); left to its final ack", part.batch_id, exc)
-            if self.observer:
-                self.observer.observe_error("redis")
-        self._observe(outcome, full_claim=False)
 
     async def _finish(self, claim: Claim, outcome: BatchOutcome, *, full_claim: bool = True,
                       first: BatchOutcome | None = None) -> None:
