@@ -28,6 +28,7 @@ BLOCK = "tokq bench bulk"
 DOC_TOKENS = (10, 250)  # each document's tokens, [CLS] and [SEP] included, drawn uniformly
 ST_BATCH = 32
 SYSTEMS = ("service", "st", "forward")
+PARTS = ("bulk", "mixed")  # embed-file against the baselines; live queries beside a job
 # Beside the live queries: no job, an embed-file job of each class; last, the batch job with no queries.
 PHASES = {"none": "none", "batch": "batch class", "interactive": "interactive class (no classes)",
           "alone": "batch class, no queries"}
@@ -252,13 +253,17 @@ def section(part: str, title: str, body: list[str]) -> str:
               "and the engine (0: what `tokq up` gives one worker here).")
 @click.option("--duration-s", default=20.0, show_default=True, help="Each phase of the live-query part.")
 @click.option("--capacity-s", default=5.0, show_default=True, help="The live queries' capacity measurement.")
+@click.option("--parts", default=",".join(PARTS), show_default=True, help="The sections to run and rewrite.")
 @harness.bench_options("bulk.md", rounds=2)
-def bulk_command(num_docs, threads, duration_s, capacity_s, rounds, results_md) -> None:
+def bulk_command(num_docs, threads, duration_s, capacity_s, parts, rounds, results_md) -> None:
     """`tokq embed-file` against SentenceTransformer.encode and the bare forward; live queries beside a bulk job."""
     import torch
 
     from tokq.up import threads_per_worker
 
+    parts = [p for p in parts.split(",") if p]
+    if not parts or set(parts) - set(PARTS):
+        raise click.BadParameter(f"choose among {', '.join(PARTS)}", param_hint="--parts")
     threads, started = threads or threads_per_worker(1), time.monotonic()
     torch.set_num_threads(threads)
     docs, (queries, source) = make_docs(num_docs), load_queries(None, 4000, seed=1)
@@ -269,14 +274,23 @@ def bulk_command(num_docs, threads, duration_s, capacity_s, rounds, results_md) 
         pids = stack.pids()
         run_job(write_docs(tmp / "warm.jsonl", docs[:64]), tmp / "warm.npy", target, pids, worker_url)
         budget = int(harness.metric(worker_url, "tokq_worker_budget_tokens"))
-        rows, meta = bulk_rounds(docs, tmp, target, pids, worker_url, budget, rounds)
-        cap = asyncio.run(capacity(target, [q.text for q in queries], capacity_s))
-        meta.update(n=num_docs, budget=budget, threads=threads, capacity=cap, rate=cap / 2, duration=duration_s,
-                    source=source)
-        # the job's input outlasts a phase at twice the bulk part's rate
-        need = int(2 * statistics.median(num_docs / r["service"]["s"] for r in rows) * (duration_s + PRESSURE_S + 30))
-        src = write_docs(tmp / "job.jsonl", itertools.islice(itertools.cycle(docs), need))
-        mixed = mixed_rounds(src, tmp, target, pids, worker_url, queries, cap / 2, duration_s, rounds)
+        meta = dict(n=num_docs, budget=budget, threads=threads, duration=duration_s, source=source)
+        if "bulk" in parts:
+            rows, more = bulk_rounds(docs, tmp, target, pids, worker_url, budget, rounds)
+            meta.update(more)
+            docs_s = statistics.median(num_docs / r["service"]["s"] for r in rows)
+        if "mixed" in parts:
+            if "bulk" not in parts:  # the job's rate, from a short run of its own
+                sample = docs[:512]
+                docs_s = len(sample) / run_job(write_docs(tmp / "rate.jsonl", sample), tmp / "rate.npy", target, pids,
+                                               worker_url)["s"]
+            cap = asyncio.run(capacity(target, [q.text for q in queries], capacity_s))
+            meta.update(capacity=cap, rate=cap / 2)
+            # the job's input outlasts a phase at twice the measured rate
+            need = int(2 * docs_s * (duration_s + PRESSURE_S + 30))
+            src = write_docs(tmp / "job.jsonl", itertools.islice(itertools.cycle(docs), need))
+            mixed = mixed_rounds(src, tmp, target, pids, worker_url, queries, cap / 2, duration_s, rounds)
     meta["minutes"] = (time.monotonic() - started) / 60
-    for text in (bulk_section(rows, meta), mixed_section(mixed, meta)):
+    texts = [*([bulk_section(rows, meta)] if "bulk" in parts else []), *([mixed_section(mixed, meta)] if "mixed" in parts else [])]
+    for text in texts:
         publish(text, results_md, text.split(": start", 1)[0].removeprefix("<!-- "))

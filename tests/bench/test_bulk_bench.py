@@ -37,3 +37,18 @@ def test_bulk_bench_rewrites_both_sections(tmp_path, monkeypatch):
     for phase in bulk.PHASES.values():
         assert re.search(rf"^\| {re.escape(phase)} \|", text, re.M)
     assert re.search(r"^\| batch class \| [\d,]+ / [\d,]+ \| \*\*[\d.]+x\*\* \| -?[\d,]+ \| \*\*-?\d+%\*\* \|", text, re.M)
+
+
+def test_bulk_bench_parts_rewrites_only_the_chosen_section(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKQ_LATENCY_GOAL_MS", "0")
+    monkeypatch.setattr(bulk, "PRESSURE_S", 0.5)
+    results = tmp_path / "bulk.md"
+    results.write_text("\n\n".join(block(f"{bulk.BLOCK} ({n})", [f"stale {n}"]) for n in bulk.PARTS) + "\n")
+    args = ["--docs", "40", "--duration-s", "2.0", "--capacity-s", "1.0", "--rounds", "1", "--parts", "mixed"]
+    done = CliRunner().invoke(bulk.bulk_command, [*args, "--results-md", str(results)], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    text = results.read_text()
+    assert "stale bulk" in text and "stale mixed" not in text
+    assert re.search(r"^\| batch class \| [\d,]+ / [\d,]+ \| \*\*[\d.]+x\*\* \|", text, re.M)
+    bad = CliRunner().invoke(bulk.bulk_command, ["--parts", "bulk,nope", "--results-md", str(results)])
+    assert bad.exit_code == 2 and "choose among bulk, mixed" in bad.output
