@@ -152,7 +152,7 @@ class ClaimLoop:
                 await self.wake.wait_for_work()
                 next_claim = asyncio.create_task(self._claim())
                 continue
-            self.forward_since = time.monotonic()
+            self.forward_since = started = time.monotonic()
             first: BatchOutcome | None = None  # the interactive part's, answered before the rest
             if (parts := split_interactive(claim, self.budget.preempt_budget)) is not None:
                 interactive, claim = parts
@@ -160,6 +160,9 @@ class ClaimLoop:
                 self.forward_since = None  # a Redis stall in the ack is no hung forward
                 await self.leases.answer_early(interactive, first)
                 self._observe(first, full_claim=False)
+                # The batch part queued until now: its queue_ms counts the interactive part's forward and ack.
+                waited_ms = round((time.monotonic() - started) * 1000)
+                claim = dataclasses.replace(claim, now_ms=claim.now_ms + waited_ms)
                 self.forward_since = time.monotonic()
             heavy = is_heavy(claim, self.budget.preempt_budget)
             run = self.run_heavy if heavy else self.run_batch

@@ -6,23 +6,42 @@ In process, with a real Redis and the real bundled model; the order is forced wi
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 from gated_engine import HEAVY_TOKENS, GatedEngine
 from gated_worker import enqueue_batch_class, fp32_engine, token_ids, worker_rig
-from queue_support import answered_vectors, enqueue_ids
+from queue_support import answered_vectors, enqueue_ids, wait_for
 
 from tokq.batch import PackedBatch
 from tokq.queue.shard import REPLY_META_FIELDS, parse_notices
+from tokq.queue.wire import decode_result
 from tokq.redis.pubsub import ShardedSubscriber
 
 pytestmark = pytest.mark.slow
 
 
+LIGHT_DELAY_S = 0.3  # each light forward's extra time: the bulk part's queue time must count it
+
+
 @pytest.fixture(scope="module")
 def engine():
     return fp32_engine()
+
+
+class SlowLightEngine(GatedEngine):
+    def embed(self, batch):
+        if batch.num_tokens <= HEAVY_TOKENS:
+            time.sleep(LIGHT_DELAY_S)
+        return super().embed(batch)
+
+
+async def _timing(q, request_id: str) -> tuple[float, float]:
+    """Item 0's (queue_ms, inference_ms), read once answered."""
+    await wait_for(lambda: q.redis.hexists(q.keys.reply(request_id), "0"), 60, f"{request_id}'s answer")
+    result = decode_result(await q.redis.hget(q.keys.reply(request_id), "0"))
+    return result.queue_ms, result.inference_ms
 
 
 async def _notified(pubsub) -> list[str]:
@@ -33,7 +52,7 @@ async def _notified(pubsub) -> list[str]:
 
 
 async def test_queries_claimed_beside_bulk_work_are_answered_before_its_forward(redis_url, engine):
-    gated = GatedEngine(engine)
+    gated = SlowLightEngine(engine)
     rng = np.random.default_rng(31)
     bulk_ids = [token_ids(rng, 100) for _ in range(2)]
     queries = {f"q{i}": [token_ids(rng, 20)] for i in range(2)}
@@ -60,8 +79,12 @@ async def test_queries_claimed_beside_bulk_work_are_answered_before_its_forward(
         assert stats.inflight_items == 4  # one lease for all four items, held for the bulk part
         assert stats.counters["acked"] == 2
 
+        query_queue_ms, _ = await _timing(q, "q0")  # answered while the bulk part is held
         gated.go.set()
         gated.finish.set()
+        bulk_queue_ms, _ = await _timing(q, "bulk")
+        # Enqueued before the queries, the bulk work also waited for their forward and its ack.
+        assert bulk_queue_ms - query_queue_ms >= LIGHT_DELAY_S * 1000
         got = {rid: await answered_vectors(client, rid, 1) for rid in queries}
         got["bulk"] = await answered_vectors(client, "bulk", len(bulk_ids))
         assert await _notified(pubsub) == ["bulk"]  # each request notified once
