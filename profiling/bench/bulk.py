@@ -254,8 +254,8 @@ def section(part: str, title: str, body: list[str]) -> str:
 @click.option("--duration-s", default=20.0, show_default=True, help="Each phase of the live-query part.")
 @click.option("--capacity-s", default=5.0, show_default=True, help="The live queries' capacity measurement.")
 @click.option("--parts", default=",".join(PARTS), show_default=True, help="The sections to run and rewrite.")
-@harness.bench_options("bulk.md", rounds=2)
-def bulk_command(num_docs, threads, duration_s, capacity_s, parts, rounds, results_md) -> None:
+@harness.bench_options("bulk.md", rounds=2, json_out=True)
+def bulk_command(num_docs, threads, duration_s, capacity_s, parts, rounds, json_path, results_md) -> None:
     """`tokq embed-file` against SentenceTransformer.encode and the bare forward; live queries beside a bulk job."""
     import torch
 
@@ -291,6 +291,8 @@ def bulk_command(num_docs, threads, duration_s, capacity_s, parts, rounds, resul
             src = write_docs(tmp / "job.jsonl", itertools.islice(itertools.cycle(docs), need))
             mixed = mixed_rounds(src, tmp, target, pids, worker_url, queries, cap / 2, duration_s, rounds)
     meta["minutes"] = (time.monotonic() - started) / 60
+    harness.save_json(json_path, {"meta": meta, **({"bulk": rows} if "bulk" in parts else {}),
+                                  **({"mixed": mixed} if "mixed" in parts else {})})
     texts = [*([bulk_section(rows, meta)] if "bulk" in parts else []), *([mixed_section(mixed, meta)] if "mixed" in parts else [])]
     for text in texts:
         publish(text, results_md, text.split(": start", 1)[0].removeprefix("<!-- "))

@@ -3,6 +3,7 @@ both of its sections are rewritten in place."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -44,11 +45,15 @@ def test_bulk_bench_parts_rewrites_only_the_chosen_section(tmp_path, monkeypatch
     monkeypatch.setattr(bulk, "PRESSURE_S", 0.5)
     results = tmp_path / "bulk.md"
     results.write_text("\n\n".join(block(f"{bulk.BLOCK} ({n})", [f"stale {n}"]) for n in bulk.PARTS) + "\n")
-    args = ["--docs", "40", "--duration-s", "2.0", "--capacity-s", "1.0", "--rounds", "1", "--parts", "mixed"]
+    args = ["--docs", "40", "--duration-s", "2.0", "--capacity-s", "1.0", "--rounds", "1", "--parts", "mixed",
+            "--json", str(tmp_path / "raw.json")]
     done = CliRunner().invoke(bulk.bulk_command, [*args, "--results-md", str(results)], catch_exceptions=False)
     assert done.exit_code == 0, done.output
     text = results.read_text()
     assert "stale bulk" in text and "stale mixed" not in text
+    raw = json.loads((tmp_path / "raw.json").read_text())  # the raw figures: the part run, each phase's
+    assert "bulk" not in raw and [set(r) for r in raw["mixed"]] == [set(bulk.PHASES)]
+    assert raw["mixed"][0]["batch"]["live"]["server_queue_ms"]["p99"] >= 0
     assert re.search(r"^\| batch class \| [\d,]+ / [\d,]+ \| \*\*[\d.]+x\*\* \|", text, re.M)
     bad = CliRunner().invoke(bulk.bulk_command, ["--parts", "bulk,nope", "--results-md", str(results)])
     assert bad.exit_code == 2 and "choose among bulk, mixed" in bad.output
