@@ -99,7 +99,11 @@ def run(calls: int, concurrency: int, rounds: int, seed: int) -> dict:
 
 def markdown_section(report: dict, command: str) -> str:
     rounds, js = report["rounds"], report["json"]
-    ratios = [r["http"]["cpu_ms_per_call"]["gateway"] / r["grpc"]["cpu_ms_per_call"]["gateway"] for r in rounds]
+    # A round whose gRPC calls cost the gateway less than one clock tick (/proc's resolution) has no ratio.
+    ratios = [r["http"]["cpu_ms_per_call"]["gateway"] / grpc for r in rounds
+              if (grpc := r["grpc"]["cpu_ms_per_call"]["gateway"]) > 0]
+    ratio = (f"median {statistics.median(ratios):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)})" if ratios
+             else "not measured: the gateway's gRPC CPU stayed under one clock tick of /proc in every round")
     return block(BLOCK, [
         "## HTTP API: gateway CPU per call, HTTP against gRPC", "",
         f"`{command}` — {report['date']}, {machine_cores(report['cpus'])} (other processes compete; load average "
@@ -109,8 +113,7 @@ def markdown_section(report: dict, command: str) -> str:
         *table("process | gRPC CPU ms/call | HTTP CPU ms/call",
                ([p, *(f"{median(rounds, k, 'cpu_ms_per_call', p):.3f}" for k in ("grpc", "http"))]
                 for p in rounds[0]["grpc"]["cpu_ms_per_call"])), "",
-        f"Gateway HTTP/gRPC CPU ratio per call: median {statistics.median(ratios):.2f}x "
-        f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}). Calls/s (closed loop, this machine): "
+        f"Gateway HTTP/gRPC CPU ratio per call: {ratio}. Calls/s (closed loop, this machine): "
         f"gRPC {median(rounds, 'grpc', 'calls_per_s'):.0f}, HTTP {median(rounds, 'http', 'calls_per_s'):.0f} "
         "(bounded by the shared cores and the load generator, which spends more CPU per call on HTTP (httpx) "
         "than on gRPC; not a server limit).", "",

@@ -43,9 +43,19 @@ def harness_extension() -> str:
 def test_http_cpu(bench, monkeypatch):
     monkeypatch.setattr(http_cpu, "WARMUP", 20)
     monkeypatch.setattr(http_cpu, "json_encoding", functools.partial(http_cpu.json_encoding, 50))
-    text = bench(http_cpu.http_cpu_command, ["--calls", "20", "--rounds", "1"], http_cpu.BLOCK)
+    text = bench(http_cpu.http_cpu_command, ["--calls", "200", "--rounds", "1"], http_cpu.BLOCK)
     assert re.search(r"^\| gateway \| [\d.]+ \| [\d.]+ \|", text, re.M)
     assert "Gateway HTTP/gRPC CPU ratio per call: median" in text and "orjson" in text
+
+
+def test_http_cpu_report_without_a_measurable_grpc_round():
+    def round_(grpc_ms, http_ms):
+        return {k: {"cpu_ms_per_call": {"gateway": v}, "calls_per_s": 100.0} for k, v in (("grpc", grpc_ms), ("http", http_ms))}
+    report = {"calls": 20, "concurrency": 8, "rounds": [round_(0.0, 0.5)], "loadavg": ["1.0"] * 3, "cpus": 2,
+              "python": "3.11", "date": "today", "json": {"orjson_us": 1.0, "json_us": 20.0, "json_over_orjson": 20.0}}
+    assert "ratio per call: not measured" in http_cpu.markdown_section(report, "tokq bench http-cpu")
+    report["rounds"].append(round_(0.4, 0.5))
+    assert "ratio per call: median 1.25x (rounds: 1.25)" in http_cpu.markdown_section(report, "tokq bench http-cpu")
 
 
 def test_spread(bench):
