@@ -58,7 +58,7 @@ docs: install
 	$(PYTHON) -m venv .venv-infinity
 	.venv-infinity/bin/pip install -q "$(TORCH_SPEC)" 'infinity-emb[server,torch,optimum]==0.0.78'
 
-# Regenerates the CPU sections of profiling/results/*.md and their figures (about two hours on 2 cores):
+# Regenerates the CPU sections of profiling/results/*.md and their figures (about three hours on 2 cores):
 # each `tokq profile` / `tokq bench NAME` with --results-md rewrites its own section, under the command that made it.
 RESULTS := profiling/results
 bench: install
@@ -87,7 +87,8 @@ bench: install
 	$(BIN)/tokq bench service --system tokq-defaults --system tokq-defaults-t2 --system tokq-defaults-t2 \
 		--system tokq-defaults --start-rate 100 --step-duration-s 3 --section 'worker threads' --results-md $(RESULTS)/service.md
 	$(BIN)/tokq bench rerank --results-md $(RESULTS)/rerank.md
-	$(BIN)/tokq bench bulk --docs 1200 --results-md $(RESULTS)/bulk.md
+	$(BIN)/tokq bench bulk --docs 50000 --parts bulk --rounds 1 --results-md $(RESULTS)/bulk.md
+	$(BIN)/tokq bench bulk --docs 1200 --parts mixed --results-md $(RESULTS)/bulk.md
 
 # Gateway CPU per single-input call (gateway, worker, Redis, load client) against a bare gRPC
 # server, with a py-spy profile of the gateway.
