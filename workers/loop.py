@@ -16,8 +16,8 @@ and a light lane longer than that is left to full batches (tokq/queue/claim_rule
 becomes full batches, not many small nested ones. A batch-class forward (bulk work,
 ``is_bulk_batch``) has no such cap, and its nested claims take what fits: queries wait for a
 checkpoint, not for its end. One nested batch per checkpoint bounds how far bulk work is delayed.
-A claim of interactive work (not heavy) beside batch-class work runs its interactive entries first,
-as their own short forward answered at once (a partial ack), then the batch-class part, pre-emptible
+A claim of interactive work beside batch-class work runs its interactive entries first, as their
+own forward answered at once (a partial ack), then the batch-class part; each part is pre-emptible
 when heavy (``split_interactive``): queries that rode a bulk claim do not wait for its stretched forward.
 
 Redos to isolate cannot hold light work back either: after a full claim on a shard took one
@@ -70,16 +70,14 @@ def is_bulk(claim: Claim) -> bool:
     return is_bulk_batch([e.num_tokens for e in claim.entries], claim.num_heavy, claim.num_batch)
 
 
-def split_interactive(claim: Claim, preempt_budget: int) -> tuple[Claim, Claim] | None:
-    """A claim holding batch-class work beside interactive work that is not heavy, as two parts
-    of its one lease: (its interactive entries, its batch-class ones, the last). None for any
-    other claim (heavy interactive work stays in one forward, pre-emptible as ``is_heavy`` says)."""
+def split_interactive(claim: Claim) -> tuple[Claim, Claim] | None:
+    """A claim holding batch-class work beside interactive work, as two parts of its one lease:
+    (its interactive entries, light and heavy; its batch-class ones, run second). None for any
+    other claim. Each part is pre-emptible as ``is_heavy`` says of it."""
     num_interactive = len(claim.entries) - claim.num_batch
     if claim.num_batch <= 0 or num_interactive <= 0:
         return None
     interactive = dataclasses.replace(claim, entries=claim.entries[:num_interactive], num_batch=0)
-    if is_heavy(interactive, preempt_budget):
-        return None
     return interactive, dataclasses.replace(claim, entries=claim.entries[num_interactive:], num_heavy=0)
 
 
@@ -154,9 +152,10 @@ class ClaimLoop:
                 continue
             self.forward_since = started = time.monotonic()
             first: BatchOutcome | None = None  # the interactive part's, answered before the rest
-            if (parts := split_interactive(claim, self.budget.preempt_budget)) is not None:
+            if (parts := split_interactive(claim)) is not None:
                 interactive, claim = parts
-                first = await asyncio.to_thread(self.run_batch, interactive)  # short: not pre-empted
+                # No claim beside it: the batch part, claimed already, runs next.
+                first = await self._end_forward(*self._start_forward(interactive))
                 self.forward_since = None  # a Redis stall in the ack is no hung forward
                 await self.leases.answer_early(interactive, first)
                 self._observe(first, full_claim=False)
@@ -164,35 +163,44 @@ class ClaimLoop:
                 waited_ms = round((time.monotonic() - started) * 1000)
                 claim = dataclasses.replace(claim, now_ms=claim.now_ms + waited_ms)
                 self.forward_since = time.monotonic()
-            heavy = is_heavy(claim, self.budget.preempt_budget)
-            run = self.run_heavy if heavy else self.run_batch
-            if heavy:
-                self.preemption.arm()  # before the thread starts: the pre-empting claim may be first
-            forward = asyncio.create_task(asyncio.to_thread(run, claim))
-            preempting = (asyncio.create_task(self._preempt_while(forward, bulk=is_bulk(claim)))
-                          if heavy else None)
+            forward, preempting = self._start_forward(claim)
+            heavy = preempting is not None
             if not self.stopping.is_set():
                 # Overlap the next claim with the end of this forward (Prefetch). Beside a heavy
                 # forward, from the heavy lane (then batch work) only: light work arriving
                 # meanwhile runs inside it, rather than ride in the next one.
                 next_claim = asyncio.create_task(self._claim(
                     delay_s=self.prefetch.delay_s(), until=forward, lanes="heavy" if heavy else "both"))
-            try:
-                outcome = await forward
-            except BaseException:  # cancelled or failed: the leases in hand are left to expire
-                if preempting is not None:
-                    preempting.cancel()
-                raise
-            if preempting is not None:
-                await preempting  # its light batches are acknowledged first
+            outcome = await self._end_forward(forward, preempting)
             self.forward_since = None
             # The forward's wall time, nested batches in it: the next claim aims at its end.
             self.prefetch.forwarded(outcome.forward_s + outcome.nested_s)
-            if outcome.nested:  # only batches that ran inside it: one offered too late ran after
-                self.num_preemptions += outcome.nested
-                if self.observer:
-                    self.observer.observe_preemption(outcome.nested)
             await self._finish(claim, outcome, first=first)
+
+    def _start_forward(self, claim: Claim) -> tuple[asyncio.Task, asyncio.Task | None]:
+        """``claim``'s forward, in a thread; when heavy, pre-emptible, with the task that claims
+        the light work run inside it (else None)."""
+        heavy = is_heavy(claim, self.budget.preempt_budget)
+        if heavy:
+            self.preemption.arm()  # before the thread starts: the pre-empting claim may be first
+        forward = asyncio.create_task(asyncio.to_thread(self.run_heavy if heavy else self.run_batch, claim))
+        return forward, (asyncio.create_task(self._preempt_while(forward, bulk=is_bulk(claim))) if heavy else None)
+
+    async def _end_forward(self, forward: asyncio.Task, preempting: asyncio.Task | None) -> BatchOutcome:
+        """The forward's outcome, once the light batches that ran inside it are acknowledged."""
+        try:
+            outcome = await forward
+        except BaseException:  # cancelled or failed: the leases in hand are left to expire
+            if preempting is not None:
+                preempting.cancel()
+            raise
+        if preempting is not None:
+            await preempting
+        if outcome.nested:  # only batches that ran inside it: one offered too late ran after
+            self.num_preemptions += outcome.nested
+            if self.observer:
+                self.observer.observe_preemption(outcome.nested)
+        return outcome
 
     async def _finish(self, claim: Claim, outcome: BatchOutcome, *, full_claim: bool = True,
                       first: BatchOutcome | None = None) -> None:

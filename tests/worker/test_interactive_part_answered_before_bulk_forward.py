@@ -103,10 +103,10 @@ async def test_queries_claimed_beside_bulk_work_are_answered_before_its_forward(
         assert rig.exits == []
 
 
-def test_only_light_interactive_work_beside_batch_work_splits():
+def test_interactive_work_beside_batch_work_splits_from_it():
     from tokq.queue.shard import Claim
     from tokq.queue.wire import format_entry, parse_entry
-    from tokq.workers.loop import split_interactive
+    from tokq.workers.loop import is_heavy, split_interactive
 
     def entry(tokens, index):
         return parse_entry(format_entry(tokens, 0, "r", index, 60_000, 0, b"x"))
@@ -116,11 +116,62 @@ def test_only_light_interactive_work_beside_batch_work_splits():
         return Claim("b-1", 0, entries, num_heavy=-1 if repeated else len(heavy),
                      num_batch=-1 if repeated else len(batch))
 
-    interactive, bulk = split_interactive(claim([20, 20], [], [200, 300]), preempt_budget=128)
+    interactive, bulk = split_interactive(claim([20, 20], [], [200, 300]))
     assert [e.num_tokens for e in interactive.entries] == [20, 20] and interactive.num_batch == 0
     assert [e.num_tokens for e in bulk.entries] == [200, 300] and (bulk.num_heavy, bulk.num_batch) == (0, 2)
     assert interactive.batch_id == bulk.batch_id == "b-1"  # one lease
-    assert split_interactive(claim([20], [400], [200]), preempt_budget=128) is None  # heavy interactive part
-    assert split_interactive(claim([20, 20], [], []), preempt_budget=128) is None  # no batch work
-    assert split_interactive(claim([], [], [200, 300]), preempt_budget=128) is None  # no interactive work
-    assert split_interactive(claim([20], [], [200], repeated=True), preempt_budget=128) is None
+    # Heavy interactive work splits too, its part pre-emptible as any heavy batch.
+    interactive, bulk = split_interactive(claim([20], [400], [200]))
+    assert [e.num_tokens for e in interactive.entries] == [20, 400] and (interactive.num_heavy, interactive.num_batch) == (1, 0)
+    assert [e.num_tokens for e in bulk.entries] == [200] and (bulk.num_heavy, bulk.num_batch) == (0, 1)
+    assert is_heavy(interactive, preempt_budget=128) and is_heavy(bulk, preempt_budget=128)
+    assert split_interactive(claim([20, 20], [], [])) is None  # no batch work
+    assert split_interactive(claim([], [], [200, 300])) is None  # no interactive work
+    assert split_interactive(claim([20], [], [200], repeated=True)) is None
+
+
+class GateBulkOnly(GatedEngine):
+    """Holds only forwards of ``bulk_tokens`` or more at the gates; smaller ones run and are logged."""
+
+    def __init__(self, engine, bulk_tokens: int) -> None:
+        super().__init__(engine)
+        self.bulk_tokens = bulk_tokens
+
+    def embed(self, batch):
+        if batch.num_tokens >= self.bulk_tokens:
+            return super().embed(batch)
+        self.log.append(("start", batch.num_tokens))
+        vectors = self._engine.embed(batch)
+        self.log.append(("end", batch.num_tokens))
+        return vectors
+
+
+async def test_a_heavy_query_claimed_beside_bulk_work_is_answered_before_its_forward(redis_url, engine):
+    rng = np.random.default_rng(37)
+    bulk_ids = [token_ids(rng, 150) for _ in range(2)]
+    queries = {"light": [token_ids(rng, 20)], "heavy": [token_ids(rng, 150)]}  # heavy lane: over 128 tokens
+    query_n, bulk_n = 20 + 150, 2 * 150
+    gated = GateBulkOnly(engine, bulk_n)
+    async with worker_rig(redis_url, engine) as rig:
+        q, client = rig.q, rig.client
+        await enqueue_batch_class(client, "bulk", bulk_ids)
+        for rid, seqs in queries.items():
+            await enqueue_ids(client, rid, seqs)
+        worker = rig.worker(gated, "bulk")
+        await rig.start(worker)
+        assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
+        for rid in queries:  # answered while the bulk part is held at its gate
+            assert await q.redis.hexists(q.keys.reply(rid), "0"), rid
+        assert not await q.redis.hexists(q.keys.reply("bulk"), "0")
+        gated.go.set()
+        gated.finish.set()
+        got = {rid: await answered_vectors(client, rid, 1) for rid in queries}
+        got["bulk"] = await answered_vectors(client, "bulk", len(bulk_ids))
+        assert query_n > HEAVY_TOKENS  # the interactive part ran pre-emptible, as its own forward
+        assert gated.log == [("start", query_n), ("end", query_n), ("start", bulk_n), ("end", bulk_n)]
+        for rid, seqs in (*queries.items(), ("bulk", bulk_ids)):
+            np.testing.assert_allclose(got[rid], engine.embed(PackedBatch.pack(seqs)), atol=1e-5)
+        stats = await q.stats()
+        assert (stats.inflight_items, stats.queued_entries) == (0, 0) and stats.counters["batches"] == 1
+        await rig.stop(worker)
+        assert rig.exits == []
