@@ -10,11 +10,12 @@ HEAVY_TOKENS = 128  # a batch of more is heavy (preempt_budget(512, light_tokens
 
 
 class GatedEngine:
-    """The real engine; a heavy batch's forward waits for ``go`` before it starts and for
-    ``finish`` before it returns, and every forward's start and end is logged."""
+    """The real engine; a heavy batch's forward (over ``gate_above`` tokens) waits for ``go``
+    before it starts and for ``finish`` before it returns, and every forward's start and end is logged."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, gate_above: int = HEAVY_TOKENS) -> None:
         self._engine = engine
+        self.gate_above = gate_above
         self.go = threading.Event()
         self.finish = threading.Event()
         self.heavy_entered = threading.Event()
@@ -25,7 +26,7 @@ class GatedEngine:
         return getattr(self._engine, name)
 
     def embed(self, batch):
-        heavy = batch.num_tokens > HEAVY_TOKENS
+        heavy = batch.num_tokens > self.gate_above
         if heavy:
             self.heavy_entered.set()
             assert self.go.wait(60)

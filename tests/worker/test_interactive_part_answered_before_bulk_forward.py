@@ -44,6 +44,17 @@ async def _timing(q, request_id: str) -> tuple[float, float]:
     return result.queue_ms, result.inference_ms
 
 
+async def start_behind_bulk(rig, gated, bulk_ids, queries: dict):
+    """A worker on ``gated``, started once the bulk work and then the queries are queued: its
+    first claim takes the queries, then the bulk work."""
+    await enqueue_batch_class(rig.client, "bulk", bulk_ids)
+    for rid, seqs in queries.items():
+        await enqueue_ids(rig.client, rid, seqs)
+    worker = rig.worker(gated, "bulk")
+    await rig.start(worker)
+    return worker
+
+
 async def _notified(pubsub) -> list[str]:
     ids = []
     while (message := await pubsub.get_message(timeout=0.3)) is not None:
@@ -60,12 +71,7 @@ async def test_queries_claimed_beside_bulk_work_are_answered_before_its_forward(
         q, client = rig.q, rig.client
         pubsub = ShardedSubscriber(client.redis)
         await pubsub.subscribe(client.keys.notice_channel("test"))
-        # All queued before the worker starts: its first claim takes the queries, then the bulk work.
-        await enqueue_batch_class(client, "bulk", bulk_ids)
-        for rid, seqs in queries.items():
-            await enqueue_ids(client, rid, seqs)
-        worker = rig.worker(gated, "bulk")
-        await rig.start(worker)
+        worker = await start_behind_bulk(rig, gated, bulk_ids, queries)
 
         # The bulk part's forward is held at the engine's gate, pre-emptible ...
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
@@ -130,35 +136,15 @@ def test_interactive_work_beside_batch_work_splits_from_it():
     assert split_interactive(claim([20], [], [200], repeated=True)) is None
 
 
-class GateBulkOnly(GatedEngine):
-    """Holds only forwards of ``bulk_tokens`` or more at the gates; smaller ones run and are logged."""
-
-    def __init__(self, engine, bulk_tokens: int) -> None:
-        super().__init__(engine)
-        self.bulk_tokens = bulk_tokens
-
-    def embed(self, batch):
-        if batch.num_tokens >= self.bulk_tokens:
-            return super().embed(batch)
-        self.log.append(("start", batch.num_tokens))
-        vectors = self._engine.embed(batch)
-        self.log.append(("end", batch.num_tokens))
-        return vectors
-
-
 async def test_a_heavy_query_claimed_beside_bulk_work_is_answered_before_its_forward(redis_url, engine):
     rng = np.random.default_rng(37)
     bulk_ids = [token_ids(rng, 150) for _ in range(2)]
     queries = {"light": [token_ids(rng, 20)], "heavy": [token_ids(rng, 150)]}  # heavy lane: over 128 tokens
     query_n, bulk_n = 20 + 150, 2 * 150
-    gated = GateBulkOnly(engine, bulk_n)
+    gated = GatedEngine(engine, gate_above=bulk_n - 1)  # the bulk part's forward only
     async with worker_rig(redis_url, engine) as rig:
         q, client = rig.q, rig.client
-        await enqueue_batch_class(client, "bulk", bulk_ids)
-        for rid, seqs in queries.items():
-            await enqueue_ids(client, rid, seqs)
-        worker = rig.worker(gated, "bulk")
-        await rig.start(worker)
+        worker = await start_behind_bulk(rig, gated, bulk_ids, queries)
         assert await asyncio.to_thread(gated.heavy_entered.wait, 60)
         for rid in queries:  # answered while the bulk part is held at its gate
             assert await q.redis.hexists(q.keys.reply(rid), "0"), rid
