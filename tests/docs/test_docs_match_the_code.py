@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from markdown_support import headings, prose_lines
 
 from tokq import config_doc
 
@@ -18,39 +19,14 @@ MAX_README_WORDS_PER_SENTENCE = 22
 
 # [text](target) and ![alt](target); a target ends at whitespace or the closing parenthesis
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-FENCE = re.compile(r"^\s*(```|~~~)")
-
-
-def _prose_lines(text: str) -> list[str]:
-    """The lines of ``text`` outside fenced code blocks."""
-    lines, fenced = [], False
-    for line in text.splitlines():
-        if FENCE.match(line):
-            fenced = not fenced
-            continue
-        if not fenced:
-            lines.append(line)
-    return lines
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"<[^>]+>", "", heading).strip().lower()
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
 
 
 def anchors(path: Path) -> set[str]:
     """The anchors a markdown file offers: one per heading (GitHub's numbering of repeats
     included) and any explicit id= / name= attribute."""
-    found: set[str] = set()
-    seen: dict[str, int] = {}
-    for line in _prose_lines(path.read_text()):
-        if m := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line):
-            slug = _slug(m.group(1))
-            n = seen.get(slug, 0)
-            seen[slug] = n + 1
-            found.add(slug if n == 0 else f"{slug}-{n}")
+    text = path.read_text()
+    found = {anchor for _, _, anchor in headings(text)}
+    for line in prose_lines(text):
         found.update(re.findall(r"""(?:id|name)=["']([^"']+)["']""", line))
     return found
 
@@ -58,7 +34,7 @@ def anchors(path: Path) -> set[str]:
 def relative_links(path: Path) -> list[str]:
     """Every link target in ``path`` outside code that is not a URL (http:, mailto: ...)."""
     targets = []
-    for line in _prose_lines(path.read_text()):
+    for line in prose_lines(path.read_text()):
         line = re.sub(r"`[^`]*`", "", line)  # inline code is not a link
         for target in LINK.findall(line):
             if not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
@@ -141,7 +117,7 @@ def readme_sentences(text: str) -> list[str]:
     """The README's prose sentences: outside code blocks, tables and headings; a list item or a
     paragraph break also ends a sentence."""
     blocks, current = [], []
-    for line in _prose_lines(text):
+    for line in prose_lines(text):
         stripped = line.strip()
         if not stripped or stripped.startswith(("|", "#")) or re.match(r"^([-*]|\d+\.)\s", stripped):
             if current:

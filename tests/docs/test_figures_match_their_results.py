@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from markdown_support import sections
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -19,28 +20,14 @@ FIGURE = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)(?:x\b|%| ?(?:ms|s|µs|token
 NOT_A_FIGURE = re.compile(r"(?:target|<|>|<=|>=|~)\s*$")  # a goal or a bound, not a measurement
 
 
-def _slug(heading: str) -> str:
-    text = re.sub(r"<[^>]+>", "", heading).strip().lower()
-    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
-
-
-def sections(text: str) -> dict[str, str]:
-    """Each heading's anchor and its text, up to the next heading of its level or above."""
-    heads = [(m.start(), len(m.group(1)), _slug(m.group(2))) for m in re.finditer(r"^(#{1,6}) (.*)$", text, re.M)]
-    found: dict[str, str] = {}
-    for i, (start, level, anchor) in enumerate(heads):
-        end = next((s for s, lvl, _ in heads[i + 1:] if lvl <= level), len(text))
-        found.setdefault(anchor, text[start:end])
-    return found
-
-
 def numbers(text: str) -> list[float]:
     return [float(n.replace(",", "")) for n in NUMBER.findall(text)]
 
 
 def unbacked(block: str, source: str) -> list[str]:
     """The figures of ``block`` that ``source`` does not hold, as written or rounded to their places."""
-    held = set(numbers(source)) | {v * 100 for v in numbers(source) if v <= 1}
+    found = numbers(source)
+    held = set(found) | {v * 100 for v in found if v <= 1}
     backed = [v for v in numbers(block) if v in held]
     missing = []
     for m in FIGURE.finditer(block):
@@ -63,8 +50,9 @@ def quoting_blocks(page: Path):
             targets = []
             for path, anchor in links:
                 text = (page.parent / path).resolve().read_text()
-                assert not anchor or anchor in sections(text), f"{page.name}: no section #{anchor} in {path}"
-                targets.append(sections(text)[anchor] if anchor else text)
+                held = sections(text) if anchor else {"": text}
+                assert anchor in held, f"{page.name}: no section #{anchor} in {path}"
+                targets.append(held[anchor])
             yield block, "\n".join(targets)
 
 
