@@ -274,11 +274,11 @@ def bulk_command(num_docs, threads, duration_s, capacity_s, parts, rounds, json_
         pids = stack.pids()
         run_job(write_docs(tmp / "warm.jsonl", docs[:64]), tmp / "warm.npy", target, pids, worker_url)
         budget = int(harness.metric(worker_url, "tokq_worker_budget_tokens"))
-        meta = dict(n=num_docs, budget=budget, threads=threads, duration=duration_s, source=source)
+        meta, raw = dict(n=num_docs, budget=budget, threads=threads, duration=duration_s, source=source), {}
         if "bulk" in parts:
-            rows, more = bulk_rounds(docs, tmp, target, pids, worker_url, budget, rounds)
+            raw["bulk"], more = bulk_rounds(docs, tmp, target, pids, worker_url, budget, rounds)
             meta.update(more)
-            docs_s = statistics.median(num_docs / r["service"]["s"] for r in rows)
+            docs_s = statistics.median(num_docs / r["service"]["s"] for r in raw["bulk"])
         if "mixed" in parts:
             if "bulk" not in parts:  # the job's rate, from a short run of its own
                 sample = docs[:512]
@@ -289,10 +289,10 @@ def bulk_command(num_docs, threads, duration_s, capacity_s, parts, rounds, json_
             # the job's input outlasts a phase at twice the measured rate
             need = int(2 * docs_s * (duration_s + PRESSURE_S + 30))
             src = write_docs(tmp / "job.jsonl", itertools.islice(itertools.cycle(docs), need))
-            mixed = mixed_rounds(src, tmp, target, pids, worker_url, queries, cap / 2, duration_s, rounds)
+            raw["mixed"] = mixed_rounds(src, tmp, target, pids, worker_url, queries, cap / 2, duration_s, rounds)
     meta["minutes"] = (time.monotonic() - started) / 60
-    harness.save_json(json_path, {"meta": meta, **({"bulk": rows} if "bulk" in parts else {}),
-                                  **({"mixed": mixed} if "mixed" in parts else {})})
-    texts = [*([bulk_section(rows, meta)] if "bulk" in parts else []), *([mixed_section(mixed, meta)] if "mixed" in parts else [])]
-    for text in texts:
-        publish(text, results_md, text.split(": start", 1)[0].removeprefix("<!-- "))
+    harness.save_json(json_path, {"meta": meta, **raw})
+    render = {"bulk": bulk_section, "mixed": mixed_section}
+    for part in PARTS:
+        if part in raw:
+            publish(render[part](raw[part], meta), results_md, f"{BLOCK} ({part})")
